@@ -1,0 +1,1 @@
+"""goodput services, one package each: core.py (pure), service.py (NATS shell)."""

@@ -1,0 +1,1 @@
+"""The estimator service: core.py decides, service.py moves messages."""

@@ -1,0 +1,1 @@
+"""The executor service: core.py decides, service.py moves messages."""

@@ -1,0 +1,1 @@
+"""The placer service: core.py decides, service.py moves messages."""

@@ -1,0 +1,1 @@
+"""The policy service: core.py decides, service.py moves messages."""

@@ -1,0 +1,1 @@
+"""The profiler service: core.py decides, service.py moves messages."""

@@ -1,0 +1,1 @@
+"""Pure logic and the contract shared by every goodput service."""

@@ -1,0 +1,132 @@
+"""Cluster specifications and Sia's configuration set.
+
+A cluster is a list of nodes, each with a GPU type and a GPU count. The policy never reasons about
+arbitrary placements: per GPU type with R GPUs a node and N nodes, the only allocations are
+
+    (1 node, 1, 2, 4, ..., R GPUs)  and  (n nodes, n*R GPUs) for n = 2 .. N
+
+(Sia §3.2), which keeps the configuration set at N + log2(R) entries per type. A node whose GPU
+count is not a power of two is split into virtual nodes that are (6 GPUs -> 4 + 2), so the set stays
+exact for every node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class Node:
+    """One (possibly virtual) node: `gpus` GPUs of one type."""
+
+    name: str
+    gpu_type: str
+    gpus: int
+
+
+@dataclass(frozen=True)
+class Config:
+    """One column of the goodput matrix: `gpus` GPUs of `gpu_type` on `nodes` nodes."""
+
+    gpu_type: str
+    nodes: int
+    gpus: int
+
+    def __str__(self) -> str:
+        return f"{self.gpu_type}:{self.nodes}x{self.gpus // self.nodes}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: tuple[Node, ...]
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """GPU types in order of first appearance."""
+        return tuple(dict.fromkeys(n.gpu_type for n in self.nodes))
+
+    def capacity(self, gpu_type: str) -> int:
+        return sum(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    def gpus_per_node(self, gpu_type: str) -> int:
+        """R for a type: the size of its largest (virtual) node."""
+        return max(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
+
+    def configurations(self) -> list[Config]:
+        """Sia's configuration set, type by type in cluster order."""
+        configs: list[Config] = []
+        for gpu_type in self.gpu_types:
+            r = self.gpus_per_node(gpu_type)
+            full_nodes = sum(1 for n in self.nodes if n.gpu_type == gpu_type and n.gpus == r)
+            k = 1
+            while k <= r:
+                configs.append(Config(gpu_type, 1, k))
+                k *= 2
+            configs.extend(Config(gpu_type, n, n * r) for n in range(2, full_nodes + 1))
+        return configs
+
+
+def _power_of_two_parts(gpus: int) -> list[int]:
+    """6 -> [4, 2]: the binary digits of the GPU count, largest first."""
+    return [1 << b for b in range(gpus.bit_length() - 1, -1, -1) if gpus >> b & 1]
+
+
+def build_cluster(name: str, groups: list[dict]) -> Cluster:
+    """A cluster from node groups `{gpu_type, count, gpus_per_node}`; odd nodes are split."""
+    nodes: list[Node] = []
+    for i, group in enumerate(groups):
+        try:
+            gpu_type = str(group["gpu_type"])
+            count = int(group["count"])
+            per_node = int(group["gpus_per_node"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"cluster {name!r}: node group {i} needs gpu_type, count and gpus_per_node: {exc}"
+            ) from None
+        if count < 1 or per_node < 1:
+            raise ValueError(f"cluster {name!r}: node group {i} needs count >= 1 and gpus_per_node >= 1")
+        for n in range(count):
+            parts = _power_of_two_parts(per_node)
+            for v, gpus in enumerate(parts):
+                suffix = f"-v{v}" if len(parts) > 1 else ""
+                nodes.append(Node(f"{gpu_type}-{n}{suffix}", gpu_type, gpus))
+    if not nodes:
+        raise ValueError(f"cluster {name!r} has no nodes")
+    return Cluster(name, tuple(nodes))
+
+
+PRESETS: dict[str, list[dict]] = {
+    # Sia's heterogeneous 64-GPU cluster: T4 (g4dn.12xlarge), A100 (DGX), RTX 2080Ti nodes.
+    "sia-hetero-64": [
+        {"gpu_type": "aws", "count": 6, "gpus_per_node": 4},
+        {"gpu_type": "dgx-ext", "count": 2, "gpus_per_node": 8},
+        {"gpu_type": "rtx", "count": 3, "gpus_per_node": 8},
+    ],
+    # Pollux's homogeneous 64-GPU cluster: 16 g4dn.12xlarge nodes of 4 T4.
+    "pollux-homo-64": [{"gpu_type": "aws", "count": 16, "gpus_per_node": 4}],
+}
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """A preset by name, or a YAML/JSON file: `{name: ..., nodes: [{gpu_type, count, gpus_per_node}]}`."""
+    if name_or_path in PRESETS:
+        return build_cluster(name_or_path, PRESETS[name_or_path])
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(
+            f"unknown cluster {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a YAML/JSON file"
+        )
+    text = path.read_text()
+    spec = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(spec, dict) or not isinstance(spec.get("nodes"), list):
+        raise ValueError(f"{path}: a cluster file needs a 'nodes' list of {{gpu_type, count, gpus_per_node}}")
+    return build_cluster(str(spec.get("name", path.stem)), spec["nodes"])
