@@ -1,0 +1,1 @@
+"""Simulators: the round-based cluster replay and the time-slicing event model."""
