@@ -1,0 +1,155 @@
+"""The estimator's core: per-(job, GPU type) throughput models and the job x configuration goodput matrix.
+
+Heterogeneity (Sia §3.3). A job has one throughput model per GPU type, bootstrapped from its 1-GPU
+profile on that type:
+- fitted on the type's own data when the job has run multi-GPU there;
+- otherwise projected from a type A where it has: xput_B(N) = xput_B(1) / xput_A(1) * xput_A(N).
+  Iteration time is homogeneous of degree one in every alpha and beta, so the projection is B's own
+  compute terms plus A's sync terms scaled by B's compute time over A's;
+- otherwise the 1-GPU fit alone, whose priors make K GPUs exactly K times one GPU.
+
+The matrix (Sia §3.4) has one row per job and one column per configuration of the cluster: the best
+goodput over batch sizes, row-normalised so that rows are comparable: G_ij <- N_i^min * G_ij /
+min_j G_ij over the row's valid cells. A cell is valid when the job may take it this round: its
+type has a model, GPUs >= the job's minimum and <= twice the most GPUs it ever had (new jobs start
+at one GPU), rigid jobs at their fixed GPU count, and some batch size fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from shared.cluster import Config
+from shared.goodput import (
+    GoodputModel,
+    Observation,
+    ThroughputParams,
+    compute_time,
+    fit_throughput,
+    optimize_batch,
+    pgns,
+)
+from shared.schema import Profile
+
+# Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
+FIXED_BATCH_SLACK = 0.1
+
+
+def profile_observations(profile: Profile) -> list[Observation]:
+    """A bootstrap profile as 1-GPU observations (compute time = step time - sync time)."""
+    return [Observation(1, 1, p.local_bsz, 0, p.step_time, max(p.step_time - p.sync_time, 0.0) or p.step_time)
+            for p in profile.points]
+
+
+def is_multi_gpu(observations: Sequence[Observation]) -> bool:
+    return any(o.gpus > 1 for o in observations)
+
+
+def project(target: ThroughputParams, source: ThroughputParams, m_ref: float) -> ThroughputParams:
+    """Target's compute terms with the source's sync terms, scaled by the ratio of compute times at m_ref."""
+    ratio = float(compute_time(target, m_ref) / compute_time(source, m_ref))
+    return ThroughputParams(target.alpha_c, target.beta_c, ratio * source.alpha_r, ratio * source.beta_r,
+                            ratio * source.alpha_n, ratio * source.beta_n, source.gamma)
+
+
+def type_models(profiles: Mapping[str, Profile],
+                observations: Mapping[str, Sequence[Observation]]) -> dict[str, ThroughputParams]:
+    """One throughput model per GPU type the job was profiled on (see the module docstring)."""
+    fitted = {t: fit_throughput(profile_observations(p) + list(observations.get(t, ())))
+              for t, p in profiles.items()}
+    explored = [t for t in profiles if is_multi_gpu(observations.get(t, ()))]
+    if not explored:
+        return fitted
+    # The most-explored type is the best source for projecting the others' communication.
+    source = max(explored, key=lambda t: sum(o.gpus > 1 for o in observations[t]))
+    models = {}
+    for t, params in fitted.items():
+        if t in explored:
+            models[t] = params
+        else:
+            m_ref = min(profiles[t].max_local, profiles[source].max_local)
+            models[t] = project(params, fitted[source], m_ref)
+    return models
+
+
+@dataclass(frozen=True)
+class JobModels:
+    """What the estimator knows of one job, all the goodput matrix needs."""
+
+    job_id: str
+    params: Mapping[str, ThroughputParams]        # per GPU type
+    local_limits: Mapping[str, tuple[int, int]]   # per GPU type: (min, max) per-GPU batch
+    init_batch: int
+    max_batch: int
+    grad_sqr: float | None = None
+    grad_var: float | None = None
+    min_gpus: int = 1
+    max_gpus_seen: int = 0                        # most GPUs ever allocated (0: never ran)
+    fixed_gpus: int | None = None                 # rigid job: this many GPUs, any type
+    fixed_batch: int | None = None                # strong-scaling job: this total batch, goodput = throughput
+
+    def model(self, gpu_type: str) -> GoodputModel:
+        return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
+
+    @property
+    def gpu_limit(self) -> int:
+        """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
+        return max(2 * self.max_gpus_seen, self.min_gpus, 1)
+
+
+@dataclass(frozen=True)
+class GoodputTable:
+    """The round's goodput matrix. Invalid cells hold 0 goodput (and 0 normalised)."""
+
+    job_ids: tuple[str, ...]
+    configs: tuple[Config, ...]
+    goodput: np.ndarray      # (J, C) samples/s x efficiency at the best batch
+    normalized: np.ndarray   # (J, C) row-normalised; the row's smallest valid cell is N_i^min
+    valid: np.ndarray        # (J, C) bool
+    m: np.ndarray            # (J, C) per-GPU batch at the best batch
+    s: np.ndarray            # (J, C) accumulation steps at the best batch
+    stats: dict = field(default_factory=dict, compare=False)
+
+
+def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> GoodputTable:
+    """Evaluate every (job, configuration) cell in one vectorised pass."""
+    types = list(dict.fromkeys(c.gpu_type for c in configs))
+    col_type = np.array([types.index(c.gpu_type) for c in configs])
+    nodes = np.array([c.nodes for c in configs])
+    gpus = np.array([c.gpus for c in configs])
+    # Per (job, GPU type) parameters and limits, then spread to the columns of each type.
+    theta = np.ones((len(jobs), len(types), 7))
+    limits = np.ones((len(jobs), len(types), 2))
+    modelled = np.zeros((len(jobs), len(types)), dtype=bool)
+    for i, job in enumerate(jobs):
+        for t, gpu_type in enumerate(types):
+            if gpu_type in job.params:
+                theta[i, t] = job.params[gpu_type]
+                limits[i, t] = job.local_limits[gpu_type]
+                modelled[i, t] = True
+    theta, limits, modelled = theta[:, col_type], limits[:, col_type], modelled[:, col_type]
+
+    strong = np.array([job.fixed_batch is not None for job in jobs])
+    fixed_batch = np.array([job.fixed_batch or 1 for job in jobs], dtype=float)
+    phi = np.where(strong, np.inf, [pgns(j.grad_sqr, j.grad_var, j.init_batch) for j in jobs])
+    init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))),
+                    [j.init_batch for j in jobs])
+    top = np.where(strong, fixed_batch, [j.max_batch for j in jobs])
+    best = optimize_batch(ThroughputParams(*np.moveaxis(theta, -1, 0)), phi[:, None], init[:, None],
+                          top[:, None], limits[..., 0], limits[..., 1], nodes[None, :], gpus[None, :])
+
+    fixed_gpus = np.array([job.fixed_gpus or 0 for job in jobs])[:, None]
+    lowest = np.array([job.min_gpus for job in jobs])[:, None]
+    highest = np.array([job.gpu_limit for job in jobs])[:, None]
+    allowed = np.where(fixed_gpus > 0, gpus == fixed_gpus, (gpus >= lowest) & (gpus <= highest))
+    valid = modelled & allowed & (best.goodput > 0)
+    goodput = np.where(valid, best.goodput, 0.0)
+    row_min = np.min(np.where(valid, goodput, np.inf), axis=1, keepdims=True)
+    min_gpus = np.array([job.fixed_gpus or job.min_gpus for job in jobs], dtype=float)[:, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        normalized = np.where(valid, min_gpus * goodput / row_min, 0.0)
+    return GoodputTable(tuple(j.job_id for j in jobs), tuple(configs), goodput, normalized, valid,
+                        np.where(valid, best.m, 0), np.where(valid, best.s, 0))

@@ -1,0 +1,68 @@
+"""The profiler's core: a job's 1-GPU bootstrap profile on each GPU type (Sia §3.3).
+
+A real profiling run (the executor issue) times a few steps at ~10 batch sizes on one GPU of each
+type and finds the largest batch that fits memory. Here it is trace-backed: the profile a real
+run would have measured, read from the reference profiles (or predicted by the built-in model zoo
+when there is no reference data), so the simulator and the embedded stack bootstrap like Sia does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.goodput import ThroughputParams, compute_time, iteration_time
+from shared.reference import ModelTrace
+from shared.schema import Profile, ProfilePoint
+
+PROFILE_POINTS = 10     # batch sizes per GPU type
+STEPS_PER_POINT = 10    # timed steps at each batch size (what profiling costs in GPU time)
+
+
+def _spread(values: np.ndarray, count: int) -> np.ndarray:
+    """Up to `count` of the sorted unique values, evenly spread, always with both ends."""
+    unique = np.unique(values)
+    if unique.size <= count:
+        return unique
+    return unique[np.unique(np.round(np.linspace(0, unique.size - 1, count)).astype(int))]
+
+
+def _profile(job_id: str, model: str, gpu_type: str, points: list[ProfilePoint]) -> Profile:
+    return Profile(
+        job_id=job_id,
+        model=model,
+        gpu_type=gpu_type,
+        points=tuple(points),
+        min_local=min(p.local_bsz for p in points),
+        max_local=max(p.local_bsz for p in points),
+        gpu_seconds=STEPS_PER_POINT * sum(p.step_time for p in points),
+    )
+
+
+def trace_profile(trace: ModelTrace, gpu_type: str, job_id: str = "", points: int = PROFILE_POINTS) -> Profile:
+    """The 1-GPU profile of `trace`'s model on `gpu_type`, from its measured single-GPU steps.
+
+    The largest measured batch stands for the largest batch that fits memory.
+    """
+    if gpu_type not in trace.placements:
+        raise ValueError(f"no {gpu_type!r} measurements for model {trace.name!r} (has {trace.gpu_types})")
+    meas = trace.placements[gpu_type]
+    single = meas.select(meas.gpus == 1)
+    if len(single) == 0:
+        raise ValueError(f"model {trace.name!r} has no 1-GPU measurement on {gpu_type!r}")
+    chosen = []
+    for bsz in _spread(single.local_bsz, points):
+        at = single.local_bsz == bsz
+        # Repeated measurements of one batch: their median, as a profiler would report.
+        chosen.append(ProfilePoint(int(bsz), float(np.median(single.step_time[at])),
+                                   float(np.median(single.sync_time[at]))))
+    return _profile(job_id, trace.name, gpu_type, chosen)
+
+
+def model_profile(params: ThroughputParams, model: str, gpu_type: str, min_local: int, max_local: int,
+                  job_id: str = "", points: int = PROFILE_POINTS) -> Profile:
+    """The 1-GPU profile a fitted model predicts: geometric batch sizes in [min_local, max_local]."""
+    sizes = np.unique(np.round(np.geomspace(min_local, max_local, points)).astype(int))
+    chosen = [ProfilePoint(int(b), float(iteration_time(params, 1, 1, b)),
+                           float(iteration_time(params, 1, 1, b) - compute_time(params, b)))
+              for b in sizes]
+    return _profile(job_id, model, gpu_type, chosen)
