@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.goodput import Observation
+
 DEFAULT_ENV = "GOODPUT_REFERENCE"
 
 # The GPU type of the unsuffixed placements.csv / scalability.csv: Pollux's g4dn (4x T4) nodes.
@@ -143,6 +145,11 @@ class Measurements:
     def compute_time(self) -> np.ndarray:
         """Time of one accumulation step (no all-reduce), as the peers' simulators define it."""
         return self.step_time - self.sync_time
+
+    def observations(self) -> list[Observation]:
+        """The rows as throughput observations: one micro-batch per step (s = 0)."""
+        return [Observation(int(n), int(g), int(m), 0, float(t), float(c))
+                for n, g, m, t, c in zip(self.nodes, self.gpus, self.local_bsz, self.step_time, self.compute_time)]
 
     def select(self, mask) -> Measurements:
         """The rows picked by a boolean mask or an index array."""
