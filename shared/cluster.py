@@ -83,6 +83,7 @@ def _power_of_two_parts(gpus: int) -> list[int]:
 def build_cluster(name: str, groups: list[dict]) -> Cluster:
     """A cluster from node groups `{gpu_type, count, gpus_per_node}`; odd nodes are split."""
     nodes: list[Node] = []
+    per_type: dict[str, int] = {}      # node numbers run on across groups of one type: names stay unique
     for i, group in enumerate(groups):
         try:
             gpu_type = str(group["gpu_type"])
@@ -94,7 +95,9 @@ def build_cluster(name: str, groups: list[dict]) -> Cluster:
             ) from None
         if count < 1 or per_node < 1:
             raise ValueError(f"cluster {name!r}: node group {i} needs count >= 1 and gpus_per_node >= 1")
-        for n in range(count):
+        first = per_type.get(gpu_type, 0)
+        per_type[gpu_type] = first + count
+        for n in range(first, first + count):
             parts = _power_of_two_parts(per_node)
             for v, gpus in enumerate(parts):
                 suffix = f"-v{v}" if len(parts) > 1 else ""

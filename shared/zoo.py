@@ -1,7 +1,7 @@
 """The built-in model zoo: what the embedded default knows of each model without reference data.
 
-Per model: batch limits, training length in epochs, a PGNS-versus-progress curve (from the
-validation run at the initial batch), and per GPU type the throughput parameters fitted on every
+Per model: batch limits, training length in epochs, a PGNS-versus-progress curve (the gradient
+statistics of each epoch of the validation run at the initial batch), and per GPU type the throughput parameters fitted on every
 measured placement plus the per-GPU batch limits. `goodput models zoo` makes `zoo.json` from the
 reference profiles; the fitted numbers are committed beside this module, with the command.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.goodput import ThroughputParams, fit_throughput, rmsle
+from shared.goodput import ThroughputParams, fit_throughput, pgns, rmsle
 from shared.reference import ModelTrace
 
 ZOO_PATH = Path(__file__).with_name("zoo.json")
@@ -36,13 +36,18 @@ class ZooModel:
     max_batch: int
     epochs: int
     progress: np.ndarray   # cumulative statistical progress at the end of each epoch
-    pgns: np.ndarray       # PGNS during that epoch
+    grad_sqr: np.ndarray   # |g|^2 during that epoch
+    grad_var: np.ndarray   # tr(Sigma) / M0 during that epoch
     types: dict[str, ZooType]
 
+    def stats_at(self, progress: float) -> tuple[float, float]:
+        """(grad_sqr, grad_var) at a point of training: the epoch's values, the last epoch's past the end."""
+        epoch = min(int(np.searchsorted(self.progress, progress, side="right")), len(self.progress) - 1)
+        return float(self.grad_sqr[epoch]), float(self.grad_var[epoch])
+
     def pgns_at(self, progress: float) -> float:
-        """PGNS at a point of training: the epoch's value, the last epoch's past the end."""
-        epoch = min(int(np.searchsorted(self.progress, progress, side="right")), len(self.pgns) - 1)
-        return float(self.pgns[epoch])
+        """PGNS at a point of training (inf once the gradient signal has vanished: efficiency 1)."""
+        return pgns(*self.stats_at(progress), self.init_batch)
 
     @property
     def total_progress(self) -> float:
@@ -67,7 +72,8 @@ def build_zoo(traces: dict[str, ModelTrace]) -> dict:
             "max_batch": trace.max_batch,
             "epochs": len(run),
             "progress": [float(p) for p in run.progress],
-            "pgns": [float(trace.init_batch * v / s) for v, s in zip(run.grad_var, run.grad_sqr)],
+            "grad_sqr": [float(v) for v in run.grad_sqr],
+            "grad_var": [float(v) for v in run.grad_var],
             "types": types,
         }
     return {"made_by": ZOO_COMMAND, "models": models}
@@ -82,7 +88,8 @@ def load_zoo(path: str | Path = ZOO_PATH) -> dict[str, ZooModel]:
             max_batch=m["max_batch"],
             epochs=m["epochs"],
             progress=np.asarray(m["progress"]),
-            pgns=np.asarray(m["pgns"]),
+            grad_sqr=np.asarray(m["grad_sqr"]),
+            grad_var=np.asarray(m["grad_var"]),
             types={t: ZooType(ThroughputParams(**v["params"]), v["min_local"], v["max_local"], v["rmsle"])
                    for t, v in m["types"].items()},
         )
