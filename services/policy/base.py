@@ -1,0 +1,114 @@
+"""The one signature every policy has: the round's state in, a decision out.
+
+A policy sees what a real scheduler would: per job its age, restarts, service received, current
+allocation and placement, the user's request, and the estimator's models (`JobModels`, with the
+goodput matrix of the round already evaluated over the cluster's configuration set). It returns
+allocations (GPU type and count per job) for the placer, or, when it chooses physical GPUs itself
+(Pollux searches per-node allocations; the rigid baselines pack requested GPU counts), placements.
+
+Policies are looked up by name (`make_policy`), so the simulator, the policy service and the
+evaluation switch between them with one string.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+from services.estimator.core import GoodputTable, JobModels
+from shared.cluster import Cluster, Config
+
+Spots = tuple[tuple[str, int], ...]        # ((node name, GPUs on it), ...), sorted by node name
+
+
+@dataclass(frozen=True)
+class JobView:
+    """What a policy may know of one active (submitted, unfinished) job this round."""
+
+    job_id: str
+    model: str                       # application name
+    submit_s: float
+    age_s: float                     # seconds since submission
+    restarts: int
+    restart_cost_s: float            # S: the policy's estimate of one checkpoint-restart
+    attained_gpu_s: float            # GPU-seconds received so far
+    attained_by_type: Mapping[str, float]   # the same, per GPU type
+    current: Config | None           # allocation in force (None: waiting)
+    placement: Spots                 # its physical GPUs (empty while waiting)
+    mid_restart: bool                # checkpoint-restart in progress: keep the allocation
+    requested_gpus: int              # the user's request (rigid baselines run with it)
+    requested_batch: int
+    models: JobModels                # the estimator's view: throughput per type, PGNS, limits
+
+
+@dataclass(frozen=True)
+class RoundState:
+    now_s: float
+    cluster: Cluster
+    jobs: tuple[JobView, ...]
+    table: GoodputTable              # rows in the order of `jobs`, columns cluster.configurations()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Allocations for the placer, or placements chosen by the policy itself; jobs absent get nothing."""
+
+    allocations: dict[str, Config]
+    placements: dict[str, Spots] | None = None
+    events: tuple[str, ...] = field(default_factory=tuple)   # e.g. solver time-outs, for logs and traces
+
+
+class Policy(Protocol):
+    name: str
+    round_s: float           # how often it re-decides (allocations hold in between)
+    adaptive_batch: bool     # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
+
+    def allocate(self, state: RoundState) -> Decision: ...
+
+
+# name -> "module:class"; modules are imported on first use.
+POLICIES: dict[str, str] = {
+    "sia": "services.policy.sia:SiaPolicy",
+    "pollux": "services.policy.pollux:PolluxPolicy",
+    "gavel": "services.policy.gavel:GavelPolicy",
+    "tiresias": "services.policy.tiresias:TiresiasPolicy",
+    "fifo": "services.policy.fifo:FifoPolicy",
+}
+
+
+def make_policy(name: str, **options) -> Policy:
+    """A policy by name, with its options (e.g. p=-1 for the fairness exponent)."""
+    try:
+        module, cls = POLICIES[name].split(":")
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    return getattr(importlib.import_module(module), cls)(**options)
+
+
+def free_gpus(cluster: Cluster, placements: Mapping[str, Spots]) -> dict[str, int]:
+    """GPUs left on each node once `placements` are in force."""
+    free = {n.name: n.gpus for n in cluster.nodes}
+    for spots in placements.values():
+        for node, gpus in spots:
+            free[node] -= gpus
+    return free
+
+
+def pack(cluster: Cluster, free: dict[str, int], gpu_type: str, gpus: int) -> Spots | None:
+    """`gpus` GPUs of one type on the nodes with most free GPUs first (the rigid baselines' placement,
+    as in Pollux's simulator); updates `free`. None, and `free` untouched, when they do not fit."""
+    nodes = sorted((n for n in cluster.nodes if n.gpu_type == gpu_type and free[n.name] > 0),
+                   key=lambda n: (-free[n.name], n.name))
+    if sum(free[n.name] for n in nodes) < gpus:
+        return None
+    spots, need = [], gpus
+    for node in nodes:
+        take = min(need, free[node.name])
+        spots.append((node.name, take))
+        need -= take
+        if need == 0:
+            break
+    for name, take in spots:
+        free[name] -= take
+    return tuple(sorted(spots))
