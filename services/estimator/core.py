@@ -55,24 +55,53 @@ def project(target: ThroughputParams, source: ThroughputParams, m_ref: float) ->
                             ratio * source.alpha_n, ratio * source.beta_n, source.gamma)
 
 
+@dataclass(frozen=True)
+class JobEstimate:
+    """A job's throughput knowledge: its bootstrap profiles, the configurations it ran, and one model
+    fitted per GPU type on that type's own data. Updating refits only the type that learned something."""
+
+    profiles: Mapping[str, Profile]
+    observations: Mapping[str, tuple[Observation, ...]]
+    fitted: Mapping[str, ThroughputParams]
+
+    @classmethod
+    def build(cls, profiles: Mapping[str, Profile],
+              observations: Mapping[str, Sequence[Observation]] | None = None) -> "JobEstimate":
+        observations = {t: tuple(observations.get(t, ())) for t in profiles} if observations else {}
+        fitted = {t: fit_throughput(profile_observations(p) + list(observations.get(t, ())))
+                  for t, p in profiles.items()}
+        return cls(dict(profiles), observations, fitted)
+
+    def observe(self, gpu_type: str, observation: Observation) -> "JobEstimate":
+        """With one more measured configuration; unchanged if that configuration was seen already."""
+        known = self.observations.get(gpu_type, ())
+        key = observation[:4]
+        if gpu_type not in self.profiles or any(o[:4] == key for o in known):
+            return self
+        seen = known + (observation,)
+        params = fit_throughput(profile_observations(self.profiles[gpu_type]) + list(seen))
+        return JobEstimate(self.profiles, {**self.observations, gpu_type: seen}, {**self.fitted, gpu_type: params})
+
+    def models(self) -> dict[str, ThroughputParams]:
+        """One throughput model per profiled GPU type (see the module docstring)."""
+        explored = [t for t in self.profiles if is_multi_gpu(self.observations.get(t, ()))]
+        if not explored:
+            return dict(self.fitted)
+        # The most-explored type is the best source for projecting the others' communication.
+        source = max(explored, key=lambda t: sum(o.gpus > 1 for o in self.observations[t]))
+        return {t: params if t in explored else
+                project(params, self.fitted[source], min(self.profiles[t].max_local, self.profiles[source].max_local))
+                for t, params in self.fitted.items()}
+
+    @property
+    def local_limits(self) -> dict[str, tuple[int, int]]:
+        return {t: (p.min_local, p.max_local) for t, p in self.profiles.items()}
+
+
 def type_models(profiles: Mapping[str, Profile],
                 observations: Mapping[str, Sequence[Observation]]) -> dict[str, ThroughputParams]:
-    """One throughput model per GPU type the job was profiled on (see the module docstring)."""
-    fitted = {t: fit_throughput(profile_observations(p) + list(observations.get(t, ())))
-              for t, p in profiles.items()}
-    explored = [t for t in profiles if is_multi_gpu(observations.get(t, ()))]
-    if not explored:
-        return fitted
-    # The most-explored type is the best source for projecting the others' communication.
-    source = max(explored, key=lambda t: sum(o.gpus > 1 for o in observations[t]))
-    models = {}
-    for t, params in fitted.items():
-        if t in explored:
-            models[t] = params
-        else:
-            m_ref = min(profiles[t].max_local, profiles[source].max_local)
-            models[t] = project(params, fitted[source], m_ref)
-    return models
+    """One throughput model per GPU type the job was profiled on, from everything it ran."""
+    return JobEstimate.build(profiles, observations).models()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+"""The `sia` policy: Sia's ILP over the round's normalised goodput matrix (DESIGN §4).
+
+The matrix already holds Sia's scaling rules (new jobs at one GPU, at most twice the most a job
+ever had, never below its minimum, rigid jobs at their GPU count, strong-scaling jobs at their
+batch). This module adds what the ILP needs from the jobs' histories: the restart factor
+r_i = max(T_i - N_i * S_i, 0) / (T_i + S_i) (1 while the job is younger than S_i), applied to
+every column but the job's current one, and the lock that keeps a job mid-restart where it is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.policy.base import Decision, RoundState
+from services.policy.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
+
+
+def restart_factor(age_s: float, restarts: int, restart_cost_s: float) -> float:
+    if age_s < restart_cost_s:
+        return 1.0
+    return max(age_s - restarts * restart_cost_s, 0.0) / (age_s + restart_cost_s)
+
+
+class SiaPolicy:
+    name = "sia"
+    round_s = 60.0
+    adaptive_batch = True
+
+    def __init__(self, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
+                 time_limit_s: float = DEFAULT_TIME_LIMIT_S):
+        self.p, self.lam, self.solver, self.time_limit_s = p, lam, solver, time_limit_s
+
+    def problem(self, state: RoundState) -> IlpProblem:
+        table, jobs = state.table, state.jobs
+        types = list(state.cluster.gpu_types)
+        index = {c: j for j, c in enumerate(table.configs)}
+        current = np.array([index.get(v.current, -1) if v.current is not None else -1 for v in jobs], dtype=int)
+        running_valid = np.array([c >= 0 and bool(table.valid[i, c]) for i, c in enumerate(current)], dtype=bool)
+        return IlpProblem(
+            goodput=table.normalized,
+            valid=table.valid,
+            current=current,
+            restart_factor=np.array([restart_factor(v.age_s, v.restarts, v.restart_cost_s) for v in jobs]),
+            locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid,
+            config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
+            config_gpus=np.array([c.gpus for c in table.configs], dtype=int),
+            capacity=np.array([state.cluster.capacity(t) for t in types], dtype=int),
+        )
+
+    def allocate(self, state: RoundState) -> Decision:
+        if not state.jobs:
+            return Decision({})
+        solution = solve(self.problem(state), self.p, self.lam, self.solver, self.time_limit_s)
+        configs = state.table.configs
+        allocations = {v.job_id: configs[c] for v, c in zip(state.jobs, solution.choice) if c >= 0}
+        events = (f"sia: previous allocation kept ({solution.status})",) if solution.fallback else ()
+        return Decision(allocations, events=events)

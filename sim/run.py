@@ -1,0 +1,161 @@
+"""One simulation from names and paths to the result document (DESIGN §6), and its plot.
+
+Where the jobs' truth comes from: the reference profiles when the reference folder is there (as the
+peers' simulators use them), otherwise the built-in model zoo (the embedded default).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from services.policy.base import make_policy
+from services.profiler.core import model_profile, trace_profile
+from shared.cluster import load_cluster
+from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models, load_workload
+from shared.zoo import load_zoo
+from sim.settings import settings_for
+from sim.simulator import FEEDBACK_ITERATIONS, Simulator
+from sim.truth import ModelTruth, reference_truth, zoo_truth
+
+
+@dataclass(frozen=True)
+class JobSources:
+    """True behaviour per model, and the 1-GPU profile a profiling run would measure per (model, type)."""
+
+    origin: str                                   # "reference:<folder>" or "zoo"
+    truths: dict[str, ModelTruth]
+    profile: Callable[[str, str], object]
+
+
+def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSources:
+    if not use_zoo:
+        try:
+            traces = discover_models(reference)
+        except ReferenceDataMissing:
+            if reference is not None:
+                raise
+        else:
+            return JobSources(f"reference:{next(iter(traces.values())).folder.parent}",
+                              {name: reference_truth(t) for name, t in traces.items()},
+                              lambda model, gpu_type: trace_profile(traces[model], gpu_type))
+    zoo = load_zoo()
+
+    def profile(model: str, gpu_type: str):
+        z = zoo[model].types[gpu_type]
+        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local)
+
+    return JobSources("zoo", {name: zoo_truth(m) for name, m in zoo.items()}, profile)
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p95": 0.0, "max": 0.0}
+    p50, p95 = np.percentile(values, [50, 95])
+    return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "max": round(float(max(values)), 3)}
+
+
+def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, reference: str | None = None,
+             use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
+             feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
+             progress: bool = False) -> dict:
+    """Run one workload and return the result document."""
+    jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
+    if not jobs:
+        raise ValueError("the workload has no jobs")
+    spec = load_cluster(cluster)
+    settings = settings_for(calibration, cluster)
+    pol = make_policy(policy, **(policy_options or {}))
+    sources = sources or job_sources(reference, use_zoo)
+    sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
+    sim.run(_progress_bar(len(jobs)) if progress else None)
+    return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
+
+
+def _progress_bar(total: int):
+    last = [-1]
+
+    def show(now: float, done: int, _total: int) -> None:
+        percent = 100 * done // total
+        if percent != last[0]:
+            last[0] = percent
+            bar = "#" * (percent // 4)
+            print(f"\r  [{bar:<25}] {done}/{total} jobs done, {now / 3600:5.1f} h simulated", end="", file=sys.stderr)
+            if done == total:
+                print(file=sys.stderr)
+    return show
+
+
+def results(sim: Simulator, workload, origin: str) -> dict:
+    jobs = []
+    for j in sorted(sim.jobs, key=lambda j: (j.spec.time, j.name)):
+        jct = None if j.finish_s is None else j.finish_s - j.spec.time
+        jobs.append({
+            "name": j.name,
+            "application": j.spec.application,
+            "submit_s": j.spec.time,
+            "finish_s": j.finish_s,
+            "jct_s": jct,
+            "restarts": j.restarts,
+            "gpu_seconds": round(j.gpu_seconds, 3),
+            "feedback_s": None if j.feedback_s is None else round(j.feedback_s - j.spec.time, 3),
+        })
+    done = [j for j in jobs if j["jct_s"] is not None]
+    jcts = np.array([j["jct_s"] for j in done]) if done else np.zeros(0)
+    finished = [j["finish_s"] for j in done]
+    return {
+        "policy": sim.policy.name,
+        "cluster": sim.cluster.name,
+        "workload": str(workload),
+        "calibration": sim.settings.name,
+        "truth": origin,
+        "feedback_iterations": sim.feedback_iterations,
+        "jobs": jobs,
+        "jobs_finished": len(done),
+        "jobs_unfinished": len(jobs) - len(done),
+        "avg_jct_s": float(jcts.mean()) if done else None,
+        "p99_jct_s": float(np.percentile(jcts, 99)) if done else None,
+        "makespan_s": (max(finished) - min(j["submit_s"] for j in jobs)) if done else None,
+        "gpu_hours_per_job": float(np.mean([j["gpu_seconds"] for j in jobs]) / 3600),
+        "restarts_per_job": float(np.mean([j["restarts"] for j in jobs])),
+        "policy_runtime_ms": _quantiles([r.policy_ms for r in sim.rounds]),
+        "round_runtime_ms": _quantiles([r.round_ms for r in sim.rounds]),
+        "rounds": len(sim.rounds),
+        "contention": round(float(np.mean([r.active for r in sim.rounds])), 3) if sim.rounds else 0.0,
+        "timeline": [{"t": r.now_s, "gpus": r.gpus} for r in sim.rounds],
+        "events": sim.events,
+    }
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """GPUs in use by each application over time (stacked), and the JCT CDF."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    app_of = {j["name"]: j["application"] for j in result["jobs"]}
+    apps = sorted(set(app_of.values()))
+    t = np.array([r["t"] for r in result["timeline"]]) / 3600
+    stack = np.array([[sum(g for name, g in r["gpus"].items() if app_of[name] == a) for r in result["timeline"]]
+                      for a in apps])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    if len(t):
+        ax1.stackplot(t, stack, labels=apps, step="post")
+    ax1.set_xlabel("time (h)")
+    ax1.set_ylabel("GPUs allocated")
+    ax1.set_title(f"{result['policy']} on {result['cluster']}: GPUs per application")
+    ax1.legend(loc="upper right", fontsize=8)
+    jcts = np.sort([j["jct_s"] for j in result["jobs"] if j["jct_s"] is not None]) / 3600
+    ax2.step(jcts, np.arange(1, len(jcts) + 1) / max(len(jcts), 1), where="post")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("job completion time (h, log)")
+    ax2.set_ylabel("fraction of jobs")
+    ax2.set_title(f"JCT CDF (avg {result['avg_jct_s'] / 3600:.2f} h)" if result["avg_jct_s"] else "JCT CDF")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,68 @@
+"""The simulator's settings in one place, with the two peers' calibrations as presets.
+
+The numbers that decide a simulated schedule besides the policy (SIMULATORS.md in the reference
+folder): how long a checkpoint-restart really takes, what the policy believes it takes (S in Sia's
+restart factor), Sia's per-model goodput calibration, and which jobs are rigid whatever the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    name: str
+    round_s: float = 60.0
+    restart_delay_s: dict[str, float] = field(default_factory=dict)   # true delay per model
+    default_restart_delay_s: float = 30.0
+    restart_estimate_s: dict[str, float] = field(default_factory=dict)  # the policy's S per model
+    default_restart_estimate_s: float = 30.0
+    slowdown: dict[str, float] = field(default_factory=dict)    # true goodput is divided by this
+    default_slowdown: float = 1.0
+    max_local: dict[str, int] = field(default_factory=dict)     # per-model cap on the per-GPU batch
+    rigid: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (GPUs, batch) it always runs at
+    retune_threshold: float = 0.05
+    horizon_s: float = 14 * 24 * 3600.0      # give up on jobs still running after this long
+
+    def restart_delay(self, model: str) -> float:
+        return self.restart_delay_s.get(model, self.default_restart_delay_s)
+
+    def restart_estimate(self, model: str) -> float:
+        return self.restart_estimate_s.get(model, self.default_restart_estimate_s)
+
+    def goodput_factor(self, model: str) -> float:
+        return 1.0 / self.slowdown.get(model, self.default_slowdown)
+
+
+PRESETS = {
+    # Sia's simulator: per-model restart delays and goodput calibration.
+    "sia": SimSettings(
+        name="sia",
+        restart_delay_s={"cifar10": 50, "deepspeech2": 25, "bert": 120, "yolov3": 80, "imagenet": 250, "ncf": 15},
+        restart_estimate_s={"deepspeech2": 25, "imagenet": 250, "cifar10": 30, "bert": 120, "yolov3": 45},
+        slowdown={"cifar10": 1.8, "ncf": 1.5},
+        default_slowdown=1.2,
+        rigid={"ncf": (1, 32768)},
+    ),
+    # Pollux's simulator: 30 s restarts for every job, no calibration, yolov3's per-GPU batch capped at 8,
+    # NCF fixed at one GPU and batch 32768.
+    "pollux": SimSettings(
+        name="pollux",
+        max_local={"yolov3": 8},
+        rigid={"ncf": (1, 32768)},
+    ),
+    # Neither peer's calibration: true models as they are.
+    "none": SimSettings(name="none"),
+}
+
+# The calibration a cluster preset implies when none is named.
+CLUSTER_DEFAULT = {"sia-hetero-64": "sia", "pollux-homo-64": "pollux"}
+
+
+def settings_for(name: str | None, cluster: str) -> SimSettings:
+    name = name or CLUSTER_DEFAULT.get(cluster, "none")
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown calibration {name!r}; choose one of {', '.join(PRESETS)}") from None

@@ -1,0 +1,162 @@
+"""How a simulated job really behaves: its true step times and gradient statistics.
+
+The scheduler never reads this module; it sees only profiles and what the job reports. Two sources:
+
+- `ReferenceTruth`: the measured profiles, as the Pollux and Sia simulators use them. A placement
+  that was measured (digits = GPUs per node, stored in their smallest rotation) is linearly
+  interpolated over the per-GPU batch; any other placement is interpolated over (nodes, GPUs,
+  per-GPU batch) from the scalability table joined with the placements' means. Gradient statistics
+  per epoch come from the validation run at the initial batch; epoch boundaries are the smallest
+  progress over all validation runs.
+- `ZooTruth`: the built-in zoo's fitted models and PGNS curves, for the embedded default that has
+  no reference data.
+
+Progress is counted in iterations at the initial batch M0 (the `progress` column): a step at batch
+M advances it by EFFICIENCY(M) * M / M0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+
+from shared.goodput import ThroughputParams, compute_time, efficiency, iteration_time, pgns
+from shared.reference import Measurements, ModelTrace
+from shared.zoo import ZooModel
+
+
+def canonical_placement(gpus_per_node: list[int]) -> str:
+    """The digit string of a placement in its lexicographically smallest rotation (how it is stored)."""
+    digits = "".join(str(g) for g in gpus_per_node)
+    return min(digits[i:] + digits[:i] for i in range(len(digits)))
+
+
+class TypeTruth:
+    """True (step_time, sync_time) of one model on one GPU type."""
+
+    def times(self, gpus_per_node: list[int], local_bsz: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+    def iteration_time(self, gpus_per_node: list[int], m: int, s: int) -> tuple[float, float]:
+        """(seconds per optimizer step with s accumulation steps, seconds of one micro-batch)."""
+        step, sync = self.times(gpus_per_node, m)
+        compute = max(step - sync, 1e-6)
+        return s * compute + step, compute
+
+
+class MeasuredType(TypeTruth):
+    def __init__(self, placements: Measurements, scalability: Measurements | None):
+        self.by_placement: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for key in sorted(set(placements.placement)):
+            rows = placements.select(np.array([p == key for p in placements.placement]))
+            order = np.argsort(rows.local_bsz, kind="stable")
+            self.by_placement[key] = (rows.local_bsz[order].astype(float), rows.step_time[order], rows.sync_time[order])
+        self._placements = placements
+        self._scalability = scalability
+        self._cache: dict[tuple[str, int], tuple[float, float]] = {}
+
+    @cached_property
+    def _interpolators(self):
+        """(nodes, GPUs, per-GPU batch) -> (step, sync): scalability rows plus placement means."""
+        p = self._placements
+        keys: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
+        for n, g, b, t, y in zip(p.nodes, p.gpus, p.local_bsz, p.step_time, p.sync_time):
+            keys.setdefault((int(n), int(g), int(b)), []).append((t, y))
+        points = [k for k in keys]
+        values = [np.mean(v, axis=0) for v in keys.values()]
+        if self._scalability is not None:
+            s = self._scalability
+            points += [(int(n), int(g), int(b)) for n, g, b in zip(s.nodes, s.gpus, s.local_bsz)]
+            values += [(t, y) for t, y in zip(s.step_time, s.sync_time)]
+        pts = np.asarray(points, dtype=float)
+        vals = np.asarray(values, dtype=float)
+        # Scale the axes to comparable ranges so that the triangulation is not dominated by batch size.
+        scale = np.maximum(pts.max(axis=0), 1.0)
+        return scale, LinearNDInterpolator(pts / scale, vals), NearestNDInterpolator(pts / scale, vals)
+
+    def times(self, gpus_per_node: list[int], local_bsz: int) -> tuple[float, float]:
+        key = canonical_placement(gpus_per_node)
+        hit = self._cache.get((key, local_bsz))
+        if hit is not None:
+            return hit
+        if key in self.by_placement:
+            bsz, step, sync = self.by_placement[key]
+            result = float(np.interp(local_bsz, bsz, step)), float(np.interp(local_bsz, bsz, sync))
+        else:
+            scale, linear, nearest = self._interpolators
+            x = np.array([len(gpus_per_node), sum(gpus_per_node), local_bsz], dtype=float) / scale
+            value = linear(x)[0]
+            if not np.all(np.isfinite(value)):
+                value = nearest(x)[0]
+            result = float(value[0]), float(value[1])
+        self._cache[(key, local_bsz)] = result
+        return result
+
+
+class ModelledType(TypeTruth):
+    def __init__(self, params: ThroughputParams):
+        self.params = params
+
+    def times(self, gpus_per_node: list[int], local_bsz: int) -> tuple[float, float]:
+        nodes, gpus = len(gpus_per_node), sum(gpus_per_node)
+        step = float(iteration_time(self.params, nodes, gpus, local_bsz))
+        return step, step - float(compute_time(self.params, local_bsz))
+
+
+@dataclass(frozen=True)
+class ModelTruth:
+    """Everything true about one model: per-type step times and limits, statistics, length."""
+
+    name: str
+    types: dict[str, TypeTruth]
+    local_limits: dict[str, tuple[int, int]]
+    init_batch: int
+    max_batch: int
+    boundaries: np.ndarray       # cumulative progress at the end of each epoch
+    grad_sqr: np.ndarray         # per epoch, at M0
+    grad_var: np.ndarray
+
+    @property
+    def total_progress(self) -> float:
+        return float(self.boundaries[-1])
+
+    def epoch(self, progress: float) -> int:
+        return min(int(np.searchsorted(self.boundaries, progress, side="right")), len(self.boundaries) - 1)
+
+    def stats(self, progress: float) -> tuple[float, float]:
+        e = self.epoch(progress)
+        return float(self.grad_sqr[e]), float(self.grad_var[e])
+
+    def efficiency(self, progress: float, batch: float) -> float:
+        return float(efficiency(pgns(*self.stats(progress), self.init_batch), self.init_batch, batch))
+
+
+def reference_truth(trace: ModelTrace) -> ModelTruth:
+    run = trace.validation[trace.init_batch]
+    boundaries = np.min([v.progress[: len(run)] for v in trace.validation.values() if len(v) >= len(run)], axis=0)
+    return ModelTruth(
+        name=trace.name,
+        types={t: MeasuredType(m, trace.scalability.get(t)) for t, m in trace.placements.items()},
+        local_limits={t: trace.local_bsz_limits(t) for t in trace.placements},
+        init_batch=trace.init_batch,
+        max_batch=trace.max_batch,
+        boundaries=np.asarray(boundaries, dtype=float),
+        grad_sqr=np.asarray(run.grad_sqr, dtype=float),
+        grad_var=np.asarray(run.grad_var, dtype=float),
+    )
+
+
+def zoo_truth(model: ZooModel) -> ModelTruth:
+    return ModelTruth(
+        name=model.name,
+        types={t: ModelledType(z.params) for t, z in model.types.items()},
+        local_limits={t: (z.min_local, z.max_local) for t, z in model.types.items()},
+        init_batch=model.init_batch,
+        max_batch=model.max_batch,
+        boundaries=np.asarray(model.progress, dtype=float),
+        grad_sqr=np.asarray(model.grad_sqr, dtype=float),
+        grad_var=np.asarray(model.grad_var, dtype=float),
+    )
