@@ -1,0 +1,142 @@
+"""`goodput simulate` — replay one workload; `goodput compare` — several policies on several workloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from services.policy.base import POLICIES
+from sim.settings import PRESETS
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="sia-hetero-64",
+                        help="preset (sia-hetero-64, pollux-homo-64) or a YAML/JSON cluster file (default: %(default)s)")
+    parser.add_argument("--reference", help="reference folder for the jobs' true behaviour "
+                                            "(default: $GOODPUT_REFERENCE, else ../shared/reference; the model zoo if absent)")
+    parser.add_argument("--zoo", action="store_true", help="use the built-in model zoo even when reference data is there")
+    parser.add_argument("--calibration", choices=sorted(PRESETS),
+                        help="peer simulator calibration (default: sia on sia-hetero-64, pollux on pollux-homo-64)")
+    parser.add_argument("--p", type=float, help="fairness exponent of sia (default -0.5) or pollux (default -1)")
+    parser.add_argument("--feedback-iterations", type=int, default=1, metavar="K",
+                        help="record each job's time to its first K iterations (default: %(default)s)")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
+    sim.add_argument("--workload", required=True, help="workload CSV (name,time,application,num_replicas,batch_size)")
+    sim.add_argument("--policy", default="sia", choices=sorted(POLICIES))
+    sim.add_argument("--bus", choices=["direct"], default="direct", help="wire the cores directly (default)")
+    sim.add_argument("--out", default="simulation.json", help="result JSON (default: %(default)s)")
+    sim.add_argument("--plot", help="PNG: GPUs per application over time and the JCT CDF")
+    _common(sim)
+    sim.set_defaults(func=_simulate)
+
+    cmp = sub.add_parser("compare", help="several policies on several workload files; prints the table")
+    cmp.add_argument("--workloads", nargs="+", required=True,
+                     help="workload CSVs or folders of them (each folder is one set; cells are means over its files)")
+    cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], choices=sorted(POLICIES))
+    cmp.add_argument("--out", default="compare.json", help="all results as JSON (default: %(default)s)")
+    _common(cmp)
+    cmp.set_defaults(func=_compare)
+
+
+def _options(args: argparse.Namespace, policy: str) -> dict:
+    return {"p": args.p} if args.p is not None and policy in ("sia", "pollux") else {}
+
+
+def _run(args: argparse.Namespace, workload: str, policy: str, sources, progress: bool) -> dict:
+    from sim.run import simulate
+    return simulate(workload, args.cluster, policy, calibration=args.calibration,
+                    policy_options=_options(args, policy), feedback_iterations=args.feedback_iterations,
+                    sources=sources, progress=progress)
+
+
+def _hours(seconds) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.3f}"
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from sim.run import job_sources, plot
+    if args.feedback_iterations < 1:
+        raise ValueError("--feedback-iterations must be >= 1")
+    sources = job_sources(args.reference, args.zoo)
+    start = time.perf_counter()
+    result = _run(args, args.workload, args.policy, sources, progress=sys.stderr.isatty())
+    took = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"{result['policy']} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
+    print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, took {took:.1f} s")
+    print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
+          f"makespan {_hours(result['makespan_s'])} h")
+    print(f"  GPU-hours/job {result['gpu_hours_per_job']:.2f}   restarts/job {result['restarts_per_job']:.2f}   "
+          f"policy ms p50/p95/max {result['policy_runtime_ms']['p50']:.1f}/{result['policy_runtime_ms']['p95']:.1f}/"
+          f"{result['policy_runtime_ms']['max']:.1f}")
+    for event in result["events"][:10]:
+        print(f"  event: {event}")
+    print(f"wrote {out}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _workload_sets(paths: list[str]) -> dict[str, list[str]]:
+    sets: dict[str, list[str]] = {}
+    for p in map(Path, paths):
+        if p.is_dir():
+            files = sorted(p.glob("*.csv"), key=lambda f: (len(f.name), f.name))
+            if not files:
+                raise ValueError(f"{p} holds no workload CSV files")
+            sets[str(p)] = [str(f) for f in files]
+        elif p.is_file():
+            sets[str(p)] = [str(p)]
+        else:
+            raise ValueError(f"no such workload file or folder: {p}")
+    return sets
+
+
+METRICS = [("avg_jct_s", "avg JCT h", 3600), ("p99_jct_s", "p99 JCT h", 3600), ("makespan_s", "makespan h", 3600),
+           ("gpu_hours_per_job", "GPU-h/job", 1), ("restarts_per_job", "restarts/job", 1)]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from sim.run import job_sources
+    sets = _workload_sets(args.workloads)
+    sources = job_sources(args.reference, args.zoo)
+    rows, everything = [], []
+    for name, files in sets.items():
+        for policy in args.policies:
+            runs = []
+            for f in files:
+                start = time.perf_counter()
+                r = _run(args, f, policy, sources, progress=False)
+                r["took_s"] = round(time.perf_counter() - start, 2)
+                runs.append(r)
+                print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
+            everything.extend(runs)
+            cells = {key: float(np.mean([r[key] for r in runs if r[key] is not None])) / scale
+                     for key, _, scale in METRICS}
+            policy_ms = [r["policy_runtime_ms"] for r in runs]
+            rows.append({"workloads": name, "files": len(files), "policy": policy, **cells,
+                         "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
+                         "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
+                         "unfinished": sum(r["jobs_unfinished"] for r in runs),
+                         "took_s": float(np.mean([r["took_s"] for r in runs]))})
+    header = "| workloads | policy | " + " | ".join(label for _, label, _ in METRICS) + " | policy ms p50/p95 | run took |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for row in rows:
+        cells = " | ".join(f"{row[key]:.3f}" if key.endswith("_s") else f"{row[key]:.2f}" for key, _, _ in METRICS)
+        print(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
+              f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
+    Path(args.out).write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
