@@ -25,6 +25,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p", type=float, help="fairness exponent of sia (default -0.5) or pollux (default -1)")
     parser.add_argument("--feedback-iterations", type=int, default=1, metavar="K",
                         help="record each job's time to its first K iterations (default: %(default)s)")
+    parser.add_argument("--quantum", type=int, help="timeslice: iterations a job runs before it yields (default 100)")
+    parser.add_argument("--restart-delay", type=float, metavar="S",
+                        help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
+    parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60; "
+                                                      "the timeslice policy decides every round)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,14 +52,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace, policy: str) -> dict:
-    return {"p": args.p} if args.p is not None and policy in ("sia", "pollux") else {}
+    options = {}
+    if args.p is not None and policy in ("sia", "pollux"):
+        options["p"] = args.p
+    if policy == "timeslice":
+        options.update({k: v for k, v in (("quantum", args.quantum), ("round_s", args.round_s)) if v is not None})
+    return options
 
 
 def _run(args: argparse.Namespace, workload: str, policy: str, sources, progress: bool) -> dict:
     from sim.run import simulate
     return simulate(workload, args.cluster, policy, calibration=args.calibration,
                     policy_options=_options(args, policy), feedback_iterations=args.feedback_iterations,
-                    sources=sources, progress=progress)
+                    sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s, progress=progress)
 
 
 def _hours(seconds) -> str:

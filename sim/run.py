@@ -7,7 +7,7 @@ peers' simulators use them), otherwise the built-in model zoo (the embedded defa
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -62,13 +62,18 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, reference: str | None = None,
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
-             progress: bool = False) -> dict:
-    """Run one workload and return the result document."""
+             restart_delay_s: float | None = None, round_s: float | None = None, progress: bool = False) -> dict:
+    """Run one workload and return the result document. `restart_delay_s` replaces every model's
+    checkpoint-restart delay; `round_s` the simulator's round."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
     spec = load_cluster(cluster)
     settings = settings_for(calibration, cluster)
+    if restart_delay_s is not None:
+        settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
+    if round_s is not None:
+        settings = replace(settings, round_s=round_s)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
@@ -112,6 +117,7 @@ def results(sim: Simulator, workload, origin: str) -> dict:
         "cluster": sim.cluster.name,
         "workload": str(workload),
         "calibration": sim.settings.name,
+        "round_s": sim.settings.round_s,
         "truth": origin,
         "feedback_iterations": sim.feedback_iterations,
         "jobs": jobs,

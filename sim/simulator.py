@@ -55,6 +55,8 @@ class SimJob:
     restarts: int = 0
     started: bool = False
     restart_left_s: float = 0.0
+    slice_start: float = 0.0                   # iterations when the current placement began
+    idle_since_s: float | None = None          # when it last stopped running (None while running)
     gpu_seconds: float = 0.0
     attained_by_type: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     max_gpus_seen: int = 0
@@ -178,6 +180,9 @@ class Simulator:
             requested_gpus=job.rigid[0] if job.rigid else spec.num_replicas,
             requested_batch=job.rigid[1] if job.rigid else spec.batch_size,
             models=self._job_models(job),
+            iterations=job.iterations,
+            slice_iterations=job.iterations - job.slice_start if job.placement else 0.0,
+            idle_since_s=None if job.placement else (spec.time if job.idle_since_s is None else job.idle_since_s),
         )
 
     def _decide(self, now: float, active: list[SimJob]) -> None:
@@ -196,7 +201,7 @@ class Simulator:
         self._check(placements)
         self.events.extend(f"{now:.0f}s: {e}" for e in decision.events)
         for job, view in zip(active, views):
-            self._apply(job, tuple(placements.get(job.name, ())), view.models)
+            self._apply(job, tuple(placements.get(job.name, ())), view.models, now)
         gpus = {j.name: j.config.gpus for j in active if j.placement}
         self.rounds.append(RoundRecord(now, len(active), len(gpus), policy_ms,
                                        (time.perf_counter() - start) * 1e3, gpus))
@@ -214,12 +219,15 @@ class Simulator:
         if over:
             raise RuntimeError(f"policy {self.policy.name} over-filled nodes {over}")
 
-    def _apply(self, job: SimJob, spots: Spots, models: JobModels) -> None:
+    def _apply(self, job: SimJob, spots: Spots, models: JobModels, now: float) -> None:
         if spots != job.placement:
             if spots:
                 job.restarts += job.started          # the first start is not a restart
                 job.started = True
                 job.restart_left_s = self.settings.restart_delay(job.spec.application)
+                job.slice_start = job.iterations
+            else:
+                job.idle_since_s = now
             job.placement, job.config = spots, config_of(self.node_type, spots)
         if not spots:
             job.m = job.s = 0

@@ -40,6 +40,9 @@ class JobView:
     requested_gpus: int              # the user's request (rigid baselines run with it)
     requested_batch: int
     models: JobModels                # the estimator's view: throughput per type, PGNS, limits
+    iterations: float = 0.0          # optimizer steps done so far
+    slice_iterations: float = 0.0    # steps done since its current placement began (time-slicing)
+    idle_since_s: float | None = None   # when it last stopped running (its submit time if it never ran); None while running
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ POLICIES: dict[str, str] = {
     "gavel": "services.policy.gavel:GavelPolicy",
     "tiresias": "services.policy.tiresias:TiresiasPolicy",
     "fifo": "services.policy.fifo:FifoPolicy",
+    "timeslice": "services.policy.timeslice:TimeslicePolicy",
 }
 
 
