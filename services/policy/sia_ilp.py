@@ -1,0 +1,599 @@
+"""Sia's allocation ILP over plain numpy arrays: the pure core of the `sia` policy.
+
+The model (Sia, SOSP '23, §3.3, as coded in the public artifact; DESIGN §4):
+
+    A_ij = (r_ij * G_ij) ** p          value of configuration j for job i
+    r_ij = restart_factor_i            for every j except the job's current one,
+           1                           for j == current_i (keeping it costs no restart)
+
+    p < 0:  minimise  sum_ij X_ij * A_ij + lam * (J - sum_ij X_ij)
+    p > 0:  maximise  sum_ij X_ij * A_ij - lam * (J - sum_ij X_ij)
+
+    subject to   X binary;  sum_j X_ij <= 1 (at most one configuration a job);
+                 sum_{i, j: type(j) = t} X_ij * gpus_j <= capacity_t for every GPU type t;
+                 X_ij = 0 where configuration j is not valid for job i;
+                 X_{i, current_i} = 1 for a job that is locked (mid checkpoint-restart).
+
+With p = -0.5 and lam = 1.1 a job's own term favours running it (A <= 1 < 1.1 on its current
+configuration and on any configuration when r = 1), but lam does not guarantee that every job runs
+under contention: a job left out frees GPUs whose value to another job can exceed the 0.1 margin.
+
+Numerics, and where this departs from the artifact:
+- The artifact rounds A to 2 decimals and clips it at 3000. For p = -0.5, A lies in (0, 1] for
+  un-discounted entries, so 2 decimals keep one or two significant digits: a step of 0.01 at
+  A ~ 0.14 (G ~ 50) is a 15% goodput step. 48 and 52 GPUs of a linearly scaling job both give 0.14,
+  56 and 60 both 0.13, so the solver cannot tell them apart (and may hand out GPUs that buy nothing),
+  and restart trade-offs (r * G) are decided on the same coarse grid. Here A is clipped at `VALUE_CLIP` and
+  rounded to `VALUE_SIGNIFICANT_DIGITS` significant digits: a relative resolution of 1e-6 to 1e-5
+  whatever the scale of A (and for any p), so goodput differences of a few 1e-5 still count, while
+  float noise from upstream is snapped so that equal inputs give exactly equal coefficients. The
+  MIP gap (`MIP_REL_GAP`, `MIP_ABS_GAP`) is set to match; HiGHS's default 1e-4 would not be.
+- A restart factor of 0 gives A = inf for p < 0 (the artifact then clips it to 3000). It is
+  floored at `RESTART_FACTOR_FLOOR` = 1e-3 instead, so moving such a job costs (1e-3 G) ** p =
+  31.6 / sqrt(G) at p = -0.5, more than keeping it (<= 1) or leaving it out (1.1) unless its
+  goodput elsewhere is ~1,000x: the same decisions, with finite, solver-friendly coefficients.
+- Invalid entries carry no variable at all (no big-M or 1e-4 "zero alloc gain" constants), so they
+  are 0 by construction, even in a solution accepted within the MIP gap.
+
+Exact reductions before the solver (each keeps the optimal objective value):
+- locked jobs are constants: their GPUs leave the capacity, their variables disappear;
+- entries whose term cannot improve on leaving the job unallocated (A >= lam for p < 0) are dropped;
+- within one (job, GPU type), an entry that uses more GPUs than another and is not strictly better is
+  dropped (swapping to the smaller one frees GPUs and loses nothing), which also breaks exact ties
+  toward fewer GPUs;
+- if every job's best remaining entry fits together, that is the optimum and no solver runs.
+
+Speed (benchmarks/bench_sia_ilp.py has the figures):
+- Up to `LARGE_MODEL_ENTRIES` surviving entries the MILP goes to the solver directly: one boolean
+  vector over the entries and one sparse block (a one-configuration row per job with two or more
+  entries, a capacity row per type), built fresh each call, which costs cvxpy ~3 ms. A DPP problem
+  cached per padded (J, C) shape was measured and was slower (p50 10 / p95 21 ms against 8 / 12 ms
+  on 20-60 jobs x 19 configurations): cvxpy cannot parametrise variable bounds, so validity becomes
+  J*C extra constraint rows that HiGHS has to carry or presolve away.
+- HiGHS runs on one thread (its parallel scheduler costs ~7 ms even on a trivial MILP), with
+  presolve, symmetry detection and the costly primal heuristics off: on these small models those
+  stages take longer than the branch and bound they are meant to shorten.
+- Larger models go through capacity prices, reduced costs and a restricted MILP with an optimality
+  proof (see the block comment before `_lagrangian`): at 1,000-3,000 jobs x 360 configurations the
+  plain MILP spends 0.3-1.5 s in its root LP alone; the priced path answers the same optimum in
+  ~0.1-0.15 s.
+
+On a time-out, a solver error or an infeasible/unsolved status the previous allocation (`current`)
+stands, `fallback` is True, `status` says why, and the event is logged — never an empty cluster.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import cvxpy as cp
+import cvxpy.settings as cp_status
+import numpy as np
+import scipy.sparse as sp
+
+log = logging.getLogger(__name__)
+
+# Settings, in one place.
+DEFAULT_P = -0.5
+DEFAULT_LAMBDA = 1.1
+DEFAULT_SOLVER = "HIGHS"
+DEFAULT_TIME_LIMIT_S = 5.0
+RESTART_FACTOR_FLOOR = 1e-3
+VALUE_CLIP = 3000.0
+VALUE_SIGNIFICANT_DIGITS = 6
+MIP_REL_GAP = 1e-7
+MIP_ABS_GAP = 1e-7
+SUPPORTED_SOLVERS = ("HIGHS", "GLPK_MI", "CBC")
+# Large models (more entries than this after the reductions) go through prices and a restricted MILP.
+LARGE_MODEL_ENTRIES = 1500
+ASCENT_CYCLES = 6  # coordinate-ascent sweeps over the GPU types' prices
+ASCENT_STEPS = 24  # bisection steps a coordinate
+LP_ROUNDS = 4  # column-generation rounds of the LP relaxation
+RESTRICT_DELTA = 0.02  # restricted MILP: entries with reduced cost <= this x the median |cost|
+
+# One HiGHS thread: on these small MILPs the parallel scheduler's hand-offs cost more than they save
+# (~7 ms vs < 1 ms for a trivial model). HiGHS sizes its scheduler once a process; see _run.
+HIGHS_THREADS: int | None = 1
+HIGHS_OPTIONS = {
+    "presolve": "off",
+    "mip_detect_symmetry": False,
+    "mip_heuristic_run_feasibility_jump": False,
+    "mip_heuristic_run_rins": False,
+    "mip_heuristic_run_rens": False,
+    "mip_heuristic_run_root_reduced_cost": False,
+    "mip_rel_gap": MIP_REL_GAP,
+    "mip_abs_gap": MIP_ABS_GAP,
+}
+
+
+@dataclass(frozen=True, eq=False)
+class IlpProblem:
+    """One round's ILP. Arrays are validated and normalised (dtype, shape) on construction.
+
+    goodput: (J, C) float, row-normalised goodput G_ij (>= 1 where valid; finite and > 0 required
+        where valid; anything, NaN included, elsewhere).
+    valid: (J, C) bool, configuration j allowed for job i.
+    current: (J,) int, index of the job's current configuration, -1 if none.
+    restart_factor: (J,) float in [0, 1], multiplies every column except `current`.
+    locked: (J,) bool, job is mid-restart and must keep `current` (ignored when current == -1).
+    config_type: (C,) int, GPU-type index in [0, T) of each configuration.
+    config_gpus: (C,) int >= 1, GPUs used by each configuration.
+    capacity: (T,) int >= 0, GPUs of each type.
+    """
+
+    goodput: np.ndarray
+    valid: np.ndarray
+    current: np.ndarray
+    restart_factor: np.ndarray
+    locked: np.ndarray
+    config_type: np.ndarray
+    config_gpus: np.ndarray
+    capacity: np.ndarray
+
+    def __post_init__(self) -> None:
+        goodput = np.asarray(self.goodput, dtype=float)
+        if goodput.ndim != 2:
+            raise ValueError(f"goodput must be a (jobs, configurations) matrix, got shape {goodput.shape}")
+        J, C = goodput.shape
+        valid = _bool_array("valid", self.valid, (J, C))
+        current = _int_array("current", self.current, (J,))
+        restart = np.asarray(self.restart_factor, dtype=float)
+        if restart.shape != (J,):
+            raise ValueError(f"restart_factor has shape {restart.shape}, expected ({J},) (one per job)")
+        locked = _bool_array("locked", self.locked, (J,))
+        config_type = _int_array("config_type", self.config_type, (C,))
+        config_gpus = _int_array("config_gpus", self.config_gpus, (C,))
+        capacity = _int_array("capacity", self.capacity, None)
+        if capacity.ndim != 1:
+            raise ValueError(f"capacity must be a vector (one entry a GPU type), got shape {capacity.shape}")
+        T = capacity.shape[0]
+
+        bad = valid & ~(np.isfinite(goodput) & (goodput > 0))
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise ValueError(
+                f"goodput[{i}, {j}] = {float(goodput[i, j])!r} in a valid cell: valid goodput must be finite "
+                f"and > 0 ({int(bad.sum())} such cells)"
+            )
+        if ((current < -1) | (current >= C)).any():
+            i = int(np.flatnonzero((current < -1) | (current >= C))[0])
+            raise ValueError(f"current[{i}] = {current[i]} is out of range: use -1 or a configuration in [0, {C})")
+        if not (np.all(restart >= 0) and np.all(restart <= 1)):  # also catches NaN
+            i = int(np.flatnonzero(~((restart >= 0) & (restart <= 1)))[0])
+            raise ValueError(f"restart_factor[{i}] = {float(restart[i])!r} is not in [0, 1]")
+        if (capacity < 0).any():
+            t = int(np.flatnonzero(capacity < 0)[0])
+            raise ValueError(f"capacity[{t}] = {capacity[t]} is negative")
+        if ((config_type < 0) | (config_type >= T)).any():
+            j = int(np.flatnonzero((config_type < 0) | (config_type >= T))[0])
+            raise ValueError(f"config_type[{j}] = {config_type[j]} is not a GPU type index in [0, {T})")
+        if (config_gpus < 1).any():
+            j = int(np.flatnonzero(config_gpus < 1)[0])
+            raise ValueError(f"config_gpus[{j}] = {config_gpus[j]}: a configuration uses at least one GPU")
+
+        for name, value in (("goodput", goodput), ("valid", valid), ("current", current),
+                            ("restart_factor", restart), ("locked", locked), ("config_type", config_type),
+                            ("config_gpus", config_gpus), ("capacity", capacity)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def jobs(self) -> int:
+        return self.goodput.shape[0]
+
+    @property
+    def configs(self) -> int:
+        return self.goodput.shape[1]
+
+    @property
+    def types(self) -> int:
+        return self.capacity.shape[0]
+
+    @property
+    def pinned(self) -> np.ndarray:
+        """(J,) bool: jobs that must keep their current configuration (locked and running)."""
+        return self.locked & (self.current >= 0)
+
+
+@dataclass(frozen=True, eq=False)
+class IlpSolution:
+    choice: np.ndarray  # (J,) int configuration index per job, -1 = unallocated
+    status: str  # "optimal", or why the previous allocation stands
+    fallback: bool  # True when the previous allocation was kept
+    solve_ms: float
+
+
+def _bool_array(name: str, value, shape) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype != bool:
+        raise ValueError(f"{name} must be a bool array, got dtype {arr.dtype}")
+    if shape is not None and arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _int_array(name: str, value, shape) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if shape is not None and arr.shape != shape:
+        raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
+    return arr
+
+
+def _check_params(p: float, lam: float) -> None:
+    if not np.isfinite(p):
+        raise ValueError(f"fairness exponent p must be finite, got {p!r}")
+    if p == 0:
+        raise ValueError("fairness exponent p = 0 is undefined in Sia's objective (G ** 0 = 1 for every "
+                         "entry): use p < 0 (minimise, the paper's -0.5) or p > 0 (maximise)")
+    if not np.isfinite(lam):
+        raise ValueError(f"lam must be finite, got {lam!r}")
+
+
+def round_significant(a: np.ndarray, digits: int = VALUE_SIGNIFICANT_DIGITS) -> np.ndarray:
+    """Round positive finite values to `digits` significant digits (zeros and non-finite pass through)."""
+    a = np.asarray(a, dtype=float)
+    out = a.copy()
+    ok = np.isfinite(a) & (a > 0)
+    if ok.any():
+        x = a[ok]
+        scale = 10.0 ** (digits - 1 - np.floor(np.log10(x)))
+        out[ok] = np.round(x * scale) / scale
+    return out
+
+
+def value_matrix(problem: IlpProblem, p: float = DEFAULT_P) -> np.ndarray:
+    """(J, C) values A_ij the solver uses: (r_ij G_ij) ** p, clipped and rounded; NaN where unusable.
+
+    Usable cells are the valid ones plus a pinned job's current cell when its goodput is finite > 0.
+    """
+    _check_params(p, DEFAULT_LAMBDA)
+    G = problem.goodput
+    J, C = G.shape
+    usable = problem.valid.copy()
+    pinned = np.flatnonzero(problem.pinned)
+    if pinned.size:
+        cur = problem.current[pinned]
+        g = G[pinned, cur]
+        usable[pinned, cur] = np.isfinite(g) & (g > 0)
+    r = np.repeat(np.maximum(problem.restart_factor, RESTART_FACTOR_FLOOR)[:, None], C, axis=1)
+    running = np.flatnonzero(problem.current >= 0)
+    r[running, problem.current[running]] = 1.0
+    with np.errstate(all="ignore"):
+        A = np.power(r * np.where(usable, G, 1.0), p)
+    A = round_significant(np.minimum(A, VALUE_CLIP))
+    return np.where(usable, A, np.nan)
+
+
+def objective(problem: IlpProblem, choice: np.ndarray, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA) -> float:
+    """Sia's objective of an allocation (minimised for p < 0, maximised for p > 0), with the ILP's values."""
+    _check_params(p, lam)
+    choice = np.asarray(choice)
+    A = value_matrix(problem, p)
+    on = np.flatnonzero(choice >= 0)
+    total = float(np.sum(A[on, choice[on]]))
+    unallocated = problem.jobs - on.size
+    return total + lam * unallocated if p < 0 else total - lam * unallocated
+
+
+def _cost_matrix(A: np.ndarray, p: float, lam: float) -> np.ndarray:
+    """Per-entry cost in minimisation form; the constant lam*J (or -lam*J) is dropped."""
+    return A - lam if p < 0 else -(A + lam)
+
+
+def _candidates(problem: IlpProblem, cost: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """(J, C) bool: entries worth a variable (valid, not pinned, improving, not dominated)."""
+    keep = problem.valid & np.isfinite(cost) & (cost < 0)
+    keep[problem.pinned] = False
+    gpus, types = problem.config_gpus, problem.config_type
+    for t in range(problem.types):
+        cols = np.flatnonzero(types == t)
+        if cols.size == 0:
+            continue
+        fits = gpus[cols] <= free[t]
+        keep[:, cols[~fits]] = False  # cannot fit even in an otherwise empty type
+        cols = cols[np.argsort(gpus[cols], kind="stable")]
+        sub = np.where(keep[:, cols], cost[:, cols], np.inf)
+        # best cost among strictly-earlier (fewer or equal GPUs, earlier in order) entries of this type
+        before = np.minimum.accumulate(
+            np.concatenate([np.full((sub.shape[0], 1), np.inf), sub[:, :-1]], axis=1), axis=1)
+        keep[:, cols] &= sub < before
+    return keep
+
+
+@functools.cache
+def _installed_milp_solvers() -> tuple[str, ...]:
+    installed = set(cp.installed_solvers())
+    return tuple(name for name in SUPPORTED_SOLVERS if name in installed)
+
+
+def _resolve_solver(solver: str) -> str:
+    name = str(solver).upper()
+    installed = ", ".join(_installed_milp_solvers()) or "none"
+    if name not in SUPPORTED_SOLVERS:
+        raise ValueError(f"unknown MILP solver {solver!r}: supported {', '.join(SUPPORTED_SOLVERS)}; "
+                         f"installed here: {installed}")
+    if name not in _installed_milp_solvers():
+        raise ValueError(f"MILP solver {name} is not installed; installed here: {installed}")
+    return name
+
+
+# HiGHS keeps one thread scheduler a process, sized by the first run that starts it; a later run that
+# asks for another size fails. When something else started it first, drop our `threads` request.
+_highs_threads_clash = False
+
+
+def _solver_options(solver: str, time_limit_s: float) -> dict:
+    if solver == "HIGHS":
+        options = dict(HIGHS_OPTIONS, time_limit=time_limit_s)
+        if HIGHS_THREADS is not None and not _highs_threads_clash:
+            options["threads"] = HIGHS_THREADS
+        return options
+    if solver == "GLPK_MI":
+        return {"tm_lim": max(1, int(round(time_limit_s * 1000)))}  # milliseconds (cvxopt.glpk options)
+    if solver == "CBC":
+        return {"maximumSeconds": time_limit_s}
+    return {}
+
+
+@dataclass(frozen=True, eq=False)
+class _Reduced:
+    """The ILP after the exact reductions: one entry per surviving (job, configuration) pair."""
+
+    job: np.ndarray  # (n,) job of each entry
+    config: np.ndarray  # (n,) configuration of each entry
+    cost: np.ndarray  # (n,) cost in minimisation form, < 0
+    gpus: np.ndarray  # (n,) float GPUs
+    kind: np.ndarray  # (n,) GPU type
+    free: np.ndarray  # (T,) float GPUs of each type left after the pinned jobs
+    jobs: int
+
+    @property
+    def types(self) -> int:
+        return self.free.shape[0]
+
+
+class _SolverFailure(Exception):
+    """A solver call that gave no usable answer; `status` is what the IlpSolution reports."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
+def _constraints(m: _Reduced, idx: np.ndarray) -> tuple[sp.csr_matrix, np.ndarray]:
+    """K x <= b over entries `idx`: a one-configuration row for each job with two or more entries
+    (a job with one entry is held by the variable's bound), then one capacity row per GPU type."""
+    job = m.job[idx]
+    per_job = np.bincount(job, minlength=m.jobs)
+    multi = per_job[job] > 1
+    job_row = np.cumsum(per_job > 1) - 1
+    n_job_rows = int(np.count_nonzero(per_job > 1))
+    rows = np.concatenate([job_row[job[multi]], n_job_rows + m.kind[idx]])
+    cols = np.concatenate([np.flatnonzero(multi), np.arange(idx.size)])
+    vals = np.concatenate([np.ones(np.count_nonzero(multi)), m.gpus[idx]])
+    K = sp.csr_matrix((vals, (rows, cols)), shape=(n_job_rows + m.types, idx.size))
+    return K, np.concatenate([np.ones(n_job_rows), m.free])
+
+
+def _run(program: cp.Problem, solver: str, time_limit_s: float) -> None:
+    """Solve through cvxpy; raise _SolverFailure unless the status is optimal."""
+    global _highs_threads_clash
+    options = _solver_options(solver, max(time_limit_s, 1e-9))
+    try:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # cvxpy warns on inaccurate/limited statuses; we report them
+                program.solve(solver=solver, **options)
+        except cp.SolverError:
+            if "threads" not in options:
+                raise
+            # Most likely HiGHS's scheduler was started with another thread count: retry without.
+            options.pop("threads")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program.solve(solver=solver, **options)
+            _highs_threads_clash = True
+            log.info("sia ILP: HiGHS's thread scheduler was already started; running with its thread count")
+    except Exception as exc:  # noqa: BLE001 - any solver failure must leave the cluster as it is
+        raise _SolverFailure(f"solver_error: {type(exc).__name__}: {exc}") from exc
+    status = program.status
+    if status == cp_status.USER_LIMIT:
+        raise _SolverFailure(f"timeout: {solver} stopped at its time limit")
+    if status in cp_status.INF_OR_UNB:
+        raise _SolverFailure(f"infeasible: {solver} reported {status}")
+    if status not in (cp_status.OPTIMAL, cp_status.OPTIMAL_INACCURATE):
+        raise _SolverFailure(f"solver_error: {solver} returned status {status}")
+    if status != cp_status.OPTIMAL:
+        log.info("sia ILP: %s returned %s; the answer is checked before use", solver, status)
+
+
+def _milp(m: _Reduced, idx: np.ndarray, solver: str, deadline: float) -> np.ndarray:
+    """The MILP over entries `idx`; returns the chosen entries (indices into the reduced model)."""
+    if idx.size == 0:
+        return idx
+    K, b = _constraints(m, idx)
+    x = cp.Variable(idx.size, boolean=True)
+    _run(cp.Problem(cp.Minimize(m.cost[idx] @ x), [K @ x <= b]), solver, deadline - time.perf_counter())
+    if x.value is None:
+        raise _SolverFailure(f"solver_error: {solver} reported optimal but returned no solution")
+    chosen = idx[np.asarray(x.value).reshape(-1) > 0.5]
+    if np.bincount(m.job[chosen], minlength=m.jobs).max(initial=0) > 1:
+        raise _SolverFailure(f"solver_error: {solver} gave a job two configurations")
+    return chosen
+
+
+# --- Large models: prices, reduced costs, a restricted MILP and its optimality proof ------------
+#
+# For prices mu >= 0 on the capacity rows, the Lagrangian bound
+#     L(mu) = sum_i min(0, min_j (c_ij + mu_t(j) g_j)) - mu . free
+# is <= the cost of every feasible allocation, and any allocation that gives job i entry j costs
+# at least L(mu) + rc_ij, with the reduced cost rc_ij = c_ij + mu_t(j) g_j - min(0, min_j' (...)) >= 0.
+# So once some allocation of cost U is known, entries with rc_ij > U - L(mu) are in no allocation
+# better than U and can be dropped. With mu near the LP optimum, U - L(mu) is tiny when many jobs
+# share the capacity (the LP relaxation of this multiple-choice knapsack then has at most a few
+# fractional jobs) and only a few percent of the entries remain. The steps: prices by coordinate
+# ascent on L (cheap, vectorised), polished by a few LP solves over the entries with small reduced
+# cost (column generation: stop once the restricted LP's value equals L, i.e. it is the full LP's
+# optimum); a MILP over the entries with rc <= delta gives U; if some dropped entry has
+# rc <= U - L, one more MILP over all entries with rc <= U - L, which is then provably optimal
+# (up to the solver's gap), like the direct MILP.
+
+
+def _lagrangian(m: _Reduced, mu: np.ndarray) -> tuple[float, np.ndarray]:
+    v = m.cost + mu[m.kind] * m.gpus
+    best = np.zeros(m.jobs)
+    np.minimum.at(best, m.job, v)
+    return float(best.sum() - mu @ m.free), v - best[m.job]
+
+
+def _price_ascent(m: _Reduced) -> np.ndarray:
+    """Capacity prices by cyclic coordinate ascent on L(mu), each coordinate by bisection."""
+    configs, column = np.unique(m.config, return_inverse=True)
+    dense = np.full((m.jobs, configs.size), np.inf)
+    dense[m.job, column] = m.cost
+    kind = np.zeros(configs.size, dtype=np.int64)
+    kind[column] = m.kind
+    gpus = np.zeros(configs.size)
+    gpus[column] = m.gpus
+    rows = np.arange(m.jobs)
+
+    def usage(mu: np.ndarray) -> np.ndarray:
+        v = dense + mu[kind] * gpus
+        pick = np.argmin(v, axis=1)
+        pick = pick[v[rows, pick] < 0]
+        return np.bincount(kind[pick], weights=gpus[pick], minlength=m.types)
+
+    top = float(np.max(-m.cost / m.gpus)) * (1 + 1e-9)  # at this price a type is worth nothing to anyone
+    mu = np.zeros(m.types)
+    for _ in range(ASCENT_CYCLES):
+        before = mu.copy()
+        for t in range(m.types):
+            mu[t] = 0.0
+            if usage(mu)[t] <= m.free[t]:
+                continue  # capacity of t is slack even when free: its price is 0
+            lo, hi = 0.0, top
+            for _ in range(ASCENT_STEPS):
+                mid = 0.5 * (lo + hi)
+                mu[t] = mid
+                if usage(mu)[t] > m.free[t]:
+                    lo = mid
+                else:
+                    hi = mid
+            mu[t] = hi
+        if np.allclose(mu, before, rtol=1e-4, atol=1e-12):
+            break
+    return mu
+
+
+def _lp_prices(m: _Reduced, idx: np.ndarray, deadline: float) -> tuple[np.ndarray, float]:
+    """Capacity duals and value of the LP relaxation over entries `idx` (HiGHS, through cvxpy)."""
+    if idx.size == 0:
+        return np.zeros(m.types), 0.0
+    K, b = _constraints(m, idx)
+    x = cp.Variable(idx.size, bounds=[0, 1])
+    rows = K @ x <= b
+    lp = cp.Problem(cp.Minimize(m.cost[idx] @ x), [rows])
+    _run(lp, "HIGHS", deadline - time.perf_counter())
+    if rows.dual_value is None:
+        raise _SolverFailure("solver_error: HIGHS returned no duals for the LP relaxation")
+    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.types:], 0.0), float(lp.value)
+
+
+def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
+    mu = _price_ascent(m)
+    bound, rc = _lagrangian(m, mu)
+    delta = RESTRICT_DELTA * float(np.median(-m.cost))
+    sel = rc <= delta
+    for _ in range(LP_ROUNDS):
+        try:
+            mu_lp, lp_value = _lp_prices(m, np.flatnonzero(sel), deadline)
+        except _SolverFailure as failure:
+            if failure.status.startswith("timeout"):
+                raise
+            log.info("sia ILP: LP prices unavailable (%s); using the ascent's", failure.status)
+            break
+        bound_lp, rc_lp = _lagrangian(m, mu_lp)
+        if bound_lp > bound:
+            mu, bound, rc = mu_lp, bound_lp, rc_lp
+        if bound_lp >= lp_value - 1e-9 * max(1.0, abs(lp_value)):
+            break  # no dropped entry prices out: the restricted LP is the full LP's optimum
+        sel |= rc_lp <= delta
+    sel = rc <= delta
+    chosen = _milp(m, np.flatnonzero(sel), solver, deadline)
+    upper = float(m.cost[chosen].sum())
+    need = rc <= upper - bound + 1e-9 * max(1.0, abs(upper))
+    if np.any(need & ~sel):
+        log.debug("sia ILP: restricted MILP not proven (gap %.3g); widening to %d entries",
+                  upper - bound, int(np.count_nonzero(need | sel)))
+        chosen = _milp(m, np.flatnonzero(need | sel), solver, deadline)
+    return chosen
+
+
+def _fallback(problem: IlpProblem, status: str, start: float, exc_info: bool = False) -> IlpSolution:
+    log.warning("sia ILP: keeping the previous allocation of %d jobs (%s)", problem.jobs, status,
+                exc_info=exc_info)
+    return IlpSolution(problem.current.copy(), status, True, (time.perf_counter() - start) * 1e3)
+
+
+def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
+          time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> IlpSolution:
+    """Solve one round's ILP; on time-out or solver failure keep `problem.current` (fallback=True).
+
+    `time_limit_s` bounds the work after the exact reductions: the solver calls (each gets what is
+    left) and, for large models, the price computation between them. The reductions before take
+    ~1 ms at 60 jobs and ~25 ms at 3,000 jobs x 360 configurations. Raises ValueError for p == 0, a
+    non-finite p or lam, a non-positive time limit, or an unknown or uninstalled solver.
+    """
+    start = time.perf_counter()
+    _check_params(p, lam)
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s must be > 0, got {time_limit_s!r}")
+    solver = _resolve_solver(solver)
+    J, T = problem.jobs, problem.types
+
+    choice = np.full(J, -1, dtype=np.int64)
+    pinned = np.flatnonzero(problem.pinned)
+    choice[pinned] = problem.current[pinned]
+    free = problem.capacity.copy()
+    np.subtract.at(free, problem.config_type[choice[pinned]], problem.config_gpus[choice[pinned]])
+    if (free < 0).any():
+        t = int(np.flatnonzero(free < 0)[0])
+        return _fallback(problem, f"infeasible: locked jobs need {problem.capacity[t] - free[t]} GPUs of "
+                         f"type {t}, capacity {problem.capacity[t]}", start)
+
+    cost = _cost_matrix(value_matrix(problem, p), p, lam)
+    keep = _candidates(problem, cost, free)
+
+    # Exact shortcut: if every job's best entry fits together, that is the optimum (no solver).
+    best = np.where(keep, cost, np.inf)
+    pick = np.argmin(best, axis=1) if problem.configs else np.zeros(J, dtype=np.int64)
+    has = keep.any(axis=1)
+    use = np.bincount(problem.config_type[pick[has]], weights=problem.config_gpus[pick[has]], minlength=T)
+    if np.all(use <= free):
+        choice[has] = pick[has]
+        return IlpSolution(choice, "optimal", False, (time.perf_counter() - start) * 1e3)
+
+    job, config = np.nonzero(keep)
+    m = _Reduced(job, config, cost[job, config], problem.config_gpus[config].astype(float),
+                 problem.config_type[config], free.astype(float), J)
+    deadline = time.perf_counter() + time_limit_s
+    try:
+        if job.size > LARGE_MODEL_ENTRIES and "HIGHS" in _installed_milp_solvers():
+            chosen = _solve_large(m, solver, deadline)
+        else:
+            chosen = _milp(m, np.arange(job.size), solver, deadline)
+    except _SolverFailure as failure:
+        return _fallback(problem, failure.status, start, exc_info=failure.__cause__ is not None)
+
+    choice[m.job[chosen]] = m.config[chosen]
+    on = choice >= 0
+    used = np.bincount(problem.config_type[choice[on]], weights=problem.config_gpus[choice[on]], minlength=T)
+    if np.any(used > problem.capacity):
+        return _fallback(problem, f"solver_error: {solver}'s allocation exceeds capacity", start)
+    return IlpSolution(choice, "optimal", False, (time.perf_counter() - start) * 1e3)
