@@ -28,14 +28,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantum", type=int, help="timeslice: iterations a job runs before it yields (default 100)")
     parser.add_argument("--restart-delay", type=float, metavar="S",
                         help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
-    parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60; "
-                                                      "the timeslice policy decides every round)")
+    parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
+                                                      "tiresias and timeslice decide every round")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
     sim.add_argument("--workload", required=True, help="workload CSV (name,time,application,num_replicas,batch_size)")
-    sim.add_argument("--policy", default="sia", choices=sorted(POLICIES))
+    sim.add_argument("--policy", default="sia", metavar="NAME[:KEY=VALUE,...]",
+                     help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
+                          "(default: %(default)s)")
     sim.add_argument("--bus", choices=["direct"], default="direct", help="wire the cores directly (default)")
     sim.add_argument("--out", default="simulation.json", help="result JSON (default: %(default)s)")
     sim.add_argument("--plot", help="PNG: GPUs per application over time and the JCT CDF")
@@ -45,26 +47,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp = sub.add_parser("compare", help="several policies on several workload files; prints the table")
     cmp.add_argument("--workloads", nargs="+", required=True,
                      help="workload CSVs or folders of them (each folder is one set; cells are means over its files)")
-    cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], choices=sorted(POLICIES))
+    cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], metavar="NAME[:KEY=VALUE,...]")
     cmp.add_argument("--out", default="compare.json", help="all results as JSON (default: %(default)s)")
     _common(cmp)
     cmp.set_defaults(func=_compare)
+
+
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """'gavel:objective=max_sum_throughput,round_s=60' -> ('gavel', {...}); values parsed as JSON when they can be."""
+    name, _, rest = spec.partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return name, options
 
 
 def _options(args: argparse.Namespace, policy: str) -> dict:
     options = {}
     if args.p is not None and policy in ("sia", "pollux"):
         options["p"] = args.p
-    if policy == "timeslice":
-        options.update({k: v for k, v in (("quantum", args.quantum), ("round_s", args.round_s)) if v is not None})
+    if policy == "timeslice" and args.quantum is not None:
+        options["quantum"] = args.quantum
+    if policy in ("fifo", "tiresias", "timeslice") and args.round_s is not None:
+        options["round_s"] = args.round_s        # sia and pollux keep 60 s, gavel its 360 s
     return options
 
 
-def _run(args: argparse.Namespace, workload: str, policy: str, sources, progress: bool) -> dict:
+def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
     from sim.run import simulate
-    return simulate(workload, args.cluster, policy, calibration=args.calibration,
-                    policy_options=_options(args, policy), feedback_iterations=args.feedback_iterations,
-                    sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s, progress=progress)
+    policy, options = policy_spec(spec)
+    result = simulate(workload, args.cluster, policy, calibration=args.calibration,
+                      policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
+                      sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
+                      progress=progress)
+    result["policy_spec"] = spec
+    return result
 
 
 def _hours(seconds) -> str:
@@ -82,7 +107,7 @@ def _simulate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"{result['policy']} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
+    print(f"{result['policy_spec']} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
     print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, took {took:.1f} s")
     print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
           f"makespan {_hours(result['makespan_s'])} h")
@@ -122,6 +147,8 @@ def _compare(args: argparse.Namespace) -> int:
     sets = _workload_sets(args.workloads)
     sources = job_sources(args.reference, args.zoo)
     rows, everything = [], []
+    for spec in args.policies:
+        policy_spec(spec)                          # refuse a bad name before hours of runs
     for name, files in sets.items():
         for policy in args.policies:
             runs = []

@@ -133,15 +133,12 @@ class Simulator:
             if not active:                       # idle: jump to the round of the next arrival
                 now = step * -(-waiting[0].spec.time // step)
                 continue
-            if now >= next_decision:
+            if now >= next_decision - 1e-9:      # decisions on the policy's own grid of rounds
                 self._decide(now, active)
-                next_decision = now + self.policy.round_s
+                next_decision = (now // self.policy.round_s + 1) * self.policy.round_s
             for job in active:
                 self._advance(job, now, step)
-            done = [j for j in active if j.finish_s is not None]
-            if done:
-                active = [j for j in active if j.finish_s is None]
-                next_decision = min(next_decision, now + step)   # freed GPUs: re-decide next round
+            active = [j for j in active if j.finish_s is None]
             now += step
             if progress:
                 progress(now, len(self.jobs) - len(waiting) - len(active), len(self.jobs))
@@ -154,7 +151,9 @@ class Simulator:
         return (lo, min(hi, cap)) if cap else (lo, hi)
 
     def _job_models(self, job: SimJob) -> JobModels:
-        sqr, var = job.truth.stats(job.progress)
+        # The statistics the job reports: measured at the batch it runs (M0 before it ever ran).
+        batch = job.config.gpus * job.m * (job.s + 1) if job.placement and job.m else job.truth.init_batch
+        sqr, var = job.truth.stats(job.progress, batch)
         fixed_gpus, fixed_batch = job.rigid or (None, None)
         return JobModels(
             job_id=job.name,

@@ -2,14 +2,15 @@
 
 The scheduler never reads this module; it sees only profiles and what the job reports. Two sources:
 
-- `ReferenceTruth`: the measured profiles, as the Pollux and Sia simulators use them. A placement
+- `reference_truth`: the measured profiles, as the Pollux and Sia simulators use them. A placement
   that was measured (digits = GPUs per node, stored in their smallest rotation) is linearly
   interpolated over the per-GPU batch; any other placement is interpolated over (nodes, GPUs,
   per-GPU batch) from the scalability table joined with the placements' means. Gradient statistics
-  per epoch come from the validation run at the initial batch; epoch boundaries are the smallest
-  progress over all validation runs.
-- `ZooTruth`: the built-in zoo's fitted models and PGNS curves, for the embedded default that has
-  no reference data.
+  per epoch are interpolated linearly in the batch size between the validation runs that bracket
+  it (a job measures them at the batch it runs); epoch boundaries are the smallest progress over
+  all validation runs.
+- `zoo_truth`: the built-in zoo's fitted models and PGNS curves (at the initial batch), for the
+  embedded default that has no reference data.
 
 Progress is counted in iterations at the initial batch M0 (the `progress` column): a step at batch
 M advances it by EFFICIENCY(M) * M / M0.
@@ -116,8 +117,9 @@ class ModelTruth:
     init_batch: int
     max_batch: int
     boundaries: np.ndarray       # cumulative progress at the end of each epoch
-    grad_sqr: np.ndarray         # per epoch, at M0
-    grad_var: np.ndarray
+    batches: np.ndarray          # (B,) batch sizes with measured gradient statistics
+    grad_sqr: np.ndarray         # (B, epochs)
+    grad_var: np.ndarray         # (B, epochs)
 
     @property
     def total_progress(self) -> float:
@@ -126,26 +128,29 @@ class ModelTruth:
     def epoch(self, progress: float) -> int:
         return min(int(np.searchsorted(self.boundaries, progress, side="right")), len(self.boundaries) - 1)
 
-    def stats(self, progress: float) -> tuple[float, float]:
+    def stats(self, progress: float, batch: float) -> tuple[float, float]:
+        """(grad_sqr, grad_var) in the current epoch, as measured at this batch size."""
         e = self.epoch(progress)
-        return float(self.grad_sqr[e]), float(self.grad_var[e])
+        return (float(np.interp(batch, self.batches, self.grad_sqr[:, e])),
+                float(np.interp(batch, self.batches, self.grad_var[:, e])))
 
     def efficiency(self, progress: float, batch: float) -> float:
-        return float(efficiency(pgns(*self.stats(progress), self.init_batch), self.init_batch, batch))
+        return float(efficiency(pgns(*self.stats(progress, batch), self.init_batch), self.init_batch, batch))
 
 
 def reference_truth(trace: ModelTrace) -> ModelTruth:
-    run = trace.validation[trace.init_batch]
-    boundaries = np.min([v.progress[: len(run)] for v in trace.validation.values() if len(v) >= len(run)], axis=0)
+    epochs = len(trace.validation[trace.init_batch])
+    runs = [trace.validation[b] for b in sorted(trace.validation) if len(trace.validation[b]) >= epochs]
     return ModelTruth(
         name=trace.name,
         types={t: MeasuredType(m, trace.scalability.get(t)) for t, m in trace.placements.items()},
         local_limits={t: trace.local_bsz_limits(t) for t in trace.placements},
         init_batch=trace.init_batch,
         max_batch=trace.max_batch,
-        boundaries=np.asarray(boundaries, dtype=float),
-        grad_sqr=np.asarray(run.grad_sqr, dtype=float),
-        grad_var=np.asarray(run.grad_var, dtype=float),
+        boundaries=np.min([r.progress[:epochs] for r in runs], axis=0).astype(float),
+        batches=np.array([r.batch_size for r in runs], dtype=float),
+        grad_sqr=np.array([r.grad_sqr[:epochs] for r in runs], dtype=float),
+        grad_var=np.array([r.grad_var[:epochs] for r in runs], dtype=float),
     )
 
 
@@ -157,6 +162,7 @@ def zoo_truth(model: ZooModel) -> ModelTruth:
         init_batch=model.init_batch,
         max_batch=model.max_batch,
         boundaries=np.asarray(model.progress, dtype=float),
-        grad_sqr=np.asarray(model.grad_sqr, dtype=float),
-        grad_var=np.asarray(model.grad_var, dtype=float),
+        batches=np.array([model.init_batch], dtype=float),      # the zoo keeps the curve at M0
+        grad_sqr=np.asarray(model.grad_sqr, dtype=float)[None, :],
+        grad_var=np.asarray(model.grad_var, dtype=float)[None, :],
     )

@@ -87,7 +87,10 @@ def make_policy(name: str, **options) -> Policy:
         module, cls = POLICIES[name].split(":")
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
-    return getattr(importlib.import_module(module), cls)(**options)
+    try:
+        return getattr(importlib.import_module(module), cls)(**options)
+    except TypeError as exc:
+        raise ValueError(f"policy {name!r} does not take these options {sorted(options)}: {exc}") from None
 
 
 def free_gpus(cluster: Cluster, placements: Mapping[str, Spots]) -> dict[str, int]:

@@ -1,6 +1,10 @@
 """`gavel`: heterogeneity-aware max-min fairness over normalised throughputs (Gavel, OSDI '20, as ported
 to Sia's simulator): rigid jobs at their requested GPU count and batch, 360 s rounds.
 
+`objective="max_sum_throughput"` swaps step 3's objective for Gavel's throughput-maximising one,
+max sum X[j, t] * steps/s[j, t] (not normalised), which is what Sia's public port of Gavel runs by
+default; the rest is the same.
+
 1. Throughput matrix. thr[j, t] = the job's samples/s on type t at its requested GPU count g_j and
    requested batch (`fifo.requested_throughput_matrix`: the job's model on t, the batch split across
    accumulation steps so the per-GPU batch respects t's largest, on the fewest nodes that hold g_j);
@@ -78,6 +82,29 @@ def proportional_throughput(thr: np.ndarray, capacity: np.ndarray) -> np.ndarray
     return thr @ (capacity / capacity.sum())
 
 
+def _polytope(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray):
+    """The feasible time shares of module step 3, over the (job, type) pairs that can run:
+    (job_idx, type_idx, local row of each pair's job, LP rows, sum_t X <= 1 rows, capacity rows)."""
+    n_types = thr.shape[1]
+    runnable = (thr > 0) & (gpus[:, None] <= capacity[None, :])
+    rows = np.flatnonzero(runnable.any(axis=1))
+    job_idx, type_idx = np.nonzero(runnable[rows])
+    job_idx = rows[job_idx]
+    n_vars = job_idx.size
+    local = np.searchsorted(rows, job_idx)                        # the job's row among the LP's jobs
+    cols = np.arange(n_vars)
+    one_type = sp.csr_matrix((np.ones(n_vars), (local, cols)), shape=(rows.size, n_vars))
+    cap_rows = sp.csr_matrix((gpus[job_idx], (type_idx, cols)), shape=(n_types, n_vars))
+    return runnable, job_idx, type_idx, local, rows, one_type, cap_rows
+
+
+def _finish(x: np.ndarray, job_idx, type_idx, solution: np.ndarray) -> np.ndarray:
+    solution = np.clip(solution, 0.0, 1.0)
+    solution[solution < ZERO] = 0.0
+    x[job_idx, type_idx] = solution
+    return x
+
+
 def max_min_fair(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray, refine: bool = True) -> FairAllocation:
     """max_X min_j sum_t X[j, t] thr[j, t] / thr_eq[j] over the polytope of module step 3.
 
@@ -89,20 +116,13 @@ def max_min_fair(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray, refine
     capacity = np.asarray(capacity, dtype=float)
     n_jobs, n_types = thr.shape
     x = np.zeros((n_jobs, n_types))
-    runnable = (thr > 0) & (gpus[:, None] <= capacity[None, :])
-    rows = np.flatnonzero(runnable.any(axis=1))
+    runnable, job_idx, type_idx, local, rows, one_type, cap_rows = _polytope(thr, gpus, capacity)
     if rows.size == 0:
         return FairAllocation(x, 0.0, "optimal")
     thr_eq = proportional_throughput(np.where(runnable, thr, 0.0), capacity)
-    job_idx, type_idx = np.nonzero(runnable[rows])
-    job_idx = rows[job_idx]
     coef = thr[job_idx, type_idx] / thr_eq[job_idx]              # normalised throughput per unit of time
     n_vars = job_idx.size
-    local = np.searchsorted(rows, job_idx)                        # the job's row among the LP's jobs
     cols = np.arange(n_vars)
-    # sum_t X[j, t] <= 1 per job; sum_j g_j X[j, t] <= cap_t per type
-    one_type = sp.csr_matrix((np.ones(n_vars), (local, cols)), shape=(rows.size, n_vars))
-    cap_rows = sp.csr_matrix((gpus[job_idx], (type_idx, cols)), shape=(n_types, n_vars))
     # z - sum_t coef X[j, t] <= 0 per job (z is the last variable)
     fairness = sp.hstack([sp.csr_matrix((-coef, (local, cols)), shape=(rows.size, n_vars)),
                           sp.csr_matrix(np.ones((rows.size, 1)))])
@@ -129,10 +149,26 @@ def max_min_fair(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray, refine
             solution = second.x
         else:
             log.warning("gavel: refining LP failed (%s); keeping the max-min point", second.message)
-    solution = np.clip(solution, 0.0, 1.0)
-    solution[solution < ZERO] = 0.0
-    x[job_idx, type_idx] = solution
-    return FairAllocation(x, value, "optimal")
+    return FairAllocation(_finish(x, job_idx, type_idx, solution), value, "optimal")
+
+
+def max_sum_throughput(steps: np.ndarray, gpus: np.ndarray, capacity: np.ndarray) -> FairAllocation:
+    """max_X sum_j,t X[j, t] steps[j, t] over the same polytope: Gavel's throughput-maximising
+    objective (optimizer steps per second, not normalised), the one Sia's port of Gavel runs by
+    default. `value` is the total."""
+    steps = np.asarray(steps, dtype=float)
+    gpus = np.asarray(gpus, dtype=float)
+    capacity = np.asarray(capacity, dtype=float)
+    x = np.zeros(steps.shape)
+    _, job_idx, type_idx, _, rows, one_type, cap_rows = _polytope(steps, gpus, capacity)
+    if rows.size == 0:
+        return FairAllocation(x, 0.0, "optimal")
+    a_ub = sp.vstack([one_type, cap_rows]).tocsr()
+    b_ub = np.concatenate([np.ones(rows.size), capacity])
+    result = linprog(-steps[job_idx, type_idx], A_ub=a_ub, b_ub=b_ub, bounds=(0.0, 1.0), method="highs")
+    if result.status != 0:
+        return FairAllocation(x, 0.0, f"max-throughput LP failed: {result.message}")
+    return FairAllocation(_finish(x, job_idx, type_idx, result.x), float(-result.fun), "optimal")
 
 
 def received_fraction(job: JobView, gpu_types: tuple[str, ...]) -> np.ndarray:
@@ -168,9 +204,14 @@ class GavelPolicy:
     name = "gavel"
     adaptive_batch = False
 
-    def __init__(self, round_s: float = ROUND_S, refine: bool = True):
+    OBJECTIVES = ("max_min_fairness", "max_sum_throughput")
+
+    def __init__(self, round_s: float = ROUND_S, refine: bool = True, objective: str = "max_min_fairness"):
+        if objective not in self.OBJECTIVES:
+            raise ValueError(f"unknown gavel objective {objective!r}; choose one of {', '.join(self.OBJECTIVES)}")
         self.round_s = round_s
         self.refine = refine
+        self.objective = objective
 
     def allocate(self, state: RoundState) -> Decision:
         cluster = state.cluster
@@ -180,7 +221,11 @@ class GavelPolicy:
         gpus = np.array([j.requested_gpus for j in jobs], dtype=float)
         capacity = np.array([cluster.capacity(t) for t in types], dtype=float)
         events: list[str] = []
-        fair = max_min_fair(thr, gpus, capacity, refine=self.refine)
+        if self.objective == "max_min_fairness":
+            fair = max_min_fair(thr, gpus, capacity, refine=self.refine)
+        else:
+            batch = np.array([j.requested_batch for j in jobs], dtype=float)[:, None]
+            fair = max_sum_throughput(thr / batch, gpus, capacity)
         if fair.status != "optimal":
             log.warning("gavel: %s; priorities fall back to time received", fair.status)
             events.append(f"gavel: {fair.status}")

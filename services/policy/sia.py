@@ -4,7 +4,8 @@ The matrix already holds Sia's scaling rules (new jobs at one GPU, at most twice
 ever had, never below its minimum, rigid jobs at their GPU count, strong-scaling jobs at their
 batch). This module adds what the ILP needs from the jobs' histories: the restart factor
 r_i = max(T_i - N_i * S_i, 0) / (T_i + S_i) (1 while the job is younger than S_i), applied to
-every column but the job's current one, and the lock that keeps a job mid-restart where it is.
+every column but a running job's current one (a waiting job starts wherever it goes, so it pays
+nothing extra), and the lock that keeps a job mid-restart where it is.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class SiaPolicy:
             goodput=table.normalized,
             valid=table.valid,
             current=current,
-            restart_factor=np.array([restart_factor(v.age_s, v.restarts, v.restart_cost_s) for v in jobs]),
+            # A waiting job must (re)start wherever it goes: only running jobs pay for a move.
+            restart_factor=np.array([restart_factor(v.age_s, v.restarts, v.restart_cost_s) if v.current else 1.0
+                                     for v in jobs]),
             locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid,
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),

@@ -66,6 +66,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -99,6 +101,7 @@ RESTRICT_DELTA = 0.02  # restricted MILP: entries with reduced cost <= this x th
 # (~7 ms vs < 1 ms for a trivial model). HiGHS sizes its scheduler once a process; see _run.
 HIGHS_THREADS: int | None = 1
 HIGHS_OPTIONS = {
+    "output_flag": False,            # no banner or log on stdout: a service's output is its own
     "presolve": "off",
     "mip_detect_symmetry": False,
     "mip_heuristic_run_feasibility_jump": False,
@@ -328,8 +331,26 @@ def _resolve_solver(solver: str) -> str:
 _highs_threads_clash = False
 
 
+@functools.cache
+def _quiet_highs() -> None:
+    """HiGHS prints a banner on stdout when the first solver object of a process is made, whatever
+    its options; make that first one with stdout pointed away, once."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _solver_options(solver: str, time_limit_s: float) -> dict:
     if solver == "HIGHS":
+        _quiet_highs()
         options = dict(HIGHS_OPTIONS, time_limit=time_limit_s)
         if HIGHS_THREADS is not None and not _highs_threads_clash:
             options["threads"] = HIGHS_THREADS
