@@ -3,7 +3,6 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-REFERENCE ?= ../shared/reference
 
 .PHONY: install run test bench clean
 
@@ -17,14 +16,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job on the embedded default: no reference data needed.
 run: $(STAMP)
-	$(VENV)/bin/goodput models report --reference $(REFERENCE)/sia --out out/models-report.json
+	$(VENV)/bin/goodput simulate --workload examples/workloads/mixed-40.csv --cluster sia-hetero-64 \
+		--policy sia --zoo --out out/simulation.json --plot out/simulation.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py
+	$(PY) benchmarks/bench_sia_ilp.py
 
 clean:
 	rm -rf $(VENV) out

@@ -132,3 +132,17 @@ def test_bad_workload_is_a_clear_error(tmp_path, capsys):
     assert main(["simulate", "--workload", str(bad), "--out", str(tmp_path / "o.json")]) == 2
     assert "negative time" in capsys.readouterr().err
     assert load_cluster("pollux-homo-64").total_gpus == 64
+
+
+def test_generated_workload_is_deterministic_and_loads(tmp_path):
+    from shared.reference import load_workload
+    from sim.workload import generate_workload, write_workload
+    jobs = generate_workload(jobs=30, hours=1.0, seed=3)
+    assert jobs == generate_workload(jobs=30, hours=1.0, seed=3) != generate_workload(jobs=30, hours=1.0, seed=4)
+    path = tmp_path / "w.csv"
+    write_workload(jobs, path)
+    loaded = load_workload(path)
+    assert [j.name for j in loaded] == [j.name for j in jobs]
+    assert all(0 <= j.time < 3600 and j.num_replicas in (1, 2, 4, 8) for j in loaded)
+    with pytest.raises(ValueError, match="not in the zoo"):
+        generate_workload(mix={"alexnet": 1.0})
