@@ -235,9 +235,11 @@ class Simulator:
         job.max_gpus_seen = max(job.max_gpus_seen, cfg.gpus)
         lo, hi = models.local_limits[cfg.gpu_type]
         if job.rigid or not self.policy.adaptive_batch:
+            # The requested batch, split into micro-batches that fit; never past the model's largest batch.
             batch = job.rigid[1] if job.rigid else job.spec.batch_size
             job.s = max(-(-batch // (cfg.gpus * hi)) - 1, 0)
             job.m = max(-(-batch // (cfg.gpus * (job.s + 1))), 1)
+            job.m = max(min(job.m, models.max_batch // (cfg.gpus * (job.s + 1))), 1)
             return
         model = GoodputModel(models.params[cfg.gpu_type], models.grad_sqr, models.grad_var, models.init_batch)
         limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
