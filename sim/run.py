@@ -62,9 +62,10 @@ def _quantiles(values: list[float]) -> dict[str, float]:
 def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, reference: str | None = None,
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
-             restart_delay_s: float | None = None, round_s: float | None = None, progress: bool = False) -> dict:
+             restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
+             progress: bool = False) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
-    checkpoint-restart delay; `round_s` the simulator's round."""
+    checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
@@ -74,6 +75,8 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
         settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
     if round_s is not None:
         settings = replace(settings, round_s=round_s)
+    if horizon_s is not None:
+        settings = replace(settings, horizon_s=horizon_s)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
