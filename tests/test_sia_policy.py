@@ -1,0 +1,54 @@
+"""The `sia` policy around the ILP: restart factors, locks, and decisions the placer can place."""
+
+import pytest
+from policy_state import job_view, round_state
+
+from services.placer.core import place
+from services.policy.base import make_policy
+from services.policy.sia import restart_factor
+from shared.cluster import Config, load_cluster
+
+CLUSTER = load_cluster("sia-hetero-64")
+
+
+def test_restart_factor():
+    assert restart_factor(age_s=20, restarts=3, restart_cost_s=30) == 1.0          # younger than S
+    assert restart_factor(age_s=600, restarts=2, restart_cost_s=30) == pytest.approx((600 - 60) / 630)
+    assert restart_factor(age_s=100, restarts=10, restart_cost_s=30) == 0.0        # never negative
+
+
+def test_only_running_jobs_pay_the_restart_factor():
+    running = job_view("run", "cifar10", CLUSTER, age_s=600, restarts=5, current=Config("rtx", 1, 2),
+                       max_gpus_seen=2)
+    waiting = job_view("wait", "cifar10", CLUSTER, age_s=600, restarts=5, max_gpus_seen=2)
+    problem = make_policy("sia").problem(round_state([running, waiting]))
+    assert problem.restart_factor[0] == pytest.approx((600 - 150) / 630)
+    assert problem.restart_factor[1] == 1.0
+
+
+def test_a_job_mid_restart_keeps_its_configuration():
+    held = Config("aws", 1, 1)
+    jobs = [job_view("busy", "imagenet", CLUSTER, current=held, mid_restart=True, max_gpus_seen=8, progress=1e5),
+            job_view("other", "cifar10", CLUSTER, max_gpus_seen=4)]
+    decision = make_policy("sia").allocate(round_state(jobs))
+    assert decision.allocations["busy"] == held
+
+
+def test_decisions_fit_the_cluster_and_the_placer_places_them():
+    jobs = [job_view(f"{m}-{i}", m, CLUSTER, max_gpus_seen=g)
+            for i, (m, g) in enumerate([("cifar10", 4), ("imagenet", 16), ("bert", 2), ("deepspeech2", 8),
+                                        ("yolov3", 8), ("imagenet", 16), ("cifar10", 0)])]
+    decision = make_policy("sia").allocate(round_state(jobs))
+    configs = set(CLUSTER.configurations())
+    assert set(decision.allocations.values()) <= configs
+    for gpu_type in CLUSTER.gpu_types:
+        used = sum(c.gpus for c in decision.allocations.values() if c.gpu_type == gpu_type)
+        assert used <= CLUSTER.capacity(gpu_type)
+    assert decision.allocations["cifar10-6"].gpus == 1                      # a new job starts on one GPU
+    assert not place(CLUSTER, decision.allocations, {}).evicted
+
+
+def test_fairness_exponent_is_an_option():
+    assert make_policy("sia", p=-1.0).p == -1.0
+    with pytest.raises(ValueError):
+        make_policy("sia", p=0.0).allocate(round_state([job_view("a", "cifar10", CLUSTER)]))
