@@ -49,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="workload CSVs or folders of them (each folder is one set; cells are means over its files)")
     cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], metavar="NAME[:KEY=VALUE,...]")
     cmp.add_argument("--out", default="compare.json", help="all results as JSON (default: %(default)s)")
+    cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
     _common(cmp)
     cmp.set_defaults(func=_compare)
 
@@ -176,4 +177,34 @@ def _compare(args: argparse.Namespace) -> int:
               f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
     Path(args.out).write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
     print(f"wrote {args.out}")
+    if args.plot:
+        plot_table(rows, args.plot)
+        print(f"wrote {args.plot}")
     return 0
+
+
+def plot_table(rows: list[dict], path: str) -> None:
+    """Grouped bars: one group per workload set, one bar per policy; average and p99 JCT."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(r["workloads"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    cell = {(r["workloads"], r["policy"]): r for r in rows}
+    width = 0.8 / len(policies)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, key, label in zip(axes, ("avg_jct_s", "p99_jct_s"), ("average JCT (h)", "p99 JCT (h)")):
+        for k, policy in enumerate(policies):
+            xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(sets))]
+            ys = [cell[(s, policy)][key] if (s, policy) in cell else 0.0 for s in sets]
+            bars = ax.bar(xs, ys, width, label=policy)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(sets)), [Path(s).name for s in sets])
+        ax.set_ylabel(label)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)          # room for the labels and the legend
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
