@@ -43,7 +43,7 @@ def cluster_arrays(cluster: Cluster) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def random_round(rng: np.random.Generator, jobs: int, config_type, config_gpus, capacity) -> IlpProblem:
-    T, C = len(capacity), len(config_type)
+    T = len(capacity)
     k = config_gpus[None, :].astype(float)
     speed = rng.lognormal(0.0, 0.5, size=(jobs, T))[:, config_type]
     knee = rng.uniform(2, 64, size=(jobs, 1))

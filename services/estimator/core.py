@@ -24,6 +24,7 @@ import numpy as np
 
 from shared.cluster import Config
 from shared.goodput import (
+    BatchChoice,
     GoodputModel,
     Observation,
     ThroughputParams,
@@ -143,13 +144,25 @@ class GoodputTable:
     stats: dict = field(default_factory=dict, compare=False)
 
 
-def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> GoodputTable:
-    """Evaluate every (job, configuration) cell in one vectorised pass."""
-    types = list(dict.fromkeys(c.gpu_type for c in configs))
-    col_type = np.array([types.index(c.gpu_type) for c in configs])
-    nodes = np.array([c.nodes for c in configs])
-    gpus = np.array([c.gpus for c in configs])
-    # Per (job, GPU type) parameters and limits, then spread to the columns of each type.
+@dataclass(frozen=True)
+class StackedJobs:
+    """Jobs' models as arrays, for evaluating many (job, GPU type, allocation) cells at once."""
+
+    theta: np.ndarray      # (J, T, 7) throughput parameters per job and GPU type
+    limits: np.ndarray     # (J, T, 2) per-GPU batch (min, max)
+    modelled: np.ndarray   # (J, T) bool: the job has a model for the type
+    phi: np.ndarray        # (J,) PGNS (inf: efficiency 1, as for strong-scaling jobs)
+    init: np.ndarray       # (J,) smallest total batch
+    top: np.ndarray        # (J,) largest total batch
+
+    def best(self, rows, cols, nodes, gpus) -> BatchChoice:
+        """The best batch of job rows[k] on type cols[k] with (nodes, gpus); all broadcast together."""
+        return optimize_batch(ThroughputParams(*np.moveaxis(self.theta[rows, cols], -1, 0)), self.phi[rows],
+                              self.init[rows], self.top[rows], self.limits[rows, cols, 0],
+                              self.limits[rows, cols, 1], nodes, gpus)
+
+
+def stack_jobs(jobs: Sequence[JobModels], types: Sequence[str]) -> StackedJobs:
     theta = np.ones((len(jobs), len(types), 7))
     limits = np.ones((len(jobs), len(types), 2))
     modelled = np.zeros((len(jobs), len(types)), dtype=bool)
@@ -159,16 +172,26 @@ def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> Goodp
                 theta[i, t] = job.params[gpu_type]
                 limits[i, t] = job.local_limits[gpu_type]
                 modelled[i, t] = True
-    theta, limits, modelled = theta[:, col_type], limits[:, col_type], modelled[:, col_type]
-
-    strong = np.array([job.fixed_batch is not None for job in jobs])
+    # Strong-scaling jobs: a batch within FIXED_BATCH_SLACK below their own, efficiency ignored.
+    strong = np.array([job.fixed_batch is not None for job in jobs], dtype=bool)
     fixed_batch = np.array([job.fixed_batch or 1 for job in jobs], dtype=float)
     phi = np.where(strong, np.inf, [pgns(j.grad_sqr, j.grad_var, j.init_batch) for j in jobs])
     init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))),
                     [j.init_batch for j in jobs])
     top = np.where(strong, fixed_batch, [j.max_batch for j in jobs])
-    best = optimize_batch(ThroughputParams(*np.moveaxis(theta, -1, 0)), phi[:, None], init[:, None],
-                          top[:, None], limits[..., 0], limits[..., 1], nodes[None, :], gpus[None, :])
+    return StackedJobs(theta, limits, modelled, phi, init, top)
+
+
+def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> GoodputTable:
+    """Evaluate every (job, configuration) cell in one vectorised pass."""
+    types = list(dict.fromkeys(c.gpu_type for c in configs))
+    col_type = np.array([types.index(c.gpu_type) for c in configs])
+    nodes = np.array([c.nodes for c in configs])
+    gpus = np.array([c.gpus for c in configs])
+    stacked = stack_jobs(jobs, types)
+    rows = np.arange(len(jobs))[:, None]
+    best = stacked.best(rows, col_type[None, :], nodes[None, :], gpus[None, :])
+    modelled = stacked.modelled[:, col_type]
 
     fixed_gpus = np.array([job.fixed_gpus or 0 for job in jobs])[:, None]
     lowest = np.array([job.min_gpus for job in jobs])[:, None]

@@ -65,10 +65,9 @@ from typing import Sequence
 
 import numpy as np
 
-from services.estimator.core import FIXED_BATCH_SLACK, JobModels
+from services.estimator.core import JobModels, stack_jobs
 from services.policy.base import Decision, RoundState, Spots
 from shared.cluster import Config
-from shared.goodput import ThroughputParams, optimize_batch, pgns
 
 # Settings, in one place.
 DEFAULT_P = -1.0
@@ -149,22 +148,7 @@ def goodput_lookup(jobs: Sequence[JobModels], types: Sequence[str], top: Sequenc
         return table
     cj, ct, ck, cm = (np.concatenate(c) for c in (cells_j, cells_t, cells_k, cells_m))
 
-    theta = np.ones((J, T, 7))
-    limits = np.ones((J, T, 2))
-    for j, job in enumerate(jobs):
-        for t, gpu_type in enumerate(types):
-            if gpu_type in job.params:
-                theta[j, t] = job.params[gpu_type]
-                limits[j, t] = job.local_limits[gpu_type]
-    strong = np.array([job.fixed_batch is not None for job in jobs])
-    fixed_batch = np.array([job.fixed_batch or 1 for job in jobs], dtype=float)
-    phi = np.where(strong, np.inf, [pgns(job.grad_sqr, job.grad_var, job.init_batch) for job in jobs])
-    init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))),
-                    [job.init_batch for job in jobs])
-    max_batch = np.where(strong, fixed_batch, [job.max_batch for job in jobs])
-
-    best = optimize_batch(ThroughputParams(*theta[cj, ct].T), phi[cj], init[cj], max_batch[cj],
-                          limits[cj, ct, 0], limits[cj, ct, 1], cm + 1, ck)
+    best = stack_jobs(jobs, types).best(cj, ct, cm + 1, ck)
     table[cj, ct, ck, cm] = best.goodput
     return table
 
@@ -312,7 +296,7 @@ class Search:
         return np.concatenate([np.where(first, a, b), np.where(first, b, a)])
 
     def mutate(self, states: np.ndarray) -> np.ndarray:
-        pr, rng = self.problem, self.rng
+        rng = self.rng
         P, J, N = states.shape
         # (1) Back to the current allocation.
         reset = rng.random((P, J), dtype=np.float32) < RESET_PROB
