@@ -20,35 +20,16 @@ import time
 
 import numpy as np
 
-from services.estimator.core import JobModels, goodput_table
-from services.policy.base import Decision, JobView, RoundState, Spots
+from services.policy.base import Decision, JobView, RoundState
 from services.policy.pollux import PolluxPolicy
-from shared.cluster import Cluster, Config, load_cluster
+from shared.cluster import Cluster, load_cluster
 from shared.zoo import load_zoo
+from sim.rounds import job_view, round_state
 
 ZOO = load_zoo()
 ADAPTIVE = ["bert", "cifar10", "deepspeech2", "imagenet", "yolov3"]
 FINISH_PROB = 0.05
 RESTART_PROB = 0.05
-
-
-def job_view(job_id: str, model: str, cluster: Cluster, *, age_s: float, submit_s: float, progress: float = 0.0,
-             restarts: int = 0, attained_gpu_s: float = 0.0, current: Config | None = None, placement: Spots = (),
-             mid_restart: bool = False, max_gpus_seen: int = 0) -> JobView:
-    """A job of a zoo model as the estimator sees it, profiled on every type of the cluster."""
-    zoo = ZOO[model]
-    types = {t: zoo.types[t] for t in cluster.gpu_types if t in zoo.types}
-    sqr, var = zoo.stats_at(progress)
-    models = JobModels(job_id, {t: z.params for t, z in types.items()},
-                       {t: (z.min_local, z.max_local) for t, z in types.items()},
-                       zoo.init_batch, zoo.max_batch, sqr, var, max_gpus_seen=max_gpus_seen)
-    by_type = {t: (attained_gpu_s if current and current.gpu_type == t else 0.0) for t in cluster.gpu_types}
-    return JobView(job_id, model, submit_s, age_s, restarts, 30.0, attained_gpu_s, by_type, current, placement,
-                   mid_restart, 4, 4 * zoo.init_batch, models)
-
-
-def round_state(jobs: list[JobView], cluster: Cluster, now_s: float = 3600.0) -> RoundState:
-    return RoundState(now_s, cluster, tuple(jobs), goodput_table([j.models for j in jobs], cluster.configurations()))
 
 
 def new_job(rng: np.random.Generator, cluster: Cluster, index: int, now_s: float) -> JobView:

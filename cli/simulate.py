@@ -143,6 +143,12 @@ METRICS = [("avg_jct_s", "avg JCT h", 3600), ("p99_jct_s", "p99 JCT h", 3600), (
            ("gpu_hours_per_job", "GPU-h/job", 1), ("restarts_per_job", "restarts/job", 1)]
 
 
+def _mean(values: list) -> float | None:
+    """Mean over the files of a set, None when no file has a value (every job unfinished)."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
+
+
 def _compare(args: argparse.Namespace) -> int:
     from sim.run import job_sources
     sets = _workload_sets(args.workloads)
@@ -160,8 +166,7 @@ def _compare(args: argparse.Namespace) -> int:
                 runs.append(r)
                 print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
             everything.extend(runs)
-            cells = {key: float(np.mean([r[key] for r in runs if r[key] is not None])) / scale
-                     for key, _, scale in METRICS}
+            cells = {key: _mean([r[key] for r in runs]) for key, _, _ in METRICS}
             policy_ms = [r["policy_runtime_ms"] for r in runs]
             rows.append({"workloads": name, "files": len(files), "policy": policy, **cells,
                          "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
@@ -172,7 +177,8 @@ def _compare(args: argparse.Namespace) -> int:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for row in rows:
-        cells = " | ".join(f"{row[key]:.3f}" if key.endswith("_s") else f"{row[key]:.2f}" for key, _, _ in METRICS)
+        cells = " | ".join("-" if row[key] is None else f"{row[key] / scale:.3f}" if key.endswith("_s")
+                           else f"{row[key]:.2f}" for key, _, scale in METRICS)
         print(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
               f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
     Path(args.out).write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
@@ -197,7 +203,7 @@ def plot_table(rows: list[dict], path: str) -> None:
     for ax, key, label in zip(axes, ("avg_jct_s", "p99_jct_s"), ("average JCT (h)", "p99 JCT (h)")):
         for k, policy in enumerate(policies):
             xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(sets))]
-            ys = [cell[(s, policy)][key] if (s, policy) in cell else 0.0 for s in sets]
+            ys = [(cell[(s, policy)][key] or 0.0) / 3600 if (s, policy) in cell else 0.0 for s in sets]
             bars = ax.bar(xs, ys, width, label=policy)
             ax.bar_label(bars, fmt="%.2f", fontsize=7)
         ax.set_xticks(range(len(sets)), [Path(s).name for s in sets])

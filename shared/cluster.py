@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import yaml
+
+
+Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,21 @@ class Config:
 class Cluster:
     name: str
     nodes: tuple[Node, ...]
+
+    @cached_property
+    def node_type(self) -> dict[str, str]:
+        """Node name -> GPU type."""
+        return {n.name: n.gpu_type for n in self.nodes}
+
+    def placement_type(self, spots: Spots) -> str | None:
+        """The one GPU type of a placement; None if it is empty, names unknown nodes or mixes types."""
+        types = {self.node_type.get(node) for node, _ in spots}
+        return types.pop() if len(types) == 1 and None not in types else None
+
+    def config_of(self, spots: Spots) -> Config | None:
+        """The allocation a single-type placement amounts to: (type, nodes used, GPUs)."""
+        gpu_type = self.placement_type(spots)
+        return None if gpu_type is None else Config(gpu_type, len(spots), sum(g for _, g in spots))
 
     @property
     def gpu_types(self) -> tuple[str, ...]:

@@ -157,6 +157,14 @@ def optimize_batch(params: ThroughputParams, phi, init_batch, max_batch, min_loc
     return BatchChoice(good, np.where(ok, pick(m), 0).astype(int), np.where(ok, pick(s), 0).astype(int))
 
 
+def split_batch(batch: int, gpus: int, max_local: int) -> tuple[int, int]:
+    """(m, s) for a fixed total batch on `gpus` GPUs (a rigid job): the fewest accumulation steps s
+    whose per-GPU micro-batch fits max_local, then the smallest m that covers the batch:
+    s = ceil(batch / (gpus * max_local)) - 1,  m = ceil(batch / (gpus * (s + 1)))."""
+    s = max(math.ceil(batch / (gpus * max_local)) - 1, 0)
+    return max(math.ceil(batch / (gpus * (s + 1))), 1), s
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """What a job allows: total batch in [init, max], per-GPU micro-batch in [min_local, max_local]."""

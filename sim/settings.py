@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.policy.base import ROUND_S
+from shared.goodput import RETUNE_THRESHOLD
+
 
 @dataclass(frozen=True)
 class SimSettings:
     name: str
-    round_s: float = 60.0
+    round_s: float = ROUND_S
     restart_delay_s: dict[str, float] = field(default_factory=dict)   # true delay per model
     default_restart_delay_s: float = 30.0
     restart_estimate_s: dict[str, float] = field(default_factory=dict)  # the policy's S per model
@@ -22,7 +25,7 @@ class SimSettings:
     default_slowdown: float = 1.0
     max_local: dict[str, int] = field(default_factory=dict)     # per-model cap on the per-GPU batch
     rigid: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (GPUs, batch) it always runs at
-    retune_threshold: float = 0.05
+    retune_threshold: float = RETUNE_THRESHOLD
     horizon_s: float = 14 * 24 * 3600.0      # give up on jobs still running after this long
 
     def restart_delay(self, model: str) -> float:
@@ -57,7 +60,7 @@ PRESETS = {
 }
 
 # The calibration a cluster preset implies when none is named.
-CLUSTER_DEFAULT = {"sia-hetero-64": "sia", "pollux-homo-64": "pollux"}
+CLUSTER_DEFAULT = {"sia-hetero-64": "sia", "sia-hetero-2048": "sia", "pollux-homo-64": "pollux"}
 
 
 def settings_for(name: str | None, cluster: str) -> SimSettings:

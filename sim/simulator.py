@@ -19,15 +19,15 @@ the true ones of its current epoch).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from services.estimator.core import JobEstimate, JobModels, goodput_table
+from services.estimator.core import JobEstimate, JobModels
 from services.placer.core import place
-from services.policy.base import JobView, Policy, RoundState, Spots
-from shared.cluster import Cluster, Config
-from shared.goodput import BatchLimits, GoodputModel, Observation
+from services.policy.base import JobView, Policy, RoundState
+from shared.cluster import Cluster, Config, Spots
+from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
 from shared.schema import Profile
 from sim.settings import SimSettings
@@ -76,12 +76,6 @@ def gpus_per_node(spots: Spots) -> list[int]:
     return [g for _, g in spots]
 
 
-def config_of(cluster_types: Mapping[str, str], spots: Spots) -> Config | None:
-    if not spots:
-        return None
-    return Config(cluster_types[spots[0][0]], len(spots), sum(g for _, g in spots))
-
-
 @dataclass
 class RoundRecord:
     now_s: float
@@ -96,12 +90,12 @@ class Simulator:
     def __init__(self, workload: list[WorkloadJob], cluster: Cluster, policy: Policy, settings: SimSettings,
                  truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
                  feedback_iterations: int = FEEDBACK_ITERATIONS):
+        if feedback_iterations < 1:
+            raise ValueError(f"feedback iterations must be at least 1, got {feedback_iterations}")
         unknown = sorted({j.application for j in workload} - set(truths))
         if unknown:
             raise ValueError(f"workload uses models with no profile data: {', '.join(unknown)}")
         self.cluster = cluster
-        self.configs = cluster.configurations()
-        self.node_type = {n.name: n.gpu_type for n in cluster.nodes}
         self.policy = policy
         self.settings = settings
         self.feedback_iterations = feedback_iterations
@@ -121,7 +115,7 @@ class Simulator:
 
     def run(self, progress: Callable[[float, int, int], None] | None = None) -> None:
         step = self.settings.round_s
-        waiting = sorted(self.jobs, key=lambda j: (j.spec.time, j.name))
+        waiting = deque(sorted(self.jobs, key=lambda j: (j.spec.time, j.name)))
         active: list[SimJob] = []
         now, next_decision = 0.0, 0.0
         while waiting or active:
@@ -129,7 +123,7 @@ class Simulator:
                 self.events.append(f"horizon {self.settings.horizon_s:.0f} s reached with {len(active)} jobs active")
                 break
             while waiting and waiting[0].spec.time <= now:
-                active.append(waiting.pop(0))
+                active.append(waiting.popleft())
             if not active:                       # idle: jump to the round of the next arrival
                 now = step * -(-waiting[0].spec.time // step)
                 continue
@@ -187,14 +181,16 @@ class Simulator:
     def _decide(self, now: float, active: list[SimJob]) -> None:
         start = time.perf_counter()
         views = tuple(self._view(j, now) for j in active)
-        table = goodput_table([v.models for v in views], self.configs)
-        state = RoundState(now, self.cluster, views, table)
+        state = RoundState(now, self.cluster, views)
         policy_start = time.perf_counter()
         decision = self.policy.allocate(state)
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
             previous = {j.name: j.placement for j in active if j.placement and j.name in decision.allocations}
-            placements = place(self.cluster, decision.allocations, previous).placements
+            placed = place(self.cluster, decision.allocations, previous)
+            placements = placed.placements
+            self.events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation"
+                               for job in placed.evicted)
         else:
             placements = decision.placements
         self._check(placements)
@@ -208,8 +204,7 @@ class Simulator:
     def _check(self, placements: Mapping[str, Spots]) -> None:
         used: dict[str, int] = defaultdict(int)
         for job, spots in placements.items():
-            types = {self.node_type.get(node) for node, _ in spots}
-            if None in types or len(types) > 1:
+            if self.cluster.placement_type(spots) is None:
                 raise RuntimeError(f"policy {self.policy.name} placed {job} on unknown or mixed nodes: {spots}")
             for node, gpus in spots:
                 used[node] += gpus
@@ -227,7 +222,7 @@ class Simulator:
                 job.slice_start = job.iterations
             else:
                 job.idle_since_s = now
-            job.placement, job.config = spots, config_of(self.node_type, spots)
+            job.placement, job.config = spots, self.cluster.config_of(spots)
         if not spots:
             job.m = job.s = 0
             return
@@ -236,18 +231,17 @@ class Simulator:
         lo, hi = models.local_limits[cfg.gpu_type]
         if job.rigid or not self.policy.adaptive_batch:
             # The requested batch, split into micro-batches that fit; never past the model's largest batch.
-            batch = job.rigid[1] if job.rigid else job.spec.batch_size
-            job.s = max(-(-batch // (cfg.gpus * hi)) - 1, 0)
-            job.m = max(-(-batch // (cfg.gpus * (job.s + 1))), 1)
+            batch = min(job.rigid[1] if job.rigid else job.spec.batch_size, models.max_batch)
+            job.m, job.s = split_batch(batch, cfg.gpus, hi)
             job.m = max(min(job.m, models.max_batch // (cfg.gpus * (job.s + 1))), 1)
             return
-        model = GoodputModel(models.params[cfg.gpu_type], models.grad_sqr, models.grad_var, models.init_batch)
         limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
         current = (job.m, job.s) if job.m else None
-        _, job.m, job.s = model.retune(cfg.nodes, cfg.gpus, limits, current, self.settings.retune_threshold)
+        _, job.m, job.s = models.model(cfg.gpu_type).retune(cfg.nodes, cfg.gpus, limits, current,
+                                                            self.settings.retune_threshold)
         if job.m == 0:      # no batch fits this allocation: run the smallest one that does
-            job.s = max(-(-models.init_batch // (cfg.gpus * hi)) - 1, 0)
-            job.m = max(-(-models.init_batch // (cfg.gpus * (job.s + 1))), lo)
+            job.m, job.s = split_batch(models.init_batch, cfg.gpus, hi)
+            job.m = max(job.m, lo)
 
     # --- the jobs' true progress ----------------------------------------------------------------
 

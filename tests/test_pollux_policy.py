@@ -15,19 +15,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.policy.base import Decision, RoundState, make_policy
+from services.policy.base import Decision, RoundState, make_policy, restart_factor
 from services.policy.pollux import (
     PolluxPolicy,
     Search,
     build_problem,
     goodput_lookup,
     power_mean,
-    restart_factor,
     type_rank,
 )
 from shared.cluster import Cluster, Config, build_cluster, load_cluster
 from shared.zoo import load_zoo
-from tests.policy_state import job_view, round_state
+from sim.rounds import job_view, round_state
 
 SETTINGS = settings(max_examples=40, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 
 from services.policy.base import Decision, JobView, RoundState, make_policy
-from services.policy.fifo import FifoPolicy, requested_throughput_matrix, rigid_micro_batch
+from services.policy.fifo import FifoPolicy
+from services.policy.rigid import requested_throughput_matrix
+from shared.goodput import split_batch
 from services.policy.gavel import GavelPolicy, max_min_fair, priority_order, proportional_throughput
 from services.policy.tiresias import TiresiasPolicy
 from shared.cluster import Cluster, Config, build_cluster, load_cluster
-from policy_state import job_view, round_state
+from sim.rounds import job_view, round_state
 
 HOUR = 3600.0
 
@@ -233,11 +235,11 @@ def test_deterministic_and_order_independent(name):
 
 # --- shared helpers ---------------------------------------------------------------------------
 
-def test_rigid_micro_batch():
-    assert rigid_micro_batch(512, 4, 1024) == (128, 0)
-    assert rigid_micro_batch(64, 4, 8) == (8, 1)           # 16 a GPU > 8: two micro-batches of 8
-    assert rigid_micro_batch(100, 4, 8) == (7, 3)          # s = ceil(100/32) - 1 = 3, m = ceil(100/16) = 7
-    assert rigid_micro_batch(3, 4, 8) == (1, 0)
+def test_split_batch():
+    assert split_batch(512, 4, 1024) == (128, 0)
+    assert split_batch(64, 4, 8) == (8, 1)           # 16 a GPU > 8: two micro-batches of 8
+    assert split_batch(100, 4, 8) == (7, 3)          # s = ceil(100/32) - 1 = 3, m = ceil(100/16) = 7
+    assert split_batch(3, 4, 8) == (1, 0)
 
 
 def test_requested_throughput_zero_where_it_cannot_run():

@@ -1,20 +1,21 @@
 """The `sia` policy around the ILP: restart factors, locks, and decisions the placer can place."""
 
 import pytest
-from policy_state import job_view, round_state
+from sim.rounds import job_view, round_state
 
 from services.placer.core import place
-from services.policy.base import make_policy
-from services.policy.sia import restart_factor
+from services.policy.base import make_policy, restart_factor
 from shared.cluster import Config, load_cluster
 
 CLUSTER = load_cluster("sia-hetero-64")
 
 
 def test_restart_factor():
-    assert restart_factor(age_s=20, restarts=3, restart_cost_s=30) == 1.0          # younger than S
-    assert restart_factor(age_s=600, restarts=2, restart_cost_s=30) == pytest.approx((600 - 60) / 630)
-    assert restart_factor(age_s=100, restarts=10, restart_cost_s=30) == 0.0        # never negative
+    sia = dict(free_while_young=True)
+    assert restart_factor(age_s=20, restarts=3, restart_cost_s=30, **sia) == 1.0          # younger than S
+    assert restart_factor(age_s=20, restarts=3, restart_cost_s=30) == 0.0                 # Pollux: no such grace
+    assert restart_factor(age_s=600, restarts=2, restart_cost_s=30, **sia) == pytest.approx((600 - 60) / 630)
+    assert restart_factor(age_s=100, restarts=10, restart_cost_s=30, **sia) == 0.0        # never negative
 
 
 def test_only_running_jobs_pay_the_restart_factor():

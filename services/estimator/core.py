@@ -17,6 +17,7 @@ at one GPU), rigid jobs at their fixed GPU count, and some batch size fits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -40,8 +41,10 @@ FIXED_BATCH_SLACK = 0.1
 
 
 def profile_observations(profile: Profile) -> list[Observation]:
-    """A bootstrap profile as 1-GPU observations (compute time = step time - sync time)."""
-    return [Observation(1, 1, p.local_bsz, 0, p.step_time, max(p.step_time - p.sync_time, 0.0) or p.step_time)
+    """A bootstrap profile as 1-GPU observations (compute time = step time - sync time; unknown when
+    the measured sync is not below the step)."""
+    return [Observation(1, 1, p.local_bsz, 0, p.step_time,
+                        p.step_time - p.sync_time if p.sync_time < p.step_time else math.nan)
             for p in profile.points]
 
 

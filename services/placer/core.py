@@ -28,10 +28,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from shared.cluster import Cluster, Config, Node
+from shared.cluster import Cluster, Config, Node, Spots
 
 Allocation = dict[str, Config]                         # job id -> configuration chosen by the policy
-Spots = tuple[tuple[str, int], ...]                    # ((node name, GPUs on that node), ...), by name
 Placement = dict[str, Spots]                           # job id -> where its GPUs are
 
 
@@ -66,7 +65,7 @@ def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping
     _check(cluster, allocations, placements)
     ordered = {job: placements[job] for job in allocations if job in placements}
     restarts = sorted(job for job, spots in ordered.items()
-                      if job in previous and spots != _canonical(previous[job]))
+                      if previous.get(job) and spots != _canonical(previous[job]))
     return PlacementResult(ordered, tuple(restarts), tuple(sorted(evicted)))
 
 

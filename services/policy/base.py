@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from functools import cached_property
+from typing import Iterable, Mapping, Protocol
 
-from services.estimator.core import GoodputTable, JobModels
-from shared.cluster import Cluster, Config
+import numpy as np
 
-Spots = tuple[tuple[str, int], ...]        # ((node name, GPUs on it), ...), sorted by node name
+from services.estimator.core import GoodputTable, JobModels, goodput_table
+from shared.cluster import Cluster, Config, Spots
+
+ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,12 @@ class RoundState:
     now_s: float
     cluster: Cluster
     jobs: tuple[JobView, ...]
-    table: GoodputTable              # rows in the order of `jobs`, columns cluster.configurations()
+
+    @cached_property
+    def table(self) -> GoodputTable:
+        """The estimator's goodput matrix: rows in the order of `jobs`, columns the cluster's
+        configuration set. Evaluated on first use: only the policies that read it pay for it."""
+        return goodput_table([j.models for j in self.jobs], self.cluster.configurations())
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,23 @@ class Policy(Protocol):
     adaptive_batch: bool     # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
 
     def allocate(self, state: RoundState) -> Decision: ...
+
+
+def decision_from_placements(cluster: Cluster, placements: Mapping[str, Spots], events: Iterable[str] = ()) -> Decision:
+    """A Decision for a policy that chose physical GPUs: allocations read off the placements."""
+    return Decision({job: cluster.config_of(spots) for job, spots in placements.items()}, dict(placements),
+                    tuple(events))
+
+
+def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = False):
+    """The share of a job's time not lost to restarts if it restarts once more:
+    max(age - restarts * S, 0) / (age + S) (Pollux's re-allocation factor, Sia's restart factor).
+    `free_while_young`: 1 while age < S, as Sia's code has it. Vectorised over its arguments."""
+    age_s, restarts, cost = (np.asarray(x, dtype=float) for x in (age_s, restarts, restart_cost_s))
+    denominator = age_s + cost
+    safe = np.where(denominator > 0, denominator, 1.0)
+    factor = np.where(denominator > 0, np.maximum(age_s - restarts * cost, 0.0) / safe, 1.0)
+    return np.where(age_s < cost, 1.0, factor) if free_while_young else factor
 
 
 # name -> "module:class"; modules are imported on first use.

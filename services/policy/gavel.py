@@ -57,12 +57,13 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from services.policy.base import Decision, JobView, RoundState, Spots, free_gpus, pack
-from services.policy.fifo import holds_request, make_decision, placement_type, requested_throughput_matrix
+from services.policy.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.rigid import holds_request, requested_throughput_matrix
+from shared.cluster import Spots
 
 log = logging.getLogger(__name__)
 
-ROUND_S = 360.0
+ROUND_S = 360.0          # Gavel's round
 REFINE_TOLERANCE = 1e-6     # relative slack on the max-min value when refining ...
 REFINE_SLACK = 1e-7         # ... and absolute, at least the solver's feasibility tolerance
 ZERO = 1e-9                 # time fractions below this are 0
@@ -246,7 +247,7 @@ class GavelPolicy:
             granted.append((job, gpu_type))
 
         kept = {job.job_id: job.placement for job, gpu_type in granted
-                if holds_request(job, cluster) and placement_type(cluster, job.placement) == gpu_type}
+                if holds_request(job, cluster) and cluster.placement_type(job.placement) == gpu_type}
         free = free_gpus(cluster, kept)
         placements: dict[str, Spots] = {}
         # largest requests first, for locality (as Gavel assigns workers); ties in grant order
@@ -255,4 +256,4 @@ class GavelPolicy:
             if spots is None:   # cannot happen: the per-type grant counts guarantee the fit
                 raise RuntimeError(f"gavel: granted {job.job_id} does not fit on {gpu_type}")
             placements[job.job_id] = spots
-        return make_decision(cluster, placements, events)
+        return decision_from_placements(cluster, placements, events)

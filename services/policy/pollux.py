@@ -66,8 +66,8 @@ from typing import Sequence
 import numpy as np
 
 from services.estimator.core import JobModels, stack_jobs
-from services.policy.base import Decision, RoundState, Spots
-from shared.cluster import Config
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, restart_factor
+from shared.cluster import Cluster, Spots
 
 # Settings, in one place.
 DEFAULT_P = -1.0
@@ -114,14 +114,6 @@ def type_rank(types: Sequence[str], order: Sequence[str] = TYPE_TIE_ORDER) -> li
     """The cluster's GPU types, most preferred first: those in `order` by it, the rest as given."""
     known = [t for t in order if t in types]
     return known + [t for t in types if t not in known]
-
-
-def restart_factor(age_s, restarts, penalty_s):
-    """Pollux's REALLOC_FACTOR: max(T - R * delta, 0) / (T + delta); 1 where T + delta is 0."""
-    age_s, restarts, penalty_s = (np.asarray(x, dtype=float) for x in (age_s, restarts, penalty_s))
-    denominator = age_s + penalty_s
-    safe = np.where(denominator > 0, denominator, 1.0)
-    return np.where(denominator > 0, np.maximum(age_s - restarts * penalty_s, 0.0) / safe, 1.0)
 
 
 def goodput_lookup(jobs: Sequence[JobModels], types: Sequence[str], top: Sequence[int]) -> np.ndarray:
@@ -369,7 +361,7 @@ class PolluxPolicy:
     """Pollux's population search over per-node allocations, heterogeneity-unaware (see module doc)."""
 
     name = "pollux"
-    round_s = 60.0
+    round_s = ROUND_S
     adaptive_batch = True
 
     def __init__(self, p: float = DEFAULT_P, population: int = DEFAULT_POPULATION,
@@ -406,7 +398,7 @@ class PolluxPolicy:
         # on (no model of the type, no feasible batch), stay free.
         useless = (best.sum(axis=2) < problem.min_gpus) | (search.speedups(best, restarts=False) <= 0)
         best[useless & ~problem.pinned] = 0
-        return self._decision(problem, best[0])
+        return self._decision(state.cluster, problem, best[0])
 
     def _adapt_previous(self, problem: PolluxProblem, dtype: np.dtype) -> np.ndarray:
         """The previous round's population on this round's jobs and nodes (new jobs: empty rows)."""
@@ -426,15 +418,10 @@ class PolluxPolicy:
         return adapted
 
     @staticmethod
-    def _decision(problem: PolluxProblem, row_matrix: np.ndarray) -> Decision:
-        allocations: dict[str, Config] = {}
+    def _decision(cluster: Cluster, problem: PolluxProblem, row_matrix: np.ndarray) -> Decision:
         placements: dict[str, Spots] = {}
         for j, job_id in enumerate(problem.job_ids):
             used = np.flatnonzero(row_matrix[j])
-            if used.size == 0:
-                continue
-            gpu_type = problem.types[int(problem.node_type[used[0]])]
-            spots = tuple(sorted((problem.node_names[n], int(row_matrix[j, n])) for n in used))
-            placements[job_id] = spots
-            allocations[job_id] = Config(gpu_type, len(spots), sum(g for _, g in spots))
-        return Decision(allocations, placements)
+            if used.size:
+                placements[job_id] = tuple(sorted((problem.node_names[n], int(row_matrix[j, n])) for n in used))
+        return decision_from_placements(cluster, placements)

@@ -3,7 +3,8 @@
 The matrix already holds Sia's scaling rules (new jobs at one GPU, at most twice the most a job
 ever had, never below its minimum, rigid jobs at their GPU count, strong-scaling jobs at their
 batch). This module adds what the ILP needs from the jobs' histories: the restart factor
-r_i = max(T_i - N_i * S_i, 0) / (T_i + S_i) (1 while the job is younger than S_i), applied to
+r_i = max(T_i - N_i * S_i, 0) / (T_i + S_i) (1 while the job is younger than S_i, as Sia's code has
+it: the factor steps from 1 to about 1/2 at T_i = S_i), applied to
 every column but a running job's current one (a waiting job starts wherever it goes, so it pays
 nothing extra), and the lock that keeps a job mid-restart where it is.
 """
@@ -12,19 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.policy.base import Decision, RoundState
+from services.policy.base import ROUND_S, Decision, RoundState, restart_factor
 from services.policy.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
-
-
-def restart_factor(age_s: float, restarts: int, restart_cost_s: float) -> float:
-    if age_s < restart_cost_s:
-        return 1.0
-    return max(age_s - restarts * restart_cost_s, 0.0) / (age_s + restart_cost_s)
 
 
 class SiaPolicy:
     name = "sia"
-    round_s = 60.0
+    round_s = ROUND_S
     adaptive_batch = True
 
     def __init__(self, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
@@ -42,8 +37,9 @@ class SiaPolicy:
             valid=table.valid,
             current=current,
             # A waiting job must (re)start wherever it goes: only running jobs pay for a move.
-            restart_factor=np.array([restart_factor(v.age_s, v.restarts, v.restart_cost_s) if v.current else 1.0
-                                     for v in jobs]),
+            restart_factor=np.where([v.current is not None for v in jobs],
+                                    restart_factor([v.age_s for v in jobs], [v.restarts for v in jobs],
+                                                   [v.restart_cost_s for v in jobs], free_while_young=True), 1.0),
             locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid,
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),

@@ -15,10 +15,9 @@ than a round, shorten the round (`--round-s`).
 
 from __future__ import annotations
 
-from services.policy.base import Decision, RoundState, Spots, free_gpus, pack
-from services.policy.fifo import fastest_type, holds_request, make_decision, requested_throughput_matrix, type_room
-
-ROUND_S = 60.0
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
+from shared.cluster import Spots
 
 
 class TimeslicePolicy:
@@ -56,4 +55,4 @@ class TimeslicePolicy:
             gpu_type = fastest_type(throughputs, job.requested_gpus, type_room(cluster, free))
             if gpu_type is not None:
                 placements[job.job_id] = pack(cluster, free, gpu_type, job.requested_gpus)
-        return make_decision(cluster, placements, events)
+        return decision_from_placements(cluster, placements, events)

@@ -25,16 +25,10 @@ mid checkpoint-restart is treated like any other running job (Pollux's simulator
 
 from __future__ import annotations
 
-from services.policy.base import Decision, RoundState, Spots, free_gpus, pack
-from services.policy.fifo import (
-    fastest_type,
-    holds_request,
-    make_decision,
-    placement_type,
-    requested_throughput_matrix,
-)
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix
+from shared.cluster import Spots
 
-ROUND_S = 60.0
 THRESHOLD_GPU_H = 16.0
 
 
@@ -63,7 +57,7 @@ class TiresiasPolicy:
         events: list[str] = []
         for job, row in zip(order, matrix):
             gpus = job.requested_gpus
-            current = placement_type(cluster, job.placement) if holds_request(job, cluster) else None
+            current = cluster.placement_type(job.placement) if holds_request(job, cluster) else None
             if current is not None and room[current] >= gpus:
                 gpu_type = current
             else:
@@ -82,7 +76,7 @@ class TiresiasPolicy:
         kept: dict[str, Spots] = {}
         for job_id, gpu_type in admitted:
             job = jobs[job_id]
-            if holds_request(job, cluster) and placement_type(cluster, job.placement) == gpu_type:
+            if holds_request(job, cluster) and cluster.placement_type(job.placement) == gpu_type:
                 kept[job_id] = job.placement
         free = free_gpus(cluster, kept)
         placements: dict[str, Spots] = {}
@@ -91,4 +85,4 @@ class TiresiasPolicy:
             if spots is None:   # cannot happen: the per-type admission counts guarantee the fit
                 raise RuntimeError(f"tiresias: admitted {job_id} does not fit on {gpu_type}")
             placements[job_id] = spots
-        return make_decision(cluster, placements, events)
+        return decision_from_placements(cluster, placements, events)

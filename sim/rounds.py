@@ -1,10 +1,10 @@
-"""Round states for policy tests, built from the model zoo (no reference data needed)."""
+"""Round states built from the model zoo, for policy tests and benchmarks (no reference data needed)."""
 
 from __future__ import annotations
 
-from services.estimator.core import JobModels, goodput_table
-from services.policy.base import JobView, RoundState, Spots
-from shared.cluster import Cluster, Config, load_cluster
+from services.estimator.core import JobModels
+from services.policy.base import JobView, RoundState
+from shared.cluster import Cluster, Config, Spots, load_cluster
 from shared.zoo import load_zoo
 
 _ZOO = load_zoo()
@@ -38,5 +38,4 @@ def job_view(job_id: str, model: str, cluster: Cluster, *, age_s: float = 600.0,
 def round_state(jobs: list[JobView], cluster: Cluster | str = "sia-hetero-64", now_s: float = 3600.0) -> RoundState:
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
-    table = goodput_table([j.models for j in jobs], cluster.configurations())
-    return RoundState(now_s, cluster, tuple(jobs), table)
+    return RoundState(now_s, cluster, tuple(jobs))
