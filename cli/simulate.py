@@ -11,21 +11,25 @@ from pathlib import Path
 import numpy as np
 
 from services.policy.base import POLICIES
+from services.policy.timeslice import DEFAULT_QUANTUM
+from shared.cluster import PRESETS as CLUSTERS
 from sim.settings import PRESETS
+from sim.simulator import FEEDBACK_ITERATIONS
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64",
-                        help="preset (sia-hetero-64, pollux-homo-64) or a YAML/JSON cluster file (default: %(default)s)")
+                        help=f"preset ({', '.join(CLUSTERS)}) or a YAML/JSON cluster file (default: %(default)s)")
     parser.add_argument("--reference", help="reference folder for the jobs' true behaviour "
                                             "(default: $GOODPUT_REFERENCE, else ../shared/reference; the model zoo if absent)")
     parser.add_argument("--zoo", action="store_true", help="use the built-in model zoo even when reference data is there")
     parser.add_argument("--calibration", choices=sorted(PRESETS),
                         help="peer simulator calibration (default: sia on sia-hetero-64, pollux on pollux-homo-64)")
     parser.add_argument("--p", type=float, help="fairness exponent of sia (default -0.5) or pollux (default -1)")
-    parser.add_argument("--feedback-iterations", type=int, default=1, metavar="K",
+    parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS, metavar="K",
                         help="record each job's time to its first K iterations (default: %(default)s)")
-    parser.add_argument("--quantum", type=int, help="timeslice: iterations a job runs before it yields (default 100)")
+    parser.add_argument("--quantum", type=int, help="timeslice: iterations a job runs before it yields "
+                                                    f"(default {DEFAULT_QUANTUM})")
     parser.add_argument("--restart-delay", type=float, metavar="S",
                         help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
     parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
@@ -99,8 +103,6 @@ def _hours(seconds) -> str:
 
 def _simulate(args: argparse.Namespace) -> int:
     from sim.run import job_sources, plot
-    if args.feedback_iterations < 1:
-        raise ValueError("--feedback-iterations must be >= 1")
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
     result = _run(args, args.workload, args.policy, sources, progress=sys.stderr.isatty())

@@ -11,7 +11,8 @@ finishes, i.e. k is clamped to the job's iteration count, so that a mixed worklo
 without feedback. In the worked case every job has 4 iterations and k <= 4, so the clamp never bites.
 
 Run-to-completion is round-robin with an unbounded quantum: one rule, `next_job` plus
-`visit_iterations`, drives both, and a round-based scheduler policy can reuse that rule as-is.
+`visit_iterations`, drives both. The scheduler's `timeslice` policy applies the same rule at round
+boundaries, over jobs that arrive and leave (services/policy/timeslice.py).
 
 Times are computed as (iterations run) * d + (switches made) * c rather than by accumulating
 floats, so every figure is the same closed form a hand calculation gives.

@@ -19,12 +19,14 @@ from services.policy.base import ROUND_S, Decision, RoundState, decision_from_pl
 from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 
+DEFAULT_QUANTUM = 100       # iterations
+
 
 class TimeslicePolicy:
     name = "timeslice"
     adaptive_batch = False
 
-    def __init__(self, quantum: int = 100, round_s: float = ROUND_S):
+    def __init__(self, quantum: int = DEFAULT_QUANTUM, round_s: float = ROUND_S):
         if quantum < 1:
             raise ValueError(f"quantum must be at least one iteration, got {quantum}")
         self.quantum = quantum
