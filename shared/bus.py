@@ -1,0 +1,565 @@
+"""A thin typed layer over NATS: every message a msgspec Struct, every hop a traced span.
+
+Why a layer at all: five services must agree on three things that nats-py leaves open — how a
+message is encoded, what happens to one that does not decode, and how trace context travels. This
+module settles them once, and stays generic over message types (the Structs live in
+`shared/schema.py`, the names in `shared/subjects.py`).
+
+- Encoding is msgpack via msgspec (smaller and faster to encode/decode than JSON, and msgspec
+  validates types and `Meta` ranges while it decodes). Payloads are therefore binary: read them
+  with `Bus.decode`, not with `nats sub`.
+- A payload that does not decode as the subscriber's type (msgspec.DecodeError or its subclass
+  ValidationError) never reaches the handler: it goes to `on_invalid(subject, data, error)` and the
+  subscription carries on. What `on_invalid` returns (a Struct, e.g. a Rejected) is sent back as
+  the reply when the message was a request; a JetStream message that does not decode is
+  terminated, since redelivering it cannot make it valid.
+- Every publish, request and JetStream publish writes the current span's W3C `traceparent` into
+  the message headers; every handler runs in a span whose parent is the producer's span, so one
+  scheduling round is one trace across processes.
+- Connections reconnect forever (`max_reconnect_attempts=-1`), so a service outlives a restart of
+  the server; pass `max_reconnect_attempts=0` to fail fast instead (a command-line client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext, api
+from nats.js.kv import KeyValue
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
+
+from shared.tracing import extract_trace_context, inject_trace_context
+
+__all__ = [
+    "Bus",
+    "Delivery",
+    "InvalidHandler",
+    "KVEntry",
+    "PullConsumer",
+    "RevisionConflict",
+    "TypedKV",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# What a subscriber learns about a payload it cannot decode; may return a reply (e.g. Rejected).
+InvalidHandler = Callable[[str, bytes, Exception], Any]
+
+# A KV create on an existing key, or an update/delete with a stale revision: someone else won.
+RevisionConflict = nats.js.errors.KeyWrongLastSequenceError
+
+MSG_ID_HEADER = api.Header.MSG_ID.value  # "Nats-Msg-Id": JetStream drops repeats in its window
+_STREAM_EXISTS_WITH_OTHER_CONFIG = 10058
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+_TRACER_NAME = "goodput.bus"
+
+
+async def _settle(result: Any) -> Any:
+    """Await `result` if a callback was async; lets handlers be plain functions or coroutines."""
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
+
+def _report_invalid(subject: str, data: bytes, error: Exception) -> None:
+    """Default `on_invalid`: say which subject sent what kind of garbage, then move on."""
+    log.warning("invalid message on %s (%d bytes): %s", subject, len(data), error)
+
+
+def _receive_attributes(raw: Msg) -> dict[str, Any]:
+    return {
+        "messaging.system": "nats",
+        "messaging.destination.name": raw.subject,
+        "messaging.message.body.size": len(raw.data),
+    }
+
+
+class Bus:
+    """One NATS connection with typed messages, JetStream and KV, traced end to end."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        on_invalid: InvalidHandler | None = None,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        # None means the process's provider (shared.tracing.setup_tracing); tests pass their own.
+        self._tracer = trace.get_tracer(_TRACER_NAME, tracer_provider=tracer_provider)
+        self._on_invalid = on_invalid or _report_invalid
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+        # Pull subscriptions are unsubscribed before a drain: nats-py's drain would otherwise
+        # wait its full timeout on their inboxes, which nothing reads between fetches.
+        self._pull_consumers: set[PullConsumer[Any]] = set()
+
+    # ---- connection -------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        servers: str | list[str],
+        name: str,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        on_invalid: InvalidHandler | None = None,
+        **options: Any,
+    ) -> Bus:
+        """Connect as `name` (shown in server monitoring); TLS and auth options (`tls`, `user`,
+        `password`, `token`, `user_credentials`, `nkeys_seed` …) pass through to nats-py."""
+        options.setdefault("max_reconnect_attempts", -1)
+        options.setdefault("reconnect_time_wait", 0.5)
+        options.setdefault("connect_timeout", 2)
+        options.setdefault("error_cb", _log_error)
+        options.setdefault("disconnected_cb", _log_event(f"{name}: disconnected from NATS"))
+        options.setdefault("reconnected_cb", _log_event(f"{name}: reconnected to NATS"))
+        nc = await nats.connect(servers, name=name, **options)
+        return cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid)
+
+    async def close(self) -> None:
+        """Drain (finish handlers in flight, flush what was published), then close."""
+        if self.nc.is_closed:
+            return
+        for consumer in list(self._pull_consumers):
+            with contextlib.suppress(nats.errors.Error):
+                await consumer.unsubscribe()
+        try:
+            await self.nc.drain()
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+            await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Return once the server has processed everything sent so far (e.g. a subscription).
+
+        Two round trips, because nats-py 2.16 writes its PING straight to the socket, ahead of
+        commands still in its send buffer: after the first PONG the buffer has been written, so
+        the second PING follows it.
+        """
+        await self.nc.flush(timeout)
+        await self.nc.flush(timeout)
+
+    # ---- encoding ---------------------------------------------------------------------------
+
+    def encode(self, msg: Any) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes, msg_type: type[T]) -> T:
+        """Decode and validate; raises msgspec.ValidationError / DecodeError with a reason."""
+        decoder = self._decoders.get(msg_type)
+        if decoder is None:
+            decoder = self._decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
+        return decoder.decode(data)
+
+    @staticmethod
+    def _trace_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
+        """The caller's headers plus the current trace context; None keeps a plain PUB."""
+        merged = inject_trace_context(dict(headers) if headers else {})
+        return merged or None
+
+    # ---- core NATS --------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Any, *, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, self.encode(msg), headers=self._trace_headers(headers))
+
+    async def request(
+        self,
+        subject: str,
+        msg: Any,
+        reply_type: type[T],
+        timeout: float = 1.0,
+        *,
+        headers: dict[str, str] | None = None,
+    ) -> T:
+        """Send `msg` and decode the reply as `reply_type`; a reply that does not decode raises
+        (the caller asked, so the caller should know), as do timeouts and no responders."""
+        reply = await self.nc.request(
+            subject, self.encode(msg), timeout=timeout, headers=self._trace_headers(headers)
+        )
+        return self.decode(reply.data, reply_type)
+
+    async def subscribe(
+        self,
+        subject: str,
+        msg_type: type[T],
+        handler: Callable[..., Any],
+        *,
+        queue: str | None = None,
+        with_raw: bool = False,
+        span_name: str | None = None,
+        on_invalid: InvalidHandler | None = None,
+    ) -> Subscription:
+        """Call `handler(message)` (or `handler(message, raw_msg)` with `with_raw`) for each
+        message that decodes as `msg_type`, inside a span parented on the producer's. The
+        subscription is live on the server when this returns.
+
+        A queue group spreads messages over replicas. If the message is a request and the
+        handler returns a value, that value is the reply. A handler that raises is recorded on
+        its span and logged; the subscription keeps going.
+        """
+        name = span_name or f"{subject} receive"
+        report_invalid = on_invalid or self._on_invalid
+
+        async def on_message(raw: Msg) -> None:
+            kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
+            with self._tracer.start_as_current_span(
+                name,
+                context=extract_trace_context(raw.headers),
+                kind=kind,
+                attributes=_receive_attributes(raw),
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
+                try:
+                    message = self.decode(raw.data, msg_type)
+                except msgspec.DecodeError as error:
+                    _mark_invalid(span, error)
+                    answer = await _settle(report_invalid(raw.subject, raw.data, error))
+                else:
+                    try:
+                        answer = await _settle(handler(message, raw) if with_raw else handler(message))
+                    except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
+                        _mark_failed(span, error)
+                        log.exception("handler for %s failed", raw.subject)
+                        return
+                if raw.reply and answer is not None:
+                    await self.nc.publish(raw.reply, self.encode(answer), headers=self._trace_headers())
+
+        subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
+        await self.flush()  # when subscribe returns, the server routes to it
+        return subscription
+
+    # ---- JetStream --------------------------------------------------------------------------
+
+    async def ensure_stream(self, name: str, subjects: Iterable[str], **config: Any) -> api.StreamInfo:
+        """Create the stream, or bring an existing one to this configuration (idempotent, so
+        every replica can call it at start). `config` is nats-py's StreamConfig fields, e.g.
+        `duplicate_window=120` (seconds), `max_age`, `storage=api.StorageType.FILE`."""
+        stream = api.StreamConfig(name=name, subjects=list(subjects), **config)
+        try:
+            return await self.js.add_stream(stream)
+        except nats.js.errors.BadRequestError as error:
+            if error.err_code != _STREAM_EXISTS_WITH_OTHER_CONFIG:
+                raise
+            return await self.js.update_stream(stream)
+
+    async def js_publish(
+        self,
+        subject: str,
+        msg: Any,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        stream: str | None = None,
+    ) -> api.PubAck:
+        """Store `msg` in the stream that owns `subject` and return the server's PubAck.
+
+        With `msg_id`, a second publish of the same id inside the stream's duplicate window is
+        not stored again: its PubAck has `duplicate=True` and the first message's sequence.
+        """
+        merged = dict(headers) if headers else {}
+        if msg_id is not None:
+            merged[MSG_ID_HEADER] = msg_id
+        return await self.js.publish(
+            subject, self.encode(msg), timeout=timeout, stream=stream, headers=self._trace_headers(merged)
+        )
+
+    async def pull_consumer(
+        self,
+        stream: str,
+        durable: str,
+        subject_filter: str,
+        msg_type: type[T],
+        *,
+        span_name: str | None = None,
+        on_invalid: InvalidHandler | None = None,
+        **consumer_config: Any,
+    ) -> PullConsumer[T]:
+        """A durable pull consumer with explicit ack on `stream`, created or updated to this
+        configuration. `consumer_config` is nats-py's ConsumerConfig fields, e.g. `ack_wait`
+        (seconds before an unacked message is redelivered) and `max_deliver`."""
+        config = api.ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subject=subject_filter,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            **consumer_config,
+        )
+        await self.js.add_consumer(stream, config)
+        subscription = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
+        consumer = PullConsumer(
+            bus=self,
+            subscription=subscription,
+            msg_type=msg_type,
+            span_name=span_name or f"{subject_filter} receive",
+            on_invalid=on_invalid or self._on_invalid,
+        )
+        self._pull_consumers.add(consumer)
+        return consumer
+
+    async def pull(
+        self,
+        stream: str,
+        durable: str,
+        subject_filter: str,
+        msg_type: type[T],
+        *,
+        batch: int = 10,
+        timeout: float = 1.0,
+        **consumer_options: Any,
+    ) -> AsyncIterator[Delivery[T]]:
+        """Deliveries from a durable pull consumer, without end: `async for d in bus.pull(...)`.
+        Process each inside `with d.span():` and settle it with `ack`, `nak` or `term`."""
+        consumer = await self.pull_consumer(stream, durable, subject_filter, msg_type, **consumer_options)
+        try:
+            while True:
+                for delivery in await consumer.fetch(batch, timeout):
+                    yield delivery
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await consumer.unsubscribe()
+
+    # ---- KV ---------------------------------------------------------------------------------
+
+    async def kv(self, bucket: str, value_type: type[T], **config: Any) -> TypedKV[T]:
+        """The KV bucket `bucket`, created on first use, whose values are `value_type`.
+        `config` is nats-py's KeyValueConfig fields (`history`, `ttl` in seconds …); an existing
+        bucket with another configuration is used as it is."""
+        try:
+            store = await self.js.create_key_value(bucket=bucket, **config)
+        except nats.js.errors.BadRequestError as error:
+            if error.err_code != _STREAM_EXISTS_WITH_OTHER_CONFIG:
+                raise
+            store = await self.js.key_value(bucket)
+        return TypedKV(self, bucket, store, value_type)
+
+
+class Delivery(Generic[T]):
+    """One decoded JetStream message and the means to settle it."""
+
+    def __init__(self, message: T, raw: Msg, tracer: trace.Tracer, span_name: str) -> None:
+        self.message = message
+        self.raw = raw
+        self._tracer = tracer
+        self._span_name = span_name
+        self.settled = False
+
+    @property
+    def subject(self) -> str:
+        return self.raw.subject
+
+    @property
+    def num_delivered(self) -> int:
+        """1 on first delivery; more when it was redelivered (not acked in time, or nakked)."""
+        return self.raw.metadata.num_delivered
+
+    @property
+    def stream_sequence(self) -> int:
+        return self.raw.metadata.sequence.stream
+
+    @contextlib.contextmanager
+    def span(self, name: str | None = None) -> Iterator[trace.Span]:
+        """Make the processing of this message a span whose parent is the producer's span."""
+        with self._tracer.start_as_current_span(
+            name or self._span_name,
+            context=extract_trace_context(self.raw.headers),
+            kind=SpanKind.CONSUMER,
+            attributes=_receive_attributes(self.raw),
+        ) as span:
+            yield span
+
+    async def ack(self) -> None:
+        await self.raw.ack()
+        self.settled = True
+
+    async def nak(self, delay: float | None = None) -> None:
+        """Ask for redelivery now (or after `delay` seconds)."""
+        await self.raw.nak(delay)
+        self.settled = True
+
+    async def term(self) -> None:
+        """Never redeliver this message."""
+        await self.raw.term()
+        self.settled = True
+
+    async def in_progress(self) -> None:
+        """Still working: restart the ack_wait timer."""
+        await self.raw.in_progress()
+
+
+class PullConsumer(Generic[T]):
+    """A bound durable pull consumer that decodes as it fetches."""
+
+    def __init__(
+        self,
+        *,
+        bus: Bus,
+        subscription: JetStreamContext.PullSubscription,
+        msg_type: type[T],
+        span_name: str,
+        on_invalid: InvalidHandler,
+    ) -> None:
+        self._bus = bus
+        self._subscription = subscription
+        self._msg_type = msg_type
+        self._span_name = span_name
+        self._on_invalid = on_invalid
+
+    async def fetch(self, batch: int = 10, timeout: float = 1.0) -> list[Delivery[T]]:
+        """Up to `batch` messages, waiting at most `timeout` seconds; [] when none came.
+        Messages that do not decode go to `on_invalid` and are terminated, not returned."""
+        try:
+            raws = await self._subscription.fetch(batch, timeout)
+        except asyncio.TimeoutError:  # nats.errors.TimeoutError is one
+            return []
+        deliveries = []
+        for raw in raws:
+            try:
+                message = self._bus.decode(raw.data, self._msg_type)
+            except msgspec.DecodeError as error:
+                await self._reject(raw, error)
+                continue
+            deliveries.append(Delivery(message, raw, self._bus._tracer, self._span_name))
+        return deliveries
+
+    async def consume(
+        self,
+        handler: Callable[..., Any],
+        *,
+        batch: int = 10,
+        timeout: float = 1.0,
+        with_delivery: bool = False,
+    ) -> None:
+        """Run `handler(message)` (or `handler(message, delivery)`) for every message until
+        cancelled, each inside its span: ack when it returns (unless it settled the delivery
+        itself), nak when it raises, so the message comes back to this or another replica."""
+        while True:
+            for delivery in await self.fetch(batch, timeout):
+                with delivery.span() as span:
+                    try:
+                        args = (delivery.message, delivery) if with_delivery else (delivery.message,)
+                        await _settle(handler(*args))
+                    except Exception as error:  # noqa: BLE001 - redeliver, keep consuming
+                        _mark_failed(span, error)
+                        log.exception("handler for %s failed; nak", delivery.subject)
+                        if not delivery.settled:
+                            await delivery.nak()
+                        continue
+                    if not delivery.settled:
+                        await delivery.ack()
+
+    async def unsubscribe(self) -> None:
+        """Stop fetching; the durable consumer stays on the server for the next replica."""
+        self._bus._pull_consumers.discard(self)
+        await self._subscription.unsubscribe()
+
+    async def _reject(self, raw: Msg, error: msgspec.DecodeError) -> None:
+        with self._bus._tracer.start_as_current_span(
+            self._span_name,
+            context=extract_trace_context(raw.headers),
+            kind=SpanKind.CONSUMER,
+            attributes=_receive_attributes(raw),
+        ) as span:
+            _mark_invalid(span, error)
+            try:
+                await _settle(self._on_invalid(raw.subject, raw.data, error))
+            finally:
+                await raw.term()
+
+
+@dataclass(frozen=True)
+class KVEntry(Generic[T]):
+    key: str
+    value: T
+    revision: int
+
+
+class TypedKV(Generic[T]):
+    """A KV bucket whose values are one Struct type; revisions make compare-and-set possible."""
+
+    def __init__(self, bus: Bus, bucket: str, store: KeyValue, value_type: type[T]) -> None:
+        self.bucket = bucket
+        self._bus = bus
+        self._store = store
+        self._value_type = value_type
+
+    async def get(self, key: str) -> KVEntry[T] | None:
+        """The current value and its revision; None when the key is missing or deleted."""
+        try:
+            entry = await self._store.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return KVEntry(key, self._bus.decode(entry.value or b"", self._value_type), entry.revision)
+
+    async def put(self, key: str, value: T) -> int:
+        """Write unconditionally; returns the new revision."""
+        return await self._store.put(key, self._bus.encode(value))
+
+    async def create(self, key: str, value: T) -> int:
+        """Write only if the key does not exist (or was deleted); RevisionConflict otherwise."""
+        return await self._store.create(key, self._bus.encode(value))
+
+    async def update(self, key: str, value: T, revision: int) -> int:
+        """Write only if `revision` is still the key's latest; RevisionConflict otherwise."""
+        return await self._store.update(key, self._bus.encode(value), last=revision)
+
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        """Delete (a tombstone); with `revision`, only if it is still the latest."""
+        try:
+            await self._store.delete(key, last=revision)
+        except nats.js.errors.APIError as error:
+            if error.err_code in _WRONG_LAST_SEQUENCE:
+                raise RevisionConflict(description=error.description) from error
+            raise
+
+    async def keys(self) -> list[str]:
+        """Live keys (deleted ones excluded); [] for an empty bucket."""
+        try:
+            return await self._store.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+
+
+def _mark_invalid(span: trace.Span, error: Exception) -> None:
+    span.set_attribute("goodput.invalid_reason", str(error))
+    span.set_status(Status(StatusCode.ERROR, f"invalid message: {error}"))
+
+
+def _mark_failed(span: trace.Span, error: Exception) -> None:
+    span.record_exception(error)
+    span.set_status(Status(StatusCode.ERROR, str(error)))
+
+
+async def _log_error(error: Exception) -> None:
+    log.warning("NATS: %s", error)
+
+
+def _log_event(text: str) -> Callable[[], Awaitable[None]]:
+    async def callback() -> None:
+        log.info(text)
+
+    return callback

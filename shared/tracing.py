@@ -1,0 +1,112 @@
+"""OpenTelemetry setup for every goodput process, and W3C trace context for message headers.
+
+One trace per scheduling round crosses five processes, so each process names itself (the
+`service.name` resource) and carries the round's trace context in NATS message headers as a W3C
+`traceparent`. Export goes over OTLP/HTTP (Jaeger, Tempo and the OpenTelemetry Collector accept it)
+only when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; otherwise
+spans are still created, so parent links work, but nothing leaves the process.
+
+The process-wide tracer provider is the only global state here: `setup_tracing` installs it once.
+Tests that want their own spans build a private provider with `build_tracer_provider` and hand it
+to whatever they test (the bus takes a `tracer_provider`), so tests never fight over the global.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = [
+    "OTLP_ENDPOINT_VARIABLES",
+    "build_tracer_provider",
+    "extract_trace_context",
+    "inject_trace_context",
+    "otlp_exporter_from_env",
+    "setup_tracing",
+]
+
+# Either variable turns OTLP export on; the traces-only one wins, as the OTLP exporter reads it so.
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+# W3C trace context only: the contract says `traceparent` travels in headers, whatever a process's
+# OTEL_PROPAGATORS would pick for other transports.
+_W3C = TraceContextTextMapPropagator()
+
+
+def otlp_exporter_from_env(environ: Mapping[str, str] | None = None) -> SpanExporter | None:
+    """The OTLP/HTTP span exporter the environment asks for, or None when no endpoint is set.
+
+    The exporter itself reads the endpoint, headers and timeout from the same variables, so we
+    only decide whether to export at all; its package is imported only when it is needed.
+    """
+    environ = os.environ if environ is None else environ
+    if not any(environ.get(name) for name in OTLP_ENDPOINT_VARIABLES):
+        return None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def build_tracer_provider(
+    service_name: str,
+    exporter: SpanExporter | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> TracerProvider:
+    """A new tracer provider for `service_name`, not installed globally.
+
+    `exporter` (an in-memory exporter in tests) gets a SimpleSpanProcessor, so a span is exported
+    the moment it ends and a test can assert on it at once. The environment's OTLP exporter, if
+    any, gets a BatchSpanProcessor, so exporting never blocks the event loop of a service.
+    """
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    otlp = otlp_exporter_from_env(environ)
+    if otlp is not None:
+        provider.add_span_processor(BatchSpanProcessor(otlp))
+    return provider
+
+
+_process_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
+    """Install this process's tracer provider once and return it; later calls return the same one.
+
+    A process is one service, so the first name wins. An `exporter` given on a later call is added
+    to the installed provider (a SimpleSpanProcessor), so a test can observe a process's spans.
+    """
+    global _process_provider
+    if _process_provider is None:
+        _process_provider = build_tracer_provider(service_name, exporter)
+        trace.set_tracer_provider(_process_provider)
+    elif exporter is not None:
+        _process_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return _process_provider
+
+
+def inject_trace_context(
+    headers: MutableMapping[str, str] | None = None,
+    context: otel_context.Context | None = None,
+) -> MutableMapping[str, str]:
+    """Write the current (or given) span's `traceparent`/`tracestate` into `headers` and return it.
+
+    With no recording span in the context nothing is written, so headers stay empty.
+    """
+    headers = {} if headers is None else headers
+    _W3C.inject(headers, context=context)
+    return headers
+
+
+def extract_trace_context(headers: Mapping[str, str] | None) -> otel_context.Context:
+    """The context a receiver's span should be parented on: the producer's span, if the headers
+    carry one; an empty context (so the receiver starts a new trace) otherwise."""
+    return _W3C.extract(headers or {}, context=otel_context.Context())
