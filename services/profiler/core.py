@@ -8,11 +8,13 @@ when there is no reference data), so the simulator and the embedded stack bootst
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 
 from shared.goodput import ThroughputParams, compute_time, iteration_time
 from shared.reference import ModelTrace
-from shared.schema import Profile, ProfilePoint
+from shared.schema import JobSpec, Profile, ProfilePoint
 
 PROFILE_POINTS = 10     # batch sizes per GPU type
 STEPS_PER_POINT = 10    # timed steps at each batch size (what profiling costs in GPU time)
@@ -66,3 +68,15 @@ def model_profile(params: ThroughputParams, model: str, gpu_type: str, min_local
                            float(iteration_time(params, 1, 1, b) - compute_time(params, b)))
               for b in sizes]
     return _profile(job_id, model, gpu_type, chosen)
+
+
+def submission_problem(spec: JobSpec, gpu_types: Iterable[str], models: Iterable[str]) -> str | None:
+    """Why a well-formed submission cannot be scheduled here (None if it can): an application with no
+    profile, or GPU types this cluster does not have."""
+    known_types = set(gpu_types)
+    if spec.application not in set(models):
+        return f"unknown application {spec.application!r}: no profile for it"
+    unknown = sorted(set(spec.gpu_types) - known_types)
+    if unknown:
+        return f"unknown GPU type(s) {', '.join(unknown)}; this cluster has {', '.join(sorted(known_types))}"
+    return None

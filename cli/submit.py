@@ -1,0 +1,63 @@
+"""`goodput submit JOB.yaml` — store a job submission in JetStream and print its id."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+import msgspec
+import yaml
+
+DEFAULT_SERVER = "nats://127.0.0.1:4222"
+SERVER_ENV = "GOODPUT_NATS_URL"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("submit", help="submit a job (YAML or JSON JobSpec) to a running goodput")
+    parser.add_argument("job", help="job file: id, application, and optionally requested_gpus, requested_batch, "
+                                    "min_gpus, rigid, strong_scaling, gpu_types")
+    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    parser.set_defaults(func=_submit)
+
+
+def load_job(path: str | Path):
+    """A JobSpec from a YAML or JSON file; ValueError with the field that is wrong."""
+    from shared.schema import JobSpec
+
+    path = Path(path)
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return msgspec.convert(document, JobSpec)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+async def submit(spec, server: str) -> bool:
+    """Publish the spec to the submissions stream; True if stored, False if that id was already stored."""
+    from shared import subjects
+    from shared.bus import Bus
+
+    bus = await Bus.connect(server, "goodput-submit", max_reconnect_attempts=0)
+    try:
+        await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                                duplicate_window=subjects.DEDUP_WINDOW_S)
+        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
+        return not ack.duplicate
+    finally:
+        await bus.close()
+
+
+def _submit(args: argparse.Namespace) -> int:
+    spec = load_job(args.job)
+    try:
+        stored = asyncio.run(submit(spec, args.server))
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise ValueError(f"cannot reach NATS at {args.server} ({exc or type(exc).__name__}); is `goodput up` running?") from None
+    print(spec.id if stored else f"{spec.id} (already submitted: not stored again)")
+    return 0

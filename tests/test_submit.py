@@ -1,0 +1,64 @@
+"""Job submissions: validated at the door, stored in JetStream once per id, refused with a reason."""
+
+import msgspec
+import pytest
+
+from cli.main import main
+from cli.submit import load_job, submit
+from services.profiler.core import submission_problem
+from shared import subjects
+from shared.schema import JobSpec, Rejected, rejection
+
+
+def write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_job_file_becomes_a_jobspec(tmp_path):
+    spec = load_job(write(tmp_path, "id: cifar-7\napplication: cifar10\nrequested_gpus: 4\nrequested_batch: 512\n"))
+    assert spec == JobSpec("cifar-7", "cifar10", requested_gpus=4, requested_batch=512)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("id: a\napplication: cifar10\ngpus: 4\n", "unknown field `gpus`"),
+    ("id: a\napplication: cifar10\nrequested_batch: -32\n", "requested_batch"),
+    ("id: a b\napplication: cifar10\n", "$.id"),
+    ("application: cifar10\n", "missing required field `id`"),
+    ("id: a\napplication: bert\nstrong_scaling: true\n", "needs requested_batch"),
+    ("id: [unclosed\n", "not valid YAML"),
+])
+def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):
+    with pytest.raises(ValueError, match=None) as error:
+        load_job(write(tmp_path, text))
+    assert reason in str(error.value)
+
+
+def test_submission_problems_name_what_is_unknown():
+    spec = JobSpec("a", "cifar10", gpu_types=("a100", "tpu-v9"))
+    assert "tpu-v9" in submission_problem(spec, ["a100", "t4"], ["cifar10"])
+    assert "resnet" in submission_problem(JobSpec("b", "resnet"), ["t4"], ["cifar10"])
+    assert submission_problem(JobSpec("c", "cifar10", gpu_types=("t4",)), ["t4"], ["cifar10"]) is None
+
+
+def test_rejection_records_the_start_of_the_payload():
+    record = rejection(subjects.SUBMIT, "bad", b"x" * 10_000, job_id="j")
+    assert isinstance(record, Rejected) and len(record.payload) == 512 and record.job_id == "j"
+
+
+async def test_submissions_are_stored_once_per_id(nats_server, connect_bus):
+    spec = JobSpec("dup-test-1", "cifar10")
+    assert await submit(spec, nats_server) is True
+    assert await submit(spec, nats_server) is False           # same id: acknowledged, not stored again
+    bus = await connect_bus()
+    info = await bus.js.stream_info(subjects.JOBS_STREAM)
+    stored = [await bus.js.get_msg(subjects.JOBS_STREAM, seq) for seq in range(1, info.state.last_seq + 1)]
+    ids = [msgspec.msgpack.decode(m.data, type=JobSpec).id for m in stored if m.subject == subjects.SUBMIT]
+    assert ids.count("dup-test-1") == 1
+
+
+def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):
+    job = write(tmp_path, "id: a\napplication: cifar10\n")
+    assert main(["submit", str(job), "--server", "nats://127.0.0.1:1"]) == 2
+    assert "cannot reach NATS" in capsys.readouterr().err
