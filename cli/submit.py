@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import msgspec
+import nats.errors
 import yaml
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"
@@ -43,7 +44,9 @@ async def submit(spec, server: str) -> bool:
     from shared import subjects
     from shared.bus import Bus
 
-    bus = await Bus.connect(server, "goodput-submit", max_reconnect_attempts=0)
+    # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
+    # max_reconnect_attempts=0 as "no limit" while choosing a server; 1 gives up after one try).
+    bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1)
     try:
         await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                                 duplicate_window=subjects.DEDUP_WINDOW_S)
@@ -57,7 +60,7 @@ def _submit(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
     try:
         stored = asyncio.run(submit(spec, args.server))
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise ValueError(f"cannot reach NATS at {args.server} ({exc or type(exc).__name__}); is `goodput up` running?") from None
     print(spec.id if stored else f"{spec.id} (already submitted: not stored again)")
     return 0

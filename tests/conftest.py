@@ -76,7 +76,7 @@ async def connect_bus(nats_server: str) -> AsyncIterator[Callable[..., Awaitable
     buses: list[Bus] = []
 
     async def connect(name: str = "test", **options: Any) -> Bus:
-        options.setdefault("max_reconnect_attempts", 0)  # a test should fail, not hang
+        options.setdefault("max_reconnect_attempts", 1)  # a test should fail, not hang (0 means no limit)
         bus = await Bus.connect(nats_server, name, **options)
         buses.append(bus)
         return bus
