@@ -192,25 +192,29 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def plot_table(rows: list[dict], path: str) -> None:
-    """Grouped bars: one group per workload set, one bar per policy; average and p99 JCT."""
+    """Grouped bars: one group per workload set, one bar per policy run on it; average and p99 JCT."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     sets = list(dict.fromkeys(r["workloads"] for r in rows))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    cell = {(r["workloads"], r["policy"]): r for r in rows}
-    width = 0.8 / len(policies)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colours = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(r["policy"] for r in rows))}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, key, label in zip(axes, ("avg_jct_s", "p99_jct_s"), ("average JCT (h)", "p99 JCT (h)")):
-        for k, policy in enumerate(policies):
-            xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(sets))]
-            ys = [(cell[(s, policy)][key] or 0.0) / 3600 if (s, policy) in cell else 0.0 for s in sets]
-            bars = ax.bar(xs, ys, width, label=policy)
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        labelled: set[str] = set()
+        for i, name in enumerate(sets):
+            group = [r for r in rows if r["workloads"] == name and r[key] is not None]
+            width = 0.8 / max(len(group), 1)
+            for k, row in enumerate(group):
+                x = i + (k - (len(group) - 1) / 2) * width
+                first = row["policy"] not in labelled
+                labelled.add(row["policy"])
+                bar = ax.bar(x, row[key] / 3600, width, color=colours[row["policy"]],
+                             label=row["policy"] if first else None)
+                ax.bar_label(bar, fmt="%.2f", fontsize=7)
         ax.set_xticks(range(len(sets)), [Path(s).name for s in sets])
         ax.set_ylabel(label)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)          # room for the labels and the legend
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)          # room for the labels and the legend
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")
     fig.tight_layout()
