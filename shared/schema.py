@@ -84,3 +84,29 @@ class Profile(msgspec.Struct, frozen=True):
     min_local: PositiveInt
     max_local: PositiveInt
     gpu_seconds: NonNegativeFloat = 0.0
+
+
+class JobFacts(msgspec.Struct, frozen=True):
+    """What the executors know of a job at a round: its request, history, placement and the gradient
+    statistics it measured. With the estimator's models it makes a policy's view of the job."""
+
+    job_id: str
+    application: str
+    submit_s: float
+    age_s: float
+    requested_gpus: PositiveInt
+    requested_batch: PositiveInt
+    rigid: bool                                # runs at exactly requested_gpus and requested_batch
+    init_batch: PositiveInt                    # M0, the batch its gradient statistics refer to
+    max_batch: PositiveInt
+    restarts: int = 0
+    attained_gpu_s: NonNegativeFloat = 0.0
+    attained_by_type: dict[str, float] = {}
+    placement: tuple[tuple[str, int], ...] = ()
+    mid_restart: bool = False
+    iterations: NonNegativeFloat = 0.0
+    slice_iterations: NonNegativeFloat = 0.0   # since its current placement began
+    idle_since_s: float | None = None          # when it last stopped running; None while running
+    max_gpus_seen: int = 0
+    grad_sqr: float | None = None
+    grad_var: float | None = None

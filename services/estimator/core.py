@@ -34,7 +34,7 @@ from shared.goodput import (
     optimize_batch,
     pgns,
 )
-from shared.schema import Profile
+from shared.schema import JobFacts, Profile
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
 FIXED_BATCH_SLACK = 0.1
@@ -131,6 +131,24 @@ class JobModels:
     def gpu_limit(self) -> int:
         """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
         return max(2 * self.max_gpus_seen, self.min_gpus, 1)
+
+
+def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],
+               local_limits: Mapping[str, tuple[int, int]]) -> JobModels:
+    """The estimator's view of a job this round: its models with the facts its executors reported."""
+    return JobModels(
+        job_id=facts.job_id,
+        params=params,
+        local_limits=local_limits,
+        init_batch=facts.init_batch,
+        max_batch=facts.max_batch,
+        grad_sqr=facts.grad_sqr,
+        grad_var=facts.grad_var,
+        min_gpus=facts.requested_gpus if facts.rigid else 1,
+        max_gpus_seen=facts.max_gpus_seen,
+        fixed_gpus=facts.requested_gpus if facts.rigid else None,
+        fixed_batch=facts.requested_batch if facts.rigid else None,
+    )
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 
 from services.estimator.core import GoodputTable, JobModels, goodput_table
 from shared.cluster import Cluster, Config, Spots
+from shared.schema import JobFacts
 
 ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 
@@ -46,6 +47,19 @@ class JobView:
     iterations: float = 0.0          # optimizer steps done so far
     slice_iterations: float = 0.0    # steps done since its current placement began (time-slicing)
     idle_since_s: float | None = None   # when it last stopped running (its submit time if it never ran); None while running
+
+
+def job_view(facts: JobFacts, models: JobModels, cluster: Cluster, restart_cost_s: float) -> JobView:
+    """A policy's view of a job: its executors' facts, the estimator's models, and the policy's own
+    estimate of what one checkpoint-restart costs it."""
+    return JobView(
+        job_id=facts.job_id, model=facts.application, submit_s=facts.submit_s, age_s=facts.age_s,
+        restarts=facts.restarts, restart_cost_s=restart_cost_s, attained_gpu_s=facts.attained_gpu_s,
+        attained_by_type=facts.attained_by_type, current=cluster.config_of(facts.placement) if facts.placement else None,
+        placement=facts.placement, mid_restart=facts.mid_restart, requested_gpus=facts.requested_gpus,
+        requested_batch=facts.requested_batch, models=models, iterations=facts.iterations,
+        slice_iterations=facts.slice_iterations, idle_since_s=facts.idle_since_s,
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,132 @@
+"""The simulated cluster's jobs: what a simulated executor runs in place of real training.
+
+A `SimulatedJob` is a job's true state on its GPUs: placement, progress, counters. It reports
+`JobFacts` (what a real executor knows and tells the scheduler), applies a placement (paying its
+restart delay when it moves and re-tuning its batch size), and advances through a round at its
+true goodput, returning the iteration time it measured, as an executor reports it to the estimator.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from services.estimator.core import JobModels
+from shared.cluster import Cluster, Config, Spots
+from shared.goodput import BatchLimits, Observation, split_batch
+from shared.reference import WorkloadJob
+from shared.schema import JobFacts
+from sim.truth import ModelTruth
+
+
+@dataclass
+class SimulatedJob:
+    spec: WorkloadJob
+    truth: ModelTruth
+    rigid: tuple[int, int] | None              # (GPUs, batch) a rigid model always runs at
+    restart_delay_s: float                     # what a checkpoint-restart really costs this job
+    goodput_factor: float                      # calibration: true goodput is multiplied by this
+    progress: float = 0.0
+    iterations: float = 0.0
+    finish_s: float | None = None
+    feedback_s: float | None = None            # when the first k iterations were done
+    placement: Spots = ()
+    config: Config | None = None
+    m: int = 0
+    s: int = 0
+    restarts: int = 0
+    started: bool = False
+    restart_left_s: float = 0.0
+    slice_start: float = 0.0                   # iterations when the current placement began
+    idle_since_s: float | None = None          # when it last stopped running (None while running)
+    gpu_seconds: float = 0.0
+    attained_by_type: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    max_gpus_seen: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def facts(self, now: float) -> JobFacts:
+        spec, truth = self.spec, self.truth
+        # Gradient statistics as the job measures them: at the batch it runs (M0 before it ever ran).
+        batch = self.config.gpus * self.m * (self.s + 1) if self.placement and self.m else truth.init_batch
+        sqr, var = truth.stats(self.progress, batch)
+        return JobFacts(
+            job_id=spec.name, application=spec.application, submit_s=spec.time, age_s=now - spec.time,
+            requested_gpus=self.rigid[0] if self.rigid else spec.num_replicas,
+            requested_batch=self.rigid[1] if self.rigid else spec.batch_size,
+            rigid=self.rigid is not None, init_batch=truth.init_batch, max_batch=truth.max_batch,
+            restarts=self.restarts, attained_gpu_s=self.gpu_seconds, attained_by_type=dict(self.attained_by_type),
+            placement=self.placement, mid_restart=self.restart_left_s > 0, iterations=self.iterations,
+            slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
+            idle_since_s=None if self.placement else (spec.time if self.idle_since_s is None else self.idle_since_s),
+            max_gpus_seen=self.max_gpus_seen, grad_sqr=sqr, grad_var=var,
+        )
+
+    def apply(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float,
+              retune_threshold: float) -> None:
+        """Take a placement: a changed one costs a checkpoint-restart; then choose (m, s) for it."""
+        if spots != self.placement:
+            if spots:
+                self.restarts += self.started          # the first start is not a restart
+                self.started = True
+                self.restart_left_s = self.restart_delay_s
+                self.slice_start = self.iterations
+            else:
+                self.idle_since_s = now
+            self.placement, self.config = spots, cluster.config_of(spots)
+        if not spots:
+            self.m = self.s = 0
+            return
+        cfg = self.config
+        self.max_gpus_seen = max(self.max_gpus_seen, cfg.gpus)
+        lo, hi = models.local_limits[cfg.gpu_type]
+        if self.rigid or not adaptive:
+            # The requested batch, split into micro-batches that fit; never past the model's largest batch.
+            batch = min(self.rigid[1] if self.rigid else self.spec.batch_size, models.max_batch)
+            self.m, self.s = split_batch(batch, cfg.gpus, hi)
+            self.m = max(min(self.m, models.max_batch // (cfg.gpus * (self.s + 1))), 1)
+            return
+        limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
+        current = (self.m, self.s) if self.m else None
+        _, self.m, self.s = models.model(cfg.gpu_type).retune(cfg.nodes, cfg.gpus, limits, current, retune_threshold)
+        if self.m == 0:      # no batch fits this allocation: run the smallest one that does
+            self.m, self.s = split_batch(models.init_batch, cfg.gpus, hi)
+            self.m = max(self.m, lo)
+
+    def advance(self, now: float, step: float, feedback_iterations: int) -> Observation | None:
+        """Run for `step` seconds from `now`, epoch by epoch; the configuration's measured iteration
+        time, or None when the job did not train (waiting, or restarting the whole round)."""
+        if not self.placement:
+            return None
+        cfg, truth = self.config, self.truth
+        delay = min(self.restart_left_s, step)
+        self.restart_left_s -= delay
+        run = step - delay
+        used = delay
+        observation = None
+        if run > 0:
+            t_iter, t_compute = truth.types[cfg.gpu_type].iteration_time([g for _, g in self.placement],
+                                                                         self.m, self.s)
+            observation = Observation(cfg.nodes, cfg.gpus, self.m, self.s, t_iter, t_compute)
+            batch = cfg.gpus * self.m * (self.s + 1)
+            steps_per_s = self.goodput_factor / t_iter
+            elapsed = 0.0
+            while elapsed < run:
+                rate = truth.efficiency(self.progress, batch) * batch / truth.init_batch * steps_per_s
+                boundary = truth.boundaries[truth.epoch(self.progress)]
+                dt = min(max(boundary - self.progress, 0.0) / rate, run - elapsed)
+                before = self.iterations
+                self.progress = boundary if dt < run - elapsed else self.progress + rate * dt
+                self.iterations += steps_per_s * dt
+                if self.feedback_s is None and self.iterations >= feedback_iterations:
+                    self.feedback_s = now + used + elapsed + (feedback_iterations - before) / steps_per_s
+                elapsed += dt
+                if self.progress >= truth.total_progress * (1 - 1e-12):
+                    self.finish_s = now + used + elapsed
+                    break
+            used += elapsed
+        self.gpu_seconds += cfg.gpus * used
+        self.attained_by_type[cfg.gpu_type] += cfg.gpus * used
+        return observation
