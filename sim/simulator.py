@@ -3,19 +3,19 @@
 Four small things, kept apart: the clock (rounds of `settings.round_s`, here), the cluster state
 (each job's placement, progress and counters: `sim.world.SimulatedJob`, which also plays the
 executors), the policy (any `Policy`, by name) and the metrics (`sim.run.results`). The estimator's
-state is one `JobEstimate` per job. A round passes the same messages the services pass over NATS:
-the executors' `JobFacts`, the estimator's `JobModels`, the policy's `Decision`, the placements. Every round:
+state is one `JobEstimate` per job. Every round:
 
 1. jobs whose submit time has come join the queue;
-2. on a policy round, the estimator's goodput matrix is evaluated for the active jobs, the policy
-   decides, the placer (or the policy itself) picks physical GPUs, and every job whose placement
-   changed pays its restart delay; adaptive jobs re-tune (m, s) with their own model;
+2. on a policy round, the executors' `JobFacts` and the estimator's `JobModels` make the policy's
+   views, the policy decides, the placer (or the policy itself) picks physical GPUs, and every job
+   whose placement changed pays its restart delay; adaptive jobs re-tune (m, s) with their model;
 3. every running job advances through the round at its true goodput, epoch by epoch (efficiency
    changes at epoch boundaries), and reports the configuration it ran to its estimator.
 
-The scheduler sees what a real one would: 1-GPU profiles per type, the iteration times of the
-configurations a job actually ran, and the job's gradient statistics (as in the peers' simulators,
-the true ones of its current epoch).
+These are the messages the services pass over NATS (docs/services.md). The scheduler sees what a
+real one would: 1-GPU profiles per type, the iteration times of the configurations a job actually
+ran, and the gradient statistics the job measures at the batch it runs (the true ones of its
+epoch, as in the peers' simulators).
 """
 
 from __future__ import annotations
