@@ -13,11 +13,12 @@ import time
 
 import numpy as np
 
-from services.estimator.core import JobModels, goodput_table, profile_observations, type_models
+from services.estimator.core import goodput_table, profile_observations, type_models
 from services.profiler.core import model_profile
 from shared.cluster import load_cluster
 from shared.goodput import Observation, fit_throughput, iteration_time
 from shared.zoo import load_zoo
+from shared.schema import JobModels
 
 ADAPTIVE = ["bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"]
 

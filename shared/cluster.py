@@ -19,29 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from shared.schema import Config, Node, Spots
 
-Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
-
-
-@dataclass(frozen=True)
-class Node:
-    """One (possibly virtual) node: `gpus` GPUs of one type."""
-
-    name: str
-    gpu_type: str
-    gpus: int
-
-
-@dataclass(frozen=True)
-class Config:
-    """One column of the goodput matrix: `gpus` GPUs of `gpu_type` on `nodes` nodes."""
-
-    gpu_type: str
-    nodes: int
-    gpus: int
-
-    def __str__(self) -> str:
-        return f"{self.gpu_type}:{self.nodes}x{self.gpus // self.nodes}"
+__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster"]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from shared.goodput import GoodputModel, ThroughputParams
+
 SCHEMA_VERSION = 1
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -63,6 +65,28 @@ def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | 
     return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD])
 
 
+Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
+
+
+class Node(msgspec.Struct, frozen=True):
+    """One (possibly virtual) node: `gpus` GPUs of one type."""
+
+    name: str
+    gpu_type: str
+    gpus: PositiveInt
+
+
+class Config(msgspec.Struct, frozen=True):
+    """An allocation, and a column of the goodput matrix: `gpus` GPUs of `gpu_type` on `nodes` nodes."""
+
+    gpu_type: str
+    nodes: PositiveInt
+    gpus: PositiveInt
+
+    def __str__(self) -> str:
+        return f"{self.gpu_type}:{self.nodes}x{self.gpus // self.nodes}"
+
+
 class ProfilePoint(msgspec.Struct, frozen=True):
     """One measured 1-GPU step at a per-GPU batch size."""
 
@@ -110,3 +134,27 @@ class JobFacts(msgspec.Struct, frozen=True):
     max_gpus_seen: int = 0
     grad_sqr: float | None = None
     grad_var: float | None = None
+
+
+class JobModels(msgspec.Struct, frozen=True):
+    """What the estimator knows of one job this round: all a policy and the goodput matrix need."""
+
+    job_id: str
+    params: dict[str, ThroughputParams]        # per GPU type
+    local_limits: dict[str, tuple[int, int]]   # per GPU type: (min, max) per-GPU batch
+    init_batch: PositiveInt
+    max_batch: PositiveInt
+    grad_sqr: float | None = None
+    grad_var: float | None = None
+    min_gpus: PositiveInt = 1
+    max_gpus_seen: int = 0                     # most GPUs ever allocated (0: never ran)
+    fixed_gpus: int | None = None              # rigid job: this many GPUs, any type
+    fixed_batch: int | None = None             # strong-scaling job: this total batch, goodput = throughput
+
+    def model(self, gpu_type: str) -> GoodputModel:
+        return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
+
+    @property
+    def gpu_limit(self) -> int:
+        """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
+        return max(2 * self.max_gpus_seen, self.min_gpus, 1)

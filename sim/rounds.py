@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.estimator.core import JobModels
 from services.policy.base import JobView, RoundState
 from shared.cluster import Cluster, Config, Spots, load_cluster
+from shared.schema import JobModels
 from shared.zoo import load_zoo
 
 _ZOO = load_zoo()

@@ -25,12 +25,12 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from services.estimator.core import JobEstimate, JobModels, job_models
+from services.estimator.core import JobEstimate, job_models
 from services.placer.core import place
 from services.policy.base import Policy, RoundState, job_view
 from shared.cluster import Cluster, Spots
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, Profile
+from shared.schema import JobFacts, JobModels, Profile
 from sim.settings import SimSettings
 from sim.truth import ModelTruth
 from sim.world import SimulatedJob

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from services.estimator.core import JobModels
 from shared.cluster import Cluster, Config, Spots
 from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts
+from shared.schema import JobFacts, JobModels
 from sim.truth import ModelTruth
 
 

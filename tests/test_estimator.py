@@ -9,7 +9,6 @@ import pytest
 
 from cli.main import main
 from services.estimator.core import (
-    JobModels,
     goodput_table,
     profile_observations,
     project,
@@ -20,6 +19,7 @@ from services.profiler.core import PROFILE_POINTS, model_profile, trace_profile
 from shared.cluster import Config, build_cluster, load_cluster
 from shared.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
 from shared.reference import discover_models
+from shared.schema import JobModels
 from shared.zoo import ZOO_PATH, build_zoo, load_zoo
 
 FAST = ThroughputParams(0.01, 0.0002, 0.004, 0.001, 0.02, 0.002, 2.0)     # type "a"

@@ -26,7 +26,6 @@ import numpy as np
 from shared.cluster import Config
 from shared.goodput import (
     BatchChoice,
-    GoodputModel,
     Observation,
     ThroughputParams,
     compute_time,
@@ -34,7 +33,7 @@ from shared.goodput import (
     optimize_batch,
     pgns,
 )
-from shared.schema import JobFacts, Profile
+from shared.schema import JobFacts, JobModels, Profile
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
 FIXED_BATCH_SLACK = 0.1
@@ -106,31 +105,6 @@ def type_models(profiles: Mapping[str, Profile],
                 observations: Mapping[str, Sequence[Observation]]) -> dict[str, ThroughputParams]:
     """One throughput model per GPU type the job was profiled on, from everything it ran."""
     return JobEstimate.build(profiles, observations).models()
-
-
-@dataclass(frozen=True)
-class JobModels:
-    """What the estimator knows of one job, all the goodput matrix needs."""
-
-    job_id: str
-    params: Mapping[str, ThroughputParams]        # per GPU type
-    local_limits: Mapping[str, tuple[int, int]]   # per GPU type: (min, max) per-GPU batch
-    init_batch: int
-    max_batch: int
-    grad_sqr: float | None = None
-    grad_var: float | None = None
-    min_gpus: int = 1
-    max_gpus_seen: int = 0                        # most GPUs ever allocated (0: never ran)
-    fixed_gpus: int | None = None                 # rigid job: this many GPUs, any type
-    fixed_batch: int | None = None                # strong-scaling job: this total batch, goodput = throughput
-
-    def model(self, gpu_type: str) -> GoodputModel:
-        return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
-
-    @property
-    def gpu_limit(self) -> int:
-        """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
-        return max(2 * self.max_gpus_seen, self.min_gpus, 1)
 
 
 def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],

@@ -65,9 +65,10 @@ from typing import Sequence
 
 import numpy as np
 
-from services.estimator.core import JobModels, stack_jobs
+from services.estimator.core import stack_jobs
 from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, restart_factor
 from shared.cluster import Cluster, Spots
+from shared.schema import JobModels
 
 # Settings, in one place.
 DEFAULT_P = -1.0
