@@ -27,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py
 	$(PY) benchmarks/bench_sia_ilp.py
+	$(PY) benchmarks/bench_ingest.py
 
 clean:
 	rm -rf $(VENV) out
