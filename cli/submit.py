@@ -11,8 +11,7 @@ import msgspec
 import nats.errors
 import yaml
 
-DEFAULT_SERVER = "nats://127.0.0.1:4222"
-SERVER_ENV = "GOODPUT_NATS_URL"
+from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
 
 def register(sub: argparse._SubParsersAction) -> None:

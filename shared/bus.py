@@ -34,6 +34,7 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+from nats import micro
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -88,6 +89,10 @@ def _receive_attributes(raw: Msg) -> dict[str, Any]:
         "messaging.destination.name": raw.subject,
         "messaging.message.body.size": len(raw.data),
     }
+
+
+DEFAULT_SERVER = "nats://127.0.0.1:4222"
+SERVER_ENV = "GOODPUT_NATS_URL"          # where every service and command finds NATS
 
 
 class Bus:
@@ -199,7 +204,77 @@ class Bus:
         reply = await self.nc.request(
             subject, self.encode(msg), timeout=timeout, headers=self._trace_headers(headers)
         )
+        if reply.headers and micro.request.ERROR_CODE_HEADER in reply.headers:
+            raise micro.request.ServiceError(reply.headers[micro.request.ERROR_CODE_HEADER],
+                                             reply.headers.get(micro.request.ERROR_HEADER, ""))
         return self.decode(reply.data, reply_type)
+
+    async def _handle(self, subject: str, headers: dict[str, str] | None, data: bytes, msg_type: type[T],
+                      handler: Callable[[T], Any], name: str, kind: SpanKind, attributes: dict[str, Any],
+                      report_invalid: InvalidHandler) -> tuple[bool, Any, dict[str, str] | None] | None:
+        """Decode and handle one message inside a span parented on the producer's:
+        (decoded, answer, reply headers carrying this span's context), or None when the handler raised
+        (recorded on the span and logged: one bad message must not stop the rest)."""
+        with self._tracer.start_as_current_span(
+            name,
+            context=extract_trace_context(headers),
+            kind=kind,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                message = self.decode(data, msg_type)
+            except msgspec.DecodeError as error:
+                _mark_invalid(span, error)
+                return False, await _settle(report_invalid(subject, data, error)), self._trace_headers()
+            try:
+                answer = await _settle(handler(message))
+            except ValueError as error:   # the request, although well formed, cannot be served: say why
+                _mark_invalid(span, error)
+                return False, str(error), self._trace_headers()
+            except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
+                _mark_failed(span, error)
+                log.exception("handler for %s failed", subject)
+                return None
+            return True, answer, self._trace_headers()
+
+    async def add_endpoint(
+        self,
+        service: micro.Service,
+        name: str,
+        subject: str,
+        msg_type: type[T],
+        handler: Callable[[T], Any],
+        *,
+        queue: str | None = None,
+        span_name: str | None = None,
+        on_invalid: InvalidHandler | None = None,
+    ) -> None:
+        """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
+        $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
+        answered as a service error 400 with `on_invalid`'s answer (e.g. a Rejected) as its data,
+        one the handler refuses with ValueError as error 400 with that reason, and a handler that
+        fails otherwise as error 500; `Bus.request` raises them as micro's ServiceError. Replicas
+        share `queue` (default: the service's own queue group)."""
+        span = span_name or f"{subject} receive"
+        report_invalid = on_invalid or self._on_invalid
+
+        async def on_request(request: micro.Request) -> None:
+            handled = await self._handle(request.subject, request.headers, request.data, msg_type, handler, span,
+                                         SpanKind.SERVER, {"messaging.destination.name": request.subject},
+                                         report_invalid)
+            if handled is None:
+                await request.respond_error("500", f"{name} failed on this request")
+            elif not handled[0]:          # undecodable, or refused with a reason
+                reason = handled[1] if isinstance(handled[1], str) else f"invalid {msg_type.__name__}"
+                body = b"" if handled[1] is None or isinstance(handled[1], str) else self.encode(handled[1])
+                await request.respond_error("400", reason, data=body, headers=handled[2])
+            else:
+                await request.respond(b"" if handled[1] is None else self.encode(handled[1]), headers=handled[2])
+
+        options = {"queue_group": queue} if queue else {}
+        await service.add_endpoint(name=name, subject=subject, handler=on_request, **options)
 
     async def subscribe(
         self,
@@ -225,28 +300,11 @@ class Bus:
 
         async def on_message(raw: Msg) -> None:
             kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
-            with self._tracer.start_as_current_span(
-                name,
-                context=extract_trace_context(raw.headers),
-                kind=kind,
-                attributes=_receive_attributes(raw),
-                record_exception=False,
-                set_status_on_exception=False,
-            ) as span:
-                try:
-                    message = self.decode(raw.data, msg_type)
-                except msgspec.DecodeError as error:
-                    _mark_invalid(span, error)
-                    answer = await _settle(report_invalid(raw.subject, raw.data, error))
-                else:
-                    try:
-                        answer = await _settle(handler(message, raw) if with_raw else handler(message))
-                    except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
-                        _mark_failed(span, error)
-                        log.exception("handler for %s failed", raw.subject)
-                        return
-                if raw.reply and answer is not None:
-                    await self.nc.publish(raw.reply, self.encode(answer), headers=self._trace_headers())
+            call = (lambda message: handler(message, raw)) if with_raw else handler
+            handled = await self._handle(raw.subject, raw.headers, raw.data, msg_type, call, name, kind,
+                                         _receive_attributes(raw), report_invalid)
+            if raw.reply and handled is not None and handled[1] is not None:
+                await self.nc.publish(raw.reply, self.encode(handled[1]), headers=handled[2])
 
         subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
         await self.flush()  # when subscribe returns, the server routes to it

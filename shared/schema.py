@@ -158,3 +158,25 @@ class JobModels(msgspec.Struct, frozen=True):
     def gpu_limit(self) -> int:
         """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
         return max(2 * self.max_gpus_seen, self.min_gpus, 1)
+
+
+class PlaceRequest(msgspec.Struct, frozen=True):
+    """Policy -> placer: the round's allocations, and where the jobs run now."""
+
+    round: int
+    allocations: dict[str, Config]
+    previous: dict[str, Spots] = {}
+
+
+class PlacementResult(msgspec.Struct, frozen=True):
+    """Placer -> executors: where each allocated job runs.
+
+    restarts: jobs placed before and now placed differently (moved, resized, or displaced); a job
+      starting for the first time is not a restart, and neither is one that left the allocation.
+    evicted: allocated jobs that got no GPUs because no placement holds them all; empty whenever
+      `services.placer.core.is_placeable` holds for the allocations.
+    """
+
+    placements: dict[str, Spots]
+    restarts: tuple[str, ...] = ()
+    evicted: tuple[str, ...] = ()

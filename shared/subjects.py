@@ -18,3 +18,7 @@ DEDUP_WINDOW_S = 24 * 3600.0
 
 # The profiler's durable consumer of submissions (replicas share it: each submission goes to one).
 PROFILER_CONSUMER = "profiler"
+
+# Services (nats.micro names; replicas of one service share its queue group).
+PLACER_SERVICE = "placer"
+PLACE = f"{PREFIX}.placer.place"            # request PlaceRequest -> PlacementResult

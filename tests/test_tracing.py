@@ -120,6 +120,23 @@ async def test_request_handler_span_is_child_of_requester_span(connect_bus, name
     assert answered.kind == SpanKind.SERVER
 
 
+async def test_service_endpoint_span_is_child_of_requester_span(connect_bus, name_prefix, traced):
+    from nats import micro
+
+    provider, exporter = traced
+    server = await connect_bus("server", tracer_provider=provider)
+    client = await connect_bus("client", tracer_provider=provider)
+    subject = f"{name_prefix}.place"
+    service = await micro.add_service(server.nc, name=name_prefix.replace(".", "_"), version="0.1.0")
+    await server.add_endpoint(service, "place", subject, Ping, lambda ping: Ping(ping.n + 1), span_name="placer.place")
+
+    with provider.get_tracer("test").start_as_current_span("policy.solve"):
+        assert await client.request(subject, Ping(1), Ping, timeout=TIMEOUT_S) == Ping(2)
+
+    assert_child_of(await finished_span(exporter, "placer.place"), await finished_span(exporter, "policy.solve"))
+    await service.stop()
+
+
 async def test_jetstream_pull_span_is_child_of_publisher_span(connect_bus, name_prefix, traced):
     provider, exporter = traced
     bus = await connect_bus(tracer_provider=provider)

@@ -25,28 +25,13 @@ take three 4-GPU jobs), and the jobs that do not fit end in `evicted`.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from shared.cluster import Cluster, Config, Node, Spots
+from shared.schema import PlacementResult
 
 Allocation = dict[str, Config]                         # job id -> configuration chosen by the policy
 Placement = dict[str, Spots]                           # job id -> where its GPUs are
-
-
-@dataclass(frozen=True)
-class PlacementResult:
-    """Where each allocated job runs.
-
-    restarts: jobs placed before and now placed differently (moved, resized, or displaced); a job
-      starting for the first time is not a restart, and neither is one that left the allocation.
-    evicted: allocated jobs that got no GPUs because no placement holds them all; empty whenever
-      `is_placeable` holds for the allocations.
-    """
-
-    placements: Placement
-    restarts: tuple[str, ...]
-    evicted: tuple[str, ...]
 
 
 def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots]) -> PlacementResult:

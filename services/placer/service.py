@@ -1,0 +1,31 @@
+"""The placer service: `place` requests in, placements out (the core decides; this only moves messages)."""
+
+from __future__ import annotations
+
+import argparse
+
+from nats import micro
+
+from services.placer.core import place
+from services.runner import VERSION
+from shared import subjects
+from shared.bus import Bus
+from shared.cluster import load_cluster
+from shared.schema import PlacementResult, PlaceRequest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    cluster = load_cluster(args.cluster)
+
+    def on_place(request: PlaceRequest) -> PlacementResult:
+        return place(cluster, request.allocations, request.previous)
+
+    service = await micro.add_service(bus.nc, name=subjects.PLACER_SERVICE, version=VERSION,
+                                      description=f"physical GPUs for allocations on {cluster.name}",
+                                      queue_group=subjects.PLACER_SERVICE)
+    await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, on_place, span_name="placer.place")
+    return service

@@ -1,0 +1,52 @@
+"""Running one service process: its arguments, tracing, the NATS connection, a clean stop on SIGTERM.
+
+Every `python -m services.<name>` is `service_main(name, start)`, where `start(bus, args)` registers
+the service's endpoints with the NATS service API and returns the `nats.micro` service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Awaitable, Callable
+
+from nats import micro
+
+from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
+from shared.tracing import setup_tracing
+
+VERSION = "0.1.0"
+log = logging.getLogger(__name__)
+
+Start = Callable[[Bus, argparse.Namespace], Awaitable[micro.Service]]
+
+
+def service_main(name: str, start: Start, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=f"the goodput {name} service")
+    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    if add_arguments:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    setup_tracing(f"goodput-{name}")
+    asyncio.run(serve(name, start, args))
+
+
+async def serve(name: str, start: Start, args: argparse.Namespace) -> None:
+    """Serve until SIGTERM or SIGINT, then stop taking requests, finish the ones in hand and leave."""
+    bus = await Bus.connect(args.server, f"goodput-{name}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    service = await start(bus, args)
+    log.info("%s %s ready on %s", name, VERSION, args.server)
+    await stop.wait()
+    log.info("%s stopping", name)
+    await service.stop()
+    await bus.close()
