@@ -1,9 +1,11 @@
 """Discrete-time, round-based replay of a workload on a cluster, wiring the cores directly.
 
-Four small things, kept apart: the clock (rounds of `settings.round_s`, here), the cluster state
-(each job's placement, progress and counters: `sim.world.SimulatedJob`, which also plays the
-executors), the policy (any `Policy`, by name) and the metrics (`sim.run.results`). The estimator's
-state is one `JobEstimate` per job. Every round:
+Four small things, kept apart: the clock (`Simulator`: rounds of `settings.round_s`, the policy's
+decision grid, the metrics), the cluster state (each job's placement, progress and counters:
+`sim.world.SimulatedJob`, which plays the executors), the policy (any `Policy`, by name), and the
+wiring that carries a round's messages between them. `DirectWiring` calls the cores in this
+process, with the estimator's state as one `JobEstimate` per job; a bus wiring carries the same
+messages over NATS to the services (docs/services.md). Every round:
 
 1. jobs whose submit time has come join the queue;
 2. on a policy round, the executors' `JobFacts` and the estimator's `JobModels` make the policy's
@@ -20,22 +22,107 @@ epoch, as in the peers' simulators).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from services.estimator.core import JobEstimate, job_models
 from services.placer.core import place
 from services.policy.base import Policy, RoundState, job_view
-from shared.cluster import Cluster, Spots
+from shared.cluster import Cluster, Config, Spots
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, JobModels, Profile
+from shared.schema import JobFacts, JobModels, PlacementResult, Profile
 from sim.settings import SimSettings
 from sim.truth import ModelTruth
 from sim.world import SimulatedJob
 
 FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
+
+
+class Wiring(Protocol):
+    """How a round's messages travel between the clock (with the policy) and the other stages."""
+
+    async def facts(self, now: float, jobs: list[str]) -> list[JobFacts]: ...       # executors
+
+    async def models(self, facts: list[JobFacts]) -> list[JobModels]: ...           # estimator
+
+    async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult: ...
+
+    async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
+                    adaptive: bool) -> None: ...                                    # executors
+
+    async def advance(self, now: float, step: float) -> list[str]: ...              # executors: jobs finished
+
+
+class DirectWiring:
+    """The stages as plain calls: simulated executors and the estimator's state in this process."""
+
+    def __init__(self, workload: list[WorkloadJob], cluster: Cluster, settings: SimSettings,
+                 truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
+                 feedback_iterations: int):
+        unknown = sorted({j.application for j in workload} - set(truths))
+        if unknown:
+            raise ValueError(f"workload uses models with no profile data: {', '.join(unknown)}")
+        self.cluster = cluster
+        self.settings = settings
+        self.feedback_iterations = feedback_iterations
+        self.jobs: dict[str, SimulatedJob] = {}
+        self.estimates: dict[str, JobEstimate] = {}
+        self._models: dict[str, tuple[JobEstimate, dict]] = {}
+        for spec in workload:
+            truth = truths[spec.application]
+            usable = [t for t in cluster.gpu_types if t in truth.types]
+            if not usable:
+                raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type "
+                                 f"of cluster {cluster.name}")
+            model = spec.application
+            self.jobs[spec.name] = SimulatedJob(spec, truth, settings.rigid.get(model), settings.restart_delay(model),
+                                                settings.goodput_factor(model))
+            self.estimates[spec.name] = JobEstimate.build({t: profiles(model, t) for t in usable})
+
+    async def facts(self, now: float, jobs: list[str]) -> list[JobFacts]:
+        return [self.jobs[name].facts(now) for name in jobs]
+
+    def _type_models(self, job_id: str) -> dict:
+        """The estimate's throughput model per type, fitted and projected once per update."""
+        estimate = self.estimates[job_id]
+        cached = self._models.get(job_id)
+        if cached is None or cached[0] is not estimate:
+            cached = self._models[job_id] = (estimate, estimate.models())
+        return cached[1]
+
+    async def models(self, facts: list[JobFacts]) -> list[JobModels]:
+        out = []
+        for f in facts:
+            limits = self.estimates[f.job_id].local_limits
+            cap = self.settings.max_local.get(f.application)
+            if cap:
+                limits = {t: (lo, min(hi, cap)) for t, (lo, hi) in limits.items()}
+            out.append(job_models(f, self._type_models(f.job_id), limits))
+        return out
+
+    async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult:
+        return place(self.cluster, allocations, previous)
+
+    async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
+                    adaptive: bool) -> None:
+        for name, job_models_ in models.items():
+            self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models_, adaptive, now,
+                                  self.settings.retune_threshold)
+
+    async def advance(self, now: float, step: float) -> list[str]:
+        finished = []
+        for name, job in self.jobs.items():
+            if job.finish_s is not None or job.spec.time > now:
+                continue
+            observation = job.advance(now, step, self.feedback_iterations)
+            if observation is not None:      # the executor's report reaches the estimator
+                self.estimates[name] = self.estimates[name].observe(job.config.gpu_type, observation)
+            if job.finish_s is not None:
+                finished.append(name)
+        return finished
 
 
 @dataclass
@@ -49,91 +136,66 @@ class RoundRecord:
 
 
 class Simulator:
+    """The clock, the policy and the metrics, over a wiring (direct unless given)."""
+
     def __init__(self, workload: list[WorkloadJob], cluster: Cluster, policy: Policy, settings: SimSettings,
                  truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
-                 feedback_iterations: int = FEEDBACK_ITERATIONS):
+                 feedback_iterations: int = FEEDBACK_ITERATIONS, wiring: Wiring | None = None):
         if feedback_iterations < 1:
             raise ValueError(f"feedback iterations must be at least 1, got {feedback_iterations}")
-        unknown = sorted({j.application for j in workload} - set(truths))
-        if unknown:
-            raise ValueError(f"workload uses models with no profile data: {', '.join(unknown)}")
+        self.workload = sorted(workload, key=lambda j: (j.time, j.name))
         self.cluster = cluster
         self.policy = policy
         self.settings = settings
         self.feedback_iterations = feedback_iterations
-        self.jobs: list[SimulatedJob] = []
-        self.estimates: dict[str, JobEstimate] = {}      # the estimator's state, per job
-        self._models: dict[str, tuple[JobEstimate, dict]] = {}
-        for spec in workload:
-            self._add(spec, truths[spec.application], profiles)
+        self.wiring = wiring or DirectWiring(workload, cluster, settings, truths, profiles, feedback_iterations)
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
 
-    def _add(self, spec: WorkloadJob, truth: ModelTruth, profiles) -> None:
-        usable = [t for t in self.cluster.gpu_types if t in truth.types]
-        if not usable:
-            raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
-                             f"cluster {self.cluster.name}")
-        model = spec.application
-        self.jobs.append(SimulatedJob(spec, truth, self.settings.rigid.get(model), self.settings.restart_delay(model),
-                                      self.settings.goodput_factor(model)))
-        self.estimates[spec.name] = JobEstimate.build({t: profiles(model, t) for t in usable})
-
-    # --- the clock ------------------------------------------------------------------------
+    @property
+    def jobs(self) -> list[SimulatedJob]:
+        return list(self.wiring.jobs.values())
 
     def run(self, progress: Callable[[float, int, int], None] | None = None) -> None:
+        asyncio.run(self.run_async(progress))
+
+    async def run_async(self, progress: Callable[[float, int, int], None] | None = None) -> None:
         step = self.settings.round_s
-        waiting = deque(sorted(self.jobs, key=lambda j: (j.spec.time, j.name)))
-        active: list[SimulatedJob] = []
+        waiting = deque(self.workload)
+        active: list[str] = []
+        done = 0
         now, next_decision = 0.0, 0.0
         while waiting or active:
             if now > self.settings.horizon_s:
                 self.events.append(f"horizon {self.settings.horizon_s:.0f} s reached with {len(active)} jobs active")
                 break
-            while waiting and waiting[0].spec.time <= now:
-                active.append(waiting.popleft())
+            while waiting and waiting[0].time <= now:
+                active.append(waiting.popleft().name)
             if not active:                       # idle: jump to the round of the next arrival
-                now = step * -(-waiting[0].spec.time // step)
+                now = step * -(-waiting[0].time // step)
                 continue
             if now >= next_decision - 1e-9:      # decisions on the policy's own grid of rounds
-                self._decide(now, active)
+                await self._decide(now, active)
                 next_decision = (now // self.policy.round_s + 1) * self.policy.round_s
-            for job in active:
-                self._advance(job, now, step)
-            active = [j for j in active if j.finish_s is None]
+            finished = set(await self.wiring.advance(now, step))
+            active = [name for name in active if name not in finished]
+            done += len(finished)
             now += step
             if progress:
-                progress(now, len(self.jobs) - len(waiting) - len(active), len(self.jobs))
+                progress(now, done, len(self.workload))
 
-    # --- the estimator, the policy and the placer -------------------------------------------------
-
-    def _type_models(self, job_id: str) -> dict:
-        """The estimate's throughput model per type, fitted and projected once per update."""
-        estimate = self.estimates[job_id]
-        cached = self._models.get(job_id)
-        if cached is None or cached[0] is not estimate:
-            cached = self._models[job_id] = (estimate, estimate.models())
-        return cached[1]
-
-    def _job_models(self, facts: JobFacts) -> JobModels:
-        limits = self.estimates[facts.job_id].local_limits
-        cap = self.settings.max_local.get(facts.application)
-        if cap:
-            limits = {t: (lo, min(hi, cap)) for t, (lo, hi) in limits.items()}
-        return job_models(facts, self._type_models(facts.job_id), limits)
-
-    def _decide(self, now: float, active: list[SimulatedJob]) -> None:
+    async def _decide(self, now: float, active: list[str]) -> None:
         start = time.perf_counter()
-        facts = [j.facts(now) for j in active]
-        views = tuple(job_view(f, self._job_models(f), self.cluster, self.settings.restart_estimate(f.application))
-                      for f in facts)
-        state = RoundState(now, self.cluster, views)
+        facts = await self.wiring.facts(now, active)
+        models = await self.wiring.models(facts)
+        views = tuple(job_view(f, m, self.cluster, self.settings.restart_estimate(f.application))
+                      for f, m in zip(facts, models))
         policy_start = time.perf_counter()
-        decision = self.policy.allocate(state)
+        decision = self.policy.allocate(RoundState(now, self.cluster, views))
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
-            previous = {j.name: j.placement for j in active if j.placement and j.name in decision.allocations}
-            placed = place(self.cluster, decision.allocations, previous)
+            previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
+            placed = await self.wiring.place(decision.allocations, previous)
             placements = placed.placements
             self.events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation"
                                for job in placed.evicted)
@@ -141,10 +203,8 @@ class Simulator:
             placements = decision.placements
         self._check(placements)
         self.events.extend(f"{now:.0f}s: {e}" for e in decision.events)
-        for job, view in zip(active, views):
-            job.apply(self.cluster, tuple(placements.get(job.name, ())), view.models, self.policy.adaptive_batch,
-                      now, self.settings.retune_threshold)
-        gpus = {j.name: j.config.gpus for j in active if j.placement}
+        await self.wiring.apply(now, placements, {m.job_id: m for m in models}, self.policy.adaptive_batch)
+        gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots and job in set(active)}
         self.rounds.append(RoundRecord(now, len(active), len(gpus), policy_ms,
                                        (time.perf_counter() - start) * 1e3, gpus))
 
@@ -159,10 +219,3 @@ class Simulator:
         over = [n for n, g in used.items() if g > capacity[n]]
         if over:
             raise RuntimeError(f"policy {self.policy.name} over-filled nodes {over}")
-
-    # --- the jobs' true progress ----------------------------------------------------------------
-
-    def _advance(self, job: SimulatedJob, now: float, step: float) -> None:
-        observation = job.advance(now, step, self.feedback_iterations)
-        if observation is not None:      # the executor's report reaches the estimator
-            self.estimates[job.name] = self.estimates[job.name].observe(job.config.gpu_type, observation)
