@@ -95,6 +95,15 @@ DEFAULT_SERVER = "nats://127.0.0.1:4222"
 SERVER_ENV = "GOODPUT_NATS_URL"          # where every service and command finds NATS
 
 
+@dataclass
+class _Outcome:
+    """How one received message was handled."""
+
+    answer: Any                      # the reply, or on_invalid's answer to an undecodable message
+    refusal: str | None              # why it was refused (undecodable, or the handler's ValueError)
+    headers: dict[str, str] | None   # reply headers carrying the handling span's context
+
+
 class Bus:
     """One NATS connection with typed messages, JetStream and KV, traced end to end."""
 
@@ -211,10 +220,9 @@ class Bus:
 
     async def _handle(self, subject: str, headers: dict[str, str] | None, data: bytes, msg_type: type[T],
                       handler: Callable[[T], Any], name: str, kind: SpanKind, attributes: dict[str, Any],
-                      report_invalid: InvalidHandler) -> tuple[bool, Any, dict[str, str] | None] | None:
-        """Decode and handle one message inside a span parented on the producer's:
-        (decoded, answer, reply headers carrying this span's context), or None when the handler raised
-        (recorded on the span and logged: one bad message must not stop the rest)."""
+                      report_invalid: InvalidHandler) -> _Outcome | None:
+        """Decode and handle one message inside a span parented on the producer's; None when the
+        handler failed (recorded on the span and logged: one bad message must not stop the rest)."""
         with self._tracer.start_as_current_span(
             name,
             context=extract_trace_context(headers),
@@ -227,17 +235,18 @@ class Bus:
                 message = self.decode(data, msg_type)
             except msgspec.DecodeError as error:
                 _mark_invalid(span, error)
-                return False, await _settle(report_invalid(subject, data, error)), self._trace_headers()
+                answer = await _settle(report_invalid(subject, data, error))
+                return _Outcome(answer, f"invalid {msg_type.__name__}: {error}", self._trace_headers())
             try:
                 answer = await _settle(handler(message))
-            except ValueError as error:   # the request, although well formed, cannot be served: say why
+            except ValueError as error:   # well formed, but it cannot be served: say why
                 _mark_invalid(span, error)
-                return False, str(error), self._trace_headers()
+                return _Outcome(None, str(error), self._trace_headers())
             except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
                 _mark_failed(span, error)
                 log.exception("handler for %s failed", subject)
                 return None
-            return True, answer, self._trace_headers()
+            return _Outcome(answer, None, self._trace_headers())
 
     async def add_endpoint(
         self,
@@ -261,17 +270,17 @@ class Bus:
         report_invalid = on_invalid or self._on_invalid
 
         async def on_request(request: micro.Request) -> None:
-            handled = await self._handle(request.subject, request.headers, request.data, msg_type, handler, span,
+            outcome = await self._handle(request.subject, request.headers, request.data, msg_type, handler, span,
                                          SpanKind.SERVER, {"messaging.destination.name": request.subject},
                                          report_invalid)
-            if handled is None:
+            if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
-            elif not handled[0]:          # undecodable, or refused with a reason
-                reason = handled[1] if isinstance(handled[1], str) else f"invalid {msg_type.__name__}"
-                body = b"" if handled[1] is None or isinstance(handled[1], str) else self.encode(handled[1])
-                await request.respond_error("400", reason, data=body, headers=handled[2])
+                return
+            body = b"" if outcome.answer is None else self.encode(outcome.answer)
+            if outcome.refusal is not None:
+                await request.respond_error("400", outcome.refusal, data=body, headers=outcome.headers)
             else:
-                await request.respond(b"" if handled[1] is None else self.encode(handled[1]), headers=handled[2])
+                await request.respond(body, headers=outcome.headers)
 
         options = {"queue_group": queue} if queue else {}
         await service.add_endpoint(name=name, subject=subject, handler=on_request, **options)
@@ -301,10 +310,10 @@ class Bus:
         async def on_message(raw: Msg) -> None:
             kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
             call = (lambda message: handler(message, raw)) if with_raw else handler
-            handled = await self._handle(raw.subject, raw.headers, raw.data, msg_type, call, name, kind,
+            outcome = await self._handle(raw.subject, raw.headers, raw.data, msg_type, call, name, kind,
                                          _receive_attributes(raw), report_invalid)
-            if raw.reply and handled is not None and handled[1] is not None:
-                await self.nc.publish(raw.reply, self.encode(handled[1]), headers=handled[2])
+            if raw.reply and outcome is not None and outcome.answer is not None:
+                await self.nc.publish(raw.reply, self.encode(outcome.answer), headers=outcome.headers)
 
         subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
         await self.flush()  # when subscribe returns, the server routes to it
