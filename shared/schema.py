@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from shared.goodput import GoodputModel, ThroughputParams
+from shared.goodput import GoodputModel, Observation, ThroughputParams
 
 SCHEMA_VERSION = 1
 
@@ -180,3 +180,78 @@ class PlacementResult(msgspec.Struct, frozen=True):
     placements: dict[str, Spots]
     restarts: tuple[str, ...] = ()
     evicted: tuple[str, ...] = ()
+
+
+# --- the round over the bus (docs/services.md) ------------------------------------------------
+
+class FactsRequest(msgspec.Struct, frozen=True):
+    """Policy -> executors: the facts of these jobs now."""
+
+    now_s: float
+    jobs: tuple[str, ...]
+
+
+class FactsReply(msgspec.Struct, frozen=True):
+    facts: tuple[JobFacts, ...]
+
+
+class ModelsRequest(msgspec.Struct, frozen=True):
+    """Policy -> estimator: the models of the jobs these facts describe."""
+
+    facts: tuple[JobFacts, ...]
+
+
+class ModelsReply(msgspec.Struct, frozen=True):
+    models: tuple[JobModels, ...]
+
+
+class ApplyRequest(msgspec.Struct, frozen=True):
+    """Policy -> executors: the round's placements (jobs absent get nothing) and each job's models,
+    which adaptive jobs re-tune their batch size with."""
+
+    now_s: float
+    placements: dict[str, Spots]
+    models: dict[str, JobModels]
+    adaptive: bool
+
+
+class AdvanceRequest(msgspec.Struct, frozen=True):
+    """Policy -> simulated executors: run every job for a round of the virtual clock."""
+
+    now_s: float
+    step_s: float
+
+
+class AdvanceReply(msgspec.Struct, frozen=True):
+    finished: tuple[str, ...]
+
+
+class Observed(msgspec.Struct, frozen=True):
+    """Executors -> estimator: a configuration a job ran, and its measured iteration time."""
+
+    job_id: str
+    gpu_type: str
+    observation: Observation
+
+
+class JobProfiles(msgspec.Struct, frozen=True):
+    """Profiler -> estimator: a job's bootstrap profiles, one per GPU type it can run on."""
+
+    job_id: str
+    profiles: tuple[Profile, ...]
+
+
+class Ack(msgspec.Struct, frozen=True):
+    ok: bool = True
+
+
+class JobRecord(msgspec.Struct, frozen=True):
+    """A job's outcome, as the results report it."""
+
+    name: str
+    application: str
+    submit_s: float
+    finish_s: float | None
+    restarts: int
+    gpu_seconds: float
+    feedback_s: float | None

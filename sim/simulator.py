@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
-from services.estimator.core import JobEstimate, job_models
+from services.estimator.core import Estimator
 from services.placer.core import place
 from services.policy.base import Policy, RoundState, job_view
 from shared.cluster import Cluster, Config, Spots
@@ -36,7 +36,7 @@ from shared.reference import WorkloadJob
 from shared.schema import JobFacts, JobModels, PlacementResult, Profile
 from sim.settings import SimSettings
 from sim.truth import ModelTruth
-from sim.world import SimulatedJob
+from sim.world import SimulatedExecutors, SimulatedJob
 
 FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
 
@@ -57,7 +57,7 @@ class Wiring(Protocol):
 
 
 class DirectWiring:
-    """The stages as plain calls: simulated executors and the estimator's state in this process."""
+    """The stages as plain calls in this process: simulated executors and the estimator's state."""
 
     def __init__(self, workload: list[WorkloadJob], cluster: Cluster, settings: SimSettings,
                  truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
@@ -66,62 +66,33 @@ class DirectWiring:
         if unknown:
             raise ValueError(f"workload uses models with no profile data: {', '.join(unknown)}")
         self.cluster = cluster
-        self.settings = settings
-        self.feedback_iterations = feedback_iterations
-        self.jobs: dict[str, SimulatedJob] = {}
-        self.estimates: dict[str, JobEstimate] = {}
-        self._models: dict[str, tuple[JobEstimate, dict]] = {}
+        self.executors = SimulatedExecutors(cluster, settings, feedback_iterations)
+        self.estimator = Estimator(settings.max_local)
         for spec in workload:
-            truth = truths[spec.application]
-            usable = [t for t in cluster.gpu_types if t in truth.types]
-            if not usable:
-                raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type "
-                                 f"of cluster {cluster.name}")
-            model = spec.application
-            self.jobs[spec.name] = SimulatedJob(spec, truth, settings.rigid.get(model), settings.restart_delay(model),
-                                                settings.goodput_factor(model))
-            self.estimates[spec.name] = JobEstimate.build({t: profiles(model, t) for t in usable})
+            usable = self.executors.add(spec, truths[spec.application])
+            self.estimator.add(spec.name, {t: profiles(spec.application, t) for t in usable})
+
+    @property
+    def jobs(self) -> dict[str, SimulatedJob]:
+        return self.executors.jobs
 
     async def facts(self, now: float, jobs: list[str]) -> list[JobFacts]:
-        return [self.jobs[name].facts(now) for name in jobs]
-
-    def _type_models(self, job_id: str) -> dict:
-        """The estimate's throughput model per type, fitted and projected once per update."""
-        estimate = self.estimates[job_id]
-        cached = self._models.get(job_id)
-        if cached is None or cached[0] is not estimate:
-            cached = self._models[job_id] = (estimate, estimate.models())
-        return cached[1]
+        return self.executors.facts(now, jobs)
 
     async def models(self, facts: list[JobFacts]) -> list[JobModels]:
-        out = []
-        for f in facts:
-            limits = self.estimates[f.job_id].local_limits
-            cap = self.settings.max_local.get(f.application)
-            if cap:
-                limits = {t: (lo, min(hi, cap)) for t, (lo, hi) in limits.items()}
-            out.append(job_models(f, self._type_models(f.job_id), limits))
-        return out
+        return self.estimator.models(facts)
 
     async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult:
         return place(self.cluster, allocations, previous)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None:
-        for name, job_models_ in models.items():
-            self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models_, adaptive, now,
-                                  self.settings.retune_threshold)
+        self.executors.apply(now, placements, models, adaptive)
 
     async def advance(self, now: float, step: float) -> list[str]:
-        finished = []
-        for name, job in self.jobs.items():
-            if job.finish_s is not None or job.spec.time > now:
-                continue
-            observation = job.advance(now, step, self.feedback_iterations)
-            if observation is not None:      # the executor's report reaches the estimator
-                self.estimates[name] = self.estimates[name].observe(job.config.gpu_type, observation)
-            if job.finish_s is not None:
-                finished.append(name)
+        finished, observed = self.executors.advance(now, step)
+        for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
+            self.estimator.observe(job_id, gpu_type, observation)
         return finished
 
 

@@ -129,3 +129,45 @@ class SimulatedJob:
         self.gpu_seconds += cfg.gpus * used
         self.attained_by_type[cfg.gpu_type] += cfg.gpus * used
         return observation
+
+
+class SimulatedExecutors:
+    """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order."""
+
+    def __init__(self, cluster: Cluster, settings, feedback_iterations: int):
+        self.cluster = cluster
+        self.settings = settings            # sim.settings.SimSettings: the world's restart delays, calibration
+        self.feedback_iterations = feedback_iterations
+        self.jobs: dict[str, SimulatedJob] = {}
+
+    def add(self, spec: WorkloadJob, truth: ModelTruth) -> list[str]:
+        """Start tracking a submitted job; the GPU types of this cluster it can run on."""
+        usable = [t for t in self.cluster.gpu_types if t in truth.types]
+        if not usable:
+            raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
+                             f"cluster {self.cluster.name}")
+        model, settings = spec.application, self.settings
+        self.jobs[spec.name] = SimulatedJob(spec, truth, settings.rigid.get(model), settings.restart_delay(model),
+                                            settings.goodput_factor(model))
+        return usable
+
+    def facts(self, now: float, names) -> list[JobFacts]:
+        return [self.jobs[name].facts(now) for name in names]
+
+    def apply(self, now: float, placements, models, adaptive: bool) -> None:
+        for name, job_models in models.items():
+            self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models, adaptive, now,
+                                  self.settings.retune_threshold)
+
+    def advance(self, now: float, step: float) -> tuple[list[str], list[tuple[str, str, Observation]]]:
+        """Run every submitted, unfinished job for a round: (jobs finished, (job, type, observation)s)."""
+        finished, observed = [], []
+        for name, job in self.jobs.items():
+            if job.finish_s is not None or job.spec.time > now:
+                continue
+            observation = job.advance(now, step, self.feedback_iterations)
+            if observation is not None:
+                observed.append((name, job.config.gpu_type, observation))
+            if job.finish_s is not None:
+                finished.append(name)
+        return finished, observed

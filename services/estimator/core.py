@@ -125,6 +125,42 @@ def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],
     )
 
 
+class Estimator:
+    """The estimator's state: each job's `JobEstimate`, and its models computed once per update.
+
+    `max_local` caps the per-GPU batch of a model everywhere (a memory limit known beforehand)."""
+
+    def __init__(self, max_local: Mapping[str, int] | None = None):
+        self.max_local = dict(max_local or {})
+        self.estimates: dict[str, JobEstimate] = {}
+        self._models: dict[str, tuple[JobEstimate, dict]] = {}
+
+    def add(self, job_id: str, profiles: Mapping[str, Profile]) -> None:
+        self.estimates[job_id] = JobEstimate.build(profiles)
+
+    def observe(self, job_id: str, gpu_type: str, observation: Observation) -> None:
+        self.estimates[job_id] = self.estimates[job_id].observe(gpu_type, observation)
+
+    def _type_models(self, job_id: str) -> dict:
+        estimate = self.estimates[job_id]
+        cached = self._models.get(job_id)
+        if cached is None or cached[0] is not estimate:
+            cached = self._models[job_id] = (estimate, estimate.models())
+        return cached[1]
+
+    def models(self, facts: Sequence[JobFacts]) -> list[JobModels]:
+        out = []
+        for f in facts:
+            if f.job_id not in self.estimates:
+                raise ValueError(f"no profile for job {f.job_id!r} yet")
+            limits = self.estimates[f.job_id].local_limits
+            cap = self.max_local.get(f.application)
+            if cap:
+                limits = {t: (lo, min(hi, cap)) for t, (lo, hi) in limits.items()}
+            out.append(job_models(f, self._type_models(f.job_id), limits))
+        return out
+
+
 @dataclass(frozen=True)
 class GoodputTable:
     """The round's goodput matrix. Invalid cells hold 0 goodput (and 0 normalised)."""
