@@ -42,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--policy", default="sia", metavar="NAME[:KEY=VALUE,...]",
                      help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
                           "(default: %(default)s)")
-    sim.add_argument("--bus", choices=["direct"], default="direct", help="wire the cores directly (default)")
+    sim.add_argument("--bus", choices=["direct", "nats"], default="direct",
+                     help="direct: the cores in this process (default); nats: the five services over a NATS "
+                          "server of their own, on a virtual clock")
     sim.add_argument("--out", default="simulation.json", help="result JSON (default: %(default)s)")
     sim.add_argument("--plot", help="PNG: GPUs per application over time and the JCT CDF")
     _common(sim)
@@ -87,12 +89,13 @@ def _options(args: argparse.Namespace, policy: str) -> dict:
 
 
 def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
+    bus = getattr(args, "bus", "direct")
     from sim.run import simulate
     policy, options = policy_spec(spec)
     result = simulate(workload, args.cluster, policy, calibration=args.calibration,
                       policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
                       sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress)
+                      progress=progress and bus == "direct", bus=bus)
     result["policy_spec"] = spec
     return result
 

@@ -255,3 +255,38 @@ class JobRecord(msgspec.Struct, frozen=True):
     restarts: int
     gpu_seconds: float
     feedback_s: float | None
+
+
+class Count(msgspec.Struct, frozen=True):
+    n: int
+
+
+class JobRecords(msgspec.Struct, frozen=True):
+    jobs: tuple[JobRecord, ...]
+
+
+class RoundRecord(msgspec.Struct):
+    """One scheduling round, for the metrics: jobs active and running, and what deciding cost."""
+
+    now_s: float
+    active: int
+    running: int
+    policy_ms: float
+    round_ms: float
+    gpus: dict[str, int]          # GPUs of each running job after the decision
+
+
+class RunRequest(msgspec.Struct, frozen=True):
+    """Driver -> policy leader: replay these submitted jobs on the virtual clock."""
+
+    policy: str
+    policy_options: dict[str, Any]
+    calibration: str
+    jobs: tuple[tuple[str, float], ...]      # (job id, submit time), in submission order
+    round_s: float | None = None
+    horizon_s: float | None = None
+
+
+class RunReport(msgspec.Struct, frozen=True):
+    rounds: tuple[RoundRecord, ...]
+    events: tuple[str, ...]

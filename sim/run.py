@@ -6,6 +6,7 @@ peers' simulators use them), otherwise the built-in model zoo (the embedded defa
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,10 +18,12 @@ from services.policy.base import make_policy
 from services.profiler.core import model_profile, trace_profile
 from shared.cluster import load_cluster
 from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models, load_workload
+from shared.schema import JobRecord
 from shared.zoo import load_zoo
-from sim.settings import settings_for
+from sim.settings import SimSettings, settings_for
 from sim.simulator import FEEDBACK_ITERATIONS, Simulator
 from sim.truth import ModelTruth, reference_truth, zoo_truth
+from sim.world import SimulatedExecutors
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,36 @@ def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSourc
     return JobSources("zoo", {name: zoo_truth(m) for name, m in zoo.items()}, profile)
 
 
+def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
+                        round_s: float | None = None, horizon_s: float | None = None) -> SimSettings:
+    """The calibration's settings with the run's overrides: every restart delay, the round, the horizon."""
+    settings = settings_for(calibration, cluster)
+    if restart_delay_s is not None:
+        settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
+    if round_s is not None:
+        settings = replace(settings, round_s=round_s)
+    if horizon_s is not None:
+        settings = replace(settings, horizon_s=horizon_s)
+    return settings
+
+
+def add_world_arguments(parser) -> None:
+    """A simulated cluster's options, for the services that play it (executor, profiler, estimator)."""
+    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+    parser.add_argument("--reference", help="reference folder for the jobs' true behaviour")
+    parser.add_argument("--zoo", action="store_true", help="the built-in model zoo as the jobs' true behaviour")
+    parser.add_argument("--calibration", help="peer simulator calibration (default: the cluster's)")
+    parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS)
+    parser.add_argument("--restart-delay", type=float, help="every job's checkpoint-restart delay, seconds")
+
+
+def world_of(args) -> tuple[SimulatedExecutors, JobSources]:
+    """The simulated executors and the jobs' truth that `add_world_arguments`' options describe."""
+    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay)
+    executors = SimulatedExecutors(load_cluster(args.cluster), settings, args.feedback_iterations)
+    return executors, job_sources(args.reference, args.zoo)
+
+
 def _quantiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p95": 0.0, "max": 0.0}
@@ -63,25 +96,82 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool = False) -> dict:
+             progress: bool = False, bus: str = "direct") -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
     spec = load_cluster(cluster)
-    settings = settings_for(calibration, cluster)
-    if restart_delay_s is not None:
-        settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
-    if round_s is not None:
-        settings = replace(settings, round_s=round_s)
-    if horizon_s is not None:
-        settings = replace(settings, horizon_s=horizon_s)
+    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
+    if bus == "nats":
+        sim = Simulator(jobs, spec, pol, settings, feedback_iterations=feedback_iterations, wiring=_NoWiring())
+        report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
+                                                     reference, use_zoo, calibration, feedback_iterations,
+                                                     restart_delay_s, round_s, horizon_s, sources.origin))
+        sim.rounds, sim.events = list(report.rounds), list(report.events)
+        return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin,
+                       list(records.jobs))
     sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
     sim.run(_progress_bar(len(jobs)) if progress else None)
     return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
+
+
+class _NoWiring:
+    """The local Simulator of a run over NATS only carries its settings and metrics."""
+
+    jobs: dict = {}
+
+
+async def _run_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
+                         feedback_iterations, restart_delay_s, round_s, horizon_s, origin):
+    """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
+    import tempfile
+
+    from deploy.nats import nats_from_binary
+    from deploy.stack import running_services
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.schema import Ack, Count, JobRecords, JobSpec, RunReport, RunRequest
+
+    truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo or origin == "zoo" else [])
+    calib = ["--calibration", calibration] if calibration else []
+    arguments = {
+        "profiler": ["--cluster", cluster, *truth],
+        "estimator": ["--cluster", cluster, *calib],
+        "policy": ["--cluster", cluster],
+        "placer": ["--cluster", cluster],
+        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations),
+                     *(["--restart-delay", str(restart_delay_s)] if restart_delay_s is not None else [])],
+    }
+    with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
+        with running_services(url, arguments, Path(folder)) as stack:
+            bus = await Bus.connect(url, "goodput-simulate")
+            try:
+                await stack.wait_ready(bus)
+                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                                        duplicate_window=subjects.DEDUP_WINDOW_S)
+                for job in jobs:
+                    spec = JobSpec(job.name, job.application, requested_gpus=job.num_replicas,
+                                   requested_batch=job.batch_size, submit_s=job.time)
+                    await bus.js_publish(subjects.SUBMIT, spec, msg_id=job.name)
+                # Every job profiled and known to the executors before the clock starts.
+                for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
+                    while (await bus.request(status, Ack(), Count, timeout=10)).n < len(jobs):
+                        await asyncio.sleep(0.05)
+                request = RunRequest(policy, policy_options, settings.name, tuple((j.name, j.time) for j in jobs),
+                                     round_s, horizon_s)
+                try:
+                    report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
+                except Exception as error:  # noqa: BLE001 - say which service failed and why
+                    raise RuntimeError(f"the run over NATS failed ({error!r}); the services' logs end with:\n"
+                                       + "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)) from None
+                records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)
+            finally:
+                await bus.close()
+    return report, records
 
 
 def _progress_bar(total: int):
@@ -98,19 +188,20 @@ def _progress_bar(total: int):
     return show
 
 
-def results(sim: Simulator, workload, origin: str) -> dict:
+def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | None = None) -> dict:
+    """The result document (DESIGN §6) of a finished run; `records` when the jobs ran elsewhere."""
     jobs = []
-    for j in sorted(sim.jobs, key=lambda j: (j.spec.time, j.name)):
-        jct = None if j.finish_s is None else j.finish_s - j.spec.time
+    for j in sorted(records if records is not None else sim.records(), key=lambda r: (r.submit_s, r.name)):
+        jct = None if j.finish_s is None else j.finish_s - j.submit_s
         jobs.append({
             "name": j.name,
-            "application": j.spec.application,
-            "submit_s": j.spec.time,
+            "application": j.application,
+            "submit_s": j.submit_s,
             "finish_s": j.finish_s,
             "jct_s": jct,
             "restarts": j.restarts,
             "gpu_seconds": round(j.gpu_seconds, 3),
-            "feedback_s": None if j.feedback_s is None else round(j.feedback_s - j.spec.time, 3),
+            "feedback_s": None if j.feedback_s is None else round(j.feedback_s - j.submit_s, 3),
         })
     done = [j for j in jobs if j["jct_s"] is not None]
     jcts = np.array([j["jct_s"] for j in done]) if done else np.zeros(0)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from services.estimator.core import Estimator
@@ -33,7 +32,7 @@ from services.placer.core import place
 from services.policy.base import Policy, RoundState, job_view
 from shared.cluster import Cluster, Config, Spots
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, JobModels, PlacementResult, Profile
+from shared.schema import JobFacts, JobModels, JobRecord, PlacementResult, Profile, RoundRecord
 from sim.settings import SimSettings
 from sim.truth import ModelTruth
 from sim.world import SimulatedExecutors, SimulatedJob
@@ -96,22 +95,13 @@ class DirectWiring:
         return finished
 
 
-@dataclass
-class RoundRecord:
-    now_s: float
-    active: int
-    running: int
-    policy_ms: float
-    round_ms: float
-    gpus: dict[str, int]          # GPUs of each running job after the decision
-
-
 class Simulator:
     """The clock, the policy and the metrics, over a wiring (direct unless given)."""
 
     def __init__(self, workload: list[WorkloadJob], cluster: Cluster, policy: Policy, settings: SimSettings,
-                 truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
+                 truths: Mapping[str, ModelTruth] | None = None, profiles: Callable[[str, str], Profile] | None = None,
                  feedback_iterations: int = FEEDBACK_ITERATIONS, wiring: Wiring | None = None):
+        """Over `wiring`, or, without one, a DirectWiring built from the jobs' `truths` and `profiles`."""
         if feedback_iterations < 1:
             raise ValueError(f"feedback iterations must be at least 1, got {feedback_iterations}")
         self.workload = sorted(workload, key=lambda j: (j.time, j.name))
@@ -123,9 +113,9 @@ class Simulator:
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
 
-    @property
-    def jobs(self) -> list[SimulatedJob]:
-        return list(self.wiring.jobs.values())
+    def records(self) -> list[JobRecord]:
+        """Every job's outcome (direct wiring: read from the simulated executors here)."""
+        return [job.record() for job in self.wiring.jobs.values()]
 
     def run(self, progress: Callable[[float, int, int], None] | None = None) -> None:
         asyncio.run(self.run_async(progress))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from shared.cluster import Cluster, Config, Spots
 from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, JobModels
+from shared.schema import JobFacts, JobModels, JobRecord
 from sim.truth import ModelTruth
 
 
@@ -46,6 +46,11 @@ class SimulatedJob:
     def name(self) -> str:
         return self.spec.name
 
+    def record(self) -> JobRecord:
+        return JobRecord(self.spec.name, self.spec.application, self.spec.time,
+                         None if self.finish_s is None else float(self.finish_s), self.restarts,
+                         float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s))
+
     def facts(self, now: float) -> JobFacts:
         spec, truth = self.spec, self.truth
         # Gradient statistics as the job measures them: at the batch it runs (M0 before it ever ran).
@@ -56,7 +61,8 @@ class SimulatedJob:
             requested_gpus=self.rigid[0] if self.rigid else spec.num_replicas,
             requested_batch=self.rigid[1] if self.rigid else spec.batch_size,
             rigid=self.rigid is not None, init_batch=truth.init_batch, max_batch=truth.max_batch,
-            restarts=self.restarts, attained_gpu_s=self.gpu_seconds, attained_by_type=dict(self.attained_by_type),
+            restarts=self.restarts, attained_gpu_s=float(self.gpu_seconds),
+            attained_by_type={t: float(v) for t, v in self.attained_by_type.items()},
             placement=self.placement, mid_restart=self.restart_left_s > 0, iterations=self.iterations,
             slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
             idle_since_s=None if self.placement else (spec.time if self.idle_since_s is None else self.idle_since_s),
@@ -114,7 +120,7 @@ class SimulatedJob:
             elapsed = 0.0
             while elapsed < run:
                 rate = truth.efficiency(self.progress, batch) * batch / truth.init_batch * steps_per_s
-                boundary = truth.boundaries[truth.epoch(self.progress)]
+                boundary = float(truth.boundaries[truth.epoch(self.progress)])
                 dt = min(max(boundary - self.progress, 0.0) / rate, run - elapsed)
                 before = self.iterations
                 self.progress = boundary if dt < run - elapsed else self.progress + rate * dt

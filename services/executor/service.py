@@ -1,0 +1,79 @@
+"""The executor service, simulated: the jobs of a simulated cluster run here on a virtual clock.
+
+It takes submissions from the JetStream stream (its own durable consumer), and answers the policy
+leader's round: the jobs' facts, the placements to apply, and a round to advance — after which it
+reports every configuration a job ran to the estimator. (Real executors, running training on GPUs,
+come with the executor issue.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from nats import micro
+
+from services.runner import VERSION
+from shared import subjects
+from shared.bus import Bus
+from shared.reference import WorkloadJob
+from shared.schema import (
+    Ack,
+    AdvanceReply,
+    AdvanceRequest,
+    ApplyRequest,
+    Count,
+    FactsReply,
+    FactsRequest,
+    JobRecords,
+    JobSpec,
+    Observed,
+)
+from sim.run import add_world_arguments, world_of
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_world_arguments(parser)
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    executors, sources = world_of(args)
+
+    def on_submission(spec: JobSpec) -> None:
+        truth = sources.truths.get(spec.application)
+        if truth is None:
+            log.warning("job %s: no simulated behaviour for %r; not run", spec.id, spec.application)
+            return
+        batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
+        executors.add(WorkloadJob(spec.id, spec.submit_s, spec.application, spec.requested_gpus, batch), truth)
+
+    async def on_advance(request: AdvanceRequest) -> AdvanceReply:
+        finished, observed = executors.advance(request.now_s, request.step_s)
+        for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
+            await bus.request(subjects.OBSERVE, Observed(job_id, gpu_type, observation), Ack, timeout=30)
+        return AdvanceReply(tuple(finished))
+
+    def on_apply(request: ApplyRequest) -> Ack:
+        executors.apply(request.now_s, request.placements, request.models, request.adaptive)
+        return Ack()
+
+    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, subjects.SUBMIT, JobSpec,
+                                       span_name="executor.submission")
+    asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
+
+    service = await micro.add_service(bus.nc, name=subjects.EXECUTOR_SERVICE, version=VERSION,
+                                      description="simulated executors on a virtual clock",
+                                      queue_group=subjects.EXECUTOR_SERVICE)
+    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
+                           lambda request: FactsReply(tuple(executors.facts(request.now_s, request.jobs))))
+    await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
+    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance)
+    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack,
+                           lambda _: JobRecords(tuple(job.record() for job in executors.jobs.values())))
+    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(executors.jobs)))
+    return service
