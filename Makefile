@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py
 	$(PY) benchmarks/bench_sia_ilp.py
 	$(PY) benchmarks/bench_ingest.py
+	$(PY) benchmarks/bench_bus.py --zoo --workload examples/workloads/mixed-40.csv
 
 clean:
 	rm -rf $(VENV) out
