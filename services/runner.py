@@ -33,8 +33,11 @@ def service_main(name: str, start: Start, add_arguments: Callable[[argparse.Argu
         add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    setup_tracing(f"goodput-{name}")
-    asyncio.run(serve(name, start, args))
+    provider = setup_tracing(f"goodput-{name}")
+    try:
+        asyncio.run(serve(name, start, args))
+    finally:
+        provider.shutdown()            # export the spans still buffered before the process ends
 
 
 async def serve(name: str, start: Start, args: argparse.Namespace) -> None:

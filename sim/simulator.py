@@ -27,6 +27,9 @@ import time
 from collections import defaultdict, deque
 from typing import Callable, Mapping, Protocol
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+
 from services.estimator.core import Estimator
 from services.placer.core import place
 from services.policy.base import Policy, RoundState, job_view
@@ -38,6 +41,7 @@ from sim.truth import ModelTruth
 from sim.world import SimulatedExecutors, SimulatedJob
 
 FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
+_TRACER = trace.get_tracer("goodput.round")
 
 
 class Wiring(Protocol):
@@ -135,10 +139,15 @@ class Simulator:
             if not active:                       # idle: jump to the round of the next arrival
                 now = step * -(-waiting[0].time // step)
                 continue
-            if now >= next_decision - 1e-9:      # decisions on the policy's own grid of rounds
-                await self._decide(now, active)
-                next_decision = (now // self.policy.round_s + 1) * self.policy.round_s
-            finished = set(await self.wiring.advance(now, step))
+            decide = now >= next_decision - 1e-9      # decisions on the policy's own grid of rounds
+            # One trace per round: every stage's span, in every service, descends from this root.
+            with _TRACER.start_as_current_span("round", context=Context(), attributes={
+                    "round": len(self.rounds), "now_s": now, "jobs": len(active),
+                    "gpus": self.cluster.total_gpus, "decides": decide}):
+                if decide:
+                    await self._decide(now, active)
+                    next_decision = (now // self.policy.round_s + 1) * self.policy.round_s
+                finished = set(await self.wiring.advance(now, step))
             active = [name for name in active if name not in finished]
             done += len(finished)
             now += step
@@ -152,7 +161,8 @@ class Simulator:
         views = tuple(job_view(f, m, self.cluster, self.settings.restart_estimate(f.application))
                       for f, m in zip(facts, models))
         policy_start = time.perf_counter()
-        decision = self.policy.allocate(RoundState(now, self.cluster, views))
+        with _TRACER.start_as_current_span("policy.solve", attributes={"policy": self.policy.name}):
+            decision = self.policy.allocate(RoundState(now, self.cluster, views))
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}

@@ -35,7 +35,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                       description="throughput models and goodput per job and GPU type",
                                       queue_group=subjects.ESTIMATOR_SERVICE)
     await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, on_profiles)
-    await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, on_observed)
+    await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, on_observed,
+                           span_name="estimator.observe")
     await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest,
                            lambda request: ModelsReply(tuple(estimator.models(request.facts))),
                            span_name="estimator.goodput")

@@ -70,9 +70,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                       description="simulated executors on a virtual clock",
                                       queue_group=subjects.EXECUTOR_SERVICE)
     await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
-                           lambda request: FactsReply(tuple(executors.facts(request.now_s, request.jobs))))
+                           lambda request: FactsReply(tuple(executors.facts(request.now_s, request.jobs))),
+                           span_name="executor.facts")
     await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
-    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance)
+    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance,
+                           span_name="executor.advance")
     await bus.add_endpoint(service, "records", subjects.RECORDS, Ack,
                            lambda _: JobRecords(tuple(job.record() for job in executors.jobs.values())))
     await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(executors.jobs)))
