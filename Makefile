@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded default: no reference data needed.
+# The main job on the embedded default: NATS and the five services, the built-in workload replayed
+# through them on sia-hetero-64 with simulated executors; no reference data, no Docker.
 run: $(STAMP)
-	$(VENV)/bin/goodput simulate --workload examples/workloads/mixed-40.csv --cluster sia-hetero-64 \
-		--policy sia --zoo --out out/simulation.json --plot out/simulation.png
+	$(VENV)/bin/goodput up --once --out out/up.json
 
 test: $(STAMP)
 	$(PY) -m pytest -q

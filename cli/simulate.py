@@ -105,16 +105,26 @@ def _hours(seconds) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from sim.run import job_sources, plot
+    from sim.run import job_sources
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
     result = _run(args, args.workload, args.policy, sources, progress=sys.stderr.isatty())
     took = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"{result['policy_spec']} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
-    print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, took {took:.1f} s")
+    report(result, took, args.out, args.plot)
+    return 0
+
+
+def report(result: dict, took: float, out: str, plot_path: str | None = None) -> None:
+    """Print a run's summary, write its JSON (and plot)."""
+    from sim.run import plot
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    title = result.get("policy_spec", result["policy"])
+    print(f"{title} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
+    print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, "
+          f"took {took:.1f} s")
     print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
           f"makespan {_hours(result['makespan_s'])} h")
     print(f"  GPU-hours/job {result['gpu_hours_per_job']:.2f}   restarts/job {result['restarts_per_job']:.2f}   "
@@ -122,11 +132,10 @@ def _simulate(args: argparse.Namespace) -> int:
           f"{result['policy_runtime_ms']['max']:.1f}")
     for event in result["events"][:10]:
         print(f"  event: {event}")
-    print(f"wrote {out}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    print(f"wrote {path}")
+    if plot_path:
+        plot(result, plot_path)
+        print(f"wrote {plot_path}")
 
 
 def _workload_sets(paths: list[str]) -> dict[str, list[str]]:

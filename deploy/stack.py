@@ -10,7 +10,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared import subjects
 from shared.bus import Bus
+from shared.reference import WorkloadJob
+from shared.schema import Ack, Count, JobRecords, JobSpec, RunReport, RunRequest
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 READY_TIMEOUT_S = 60.0
@@ -70,3 +73,41 @@ def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: 
         yield stack
     finally:
         Stack(processes, logs).stop()
+
+
+def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
+                      feedback_iterations: int, restart_delay_s: float | None) -> dict[str, list[str]]:
+    """Each service's options for a simulated cluster (its jobs' truth, its calibration)."""
+    truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo else [])
+    calib = ["--calibration", calibration] if calibration else []
+    delay = ["--restart-delay", str(restart_delay_s)] if restart_delay_s is not None else []
+    return {
+        "profiler": ["--cluster", cluster, *truth],
+        "estimator": ["--cluster", cluster, *calib],
+        "policy": ["--cluster", cluster],
+        "placer": ["--cluster", cluster],
+        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations), *delay],
+    }
+
+
+async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,
+                 calibration: str, round_s: float | None = None,
+                 horizon_s: float | None = None) -> tuple[RunReport, JobRecords]:
+    """Submit a workload through JetStream, wait until every job is profiled and known to the
+    executors, and have the policy leader replay it on the virtual clock."""
+    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    for job in jobs:
+        spec = JobSpec(job.name, job.application, requested_gpus=job.num_replicas,
+                       requested_batch=job.batch_size, submit_s=job.time)
+        await bus.js_publish(subjects.SUBMIT, spec, msg_id=job.name)
+    for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
+        while (await bus.request(status, Ack(), Count, timeout=10)).n < len(jobs):
+            await asyncio.sleep(0.05)
+    request = RunRequest(policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs), round_s, horizon_s)
+    try:
+        report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
+    except Exception as error:  # noqa: BLE001 - say which service failed and why
+        logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
+        raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
+    return report, await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)

@@ -131,47 +131,19 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
     import tempfile
 
     from deploy.nats import nats_from_binary
-    from deploy.stack import running_services
-    from shared import subjects
+    from deploy.stack import replay, running_services, service_arguments
     from shared.bus import Bus
-    from shared.schema import Ack, Count, JobRecords, JobSpec, RunReport, RunRequest
 
-    truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo or origin == "zoo" else [])
-    calib = ["--calibration", calibration] if calibration else []
-    arguments = {
-        "profiler": ["--cluster", cluster, *truth],
-        "estimator": ["--cluster", cluster, *calib],
-        "policy": ["--cluster", cluster],
-        "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations),
-                     *(["--restart-delay", str(restart_delay_s)] if restart_delay_s is not None else [])],
-    }
+    arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
+                                  restart_delay_s)
     with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
         with running_services(url, arguments, Path(folder)) as stack:
             bus = await Bus.connect(url, "goodput-simulate")
             try:
                 await stack.wait_ready(bus)
-                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                        duplicate_window=subjects.DEDUP_WINDOW_S)
-                for job in jobs:
-                    spec = JobSpec(job.name, job.application, requested_gpus=job.num_replicas,
-                                   requested_batch=job.batch_size, submit_s=job.time)
-                    await bus.js_publish(subjects.SUBMIT, spec, msg_id=job.name)
-                # Every job profiled and known to the executors before the clock starts.
-                for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
-                    while (await bus.request(status, Ack(), Count, timeout=10)).n < len(jobs):
-                        await asyncio.sleep(0.05)
-                request = RunRequest(policy, policy_options, settings.name, tuple((j.name, j.time) for j in jobs),
-                                     round_s, horizon_s)
-                try:
-                    report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
-                except Exception as error:  # noqa: BLE001 - say which service failed and why
-                    raise RuntimeError(f"the run over NATS failed ({error!r}); the services' logs end with:\n"
-                                       + "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)) from None
-                records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)
+                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s)
             finally:
                 await bus.close()
-    return report, records
 
 
 def _progress_bar(total: int):

@@ -46,3 +46,28 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
         assert spans[name].trace_id == root.trace_id, name
     assert spans["placer.place"].parent_span_id == root.span_id
     assert spans["estimator.goodput"].parent_span_id == root.span_id
+
+
+def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
+    from cli.main import main
+    from deploy.nats import free_loopback_port
+
+    workload = tmp_path / "w.csv"
+    workload.write_text("name,time,application,num_replicas,batch_size\ncifar10-0,0,cifar10,2,256\n"
+                        "bert-1,60,bert,1,12\n")
+    out = tmp_path / "up.json"
+    assert main(["up", "--once", "--port", str(free_loopback_port()), "--workload", str(workload),
+                 "--data", str(tmp_path / "stack"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "goodput is up" in printed and "goodput is down" in printed
+    import json
+    result = json.loads(out.read_text())
+    assert result["jobs_unfinished"] == 0 and len(result["jobs"]) == 2
+    assert (tmp_path / "stack" / "policy.log").exists()
+
+
+def test_status_without_a_stack_is_a_clear_error(capsys):
+    from cli.main import main
+
+    assert main(["status", "--server", "nats://127.0.0.1:1"]) == 2
+    assert "is `goodput up` running?" in capsys.readouterr().err

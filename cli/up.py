@@ -1,0 +1,134 @@
+"""`goodput up` — the embedded stack; `goodput status` — what it knows of the jobs.
+
+`goodput up` starts a NATS server (JetStream on, data under --data) and the five services as child
+processes, on a simulated cluster (simulated executors), waits until each answers ping, prints where
+everything is, replays a workload through them (the built-in one unless told otherwise) and prints
+the results; then it serves until Ctrl-C, or stops at once with --once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from shared.bus import DEFAULT_SERVER, SERVER_ENV
+
+BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start NATS and the five services; replay a workload through them")
+    up.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file (default: %(default)s)")
+    up.add_argument("--workload", default=str(BUILT_IN_WORKLOAD),
+                    help="workload CSV to replay (default: the built-in 40-job workload); 'none' to replay nothing")
+    up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
+    up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
+    up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
+    up.add_argument("--data", default="out/stack", help="JetStream data and service logs (default: %(default)s)")
+    up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
+    up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
+    up.set_defaults(func=_up)
+
+    status = sub.add_parser("status", help="jobs known to a running goodput")
+    status.add_argument("--server", default=None, help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    status.set_defaults(func=_status)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from deploy.nats import nats_from_binary
+
+    data = Path(args.data)
+    # A fresh store each time: the services keep their state in memory for now, so submissions kept
+    # from an earlier run would not reach them again (durable consumers remember what they took).
+    shutil.rmtree(data / "jetstream", ignore_errors=True)
+    data.mkdir(parents=True, exist_ok=True)
+    with nats_from_binary(data, port=args.port) as url:
+        asyncio.run(_serve(args, url, data))
+    return 0
+
+
+async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
+    from cli.simulate import policy_spec, report
+    from deploy.stack import SERVICES, replay, running_services, service_arguments
+    from shared.bus import Bus
+    from shared.reference import load_workload
+    from sim.run import results, simulation_settings
+    from sim.simulator import FEEDBACK_ITERATIONS, Simulator
+    from shared.cluster import load_cluster
+    from services.policy.base import make_policy
+
+    policy, options = policy_spec(args.policy)
+    arguments = service_arguments(args.cluster, args.reference, args.reference is None, None, FEEDBACK_ITERATIONS,
+                                  None)
+    with running_services(url, arguments, data) as stack:
+        bus = await Bus.connect(url, "goodput-up")
+        try:
+            await stack.wait_ready(bus)
+            print(f"goodput is up: NATS at {url} (JetStream data in {data})")
+            for name in SERVICES:
+                print(f"  {name:<9} pid {stack.processes[name].pid:<7} log {data / (name + '.log')}")
+            print(f"submit jobs with `goodput submit JOB.yaml --server {url}`; "
+                  f"see them with `goodput status --server {url}`")
+            if args.workload != "none":
+                jobs = load_workload(args.workload)
+                settings = simulation_settings(None, args.cluster)
+                print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
+                start = time.perf_counter()
+                run, records = await replay(bus, stack, jobs, policy, options, settings.name)
+                sim = Simulator(jobs, load_cluster(args.cluster), make_policy(policy, **options), settings,
+                                wiring=_Replayed())
+                sim.rounds, sim.events = list(run.rounds), list(run.events)
+                origin = f"reference:{args.reference}" if args.reference else "zoo"
+                report(results(sim, args.workload, origin, list(records.jobs)), time.perf_counter() - start, args.out)
+            if not args.once:
+                print("serving; Ctrl-C stops everything")
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await stop.wait()
+        finally:
+            await bus.close()
+    print("goodput is down")
+
+
+class _Replayed:
+    """The local Simulator of a replay over NATS only carries settings and metrics."""
+
+    jobs: dict = {}
+
+
+def _status(args: argparse.Namespace) -> int:
+    import os
+
+    server = args.server or os.environ.get(SERVER_ENV, DEFAULT_SERVER)
+    try:
+        records, profiled = asyncio.run(_query(server))
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
+        raise ValueError(f"cannot reach a running goodput at {server} ({exc or type(exc).__name__}); "
+                         "is `goodput up` running?") from None
+    finished = [r for r in records.jobs if r.finish_s is not None]
+    print(f"{len(records.jobs)} jobs known to the executors, {profiled} profiled, {len(finished)} finished")
+    for r in records.jobs:
+        state = f"finished after {(r.finish_s - r.submit_s) / 3600:.2f} h" if r.finish_s is not None else "running or waiting"
+        print(f"  {r.name:<24} {r.application:<12} {state:<28} restarts {r.restarts:<3} "
+              f"GPU-h {r.gpu_seconds / 3600:.2f}")
+    return 0
+
+
+async def _query(server: str):
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.schema import Ack, Count, JobRecords
+
+    bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1)
+    try:
+        records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=5)
+        profiled = await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)
+        return records, profiled.n
+    finally:
+        await bus.close()
