@@ -71,3 +71,41 @@ def test_status_without_a_stack_is_a_clear_error(capsys):
 
     assert main(["status", "--server", "nats://127.0.0.1:1"]) == 2
     assert "is `goodput up` running?" in capsys.readouterr().err
+
+
+async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_server, connect_bus, tmp_path):
+    import asyncio
+
+    import msgspec
+
+    from deploy.stack import running_services, service_arguments
+    from shared import subjects
+    from shared.schema import Ack, Count, JobSpec, Rejected
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    bus = await connect_bus("client")
+    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    with running_services(nats_server, arguments, tmp_path) as stack:
+        await stack.wait_ready(bus)
+        before = (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n
+        await bus.js.publish(subjects.SUBMIT, b"\x93 not a job")                       # malformed
+        await bus.js_publish(subjects.SUBMIT, JobSpec("alexnet-1", "alexnet"), msg_id="alexnet-1")   # unknown model
+        await bus.js_publish(subjects.SUBMIT, JobSpec("ok-1", "cifar10"), msg_id="ok-1")             # fine
+        for _ in range(100):
+            if (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == before + 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the valid job was never profiled")
+        rejected = []
+        for _ in range(100):
+            info = await bus.js.stream_info(subjects.JOBS_STREAM)
+            messages = [await bus.js.get_msg(subjects.JOBS_STREAM, seq) for seq in range(1, info.state.last_seq + 1)]
+            rejected = [msgspec.msgpack.decode(m.data, type=Rejected) for m in messages if m.subject == subjects.REJECTED]
+            if len(rejected) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        reasons = " | ".join(r.reason for r in rejected)
+        assert "malformed submission" in reasons and "unknown application 'alexnet'" in reasons
+        assert all(p.poll() is None for p in stack.processes.values())                  # nobody crashed

@@ -31,6 +31,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
     sources = job_sources(args.reference, args.zoo)
 
+    async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
+        # Recorded, with the reason, on the dead-letter subject; the submission is then dropped.
+        await bus.js_publish(subjects.REJECTED, rejection(subject, f"malformed submission: {error}", data))
+
     async def on_submission(spec: JobSpec) -> None:
         problem = submission_problem(spec, cluster.gpu_types, sources.truths)
         if problem is not None:
@@ -44,7 +48,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT, JobSpec,
-                                       span_name="profiler.bootstrap")
+                                       span_name="profiler.bootstrap", on_invalid=on_malformed)
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
     return await micro.add_service(bus.nc, name=subjects.PROFILER_SERVICE, version=VERSION,
                                    description="bootstrap profiles of submitted jobs")
