@@ -21,9 +21,20 @@ STOP_TIMEOUT_S = 10.0
 
 
 class Stack:
-    def __init__(self, processes: dict[str, subprocess.Popen], logs: Path):
-        self.processes = processes
+    def __init__(self, commands: Mapping[str, list[str]], logs: Path):
+        self.commands = dict(commands)
         self.logs = logs
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> None:
+        """Start (or start again) one service; its log is appended to."""
+        with open(self.logs / f"{name}.log", "ab") as log:
+            self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
+
+    def kill(self, name: str) -> None:
+        """kill -9: the service gets no chance to clean up."""
+        self.processes[name].kill()
+        self.processes[name].wait()
 
     async def wait_ready(self, bus: Bus, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until every service answers the NATS service API's ping; a clear error if one died."""
@@ -62,17 +73,15 @@ class Stack:
 @contextmanager
 def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: Path) -> Iterator[Stack]:
     """Start `python -m services.<name> --server URL <arguments>` for each service; stop them all after."""
-    processes = {}
+    stack = Stack({name: [sys.executable, "-m", f"services.{name}", "--server", server, *arguments.get(name, ())]
+                   for name in SERVICES}, logs)
     try:
         for name in SERVICES:
-            with open(logs / f"{name}.log", "wb") as log:
-                processes[name] = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{name}", "--server", server, *arguments.get(name, ())],
-                    stdout=log, stderr=subprocess.STDOUT)
-        stack = Stack(processes, logs)
+            (logs / f"{name}.log").unlink(missing_ok=True)
+            stack.start(name)
         yield stack
     finally:
-        Stack(processes, logs).stop()
+        stack.stop()
 
 
 def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
@@ -91,8 +100,8 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
 
 
 async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,
-                 calibration: str, round_s: float | None = None,
-                 horizon_s: float | None = None) -> tuple[RunReport, JobRecords]:
+                 calibration: str, round_s: float | None = None, horizon_s: float | None = None,
+                 request_timeout_s: float = 10.0) -> tuple[RunReport, JobRecords]:
     """Submit a workload through JetStream, wait until every job is profiled and known to the
     executors, and have the policy leader replay it on the virtual clock."""
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
@@ -104,7 +113,8 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
         while (await bus.request(status, Ack(), Count, timeout=10)).n < len(jobs):
             await asyncio.sleep(0.05)
-    request = RunRequest(policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs), round_s, horizon_s)
+    request = RunRequest(policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs), round_s,
+                         horizon_s, request_timeout_s)
     try:
         report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
     except Exception as error:  # noqa: BLE001 - say which service failed and why

@@ -285,6 +285,7 @@ class RunRequest(msgspec.Struct, frozen=True):
     jobs: tuple[tuple[str, float], ...]      # (job id, submit time), in submission order
     round_s: float | None = None
     horizon_s: float | None = None
+    request_timeout_s: float = 10.0           # each stage's request; a restarted service is asked again
 
 
 class RunReport(msgspec.Struct, frozen=True):

@@ -1,6 +1,17 @@
-"""The simulator's clock over NATS: each stage of a round is a request to its service."""
+"""The simulator's clock over NATS: each stage of a round is a request to its service.
+
+A request that finds no responder is sent again until `retry_s` has passed, and so is one that
+timed out, for the stages that may safely run twice (facts, models, place, apply: a repeat gets
+the same answer); a round's advance is never repeated after a time-out. A stateless service that
+was restarted (kill -9, a rolling update) thus picks the round up where it was.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats.errors
 
 from shared import subjects
 from shared.bus import Bus
@@ -20,32 +31,46 @@ from shared.schema import (
     PlaceRequest,
 )
 
-REQUEST_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 10.0
+RETRY_S = 120.0
+log = logging.getLogger(__name__)
 
 
 class BusWiring:
-    def __init__(self, bus: Bus, timeout_s: float = REQUEST_TIMEOUT_S):
+    def __init__(self, bus: Bus, timeout_s: float = REQUEST_TIMEOUT_S, retry_s: float = RETRY_S):
         self.bus = bus
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
         self.round = 0
 
+    async def _request(self, subject: str, message, reply_type, repeatable: bool = True):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_s
+        while True:
+            try:
+                return await self.bus.request(subject, message, reply_type, self.timeout_s)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
+                if loop.time() > deadline or (isinstance(error, nats.errors.TimeoutError) and not repeatable):
+                    raise
+                log.warning("%s: %s; asking again", subject, type(error).__name__)
+                await asyncio.sleep(0.2)
+
     async def facts(self, now: float, jobs: list[str]) -> list[JobFacts]:
-        reply = await self.bus.request(subjects.FACTS, FactsRequest(now, tuple(jobs)), FactsReply, self.timeout_s)
+        reply = await self._request(subjects.FACTS, FactsRequest(now, tuple(jobs)), FactsReply)
         return list(reply.facts)
 
     async def models(self, facts: list[JobFacts]) -> list[JobModels]:
-        reply = await self.bus.request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply, self.timeout_s)
+        reply = await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
         return list(reply.models)
 
     async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult:
         self.round += 1
-        return await self.bus.request(subjects.PLACE, PlaceRequest(self.round, allocations, previous),
-                                      PlacementResult, self.timeout_s)
+        return await self._request(subjects.PLACE, PlaceRequest(self.round, allocations, previous), PlacementResult)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None:
-        await self.bus.request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack, self.timeout_s)
+        await self._request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack)
 
     async def advance(self, now: float, step: float) -> list[str]:
-        reply = await self.bus.request(subjects.ADVANCE, AdvanceRequest(now, step), AdvanceReply, self.timeout_s)
+        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step), AdvanceReply, repeatable=False)
         return list(reply.finished)

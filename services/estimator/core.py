@@ -136,7 +136,9 @@ class Estimator:
         self._models: dict[str, tuple[JobEstimate, dict]] = {}
 
     def add(self, job_id: str, profiles: Mapping[str, Profile]) -> None:
-        self.estimates[job_id] = JobEstimate.build(profiles)
+        """Bootstrap a job; a job already known keeps what it learned (a profile delivered twice)."""
+        if job_id not in self.estimates:
+            self.estimates[job_id] = JobEstimate.build(profiles)
 
     def observe(self, job_id: str, gpu_type: str, observation: Observation) -> None:
         self.estimates[job_id] = self.estimates[job_id].observe(gpu_type, observation)

@@ -33,7 +33,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                        horizon_s=request.horizon_s)
         # The clock needs each job's name and submit time only; the executors hold the rest.
         workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
-        sim = Simulator(workload, cluster, policy, settings, wiring=BusWiring(bus))
+        sim = Simulator(workload, cluster, policy, settings, wiring=BusWiring(bus, request.request_timeout_s))
         await sim.run_async()
         return RunReport(tuple(sim.rounds), tuple(sim.events))
 
