@@ -291,3 +291,11 @@ class RunRequest(msgspec.Struct, frozen=True):
 class RunReport(msgspec.Struct, frozen=True):
     rounds: tuple[RoundRecord, ...]
     events: tuple[str, ...]
+
+
+class EstimateRecord(msgspec.Struct, frozen=True):
+    """What the estimator keeps of a job in KV: enough to rebuild its models after a restart."""
+
+    job_id: str
+    profiles: tuple[Profile, ...]
+    observations: dict[str, tuple[Observation, ...]]    # per GPU type, in the order they came

@@ -37,3 +37,4 @@ PROFILES = f"{PREFIX}.estimator.profiles"   # JobProfiles -> Ack
 ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"   # Ack -> Count
 POLICY_SERVICE = "policy"
 RUN = f"{PREFIX}.policy.run"                # RunRequest -> RunReport (a simulation on the virtual clock)
+ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord

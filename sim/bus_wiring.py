@@ -46,9 +46,11 @@ class BusWiring:
     async def _request(self, subject: str, message, reply_type, repeatable: bool = True):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_s
+        # A stage that must not run twice may wait as long as the others may retry.
+        timeout = self.timeout_s if repeatable else self.retry_s
         while True:
             try:
-                return await self.bus.request(subject, message, reply_type, self.timeout_s)
+                return await self.bus.request(subject, message, reply_type, timeout)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
                 if loop.time() > deadline or (isinstance(error, nats.errors.TimeoutError) and not repeatable):
                     raise

@@ -1,6 +1,8 @@
 """`goodput simulate --bus nats`: the five services over a real NATS server give the schedule that
 the direct wiring gives, job for job."""
 
+import pytest
+
 from shared.reference import WorkloadJob
 from sim.run import job_sources, simulate
 
@@ -111,30 +113,37 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
         assert all(p.poll() is None for p in stack.processes.values())                  # nobody crashed
 
 
-async def test_a_placer_killed_mid_run_and_restarted_changes_nothing(nats_server, connect_bus, tmp_path):
-    """kill -9 of a stateless service in the middle of a replay: the clock asks again until it is
-    back, and every job's outcome is the undisturbed run's."""
+@pytest.mark.parametrize("victim", ["placer", "estimator"])
+async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tmp_path):
+    """kill -9 of a service in the middle of a replay, then a restart: the placer holds no state, the
+    estimator rebuilds its models from KV; the clock asks again until the service is back, and every
+    job's outcome is the undisturbed run's."""
     import asyncio
 
+    from deploy.nats import nats_from_binary
     from deploy.stack import replay, running_services, service_arguments
+    from shared.bus import Bus
     from shared.reference import load_workload
     from sim.settings import settings_for
 
     jobs = load_workload("examples/workloads/mixed-40.csv")[:12]
     direct = await asyncio.to_thread(simulate, jobs, "sia-hetero-64", "sia", sources=ZOO)
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    bus = await connect_bus("driver")
-    with running_services(nats_server, arguments, tmp_path) as stack:
-        await stack.wait_ready(bus)
-        run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
-                                           request_timeout_s=2.0))
-        await asyncio.sleep(1.5)
-        assert not run.done(), "the replay ended before the kill: make the workload longer"
-        stack.kill("placer")
-        await asyncio.sleep(0.5)
-        stack.start("placer")
-        report, records = await asyncio.wait_for(run, 120)
+    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
+        bus = await Bus.connect(url, "driver")
+        try:
+            await stack.wait_ready(bus)
+            run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
+                                               request_timeout_s=2.0))
+            await asyncio.sleep(1.5)
+            assert not run.done(), "the replay ended before the kill: make the workload longer"
+            stack.kill(victim)
+            await asyncio.sleep(0.5)
+            stack.start(victim)
+            report, records = await asyncio.wait_for(run, 120)
+        finally:
+            await bus.close()
     outcome = {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records.jobs}
     expected = {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
     assert outcome == expected
-    assert "placer" in (tmp_path / "placer.log").read_text()     # it really started again
+    assert (tmp_path / f"{victim}.log").read_text().count("ready on") == 2     # it really started again

@@ -33,7 +33,7 @@ from shared.goodput import (
     optimize_batch,
     pgns,
 )
-from shared.schema import JobFacts, JobModels, Profile
+from shared.schema import EstimateRecord, JobFacts, JobModels, Profile
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
 FIXED_BATCH_SLACK = 0.1
@@ -140,8 +140,21 @@ class Estimator:
         if job_id not in self.estimates:
             self.estimates[job_id] = JobEstimate.build(profiles)
 
-    def observe(self, job_id: str, gpu_type: str, observation: Observation) -> None:
-        self.estimates[job_id] = self.estimates[job_id].observe(gpu_type, observation)
+    def observe(self, job_id: str, gpu_type: str, observation: Observation) -> bool:
+        """Learn from a configuration the job ran; False when it had been seen (nothing changed)."""
+        before = self.estimates[job_id]
+        self.estimates[job_id] = before.observe(gpu_type, observation)
+        return self.estimates[job_id] is not before
+
+    def record(self, job_id: str) -> EstimateRecord:
+        """What to keep durably to rebuild the job's estimate."""
+        estimate = self.estimates[job_id]
+        return EstimateRecord(job_id, tuple(estimate.profiles.values()), dict(estimate.observations))
+
+    def restore(self, record: EstimateRecord) -> None:
+        """The job's estimate rebuilt from its record (the same fits as when it was learned)."""
+        self.estimates[record.job_id] = JobEstimate.build({p.gpu_type: p for p in record.profiles},
+                                                          record.observations)
 
     def _type_models(self, job_id: str) -> dict:
         estimate = self.estimates[job_id]

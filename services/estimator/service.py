@@ -10,7 +10,7 @@ from services.estimator.core import Estimator
 from services.runner import VERSION
 from shared import subjects
 from shared.bus import Bus
-from shared.schema import Ack, Count, JobProfiles, ModelsReply, ModelsRequest, Observed
+from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed
 from sim.settings import settings_for
 
 
@@ -20,15 +20,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    # One replica for now: the estimates live in this process (KV-backed state is the next step).
+    # Every change is written to KV before it is acknowledged, so a restarted estimator rebuilds
+    # each job's models from its record (same data, same fits). One replica for now: replicas
+    # would also need each other's updates.
     estimator = Estimator(settings_for(args.calibration, args.cluster).max_local)
+    records = await bus.kv(subjects.ESTIMATES_BUCKET, EstimateRecord)
+    for key in await records.keys():
+        entry = await records.get(key)
+        if entry is not None:
+            estimator.restore(entry.value)
 
-    def on_profiles(message: JobProfiles) -> Ack:
-        estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
+    async def on_profiles(message: JobProfiles) -> Ack:
+        if message.job_id not in estimator.estimates:
+            estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
+            await records.put(message.job_id, estimator.record(message.job_id))
         return Ack()
 
-    def on_observed(message: Observed) -> Ack:
-        estimator.observe(message.job_id, message.gpu_type, message.observation)
+    async def on_observed(message: Observed) -> Ack:
+        if estimator.observe(message.job_id, message.gpu_type, message.observation):
+            await records.put(message.job_id, estimator.record(message.job_id))
         return Ack()
 
     service = await micro.add_service(bus.nc, name=subjects.ESTIMATOR_SERVICE, version=VERSION,

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 
+import nats.errors
 from nats import micro
 
 from services.runner import VERSION
@@ -53,8 +54,19 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
         finished, observed = executors.advance(request.now_s, request.step_s)
         for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
-            await bus.request(subjects.OBSERVE, Observed(job_id, gpu_type, observation), Ack, timeout=30)
+            await report(Observed(job_id, gpu_type, observation))
         return AdvanceReply(tuple(finished))
+
+    async def report(message: Observed) -> None:
+        """Until the estimator has it: observing twice changes nothing, so a restarted estimator
+        is simply asked again."""
+        while True:
+            try:
+                await bus.request(subjects.OBSERVE, message, Ack, timeout=5)
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                log.warning("estimator unavailable; reporting %s again", message.job_id)
+                await asyncio.sleep(0.2)
 
     def on_apply(request: ApplyRequest) -> Ack:
         executors.apply(request.now_s, request.placements, request.models, request.adaptive)
