@@ -38,3 +38,4 @@ ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"   # Ack -> Count
 POLICY_SERVICE = "policy"
 RUN = f"{PREFIX}.policy.run"                # RunRequest -> RunReport (a simulation on the virtual clock)
 ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord
+EXECUTOR_BUCKET = "goodput_executor_jobs"   # KV: job id -> the simulated job's whole state

@@ -8,8 +8,7 @@ true goodput, returning the iteration time it measured, as an executor reports i
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+import msgspec
 
 from shared.cluster import Cluster, Config, Spots
 from shared.goodput import BatchLimits, Observation, split_batch
@@ -18,10 +17,11 @@ from shared.schema import JobFacts, JobModels, JobRecord
 from sim.truth import ModelTruth
 
 
-@dataclass
-class SimulatedJob:
+class SimulatedJob(msgspec.Struct):
+    """A job's whole state on the simulated cluster: plain data (so it can be kept in KV); its true
+    behaviour, `ModelTruth`, is passed in where it is needed."""
+
     spec: WorkloadJob
-    truth: ModelTruth
     rigid: tuple[int, int] | None              # (GPUs, batch) a rigid model always runs at
     restart_delay_s: float                     # what a checkpoint-restart really costs this job
     goodput_factor: float                      # calibration: true goodput is multiplied by this
@@ -39,8 +39,9 @@ class SimulatedJob:
     slice_start: float = 0.0                   # iterations when the current placement began
     idle_since_s: float | None = None          # when it last stopped running (None while running)
     gpu_seconds: float = 0.0
-    attained_by_type: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    attained_by_type: dict[str, float] = {}
     max_gpus_seen: int = 0
+    advanced_to: float | None = None           # the virtual time it has been run up to
 
     @property
     def name(self) -> str:
@@ -51,8 +52,8 @@ class SimulatedJob:
                          None if self.finish_s is None else float(self.finish_s), self.restarts,
                          float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s))
 
-    def facts(self, now: float) -> JobFacts:
-        spec, truth = self.spec, self.truth
+    def facts(self, truth: ModelTruth, now: float) -> JobFacts:
+        spec = self.spec
         # Gradient statistics as the job measures them: at the batch it runs (M0 before it ever ran).
         batch = self.config.gpus * self.m * (self.s + 1) if self.placement and self.m else truth.init_batch
         sqr, var = truth.stats(self.progress, batch)
@@ -100,12 +101,13 @@ class SimulatedJob:
             self.m, self.s = split_batch(models.init_batch, cfg.gpus, hi)
             self.m = max(self.m, lo)
 
-    def advance(self, now: float, step: float, feedback_iterations: int) -> Observation | None:
+    def advance(self, truth: ModelTruth, now: float, step: float, feedback_iterations: int) -> Observation | None:
         """Run for `step` seconds from `now`, epoch by epoch; the configuration's measured iteration
         time, or None when the job did not train (waiting, or restarting the whole round)."""
+        self.advanced_to = now + step
         if not self.placement:
             return None
-        cfg, truth = self.config, self.truth
+        cfg = self.config
         delay = min(self.restart_left_s, step)
         self.restart_left_s -= delay
         run = step - delay
@@ -133,7 +135,7 @@ class SimulatedJob:
                     break
             used += elapsed
         self.gpu_seconds += cfg.gpus * used
-        self.attained_by_type[cfg.gpu_type] += cfg.gpus * used
+        self.attained_by_type[cfg.gpu_type] = self.attained_by_type.get(cfg.gpu_type, 0.0) + cfg.gpus * used
         return observation
 
 
@@ -145,20 +147,26 @@ class SimulatedExecutors:
         self.settings = settings            # sim.settings.SimSettings: the world's restart delays, calibration
         self.feedback_iterations = feedback_iterations
         self.jobs: dict[str, SimulatedJob] = {}
+        self.truths: dict[str, ModelTruth] = {}
 
     def add(self, spec: WorkloadJob, truth: ModelTruth) -> list[str]:
-        """Start tracking a submitted job; the GPU types of this cluster it can run on."""
+        """Start tracking a submitted job (again: nothing changes); the GPU types it can run on here."""
         usable = [t for t in self.cluster.gpu_types if t in truth.types]
         if not usable:
             raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
                              f"cluster {self.cluster.name}")
-        model, settings = spec.application, self.settings
-        self.jobs[spec.name] = SimulatedJob(spec, truth, settings.rigid.get(model), settings.restart_delay(model),
-                                            settings.goodput_factor(model))
+        if spec.name not in self.jobs:
+            model, settings = spec.application, self.settings
+            self.restore(SimulatedJob(spec, settings.rigid.get(model), settings.restart_delay(model),
+                                      settings.goodput_factor(model)), truth)
         return usable
 
+    def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:
+        self.jobs[job.name] = job
+        self.truths[job.name] = truth
+
     def facts(self, now: float, names) -> list[JobFacts]:
-        return [self.jobs[name].facts(now) for name in names]
+        return [self.jobs[name].facts(self.truths[name], now) for name in names]
 
     def apply(self, now: float, placements, models, adaptive: bool) -> None:
         for name, job_models in models.items():
@@ -166,14 +174,17 @@ class SimulatedExecutors:
                                   self.settings.retune_threshold)
 
     def advance(self, now: float, step: float) -> tuple[list[str], list[tuple[str, str, Observation]]]:
-        """Run every submitted, unfinished job for a round: (jobs finished, (job, type, observation)s)."""
+        """Run every submitted, unfinished job for the round [now, now + step): (jobs that finished in
+        it, (job, type, observation) for each job that trained). Asking again for the same round runs
+        only the jobs not run yet, so a round is never run twice."""
         finished, observed = [], []
         for name, job in self.jobs.items():
-            if job.finish_s is not None or job.spec.time > now:
+            if job.spec.time > now:
                 continue
-            observation = job.advance(now, step, self.feedback_iterations)
-            if observation is not None:
-                observed.append((name, job.config.gpu_type, observation))
-            if job.finish_s is not None:
+            if job.finish_s is None and (job.advanced_to is None or job.advanced_to < now + step):
+                observation = job.advance(self.truths[name], now, step, self.feedback_iterations)
+                if observation is not None:
+                    observed.append((name, job.config.gpu_type, observation))
+            if job.finish_s is not None and now < job.finish_s <= now + step:
                 finished.append(name)
         return finished, observed

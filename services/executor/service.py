@@ -32,6 +32,7 @@ from shared.schema import (
     Observed,
 )
 from sim.run import add_world_arguments, world_of
+from sim.world import SimulatedJob
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +42,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    # Every job's state is written to KV before a request is answered, so a restarted executor
+    # picks the cluster up where it was; a round asked again runs only the jobs not yet run.
     executors, sources = world_of(args)
+    states = await bus.kv(subjects.EXECUTOR_BUCKET, SimulatedJob)
+    for key in await states.keys():
+        entry = await states.get(key)
+        if entry is not None:
+            executors.restore(entry.value, sources.truths[entry.value.spec.application])
 
-    def on_submission(spec: JobSpec) -> None:
+    async def save(names) -> None:
+        for name in names:
+            await states.put(name, executors.jobs[name])
+
+    async def on_submission(spec: JobSpec) -> None:
         truth = sources.truths.get(spec.application)
         if truth is None:
             log.warning("job %s: no simulated behaviour for %r; not run", spec.id, spec.application)
             return
         batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
         executors.add(WorkloadJob(spec.id, spec.submit_s, spec.application, spec.requested_gpus, batch), truth)
+        await save([spec.id])
 
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
+        before = {name: job.advanced_to for name, job in executors.jobs.items()}
         finished, observed = executors.advance(request.now_s, request.step_s)
         for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
             await report(Observed(job_id, gpu_type, observation))
+        await save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
         return AdvanceReply(tuple(finished))
 
     async def report(message: Observed) -> None:
@@ -68,8 +83,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 log.warning("estimator unavailable; reporting %s again", message.job_id)
                 await asyncio.sleep(0.2)
 
-    def on_apply(request: ApplyRequest) -> Ack:
+    async def on_apply(request: ApplyRequest) -> Ack:
         executors.apply(request.now_s, request.placements, request.models, request.adaptive)
+        await save(request.models)
         return Ack()
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
