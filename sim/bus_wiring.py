@@ -1,9 +1,9 @@
 """The simulator's clock over NATS: each stage of a round is a request to its service.
 
-A request that finds no responder is sent again until `retry_s` has passed, and so is one that
-timed out, for the stages that may safely run twice (facts, models, place, apply: a repeat gets
-the same answer); a round's advance is never repeated after a time-out. A stateless service that
-was restarted (kill -9, a rolling update) thus picks the round up where it was.
+A request that finds no responder, or times out, is sent again until `retry_s` has passed: every
+stage may safely run twice (facts, models and place are pure; apply gives the same placement the
+same way; the executors never run a round twice), so a service that was restarted (kill -9, a
+rolling update) picks the round up where it was.
 """
 
 from __future__ import annotations
@@ -43,16 +43,14 @@ class BusWiring:
         self.retry_s = retry_s
         self.round = 0
 
-    async def _request(self, subject: str, message, reply_type, repeatable: bool = True):
+    async def _request(self, subject: str, message, reply_type):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_s
-        # A stage that must not run twice may wait as long as the others may retry.
-        timeout = self.timeout_s if repeatable else self.retry_s
         while True:
             try:
-                return await self.bus.request(subject, message, reply_type, timeout)
+                return await self.bus.request(subject, message, reply_type, self.timeout_s)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
-                if loop.time() > deadline or (isinstance(error, nats.errors.TimeoutError) and not repeatable):
+                if loop.time() > deadline:
                     raise
                 log.warning("%s: %s; asking again", subject, type(error).__name__)
                 await asyncio.sleep(0.2)
@@ -74,5 +72,5 @@ class BusWiring:
         await self._request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack)
 
     async def advance(self, now: float, step: float) -> list[str]:
-        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step), AdvanceReply, repeatable=False)
+        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step), AdvanceReply)
         return list(reply.finished)

@@ -51,11 +51,19 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         if entry is not None:
             executors.restore(entry.value, sources.truths[entry.value.spec.application])
 
+    # One request at a time: a request asked again while the first is still being answered waits
+    # for it, and then finds its work done.
+    turn = asyncio.Lock()
+
     async def save(names) -> None:
         for name in names:
             await states.put(name, executors.jobs[name])
 
     async def on_submission(spec: JobSpec) -> None:
+        async with turn:
+            await take(spec)
+
+    async def take(spec: JobSpec) -> None:
         truth = sources.truths.get(spec.application)
         if truth is None:
             log.warning("job %s: no simulated behaviour for %r; not run", spec.id, spec.application)
@@ -65,6 +73,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         await save([spec.id])
 
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
+        async with turn:
+            return await advance(request)
+
+    async def advance(request: AdvanceRequest) -> AdvanceReply:
         before = {name: job.advanced_to for name, job in executors.jobs.items()}
         finished, observed = executors.advance(request.now_s, request.step_s)
         for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
@@ -84,8 +96,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 await asyncio.sleep(0.2)
 
     async def on_apply(request: ApplyRequest) -> Ack:
-        executors.apply(request.now_s, request.placements, request.models, request.adaptive)
-        await save(request.models)
+        async with turn:
+            executors.apply(request.now_s, request.placements, request.models, request.adaptive)
+            await save(request.models)
         return Ack()
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
