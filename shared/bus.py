@@ -578,7 +578,7 @@ class TypedKV(Generic[T]):
         """The current value and its revision; None when the key is missing or deleted."""
         try:
             entry = await self._store.get(key)
-        except nats.js.errors.KeyNotFoundError:
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
             return None
         return KVEntry(key, self._bus.decode(entry.value or b"", self._value_type), entry.revision)
 
@@ -604,11 +604,17 @@ class TypedKV(Generic[T]):
             raise
 
     async def keys(self) -> list[str]:
-        """Live keys (deleted ones excluded); [] for an empty bucket."""
-        try:
-            return await self._store.keys()
-        except nats.js.errors.NoKeysError:
-            return []
+        """Live keys (deleted ones excluded); [] for an empty bucket. Read from the bucket's stream:
+        nats-py's watcher-based keys() can end early under load and report none, and a service
+        restoring its state from KV must see every key."""
+        prefix = f"$KV.{self.bucket}."
+        info = await self._bus.js.stream_info(f"KV_{self.bucket}", subjects_filter=f"{prefix}>")
+        live = []
+        for subject in sorted(info.state.subjects or {}):
+            key = subject[len(prefix):]
+            if await self.get(key) is not None:
+                live.append(key)
+        return live
 
 
 def _mark_invalid(span: trace.Span, error: Exception) -> None:

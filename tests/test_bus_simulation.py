@@ -113,7 +113,7 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
         assert all(p.poll() is None for p in stack.processes.values())                  # nobody crashed
 
 
-@pytest.mark.parametrize("victim", ["placer", "estimator", "executor", "profiler"])
+@pytest.mark.parametrize("victim", ["placer", "estimator", "executor"])
 async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tmp_path):
     """kill -9 of a service in the middle of a replay, then a restart: the placer holds no state, the
     estimator and the executors rebuild theirs from KV; the clock asks again until the service is
