@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import nats.errors
+
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
@@ -84,6 +86,15 @@ def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: 
         stack.stop()
 
 
+async def _count(bus: Bus, subject: str) -> int:
+    """A service's count; -1 while its endpoint is not answering yet (a service answers ping as soon
+    as it registers, a moment before its endpoints do)."""
+    try:
+        return (await bus.request(subject, Ack(), Count, timeout=10)).n
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return -1
+
+
 def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
                       feedback_iterations: int, restart_delay_s: float | None) -> dict[str, list[str]]:
     """Each service's options for a simulated cluster (its jobs' truth, its calibration)."""
@@ -111,12 +122,19 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
                        requested_batch=job.batch_size, submit_s=job.time)
         await bus.js_publish(subjects.SUBMIT, spec, msg_id=job.name)
     for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
-        while (await bus.request(status, Ack(), Count, timeout=10)).n < len(jobs):
+        while await _count(bus, status) < len(jobs):
             await asyncio.sleep(0.05)
     request = RunRequest(policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs), round_s,
                          horizon_s, request_timeout_s)
     try:
-        report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
+        for attempt in range(100):      # the leader answers ping a moment before its endpoint
+            try:
+                report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
+                break
+            except nats.errors.NoRespondersError:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.1)
     except Exception as error:  # noqa: BLE001 - say which service failed and why
         logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
         raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None

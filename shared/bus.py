@@ -284,6 +284,7 @@ class Bus:
 
         options = {"queue_group": queue} if queue else {}
         await service.add_endpoint(name=name, subject=subject, handler=on_request, **options)
+        await self.flush()  # when this returns, the server routes requests to the endpoint
 
     async def subscribe(
         self,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from nats.errors import NoRespondersError
 from nats.micro.request import ServiceError
 
 from services.placer.core import place
@@ -46,7 +47,13 @@ async def test_placer_serves_placements_and_refuses_bad_requests(placer, connect
 
     allocations = {"a": Config("aws", 2, 8), "b": Config("rtx", 1, 4), "c": Config("dgx-ext", 1, 8)}
     previous = {"b": (("rtx-1", 4),)}
-    reply = await bus.request(subjects.PLACE, PlaceRequest(1, allocations, previous), PlacementResult, timeout=5)
+    for _ in range(50):     # a service answers ping a moment before its endpoints
+        try:
+            reply = await bus.request(subjects.PLACE, PlaceRequest(1, allocations, previous), PlacementResult,
+                                      timeout=5)
+            break
+        except NoRespondersError:
+            await asyncio.sleep(0.1)
     assert reply == place(CLUSTER, allocations, previous)
     assert reply.placements["b"] == (("rtx-1", 4),)            # unchanged allocations stay where they are
 
