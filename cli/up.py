@@ -56,10 +56,10 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
     from deploy.stack import SERVICES, replay, running_services, service_arguments
     from shared.bus import Bus
     from shared.reference import load_workload
-    from sim.run import results, simulation_settings
-    from sim.simulator import FEEDBACK_ITERATIONS, Simulator
-    from shared.cluster import load_cluster
     from services.policy.base import make_policy
+    from shared.cluster import load_cluster
+    from sim.run import replay_results, simulation_settings
+    from sim.simulator import FEEDBACK_ITERATIONS
 
     policy, options = policy_spec(args.policy)
     arguments = service_arguments(args.cluster, args.reference, args.reference is None, None, FEEDBACK_ITERATIONS,
@@ -79,11 +79,10 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
                 print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
                 start = time.perf_counter()
                 run, records = await replay(bus, stack, jobs, policy, options, settings.name)
-                sim = Simulator(jobs, load_cluster(args.cluster), make_policy(policy, **options), settings,
-                                wiring=_Replayed())
-                sim.rounds, sim.events = list(run.rounds), list(run.events)
                 origin = f"reference:{args.reference}" if args.reference else "zoo"
-                report(results(sim, args.workload, origin, list(records.jobs)), time.perf_counter() - start, args.out)
+                result = replay_results(jobs, load_cluster(args.cluster), make_policy(policy, **options), settings,
+                                        FEEDBACK_ITERATIONS, run, records, args.workload, origin)
+                report(result, time.perf_counter() - start, args.out)
             if not args.once:
                 print("serving; Ctrl-C stops everything")
                 stop = asyncio.Event()
@@ -94,12 +93,6 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
         finally:
             await bus.close()
     print("goodput is down")
-
-
-class _Replayed:
-    """The local Simulator of a replay over NATS only carries settings and metrics."""
-
-    jobs: dict = {}
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -107,22 +107,29 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     if bus == "nats":
-        sim = Simulator(jobs, spec, pol, settings, feedback_iterations=feedback_iterations, wiring=_NoWiring())
         report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
                                                      restart_delay_s, round_s, horizon_s, sources.origin))
-        sim.rounds, sim.events = list(report.rounds), list(report.events)
-        return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin,
-                       list(records.jobs))
+        return replay_results(jobs, spec, pol, settings, feedback_iterations, report, records,
+                              workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
     sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
     sim.run(_progress_bar(len(jobs)) if progress else None)
     return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
 
 
-class _NoWiring:
-    """The local Simulator of a run over NATS only carries its settings and metrics."""
+class _Replayed:
+    """The wiring of a replay that ran in the services: nothing to call, no jobs here."""
 
     jobs: dict = {}
+
+
+def replay_results(jobs, cluster, policy, settings, feedback_iterations, report, records, workload,
+                   origin: str) -> dict:
+    """The result document of a replay the policy leader ran over NATS (its rounds and events, the
+    executors' job records)."""
+    sim = Simulator(jobs, cluster, policy, settings, feedback_iterations=feedback_iterations, wiring=_Replayed())
+    sim.rounds, sim.events = list(report.rounds), list(report.events)
+    return results(sim, workload, origin, list(records.jobs))
 
 
 async def _run_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
