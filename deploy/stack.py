@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,21 +17,25 @@ import nats.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
-from shared.schema import Ack, Count, JobRecords, JobSpec, RunReport, RunRequest
+from shared.schema import Ack, Count, JobRecords, JobSpec, RunCheckpoint, RunReport, RunRequest, RunStep
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
+RUN_IDLE_TIMEOUT_S = 600.0      # no round logged for this long: the run is stuck
 
 
 class Stack:
+    """Service processes by instance name: a service's first replica is named after it, the others
+    `<service>-2`, `<service>-3` …"""
+
     def __init__(self, commands: Mapping[str, list[str]], logs: Path):
         self.commands = dict(commands)
         self.logs = logs
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str) -> None:
-        """Start (or start again) one service; its log is appended to."""
+        """Start (or start again) one service instance; its log is appended to."""
         with open(self.logs / f"{name}.log", "ab") as log:
             self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
 
@@ -38,20 +44,22 @@ class Stack:
         self.processes[name].kill()
         self.processes[name].wait()
 
+    def instance(self, pid: int) -> str | None:
+        """The instance running as process `pid`."""
+        return next((name for name, process in self.processes.items() if process.pid == pid), None)
+
     async def wait_ready(self, bus: Bus, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until every service answers the NATS service API's ping; a clear error if one died."""
+        """Until every instance answers the NATS service API's ping; a clear error if one died."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        waiting = set(self.processes)
+        waiting = {service_of(name) for name in self.processes}
         while waiting:
-            for name in sorted(waiting):
-                if self.processes[name].poll() is not None:
-                    raise RuntimeError(f"service {name} exited with {self.processes[name].returncode}:\n"
-                                       + self.log(name))
-                try:
-                    await bus.nc.request(f"$SRV.PING.{name}", b"", timeout=0.25)
-                    waiting.discard(name)
-                except Exception:  # noqa: BLE001 - not answering yet
-                    pass
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"service {name} exited with {process.returncode}:\n" + self.log(name))
+            for service in sorted(waiting):
+                instances = sum(service_of(name) == service for name in self.processes)
+                if await _pings(bus, service) >= instances:
+                    waiting.discard(service)
             if waiting and asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"services {sorted(waiting)} did not answer ping within {timeout_s:.0f} s")
             if waiting:
@@ -72,15 +80,40 @@ class Stack:
                 process.wait()
 
 
-@contextmanager
-def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: Path) -> Iterator[Stack]:
-    """Start `python -m services.<name> --server URL <arguments>` for each service; stop them all after."""
-    stack = Stack({name: [sys.executable, "-m", f"services.{name}", "--server", server, *arguments.get(name, ())]
-                   for name in SERVICES}, logs)
+def service_of(instance: str) -> str:
+    return instance.split("-")[0]
+
+
+def instance_names(service: str, replicas: int) -> list[str]:
+    return [service] + [f"{service}-{i}" for i in range(2, replicas + 1)]
+
+
+async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
+    """How many instances of `service` answer the service API's ping within `wait_s`."""
+    inbox = bus.nc.new_inbox()
+    subscription = await bus.nc.subscribe(inbox)
     try:
-        for name in SERVICES:
-            (logs / f"{name}.log").unlink(missing_ok=True)
-            stack.start(name)
+        await bus.nc.publish(f"$SRV.PING.{service}", b"", reply=inbox)
+        answers = 0
+        with contextlib.suppress(nats.errors.TimeoutError):
+            while True:
+                answers += bool((await subscription.next_msg(timeout=wait_s)).data)   # not "no responders"
+        return answers
+    finally:
+        await subscription.unsubscribe()
+
+
+@contextmanager
+def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: Path,
+                     replicas: Mapping[str, int] | None = None) -> Iterator[Stack]:
+    """Start `python -m services.<name> --server URL <arguments>` for each service, `replicas[name]`
+    times (once by default); stop them all after."""
+    stack = Stack({instance: [sys.executable, "-m", f"services.{name}", "--server", server, *arguments.get(name, ())]
+                   for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}, logs)
+    try:
+        for instance in stack.commands:
+            (logs / f"{instance}.log").unlink(missing_ok=True)
+            stack.start(instance)
         yield stack
     finally:
         stack.stop()
@@ -112,9 +145,11 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
 
 async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,
                  calibration: str, round_s: float | None = None, horizon_s: float | None = None,
-                 request_timeout_s: float = 10.0) -> tuple[RunReport, JobRecords]:
+                 request_timeout_s: float = 10.0, run_id: str | None = None,
+                 progress: Callable[[float, int, int], None] | None = None) -> tuple[RunReport, JobRecords]:
     """Submit a workload through JetStream, wait until every job is profiled and known to the
-    executors, and have the policy leader replay it on the virtual clock."""
+    executors, create the run for the policy leader and follow its log to the end (whichever
+    replica leads, and however often leadership changes on the way)."""
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
     for job in jobs:
@@ -124,18 +159,34 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
         while await _count(bus, status) < len(jobs):
             await asyncio.sleep(0.05)
-    request = RunRequest(policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs), round_s,
-                         horizon_s, request_timeout_s)
+    run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
+    request = RunRequest(run_id, policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs),
+                         round_s, horizon_s, request_timeout_s)
+    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
+                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
+    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    await runs.create(run_id, RunCheckpoint(request))
     try:
-        for attempt in range(100):      # the leader answers ping a moment before its endpoint
-            try:
-                report = await bus.request(subjects.RUN, request, RunReport, timeout=24 * 3600)
-                break
-            except nats.errors.NoRespondersError:
-                if attempt == 99:
-                    raise
-                await asyncio.sleep(0.1)
+        report = await follow_run(bus, run_id, progress)
     except Exception as error:  # noqa: BLE001 - say which service failed and why
         logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
         raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
     return report, await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)
+
+
+async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int], None] | None = None,
+                     idle_timeout_s: float = RUN_IDLE_TIMEOUT_S) -> RunReport:
+    """The run's report, folded from its log as the leader writes it: each round once, in order.
+    RuntimeError if the run failed; TimeoutError if no round is logged for `idle_timeout_s`."""
+    steps: dict[int, RunStep] = {}
+    async for step in bus.follow(subjects.run_log(run_id), RunStep, idle_timeout=idle_timeout_s):
+        steps[step.round] = step
+        if progress:
+            progress(step.now_s, step.done, step.total)
+        if step.over:
+            break
+    ordered = [steps[r] for r in sorted(steps)]
+    if ordered[-1].failure:
+        raise RuntimeError(f"run {run_id} failed: {ordered[-1].failure}")
+    return RunReport(tuple(s.record for s in ordered if s.record is not None),
+                     tuple(e for s in ordered for e in s.events))

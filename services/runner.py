@@ -1,7 +1,8 @@
 """Running one service process: its arguments, tracing, the NATS connection, a clean stop on SIGTERM.
 
 Every `python -m services.<name>` is `service_main(name, start)`, where `start(bus, args)` registers
-the service's endpoints with the NATS service API and returns the `nats.micro` service.
+the service's endpoints on a `new_service` and returns it; the service then starts answering the
+NATS service API (ping, info, stats), so a service that answers ping answers its endpoints too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ VERSION = "0.1.0"
 log = logging.getLogger(__name__)
 
 Start = Callable[[Bus, argparse.Namespace], Awaitable[micro.Service]]
+
+
+def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
+    """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
+    config = micro.ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata or {},
+                                 queue_group=name)
+    return micro.Service(bus.nc, config)
 
 
 def service_main(name: str, start: Start, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
@@ -48,6 +56,7 @@ async def serve(name: str, start: Start, args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     service = await start(bus, args)
+    await service.start()
     log.info("%s %s ready on %s", name, VERSION, args.server)
     await stop.wait()
     log.info("%s stopping", name)

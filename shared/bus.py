@@ -124,6 +124,7 @@ class Bus:
         # Pull subscriptions are unsubscribed before a drain: nats-py's drain would otherwise
         # wait its full timeout on their inboxes, which nothing reads between fetches.
         self._pull_consumers: set[PullConsumer[Any]] = set()
+        self._closing: list[Callable[[], Awaitable[None]]] = []
 
     # ---- connection -------------------------------------------------------------------------
 
@@ -152,6 +153,8 @@ class Bus:
         """Drain (finish handlers in flight, flush what was published), then close."""
         if self.nc.is_closed:
             return
+        for callback in reversed(self._closing):
+            await callback()
         for consumer in list(self._pull_consumers):
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
@@ -159,6 +162,10 @@ class Bus:
             await self.nc.drain()
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
             await self.nc.close()
+
+    def on_close(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Run `callback` first when the bus closes (e.g. give up a lease while still connected)."""
+        self._closing.append(callback)
 
     async def __aenter__(self) -> Bus:
         return self
@@ -410,6 +417,20 @@ class Bus:
         finally:
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
+
+    async def follow(self, subject: str, msg_type: type[T], *, idle_timeout: float = 3600.0) -> AsyncIterator[T]:
+        """Every message stored on `subject`, from the first, then each as it is stored (an
+        ordered consumer: no acks, nothing missed or repeated). TimeoutError after `idle_timeout`
+        seconds without one."""
+        subscription = await self.js.subscribe(subject, ordered_consumer=True,
+                                               deliver_policy=api.DeliverPolicy.ALL)
+        try:
+            while True:
+                raw = await subscription.next_msg(timeout=idle_timeout)
+                yield self.decode(raw.data, msg_type)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await subscription.unsubscribe()
 
     # ---- KV ---------------------------------------------------------------------------------
 

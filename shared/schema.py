@@ -134,6 +134,7 @@ class JobFacts(msgspec.Struct, frozen=True):
     max_gpus_seen: int = 0
     grad_sqr: float | None = None
     grad_var: float | None = None
+    estimate_revision: int = 0                 # the estimator's record of the job is at least this new
 
 
 class JobModels(msgspec.Struct, frozen=True):
@@ -277,8 +278,10 @@ class RoundRecord(msgspec.Struct):
 
 
 class RunRequest(msgspec.Struct, frozen=True):
-    """Driver -> policy leader: replay these submitted jobs on the virtual clock."""
+    """Driver -> policy leader (as the run's first checkpoint in KV): replay these submitted jobs
+    on the virtual clock."""
 
+    run_id: Identifier
     policy: str
     policy_options: dict[str, Any]
     calibration: str
@@ -288,9 +291,66 @@ class RunRequest(msgspec.Struct, frozen=True):
     request_timeout_s: float = 10.0           # each stage's request; a restarted service is asked again
 
 
+class DecidedRound(msgspec.Struct, frozen=True):
+    """A round the leader has decided but not yet run: what a standby needs to finish it."""
+
+    apply: ApplyRequest
+    record: RoundRecord
+    events: tuple[str, ...]
+
+
+class RunClock(msgspec.Struct, frozen=True):
+    """A replay's virtual clock between two steps: where a standby leader resumes."""
+
+    round: int = 0                   # rounds run so far
+    now_s: float = 0.0
+    next_decision_s: float = 0.0
+    admitted: int = 0                # jobs (in submission order) that have arrived
+    active: tuple[str, ...] = ()
+    done: int = 0
+    decisions: int = 0               # placer rounds asked
+    decided: DecidedRound | None = None
+    policy_state: bytes = b""        # the policy's state between rounds (Policy.snapshot)
+
+
+class RunCheckpoint(msgspec.Struct, frozen=True):
+    """KV, one per run: the request and the clock, written by the leader after every step; the
+    revision fences a deposed leader out (its next write is refused)."""
+
+    request: RunRequest
+    clock: RunClock = msgspec.field(default_factory=RunClock)
+    over: bool = False
+
+
+class RunStep(msgspec.Struct, frozen=True):
+    """One round run, on the run's log (a stream): the driver folds the steps into the report."""
+
+    round: int
+    now_s: float
+    record: RoundRecord | None       # the round's decision, if it decided
+    events: tuple[str, ...]
+    finished: tuple[str, ...]
+    done: int
+    total: int
+    over: bool = False               # the last step: every job finished, the horizon passed, or it failed
+    failure: str = ""                # why the run could not go on
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """KV: who leads the policy rounds; the bucket's TTL ends a lease that is not renewed."""
+
+    holder: str
+
+
 class RunReport(msgspec.Struct, frozen=True):
     rounds: tuple[RoundRecord, ...]
     events: tuple[str, ...]
+
+
+class Stored(msgspec.Struct, frozen=True):
+    """A write's acknowledgement with the KV revision it made: a later reader asks for at least it."""
+
+    revision: int
 
 
 class EstimateRecord(msgspec.Struct, frozen=True):

@@ -36,6 +36,22 @@ OBSERVE = f"{PREFIX}.estimator.observe"     # Observed -> Ack
 PROFILES = f"{PREFIX}.estimator.profiles"   # JobProfiles -> Ack
 ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"   # Ack -> Count
 POLICY_SERVICE = "policy"
-RUN = f"{PREFIX}.policy.run"                # RunRequest -> RunReport (a simulation on the virtual clock)
+POLICY_STATUS = f"{PREFIX}.policy.status"   # Ack -> Lease (who leads now; "" when no one does)
+# Replays on the virtual clock: the driver creates the run's RunCheckpoint in RUNS_BUCKET; the leader
+# runs it, writing the checkpoint after every step, and appends each round's RunStep to the run's log.
+RUNS_BUCKET = "goodput_runs"                # KV: run id -> RunCheckpoint
+RUN_LOG_STREAM = "GOODPUT_RUNS"
+RUN_LOG_SUBJECTS = (f"{PREFIX}.runs.*.log",)
+RUN_LOG_DEDUP_S = 600.0                     # a new leader repeating a round logs it once
+
+
+def run_log(run_id: str) -> str:
+    """The subject of a run's log of RunSteps."""
+    return f"{PREFIX}.runs.{run_id}.log"
+
+
+# Leadership of the policy rounds: one key, held by whoever created it and renews it within the TTL.
+LEASE_BUCKET = "goodput_policy_lease"       # KV: LEADER_KEY -> Lease
+LEADER_KEY = "leader"
 ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord
 EXECUTOR_BUCKET = "goodput_executor_jobs"   # KV: job id -> the simulated job's whole state

@@ -41,7 +41,6 @@ class BusWiring:
         self.bus = bus
         self.timeout_s = timeout_s
         self.retry_s = retry_s
-        self.round = 0
 
     async def _request(self, subject: str, message, reply_type):
         loop = asyncio.get_running_loop()
@@ -63,9 +62,9 @@ class BusWiring:
         reply = await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
         return list(reply.models)
 
-    async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult:
-        self.round += 1
-        return await self._request(subjects.PLACE, PlaceRequest(self.round, allocations, previous), PlacementResult)
+    async def place(self, round: int, allocations: dict[str, Config],
+                    previous: dict[str, Spots]) -> PlacementResult:
+        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous), PlacementResult)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None:

@@ -109,7 +109,8 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     if bus == "nats":
         report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
-                                                     restart_delay_s, round_s, horizon_s, sources.origin))
+                                                     restart_delay_s, round_s, horizon_s, sources.origin,
+                                                     _progress_bar(len(jobs)) if progress else None))
         return replay_results(jobs, spec, pol, settings, feedback_iterations, report, records,
                               workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
     sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
@@ -133,7 +134,7 @@ def replay_results(jobs, cluster, policy, settings, feedback_iterations, report,
 
 
 async def _run_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
-                         feedback_iterations, restart_delay_s, round_s, horizon_s, origin):
+                         feedback_iterations, restart_delay_s, round_s, horizon_s, origin, progress):
     """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
     import tempfile
 
@@ -148,7 +149,8 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
             bus = await Bus.connect(url, "goodput-simulate")
             try:
                 await stack.wait_ready(bus)
-                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s)
+                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s,
+                                    progress=progress)
             finally:
                 await bus.close()
 

@@ -24,18 +24,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from typing import Callable, Mapping, Protocol
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from services.estimator.core import Estimator
 from services.placer.core import place
-from services.policy.base import Policy, RoundState, job_view
+from services.policy.base import Policy, RoundState, job_view, restore_policy, snapshot_policy
 from shared.cluster import Cluster, Config, Spots
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, JobModels, JobRecord, PlacementResult, Profile, RoundRecord
+from shared.schema import (
+    ApplyRequest,
+    DecidedRound,
+    JobFacts,
+    JobModels,
+    JobRecord,
+    PlacementResult,
+    Profile,
+    RoundRecord,
+    RunClock,
+    RunStep,
+)
 from sim.settings import SimSettings
 from sim.truth import ModelTruth
 from sim.world import SimulatedExecutors, SimulatedJob
@@ -51,12 +63,21 @@ class Wiring(Protocol):
 
     async def models(self, facts: list[JobFacts]) -> list[JobModels]: ...           # estimator
 
-    async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult: ...
+    async def place(self, round: int, allocations: dict[str, Config],
+                    previous: dict[str, Spots]) -> PlacementResult: ...
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None: ...                                    # executors
 
     async def advance(self, now: float, step: float) -> list[str]: ...              # executors: jobs finished
+
+
+class Journal(Protocol):
+    """Where a run's progress is kept (the policy leader's checkpoints and the run's log)."""
+
+    async def decided(self, clock: RunClock) -> None: ...                  # before it is carried out
+
+    async def stepped(self, clock: RunClock, step: RunStep) -> None: ...    # a round has run
 
 
 class DirectWiring:
@@ -85,7 +106,8 @@ class DirectWiring:
     async def models(self, facts: list[JobFacts]) -> list[JobModels]:
         return self.estimator.models(facts)
 
-    async def place(self, allocations: dict[str, Config], previous: dict[str, Spots]) -> PlacementResult:
+    async def place(self, round: int, allocations: dict[str, Config],
+                    previous: dict[str, Spots]) -> PlacementResult:
         return place(self.cluster, allocations, previous)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
@@ -124,60 +146,89 @@ class Simulator:
     def run(self, progress: Callable[[float, int, int], None] | None = None) -> None:
         asyncio.run(self.run_async(progress))
 
-    async def run_async(self, progress: Callable[[float, int, int], None] | None = None) -> None:
+    async def run_async(self, progress: Callable[[float, int, int], None] | None = None,
+                        clock: RunClock | None = None, journal: Journal | None = None) -> RunClock:
+        """Run to the end from `clock` (the start unless given: a standby resuming a run passes the
+        last checkpoint). `journal` is told of each decision before it is carried out and of each
+        round once it has run, so a run can be resumed from any point; returns the final clock."""
         step = self.settings.round_s
-        waiting = deque(self.workload)
-        active: list[str] = []
-        done = 0
-        now, next_decision = 0.0, 0.0
-        while waiting or active:
+        clock = clock or RunClock()
+        if clock.policy_state:
+            restore_policy(self.policy, clock.policy_state)
+        while clock.admitted < len(self.workload) or clock.active:
+            now = clock.now_s
             if now > self.settings.horizon_s:
-                self.events.append(f"horizon {self.settings.horizon_s:.0f} s reached with {len(active)} jobs active")
-                break
-            while waiting and waiting[0].time <= now:
-                active.append(waiting.popleft().name)
-            if not active:                       # idle: jump to the round of the next arrival
-                now = step * -(-waiting[0].time // step)
+                event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
+                self.events.append(event)
+                if journal:
+                    await journal.stepped(clock, RunStep(clock.round, now, None, (event,), (), clock.done,
+                                                         len(self.workload), over=True))
+                return clock
+            arrived = [j.name for j in self.workload[clock.admitted:] if j.time <= now]
+            if arrived:
+                clock = msgspec.structs.replace(clock, admitted=clock.admitted + len(arrived),
+                                                active=clock.active + tuple(arrived))
+            if not clock.active:                 # idle: jump to the round of the next arrival
+                clock = msgspec.structs.replace(clock, now_s=step * -(-self.workload[clock.admitted].time // step))
                 continue
-            decide = now >= next_decision - 1e-9      # decisions on the policy's own grid of rounds
+            decide = clock.decided is None and now >= clock.next_decision_s - 1e-9   # on the policy's grid
             # One trace per round: every stage's span, in every service, descends from this root.
             with _TRACER.start_as_current_span("round", context=Context(), attributes={
-                    "round": len(self.rounds), "now_s": now, "jobs": len(active),
+                    "round": clock.round, "now_s": now, "jobs": len(clock.active),
                     "gpus": self.cluster.total_gpus, "decides": decide}):
                 if decide:
-                    await self._decide(now, active)
-                    next_decision = (now // self.policy.round_s + 1) * self.policy.round_s
+                    decided = await self._decide(now, list(clock.active), clock.decisions)
+                    clock = msgspec.structs.replace(
+                        clock, decided=decided, decisions=clock.decisions + 1,
+                        next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s)
+                    if journal:
+                        clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
+                        await journal.decided(clock)
+                if clock.decided is not None:
+                    apply = clock.decided.apply
+                    await self.wiring.apply(apply.now_s, apply.placements, apply.models, apply.adaptive)
                 finished = set(await self.wiring.advance(now, step))
-            active = [name for name in active if name not in finished]
-            done += len(finished)
-            now += step
+            record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
+            if record is not None:
+                self.rounds.append(record)
+            self.events.extend(events)
+            clock = msgspec.structs.replace(
+                clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(finished), decided=None,
+                active=tuple(name for name in clock.active if name not in finished))
+            over = clock.admitted == len(self.workload) and not clock.active
+            if journal:
+                await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(finished)),
+                                                     clock.done, len(self.workload), over))
             if progress:
-                progress(now, done, len(self.workload))
+                progress(clock.now_s, clock.done, len(self.workload))
+        return clock
 
-    async def _decide(self, now: float, active: list[str]) -> None:
+    async def _decide(self, now: float, active: list[str], decisions: int) -> DecidedRound:
+        """The round's decision: facts, models, the policy, then the placer unless the policy placed."""
         start = time.perf_counter()
+        events: list[str] = []
         facts = await self.wiring.facts(now, active)
         models = await self.wiring.models(facts)
         views = tuple(job_view(f, m, self.cluster, self.settings.restart_estimate(f.application))
                       for f, m in zip(facts, models))
         policy_start = time.perf_counter()
         with _TRACER.start_as_current_span("policy.solve", attributes={"policy": self.policy.name}):
-            decision = self.policy.allocate(RoundState(now, self.cluster, views))
+            # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
+            decision = await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, views))
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
-            placed = await self.wiring.place(decision.allocations, previous)
+            placed = await self.wiring.place(decisions + 1, decision.allocations, previous)
             placements = placed.placements
-            self.events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation"
-                               for job in placed.evicted)
+            events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:
             placements = decision.placements
         self._check(placements)
-        self.events.extend(f"{now:.0f}s: {e}" for e in decision.events)
-        await self.wiring.apply(now, placements, {m.job_id: m for m in models}, self.policy.adaptive_batch)
+        events.extend(f"{now:.0f}s: {e}" for e in decision.events)
         gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots and job in set(active)}
-        self.rounds.append(RoundRecord(now, len(active), len(gpus), policy_ms,
-                                       (time.perf_counter() - start) * 1e3, gpus))
+        record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus)
+        apply = ApplyRequest(now, dict(placements), {m.job_id: m for m in models}, self.policy.adaptive_batch)
+        return DecidedRound(apply, record, tuple(events))
 
     def _check(self, placements: Mapping[str, Spots]) -> None:
         used: dict[str, int] = defaultdict(int)

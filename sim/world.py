@@ -42,6 +42,7 @@ class SimulatedJob(msgspec.Struct):
     attained_by_type: dict[str, float] = {}
     max_gpus_seen: int = 0
     advanced_to: float | None = None           # the virtual time it has been run up to
+    estimate_revision: int = 0                 # the estimator's record after the last report it took
 
     @property
     def name(self) -> str:
@@ -68,6 +69,7 @@ class SimulatedJob(msgspec.Struct):
             slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
             idle_since_s=None if self.placement else (spec.time if self.idle_since_s is None else self.idle_since_s),
             max_gpus_seen=self.max_gpus_seen, grad_sqr=sqr, grad_var=var,
+            estimate_revision=self.estimate_revision,
         )
 
     def apply(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float,

@@ -113,6 +113,76 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
         assert all(p.poll() is None for p in stack.processes.values())                  # nobody crashed
 
 
+async def _replay_with(tmp_path, jobs, replicas, disturb=None):
+    """Replay `jobs` with sia through the services (`replicas` per service); `disturb(stack, bus)`
+    runs 1.5 s in, while the replay is still going. Each job's (finish, restarts, GPU-seconds)."""
+    import asyncio
+
+    from deploy.nats import nats_from_binary
+    from deploy.stack import replay, running_services, service_arguments
+    from shared.bus import Bus
+    from sim.settings import settings_for
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    arguments["policy"] += ["--lease-ttl", "1"]
+    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path, replicas) as stack:
+        bus = await Bus.connect(url, "driver")
+        try:
+            await stack.wait_ready(bus)
+            run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
+                                               request_timeout_s=2.0))
+            if disturb:
+                await asyncio.sleep(1.5)
+                assert not run.done(), "the replay ended before the disturbance: make the workload longer"
+                await disturb(stack, bus)
+            _, records = await asyncio.wait_for(run, 120)
+            served = await _requests_served(bus, "estimator", "models")
+        finally:
+            await bus.close()
+    return {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records.jobs}, served
+
+
+async def _requests_served(bus, service, endpoint):
+    """Requests each replica of `service` answered on `endpoint` (the service API's stats)."""
+    import json
+
+    import nats.errors
+
+    inbox = bus.nc.new_inbox()
+    subscription = await bus.nc.subscribe(inbox)
+    await bus.nc.publish(f"$SRV.STATS.{service}", b"", reply=inbox)
+    served = []
+    try:
+        while True:
+            data = (await subscription.next_msg(timeout=0.5)).data
+            if data:                                     # not the server's "no responders"
+                served += [e["num_requests"] for e in json.loads(data)["endpoints"] if e["name"] == endpoint]
+    except nats.errors.TimeoutError:
+        return sorted(served)
+
+
+async def _direct(jobs):
+    import asyncio
+
+    direct = await asyncio.to_thread(simulate, jobs, "sia-hetero-64", "sia", sources=ZOO)
+    return {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
+
+
+def _mixed(n):
+    from shared.reference import load_workload
+
+    return load_workload("examples/workloads/mixed-40.csv")[:n]
+
+
+async def test_replicas_share_the_work_and_change_nothing(tmp_path):
+    """Two estimators answer rounds for jobs the other learned (read through KV), two policy
+    replicas (one leads): the schedule is the one-process direct run's."""
+    jobs = _mixed(10)
+    outcome, served = await _replay_with(tmp_path, jobs, {"estimator": 2, "policy": 2})
+    assert outcome == await _direct(jobs)
+    assert len(served) == 2 and min(served) > 0, f"both estimator replicas answer rounds: {served}"
+
+
 @pytest.mark.parametrize("victim", ["placer", "estimator", "executor"])
 async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tmp_path):
     """kill -9 of a service in the middle of a replay, then a restart: the placer holds no state, the
@@ -120,30 +190,35 @@ async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tm
     back, and every job's outcome is the undisturbed run's."""
     import asyncio
 
-    from deploy.nats import nats_from_binary
-    from deploy.stack import replay, running_services, service_arguments
-    from shared.bus import Bus
-    from shared.reference import load_workload
-    from sim.settings import settings_for
+    async def kill_and_restart(stack, bus):
+        stack.kill(victim)
+        await asyncio.sleep(0.5)
+        stack.start(victim)
 
-    jobs = load_workload("examples/workloads/mixed-40.csv")[:12]
-    direct = await asyncio.to_thread(simulate, jobs, "sia-hetero-64", "sia", sources=ZOO)
-    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
-        bus = await Bus.connect(url, "driver")
-        try:
-            await stack.wait_ready(bus)
-            run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
-                                               request_timeout_s=2.0))
-            await asyncio.sleep(1.5)
-            assert not run.done(), "the replay ended before the kill: make the workload longer"
-            stack.kill(victim)
-            await asyncio.sleep(0.5)
-            stack.start(victim)
-            report, records = await asyncio.wait_for(run, 120)
-        finally:
-            await bus.close()
-    outcome = {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records.jobs}
-    expected = {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
-    assert outcome == expected
+    jobs = _mixed(12)
+    outcome, _ = await _replay_with(tmp_path, jobs, {}, kill_and_restart)
+    assert outcome == await _direct(jobs)
     assert (tmp_path / f"{victim}.log").read_text().count("ready on") == 2     # it really started again
+
+
+async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
+    """kill -9 of the leader: the standby takes the lease when it expires and resumes the run from
+    its checkpoint; the driver, following the run's log, never notices. Every outcome unchanged."""
+    import asyncio
+
+    from shared import subjects
+    from shared.schema import Ack, Lease
+
+    killed = []
+
+    async def kill_leader(stack, bus):
+        leader = (await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=5)).holder
+        killed.append(stack.instance(int(leader.rsplit("-", 1)[1])))
+        stack.kill(killed[0])
+        stack.start(killed[0])                                 # back, as a standby
+
+    jobs = _mixed(12)
+    outcome, _ = await _replay_with(tmp_path, jobs, {"policy": 2}, kill_leader)
+    assert outcome == await _direct(jobs)
+    standby = "policy-2" if killed[0] == "policy" else "policy"
+    assert "resumed from round" in (tmp_path / f"{standby}.log").read_text()

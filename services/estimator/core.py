@@ -152,9 +152,19 @@ class Estimator:
         return EstimateRecord(job_id, tuple(estimate.profiles.values()), dict(estimate.observations))
 
     def restore(self, record: EstimateRecord) -> None:
-        """The job's estimate rebuilt from its record (the same fits as when it was learned)."""
-        self.estimates[record.job_id] = JobEstimate.build({p.gpu_type: p for p in record.profiles},
-                                                          record.observations)
+        """The job's estimate rebuilt from its record (the same fits as when it was learned); a job
+        known already refits only the types whose observations changed."""
+        profiles = {p.gpu_type: p for p in record.profiles}
+        known = self.estimates.get(record.job_id)
+        if known is None or dict(known.profiles) != profiles:
+            self.estimates[record.job_id] = JobEstimate.build(profiles, record.observations)
+            return
+        observations = {t: tuple(record.observations.get(t, ())) for t in profiles}
+        changed = {t for t in profiles if observations[t] != tuple(known.observations.get(t, ()))}
+        if changed:
+            fitted = {**known.fitted, **{t: fit_throughput(profile_observations(profiles[t]) + list(observations[t]))
+                                         for t in changed}}
+            self.estimates[record.job_id] = JobEstimate(known.profiles, observations, fitted)
 
     def _type_models(self, job_id: str) -> dict:
         estimate = self.estimates[job_id]

@@ -1,4 +1,12 @@
-"""The estimator service: bootstrap profiles and observations in, each job's models out."""
+"""The estimator service: bootstrap profiles and observations in, each job's models out.
+
+Replicas share the work through the service's queue group: the KV bucket holds every job's record
+(profiles and observations) and is the truth; each replica keeps fitted estimates as a cache over
+it. A write is a compare-and-set on the revision the replica's cache was built from (a replica that
+missed another's write reloads and tries again), and its acknowledgement carries the new revision;
+the executors hand that revision back in each job's facts, so whichever replica answers a round
+reads the job again if its copy is older. A restarted replica starts empty and loads jobs as asked.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,13 @@ import argparse
 from nats import micro
 
 from services.estimator.core import Estimator
-from services.runner import VERSION
+from services.runner import new_service
 from shared import subjects
-from shared.bus import Bus
-from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed
+from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
 from sim.settings import settings_for
+
+CONFLICT_RETRIES = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,37 +29,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration", help="simulated clusters: the calibration's per-model batch caps")
 
 
+class SharedEstimates:
+    """An `Estimator` as a read-through cache of the KV records, and its compare-and-set writes."""
+
+    def __init__(self, estimator: Estimator, records: TypedKV[EstimateRecord]):
+        self.estimator = estimator
+        self.records = records
+        self.revisions: dict[str, int] = {}      # the revision each cached estimate was built from
+
+    async def load(self, job_id: str, at_least: int = 0) -> bool:
+        """Make the cached estimate at least as new as `at_least`; False if the job has no record."""
+        if job_id in self.revisions and self.revisions[job_id] >= at_least:
+            return True
+        entry = await self.records.get(job_id)
+        if entry is None:
+            return False
+        self.estimator.restore(entry.value)
+        self.revisions[job_id] = entry.revision
+        return True
+
+    async def add(self, message: JobProfiles) -> Stored:
+        if not await self.load(message.job_id):
+            self.estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
+            try:
+                self.revisions[message.job_id] = await self.records.create(
+                    message.job_id, self.estimator.record(message.job_id))
+            except RevisionConflict:                 # another replica stored it first: theirs stands
+                del self.revisions[message.job_id]
+                await self.load(message.job_id)
+        return Stored(self.revisions[message.job_id])
+
+    async def observe(self, message: Observed) -> Stored:
+        for _ in range(CONFLICT_RETRIES):
+            if not await self.load(message.job_id):
+                raise ValueError(f"no profile for job {message.job_id!r} yet")
+            revision = self.revisions[message.job_id]
+            if not self.estimator.observe(message.job_id, message.gpu_type, message.observation):
+                return Stored(revision)              # seen already: nothing to write
+            try:
+                self.revisions[message.job_id] = await self.records.update(
+                    message.job_id, self.estimator.record(message.job_id), revision)
+                return Stored(self.revisions[message.job_id])
+            except RevisionConflict:                 # another replica wrote first: reload, learn again
+                await self.load(message.job_id, revision + 1)
+        raise RuntimeError(f"job {message.job_id}: the record kept changing under {CONFLICT_RETRIES} writes")
+
+    async def models(self, request: ModelsRequest) -> ModelsReply:
+        for facts in request.facts:
+            await self.load(facts.job_id, facts.estimate_revision)
+        return ModelsReply(tuple(self.estimator.models(request.facts)))
+
+
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    # Every change is written to KV before it is acknowledged, so a restarted estimator rebuilds
-    # each job's models from its record (same data, same fits). One replica for now: replicas
-    # would also need each other's updates.
-    estimator = Estimator(settings_for(args.calibration, args.cluster).max_local)
     records = await bus.kv(subjects.ESTIMATES_BUCKET, EstimateRecord)
-    for key in await records.keys():
-        entry = await records.get(key)
-        if entry is not None:
-            estimator.restore(entry.value)
+    shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records)
 
-    async def on_profiles(message: JobProfiles) -> Ack:
-        if message.job_id not in estimator.estimates:
-            estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
-            await records.put(message.job_id, estimator.record(message.job_id))
-        return Ack()
+    async def count(_: Ack) -> Count:
+        return Count(len(await records.keys()))
 
-    async def on_observed(message: Observed) -> Ack:
-        if estimator.observe(message.job_id, message.gpu_type, message.observation):
-            await records.put(message.job_id, estimator.record(message.job_id))
-        return Ack()
-
-    service = await micro.add_service(bus.nc, name=subjects.ESTIMATOR_SERVICE, version=VERSION,
-                                      description="throughput models and goodput per job and GPU type",
-                                      queue_group=subjects.ESTIMATOR_SERVICE)
-    await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, on_profiles)
-    await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, on_observed,
+    service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
+    await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, shared.add)
+    await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, shared.observe,
                            span_name="estimator.observe")
-    await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest,
-                           lambda request: ModelsReply(tuple(estimator.models(request.facts))),
+    await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest, shared.models,
                            span_name="estimator.goodput")
-    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack,
-                           lambda _: Count(len(estimator.estimates)))
+    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, count)
     return service

@@ -15,7 +15,7 @@ import logging
 import nats.errors
 from nats import micro
 
-from services.runner import VERSION
+from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
@@ -30,6 +30,7 @@ from shared.schema import (
     JobRecords,
     JobSpec,
     Observed,
+    Stored,
 )
 from sim.run import add_world_arguments, world_of
 from sim.world import SimulatedJob
@@ -86,10 +87,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def report(message: Observed) -> None:
         """Until the estimator has it: observing twice changes nothing, so a restarted estimator
-        is simply asked again."""
+        is simply asked again. The job's facts then carry the revision the estimator stored."""
         while True:
             try:
-                await bus.request(subjects.OBSERVE, message, Ack, timeout=5)
+                stored = await bus.request(subjects.OBSERVE, message, Stored, timeout=5)
+                job = executors.jobs[message.job_id]
+                job.estimate_revision = max(job.estimate_revision, stored.revision)
                 return
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 log.warning("estimator unavailable; reporting %s again", message.job_id)
@@ -107,9 +110,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                        span_name="executor.submission")
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
 
-    service = await micro.add_service(bus.nc, name=subjects.EXECUTOR_SERVICE, version=VERSION,
-                                      description="simulated executors on a virtual clock",
-                                      queue_group=subjects.EXECUTOR_SERVICE)
+    service = new_service(bus, subjects.EXECUTOR_SERVICE, "simulated executors on a virtual clock")
     await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
                            lambda request: FactsReply(tuple(executors.facts(request.now_s, request.jobs))),
                            span_name="executor.facts")

@@ -7,7 +7,7 @@ import argparse
 from nats import micro
 
 from services.placer.core import place
-from services.runner import VERSION
+from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
@@ -24,8 +24,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     def on_place(request: PlaceRequest) -> PlacementResult:
         return place(cluster, request.allocations, request.previous)
 
-    service = await micro.add_service(bus.nc, name=subjects.PLACER_SERVICE, version=VERSION,
-                                      description=f"physical GPUs for allocations on {cluster.name}",
-                                      queue_group=subjects.PLACER_SERVICE)
+    service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {cluster.name}")
     await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, on_place, span_name="placer.place")
     return service

@@ -85,11 +85,27 @@ class Decision:
 
 
 class Policy(Protocol):
+    """A policy decides from the round's state alone; one that also carries state from round to
+    round (pollux's warm-started search) defines `snapshot() -> bytes` and `restore(bytes)`, so a
+    standby leader resumes it exactly."""
+
     name: str
     round_s: float           # how often it re-decides (allocations hold in between)
     adaptive_batch: bool     # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
 
     def allocate(self, state: RoundState) -> Decision: ...
+
+
+def snapshot_policy(policy: Policy) -> bytes:
+    """The policy's state between rounds (b"" for a policy without any)."""
+    snapshot = getattr(policy, "snapshot", None)
+    return snapshot() if snapshot else b""
+
+
+def restore_policy(policy: Policy, state: bytes) -> None:
+    restore = getattr(policy, "restore", None)
+    if restore and state:
+        restore(state)
 
 
 def decision_from_placements(cluster: Cluster, placements: Mapping[str, Spots], events: Iterable[str] = ()) -> Decision:

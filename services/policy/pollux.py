@@ -60,9 +60,11 @@ function of the seed, the state and the population kept from the previous call (
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
 import numpy as np
 
 from services.estimator.core import stack_jobs
@@ -358,6 +360,14 @@ def power_mean(values: np.ndarray, p: float) -> np.ndarray:
 # --- the policy -------------------------------------------------------------------------------------
 
 
+class _Population(msgspec.Struct, array_like=True):
+    jobs: tuple[str, ...]
+    nodes: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    states: bytes
+
+
 class PolluxPolicy:
     """Pollux's population search over per-node allocations, heterogeneity-unaware (see module doc)."""
 
@@ -400,6 +410,19 @@ class PolluxPolicy:
         useless = (best.sum(axis=2) < problem.min_gpus) | (search.speedups(best, restarts=False) <= 0)
         best[useless & ~problem.pinned] = 0
         return self._decision(state.cluster, problem, best[0])
+
+    def snapshot(self) -> bytes:
+        """The last round's population (mostly zeros: compressed), for a standby to resume from."""
+        if self._previous is None:
+            return b""
+        jobs, nodes, states = self._previous
+        return msgspec.msgpack.encode(_Population(jobs, nodes, states.dtype.str, states.shape,
+                                                  zlib.compress(states.tobytes(), 1)))
+
+    def restore(self, state: bytes) -> None:
+        saved = msgspec.msgpack.decode(state, type=_Population)
+        states = np.frombuffer(zlib.decompress(saved.states), dtype=np.dtype(saved.dtype)).reshape(saved.shape)
+        self._previous = (saved.jobs, saved.nodes, states.copy())
 
     def _adapt_previous(self, problem: PolluxProblem, dtype: np.dtype) -> np.ndarray:
         """The previous round's population on this round's jobs and nodes (new jobs: empty rows)."""

@@ -1,44 +1,156 @@
-"""The policy service: the round leader. On a simulated cluster it runs a whole replay on the
-virtual clock — the next round starts as soon as the executors have applied and advanced the last —
-each stage a request to its service (sim.bus_wiring), each decision by the named policy."""
+"""The policy service: the round leader, one replica at a time, and its standbys.
+
+Replicas campaign for a KV lease (services.policy.lease); the one holding it runs the rounds. On a
+simulated cluster a run is a whole replay on the virtual clock — the next round starts as soon as
+the executors have applied and advanced the last — each stage a request to its service
+(sim.bus_wiring), each decision by the named policy. The run's checkpoint (its request and clock,
+`RunCheckpoint`) lives in KV and is rewritten after every decision and every round; each round run
+is appended to the run's log, which the driver follows. A standby that takes the lease resumes
+every unfinished run from its checkpoint: a decided round is carried out as decided (every stage
+may be asked twice), so the schedule is the one the old leader would have made. Checkpoints are
+written compare-and-set, so a deposed leader that wakes up is refused at its next step.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
 
 from nats import micro
 
 from services.policy.base import make_policy
-from services.runner import VERSION
+from services.policy.lease import Leadership, LeaseLost
+from services.runner import new_service
 from shared import subjects
-from shared.bus import Bus
-from shared.cluster import load_cluster
+from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob
-from shared.schema import RunReport, RunRequest
+from shared.schema import Ack, Lease, RunCheckpoint, RunClock, RunStep
 from sim.bus_wiring import BusWiring
 from sim.run import simulation_settings
 from sim.simulator import Simulator
 
+LEASE_TTL_S = 5.0
+IDLE_POLL_S = 0.1
+log = logging.getLogger(__name__)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+    parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S,
+                        help="seconds a leader's lease lasts unrenewed: a standby takes over within it "
+                             "(default: %(default)s)")
+
+
+class RunJournal:
+    """A run's progress, written as the leader makes it: the checkpoint (compare-and-set on our own
+    last revision, and only while we lead) and the run's log."""
+
+    def __init__(self, bus: Bus, runs: TypedKV[RunCheckpoint], checkpoint: RunCheckpoint, revision: int,
+                 leadership: Leadership):
+        self.bus = bus
+        self.runs = runs
+        self.request = checkpoint.request
+        self.revision = revision
+        self.leadership = leadership
+
+    async def decided(self, clock: RunClock) -> None:
+        await self._save(clock)
+
+    async def stepped(self, clock: RunClock, step: RunStep) -> None:
+        self.leadership.check()
+        run_id = self.request.run_id
+        await self.bus.js_publish(subjects.run_log(run_id), step, msg_id=f"{run_id}.{step.round}")
+        await self._save(clock, over=step.over)
+
+    async def fail(self, clock: RunClock, reason: str) -> None:
+        step = RunStep(clock.round, clock.now_s, None, (), (), clock.done, len(self.request.jobs),
+                       over=True, failure=reason)
+        await self.stepped(clock, step)
+
+    async def _save(self, clock: RunClock, over: bool = False) -> None:
+        self.leadership.check()
+        try:
+            self.revision = await self.runs.update(self.request.run_id, RunCheckpoint(self.request, clock, over),
+                                                   self.revision)
+        except RevisionConflict:
+            raise LeaseLost(f"run {self.request.run_id} was checkpointed by another leader") from None
+
+
+async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal, clock: RunClock) -> None:
+    """Run (or resume) one replay to its end."""
+    request = journal.request
+    try:
+        policy = make_policy(request.policy, **request.policy_options)
+        settings = simulation_settings(request.calibration, cluster_arg, round_s=request.round_s,
+                                       horizon_s=request.horizon_s)
+    except ValueError as error:
+        await journal.fail(clock, str(error))
+        return
+    # The clock needs each job's name and submit time only; the executors hold the rest.
+    workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
+    sim = Simulator(workload, cluster, policy, settings, wiring=BusWiring(bus, request.request_timeout_s))
+    log.info("run %s: %s from round %d (%d of %d jobs done)", request.run_id, "resumed" if clock.round else "started",
+             clock.round, clock.done, len(workload))
+    await sim.run_async(clock=clock, journal=journal)
+    log.info("run %s: over", request.run_id)
+
+
+async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], cluster: Cluster,
+               cluster_arg: str, stop: asyncio.Event) -> None:
+    """While we lead: run each unfinished run in turn."""
+    while not stop.is_set():
+        pending = None
+        if leadership.held:
+            for key in await runs.keys():
+                entry = await runs.get(key)
+                if entry is not None and not entry.value.over:
+                    pending = entry
+                    break
+        if pending is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), IDLE_POLL_S)
+            continue
+        journal = RunJournal(bus, runs, pending.value, pending.revision, leadership)
+        try:
+            await run(bus, cluster, cluster_arg, journal, pending.value.clock)
+        except LeaseLost as error:
+            log.warning("stepping down: %s", error)
+        except Exception as error:  # noqa: BLE001 - the run fails with its reason; the service goes on
+            log.exception("run %s failed", pending.key)
+            with contextlib.suppress(LeaseLost):
+                await journal.fail(pending.value.clock, f"{type(error).__name__}: {error}")
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
+    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
+                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
+    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    holder = f"{socket.gethostname()}-{os.getpid()}"
+    leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder, args.lease_ttl)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(leadership.campaign(stop)),
+             loop.create_task(lead(bus, leadership, runs, cluster, args.cluster, stop))]
 
-    async def on_run(request: RunRequest) -> RunReport:
-        policy = make_policy(request.policy, **request.policy_options)
-        settings = simulation_settings(request.calibration, args.cluster, round_s=request.round_s,
-                                       horizon_s=request.horizon_s)
-        # The clock needs each job's name and submit time only; the executors hold the rest.
-        workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
-        sim = Simulator(workload, cluster, policy, settings, wiring=BusWiring(bus, request.request_timeout_s))
-        await sim.run_async()
-        return RunReport(tuple(sim.rounds), tuple(sim.events))
+    async def step_down() -> None:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await leadership.release()
 
-    service = await micro.add_service(bus.nc, name=subjects.POLICY_SERVICE, version=VERSION,
-                                      description=f"the scheduling round on {cluster.name}",
-                                      queue_group=subjects.POLICY_SERVICE)
-    await bus.add_endpoint(service, "run", subjects.RUN, RunRequest, on_run, span_name="policy.run")
+    bus.on_close(step_down)
+
+    async def status(_: Ack) -> Lease:
+        return Lease(await leadership.leader())
+
+    service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
+    await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status)
     return service
+

@@ -13,11 +13,11 @@ import asyncio
 from nats import micro
 
 from services.profiler.core import submission_problem
-from services.runner import VERSION
+from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
-from shared.schema import Ack, JobProfiles, JobSpec, rejection
+from shared.schema import JobProfiles, JobSpec, Stored, rejection
 from sim.run import job_sources
 
 
@@ -43,12 +43,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         types = [t for t in cluster.gpu_types if t in sources.truths[spec.application].types
                  and (not spec.gpu_types or t in spec.gpu_types)]
         profiles = tuple(sources.profile(spec.application, t) for t in types)
-        await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Ack, timeout=30)
+        await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT, JobSpec,
                                        span_name="profiler.bootstrap", on_invalid=on_malformed)
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
-    return await micro.add_service(bus.nc, name=subjects.PROFILER_SERVICE, version=VERSION,
-                                   description="bootstrap profiles of submitted jobs")
+    return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")
