@@ -1,5 +1,6 @@
 """kill -9 one service in the middle of a replay over NATS, restart it, and compare every job's
-outcome with the direct wiring's.
+outcome with the direct wiring's. `--victim policy` runs two policy replicas and kills the one
+leading; the standby resumes the run, and the killed one comes back as a standby.
 
     .venv/bin/python benchmarks/kill_check.py --victim executor [--workload PATH] [--after 5]
 """
@@ -22,8 +23,10 @@ from sim.settings import settings_for
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:
     arguments = service_arguments("sia-hetero-64", reference, reference is None, None, 1, None)
+    arguments["policy"] += ["--lease-ttl", "2"]
+    replicas = {"policy": 2} if victim == "policy" else {}
     with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
-        with running_services(url, arguments, Path(folder)) as stack:
+        with running_services(url, arguments, Path(folder), replicas) as stack:
             bus = await Bus.connect(url, "kill-check")
             try:
                 await stack.wait_ready(bus)
@@ -33,6 +36,8 @@ async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -
                 await asyncio.sleep(after_s)
                 if run.done():
                     raise SystemExit(f"the replay ended before {after_s} s: kill sooner")
+                if victim == "policy":
+                    victim = await stack.policy_leader(bus)
                 stack.kill(victim)
                 await asyncio.sleep(0.5)
                 stack.start(victim)
@@ -44,7 +49,7 @@ async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--victim", required=True, choices=["profiler", "estimator", "placer", "executor"])
+    parser.add_argument("--victim", required=True, choices=["profiler", "estimator", "placer", "executor", "policy"])
     parser.add_argument("--workload", help="default: the Sia Philly workload-1 (160 jobs)")
     parser.add_argument("--after", type=float, default=5.0, help="seconds into the replay to kill it")
     args = parser.parse_args()

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import nats.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
-from shared.schema import Ack, Count, JobRecords, JobSpec, RunCheckpoint, RunReport, RunRequest, RunStep
+from shared.schema import Ack, Count, JobRecords, JobSpec, Lease, RunCheckpoint, RunReport, RunRequest, RunStep
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 READY_TIMEOUT_S = 60.0
@@ -44,9 +44,14 @@ class Stack:
         self.processes[name].kill()
         self.processes[name].wait()
 
-    def instance(self, pid: int) -> str | None:
-        """The instance running as process `pid`."""
-        return next((name for name, process in self.processes.items() if process.pid == pid), None)
+    async def policy_leader(self, bus: Bus) -> str:
+        """The policy instance holding the lease now (holders are named `<host>-<pid>`)."""
+        holder = (await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=10)).holder
+        pid = int(holder.rsplit("-", 1)[1]) if holder else None
+        leader = next((name for name, process in self.processes.items() if process.pid == pid), None)
+        if leader is None:
+            raise RuntimeError(f"no policy instance of this stack leads (the lease holder is {holder!r})")
+        return leader
 
     async def wait_ready(self, bus: Bus, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until every instance answers the NATS service API's ping; a clear error if one died."""
@@ -162,10 +167,7 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
     request = RunRequest(run_id, policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs),
                          round_s, horizon_s, request_timeout_s)
-    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
-                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
-    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
-    await runs.create(run_id, RunCheckpoint(request))
+    await create_run(bus, request)
     try:
         report = await follow_run(bus, run_id, progress)
     except Exception as error:  # noqa: BLE001 - say which service failed and why
@@ -174,18 +176,36 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     return report, await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)
 
 
+async def create_run(bus: Bus, request: RunRequest) -> None:
+    """Hand a run to the policy leader: its first checkpoint, in KV."""
+    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
+                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
+    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    await runs.create(request.run_id, RunCheckpoint(request))
+
+
+async def follow_run_steps(bus: Bus, run_id: str,
+                           idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S) -> AsyncIterator[RunStep]:
+    """A run's steps as the leader logs them, from the first; a round repeated by a new leader once.
+    `idle_timeout_s` None: wait for ever (a live run may idle)."""
+    last = -1
+    async for step in bus.follow(subjects.run_log(run_id), RunStep, idle_timeout=idle_timeout_s):
+        if step.round > last:
+            last = step.round
+            yield step
+
+
 async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int], None] | None = None,
                      idle_timeout_s: float = RUN_IDLE_TIMEOUT_S) -> RunReport:
-    """The run's report, folded from its log as the leader writes it: each round once, in order.
+    """The run's report, folded from its log as the leader writes it.
     RuntimeError if the run failed; TimeoutError if no round is logged for `idle_timeout_s`."""
-    steps: dict[int, RunStep] = {}
-    async for step in bus.follow(subjects.run_log(run_id), RunStep, idle_timeout=idle_timeout_s):
-        steps[step.round] = step
+    ordered: list[RunStep] = []
+    async for step in follow_run_steps(bus, run_id, idle_timeout_s):
+        ordered.append(step)
         if progress:
             progress(step.now_s, step.done, step.total)
         if step.over:
             break
-    ordered = [steps[r] for r in sorted(steps)]
     if ordered[-1].failure:
         raise RuntimeError(f"run {run_id} failed: {ordered[-1].failure}")
     return RunReport(tuple(s.record for s in ordered if s.record is not None),

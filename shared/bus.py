@@ -418,10 +418,11 @@ class Bus:
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
 
-    async def follow(self, subject: str, msg_type: type[T], *, idle_timeout: float = 3600.0) -> AsyncIterator[T]:
+    async def follow(self, subject: str, msg_type: type[T], *,
+                     idle_timeout: float | None = 3600.0) -> AsyncIterator[T]:
         """Every message stored on `subject`, from the first, then each as it is stored (an
         ordered consumer: no acks, nothing missed or repeated). TimeoutError after `idle_timeout`
-        seconds without one."""
+        seconds without one (None: wait for ever)."""
         subscription = await self.js.subscribe(subject, ordered_consumer=True,
                                                deliver_policy=api.DeliverPolicy.ALL)
         try:

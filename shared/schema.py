@@ -37,7 +37,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rigid: bool = False
     strong_scaling: bool = False
     gpu_types: tuple[str, ...] = ()          # allowed GPU types; empty: any
-    submit_s: NonNegativeFloat = 0.0         # simulated submission time (a replayed workload)
+    submit_s: NonNegativeFloat | None = None   # a replayed workload's submission time; None: live (now)
     version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -217,10 +217,22 @@ class ApplyRequest(msgspec.Struct, frozen=True):
 
 
 class AdvanceRequest(msgspec.Struct, frozen=True):
-    """Policy -> simulated executors: run every job for a round of the virtual clock."""
+    """Policy -> simulated executors: run these jobs for a round of the virtual clock."""
 
     now_s: float
     step_s: float
+    jobs: tuple[str, ...]
+
+
+class LiveJobsRequest(msgspec.Struct, frozen=True):
+    """Live clock -> simulated executors: jobs submitted live (with no time) arrive at `now_s` if
+    they have not arrived yet; reply with every live job not finished."""
+
+    now_s: float
+
+
+class LiveJobs(msgspec.Struct, frozen=True):
+    jobs: tuple[str, ...]                       # in arrival order
 
 
 class AdvanceReply(msgspec.Struct, frozen=True):
@@ -256,6 +268,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     restarts: int
     gpu_seconds: float
     feedback_s: float | None
+    placement: tuple[tuple[str, int], ...] = ()   # where it runs now
 
 
 class Count(msgspec.Struct, frozen=True):
@@ -289,6 +302,8 @@ class RunRequest(msgspec.Struct, frozen=True):
     round_s: float | None = None
     horizon_s: float | None = None
     request_timeout_s: float = 10.0           # each stage's request; a restarted service is asked again
+    live: bool = False                        # no end: the jobs submitted live, rounds paced by the wall clock
+    speed: PositiveFloat = 1.0                # live: virtual seconds per wall-clock second
 
 
 class DecidedRound(msgspec.Struct, frozen=True):

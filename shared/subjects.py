@@ -28,6 +28,7 @@ EXECUTOR_SERVICE = "executor"
 FACTS = f"{PREFIX}.executor.facts"          # FactsRequest -> FactsReply
 APPLY = f"{PREFIX}.executor.apply"          # ApplyRequest -> Ack
 ADVANCE = f"{PREFIX}.executor.advance"      # AdvanceRequest -> AdvanceReply (simulated executors)
+LIVE_JOBS = f"{PREFIX}.executor.live"      # LiveJobsRequest -> LiveJobs (simulated executors, live clock)
 RECORDS = f"{PREFIX}.executor.records"      # Ack -> JobRecords (simulated executors)
 EXECUTOR_STATUS = f"{PREFIX}.executor.status"   # Ack -> Count
 ESTIMATOR_SERVICE = "estimator"

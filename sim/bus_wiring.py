@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import nats.errors
 
@@ -25,6 +26,8 @@ from shared.schema import (
     FactsRequest,
     JobFacts,
     JobModels,
+    LiveJobs,
+    LiveJobsRequest,
     ModelsReply,
     ModelsRequest,
     PlacementResult,
@@ -70,6 +73,28 @@ class BusWiring:
                     adaptive: bool) -> None:
         await self._request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack)
 
-    async def advance(self, now: float, step: float) -> list[str]:
-        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step), AdvanceReply)
+    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]:
+        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step, tuple(jobs)), AdvanceReply)
         return list(reply.finished)
+
+    async def live_jobs(self, now: float) -> list[str]:
+        """The live jobs not finished (those submitted since the last round arrive now)."""
+        return list((await self._request(subjects.LIVE_JOBS, LiveJobsRequest(now), LiveJobs)).jobs)
+
+
+class LiveFeed:
+    """A live run over the bus: its jobs are those submitted live (the executors hold them), and the
+    round at virtual time `now` runs when the wall clock gets there, at `speed` virtual seconds per
+    second. After a pause (a new leader resuming) the clock goes on from where it was."""
+
+    def __init__(self, wiring: BusWiring, now: float, speed: float = 1.0):
+        self.wiring = wiring
+        self.speed = speed
+        self.origin = (time.monotonic(), now)
+
+    async def wait(self, now: float) -> None:
+        wall, virtual = self.origin
+        await asyncio.sleep(max(0.0, wall + (now - virtual) / self.speed - time.monotonic()))
+
+    async def jobs(self, now: float) -> list[str]:
+        return await self.wiring.live_jobs(now)

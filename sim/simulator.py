@@ -69,7 +69,7 @@ class Wiring(Protocol):
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None: ...                                    # executors
 
-    async def advance(self, now: float, step: float) -> list[str]: ...              # executors: jobs finished
+    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]: ...   # executors: jobs finished
 
 
 class Journal(Protocol):
@@ -78,6 +78,14 @@ class Journal(Protocol):
     async def decided(self, clock: RunClock) -> None: ...                  # before it is carried out
 
     async def stepped(self, clock: RunClock, step: RunStep) -> None: ...    # a round has run
+
+
+class LiveFeed(Protocol):
+    """A live run's jobs and pace (the policy leader's, over the bus: `sim.bus_wiring.LiveFeed`)."""
+
+    async def wait(self, now: float) -> None: ...            # until the round at `now` is due
+
+    async def jobs(self, now: float) -> list[str]: ...      # the live jobs not finished, arrived by `now`
 
 
 class DirectWiring:
@@ -114,8 +122,8 @@ class DirectWiring:
                     adaptive: bool) -> None:
         self.executors.apply(now, placements, models, adaptive)
 
-    async def advance(self, now: float, step: float) -> list[str]:
-        finished, observed = self.executors.advance(now, step)
+    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]:
+        finished, observed = self.executors.advance(now, step, jobs)
         for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
             self.estimator.observe(job_id, gpu_type, observation)
         return finished
@@ -147,17 +155,26 @@ class Simulator:
         asyncio.run(self.run_async(progress))
 
     async def run_async(self, progress: Callable[[float, int, int], None] | None = None,
-                        clock: RunClock | None = None, journal: Journal | None = None) -> RunClock:
+                        clock: RunClock | None = None, journal: Journal | None = None,
+                        live: LiveFeed | None = None) -> RunClock:
         """Run to the end from `clock` (the start unless given: a standby resuming a run passes the
         last checkpoint). `journal` is told of each decision before it is carried out and of each
-        round once it has run, so a run can be resumed from any point; returns the final clock."""
+        round once it has run, so a run can be resumed from any point; returns the final clock.
+        With `live`, the jobs are those `live` reports each round, rounds keep its pace, and the run
+        has no end."""
         step = self.settings.round_s
         clock = clock or RunClock()
         if clock.policy_state:
             restore_policy(self.policy, clock.policy_state)
-        while clock.admitted < len(self.workload) or clock.active:
+        while live or clock.admitted < len(self.workload) or clock.active:
+            if live:
+                await live.wait(clock.now_s)
+                clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
+                if not clock.active:             # idle: the next round, on the wall clock
+                    clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
+                    continue
             now = clock.now_s
-            if now > self.settings.horizon_s:
+            if not live and now > self.settings.horizon_s:
                 event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
                 self.events.append(event)
                 if journal:
@@ -187,7 +204,7 @@ class Simulator:
                 if clock.decided is not None:
                     apply = clock.decided.apply
                     await self.wiring.apply(apply.now_s, apply.placements, apply.models, apply.adaptive)
-                finished = set(await self.wiring.advance(now, step))
+                finished = set(await self.wiring.advance(now, step, list(clock.active)))
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
             if record is not None:
                 self.rounds.append(record)
@@ -195,12 +212,13 @@ class Simulator:
             clock = msgspec.structs.replace(
                 clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(finished), decided=None,
                 active=tuple(name for name in clock.active if name not in finished))
-            over = clock.admitted == len(self.workload) and not clock.active
+            over = not live and clock.admitted == len(self.workload) and not clock.active
+            total = clock.done + len(clock.active) if live else len(self.workload)
             if journal:
                 await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(finished)),
-                                                     clock.done, len(self.workload), over))
+                                                     clock.done, total, over))
             if progress:
-                progress(clock.now_s, clock.done, len(self.workload))
+                progress(clock.now_s, clock.done, total)
         return clock
 
     async def _decide(self, now: float, active: list[str], decisions: int) -> DecidedRound:

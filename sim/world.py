@@ -8,6 +8,9 @@ true goodput, returning the iteration time it measured, as an executor reports i
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import msgspec
 
 from shared.cluster import Cluster, Config, Spots
@@ -43,6 +46,7 @@ class SimulatedJob(msgspec.Struct):
     max_gpus_seen: int = 0
     advanced_to: float | None = None           # the virtual time it has been run up to
     estimate_revision: int = 0                 # the estimator's record after the last report it took
+    live: bool = False                         # submitted live: it arrives at the live round that first sees it
 
     @property
     def name(self) -> str:
@@ -51,7 +55,8 @@ class SimulatedJob(msgspec.Struct):
     def record(self) -> JobRecord:
         return JobRecord(self.spec.name, self.spec.application, self.spec.time,
                          None if self.finish_s is None else float(self.finish_s), self.restarts,
-                         float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s))
+                         float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s),
+                         self.placement)
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
         spec = self.spec
@@ -175,13 +180,22 @@ class SimulatedExecutors:
             self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models, adaptive, now,
                                   self.settings.retune_threshold)
 
-    def advance(self, now: float, step: float) -> tuple[list[str], list[tuple[str, str, Observation]]]:
-        """Run every submitted, unfinished job for the round [now, now + step): (jobs that finished in
-        it, (job, type, observation) for each job that trained). Asking again for the same round runs
-        only the jobs not run yet, so a round is never run twice."""
+    def arrive(self, now: float) -> list[str]:
+        """Live jobs not yet arrived arrive now; every live job not finished, in arrival order."""
+        for job in self.jobs.values():
+            if job.live and job.spec.time == math.inf:
+                job.spec = dataclasses.replace(job.spec, time=now)
+        live = [job for job in self.jobs.values() if job.live and job.finish_s is None]
+        return [job.name for job in sorted(live, key=lambda j: (j.spec.time, j.name))]
+
+    def advance(self, now: float, step: float, names) -> tuple[list[str], list[tuple[str, str, Observation]]]:
+        """Run the jobs `names` (submitted, unfinished) for the round [now, now + step): (jobs that
+        finished in it, (job, type, observation) for each job that trained). Asking again for the
+        same round runs only the jobs not run yet, so a round is never run twice."""
         finished, observed = [], []
+        names = set(names)
         for name, job in self.jobs.items():
-            if job.spec.time > now:
+            if job.spec.time > now or name not in names:
                 continue
             if job.finish_s is None and (job.advanced_to is None or job.advanced_to < now + step):
                 observation = job.advance(self.truths[name], now, step, self.feedback_iterations)

@@ -204,21 +204,15 @@ async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tm
 async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
     """kill -9 of the leader: the standby takes the lease when it expires and resumes the run from
     its checkpoint; the driver, following the run's log, never notices. Every outcome unchanged."""
-    import asyncio
-
-    from shared import subjects
-    from shared.schema import Ack, Lease
-
     killed = []
 
     async def kill_leader(stack, bus):
-        leader = (await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=5)).holder
-        killed.append(stack.instance(int(leader.rsplit("-", 1)[1])))
+        killed.append(await stack.policy_leader(bus))
         stack.kill(killed[0])
-        stack.start(killed[0])                                 # back, as a standby
+        stack.start(killed[0])                                 # back: it campaigns again
 
     jobs = _mixed(12)
     outcome, _ = await _replay_with(tmp_path, jobs, {"policy": 2}, kill_leader)
     assert outcome == await _direct(jobs)
-    standby = "policy-2" if killed[0] == "policy" else "policy"
-    assert "resumed from round" in (tmp_path / f"{standby}.log").read_text()
+    # Whichever replica took the lease next (the standby, or the killed one back first) resumed.
+    assert any("resumed from round" in (tmp_path / f"{name}.log").read_text() for name in ("policy", "policy-2"))

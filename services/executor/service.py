@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 
 import nats.errors
 from nats import micro
@@ -29,6 +30,8 @@ from shared.schema import (
     FactsRequest,
     JobRecords,
     JobSpec,
+    LiveJobs,
+    LiveJobsRequest,
     Observed,
     Stored,
 )
@@ -70,8 +73,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             log.warning("job %s: no simulated behaviour for %r; not run", spec.id, spec.application)
             return
         batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
-        executors.add(WorkloadJob(spec.id, spec.submit_s, spec.application, spec.requested_gpus, batch), truth)
-        await save([spec.id])
+        live = spec.submit_s is None             # arrives at the live round that first sees it
+        arrival = math.inf if live else spec.submit_s
+        if spec.id not in executors.jobs:
+            executors.add(WorkloadJob(spec.id, arrival, spec.application, spec.requested_gpus, batch), truth)
+            executors.jobs[spec.id].live = live
+            await save([spec.id])
 
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
         async with turn:
@@ -79,7 +86,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def advance(request: AdvanceRequest) -> AdvanceReply:
         before = {name: job.advanced_to for name, job in executors.jobs.items()}
-        finished, observed = executors.advance(request.now_s, request.step_s)
+        finished, observed = executors.advance(request.now_s, request.step_s, request.jobs)
         for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
             await report(Observed(job_id, gpu_type, observation))
         await save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
@@ -97,6 +104,13 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                 log.warning("estimator unavailable; reporting %s again", message.job_id)
                 await asyncio.sleep(0.2)
+
+    async def on_live(request: LiveJobsRequest) -> LiveJobs:
+        async with turn:
+            before = {name: job.spec.time for name, job in executors.jobs.items()}
+            live = executors.arrive(request.now_s)
+            await save(name for name, job in executors.jobs.items() if job.spec.time != before[name])
+        return LiveJobs(tuple(live))
 
     async def on_apply(request: ApplyRequest) -> Ack:
         async with turn:
@@ -117,6 +131,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
     await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance,
                            span_name="executor.advance")
+    await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, on_live)
     await bus.add_endpoint(service, "records", subjects.RECORDS, Ack,
                            lambda _: JobRecords(tuple(job.record() for job in executors.jobs.values())))
     await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(executors.jobs)))

@@ -30,7 +30,7 @@ from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob
 from shared.schema import Ack, Lease, RunCheckpoint, RunClock, RunStep
-from sim.bus_wiring import BusWiring
+from sim.bus_wiring import BusWiring, LiveFeed
 from sim.run import simulation_settings
 from sim.simulator import Simulator
 
@@ -93,10 +93,12 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
         return
     # The clock needs each job's name and submit time only; the executors hold the rest.
     workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
-    sim = Simulator(workload, cluster, policy, settings, wiring=BusWiring(bus, request.request_timeout_s))
-    log.info("run %s: %s from round %d (%d of %d jobs done)", request.run_id, "resumed" if clock.round else "started",
-             clock.round, clock.done, len(workload))
-    await sim.run_async(clock=clock, journal=journal)
+    wiring = BusWiring(bus, request.request_timeout_s)
+    sim = Simulator(workload, cluster, policy, settings, wiring=wiring)
+    live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
+    log.info("run %s: %s from round %d (%d jobs done)", request.run_id, "resumed" if clock.round else "started",
+             clock.round, clock.done)
+    await sim.run_async(clock=clock, journal=journal, live=live)
     log.info("run %s: over", request.run_id)
 
 
