@@ -183,7 +183,7 @@ async def test_replicas_share_the_work_and_change_nothing(tmp_path):
     assert len(served) == 2 and min(served) > 0, f"both estimator replicas answer rounds: {served}"
 
 
-@pytest.mark.parametrize("victim", ["placer", "estimator", "executor"])
+@pytest.mark.parametrize("victim", ["profiler", "placer", "estimator", "executor"])
 async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tmp_path):
     """kill -9 of a service in the middle of a replay, then a restart: the placer holds no state, the
     estimator and the executors rebuild theirs from KV; the clock asks again until the service is
