@@ -32,6 +32,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                                                     f"(default {DEFAULT_QUANTUM})")
     parser.add_argument("--restart-delay", type=float, metavar="S",
                         help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
+    parser.add_argument("--no-fairness", dest="fairness", action="store_false",
+                        help="skip finish-time fairness (it simulates each distinct job alone on its fair share)")
     parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
                                                       "tiresias and timeslice decide every round")
 
@@ -46,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="direct: the cores in this process (default); nats: the five services over a NATS "
                           "server of their own, on a virtual clock")
     sim.add_argument("--out", default="simulation.json", help="result JSON (default: %(default)s)")
-    sim.add_argument("--plot", help="PNG: GPUs per application over time and the JCT CDF")
+    sim.add_argument("--plot", help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF")
     _common(sim)
     sim.set_defaults(func=_simulate)
 
@@ -95,7 +97,7 @@ def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: 
     result = simulate(workload, args.cluster, policy, calibration=args.calibration,
                       policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
                       sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress and bus == "direct", bus=bus)
+                      progress=progress, bus=bus, fairness=args.fairness)
     result["policy_spec"] = spec
     return result
 
@@ -130,6 +132,9 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
     print(f"  GPU-hours/job {result['gpu_hours_per_job']:.2f}   restarts/job {result['restarts_per_job']:.2f}   "
           f"policy ms p50/p95/max {result['policy_runtime_ms']['p50']:.1f}/{result['policy_runtime_ms']['p95']:.1f}/"
           f"{result['policy_runtime_ms']['max']:.1f}")
+    if result.get("rho_max") is not None:
+        print(f"  finish-time fairness: max rho {result['rho_max']:.2f}, p99 {result['rho_p99']:.2f}, "
+              f"rho > 1 for {100 * result['rho_over_1']:.1f}% of jobs")
     for event in result["events"][:10]:
         print(f"  event: {event}")
     print(f"wrote {path}")
@@ -154,7 +159,8 @@ def _workload_sets(paths: list[str]) -> dict[str, list[str]]:
 
 
 METRICS = [("avg_jct_s", "avg JCT h", 3600), ("p99_jct_s", "p99 JCT h", 3600), ("makespan_s", "makespan h", 3600),
-           ("gpu_hours_per_job", "GPU-h/job", 1), ("restarts_per_job", "restarts/job", 1)]
+           ("gpu_hours_per_job", "GPU-h/job", 1), ("restarts_per_job", "restarts/job", 1),
+           ("rho_max", "max rho", 1), ("rho_over_1", "rho>1", 1)]
 
 
 def _mean(values: list) -> float | None:

@@ -20,6 +20,7 @@ from shared.cluster import load_cluster
 from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models, load_workload
 from shared.schema import JobRecord
 from shared.zoo import load_zoo
+from sim.fairness import AloneRuns, finish_time_fairness
 from sim.settings import SimSettings, settings_for
 from sim.simulator import FEEDBACK_ITERATIONS, Simulator
 from sim.truth import ModelTruth, reference_truth, zoo_truth
@@ -96,9 +97,10 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool = False, bus: str = "direct") -> dict:
+             progress: bool = False, bus: str = "direct", fairness: bool = True) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
-    checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early."""
+    checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
+    `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness)."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
@@ -106,16 +108,23 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
+    name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     if bus == "nats":
         report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
                                                      restart_delay_s, round_s, horizon_s, sources.origin,
                                                      _progress_bar(len(jobs)) if progress else None))
-        return replay_results(jobs, spec, pol, settings, feedback_iterations, report, records,
-                              workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
-    sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
-    sim.run(_progress_bar(len(jobs)) if progress else None)
-    return results(sim, workload if isinstance(workload, (str, Path)) else "<in memory>", sources.origin)
+        result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name,
+                                sources.origin)
+    else:
+        sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
+        sim.run(_progress_bar(len(jobs)) if progress else None)
+        result = results(sim, name, sources.origin)
+    if fairness:
+        alone = AloneRuns(lambda: make_policy(policy, **(policy_options or {})), settings, sources.truths,
+                          sources.profile, feedback_iterations)
+        finish_time_fairness(result, jobs, spec, alone)
+    return result
 
 
 class _Replayed:
@@ -207,13 +216,14 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
         "round_runtime_ms": _quantiles([r.round_ms for r in sim.rounds]),
         "rounds": len(sim.rounds),
         "contention": round(float(np.mean([r.active for r in sim.rounds])), 3) if sim.rounds else 0.0,
-        "timeline": [{"t": r.now_s, "gpus": r.gpus} for r in sim.rounds],
+        "timeline": [{"t": r.now_s, "active": r.active, "gpus": r.gpus} for r in sim.rounds],
         "events": sim.events,
     }
 
 
 def plot(result: dict, path: str | Path) -> None:
-    """GPUs in use by each application over time (stacked), and the JCT CDF."""
+    """GPUs in use by each application over time (stacked), the JCT CDF, and the finish-time
+    fairness CDF when the result has it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,7 +233,9 @@ def plot(result: dict, path: str | Path) -> None:
     t = np.array([r["t"] for r in result["timeline"]]) / 3600
     stack = np.array([[sum(g for name, g in r["gpus"].items() if app_of[name] == a) for r in result["timeline"]]
                       for a in apps])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    rhos = np.sort([j["rho"] for j in result["jobs"] if j.get("rho") is not None])
+    fig, axes = plt.subplots(1, 3 if len(rhos) else 2, figsize=(19 if len(rhos) else 13, 4.5))
+    ax1, ax2 = axes[:2]
     if len(t):
         ax1.stackplot(t, stack, labels=apps, step="post")
     ax1.set_xlabel("time (h)")
@@ -237,6 +249,14 @@ def plot(result: dict, path: str | Path) -> None:
     ax2.set_ylabel("fraction of jobs")
     ax2.set_title(f"JCT CDF (avg {result['avg_jct_s'] / 3600:.2f} h)" if result["avg_jct_s"] else "JCT CDF")
     ax2.grid(alpha=0.3)
+    if len(rhos):
+        ax3 = axes[2]
+        ax3.step(rhos, np.arange(1, len(rhos) + 1) / len(rhos), where="post")
+        ax3.axvline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax3.set_xlabel("finish-time fairness rho (JCT / JCT alone on a 1/N share)")
+        ax3.set_ylabel("fraction of jobs")
+        ax3.set_title(f"rho CDF (max {rhos[-1]:.2f}, {100 * np.mean(rhos > 1 + 1e-9):.0f}% above 1)")
+        ax3.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
