@@ -32,6 +32,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                                                     f"(default {DEFAULT_QUANTUM})")
     parser.add_argument("--restart-delay", type=float, metavar="S",
                         help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
+    parser.add_argument("--interference", type=float, default=0.0, metavar="F",
+                        help="distributed jobs sharing a node train F slower (0-0.5; default: %(default)s)")
     parser.add_argument("--no-fairness", dest="fairness", action="store_false",
                         help="skip finish-time fairness (it simulates each distinct job alone on its fair share)")
     parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
@@ -97,7 +99,7 @@ def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: 
     result = simulate(workload, args.cluster, policy, calibration=args.calibration,
                       policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
                       sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress, bus=bus, fairness=args.fairness)
+                      progress=progress, bus=bus, fairness=args.fairness, interference=args.interference)
     result["policy_spec"] = spec
     return result
 

@@ -134,7 +134,8 @@ async def _count(bus: Bus, subject: str) -> int:
 
 
 def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
-                      feedback_iterations: int, restart_delay_s: float | None) -> dict[str, list[str]]:
+                      feedback_iterations: int, restart_delay_s: float | None,
+                      interference: float = 0.0) -> dict[str, list[str]]:
     """Each service's options for a simulated cluster (its jobs' truth, its calibration)."""
     truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo else [])
     calib = ["--calibration", calibration] if calibration else []
@@ -144,7 +145,8 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
         "estimator": ["--cluster", cluster, *calib],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations), *delay],
+        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations), *delay,
+                     "--interference", str(interference)],
     }
 
 

@@ -57,9 +57,13 @@ def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSourc
 
 
 def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
-                        round_s: float | None = None, horizon_s: float | None = None) -> SimSettings:
-    """The calibration's settings with the run's overrides: every restart delay, the round, the horizon."""
-    settings = settings_for(calibration, cluster)
+                        round_s: float | None = None, horizon_s: float | None = None,
+                        interference: float = 0.0) -> SimSettings:
+    """The calibration's settings with the run's overrides: every restart delay, the round, the
+    horizon, the slowdown of distributed jobs sharing a node."""
+    if not 0.0 <= interference < 1.0:
+        raise ValueError(f"interference is a slowdown fraction in [0, 1), got {interference}")
+    settings = replace(settings_for(calibration, cluster), interference=interference)
     if restart_delay_s is not None:
         settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
     if round_s is not None:
@@ -77,11 +81,13 @@ def add_world_arguments(parser) -> None:
     parser.add_argument("--calibration", help="peer simulator calibration (default: the cluster's)")
     parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS)
     parser.add_argument("--restart-delay", type=float, help="every job's checkpoint-restart delay, seconds")
+    parser.add_argument("--interference", type=float, default=0.0,
+                        help="distributed jobs sharing a node train this fraction slower")
 
 
 def world_of(args) -> tuple[SimulatedExecutors, JobSources]:
     """The simulated executors and the jobs' truth that `add_world_arguments`' options describe."""
-    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay)
+    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay, interference=args.interference)
     executors = SimulatedExecutors(load_cluster(args.cluster), settings, args.feedback_iterations)
     return executors, job_sources(args.reference, args.zoo)
 
@@ -97,22 +103,23 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool = False, bus: str = "direct", fairness: bool = True) -> dict:
+             progress: bool = False, bus: str = "direct", fairness: bool = True, interference: float = 0.0) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
-    `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness)."""
+    `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
+    `interference` slows distributed jobs that share a node by that fraction."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
     spec = load_cluster(cluster)
-    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s)
+    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s, interference)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     if bus == "nats":
         report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
-                                                     restart_delay_s, round_s, horizon_s, sources.origin,
+                                                     restart_delay_s, round_s, horizon_s, interference, sources.origin,
                                                      _progress_bar(len(jobs)) if progress else None))
         result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name,
                                 sources.origin)
@@ -143,7 +150,7 @@ def replay_results(jobs, cluster, policy, settings, feedback_iterations, report,
 
 
 async def _run_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
-                         feedback_iterations, restart_delay_s, round_s, horizon_s, origin, progress):
+                         feedback_iterations, restart_delay_s, round_s, horizon_s, interference, origin, progress):
     """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
     import tempfile
 
@@ -152,7 +159,7 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
     from shared.bus import Bus
 
     arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
-                                  restart_delay_s)
+                                  restart_delay_s, interference)
     with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
         with running_services(url, arguments, Path(folder)) as stack:
             bus = await Bus.connect(url, "goodput-simulate")

@@ -27,6 +27,7 @@ class SimSettings:
     rigid: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (GPUs, batch) it always runs at
     retune_threshold: float = RETUNE_THRESHOLD
     horizon_s: float = 14 * 24 * 3600.0      # give up on jobs still running after this long
+    interference: float = 0.0                # distributed jobs sharing a node train this much slower
 
     def restart_delay(self, model: str) -> float:
         return self.restart_delay_s.get(model, self.default_restart_delay_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import defaultdict
 
 import msgspec
 
@@ -108,9 +109,11 @@ class SimulatedJob(msgspec.Struct):
             self.m, self.s = split_batch(models.init_batch, cfg.gpus, hi)
             self.m = max(self.m, lo)
 
-    def advance(self, truth: ModelTruth, now: float, step: float, feedback_iterations: int) -> Observation | None:
-        """Run for `step` seconds from `now`, epoch by epoch; the configuration's measured iteration
-        time, or None when the job did not train (waiting, or restarting the whole round)."""
+    def advance(self, truth: ModelTruth, now: float, step: float, feedback_iterations: int,
+                slowdown: float = 0.0) -> Observation | None:
+        """Run for `step` seconds from `now`, epoch by epoch, `slowdown` slower than its configuration
+        runs alone (interference); the configuration's iteration time, or None when the job did not
+        train (waiting, or restarting the whole round)."""
         self.advanced_to = now + step
         if not self.placement:
             return None
@@ -125,7 +128,7 @@ class SimulatedJob(msgspec.Struct):
                                                                          self.m, self.s)
             observation = Observation(cfg.nodes, cfg.gpus, self.m, self.s, t_iter, t_compute)
             batch = cfg.gpus * self.m * (self.s + 1)
-            steps_per_s = self.goodput_factor / t_iter
+            steps_per_s = self.goodput_factor * (1.0 - slowdown) / t_iter
             elapsed = 0.0
             while elapsed < run:
                 rate = truth.efficiency(self.progress, batch) * batch / truth.init_batch * steps_per_s
@@ -188,17 +191,30 @@ class SimulatedExecutors:
         live = [job for job in self.jobs.values() if job.live and job.finish_s is None]
         return [job.name for job in sorted(live, key=lambda j: (j.spec.time, j.name))]
 
+    def interfered(self, names) -> set[str]:
+        """The distributed jobs among `names` that share a node with another distributed job."""
+        if not self.settings.interference:
+            return set()
+        distributed = [name for name in names if len(self.jobs[name].placement) > 1]
+        holders = defaultdict(list)
+        for name in distributed:
+            for node, _ in self.jobs[name].placement:
+                holders[node].append(name)
+        return {name for jobs in holders.values() if len(jobs) > 1 for name in jobs}
+
     def advance(self, now: float, step: float, names) -> tuple[list[str], list[tuple[str, str, Observation]]]:
         """Run the jobs `names` (submitted, unfinished) for the round [now, now + step): (jobs that
         finished in it, (job, type, observation) for each job that trained). Asking again for the
         same round runs only the jobs not run yet, so a round is never run twice."""
         finished, observed = [], []
         names = set(names)
+        interfered = self.interfered(names)
         for name, job in self.jobs.items():
             if job.spec.time > now or name not in names:
                 continue
             if job.finish_s is None and (job.advanced_to is None or job.advanced_to < now + step):
-                observation = job.advance(self.truths[name], now, step, self.feedback_iterations)
+                slowdown = self.settings.interference if name in interfered else 0.0
+                observation = job.advance(self.truths[name], now, step, self.feedback_iterations, slowdown)
                 if observation is not None:
                     observed.append((name, job.config.gpu_type, observation))
             if job.finish_s is not None and now < job.finish_s <= now + step:

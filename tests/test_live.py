@@ -1,6 +1,5 @@
 """The live round loop: jobs submitted while the stack serves are scheduled on the wall clock."""
 
-import asyncio
 import time
 
 from deploy.nats import nats_from_binary

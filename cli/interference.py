@@ -1,0 +1,81 @@
+"""`goodput interference` — average JCT with interference avoidance on and off, at several slowdowns
+of distributed jobs that share a node (Pollux §5.3, Fig. 8c)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from cli.simulate import _common
+
+    parser = sub.add_parser("interference", help="avg JCT with interference avoidance on and off, per slowdown")
+    parser.add_argument("--workloads", nargs="+", required=True, help="workload CSVs or folders of them")
+    parser.add_argument("--policy", default="pollux", help="a policy with an avoid_interference option "
+                                                            "(default: %(default)s)")
+    parser.add_argument("--slowdowns", nargs="+", type=float, default=[0.0, 0.25, 0.5],
+                        help="slowdowns of distributed jobs sharing a node (default: %(default)s)")
+    parser.add_argument("--out", default="interference.json", help="results JSON (default: %(default)s)")
+    parser.add_argument("--plot", help="PNG: avg JCT per slowdown, avoidance on and off")
+    _common(parser)
+    parser.set_defaults(func=_interference, cluster="pollux-homo-64", fairness=False)
+
+
+def _interference(args: argparse.Namespace) -> int:
+    from cli.simulate import _run, _workload_sets, policy_spec
+    from sim.run import job_sources
+
+    name, options = policy_spec(args.policy)
+    if name != "pollux":
+        raise ValueError(f"policy {name!r} has no interference avoidance to turn off (pollux has)")
+    files = [f for group in _workload_sets(args.workloads).values() for f in group]
+    sources = job_sources(args.reference, args.zoo)
+    avoid_off = f"{args.policy}{',' if options else ':'}avoid_interference=false"
+    rows = []
+    for slowdown in args.slowdowns:
+        run_args = copy.copy(args)
+        run_args.interference = slowdown
+        row = {"slowdown": slowdown}
+        for key, spec in (("avoid", args.policy), ("no_avoid", avoid_off)):
+            start = time.perf_counter()
+            jcts = [_run(run_args, f, spec, sources, progress=False)["avg_jct_s"] for f in files]
+            row[key] = float(np.mean(jcts))
+            print(f"  slowdown {slowdown:.0%}, {spec}: avg JCT {row[key]:.0f} s "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        rows.append(row)
+    print(f"| slowdown | avg JCT, avoidance on (s) | avg JCT, avoidance off (s) | off / on |   ({len(files)} workloads)")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | {row['no_avoid'] / row['avoid']:.2f} |")
+    Path(args.out).write_text(json.dumps({"policy": args.policy, "workloads": files, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(x - 0.2, [r["avoid"] / 3600 for r in rows], 0.4, label="avoidance on")
+    ax.bar(x + 0.2, [r["no_avoid"] / 3600 for r in rows], 0.4, label="avoidance off")
+    ax.set_xticks(x, [f"{r['slowdown']:.0%}" for r in rows])
+    ax.set_xlabel("slowdown of distributed jobs sharing a node")
+    ax.set_ylabel("average JCT (h)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
