@@ -133,12 +133,13 @@ def _status(args: argparse.Namespace) -> int:
 
     server = args.server or os.environ.get(SERVER_ENV, DEFAULT_SERVER)
     try:
-        records, profiled = asyncio.run(_query(server))
+        records, profiled, leader = asyncio.run(_query(server))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(f"cannot reach a running goodput at {server} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
     finished = [r for r in records.jobs if r.finish_s is not None]
-    print(f"{len(records.jobs)} jobs known to the executors, {profiled} profiled, {len(finished)} finished")
+    print(f"{len(records.jobs)} jobs known to the executors, {profiled} profiled, {len(finished)} finished; "
+          f"policy leader: {leader or 'none'}")
     for r in records.jobs:
         gpus = "+".join(f"{g}@{node}" for node, g in r.placement)
         state = (f"finished after {(r.finish_s - r.submit_s) / 3600:.2f} h" if r.finish_s is not None
@@ -151,12 +152,13 @@ def _status(args: argparse.Namespace) -> int:
 async def _query(server: str):
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import Ack, Count, JobRecords
+    from shared.schema import Ack, Count, JobRecords, Lease
 
     bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1)
     try:
         records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=5)
         profiled = await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)
-        return records, profiled.n
+        leader = await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=5)
+        return records, profiled.n, leader.holder
     finally:
         await bus.close()

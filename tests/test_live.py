@@ -1,7 +1,9 @@
 """The live round loop: jobs submitted while the stack serves are scheduled on the wall clock."""
 
+import asyncio
 import time
 
+from cli.main import main
 from deploy.nats import nats_from_binary
 from deploy.stack import create_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
@@ -11,7 +13,7 @@ from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 ROUND_S, SPEED = 60.0, 1200.0          # a 60-s round every 50 ms of wall time
 
 
-async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path):
+async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     # A server of its own: a live run never ends, and would keep any later leader on this server busy.
     with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
@@ -35,9 +37,12 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path):
                     break
             wall_s = time.monotonic() - started
             records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
+            assert await asyncio.to_thread(main, ["status", "--server", url]) == 0
+            status = capsys.readouterr().out
         finally:
             await bus.close()
     assert records["ncf-live"].finish_s is not None and records["cifar10-live"].finish_s is not None
+    assert "2 jobs known to the executors, 2 profiled, 2 finished; policy leader: " in status
     # Each arrived at the live round that first saw it: the second after the first had started.
     assert records["cifar10-live"].submit_s > records["ncf-live"].submit_s
     assert all(s.now_s % ROUND_S == 0 for s in steps) and not any(s.over for s in steps)
