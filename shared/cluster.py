@@ -16,12 +16,13 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Iterable
 
 import yaml
 
 from shared.schema import Config, Node, Spots
 
-__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster"]
+__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster", "replica_count"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ class Cluster:
                 k *= 2
             configs.extend(Config(gpu_type, n, n * r) for n in range(2, full_nodes + 1))
         return configs
+
+
+def replica_count(gpus_per_node: Iterable[int], group: int) -> int:
+    """Model-parallel replicas of `group` GPUs on these nodes, none spanning two nodes; 0 when some
+    node's GPUs are not whole groups (a hybrid-parallel job cannot run there)."""
+    gpus_per_node = list(gpus_per_node)
+    return 0 if any(g % group for g in gpus_per_node) else sum(gpus_per_node) // group
 
 
 def _power_of_two_parts(gpus: int) -> list[int]:

@@ -7,6 +7,15 @@ CLI's ``--reference`` flag), the ``GOODPUT_REFERENCE`` environment variable, the
 
 Only ``numpy`` and ``csv`` are used. Columns are always read by name, because the column order
 differs between GPU types in the Sia traces (e.g. ``placements-rtx.csv`` puts ``placement`` last).
+
+Hybrid-parallel models (gpt_pmp: a 2.8B GPT in a GPipe pipeline, 2 stages on dgx-ext, 8 on rtx) are
+measured differently: the smallest placement of a type is one model-parallel replica (its GPUs, one
+per stage, on one node), ``local_bsz`` is the micro-batch of one replica and ``step_time`` the
+forward time of one stage. `load_model` reads such rows as Sia's simulator does: a replica's step is
+a pipeline pass of `PIPELINE_MICROBATCHES` micro-batches, 3 x (stages - 1 + micro-batches) stage
+forward times (a backward costs two forwards; the stages - 1 fill the pipeline), plus the measured
+all-reduce once per step. The rows then follow the convention of every other model: ``step_time``
+is the whole step, ``local_bsz`` the batch of one replica (micro-batches x micro-batch).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 import csv
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +39,11 @@ _PLACEMENT_COLUMNS = ("placement", "local_bsz", "step_time", "sync_time")
 _SCALABILITY_COLUMNS = ("num_nodes", "num_replicas", "local_bsz", "step_time", "sync_time")
 _VALIDATION_COLUMNS = ("progress", "iteration", "metric", "grad_sqr", "grad_var")
 _WORKLOAD_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+
+# Sia's reading of a pipeline-parallel model's rows (its PMPApplication): 48 micro-batches a pass,
+# and a backward pass costs two forward passes.
+PIPELINE_MICROBATCHES = 48
+PIPELINE_PASS_FORWARDS = 3
 
 _MEASUREMENT_FILE = re.compile(r"^(placements|scalability)(?:-(.+))?\.csv$")
 _VALIDATION_FILE = re.compile(r"^validation-(\d+)\.csv$")
@@ -146,9 +160,12 @@ class Measurements:
         """Time of one accumulation step (no all-reduce), as the peers' simulators define it."""
         return self.step_time - self.sync_time
 
-    def observations(self) -> list[Observation]:
-        """The rows as throughput observations: one micro-batch per step (s = 0)."""
-        return [Observation(int(n), int(g), int(m), 0, float(t), float(c))
+    def observations(self, group: int = 1) -> list[Observation]:
+        """The rows as throughput observations: one micro-batch per step (s = 0), GPUs counted in
+        model-parallel replicas of `group` GPUs (1: data-parallel, a replica is a GPU)."""
+        if np.any(self.gpus % group):
+            raise ValueError(f"a row uses GPUs that are not whole replicas of {group} GPUs")
+        return [Observation(int(n), int(g) // group, int(m), 0, float(t), float(c))
                 for n, g, m, t, c in zip(self.nodes, self.gpus, self.local_bsz, self.step_time, self.compute_time)]
 
     def select(self, mask) -> Measurements:
@@ -161,6 +178,17 @@ class Measurements:
             arr.setflags(write=False)
             arrays[name] = arr
         return Measurements(placement=tuple(picked), **arrays)
+
+
+def pipeline_steps(rows: Measurements, stages: int) -> Measurements:
+    """A pipeline-parallel model's rows (stage forward time per micro-batch) as whole steps of one
+    replica pass (module docstring): local_bsz x micro-batches, 3 (stages - 1 + micro-batches)
+    forwards plus the all-reduce."""
+    compute = PIPELINE_PASS_FORWARDS * (stages - 1 + PIPELINE_MICROBATCHES) * rows.step_time
+    step, local = compute + rows.sync_time, rows.local_bsz * PIPELINE_MICROBATCHES
+    for arr in (step, local):
+        arr.setflags(write=False)
+    return replace(rows, local_bsz=local, step_time=step)
 
 
 def load_measurements(path: str | os.PathLike) -> Measurements:
@@ -272,8 +300,15 @@ class ModelTrace:
     def gpu_types(self) -> list[str]:
         return sorted(self.placements)
 
+    @property
+    def group_gpus(self) -> dict[str, int]:
+        """GPUs of one model-parallel replica on each type where the model is hybrid-parallel: the
+        smallest GPU count measured there. Types measured on one GPU (data-parallel) are left out."""
+        return _group_gpus(self.placements)
+
     def local_bsz_limits(self, gpu_type: str) -> tuple[int, int]:
-        """Per-GPU batch limits on a type: min/max local_bsz in its placements file."""
+        """Per-replica batch limits on a type (per GPU for a data-parallel model): min/max local_bsz
+        in its placements."""
         try:
             m = self.placements[gpu_type]
         except KeyError:
@@ -301,11 +336,20 @@ def _measurement_files(folder: Path, kind: str) -> dict[str, Path]:
     return dict(sorted(files.items()))
 
 
+def _group_gpus(placements: dict[str, Measurements]) -> dict[str, int]:
+    return {t: int(m.gpus.min()) for t, m in placements.items() if m.gpus.min() > 1}
+
+
 def load_model(folder: str | os.PathLike) -> ModelTrace:
-    """Load one trace folder; the model name is the folder name."""
+    """Load one trace folder; the model name is the folder name. A hybrid-parallel model's rows
+    are read as whole pipeline steps (`pipeline_steps`)."""
     folder = Path(folder)
     placements = {t: load_measurements(f) for t, f in _measurement_files(folder, "placements").items()}
     scalability = {t: load_measurements(f) for t, f in _measurement_files(folder, "scalability").items()}
+    for gpu_type, stages in _group_gpus(placements).items():
+        placements[gpu_type] = pipeline_steps(placements[gpu_type], stages)
+        if gpu_type in scalability:
+            scalability[gpu_type] = pipeline_steps(scalability[gpu_type], stages)
     validation = {}
     for f in sorted(folder.glob("validation-*.csv")):
         run = load_validation(f)

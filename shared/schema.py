@@ -88,7 +88,7 @@ class Config(msgspec.Struct, frozen=True):
 
 
 class ProfilePoint(msgspec.Struct, frozen=True):
-    """One measured 1-GPU step at a per-GPU batch size."""
+    """One measured step of one replica (one GPU, unless hybrid-parallel) at a per-replica batch size."""
 
     local_bsz: PositiveInt
     step_time: PositiveFloat      # seconds per optimizer step
@@ -96,9 +96,10 @@ class ProfilePoint(msgspec.Struct, frozen=True):
 
 
 class Profile(msgspec.Struct, frozen=True):
-    """A job's bootstrap profile on one GPU type: ~10 batch sizes on one GPU (Sia §3.3).
+    """A job's bootstrap profile on one GPU type: ~10 batch sizes on one replica (Sia §3.3): one
+    GPU, or for a hybrid-parallel job its model-parallel group of `group_gpus` GPUs on one node.
 
-    max_local is the largest per-GPU batch that fits in memory; gpu_seconds what profiling cost.
+    max_local is the largest per-replica batch that fits in memory; gpu_seconds what profiling cost.
     """
 
     job_id: str
@@ -108,6 +109,7 @@ class Profile(msgspec.Struct, frozen=True):
     min_local: PositiveInt
     max_local: PositiveInt
     gpu_seconds: NonNegativeFloat = 0.0
+    group_gpus: PositiveInt = 1
 
 
 class JobFacts(msgspec.Struct, frozen=True):
@@ -131,14 +133,20 @@ class JobFacts(msgspec.Struct, frozen=True):
     iterations: NonNegativeFloat = 0.0
     slice_iterations: NonNegativeFloat = 0.0   # since its current placement began
     idle_since_s: float | None = None          # when it last stopped running; None while running
-    max_gpus_seen: int = 0
+    max_gpus_seen: int = 0                     # replicas for a hybrid-parallel job (see JobModels)
     grad_sqr: float | None = None
     grad_var: float | None = None
     estimate_revision: int = 0                 # the estimator's record of the job is at least this new
 
 
 class JobModels(msgspec.Struct, frozen=True):
-    """What the estimator knows of one job this round: all a policy and the goodput matrix need."""
+    """What the estimator knows of one job this round: all a policy and the goodput matrix need.
+
+    A hybrid-parallel job (Sia §5.3) runs fixed model-parallel groups of `group_gpus[type]` GPUs,
+    scaled only by data-parallel replication. Its unit is a replica (one group): its throughput
+    models, batch limits and GPU counts here (min_gpus, max_gpus_seen, fixed_gpus) count replicas,
+    and per-replica batches. A type absent from `group_gpus` has groups of one GPU.
+    """
 
     job_id: str
     params: dict[str, ThroughputParams]        # per GPU type
@@ -148,12 +156,16 @@ class JobModels(msgspec.Struct, frozen=True):
     grad_sqr: float | None = None
     grad_var: float | None = None
     min_gpus: PositiveInt = 1
-    max_gpus_seen: int = 0                     # most GPUs ever allocated (0: never ran)
+    max_gpus_seen: int = 0                     # most GPUs (replicas) ever allocated (0: never ran)
     fixed_gpus: int | None = None              # rigid job: this many GPUs, any type
     fixed_batch: int | None = None             # strong-scaling job: this total batch, goodput = throughput
+    group_gpus: dict[str, int] = {}            # hybrid-parallel job: GPUs of one replica per type
 
     def model(self, gpu_type: str) -> GoodputModel:
         return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
+
+    def group(self, gpu_type: str) -> int:
+        return self.group_gpus.get(gpu_type, 1)
 
     @property
     def gpu_limit(self) -> int:
@@ -162,11 +174,13 @@ class JobModels(msgspec.Struct, frozen=True):
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):
-    """Policy -> placer: the round's allocations, and where the jobs run now."""
+    """Policy -> placer: the round's allocations, where the jobs run now, and the GPUs of one
+    model-parallel group of each hybrid-parallel job on its allocated type (never split by a node)."""
 
     round: int
     allocations: dict[str, Config]
     previous: dict[str, Spots] = {}
+    groups: dict[str, int] = {}
 
 
 class PlacementResult(msgspec.Struct, frozen=True):

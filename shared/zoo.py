@@ -2,14 +2,16 @@
 
 Per model: batch limits, training length in epochs, a PGNS-versus-progress curve (the gradient
 statistics of each epoch of the validation run at the initial batch), and per GPU type the throughput parameters fitted on every
-measured placement plus the per-GPU batch limits. `goodput models zoo` makes `zoo.json` from the
+measured placement plus the per-GPU batch limits. A hybrid-parallel model (gpt_pmp) also has the
+GPUs of one model-parallel replica per type (`group_gpus`); its parameters and batch limits are
+per replica (`shared.reference` says how its rows are read). `goodput models zoo` makes `zoo.json` from the
 reference profiles; the fitted numbers are committed beside this module, with the command.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,7 @@ class ZooModel:
     grad_sqr: np.ndarray   # |g|^2 during that epoch
     grad_var: np.ndarray   # tr(Sigma) / M0 during that epoch
     types: dict[str, ZooType]
+    group_gpus: dict[str, int] = field(default_factory=dict)   # hybrid-parallel: GPUs of a replica per type
 
     def stats_at(self, progress: float) -> tuple[float, float]:
         """(grad_sqr, grad_var) at a point of training: the epoch's values, the last epoch's past the end."""
@@ -60,9 +63,10 @@ def build_zoo(traces: dict[str, ModelTrace]) -> dict:
     for name in sorted(traces):
         trace = traces[name]
         run = trace.validation[trace.init_batch]
+        groups = trace.group_gpus
         types = {}
         for gpu_type, meas in trace.placements.items():
-            obs = meas.observations()
+            obs = meas.observations(groups.get(gpu_type, 1))
             params = fit_throughput(obs)
             lo, hi = trace.local_bsz_limits(gpu_type)
             types[gpu_type] = {"params": params._asdict(), "min_local": lo, "max_local": hi,
@@ -74,6 +78,7 @@ def build_zoo(traces: dict[str, ModelTrace]) -> dict:
             "progress": [float(p) for p in run.progress],
             "grad_sqr": [float(v) for v in run.grad_sqr],
             "grad_var": [float(v) for v in run.grad_var],
+            "group_gpus": groups,
             "types": types,
         }
     return {"made_by": ZOO_COMMAND, "models": models}
@@ -92,6 +97,7 @@ def load_zoo(path: str | Path = ZOO_PATH) -> dict[str, ZooModel]:
             grad_var=np.asarray(m["grad_var"]),
             types={t: ZooType(ThroughputParams(**v["params"]), v["min_local"], v["max_local"], v["rmsle"])
                    for t, v in m["types"].items()},
+            group_gpus=m.get("group_gpus", {}),
         )
         for name, m in doc["models"].items()
     }

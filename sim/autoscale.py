@@ -262,7 +262,7 @@ def run_autoscaler(truth: ModelTruth, policy: str, gpu_type: str, options: Scali
     while job.finish_s is None and now < horizon_s:
         nodes, models, adaptive = choose(job, nodes, job_setting, now)
         job.apply(cluster, spots(cluster, nodes), models, adaptive, now, settings.retune_threshold)
-        batch = job.config.gpus * job.m * (job.s + 1)
+        batch = job.batch
         samples.append(Sample(now, nodes, batch, truth.efficiency(job.progress, batch),
                               job.progress / truth.total_progress))
         job.advance(truth, now, options.period_s, 1)

@@ -65,9 +65,10 @@ class BusWiring:
         reply = await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
         return list(reply.models)
 
-    async def place(self, round: int, allocations: dict[str, Config],
-                    previous: dict[str, Spots]) -> PlacementResult:
-        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous), PlacementResult)
+    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
+                    groups: dict[str, int]) -> PlacementResult:
+        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous, groups),
+                                   PlacementResult)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None:

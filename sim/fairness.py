@@ -8,12 +8,14 @@ Pollux and Sia papers use it). The denominator comes from the same job model and
 the simulator runs the job alone on a cluster made of 1/N of each GPU type's GPUs (the first nodes
 of each type, the last one partly), so a job that was alone all along has rho = 1 exactly. When 1/N
 of the cluster is less than one GPU of any type, the job runs alone on one GPU of each type and its
-time is stretched by the slice it would get (1 / (largest type's GPUs / N)).
+time is stretched by the slice it would get (1 / (largest type's GPUs / N)). A hybrid-parallel job's
+unit is its model-parallel group instead of a GPU: a type's share counts only if it holds a group,
+and under one group of every type it runs on, on one group of each of those types.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from shared.cluster import Cluster, Node
 from shared.reference import WorkloadJob
 from sim.settings import SimSettings
 from sim.simulator import Simulator
+from sim.truth import ModelTruth
 
 
 def jobs_sharing(timeline: list[dict], start_s: float, end_s: float) -> float:
@@ -30,16 +33,20 @@ def jobs_sharing(timeline: list[dict], start_s: float, end_s: float) -> float:
     return max(1.0, float(np.mean(active))) if active else 1.0
 
 
-def fair_share(cluster: Cluster, n: float) -> tuple[Cluster, float]:
+def fair_share(cluster: Cluster, n: float, units: Mapping[str, int] | None = None) -> tuple[Cluster, float]:
     """The cluster's 1/n (each type's GPUs / n, rounded down, on its first nodes), and how much
-    slower than that cluster the job is for getting only a slice of one GPU (1 unless under a GPU)."""
+    slower than that cluster the job is for getting only a slice of one of its units (1 unless
+    under a unit of every type). `units`: the GPUs of the job's unit on each type it runs on (a
+    hybrid-parallel job's model-parallel group); default one GPU on every type."""
     if n <= 1.0:
         return cluster, 1.0
+    units = units or {t: 1 for t in cluster.gpu_types}
+    usable = [t for t in cluster.gpu_types if t in units and cluster.gpus_per_node(t) >= units[t]]
     shares = {t: int(cluster.capacity(t) / n) for t in cluster.gpu_types}
-    if not any(shares.values()):
-        one_each = tuple(next(Node(node.name, t, 1) for node in cluster.nodes if node.gpu_type == t)
-                         for t in cluster.gpu_types)
-        return Cluster(f"{cluster.name}/{n:.2f}", one_each), n / max(cluster.capacity(t) for t in cluster.gpu_types)
+    if not any(shares[t] >= units[t] for t in usable):
+        one_each = tuple(next(Node(node.name, t, units[t]) for node in cluster.nodes
+                              if node.gpu_type == t and node.gpus >= units[t]) for t in usable)
+        return Cluster(f"{cluster.name}/{n:.2f}", one_each), n / max(cluster.capacity(t) / units[t] for t in usable)
     nodes = []
     for node in cluster.nodes:
         gpus = min(node.gpus, shares[node.gpu_type])
@@ -52,8 +59,8 @@ def fair_share(cluster: Cluster, n: float) -> tuple[Cluster, float]:
 class AloneRuns:
     """Each job's JCT alone on a cluster, by simulation, cached per (model, request, cluster)."""
 
-    def __init__(self, make_policy: Callable[[], Policy], settings: SimSettings, truths, profiles,
-                 feedback_iterations: int):
+    def __init__(self, make_policy: Callable[[], Policy], settings: SimSettings, truths: Mapping[str, ModelTruth],
+                 profiles, feedback_iterations: int):
         self.make_policy = make_policy
         self.settings = settings
         self.truths = truths
@@ -80,7 +87,9 @@ def finish_time_fairness(result: dict, workload: list[WorkloadJob], cluster: Clu
         job["rho"] = None
         if job["jct_s"] is None:
             continue
-        share, stretch = fair_share(cluster, jobs_sharing(result["timeline"], job["submit_s"], job["finish_s"]))
+        truth = alone.truths[job["application"]]
+        units = {t: truth.group_gpus.get(t, 1) for t in truth.types}
+        share, stretch = fair_share(cluster, jobs_sharing(result["timeline"], job["submit_s"], job["finish_s"]), units)
         alone_jct = alone.jct(spec[job["name"]], share)
         if alone_jct:
             job["rho"] = round(job["jct_s"] / (alone_jct * stretch), 4)

@@ -11,15 +11,18 @@ _ZOO = load_zoo()
 
 
 def job_models(job_id: str, model: str, cluster: Cluster, progress: float = 0.0, max_gpus_seen: int = 0,
-               min_gpus: int = 1, fixed_gpus: int | None = None, fixed_batch: int | None = None) -> JobModels:
-    """The estimator's view of a job of a zoo model, fully profiled on every type of the cluster."""
+               min_gpus: int = 1, fixed_gpus: int | None = None, fixed_batch: int | None = None,
+               gpu_types: tuple[str, ...] | None = None) -> JobModels:
+    """The estimator's view of a job of a zoo model, fully profiled on every type of the cluster (or
+    only on `gpu_types`)."""
     zoo = _ZOO[model]
-    types = {t: zoo.types[t] for t in cluster.gpu_types if t in zoo.types}
+    types = {t: zoo.types[t] for t in cluster.gpu_types if t in zoo.types and (gpu_types is None or t in gpu_types)}
     sqr, var = zoo.stats_at(progress)
     return JobModels(job_id, {t: z.params for t, z in types.items()},
                      {t: (z.min_local, z.max_local) for t, z in types.items()},
                      zoo.init_batch, zoo.max_batch, sqr, var, min_gpus=min_gpus, max_gpus_seen=max_gpus_seen,
-                     fixed_gpus=fixed_gpus, fixed_batch=fixed_batch)
+                     fixed_gpus=fixed_gpus, fixed_batch=fixed_batch,
+                     group_gpus={t: g for t, g in zoo.group_gpus.items() if t in types})
 
 
 def job_view(job_id: str, model: str, cluster: Cluster, *, age_s: float = 600.0, restarts: int = 0,

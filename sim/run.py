@@ -51,7 +51,8 @@ def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSourc
 
     def profile(model: str, gpu_type: str):
         z = zoo[model].types[gpu_type]
-        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local)
+        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local,
+                             group=zoo[model].group_gpus.get(gpu_type, 1))
 
     return JobSources("zoo", {name: zoo_truth(m) for name, m in zoo.items()}, profile)
 

@@ -63,8 +63,8 @@ class Wiring(Protocol):
 
     async def models(self, facts: list[JobFacts]) -> list[JobModels]: ...           # estimator
 
-    async def place(self, round: int, allocations: dict[str, Config],
-                    previous: dict[str, Spots]) -> PlacementResult: ...
+    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
+                    groups: dict[str, int]) -> PlacementResult: ...
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None: ...                                    # executors
@@ -114,9 +114,9 @@ class DirectWiring:
     async def models(self, facts: list[JobFacts]) -> list[JobModels]:
         return self.estimator.models(facts)
 
-    async def place(self, round: int, allocations: dict[str, Config],
-                    previous: dict[str, Spots]) -> PlacementResult:
-        return place(self.cluster, allocations, previous)
+    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
+                    groups: dict[str, int]) -> PlacementResult:
+        return place(self.cluster, allocations, previous, groups)
 
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None:
@@ -127,6 +127,13 @@ class DirectWiring:
         for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
             self.estimator.observe(job_id, gpu_type, observation)
         return finished
+
+
+def hybrid_groups(allocations: Mapping[str, Config], models: list[JobModels]) -> dict[str, int]:
+    """The GPUs of one model-parallel group of each allocated hybrid-parallel job, on its allocated type."""
+    by_id = {m.job_id: m for m in models}
+    groups = {job: by_id[job].group(config.gpu_type) for job, config in allocations.items() if job in by_id}
+    return {job: group for job, group in groups.items() if group > 1}
 
 
 class Simulator:
@@ -236,7 +243,8 @@ class Simulator:
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
-            placed = await self.wiring.place(decisions + 1, decision.allocations, previous)
+            placed = await self.wiring.place(decisions + 1, decision.allocations, previous,
+                                             hybrid_groups(decision.allocations, models))
             placements = placed.placements
             events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:

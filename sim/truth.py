@@ -14,11 +14,15 @@ The scheduler never reads this module; it sees only profiles and what the job re
 
 Progress is counted in iterations at the initial batch M0 (the `progress` column): a step at batch
 M advances it by EFFICIENCY(M) * M / M0.
+
+Step times are always asked for a physical placement (GPUs per node) and a per-replica batch; a
+hybrid-parallel model's replica is its model-parallel group of `group_gpus[type]` GPUs (its measured
+rows are keyed by GPUs per node too; the zoo's models count replicas).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -98,12 +102,15 @@ class MeasuredType(TypeTruth):
 
 
 class ModelledType(TypeTruth):
-    def __init__(self, params: ThroughputParams):
+    """A fitted model per replica of `group` GPUs."""
+
+    def __init__(self, params: ThroughputParams, group: int = 1):
         self.params = params
+        self.group = group
 
     def times(self, gpus_per_node: list[int], local_bsz: int) -> tuple[float, float]:
-        nodes, gpus = len(gpus_per_node), sum(gpus_per_node)
-        step = float(iteration_time(self.params, nodes, gpus, local_bsz))
+        nodes, replicas = len(gpus_per_node), sum(gpus_per_node) // self.group
+        step = float(iteration_time(self.params, nodes, replicas, local_bsz))
         return step, step - float(compute_time(self.params, local_bsz))
 
 
@@ -120,6 +127,7 @@ class ModelTruth:
     batches: np.ndarray          # (B,) batch sizes with measured gradient statistics
     grad_sqr: np.ndarray         # (B, epochs)
     grad_var: np.ndarray         # (B, epochs)
+    group_gpus: dict[str, int] = field(default_factory=dict)   # hybrid-parallel: GPUs of a replica per type
 
     @property
     def total_progress(self) -> float:
@@ -151,13 +159,14 @@ def reference_truth(trace: ModelTrace) -> ModelTruth:
         batches=np.array([r.batch_size for r in runs], dtype=float),
         grad_sqr=np.array([r.grad_sqr[:epochs] for r in runs], dtype=float),
         grad_var=np.array([r.grad_var[:epochs] for r in runs], dtype=float),
+        group_gpus=trace.group_gpus,
     )
 
 
 def zoo_truth(model: ZooModel) -> ModelTruth:
     return ModelTruth(
         name=model.name,
-        types={t: ModelledType(z.params) for t, z in model.types.items()},
+        types={t: ModelledType(z.params, model.group_gpus.get(t, 1)) for t, z in model.types.items()},
         local_limits={t: (z.min_local, z.max_local) for t, z in model.types.items()},
         init_batch=model.init_batch,
         max_batch=model.max_batch,
@@ -165,4 +174,5 @@ def zoo_truth(model: ZooModel) -> ModelTruth:
         batches=np.array([model.init_batch], dtype=float),      # the zoo keeps the curve at M0
         grad_sqr=np.asarray(model.grad_sqr, dtype=float)[None, :],
         grad_var=np.asarray(model.grad_var, dtype=float)[None, :],
+        group_gpus=dict(model.group_gpus),
     )

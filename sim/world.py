@@ -4,6 +4,10 @@ A `SimulatedJob` is a job's true state on its GPUs: placement, progress, counter
 `JobFacts` (what a real executor knows and tells the scheduler), applies a placement (paying its
 restart delay when it moves and re-tuning its batch size), and advances through a round at its
 true goodput, returning the iteration time it measured, as an executor reports it to the estimator.
+
+A hybrid-parallel job runs data-parallel replicas of a fixed model-parallel group of GPUs per type
+(`group_gpus`): it tunes and reports in replicas (batch = replicas x m x (s + 1), m per replica),
+and refuses a placement that splits a group across nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections import defaultdict
 
 import msgspec
 
-from shared.cluster import Cluster, Config, Spots
+from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
 from shared.schema import JobFacts, JobModels, JobRecord
@@ -48,10 +52,28 @@ class SimulatedJob(msgspec.Struct):
     advanced_to: float | None = None           # the virtual time it has been run up to
     estimate_revision: int = 0                 # the estimator's record after the last report it took
     live: bool = False                         # submitted live: it arrives at the live round that first sees it
+    group_gpus: dict[str, int] = {}            # hybrid-parallel: GPUs of one replica per type (absent: 1)
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas of its placement (0 while waiting)."""
+        if not self.placement:
+            return 0
+        group = self.group_gpus.get(self.config.gpu_type, 1)
+        count = replica_count((g for _, g in self.placement), group)
+        if not count:
+            raise RuntimeError(f"job {self.name}: placement {self.placement} splits its model-parallel "
+                               f"groups of {group} GPUs")
+        return count
+
+    @property
+    def batch(self) -> int:
+        """Its total batch: replicas x m x (s + 1)."""
+        return self.replicas * self.m * (self.s + 1)
 
     def record(self) -> JobRecord:
         return JobRecord(self.spec.name, self.spec.application, self.spec.time,
@@ -62,7 +84,7 @@ class SimulatedJob(msgspec.Struct):
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
         spec = self.spec
         # Gradient statistics as the job measures them: at the batch it runs (M0 before it ever ran).
-        batch = self.config.gpus * self.m * (self.s + 1) if self.placement and self.m else truth.init_batch
+        batch = self.batch if self.placement and self.m else truth.init_batch
         sqr, var = truth.stats(self.progress, batch)
         return JobFacts(
             job_id=spec.name, application=spec.application, submit_s=spec.time, age_s=now - spec.time,
@@ -93,20 +115,20 @@ class SimulatedJob(msgspec.Struct):
         if not spots:
             self.m = self.s = 0
             return
-        cfg = self.config
-        self.max_gpus_seen = max(self.max_gpus_seen, cfg.gpus)
+        cfg, replicas = self.config, self.replicas
+        self.max_gpus_seen = max(self.max_gpus_seen, replicas)
         lo, hi = models.local_limits[cfg.gpu_type]
         if self.rigid or not adaptive:
             # The requested batch, split into micro-batches that fit; never past the model's largest batch.
             batch = min(self.rigid[1] if self.rigid else self.spec.batch_size, models.max_batch)
-            self.m, self.s = split_batch(batch, cfg.gpus, hi)
-            self.m = max(min(self.m, models.max_batch // (cfg.gpus * (self.s + 1))), 1)
+            self.m, self.s = split_batch(batch, replicas, hi)
+            self.m = max(min(self.m, models.max_batch // (replicas * (self.s + 1))), 1)
             return
         limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
         current = (self.m, self.s) if self.m else None
-        _, self.m, self.s = models.model(cfg.gpu_type).retune(cfg.nodes, cfg.gpus, limits, current, retune_threshold)
+        _, self.m, self.s = models.model(cfg.gpu_type).retune(cfg.nodes, replicas, limits, current, retune_threshold)
         if self.m == 0:      # no batch fits this allocation: run the smallest one that does
-            self.m, self.s = split_batch(models.init_batch, cfg.gpus, hi)
+            self.m, self.s = split_batch(models.init_batch, replicas, hi)
             self.m = max(self.m, lo)
 
     def advance(self, truth: ModelTruth, now: float, step: float, feedback_iterations: int,
@@ -126,8 +148,8 @@ class SimulatedJob(msgspec.Struct):
         if run > 0:
             t_iter, t_compute = truth.types[cfg.gpu_type].iteration_time([g for _, g in self.placement],
                                                                          self.m, self.s)
-            observation = Observation(cfg.nodes, cfg.gpus, self.m, self.s, t_iter, t_compute)
-            batch = cfg.gpus * self.m * (self.s + 1)
+            observation = Observation(cfg.nodes, self.replicas, self.m, self.s, t_iter, t_compute)
+            batch = self.batch
             steps_per_s = self.goodput_factor * (1.0 - slowdown) / t_iter
             elapsed = 0.0
             while elapsed < run:
@@ -168,7 +190,7 @@ class SimulatedExecutors:
         if spec.name not in self.jobs:
             model, settings = spec.application, self.settings
             self.restore(SimulatedJob(spec, settings.rigid.get(model), settings.restart_delay(model),
-                                      settings.goodput_factor(model)), truth)
+                                      settings.goodput_factor(model), group_gpus=dict(truth.group_gpus)), truth)
         return usable
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:

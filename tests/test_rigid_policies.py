@@ -33,13 +33,15 @@ def small_cluster(**per_type: int) -> Cluster:
 
 
 def view(job_id: str, model: str, cluster: Cluster, *, gpus: int, submit_s: float = 0.0,
-         by_type: dict[str, float] | None = None, placement=(), age_s: float = 3600.0) -> JobView:
-    """A job requesting `gpus` GPUs; running on `placement` if given, with service `by_type` (GPU-s)."""
+         by_type: dict[str, float] | None = None, placement=(), age_s: float = 3600.0,
+         gpu_types: tuple[str, ...] | None = None) -> JobView:
+    """A job requesting `gpus` GPUs; running on `placement` if given, with service `by_type` (GPU-s);
+    profiled on `gpu_types` only if given."""
     by_type = {t: 0.0 for t in cluster.gpu_types} | (by_type or {})
     node_type = {n.name: n.gpu_type for n in cluster.nodes}
     current = Config(node_type[placement[0][0]], len(placement), gpus) if placement else None
     job = job_view(job_id, model, cluster, requested_gpus=gpus, submit_s=submit_s, age_s=age_s,
-                   current=current, placement=tuple(placement))
+                   current=current, placement=tuple(placement), gpu_types=gpu_types)
     return dataclasses.replace(job, attained_by_type=by_type, attained_gpu_s=sum(by_type.values()))
 
 
@@ -80,6 +82,7 @@ class SimJob:
     work_gpu_s: float
     by_type: dict[str, float]
     placement: tuple = ()
+    gpu_types: tuple[str, ...] | None = None     # profiled only on these
 
 
 def workload(cluster: Cluster, seed: int, n: int = 40) -> list[SimJob]:
@@ -93,7 +96,8 @@ def workload(cluster: Cluster, seed: int, n: int = 40) -> list[SimJob]:
     # one job no type can hold, and (heterogeneous) one that runs on only two of the types
     jobs.append(SimJob("huge", "cifar10", 4 * cluster.total_gpus, 0.0, 1e9, {t: 0.0 for t in cluster.gpu_types}))
     if "dgx-ext" in cluster.gpu_types:
-        jobs.append(SimJob("gpt", "gpt_pmp", 4, 120.0, 4 * 1200.0, {t: 0.0 for t in cluster.gpu_types}))
+        jobs.append(SimJob("two-types", "imagenet", 4, 120.0, 4 * 1200.0, {t: 0.0 for t in cluster.gpu_types},
+                           gpu_types=("dgx-ext", "rtx")))
     return jobs
 
 
@@ -105,7 +109,7 @@ def replay(policy, cluster: Cluster, jobs: list[SimJob], rounds: int):
         now = r * dt
         active = [j for j in jobs if j.submit_s <= now and sum(j.by_type.values()) < j.work_gpu_s]
         views = [view(j.job_id, j.model, cluster, gpus=j.gpus, submit_s=j.submit_s, by_type=dict(j.by_type),
-                      placement=j.placement, age_s=now - j.submit_s) for j in active]
+                      placement=j.placement, age_s=now - j.submit_s, gpu_types=j.gpu_types) for j in active]
         state = round_state(views, cluster, now_s=now)
         decision = policy.allocate(state)
         yield state, decision
@@ -244,10 +248,10 @@ def test_split_batch():
 
 def test_requested_throughput_zero_where_it_cannot_run():
     cluster = small_cluster(aws=4, rtx=8)
-    jobs = [view("a", "imagenet", cluster, gpus=8), view("b", "gpt_pmp", cluster, gpus=2)]
+    jobs = [view("a", "imagenet", cluster, gpus=8), view("b", "bert", cluster, gpus=2, gpu_types=("rtx",))]
     thr = requested_throughput_matrix(jobs, cluster)
     assert thr[0, 0] == 0 and thr[0, 1] > 0                # 8 GPUs do not exist on aws
-    assert thr[1, 0] == 0 and thr[1, 1] > 0                # gpt_pmp has no aws model
+    assert thr[1, 0] == 0 and thr[1, 1] > 0                # b has no aws model
 
 
 # --- fifo -------------------------------------------------------------------------------------
@@ -448,7 +452,7 @@ def test_edges_empty_unrunnable_and_mismatched_placements(name):
     assert empty.placements == {} and empty.allocations == {}
     state = round_state([
         view("too-big", "cifar10", cluster, gpus=8, submit_s=0),                  # no type has 8 GPUs
-        view("no-model", "gpt_pmp", small_cluster(aws=4), gpus=2, submit_s=1),  # gpt_pmp has no aws model
+        view("no-model", "bert", small_cluster(aws=4), gpus=2, submit_s=1, gpu_types=("rtx",)),  # no aws model
         # placed by another policy at 2 GPUs, requests 4: re-placed at its request
         view("resized", "cifar10", cluster, gpus=4, submit_s=2, placement=(("aws-0", 2),)),
     ], cluster)

@@ -13,6 +13,12 @@ goodput over batch sizes, row-normalised so that rows are comparable: G_ij <- N_
 min_j G_ij over the row's valid cells. A cell is valid when the job may take it this round: its
 type has a model, GPUs >= the job's minimum and <= twice the most GPUs it ever had (new jobs start
 at one GPU), rigid jobs at their fixed GPU count, and some batch size fits.
+
+Hybrid-parallel jobs (Sia §5.3) count in replicas, each a model-parallel group of P_t GPUs on one
+node: their models are per replica (profiles and observations are), a configuration of type t is
+valid only when each of its nodes holds whole groups, and it is evaluated, and held to the scaling
+rules above, at its GPUs / P_t replicas. N_i^min is then the GPUs of the job's least replicas on
+the type of its row's smallest cell (Sia's code scales the row by that type's unit).
 """
 
 from __future__ import annotations
@@ -100,6 +106,11 @@ class JobEstimate:
     def local_limits(self) -> dict[str, tuple[int, int]]:
         return {t: (p.min_local, p.max_local) for t, p in self.profiles.items()}
 
+    @property
+    def group_gpus(self) -> dict[str, int]:
+        """GPUs of one replica on the types where the job is hybrid-parallel (what it was profiled on)."""
+        return {t: p.group_gpus for t, p in self.profiles.items() if p.group_gpus > 1}
+
 
 def type_models(profiles: Mapping[str, Profile],
                 observations: Mapping[str, Sequence[Observation]]) -> dict[str, ThroughputParams]:
@@ -108,7 +119,7 @@ def type_models(profiles: Mapping[str, Profile],
 
 
 def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],
-               local_limits: Mapping[str, tuple[int, int]]) -> JobModels:
+               local_limits: Mapping[str, tuple[int, int]], group_gpus: Mapping[str, int]) -> JobModels:
     """The estimator's view of a job this round: its models with the facts its executors reported."""
     return JobModels(
         job_id=facts.job_id,
@@ -122,6 +133,7 @@ def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],
         max_gpus_seen=facts.max_gpus_seen,
         fixed_gpus=facts.requested_gpus if facts.rigid else None,
         fixed_batch=facts.requested_batch if facts.rigid else None,
+        group_gpus=dict(group_gpus),
     )
 
 
@@ -178,11 +190,12 @@ class Estimator:
         for f in facts:
             if f.job_id not in self.estimates:
                 raise ValueError(f"no profile for job {f.job_id!r} yet")
-            limits = self.estimates[f.job_id].local_limits
+            estimate = self.estimates[f.job_id]
+            limits = estimate.local_limits
             cap = self.max_local.get(f.application)
             if cap:
                 limits = {t: (lo, min(hi, cap)) for t, (lo, hi) in limits.items()}
-            out.append(job_models(f, self._type_models(f.job_id), limits))
+            out.append(job_models(f, self._type_models(f.job_id), limits, estimate.group_gpus))
         return out
 
 
@@ -205,8 +218,9 @@ class StackedJobs:
     """Jobs' models as arrays, for evaluating many (job, GPU type, allocation) cells at once."""
 
     theta: np.ndarray      # (J, T, 7) throughput parameters per job and GPU type
-    limits: np.ndarray     # (J, T, 2) per-GPU batch (min, max)
+    limits: np.ndarray     # (J, T, 2) per-replica batch (min, max)
     modelled: np.ndarray   # (J, T) bool: the job has a model for the type
+    group: np.ndarray      # (J, T) GPUs of one replica (1 unless hybrid-parallel)
     phi: np.ndarray        # (J,) PGNS (inf: efficiency 1, as for strong-scaling jobs)
     init: np.ndarray       # (J,) smallest total batch
     top: np.ndarray        # (J,) largest total batch
@@ -222,6 +236,7 @@ def stack_jobs(jobs: Sequence[JobModels], types: Sequence[str]) -> StackedJobs:
     theta = np.ones((len(jobs), len(types), 7))
     limits = np.ones((len(jobs), len(types), 2))
     modelled = np.zeros((len(jobs), len(types)), dtype=bool)
+    group = np.array([[job.group(t) for t in types] for job in jobs], dtype=int).reshape(len(jobs), len(types))
     for i, job in enumerate(jobs):
         for t, gpu_type in enumerate(types):
             if gpu_type in job.params:
@@ -235,7 +250,14 @@ def stack_jobs(jobs: Sequence[JobModels], types: Sequence[str]) -> StackedJobs:
     init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))),
                     [j.init_batch for j in jobs])
     top = np.where(strong, fixed_batch, [j.max_batch for j in jobs])
-    return StackedJobs(theta, limits, modelled, phi, init, top)
+    return StackedJobs(theta, limits, modelled, group, phi, init, top)
+
+
+def replicas_per_cell(group: np.ndarray, nodes: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+    """(J, C) replicas of each job in each configuration: GPUs / group when every node holds whole
+    groups (a configuration spreads its GPUs evenly over its nodes), else 0."""
+    per_node = (gpus // nodes)[None, :]
+    return np.where(per_node % group == 0, gpus[None, :] // group, 0)
 
 
 def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> GoodputTable:
@@ -246,17 +268,23 @@ def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> Goodp
     gpus = np.array([c.gpus for c in configs])
     stacked = stack_jobs(jobs, types)
     rows = np.arange(len(jobs))[:, None]
-    best = stacked.best(rows, col_type[None, :], nodes[None, :], gpus[None, :])
-    modelled = stacked.modelled[:, col_type]
+    group = stacked.group[:, col_type]
+    replicas = replicas_per_cell(group, nodes, gpus)
+    best = stacked.best(rows, col_type[None, :], nodes[None, :], np.maximum(replicas, 1))
+    modelled = stacked.modelled[:, col_type] & (replicas > 0)
 
     fixed_gpus = np.array([job.fixed_gpus or 0 for job in jobs])[:, None]
     lowest = np.array([job.min_gpus for job in jobs])[:, None]
     highest = np.array([job.gpu_limit for job in jobs])[:, None]
-    allowed = np.where(fixed_gpus > 0, gpus == fixed_gpus, (gpus >= lowest) & (gpus <= highest))
+    allowed = np.where(fixed_gpus > 0, replicas == fixed_gpus, (replicas >= lowest) & (replicas <= highest))
     valid = modelled & allowed & (best.goodput > 0)
     goodput = np.where(valid, best.goodput, 0.0)
-    row_min = np.min(np.where(valid, goodput, np.inf), axis=1, keepdims=True)
-    min_gpus = np.array([job.fixed_gpus or job.min_gpus for job in jobs], dtype=float)[:, None]
+    masked = np.where(valid, goodput, np.inf)
+    smallest = np.argmin(masked, axis=1)[:, None]
+    row_min = np.take_along_axis(masked, smallest, axis=1)
+    # N_min in GPUs: the least replicas, in groups of the type of the row's smallest cell (as Sia's code).
+    min_replicas = np.array([job.fixed_gpus or job.min_gpus for job in jobs], dtype=float)[:, None]
+    min_gpus = min_replicas * np.take_along_axis(group, smallest, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         normalized = np.where(valid, min_gpus * goodput / row_min, 0.0)
     return GoodputTable(tuple(j.job_id for j in jobs), tuple(configs), goodput, normalized, valid,

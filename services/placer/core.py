@@ -6,7 +6,9 @@ Rules (Sia's placer, DESIGN §4):
 - no two distributed (multi-node) jobs share a node — automatic with whole nodes, and checked;
 - a job whose configuration is unchanged and whose previous placement is still valid stays put;
 - otherwise a job moves, and only when a new job cannot fit around the ones that stay are stayers
-  displaced: as few as possible, the smallest first. They move, which counts as a restart.
+  displaced: as few as possible, the smallest first. They move, which counts as a restart;
+- a hybrid-parallel job's model-parallel group (`groups`: its GPUs) never spans two nodes: its
+  allocation must give every node whole groups, and so must its placement.
 
 Why one pass, largest first, is enough. Node sizes are powers of two (build_cluster splits a
 6-GPU node into 4 + 2) and so is every job's per-node share s (1, 2, 4 .. R; sorting by total GPUs
@@ -27,16 +29,19 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping
 
-from shared.cluster import Cluster, Config, Node, Spots
+from shared.cluster import Cluster, Config, Node, Spots, replica_count
 from shared.schema import PlacementResult
 
 Allocation = dict[str, Config]                         # job id -> configuration chosen by the policy
 Placement = dict[str, Spots]                           # job id -> where its GPUs are
 
 
-def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots]) -> PlacementResult:
-    """Physical GPUs for every allocated job; `previous` is the last round's placements (any, even stale)."""
-    validate_allocations(cluster, allocations)
+def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots],
+          groups: Mapping[str, int] | None = None) -> PlacementResult:
+    """Physical GPUs for every allocated job; `previous` is the last round's placements (any, even
+    stale); `groups` the GPUs of one model-parallel group of each hybrid-parallel job."""
+    groups = groups or {}
+    validate_allocations(cluster, allocations, groups)
     stayers = _stay_candidates(cluster, allocations, previous)
     board = _Board(cluster, stayers)
     placements: Placement = {}
@@ -47,14 +52,15 @@ def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping
             evicted.append(job)
         else:
             placements[job] = spots
-    _check(cluster, allocations, placements)
+    _check(cluster, allocations, placements, groups)
     ordered = {job: placements[job] for job in allocations if job in placements}
     restarts = sorted(job for job, spots in ordered.items()
                       if previous.get(job) and spots != _canonical(previous[job]))
     return PlacementResult(ordered, tuple(restarts), tuple(sorted(evicted)))
 
 
-def validate_allocations(cluster: Cluster, allocations: Mapping[str, Config]) -> None:
+def validate_allocations(cluster: Cluster, allocations: Mapping[str, Config],
+                         groups: Mapping[str, int] | None = None) -> None:
     """ValueError, naming the job, for anything the policy could not have meant."""
     names = [n.name for n in cluster.nodes]
     if len(set(names)) != len(names):
@@ -71,6 +77,10 @@ def validate_allocations(cluster: Cluster, allocations: Mapping[str, Config]) ->
             valid = ", ".join(str(c) for c in configurations if c.gpu_type == config.gpu_type)
             raise ValueError(f"job {job!r}: {config} ({config.nodes} nodes, {config.gpus} GPUs) is not in "
                              f"the configuration set of cluster {cluster.name!r}; valid: {valid}")
+        group = (groups or {}).get(job, 1)
+        if not replica_count([config.gpus // config.nodes] * config.nodes, group):
+            raise ValueError(f"job {job!r}: {config} would split its model-parallel groups of {group} GPUs "
+                             "across nodes")
     for gpu_type, jobs in _jobs_by_type(allocations).items():
         asked = sum(allocations[job].gpus for job in jobs)
         if asked > cluster.capacity(gpu_type):
@@ -96,7 +106,8 @@ def is_placeable(cluster: Cluster, configs: Iterable[Config]) -> bool:
     return True
 
 
-def placement_violations(cluster: Cluster, allocations: Mapping[str, Config], placements: Mapping[str, Spots]) -> list[str]:
+def placement_violations(cluster: Cluster, allocations: Mapping[str, Config], placements: Mapping[str, Spots],
+                         groups: Mapping[str, int] | None = None) -> list[str]:
     """Every broken rule, as readable lines; empty for a valid placement."""
     nodes = {n.name: n for n in cluster.nodes}
     problems: list[str] = []
@@ -108,6 +119,9 @@ def placement_violations(cluster: Cluster, allocations: Mapping[str, Config], pl
             problems.append(f"job {job!r}: placed but not allocated")
             continue
         problems += [f"job {job!r}: {p}" for p in _shape_problems(cluster, nodes, config, spots)]
+        group = (groups or {}).get(job, 1)
+        if not replica_count((gpus for _, gpus in spots), group):
+            problems.append(f"job {job!r}: {spots} splits its model-parallel groups of {group} GPUs")
         for name, gpus in spots:
             used[name] += gpus
             jobs_on[name].append(job)
@@ -289,8 +303,9 @@ def _jobs_by_type(allocations: Mapping[str, Config]) -> dict[str, list[str]]:
     return by_type
 
 
-def _check(cluster: Cluster, allocations: Mapping[str, Config], placements: Placement) -> None:
+def _check(cluster: Cluster, allocations: Mapping[str, Config], placements: Placement,
+           groups: Mapping[str, int]) -> None:
     """The rules as an invariant: a broken one is a bug here, never something to hand to executors."""
-    problems = placement_violations(cluster, allocations, placements)
+    problems = placement_violations(cluster, allocations, placements, groups)
     if problems:
         raise RuntimeError("placer produced an invalid placement: " + "; ".join(problems))

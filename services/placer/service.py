@@ -22,7 +22,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
 
     def on_place(request: PlaceRequest) -> PlacementResult:
-        return place(cluster, request.allocations, request.previous)
+        return place(cluster, request.allocations, request.previous, request.groups)
 
     service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {cluster.name}")
     await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, on_place, span_name="placer.place")

@@ -87,13 +87,25 @@ class Decision:
 class Policy(Protocol):
     """A policy decides from the round's state alone; one that also carries state from round to
     round (pollux's warm-started search) defines `snapshot() -> bytes` and `restore(bytes)`, so a
-    standby leader resumes it exactly."""
+    standby leader resumes it exactly. A policy that cannot keep hybrid-parallel jobs' groups whole
+    refuses them (`refuse_hybrid`)."""
 
     name: str
     round_s: float           # how often it re-decides (allocations hold in between)
     adaptive_batch: bool     # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
 
     def allocate(self, state: RoundState) -> Decision: ...
+
+
+def refuse_hybrid(policy: str, jobs: Iterable[JobView]) -> None:
+    """ValueError naming the hybrid-parallel jobs (Sia §5.3) among `jobs`: for the policies that
+    choose GPU counts or placements outside Sia's configuration set, and would split their groups."""
+    hybrid = [f"{j.job_id} ({j.model}: model-parallel groups of "
+              + ", ".join(f"{g} GPUs on {t}" for t, g in j.models.group_gpus.items()) + ")"
+              for j in jobs if j.models.group_gpus]
+    if hybrid:
+        raise ValueError(f"policy {policy!r} cannot schedule hybrid-parallel jobs: {'; '.join(hybrid)}. "
+                         "Use the sia policy")
 
 
 def snapshot_policy(policy: Policy) -> bytes:

@@ -22,7 +22,7 @@ treated as waiting and re-placed at its request.
 
 from __future__ import annotations
 
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
 from services.policy.rigid import arrival_order, fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 
@@ -38,6 +38,7 @@ class FifoPolicy:
         self.round_s = round_s
 
     def allocate(self, state: RoundState) -> Decision:
+        refuse_hybrid(self.name, state.jobs)
         cluster = state.cluster
         placements: dict[str, Spots] = {j.job_id: j.placement for j in state.jobs if holds_request(j, cluster)}
         free = free_gpus(cluster, placements)

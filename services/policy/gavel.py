@@ -57,7 +57,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from services.policy.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
 from services.policy.rigid import holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 
@@ -215,6 +215,7 @@ class GavelPolicy:
         self.objective = objective
 
     def allocate(self, state: RoundState) -> Decision:
+        refuse_hybrid(self.name, state.jobs)
         cluster = state.cluster
         types = cluster.gpu_types
         jobs = sorted(state.jobs, key=lambda j: (j.submit_s, j.job_id))   # canonical: input order never matters

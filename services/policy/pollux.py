@@ -68,7 +68,7 @@ import msgspec
 import numpy as np
 
 from services.estimator.core import stack_jobs
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, restart_factor
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, refuse_hybrid, restart_factor
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
 
@@ -394,6 +394,7 @@ class PolluxPolicy:
         self._previous: tuple[tuple[str, ...], tuple[str, ...], np.ndarray] | None = None
 
     def allocate(self, state: RoundState) -> Decision:
+        refuse_hybrid(self.name, state.jobs)
         if not state.jobs:
             self._previous = None
             return Decision({}, {})

@@ -7,6 +7,9 @@ r_i = max(T_i - N_i * S_i, 0) / (T_i + S_i) (1 while the job is younger than S_i
 it: the factor steps from 1 to about 1/2 at T_i = S_i), applied to
 every column but a running job's current one (a waiting job starts wherever it goes, so it pays
 nothing extra), and the lock that keeps a job mid-restart where it is.
+
+Hybrid-parallel jobs (Sia §5.3) need nothing more here: the matrix holds only the configurations
+whose nodes take whole model-parallel groups, valued at their replicas.
 """
 
 from __future__ import annotations

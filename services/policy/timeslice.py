@@ -15,7 +15,7 @@ than a round, shorten the round (`--round-s`).
 
 from __future__ import annotations
 
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
 from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 
@@ -33,6 +33,7 @@ class TimeslicePolicy:
         self.round_s = round_s
 
     def allocate(self, state: RoundState) -> Decision:
+        refuse_hybrid(self.name, state.jobs)
         cluster = state.cluster
         running = [j for j in state.jobs if holds_request(j, cluster)]
         keep: dict[str, Spots] = {j.job_id: j.placement for j in running if j.slice_iterations < self.quantum}

@@ -25,7 +25,7 @@ mid checkpoint-restart is treated like any other running job (Pollux's simulator
 
 from __future__ import annotations
 
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack
+from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
 from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 
@@ -49,6 +49,7 @@ class TiresiasPolicy:
         return 0 if attained_gpu_s < self.threshold_gpu_h * 3600.0 else 1
 
     def allocate(self, state: RoundState) -> Decision:
+        refuse_hybrid(self.name, state.jobs)
         cluster = state.cluster
         order = sorted(state.jobs, key=lambda j: (self.queue(j.attained_gpu_s), j.submit_s, j.job_id))
         matrix = requested_throughput_matrix(order, cluster)
