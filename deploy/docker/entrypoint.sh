@@ -1,0 +1,17 @@
+#!/bin/sh
+# The images' entrypoint: GOODPUT_SERVICE=<name> runs that service with the container's arguments;
+# without it, the arguments are the command to run (e.g. `goodput submit job.yaml`).
+set -e
+if [ -n "${GOODPUT_SERVICE:-}" ]; then
+    case "$GOODPUT_SERVICE" in
+        profiler|estimator|policy|placer|executor) ;;
+        *) echo "entrypoint: GOODPUT_SERVICE=$GOODPUT_SERVICE is not a service (profiler, estimator, policy, placer, executor)" >&2
+           exit 64 ;;
+    esac
+    exec python -m "services.$GOODPUT_SERVICE" "$@"
+fi
+if [ "$#" -eq 0 ]; then
+    echo "entrypoint: set GOODPUT_SERVICE to profiler, estimator, policy, placer or executor, or give a command" >&2
+    exit 64
+fi
+exec "$@"

@@ -1,0 +1,106 @@
+"""Hand a deployed stack its live run: `python -m deploy.live_run --policy sia --round 60`.
+
+The policy leader schedules only the runs it finds in the KV bucket `goodput_runs`; `goodput up`
+creates its live run itself (cli/up.py). A deployed stack (Kubernetes, compose) has no such driver,
+so a one-shot job runs this once the services are up: it creates the live run — jobs submitted with
+`goodput submit` are scheduled a round every `--round` seconds with `--policy` — unless a run of that
+id exists already, which it leaves as it is (the job may run again at every `kubectl apply`).
+A live run never ends: its policy is the one it was created with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import nats.errors
+
+from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
+from shared import subjects
+from shared.bus import Bus, RevisionConflict
+from shared.schema import RunCheckpoint, RunRequest
+
+LIVE_RUN = "live"
+
+
+def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, speed: float) -> RunRequest:
+    """The live run's request, as `goodput up` makes it; ValueError for an unknown policy or option."""
+    from cli.simulate import policy_spec as parse_policy
+    from services.policy.base import make_policy
+    from sim.settings import settings_for
+
+    if round_s <= 0 or speed <= 0:
+        raise ValueError("--round and --speed must be positive")
+    policy, options = parse_policy(policy_spec)
+    make_policy(policy, **options)                      # refuse options the policy does not take, here
+    return RunRequest(run_id, policy, options, settings_for(None, cluster).name, (), round_s, live=True, speed=speed)
+
+
+async def create_live_run(server: str, request: RunRequest, wait_s: float) -> RunRequest | None:
+    """Create the run: None once created, or the stored request of the run of that id that exists
+    already. Keeps trying to reach NATS for `wait_s` seconds."""
+    from deploy.stack import create_run
+
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            bus = await Bus.connect(server, "goodput-live-run", allow_reconnect=False, max_reconnect_attempts=1)
+            break
+        except Exception as error:  # noqa: BLE001 - NATS may still be starting: try again until the deadline
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"cannot reach NATS at {redact(server)} within {wait_s:g} s: {error}") from None
+            await asyncio.sleep(1.0)
+    try:
+        try:
+            await create_run(bus, request)
+            return None
+        except RevisionConflict:
+            entry = await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)
+            return entry.value.request
+    except nats.errors.Error as error:
+        raise RuntimeError(f"cannot create the run on NATS at {redact(server)}: {error}") from None
+    finally:
+        await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.live_run",
+                                     description="create the live run a deployed goodput schedules submitted jobs in")
+    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    parser.add_argument("--run-id", default=LIVE_RUN, help="the run's id (default: %(default)s)")
+    parser.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
+    parser.add_argument("--cluster", default="sia-hetero-64",
+                        help="the cluster the services run (preset or YAML file; picks the calibration)")
+    parser.add_argument("--round", type=float, default=60.0, help="seconds between rounds (default: %(default)s)")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="simulated seconds per wall-clock second (default: %(default)s)")
+    parser.add_argument("--wait", type=float, default=120.0,
+                        help="seconds to keep trying to reach NATS (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        request = live_request(args.run_id, args.policy, args.cluster, args.round, args.speed)
+        existing = asyncio.run(create_live_run(args.server, request, args.wait))
+    except (ValueError, RuntimeError) as error:
+        print(f"live_run: {error}", file=sys.stderr)
+        return 1
+    if existing is None:
+        print(f"live run {args.run_id!r} created: {describe(request)}")
+    else:
+        print(f"live run {args.run_id!r} exists already ({describe(existing)}); left as it is")
+        if (existing.policy, existing.policy_options, existing.round_s) != (request.policy, request.policy_options,
+                                                                            request.round_s):
+            print(f"live_run: the settings asked for ({describe(request)}) differ; a live run keeps the ones it "
+                  "was created with", file=sys.stderr)
+    return 0
+
+
+def describe(request: RunRequest) -> str:
+    options = ",".join(f"{key}={value}" for key, value in request.policy_options.items())
+    return f"policy {request.policy}{':' + options if options else ''}, a round every {request.round_s:g} s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Does a goodput service answer? `python -m deploy.probe SERVICE [--server URL] [--timeout S]`.
+
+The readiness and liveness probes of the Kubernetes manifests, and the compose file's health checks,
+run this inside the service's container. It sends the NATS service API's ping, `$SRV.PING.<SERVICE>`,
+and exits 0 on the first answer from an instance of SERVICE. A service answers ping only once all its
+endpoints are registered (services/runner.py), so an answer means the service is serving.
+Otherwise it says why on stderr and exits 1 (no instance answered) or 2 (NATS could not be reached).
+
+What it cannot tell is *which* instance answered: replicas share the service's name, and the
+service API names an instance only by a random id. With several replicas the probe says that the
+service is served, not that this container serves it.
+
+The NATS URL is `--server`, else $GOODPUT_NATS_URL, else nats://127.0.0.1:4222; credentials may
+stand in it (nats://USER:PASSWORD@HOST:4222) and are never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+from urllib.parse import urlsplit, urlunsplit
+
+import nats
+import nats.errors
+
+DEFAULT_SERVER = "nats://127.0.0.1:4222"       # as shared.bus: this module stays light, for a fast probe
+SERVER_ENV = "GOODPUT_NATS_URL"
+PING_RESPONSE = "io.nats.micro.v1.ping_response"
+EXIT_NO_ANSWER = 1
+EXIT_NO_NATS = 2
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class ProbeFailed(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def redact(servers: str) -> str:
+    """The URL(s) with any password or token replaced by ***."""
+    shown = []
+    for server in servers.split(","):
+        parts = urlsplit(server.strip())
+        if parts.username is None:
+            shown.append(server.strip())
+            continue
+        host = parts.netloc.rpartition("@")[2]
+        user = f"{parts.username}:***" if parts.password is not None else "***"
+        shown.append(urlunsplit(parts._replace(netloc=f"{user}@{host}")))
+    return ",".join(shown)
+
+
+async def ping(service: str, server: str, timeout_s: float) -> dict:
+    """The first ping answer of an instance of `service`; ProbeFailed with the reason otherwise."""
+    errors: list[Exception] = []
+
+    async def remember(error: Exception) -> None:
+        errors.append(error)
+
+    try:
+        nc = await nats.connect(server, name=f"goodput-probe-{service}", allow_reconnect=False,
+                                max_reconnect_attempts=1, reconnect_time_wait=0.1, connect_timeout=timeout_s,
+                                error_cb=remember)
+    except Exception as error:  # noqa: BLE001 - every way of not connecting is the same answer
+        reason = errors[0] if errors else error
+        raise ProbeFailed(f"cannot reach NATS at {redact(server)}: {reason or type(reason).__name__}",
+                          EXIT_NO_NATS) from None
+    try:
+        try:
+            message = await nc.request(f"$SRV.PING.{service}", b"", timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise ProbeFailed(f"no instance of service {service!r} is registered on NATS at {redact(server)}",
+                              EXIT_NO_ANSWER) from None
+        except nats.errors.TimeoutError:
+            raise ProbeFailed(f"no instance of service {service!r} answered ping within {timeout_s:g} s "
+                              f"on NATS at {redact(server)}", EXIT_NO_ANSWER) from None
+    finally:
+        await nc.close()
+    try:
+        answer = json.loads(message.data)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or answer.get("type") != PING_RESPONSE or answer.get("name") != service:
+        raise ProbeFailed(f"$SRV.PING.{service} was answered, but not by a service named {service!r}: "
+                          f"{message.data[:200]!r}", EXIT_NO_ANSWER)
+    return answer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.probe",
+                                     description="exit 0 when an instance of SERVICE answers the NATS service ping")
+    parser.add_argument("service", help="service name: profiler, estimator, policy, placer or executor")
+    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    parser.add_argument("--timeout", type=float, default=2.0,
+                        help="seconds to connect, and again to wait for an answer (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if not _NAME.match(args.service):
+        parser.error(f"service name {args.service!r} may hold only letters, digits, '_' and '-'")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    try:
+        answer = asyncio.run(ping(args.service, args.server, args.timeout))
+    except ProbeFailed as failure:
+        print(f"probe: {failure}", file=sys.stderr)
+        return failure.code
+    print(f"probe: {args.service} answers (instance {answer.get('id')}, version {answer.get('version')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

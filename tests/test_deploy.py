@@ -1,0 +1,480 @@
+"""The deployment files: Kubernetes manifests, the compose file, the images' install steps, and the
+probe and live-run modules they run.
+
+No Docker engine and no Kubernetes cluster are at hand, so this checks what can be checked without
+them: kustomize (kubectl's) builds every kustomization, every object passes the Kubernetes JSON
+schemas (strict: an unknown field fails), the objects agree with each other and with the code (service
+names, replicas, the cluster spec, the NATS URL and Secret), the compose file passes the compose
+spec's schema, the Dockerfiles install as the Makefile does, the NATS configuration forms a 3-node
+JetStream cluster with authentication (its addresses moved to loopback), and the probe tells a
+serving service from a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import importlib.resources
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import nats
+import pytest
+import yaml
+from kubernetes_validate import utils as k8s_schema
+
+from deploy.live_run import create_live_run, live_request
+from deploy.nats import free_loopback_port, nats_server_binary
+from deploy.stack import SERVICES
+from services.runner import new_service
+from shared import subjects
+from shared.bus import Bus
+from shared.cluster import load_cluster
+from shared.schema import RunCheckpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+BUILDS = {"default": K8S, "gpu": K8S / "overlays" / "gpu"}
+K8S_VERSION = "1.30.0"              # the oldest Kubernetes the manifests are checked against
+NAMESPACE = "goodput"
+SECRET = "goodput-nats-auth"
+REPLICAS = {"policy": 3, "estimator": 2, "profiler": 2, "placer": 2}
+SERVICE_NAMES = {"profiler": subjects.PROFILER_SERVICE, "estimator": subjects.ESTIMATOR_SERVICE,
+                 "policy": subjects.POLICY_SERVICE, "placer": subjects.PLACER_SERVICE,
+                 "executor": subjects.EXECUTOR_SERVICE}
+PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"     # the shape docs/deploy.md makes: a letter, then hex
+WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+
+
+def tool(name: str) -> str:
+    """A command-line tool of the dev extras: beside this python, else on PATH."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    assert found, f"no `{name}` next to {sys.executable} or on PATH: install the dev extras (pip install -e '.[dev]')"
+    return found
+
+
+@functools.cache
+def built(name: str) -> tuple[dict, ...]:
+    """The objects `kubectl kustomize` builds from BUILDS[name]."""
+    result = subprocess.run([tool("kubectl"), "kustomize", str(BUILDS[name])], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, f"kustomize build of {BUILDS[name]} failed:\n{result.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def objects(name: str, kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in built(name) if o["kind"] == kind}
+
+
+def schema_errors(obj: dict) -> str | None:
+    """Why `obj` fails the Kubernetes schema (strict), or None."""
+    try:
+        k8s_schema.validate(obj, K8S_VERSION, strict=True)
+    except k8s_schema.ValidationError as error:
+        return f"{'.'.join(map(str, error.path))}: {error.message}"
+    except k8s_schema.SchemaNotFoundError as error:
+        return error.message
+    return None
+
+
+def containers(workload: dict) -> list[dict]:
+    return workload["spec"]["template"]["spec"]["containers"]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def service_workloads(name: str) -> dict[str, list[dict]]:
+    """Each goodput service's workloads in build `name` (its pods' GOODPUT_SERVICE)."""
+    found: dict[str, list[dict]] = {}
+    for obj in built(name):
+        if obj["kind"] in WORKLOADS:
+            service = env_of(containers(obj)[0]).get("GOODPUT_SERVICE", {}).get("value")
+            if service:
+                found.setdefault(service, []).append(obj)
+    return found
+
+
+# ---- Kubernetes ----------------------------------------------------------------------------------
+
+
+def test_every_yaml_under_k8s_parses_and_every_object_passes_the_schema():
+    errors, checked = [], 0
+    for path in sorted(K8S.rglob("*.yaml")):
+        docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        assert docs, f"{path} is empty"
+        for doc in docs:
+            if doc.get("kind") == "Kustomization":
+                continue                      # kustomize's own file: built below
+            if "apiVersion" not in doc:       # a data file a generator reads: the cluster spec
+                load_cluster(str(path))
+                continue
+            checked += 1
+            if (error := schema_errors(doc)) is not None:
+                errors.append(f"{path.relative_to(ROOT)} {doc['kind']}/{doc['metadata']['name']}: {error}")
+    assert not errors, "\n".join(errors)
+    assert checked >= 15
+
+
+def test_the_schema_check_fails_a_wrong_manifest():
+    """The validation has teeth: a misspelt field, or a count that is no integer, fails it."""
+    policy = json.loads(json.dumps(objects("default", "Deployment")["policy"]))
+    assert schema_errors(policy) is None
+    policy["spec"]["replica"] = policy["spec"].pop("replicas")
+    assert "replica" in schema_errors(policy)
+    policy["spec"]["replicas"] = "three"
+    del policy["spec"]["replica"]
+    assert "replicas" in schema_errors(policy)
+
+
+def test_kustomizations_name_files_that_exist():
+    kustomizations = sorted(K8S.rglob("kustomization.yaml"))
+    assert {k.parent for k in kustomizations} >= set(BUILDS.values()) | {K8S / "base"}
+    for kustomization in kustomizations:
+        spec = yaml.safe_load(kustomization.read_text())
+        named = list(spec.get("resources", []))
+        for generator in spec.get("configMapGenerator", []):
+            named += [entry.partition("=")[2] or entry for entry in generator.get("files", [])]
+        assert named, f"{kustomization} names nothing"
+        for entry in named:
+            target = kustomization.parent / entry
+            assert target.is_file() or (target / "kustomization.yaml").is_file(), (
+                f"{kustomization.relative_to(ROOT)} names {entry}, which is neither a file nor a kustomization")
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_built_manifests_pass_the_schema_and_stay_in_one_namespace(build):
+    errors = [f"{o['kind']}/{o['metadata']['name']}: {e}" for o in built(build) if (e := schema_errors(o))]
+    assert not errors, "\n".join(errors)
+    for obj in built(build):
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{obj['kind']}/{obj['metadata']['name']}"
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in built(build)]
+    assert len(kinds) == len(set(kinds)), "an object is defined twice"
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
+    workloads = service_workloads(build)
+    assert set(workloads) == set(SERVICES)
+    jaeger = objects(build, "Service")["jaeger"]
+    assert {4317, 4318} <= {p["port"] for p in jaeger["spec"]["ports"]}
+    nats_port = {p["name"]: p["port"] for p in objects(build, "Service")["nats"]["spec"]["ports"]}["client"]
+    for service, found in workloads.items():
+        for workload in found:
+            if service in REPLICAS:
+                assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == REPLICAS[service], service
+            container = containers(workload)[0]
+            env = env_of(container)
+            assert env["GOODPUT_NATS_URL"]["value"] == f"nats://$(NATS_USER):$(NATS_PASSWORD)@nats:{nats_port}"
+            names = [e["name"] for e in container["env"]]
+            assert names.index("NATS_USER") < names.index("GOODPUT_NATS_URL")    # $(VAR) sees only earlier ones
+            assert names.index("NATS_PASSWORD") < names.index("GOODPUT_NATS_URL")
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://jaeger:4318"
+            for probe in ("readinessProbe", "livenessProbe"):
+                assert container[probe]["exec"]["command"] == ["python", "-m", "deploy.probe", SERVICE_NAMES[service]]
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path):
+    configmaps = {name.rsplit("-", 1)[0]: cm for name, cm in objects(build, "ConfigMap").items()}
+    for service, found in service_workloads(build).items():
+        for workload in found:
+            container = containers(workload)[0]
+            args = container["args"]
+            cluster_file = Path(args[args.index("--cluster") + 1])
+            mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(cluster_file.parent))
+            volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+            data = configmaps[volume["configMap"]["name"].rsplit("-", 1)[0]]["data"]
+            (tmp_path / cluster_file.name).write_text(data[cluster_file.name])
+            cluster = load_cluster(str(tmp_path / cluster_file.name))
+            assert cluster.name == "goodput-k8s", service
+            for match in re.findall(r"\$\((\w+)\)", " ".join(args)):
+                assert match in env_of(container), f"{service}: $({match}) in its args is not in its env"
+    settings = configmaps["goodput-settings"]["data"]
+    live_run = objects(build, "Job")["live-run"]
+    assert containers(live_run)[0]["envFrom"][0]["configMapRef"]["name"].startswith("goodput-settings-")
+    live_request("live", settings["GOODPUT_POLICY"], "sia-hetero-64", float(settings["GOODPUT_ROUND_S"]),
+                 float(settings["GOODPUT_SPEED"]))
+    float(settings["GOODPUT_LEASE_TTL_S"])
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_credentials_come_from_the_secret_that_is_not_in_the_repo(build):
+    refs = [env["valueFrom"]["secretKeyRef"] for obj in built(build) if obj["kind"] in WORKLOADS
+            for container in containers(obj) for env in container.get("env", [])
+            if "secretKeyRef" in env.get("valueFrom", {})]
+    assert refs and {r["name"] for r in refs} == {SECRET} and {r["key"] for r in refs} == {"user", "password"}
+    assert not [o for o in built(build) if o["kind"] == "Secret"]
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".yml", ".conf"):
+            assert "kind: Secret" not in path.read_text(), path
+    assert f"create secret generic {SECRET}" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+def test_nats_is_a_three_node_jetstream_statefulset_whose_routes_name_its_pods():
+    statefulset = objects("default", "StatefulSet")["nats"]
+    headless = objects("default", "Service")[statefulset["spec"]["serviceName"]]
+    assert statefulset["spec"]["replicas"] == 3
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    conf_map = next(cm for name, cm in objects("default", "ConfigMap").items() if name.startswith("nats-config-"))
+    conf = conf_map["data"]["nats.conf"]
+    routes = re.findall(r"nats://([\w.-]+):6222", conf)
+    assert routes == [f"nats-{i}.{headless['metadata']['name']}" for i in range(3)]
+    assert re.search(r"^jetstream\s*{", conf, re.M)
+    env = {"POD_NAME": "nats-0", "NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD, "PATH": os.environ["PATH"]}
+    check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(K8S / "base" / "nats.conf")], env=env,
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_gpu_executors_are_daemonsets_on_their_gpu_type_that_take_every_gpu_of_a_node():
+    cluster = load_cluster(str(K8S / "base" / "cluster.yaml"))
+    per_node = {node.gpu_type: node.gpus for node in cluster.nodes}
+    daemonsets = objects("gpu", "DaemonSet")
+    covered = set()
+    for name, daemonset in daemonsets.items():
+        pod = daemonset["spec"]["template"]["spec"]
+        gpu_type = pod["nodeSelector"]["goodput.io/gpu-type"]
+        assert gpu_type in per_node, f"{name} runs on {gpu_type!r}, a type the cluster spec does not have"
+        container = pod["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == per_node[gpu_type], name
+        assert container["image"].startswith("goodput-executor:")
+        covered.add(gpu_type)
+    assert covered == set(per_node), "every GPU type of the cluster spec needs its executors"
+    assert "executor" not in objects("gpu", "Deployment")
+    simulated = objects("default", "Deployment")["executor"]     # it plays the whole cluster: exactly one
+    assert simulated["spec"]["replicas"] == 1 and simulated["spec"]["strategy"]["type"] == "Recreate"
+    assert not objects("default", "DaemonSet")
+
+
+# ---- compose -------------------------------------------------------------------------------------
+
+
+def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    schema = json.loads(importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
+                        .joinpath("compose-spec.json").read_text())
+    jsonschema.validate(compose, schema, cls=jsonschema.Draft202012Validator)
+    services = compose["services"]
+    assert {"nats", "jaeger", *SERVICES} <= set(services)
+    nats_conf = DEPLOY / "docker" / "nats.conf"
+    assert f"./{nats_conf.relative_to(DEPLOY)}:/etc/nats/nats.conf:ro" in services["nats"]["volumes"]
+    assert re.search(r"^jetstream\s*{", nats_conf.read_text(), re.M)
+    env = {"NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD}
+    check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(nats_conf)], env=env, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for name in SERVICES:
+        service = services[name]
+        env = service["environment"]
+        assert env["GOODPUT_SERVICE"] == name
+        assert "@nats:4222" in env["GOODPUT_NATS_URL"] and "${GOODPUT_NATS_PASSWORD:?" in env["GOODPUT_NATS_URL"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "deploy.probe", SERVICE_NAMES[name]]
+        assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
+        for volume in service.get("volumes", []):
+            assert (DEPLOY / volume.split(":")[0]).exists(), volume
+    assert services["policy"]["deploy"]["replicas"] >= 2
+
+
+# ---- images --------------------------------------------------------------------------------------
+
+
+def pip_steps(commands: list[str]) -> list[list[str]]:
+    """What each `pip install` installs, in order: options and shell expansions left out, the
+    project's extras dropped (the images install no dev tools)."""
+    steps = []
+    for command in commands:
+        for part in re.split(r"&&|;", command):
+            words = shlex.split(part)
+            if "pip" in words and "install" in words[words.index("pip"):]:
+                after = words[words.index("install", words.index("pip")) + 1:]
+                kept = [w for w in after if "$" not in w and (not w.startswith("-") or w in ("-e", "--editable"))]
+                steps.append([re.sub(r"^\.\[[\w,-]+\]$", ".", w) for w in kept])
+    return steps
+
+
+def makefile_install() -> list[str]:
+    recipe = (ROOT / "Makefile").read_text().split("$(STAMP): pyproject.toml", 1)[1].split("\n\n", 1)[0]
+    return [line.strip() for line in recipe.splitlines() if line.startswith("\t") and "pip install" in line]
+
+
+def dockerfile_runs(path: Path) -> list[str]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    return [line.strip()[4:] for line in text.splitlines() if line.strip().startswith("RUN ")]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.executor"])
+def test_the_images_install_as_the_makefile_does(dockerfile):
+    expected = pip_steps(makefile_install())
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    torch_pin = next(dep for dep in dependencies if dep.startswith("torch"))
+    assert expected == [["pip"], [torch_pin], ["-e", "."]], expected      # torch first and pinned, then the project
+    assert pip_steps(dockerfile_runs(DEPLOY / "docker" / dockerfile)) == expected
+    text = (DEPLOY / "docker" / dockerfile).read_text()
+    assert re.search(r"^USER (?!root|0\b)\S+", text, re.M), "the image must not run as root"
+    assert (DEPLOY / "docker" / f"{dockerfile}.dockerignore").is_file()
+
+
+def test_the_install_comparison_notices_a_difference():
+    assert pip_steps(["python -m pip install torch==2.13.0", "pip install ."]) != pip_steps(makefile_install())
+    assert pip_steps(["python -m pip install -e . && pip install torch==2.13.0"]) == [["-e", "."], ["torch==2.13.0"]]
+
+
+# ---- the probe and the live run ------------------------------------------------------------------
+
+
+async def probe(service: str, server: str | None = None, env: dict | None = None) -> tuple[int, str]:
+    """Run `python -m deploy.probe` as the probes do (without `server`: the URL in $GOODPUT_NATS_URL);
+    its exit code and output."""
+    options = ["--server", server] if server is not None else []
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deploy.probe", service, *options, cwd=ROOT,
+        env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=30)
+    return process.returncode, out.decode()
+
+
+async def test_the_probe_passes_while_a_service_answers_and_fails_clearly_when_none_does(nats_server, name_prefix):
+    name = f"{name_prefix}-svc"
+    assert await probe(name, nats_server) == (1, f"probe: no instance of service {name!r} is registered on NATS "
+                                                 f"at {nats_server}\n")
+    bus = await Bus.connect(nats_server, "probe-test", max_reconnect_attempts=1)
+    try:
+        service = new_service(bus, name, "a service for the probe to find")
+        await service.start()
+        code, out = await probe(name, nats_server)
+        assert code == 0 and out.startswith(f"probe: {name} answers"), out
+        await service.stop()
+        assert (await probe(name, nats_server))[0] == 1
+    finally:
+        await bus.close()
+
+
+async def test_the_probe_says_when_nats_cannot_be_reached_without_showing_the_password():
+    url = f"nats://goodput:{PASSWORD}@127.0.0.1:{free_loopback_port()}"
+    code, out = await probe("placer", url)
+    assert code == 2 and "cannot reach NATS at nats://goodput:***@127.0.0.1:" in out, out
+    assert PASSWORD not in out
+
+
+def nats_conf_on_loopback(conf: str, me: int, client: int, http: int, routes: list[int], workdir: Path) -> str:
+    """The Kubernetes nats.conf with its listeners, routes and paths moved to loopback and `workdir`."""
+    swaps = [("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
+             ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{http}"),
+             ("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{routes[me]}"),
+             ("store_dir: /data", f"store_dir: {workdir / 'jetstream'}"),
+             ("pid_file: /var/run/nats/nats.pid", f"pid_file: {workdir / 'nats.pid'}")]
+    swaps += [(f"nats://nats-{i}.nats-headless:6222", f"nats://127.0.0.1:{port}") for i, port in enumerate(routes)]
+    for old, new in swaps:
+        assert conf.count(old) == 1, f"nats.conf no longer has {old!r} once: update this test's rewrite"
+        conf = conf.replace(old, new)
+    return conf
+
+
+@contextlib.contextmanager
+def nats_cluster(workdir: Path) -> Iterator[tuple[list[str], list[int]]]:
+    """Three nats-servers from the Kubernetes nats.conf, on loopback: client URLs (no credentials)
+    and monitoring ports."""
+    conf = (K8S / "base" / "nats.conf").read_text()
+    ports = [[free_loopback_port() for _ in range(3)] for _ in range(3)]      # client, http, route per server
+    routes = [p[2] for p in ports]
+    processes = []
+    try:
+        for i, (client, http, _) in enumerate(ports):
+            home = workdir / f"nats-{i}"
+            home.mkdir()
+            (home / "nats.conf").write_text(nats_conf_on_loopback(conf, i, client, http, routes, home))
+            env = {"POD_NAME": f"nats-{i}", "NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD}
+            with open(home / "log", "wb") as log:
+                processes.append(subprocess.Popen([str(nats_server_binary()), "-c", str(home / "nats.conf")],
+                                                  env=env, stdout=log, stderr=subprocess.STDOUT))
+        yield [f"nats://127.0.0.1:{p[0]}" for p in ports], [p[1] for p in ports]
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_healthy(http_ports: list[int], logs: Path, timeout_s: float = 20.0) -> None:
+    """Until every server's /healthz says ok (JetStream current included)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = set(http_ports)
+    while waiting:
+        for port in sorted(waiting):
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as answer:
+                    if json.load(answer).get("status") == "ok":
+                        waiting.discard(port)
+        if waiting and time.monotonic() > deadline:
+            raise AssertionError("the NATS cluster did not become healthy:\n" + "\n".join(
+                (path.read_text(errors="replace")[-2000:]) for path in sorted(logs.glob("nats-*/log"))))
+        time.sleep(0.05)
+
+
+async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_a_probed_service_with_credentials(tmp_path):
+    with nats_cluster(tmp_path) as (urls, http_ports):
+        await asyncio.to_thread(wait_healthy, http_ports, tmp_path)
+        with_credentials = [url.replace("nats://", f"nats://goodput:{PASSWORD}@") for url in urls]
+        nc = await nats.connect(with_credentials[0], allow_reconnect=False, max_reconnect_attempts=1)
+        try:
+            stream = await nc.jetstream().add_stream(name="REPLICATED", subjects=["replicated.>"], num_replicas=3)
+            assert len(stream.cluster.replicas) == 2         # the leader and two followers: three servers
+        finally:
+            await nc.close()
+        command = [sys.executable, "-m", "services.placer", "--cluster", str(K8S / "base" / "cluster.yaml")]
+        log = tmp_path / "placer.log"
+        with open(log, "wb") as output:
+            placer = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "GOODPUT_NATS_URL": with_credentials[0]},
+                                      stdout=output, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            # as in a pod: the URL with the credentials in $GOODPUT_NATS_URL; another server of the cluster
+            while (result := await probe("placer", env={"GOODPUT_NATS_URL": with_credentials[1]}))[0] != 0:
+                assert placer.poll() is None and time.monotonic() < deadline, f"{result}\n{log.read_text()[-3000:]}"
+                await asyncio.sleep(0.2)
+            code, out = await probe("placer", urls[2])
+            assert code == 2 and "Authorization Violation" in out, out
+        finally:
+            placer.send_signal(signal.SIGTERM)
+            placer.wait(timeout=20)
+        code, out = await probe("placer", with_credentials[0])
+        assert code == 1 and "no instance of service 'placer'" in out, out
+
+
+async def test_the_live_run_is_created_once_with_the_settings_asked_for(nats_server, name_prefix):
+    request = live_request(f"{name_prefix}-live", "pollux:p=-1", str(K8S / "base" / "cluster.yaml"), 30.0, 2.0)
+    assert await create_live_run(nats_server, request, wait_s=5) is None
+    other = live_request(request.run_id, "sia", "sia-hetero-64", 60.0, 1.0)
+    assert await create_live_run(nats_server, other, wait_s=5) == request      # left as it was
+    bus = await Bus.connect(nats_server, "live-run-test", max_reconnect_attempts=1)
+    try:
+        stored = (await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)).value.request
+    finally:
+        await bus.close()
+    assert (stored.live, stored.policy, stored.policy_options, stored.round_s, stored.speed) == (
+        True, "pollux", {"p": -1}, 30.0, 2.0)
+    with pytest.raises(ValueError, match="unknown policy"):
+        live_request("x", "nope", "sia-hetero-64", 60.0, 1.0)
