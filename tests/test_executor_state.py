@@ -12,25 +12,28 @@ from services.executor import checkpoint
 from services.executor.data import ElasticOrder
 
 
+def run_steps(order: ElasticOrder, world: int, m: int, s: int, steps: int) -> list[list[int]]:
+    """`steps` optimizer steps on `world` ranks (each rank's own copy of the order): every rank's
+    examples, step by step."""
+    taken = []
+    for _ in range(steps):
+        state = order.state_dict()
+        ranks = [ElasticOrder.from_state(order.size, state).step(rank, world, m, s) for rank in range(world)]
+        assert all(len(batch) == m for micro in ranks for batch in micro)        # always full: ranks in step
+        taken.append([int(i) for micro in ranks for batch in micro for i in batch])
+        order.step(0, world, m, s)
+    return taken
+
+
 def test_resizing_mid_epoch_neither_repeats_nor_skips_an_example():
     size = 1000
-    seen = []
     order = ElasticOrder(size, seed=3)
-    for _ in range(7):                                   # 2 ranks, m=16, s=1: 64 examples a step
-        for rank in range(2):
-            rank_order = ElasticOrder.from_state(size, order.state_dict())
-            seen += [int(i) for batch in rank_order.step(rank, 2, 16, 1) for i in batch]
-        order.step(0, 2, 16, 1)
-    state = order.state_dict()                           # checkpoint, then resume on 3 ranks, m=10, s=0
-    while True:
-        before = ElasticOrder.from_state(size, state)
-        if before.state.position >= size:
-            break
-        for rank in range(3):
-            seen += [int(i) for batch in ElasticOrder.from_state(size, state).step(rank, 3, 10, 0) for i in batch]
-        before.step(0, 3, 10, 0)
-        state = before.state_dict()
-    assert sorted(seen) == list(range(size))             # each example of the epoch exactly once
+    seen = [i for step in run_steps(order, 2, 16, 1, 7) for i in step]        # 2 ranks, 64 examples a step
+    resumed = ElasticOrder.from_state(size, order.state_dict())               # checkpoint, resume on 3 ranks
+    seen += [i for step in run_steps(resumed, 3, 10, 0, 20) for i in step]    # 448 + 600 examples
+    assert sorted(seen[:size]) == list(range(size))                           # the epoch: each example once
+    assert len(set(seen[size:])) == len(seen) - size                          # the next one has begun afresh
+    assert resumed.epoch == 1
 
 
 def test_the_next_epoch_is_a_new_permutation():
@@ -38,14 +41,14 @@ def test_the_next_epoch_is_a_new_permutation():
     first = [int(i) for b in order.step(0, 1, 10, 0) for i in b]
     second = [int(i) for b in order.step(0, 1, 10, 0) for i in b]
     assert sorted(first) == sorted(second) == list(range(10)) and first != second
-    assert order.state.epoch == 1
+    assert order.epoch == 2
     with pytest.raises(ValueError):
         order.step(2, 2, 4, 0)
 
 
 def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
     assert checkpoint.load(tmp_path / "none.pt") is None
-    state = {"model": {"w": torch.arange(6.0)}, "order": {"epoch": 2, "position": 40, "seed": 0}}
+    state = {"model": {"w": torch.arange(6.0)}, "order": {"position": 40, "seed": 0}}
     checkpoint.save(state, tmp_path / "job.pt")
     loaded = checkpoint.load(tmp_path / "job.pt")
     assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["order"] == state["order"]

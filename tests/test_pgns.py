@@ -54,7 +54,8 @@ def test_multi_replica_estimate_is_within_15_percent(replicas, local_batch):
     for _ in range(STEPS):
         grads = [problem.gradient(local_batch) for _ in range(replicas)]
         mean = [sum(g[0] for g in grads) / replicas]
-        scale.update(from_replicas([squared_norm(g) for g in grads], squared_norm(mean), local_batch))
+        local = sum(squared_norm(g) for g in grads) / replicas
+        scale.update(from_replicas(local, squared_norm(mean), local_batch, replicas))
     check(scale, problem)
 
 
@@ -64,7 +65,7 @@ def test_accumulation_steps_are_samples_too():
     for _ in range(STEPS):
         micro = [problem.gradient(8) for _ in range(4)]
         total = [sum(g[0] for g in micro) / 4]
-        scale.update(from_replicas([squared_norm(g) for g in micro], squared_norm(total), 8))
+        scale.update(from_replicas(sum(squared_norm(g) for g in micro) / 4, squared_norm(total), 8, 4))
     check(scale, problem)
 
 
@@ -85,7 +86,7 @@ def test_the_preconditioner_changes_the_metric():
     for _ in range(STEPS):
         grads = [problem.gradient(16) for _ in range(4)]
         mean = [sum(g[0] for g in grads) / 4]
-        scale.update(from_replicas([squared_norm(g, [p]) for g in grads], squared_norm(mean, [p]), 16))
+        scale.update(from_replicas(sum(squared_norm(g, [p]) for g in grads) / 4, squared_norm(mean, [p]), 16, 4))
     check(scale, problem, p)
     plain_sqr, _ = problem.truth()
     assert scale.stats()[0] != pytest.approx(plain_sqr, rel=TOLERANCE)      # the check above could fail
@@ -106,6 +107,6 @@ def test_non_finite_steps_are_skipped_never_reported():
 
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="at least two"):
-        from_replicas([1.0], 1.0, 8)
+        from_replicas(1.0, 1.0, 8, 1)
     with pytest.raises(ValueError, match="smoothing"):
         NoiseScale(32, smoothing=1.0)

@@ -47,13 +47,13 @@ def squared_norm(tensors: Sequence[torch.Tensor], precondition: Sequence[torch.T
     return float(sum((p.double() * t.double().pow(2)).sum() for t, p in zip(tensors, precondition)))
 
 
-def from_replicas(local_sqr: Sequence[float], mean_sqr: float, local_batch: int) -> NoiseSample:
-    """From K >= 2 gradients' squared norms, each over `local_batch` examples, and their mean's."""
-    k = len(local_sqr)
-    if k < 2:
+def from_replicas(local_sqr: float, mean_sqr: float, local_batch: int, count: int) -> NoiseSample:
+    """From `count` >= 2 gradients over `local_batch` examples each: the average of their squared
+    norms, and their mean's squared norm."""
+    if count < 2:
         raise ValueError("the replica estimator needs at least two gradients; use from_consecutive")
-    small, large = local_batch, k * local_batch
-    trace = (sum(local_sqr) / k - mean_sqr) / (1 / small - 1 / large)
+    small, large = local_batch, count * local_batch
+    trace = (local_sqr - mean_sqr) / (1 / small - 1 / large)
     return NoiseSample(mean_sqr - trace / large, trace)
 
 

@@ -1,0 +1,68 @@
+"""An ordinary PyTorch training script made adaptive with goodput's library: an MLP classifying
+generated Gaussian blobs (no download). Run alone, or under the executor (torchrun's environment).
+
+    python examples/jobs/mlp_blobs.py --epochs 20 --checkpoint out/mlp.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from services.executor.trainer import AdaptiveTraining, Stopped
+
+CLASSES, FEATURES = 8, 32
+
+
+def blobs(n: int, seed: int) -> TensorDataset:
+    """Eight overlapping Gaussian classes: learnable, but not in one step."""
+    generator = torch.Generator().manual_seed(1234)             # the same centres for train and test
+    centres = 1.2 * torch.randn(CLASSES, FEATURES, generator=generator)
+    generator.manual_seed(seed)
+    labels = torch.randint(CLASSES, (n,), generator=generator)
+    return TensorDataset(centres[labels] + torch.randn(n, FEATURES, generator=generator), labels)
+
+
+def accuracy(model: nn.Module, data: TensorDataset) -> float:
+    inputs, labels = data.tensors
+    with torch.no_grad():
+        return float((model(inputs).argmax(dim=1) == labels).float().mean())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--epochs", type=float, default=15.0, help="statistical epochs to train")
+    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
+    parser.add_argument("--max-batch", type=int, default=1024)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train, test = blobs(8192, seed=1), blobs(2048, seed=2)
+    training = AdaptiveTraining(model, optimizer, train, init_batch=32, max_batch=args.max_batch, max_local=256,
+                                target_epochs=args.epochs, checkpoint_path=args.checkpoint)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = set()
+    try:
+        while not training.done():
+            for inputs, labels in training.micro_batches():
+                training.backward(loss_fn(training.model(inputs), labels))
+            training.step()
+            batches.add(training.batch)
+    except Stopped:
+        result = {"stopped": True, "epochs": training.epochs, "steps": training.steps}
+        print(json.dumps(result), flush=True)
+        return result
+    training.save()
+    result = {"stopped": False, "epochs": training.epochs, "steps": training.steps, "batches": sorted(batches),
+              "accuracy": accuracy(model, test), "noise": training.noise.stats(), "world": training.placement.world}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

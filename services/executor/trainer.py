@@ -1,0 +1,337 @@
+"""The training library: a few lines in an ordinary PyTorch script make it adaptive.
+
+    training = AdaptiveTraining(model, optimizer, dataset, init_batch=128, target_epochs=20)
+    while not training.done():
+        for inputs, targets in training.micro_batches():
+            training.backward(loss_fn(training.model(inputs), targets))
+        training.step()
+
+It trains data-parallel (torch.distributed: gloo on CPU, NCCL on GPUs) with the rank and world size
+that the executor gives it in torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT; GOODPUT_NODES for the node count), and each step:
+
+- takes its share of the next B = world · m · (s + 1) examples (`data.ElasticOrder`);
+- estimates the gradient noise scale from what it computed anyway (`pgns`): the replicas' local
+  gradients (a DDP communication hook takes each local norm before the all-reduce), else the
+  accumulation steps', else two consecutive steps' gradients; in Adam's preconditioned metric;
+- scales the learning rate by its rule (`lr`) and counts statistical progress in M0-examples;
+- measures the step's time, and every `retune_every` steps fits the throughput model to what it
+  measured (shared.goodput.fit_throughput) and re-picks (m, s) for the most goodput (rank 0
+  decides and broadcasts, so every rank runs the same batch).
+
+`save()` checkpoints atomically (model, optimizer, data position, noise scale, progress, what it
+measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save and
+raise `Stopped`, so a rescale or a preemption loses at most one step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from services.executor import checkpoint
+from services.executor.data import ElasticOrder
+from services.executor.lr import LrScaling, default_rule
+from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
+from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
+
+RETUNE_EVERY = 20          # steps between re-fits of the throughput model
+TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
+
+
+class Stopped(Exception):
+    """SIGTERM arrived; the state was saved. Exit cleanly (the executor restarts the job)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this worker runs, as the executor tells it (torchrun's environment)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    nodes: int = 1
+
+    @classmethod
+    def from_env(cls) -> Placement:
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("GOODPUT_NODES", 1)))
+
+
+class _LocalNorms:
+    """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets."""
+
+    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None]):
+        self.precondition = precondition
+        self.total = 0.0
+
+
+def _local_norms_hook(state: _LocalNorms, bucket):
+    """DDP communication hook: each bucket's local squared norm, taken before the bucket is averaged
+    across replicas (the replica estimator's samples, at no extra pass over the data)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        p = state.precondition(param)
+        state.total += squared_norm([grad], None if p is None else [p])
+    return allreduce_hook(None, bucket)
+
+
+class AdaptiveTraining:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, *,
+                 init_batch: int, max_batch: int | None = None, max_local: int | None = None, min_local: int = 1,
+                 lr_rule: str | None = None, warmup_epochs: float = 0.0, target_epochs: float | None = None,
+                 checkpoint_path: str | Path | None = None, seed: int = 0, retune_every: int = RETUNE_EVERY,
+                 collate: Callable = default_collate, adaptive: bool = True):
+        self.placement = Placement.from_env()
+        self.dataset, self.collate = dataset, collate
+        self.optimizer = optimizer
+        self.limits = BatchLimits(init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch))
+        self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.target_epochs = target_epochs
+        self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.retune_every = retune_every
+        self.adaptive = adaptive
+        self.order = ElasticOrder(len(dataset), seed)
+        self.noise = NoiseScale(init_batch)
+        self.progress = 0.0                        # statistical progress, in M0-examples
+        self.steps = 0
+        self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
+        self.m, self.s = self._initial_batch()
+        self.model, self._norms = self._distribute(model)
+        self._previous: list[torch.Tensor] | None = None      # the last gradient (differenced estimator)
+        self._micro: list[float] = []                         # this step's micro-batch losses
+        self._micro_norms: list[float] = []                   # and their own gradients' squared norms
+        self.skipped = 0                                      # steps with a non-finite gradient
+        self._started = 0.0
+        self._stop = False
+        self._order_before = self.order.state_dict()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._resume()
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def micro_batches(self) -> Iterator[Any]:
+        """This rank's s + 1 micro-batches for the next optimizer step."""
+        self._started = time.perf_counter()
+        self._micro, self._micro_norms = [], []
+        self._order_before = self.order.state_dict()
+        p = self.placement
+        for indices in self.order.step(p.rank, p.world, self.m, self.s):
+            if isinstance(self.dataset, TensorDataset):          # tensors in memory: one gather each
+                yield tuple(tensor[indices] for tensor in self.dataset.tensors)
+            else:
+                yield self.collate([self.dataset[int(i)] for i in indices])
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through one micro-batch: averaged over the step's micro-batches; replicas
+        synchronise on the last one only."""
+        last = len(self._micro) == self.s
+        scaled = loss / (self.s + 1)
+        if isinstance(self.model, DistributedDataParallel) and not last:
+            with self.model.no_sync():
+                scaled.backward()
+        else:
+            scaled.backward()
+        if self.placement.world == 1 and self.s > 0:
+            self._record_micro_gradient()
+        self._micro.append(float(loss.detach()))
+
+    def step(self) -> None:
+        """The optimizer step, with everything around it (see the module doc)."""
+        local_sqr, stop = self._agree()
+        if stop:                                   # this step is dropped: resume re-runs its examples
+            self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
+            self.optimizer.zero_grad(set_to_none=False)
+            self.save()
+            raise Stopped("SIGTERM: state saved")
+        batch = self.batch
+        if not all(bool(torch.isfinite(p.grad).all()) for p in self._parameters()):
+            self.optimizer.zero_grad(set_to_none=False)       # a NaN/Inf step: skipped, never learned from
+            self.skipped += 1
+            self._previous = None
+            return
+        self._estimate_noise(batch, local_sqr)
+        stats = self.noise.stats()
+        sqr, var = stats if stats else (None, None)
+        factor = self.lr.factor(batch, sqr, var, self.epochs)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.progress += self.lr.progress(batch, sqr, var)
+        self.steps += 1
+        self._time(time.perf_counter() - self._started)
+        if self.adaptive and self.steps % self.retune_every == 0:
+            self.retune()
+
+    def done(self) -> bool:
+        return self.target_epochs is not None and self.epochs >= self.target_epochs
+
+    @property
+    def epochs(self) -> float:
+        """Statistical epochs: progress in M0-examples over the dataset's size."""
+        return self.progress / len(self.dataset)
+
+    @property
+    def batch(self) -> int:
+        return self.placement.world * self.m * (self.s + 1)
+
+    # ---- adaptation -----------------------------------------------------------------------
+
+    def observations(self) -> list[Observation]:
+        """Each configuration run, with the median of its recent step times."""
+        return [Observation(nodes, gpus, m, s, float(torch.tensor(times).median()))
+                for (nodes, gpus, m, s), times in sorted(self.timings.items())]
+
+    def retune(self) -> None:
+        """Re-pick (m, s) for the most goodput on this placement (rank 0 decides for all)."""
+        choice = torch.tensor([self.m, self.s])
+        if self.placement.rank == 0:
+            stats = self.noise.stats()
+            try:
+                model = GoodputModel(fit_throughput(self.observations()), *(stats or (None, None)),
+                                     self.limits.init_batch)
+                _, m, s = model.retune(self.placement.nodes, self.placement.world, self.limits, (self.m, self.s))
+                if m > 0:
+                    choice = torch.tensor([m, s])
+            except FitError:
+                pass
+        if self.placement.world > 1:
+            dist.broadcast(choice, src=0)
+        self.m, self.s = int(choice[0]), int(choice[1])
+
+    def _initial_batch(self) -> tuple[int, int]:
+        m, s = split_batch(self.limits.init_batch, self.placement.world, self.limits.max_local)
+        return max(m, self.limits.min_local), s
+
+    def _time(self, seconds: float) -> None:
+        """Each rank keeps its own step times; rank 0's are the ones fitted (it decides)."""
+        key = (self.placement.nodes, self.placement.world, self.m, self.s)
+        self.timings[key] = (self.timings[key] + [seconds])[-TIMINGS_KEPT:]
+
+    # ---- the noise scale ------------------------------------------------------------------
+
+    def _preconditioner(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps); None for SGD or before its first step."""
+        state = self.optimizer.state.get(param, {})
+        if "exp_avg_sq" not in state:
+            return None
+        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
+        step = float(state["step"])
+        v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** step)
+        return 1.0 / (v_hat.sqrt() + group["eps"])
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def _norm(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> float:
+        preconditions = [self._preconditioner(p) for p in params]
+        if all(p is None for p in preconditions):
+            return squared_norm(grads)
+        return squared_norm(grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)])
+
+    def _record_micro_gradient(self) -> None:
+        """The latest micro-batch's own gradient is the growth of the accumulated one."""
+        params = self._parameters()
+        grads = [p.grad.detach() * (self.s + 1) for p in params]
+        previous = self._previous if self._micro else None
+        own = grads if previous is None else [g - q for g, q in zip(grads, previous)]
+        self._micro_norms.append(self._norm(own, params))
+        self._previous = [g.clone() for g in grads]
+
+    def _agree(self) -> tuple[float, bool]:
+        """One small all-reduce a step: the replicas' mean local squared norm, and whether any
+        replica was told to stop (all stop at the same step)."""
+        if self.placement.world == 1:
+            return 0.0, self._stop
+        values = torch.tensor([self._norms.total, float(self._stop)], dtype=torch.float64)
+        self._norms.total = 0.0
+        dist.all_reduce(values)
+        return float(values[0]) / self.placement.world, bool(values[1] > 0)
+
+    def _estimate_noise(self, batch: int, local_sqr: float) -> None:
+        params = self._parameters()
+        grads = [p.grad.detach() for p in params]
+        if self.placement.world > 1:
+            sample = from_replicas(local_sqr, self._norm(grads, params), self.m * (self.s + 1), self.placement.world)
+        elif self.s > 0:
+            micro_mean = sum(self._micro_norms) / len(self._micro_norms)
+            sample = from_replicas(micro_mean, self._norm(grads, params), self.m, self.s + 1)
+            self._previous = None
+        else:
+            sample = None
+            if self._previous is not None and len(self._previous) == len(grads):
+                preconditions = [self._preconditioner(p) for p in params]
+                use = None if all(p is None for p in preconditions) else \
+                    [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
+                sample = from_consecutive(self._previous, grads, batch, use)
+            self._previous = [g.clone() for g in grads]
+        if sample is not None:
+            self.noise.update(sample)
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _distribute(self, model: torch.nn.Module):
+        if self.placement.world == 1:
+            return model, None
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        ddp = DistributedDataParallel(model)
+        norms = _LocalNorms(self._preconditioner)
+        ddp.register_comm_hook(norms, _local_norms_hook)
+        return ddp, norms
+
+    def _module(self) -> torch.nn.Module:
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+
+    def state_dict(self) -> dict:
+        return {"model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
+                "order": self.order.state_dict(), "noise": self.noise.state_dict(), "progress": self.progress,
+                "steps": self.steps, "batch": [self.m, self.s], "base_lrs": self.base_lrs,
+                "placement": [self.placement.world, self.placement.nodes],
+                "timings": [[list(key), times] for key, times in self.timings.items()]}
+
+    def save(self) -> None:
+        """Checkpoint (rank 0 writes; every rank holds the same state)."""
+        if self.checkpoint_path and self.placement.rank == 0:
+            checkpoint.save(self.state_dict(), self.checkpoint_path)
+        if self.placement.world > 1:
+            dist.barrier()
+
+    def _resume(self) -> None:
+        state = checkpoint.load(self.checkpoint_path) if self.checkpoint_path else None
+        if state is None:
+            return
+        self._module().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.base_lrs = state["base_lrs"]               # the optimizer's lr was the scaled one
+        self.order = ElasticOrder.from_state(len(self.dataset), state["order"])
+        self.noise.load_state_dict(state["noise"])
+        self.progress, self.steps = state["progress"], state["steps"]
+        self.timings = defaultdict(list, {tuple(key): times for key, times in state["timings"]})
+        self.m, self.s = state["batch"]
+        if [self.placement.world, self.placement.nodes] != state["placement"]:
+            # Another allocation: the same total batch split over it, then re-picked for it.
+            m, s = state["batch"]
+            self.m, self.s = split_batch(state["placement"][0] * m * (s + 1), self.placement.world,
+                                         self.limits.max_local)
+            self.m = max(self.m, self.limits.min_local)
+            if self.adaptive:
+                self.retune()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop = True
+

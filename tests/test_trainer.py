@@ -1,0 +1,90 @@
+"""The training library on real PyTorch training: adapts its batch, trains data-parallel over gloo,
+stops on SIGTERM with a checkpoint and resumes at another world size."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from deploy.nats import free_loopback_port
+from services.executor.trainer import AdaptiveTraining
+
+JOB = [sys.executable, "-m", "examples.jobs.mlp_blobs"]
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}     # a CPU slot is one core
+
+
+def run_job(*args, env=None, timeout=300) -> dict:
+    done = subprocess.run([*JOB, *args], env=env or ONE_THREAD, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
+    result = run_job("--epochs", "6")
+    assert result["accuracy"] >= 0.95
+    assert min(result["batches"]) == 32 and max(result["batches"]) > 32      # re-tuned beyond M0
+    assert result["noise"] is not None and result["epochs"] >= 6
+
+
+def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
+    checkpoint = tmp_path / "job.pt"
+    port = free_loopback_port()
+    workers = [subprocess.Popen([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
+                                env={**ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank in range(2)]
+    time.sleep(12)                                      # both running (gloo up, training)
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    outputs = [worker.communicate(timeout=120) for worker in workers]
+    for worker, (out, err) in zip(workers, outputs):
+        assert worker.returncode == 0, err[-3000:]
+    stopped = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    assert all(s["stopped"] for s in stopped) and stopped[0]["steps"] == stopped[1]["steps"] > 0
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["placement"] == [2, 1] and saved["steps"] == stopped[0]["steps"]
+    resumed = run_job("--epochs", str(stopped[0]["epochs"] + 4), "--checkpoint", str(checkpoint))
+    assert resumed["world"] == 1 and resumed["steps"] > stopped[0]["steps"]     # went on from the checkpoint
+    assert resumed["accuracy"] >= 0.95
+
+
+def tiny_training(optimizer_type=torch.optim.SGD, **options):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(256, 4), torch.randint(2, (256,)))
+    return AdaptiveTraining(model, optimizer_type(model.parameters(), lr=0.1), data, init_batch=16, **options)
+
+
+def one_step(training, loss_of=lambda out, y: nn.functional.cross_entropy(out, y)):
+    for x, y in training.micro_batches():
+        training.backward(loss_of(training.model(x), y))
+    training.step()
+
+
+def test_a_non_finite_step_is_skipped_and_never_learned_from():
+    training = tiny_training()
+    one_step(training)
+    weights = training.model.weight.detach().clone()
+    stats = training.noise.stats()
+    one_step(training, lambda out, y: out.sum() * float("nan"))
+    assert training.skipped == 1 and training.steps == 1
+    assert torch.equal(training.model.weight, weights)
+    assert training.noise.stats() == stats
+
+
+@pytest.mark.parametrize("optimizer_type, rule", [(torch.optim.SGD, "adascale"), (torch.optim.Adam, "sqrt")])
+def test_the_default_rule_follows_the_optimizer_and_noise_is_measured(optimizer_type, rule):
+    training = tiny_training(optimizer_type, max_batch=64, max_local=8)     # m = 8, s = 1: accumulation
+    assert training.lr.rule == rule and (training.m, training.s) == (8, 1)
+    for _ in range(10):
+        one_step(training)
+    sqr, var = training.noise.stats()
+    assert var > 0 and training.steps == 10
