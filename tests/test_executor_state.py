@@ -55,24 +55,35 @@ def test_a_checkpoint_round_trips_and_a_missing_one_is_none(tmp_path):
 
 
 WRITER = """
-import sys, torch
+import sys, time
+from pathlib import Path
+import torch
 from services.executor import checkpoint
-for version in range(10**9):
-    checkpoint.save({"version": version, "payload": torch.full((16_000_000,), float(version))}, sys.argv[1])
+
+class MidWrite:
+    # Pickled in the middle of torch.save: says so, then dawdles (it loads back as a plain int).
+    def __reduce__(self):
+        Path(sys.argv[2]).touch()
+        time.sleep(0.5)
+        return (int, (0,))
+
+checkpoint.save({"version": 0, "payload": torch.full((1000,), 0.0)}, sys.argv[1])
+for version in range(1, 10**9):
+    checkpoint.save({"version": version, "payload": torch.full((1000,), float(version)), "slow": MidWrite()},
+                    sys.argv[1])
 """
 
 
 def test_kill_9_while_writing_never_corrupts_the_last_checkpoint(tmp_path):
-    path = tmp_path / "job.pt"
-    for delay in (0.0, 0.07, 0.13, 0.21):
-        before = path.stat().st_ino if path.exists() else None
-        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)])
+    path, mid_write = tmp_path / "job.pt", tmp_path / "writing"
+    for _ in range(3):
+        mid_write.unlink(missing_ok=True)
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(mid_write)])
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not path.exists() or path.stat().st_ino == before):
-            time.sleep(0.01)                                     # until this writer has renamed one in
-        time.sleep(delay)
-        writer.send_signal(signal.SIGKILL)
+        while not mid_write.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer.send_signal(signal.SIGKILL)                # certainly in the middle of writing one
         writer.wait()
-        state = checkpoint.load(path)                     # complete and self-consistent
+        assert list(tmp_path.glob(".job.pt.*.partial")), "the kill did not land mid-write"
+        state = checkpoint.load(path)                     # the last complete one, whole
         assert torch.all(state["payload"] == float(state["version"]))
-    assert list(tmp_path.glob("*.partial")), "no kill landed mid-write: the test proved nothing"
