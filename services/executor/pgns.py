@@ -41,10 +41,14 @@ class NoiseSample:
 
 
 def squared_norm(tensors: Sequence[torch.Tensor], precondition: Sequence[torch.Tensor] | None = None) -> float:
-    """|v|² (or |v|²_P with the preconditioner's diagonal, one tensor per parameter)."""
-    if precondition is None:
-        return float(sum(t.double().pow(2).sum() for t in tensors))
-    return float(sum((p.double() * t.double().pow(2)).sum() for t, p in zip(tensors, precondition)))
+    """|v|² (or |v|²_P with the preconditioner's diagonal, one tensor per parameter); inf or nan
+    if any entry is. One fused pass over the tensors (it runs every step)."""
+    if not tensors:
+        return 0.0
+    if precondition is not None:
+        tensors = [t * p.sqrt() for t, p in zip(tensors, precondition)]
+    norms = torch._foreach_norm(list(tensors), 2)
+    return float(torch.stack(norms).double().pow(2).sum())
 
 
 def from_replicas(local_sqr: float, mean_sqr: float, local_batch: int, count: int) -> NoiseSample:

@@ -26,6 +26,7 @@ raise `Stopped`, so a rescale or a preemption loses at most one step.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -70,22 +71,43 @@ class Placement:
 
 
 class _LocalNorms:
-    """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets."""
+    """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets,
+    whether it was asked to stop, and what all replicas agreed on the last step."""
 
-    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None]):
+    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None], stopping: Callable[[], bool],
+                 world: int):
         self.precondition = precondition
+        self.stopping = stopping
+        self.world = world
         self.total = 0.0
+        self.agreed = (0.0, False)          # (the replicas' mean local squared norm, any asked to stop)
 
 
 def _local_norms_hook(state: _LocalNorms, bucket):
-    """DDP communication hook: each bucket's local squared norm, taken before the bucket is averaged
-    across replicas (the replica estimator's samples, at no extra pass over the data)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """DDP communication hook: each bucket's local squared norm is taken before the bucket is
+    averaged across replicas (the replica estimator's samples, at no extra pass over the data).
+    The last bucket carries two more numbers in its all-reduce — the local norms' sum and the stop
+    requests — so agreeing on them costs no collective of its own."""
+    params, grads = bucket.parameters(), bucket.gradients()
+    preconditions = [state.precondition(p) for p in params]
+    if all(p is None for p in preconditions):
+        state.total += squared_norm(grads)
+    else:
+        state.total += squared_norm(grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)])
+    buffer = bucket.buffer()
+    if not bucket.is_last():
+        return dist.all_reduce(buffer.div_(state.world), async_op=True).get_future().then(lambda f: f.value()[0])
+    extra = torch.tensor([state.total, float(state.stopping())], dtype=buffer.dtype)
+    combined = torch.cat([buffer.div_(state.world), extra / state.world])
+    state.total = 0.0
 
-    for param, grad in zip(bucket.parameters(), bucket.gradients()):
-        p = state.precondition(param)
-        state.total += squared_norm([grad], None if p is None else [p])
-    return allreduce_hook(None, bucket)
+    def settle(future):
+        reduced = future.value()[0]
+        state.agreed = (float(reduced[-2]), bool(reduced[-1] > 0))
+        buffer.copy_(reduced[:-2])
+        return buffer
+
+    return dist.all_reduce(combined, async_op=True).get_future().then(settle)
 
 
 class AdaptiveTraining:
@@ -158,12 +180,15 @@ class AdaptiveTraining:
             self.save()
             raise Stopped("SIGTERM: state saved")
         batch = self.batch
-        if not all(bool(torch.isfinite(p.grad).all()) for p in self._parameters()):
-            self.optimizer.zero_grad(set_to_none=False)       # a NaN/Inf step: skipped, never learned from
+        params = self._parameters()
+        grads = [p.grad.detach() for p in params]
+        mean_sqr = self._norm(grads, params)
+        if not math.isfinite(mean_sqr):                       # NaN/Inf somewhere: skipped, never learned from
+            self.optimizer.zero_grad(set_to_none=False)
             self.skipped += 1
             self._previous = None
             return
-        self._estimate_noise(batch, local_sqr)
+        self._estimate_noise(batch, local_sqr, params, grads, mean_sqr)
         stats = self.noise.stats()
         sqr, var = stats if stats else (None, None)
         factor = self.lr.factor(batch, sqr, var, self.epochs)
@@ -253,23 +278,19 @@ class AdaptiveTraining:
         self._previous = [g.clone() for g in grads]
 
     def _agree(self) -> tuple[float, bool]:
-        """One small all-reduce a step: the replicas' mean local squared norm, and whether any
-        replica was told to stop (all stop at the same step)."""
+        """The replicas' mean local squared norm, and whether any replica was told to stop before
+        this step's gradients were exchanged (so all stop at the same step)."""
         if self.placement.world == 1:
             return 0.0, self._stop
-        values = torch.tensor([self._norms.total, float(self._stop)], dtype=torch.float64)
-        self._norms.total = 0.0
-        dist.all_reduce(values)
-        return float(values[0]) / self.placement.world, bool(values[1] > 0)
+        return self._norms.agreed
 
-    def _estimate_noise(self, batch: int, local_sqr: float) -> None:
-        params = self._parameters()
-        grads = [p.grad.detach() for p in params]
+    def _estimate_noise(self, batch: int, local_sqr: float, params: list[torch.Tensor], grads: list[torch.Tensor],
+                        mean_sqr: float) -> None:
         if self.placement.world > 1:
-            sample = from_replicas(local_sqr, self._norm(grads, params), self.m * (self.s + 1), self.placement.world)
+            sample = from_replicas(local_sqr, mean_sqr, self.m * (self.s + 1), self.placement.world)
         elif self.s > 0:
             micro_mean = sum(self._micro_norms) / len(self._micro_norms)
-            sample = from_replicas(micro_mean, self._norm(grads, params), self.m, self.s + 1)
+            sample = from_replicas(micro_mean, mean_sqr, self.m, self.s + 1)
             self._previous = None
         else:
             sample = None
@@ -290,7 +311,7 @@ class AdaptiveTraining:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         ddp = DistributedDataParallel(model)
-        norms = _LocalNorms(self._preconditioner)
+        norms = _LocalNorms(self._preconditioner, lambda: self._stop, self.placement.world)
         ddp.register_comm_hook(norms, _local_norms_hook)
         return ddp, norms
 
