@@ -1,19 +1,19 @@
 """An ordinary PyTorch training script made adaptive with goodput's library: an MLP classifying
 generated Gaussian blobs (no download). Run alone, or under the executor (torchrun's environment).
 
-    python examples/jobs/mlp_blobs.py --epochs 20 --checkpoint out/mlp.pt
+    python -m examples.jobs.mlp_blobs --epochs 20 --checkpoint out/mlp.pt
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from services.executor.trainer import AdaptiveTraining, Stopped
+from examples.jobs.common import train
+from services.executor.trainer import AdaptiveTraining
 
 CLASSES, FEATURES = 8, 32
 
@@ -42,26 +42,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    train, test = blobs(8192, seed=1), blobs(2048, seed=2)
-    training = AdaptiveTraining(model, optimizer, train, init_batch=32, max_batch=args.max_batch, max_local=256,
+    data, test = blobs(8192, seed=1), blobs(2048, seed=2)
+    training = AdaptiveTraining(model, optimizer, data, init_batch=32, max_batch=args.max_batch, max_local=256,
                                 target_epochs=args.epochs, checkpoint_path=args.checkpoint)
     loss_fn = nn.CrossEntropyLoss()
-    batches = set()
-    try:
-        while not training.done():
-            for inputs, labels in training.micro_batches():
-                training.backward(loss_fn(training.model(inputs), labels))
-            training.step()
-            batches.add(training.batch)
-    except Stopped:
-        result = {"stopped": True, "epochs": training.epochs, "steps": training.steps}
-        print(json.dumps(result), flush=True)
-        return result
-    training.save()
-    result = {"stopped": False, "epochs": training.epochs, "steps": training.steps, "batches": sorted(batches),
-              "accuracy": accuracy(model, test), "noise": training.noise.stats(), "world": training.placement.world}
-    print(json.dumps(result), flush=True)
-    return result
+    return train(training, lambda net, batch: loss_fn(net(batch[0]), batch[1]), lambda: accuracy(model, test))
 
 
 if __name__ == "__main__":
