@@ -6,13 +6,12 @@ bright square. Adam, so the library scales its learning rate by the square root 
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from examples.jobs.common import train
+from examples.jobs.common import job_arguments, train
 from services.executor.trainer import AdaptiveTraining
 
 SIZE = 16
@@ -31,10 +30,7 @@ def squares(n: int, seed: int) -> TensorDataset:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=float, default=4.0, help="statistical epochs to train")
-    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
-    args = parser.parse_args(argv)
+    args = job_arguments(__doc__, 4.0, argv)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                           nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),

@@ -3,12 +3,24 @@ JSON line with the outcome (the executor and the tests read it)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Callable
 
 import torch
 
 from services.executor.trainer import AdaptiveTraining, Stopped
+
+
+def job_arguments(description: str, epochs: float, argv: list[str] | None = None,
+                  extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The options every example job takes: its target in statistical epochs and its checkpoint."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=float, default=epochs, help="statistical epochs to train (default: %(default)s)")
+    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
+    if extra:
+        extra(parser)
+    return parser.parse_args(argv)
 
 
 def train(training: AdaptiveTraining, loss_of: Callable[[torch.nn.Module, tuple], torch.Tensor],

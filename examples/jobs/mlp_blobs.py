@@ -6,13 +6,12 @@ generated Gaussian blobs (no download). Run alone, or under the executor (torchr
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from examples.jobs.common import train
+from examples.jobs.common import job_arguments, train
 from services.executor.trainer import AdaptiveTraining
 
 CLASSES, FEATURES = 8, 32
@@ -34,11 +33,8 @@ def accuracy(model: nn.Module, data: TensorDataset) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=float, default=15.0, help="statistical epochs to train")
-    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
-    parser.add_argument("--max-batch", type=int, default=1024)
-    args = parser.parse_args(argv)
+    args = job_arguments(__doc__, 15.0, argv,
+                         lambda parser: parser.add_argument("--max-batch", type=int, default=1024))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, CLASSES))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -7,14 +7,13 @@ accuracy of the next character on held-out sentences.
 
 from __future__ import annotations
 
-import argparse
 import random
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from examples.jobs.common import train
+from examples.jobs.common import job_arguments, train
 from services.executor.trainer import AdaptiveTraining
 
 CONTEXT = 32
@@ -54,10 +53,7 @@ class TinyLM(nn.Module):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=float, default=3.0, help="statistical epochs to train")
-    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
-    args = parser.parse_args(argv)
+    args = job_arguments(__doc__, 3.0, argv)
     torch.manual_seed(0)
     model = TinyLM()
     data, test = windows(corpus(3000, seed=1)), windows(corpus(300, seed=2))
