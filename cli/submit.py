@@ -11,6 +11,7 @@ import msgspec
 import nats.errors
 import yaml
 
+from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
 
@@ -20,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "min_gpus, rigid, strong_scaling, gpu_types")
     parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
                         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    credentials.add_arguments(parser)
     parser.set_defaults(func=_submit)
 
 
@@ -38,14 +40,15 @@ def load_job(path: str | Path):
         raise ValueError(f"{path}: {exc}") from None
 
 
-async def submit(spec, server: str) -> bool:
-    """Publish the spec to the submissions stream; True if stored, False if that id was already stored."""
+async def submit(spec, server: str, **options) -> bool:
+    """Publish the spec to the submissions stream; True if stored, False if that id was already stored.
+    `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`."""
     from shared import subjects
     from shared.bus import Bus
 
     # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
     # max_reconnect_attempts=0 as "no limit" while choosing a server; 1 gives up after one try).
-    bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1)
+    bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
         await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                                 duplicate_window=subjects.DEDUP_WINDOW_S)
@@ -57,8 +60,9 @@ async def submit(spec, server: str) -> bool:
 
 def _submit(args: argparse.Namespace) -> int:
     spec = load_job(args.job)
+    options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        stored = asyncio.run(submit(spec, args.server))
+        stored = asyncio.run(submit(spec, args.server, **options))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise ValueError(f"cannot reach NATS at {args.server} ({exc or type(exc).__name__}); is `goodput up` running?") from None
     print(spec.id if stored else f"{spec.id} (already submitted: not stored again)")

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
 from shared.schema import RunRequest
 
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     status = sub.add_parser("status", help="jobs known to a running goodput")
     status.add_argument("--server", default=None, help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    credentials.add_arguments(status)
     status.set_defaults(func=_status)
 
 
@@ -132,8 +134,9 @@ def _status(args: argparse.Namespace) -> int:
     import os
 
     server = args.server or os.environ.get(SERVER_ENV, DEFAULT_SERVER)
+    options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        records, profiled, leader = asyncio.run(_query(server))
+        records, profiled, leader = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(f"cannot reach a running goodput at {server} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
@@ -149,12 +152,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _query(server: str):
+async def _query(server: str, **options):
     from shared import subjects
     from shared.bus import Bus
     from shared.schema import Ack, Count, JobRecords, Lease
 
-    bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1)
+    bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
         records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=5)
         profiled = await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)

@@ -61,14 +61,23 @@ def wait_until_accepting(process: subprocess.Popen, port: int, log_path: Path) -
 
 
 @contextlib.contextmanager
-def nats_from_binary(workdir: Path, port: int | None = None) -> Iterator[str]:
+def nats_from_binary(workdir: Path, port: int | None = None, config: str | None = None) -> Iterator[str]:
+    """Serve until the block ends. `config` is nats-server configuration text (e.g. the users and
+    permissions of `shared.permissions.render_server_config`), written to workdir/nats.conf; the
+    address, port, JetStream and its folder given here win over it."""
     binary = nats_server_binary()
     port = port or free_loopback_port()
     log_path = workdir / "nats-server.log"
     store = workdir / "jetstream"
+    command = [str(binary), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+    if config is not None:
+        config_path = workdir / "nats.conf"
+        config_path.touch(mode=0o600)    # it holds passwords: readable by this user only
+        config_path.write_text(config)
+        command += ["-c", str(config_path)]
     with log_path.open("wb") as server_log:
         process = subprocess.Popen(
-            [str(binary), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+            command,
             stdout=server_log,
             stderr=subprocess.STDOUT,
         )

@@ -12,10 +12,11 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from nats import micro
 
+from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
 from shared.tracing import setup_tracing
 
@@ -37,20 +38,26 @@ def service_main(name: str, start: Start, add_arguments: Callable[[argparse.Argu
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=f"the goodput {name} service")
     parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
                         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    credentials.add_arguments(parser)
     if add_arguments:
         add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        options = credentials.connect_options(credentials.from_args(args))
+    except ValueError as error:
+        parser.error(str(error))   # exits 2 with the reason, before anything starts
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     provider = setup_tracing(f"goodput-{name}")
     try:
-        asyncio.run(serve(name, start, args))
+        asyncio.run(serve(name, start, args, **options))
     finally:
         provider.shutdown()            # export the spans still buffered before the process ends
 
 
-async def serve(name: str, start: Start, args: argparse.Namespace) -> None:
-    """Serve until SIGTERM or SIGINT, then stop taking requests, finish the ones in hand and leave."""
-    bus = await Bus.connect(args.server, f"goodput-{name}")
+async def serve(name: str, start: Start, args: argparse.Namespace, **options: Any) -> None:
+    """Serve until SIGTERM or SIGINT, then stop taking requests, finish the ones in hand and leave.
+    `options` are nats-py connect options: the credentials and TLS of `shared.credentials`."""
+    bus = await Bus.connect(args.server, f"goodput-{name}", **options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

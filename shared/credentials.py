@@ -1,0 +1,147 @@
+"""NATS credentials and TLS for every process that connects: the services and the CLI commands.
+
+One set of command-line options, each with an environment variable standing in for it, turned into
+nats-py connect options in one place (`connect_options`). Secrets are read from files (or, for the
+password, from the environment), never from the command line, where `ps` would show them:
+
+  --nats-user USER            GOODPUT_NATS_USER            user name (the role, see shared/permissions.py)
+  --nats-password-file PATH   GOODPUT_NATS_PASSWORD_FILE   the user's password, from a file
+                              GOODPUT_NATS_PASSWORD        ... or from the environment (used only with a user)
+  --nats-token-file PATH      GOODPUT_NATS_TOKEN_FILE      a token instead of user and password
+  --nats-creds PATH           GOODPUT_NATS_CREDS           a .creds file (JWT and nkey seed, decentralised auth)
+  --nats-nkey-seed PATH       GOODPUT_NATS_NKEY_SEED       an nkey seed file
+  --tls-ca PATH               GOODPUT_NATS_TLS_CA          CA bundle that verifies the server (enables TLS)
+  --tls-cert PATH             GOODPUT_NATS_TLS_CERT        client certificate (mutual TLS; needs --tls-key)
+  --tls-key PATH              GOODPUT_NATS_TLS_KEY         the client certificate's private key
+
+A file that is named but missing or empty is a ValueError naming the option and the path.
+Credentials in the URL (nats://USER:PASSWORD@HOST:4222) keep working as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env"]
+
+ENV_PREFIX = "GOODPUT_NATS_"
+PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
+
+# field -> (option, environment variable, help)
+_OPTIONS = {
+    "user": ("--nats-user", "GOODPUT_NATS_USER", "NATS user name"),
+    "password_file": ("--nats-password-file", "GOODPUT_NATS_PASSWORD_FILE", "file holding the user's password"),
+    "token_file": ("--nats-token-file", "GOODPUT_NATS_TOKEN_FILE", "file holding a NATS token"),
+    "creds": ("--nats-creds", "GOODPUT_NATS_CREDS", "NATS .creds file (JWT and nkey seed)"),
+    "nkey_seed": ("--nats-nkey-seed", "GOODPUT_NATS_NKEY_SEED", "file holding an nkey seed"),
+    "tls_ca": ("--tls-ca", "GOODPUT_NATS_TLS_CA", "CA bundle verifying the NATS server (turns TLS on)"),
+    "tls_cert": ("--tls-cert", "GOODPUT_NATS_TLS_CERT", "client certificate for mutual TLS"),
+    "tls_key": ("--tls-key", "GOODPUT_NATS_TLS_KEY", "private key of the client certificate"),
+}
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Where this process's NATS credentials are; nothing secret is held until `connect_options`."""
+
+    user: str | None = None
+    password_file: str | None = None
+    token_file: str | None = None
+    creds: str | None = None
+    nkey_seed: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Add the credential and TLS options, defaulting to their GOODPUT_NATS_* variables."""
+    environ = os.environ if environ is None else environ
+    group = parser.add_argument_group("NATS credentials and TLS (secrets from files or the environment)")
+    for field, (option, env, help_text) in _OPTIONS.items():
+        group.add_argument(option, dest=f"nats_{field}", default=environ.get(env) or None,
+                           help=f"{help_text} (default: ${env})")
+
+
+def from_args(args: argparse.Namespace) -> Credentials:
+    return Credentials(**{f.name: getattr(args, f"nats_{f.name}", None) for f in fields(Credentials)})
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Credentials:
+    environ = os.environ if environ is None else environ
+    return Credentials(**{field: environ.get(env) or None for field, (_, env, _) in _OPTIONS.items()})
+
+
+def _existing(field: str, path: str) -> Path:
+    option, env, _ = _OPTIONS[field]
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"{option} (${env}): no such file: {file}")
+    return file
+
+
+def _secret(field: str, path: str) -> str:
+    option, env, _ = _OPTIONS[field]
+    file = _existing(field, path)
+    secret = file.read_text().strip()
+    if not secret:
+        raise ValueError(f"{option} (${env}): {file} is empty")
+    return secret
+
+
+def tls_context(credentials: Credentials) -> ssl.SSLContext | None:
+    """A client SSLContext verifying the server with the CA bundle (and presenting the client
+    certificate when given); None when no TLS option is set."""
+    if not (credentials.tls_ca or credentials.tls_cert or credentials.tls_key):
+        return None
+    if bool(credentials.tls_cert) != bool(credentials.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together (mutual TLS needs both)")
+    ca = str(_existing("tls_ca", credentials.tls_ca)) if credentials.tls_ca else None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    if credentials.tls_cert:
+        cert, key = _existing("tls_cert", credentials.tls_cert), _existing("tls_key", credentials.tls_key)
+        try:
+            context.load_cert_chain(str(cert), str(key))
+        except ssl.SSLError as error:
+            raise ValueError(f"--tls-cert {cert} / --tls-key {key}: cannot load ({error})") from None
+    return context
+
+
+def connect_options(credentials: Credentials | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """nats-py `connect` keyword arguments (pass them to `Bus.connect`) for these credentials;
+    `credentials` None reads the GOODPUT_NATS_* environment. ValueError for a missing file or a
+    combination that cannot work."""
+    environ = os.environ if environ is None else environ
+    credentials = from_env(environ) if credentials is None else credentials
+    options: dict[str, Any] = {}
+    methods = [name for name, given in (("user", credentials.user), ("token", credentials.token_file),
+                                        ("creds", credentials.creds), ("nkey seed", credentials.nkey_seed)) if given]
+    if len(methods) > 1:
+        raise ValueError(f"choose one way to authenticate to NATS, not {' and '.join(methods)}")
+    if credentials.password_file and not credentials.user:
+        raise ValueError("--nats-password-file needs --nats-user (or $GOODPUT_NATS_USER)")
+    if credentials.user:
+        options["user"] = credentials.user
+        if credentials.password_file:
+            options["password"] = _secret("password_file", credentials.password_file)
+        elif environ.get(PASSWORD_ENV):
+            options["password"] = environ[PASSWORD_ENV]
+        else:
+            raise ValueError(f"--nats-user {credentials.user} needs a password: --nats-password-file "
+                             f"or ${PASSWORD_ENV}")
+    if credentials.token_file:
+        options["token"] = _secret("token_file", credentials.token_file)
+    if credentials.creds:
+        options["user_credentials"] = str(_existing("creds", credentials.creds))
+    if credentials.nkey_seed:
+        options["nkeys_seed"] = str(_existing("nkey_seed", credentials.nkey_seed))
+    context = tls_context(credentials)
+    if context is not None:
+        options["tls"] = context
+    return options

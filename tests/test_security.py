@@ -1,0 +1,314 @@
+"""NATS security on a real nats-server: users and per-role permissions from shared/permissions.py,
+credentials from shared/credentials.py, refusals asserted as the server reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import nats.errors
+import pytest
+
+from deploy.nats import nats_from_binary, nats_server_binary
+from deploy.probe import EXIT_NO_ANSWER, ProbeFailed, ping
+from shared import credentials, permissions, subjects
+from shared.bus import Bus
+from shared.schema import ApplyRequest, JobSpec, PlaceRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate(permissions.ROLES)}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a nats-server (JetStream on) with one user per role and its permissions."""
+    workdir = tmp_path_factory.mktemp("secured-nats")
+    with nats_from_binary(workdir, config=permissions.render_server_config(PASSWORDS)) as url:
+        yield url
+
+
+async def connect(url: str, role: str, errors: list[Exception] | None = None, **options) -> Bus:
+    async def collect(error: Exception) -> None:
+        if errors is not None:
+            errors.append(error)
+
+    return await Bus.connect(url, f"test-{role}", user=role, password=PASSWORDS[role], error_cb=collect,
+                             allow_reconnect=False, max_reconnect_attempts=1, **options)
+
+
+async def refused_publish(url: str, role: str, subject: str, message) -> list[Exception]:
+    """Publish `message` on `subject` as `role` while the executor listens there; return the errors
+    the server sent to the publisher, after checking that nothing reached the listener."""
+    listener = await connect(url, "executor")
+    received: list[bytes] = []
+
+    async def on_message(msg) -> None:
+        received.append(msg.data)
+
+    await listener.nc.subscribe(subject, cb=on_message)
+    await listener.flush()
+    errors: list[Exception] = []
+    sender = await connect(url, role, errors)
+    try:
+        await sender.publish(subject, message)
+        await sender.flush()
+        for _ in range(50):              # the -ERR arrives asynchronously after the publish
+            if errors:
+                break
+            await asyncio.sleep(0.02)
+        await listener.flush()
+        assert received == [], f"{role} published on {subject}"
+        return errors
+    finally:
+        await sender.close()
+        await listener.close()
+
+
+def assert_violation(errors: list[Exception], subject: str) -> None:
+    text = " ".join(str(error) for error in errors).lower()
+    assert "permissions violation for publish" in text and subject.lower() in text, errors
+
+
+async def test_user_is_refused_when_it_publishes_an_allocation(secured: str) -> None:
+    apply = ApplyRequest(now_s=0.0, placements={}, models={}, adaptive=False)
+    assert_violation(await refused_publish(secured, "user", subjects.APPLY, apply), subjects.APPLY)
+    # A request for a placement gets no answer either: the publish never reaches a placer.
+    errors: list[Exception] = []
+    user = await connect(secured, "user", errors)
+    try:
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await user.request(subjects.PLACE, PlaceRequest(round=0, allocations={}),
+                               msgspec.Raw, timeout=0.5)
+    finally:
+        await user.close()
+    assert_violation(errors, subjects.PLACE)
+
+
+async def test_profiler_cannot_publish_on_apply(secured: str) -> None:
+    apply = ApplyRequest(now_s=0.0, placements={}, models={}, adaptive=False)
+    assert_violation(await refused_publish(secured, "profiler", subjects.APPLY, apply), subjects.APPLY)
+
+
+async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
+    from cli.submit import submit
+
+    spec = JobSpec(id="secure-job-1", application="cifar10")
+    assert await submit(spec, secured, user="user", password=PASSWORDS["user"])
+    assert not await submit(spec, secured, user="user", password=PASSWORDS["user"])   # de-duplicated
+    reader = await connect(secured, "profiler")
+    try:
+        info = await reader.js.stream_info(subjects.JOBS_STREAM)
+        assert info.state.messages == 1
+        stored = await reader.js.get_last_msg(subjects.JOBS_STREAM, subjects.SUBMIT)
+        assert reader.decode(stored.data, JobSpec) == spec
+    finally:
+        await reader.close()
+
+
+async def test_user_cannot_delete_the_submissions_stream(secured: str) -> None:
+    errors: list[Exception] = []
+    user = await connect(secured, "user", errors)
+    try:
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await user.nc.jetstream(timeout=0.5).delete_stream(subjects.JOBS_STREAM)
+    finally:
+        await user.close()
+    assert_violation(errors, f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}")
+
+
+async def test_message_over_the_size_limit_is_refused(secured: str) -> None:
+    user = await connect(secured, "user")
+    try:
+        assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES
+        with pytest.raises(nats.errors.MaxPayloadError):
+            await user.nc.publish(subjects.SUBMIT, b"x" * (permissions.MAX_PAYLOAD_BYTES + 1))
+    finally:
+        await user.close()
+
+
+async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> None:
+    with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
+        await Bus.connect(secured, "test-intruder", user="user", password="notThePassword1",
+                          allow_reconnect=False, max_reconnect_attempts=1, error_cb=_ignore)
+
+
+async def _ignore(error: Exception) -> None:
+    pass
+
+
+def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tmp_path: Path) -> None:
+    password_file = tmp_path / "placer.password"
+    password_file.write_text(PASSWORDS["placer"] + "\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
+    env["GOODPUT_NATS_PASSWORD_FILE"] = str(password_file)         # the file from the environment,
+    process = subprocess.Popen([sys.executable, "-m", "services.placer", "--server", secured,  # the user as an option
+                                "--nats-user", "placer"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # The probe's URL carries the user role's credentials: a user may ping services.
+        host = secured.removeprefix("nats://")
+        answer = asyncio.run(ping_until_ready(process, f"nats://user:{PASSWORDS['user']}@{host}"))
+        assert answer["name"] == "placer"
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=10)[0].decode(errors="replace")
+    assert "ready" in output, output
+
+
+async def ping_until_ready(process: subprocess.Popen, server: str, timeout_s: float = 30.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await ping("placer", server, timeout_s=1.0)
+        except ProbeFailed as failure:
+            if failure.code != EXIT_NO_ANSWER or process.poll() is not None \
+                    or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
+def test_service_with_a_missing_password_file_says_so(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    result = subprocess.run([sys.executable, "-m", "services.placer", "--server", "nats://127.0.0.1:1",
+                             "--nats-user", "placer", "--nats-password-file", str(missing)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"--nats-password-file ($GOODPUT_NATS_PASSWORD_FILE): no such file: {missing}" in result.stderr
+
+
+def test_connect_options(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    assert credentials.connect_options(credentials.Credentials(user="user", password_file=str(secret)),
+                                       environ={}) == {"user": "user", "password": "s3cret"}
+    assert credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": "p"}) == {
+        "user": "user", "password": "p"}
+    assert credentials.connect_options(environ={}) == {}
+    with pytest.raises(ValueError, match="needs a password"):
+        credentials.connect_options(credentials.Credentials(user="user"), environ={})
+    with pytest.raises(ValueError, match="no such file"):
+        credentials.connect_options(credentials.Credentials(tls_ca=str(tmp_path / "ca.pem")), environ={})
+    with pytest.raises(ValueError, match="go together"):
+        credentials.connect_options(credentials.Credentials(tls_cert=str(secret)), environ={})
+    with pytest.raises(ValueError, match="one way"):
+        credentials.connect_options(credentials.Credentials(user="u", token_file=str(secret)), environ={})
+    ca = credentials.connect_options(credentials.Credentials(tls_ca=_self_signed(tmp_path)[0]), environ={})
+    assert ca["tls"].verify_mode.name == "CERT_REQUIRED"
+
+
+def _self_signed(directory: Path) -> tuple[str, str]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_permission_table() -> None:
+    allocations = {subjects.PLACE, subjects.APPLY}
+    for role, allowed in permissions.ROLES.items():
+        if role != "policy":
+            assert not allocations & set(allowed.publish), role
+            assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
+    user = permissions.ROLES["user"]
+    assert set(user.subscribe) == {"_INBOX.>"} and not user.allow_responses
+    assert subjects.SUBMIT in user.publish and "$JS.API.>" not in user.publish
+
+
+def test_rendered_config_is_valid_for_nats_server(tmp_path: Path) -> None:
+    config = tmp_path / "nats.conf"
+    config.write_text("jetstream {}\n" + permissions.render_server_config(PASSWORDS))
+    check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(config)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    with pytest.raises(ValueError, match="at least 8"):
+        permissions.render_authorization({"user": 'bad"quote'})
+    with pytest.raises(ValueError, match="unknown NATS role"):
+        permissions.render_authorization({"admin": "longenough1"})
+
+
+def test_passwords_from_files_and_environment(tmp_path: Path) -> None:
+    (tmp_path / "placer").write_text("fromTheFile1\n")
+    passwords = permissions.passwords_from(["placer", "user"], tmp_path,
+                                           environ={"GOODPUT_NATS_PASSWORD_USER": "fromTheEnv1"})
+    assert passwords == {"placer": "fromTheFile1", "user": "fromTheEnv1"}
+    with pytest.raises(ValueError, match="GOODPUT_NATS_PASSWORD_PROFILER"):
+        permissions.passwords_from(["profiler"], tmp_path, environ={})
+
+
+async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: Path) -> None:
+    """Every service connects as its own role (password files) and a replay completes: the table
+    grants each service what it uses; no service's log reports a permissions violation. (Its own
+    server: the module's holds other tests' submissions.)"""
+    from deploy.stack import SERVICES, replay, running_services, service_arguments
+    from shared.reference import load_workload
+    from sim.settings import settings_for
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    for service in SERVICES:
+        password_file = tmp_path / f"{service}.password"
+        password_file.write_text(PASSWORDS[service])
+        arguments[service] += ["--nats-user", service, "--nats-password-file", str(password_file)]
+    jobs = load_workload(str(ROOT / "examples" / "workloads" / "mixed-40.csv"))[:4]
+    (tmp_path / "nats").mkdir()
+    config = permissions.render_server_config(PASSWORDS)
+    with nats_from_binary(tmp_path / "nats", config=config) as secured, \
+            running_services(secured, arguments, tmp_path) as stack:
+        bus = await connect(secured, "operator")
+        try:
+            await asyncio.wait_for(stack.wait_ready(bus), 60)
+            report, records = await asyncio.wait_for(
+                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name, request_timeout_s=5.0),
+                60)
+        finally:
+            await bus.close()
+        logs = {name: stack.log(name) for name in stack.processes}
+    assert len(records.jobs) == 4 and all(r.finish_s is not None for r in records.jobs)
+    for name, log in logs.items():
+        assert "ermissions violation" not in log, f"{name}:\n{log}"
+
+
+def test_render_from_the_command_line(tmp_path: Path) -> None:
+    for role in ("placer", "user"):
+        (tmp_path / role).write_text(PASSWORDS[role])
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
+    result = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path),
+                             "--roles", "placer,user"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("max_payload: 1048576\nauthorization {")
+    assert f'{{user: "placer", password: "{PASSWORDS["placer"]}"' in result.stdout
+    missing = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path)], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "GOODPUT_NATS_PASSWORD_PROFILER" in missing.stderr
+
+
+async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
+    """A server that requires TLS: a client given the CA (--tls-ca) connects; one without it cannot
+    verify the server and is refused."""
+    cert, key = _self_signed(tmp_path)
+    password_file = tmp_path / "user.password"
+    password_file.write_text(PASSWORDS["user"])
+    config = f"tls {{\n  cert_file: {cert!r}\n  key_file: {key!r}\n}}\n".replace("'", '"')
+    (tmp_path / "nats").mkdir()
+    with nats_from_binary(tmp_path / "nats", config=config + permissions.render_server_config(PASSWORDS)) as url:
+        trusted = credentials.connect_options(
+            credentials.Credentials(user="user", password_file=str(password_file), tls_ca=cert), environ={})
+        bus = await Bus.connect(url, "test-tls", allow_reconnect=False, max_reconnect_attempts=1, **trusted)
+        try:
+            assert bus.nc.is_connected
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await bus.request(subjects.POLICY_STATUS, PlaceRequest(round=0, allocations={}), msgspec.Raw,
+                                  timeout=0.2)   # allowed for a user; nobody serves it here
+        finally:
+            await bus.close()
+        untrusted = credentials.connect_options(credentials.Credentials(user="user", password_file=str(password_file)),
+                                                environ={})
+        untrusted["tls"] = ssl.create_default_context()          # the system CAs: not this server's
+        with pytest.raises(Exception, match="(?i)certificate verify failed"):
+            await Bus.connect(url, "test-untrusted", allow_reconnect=False, max_reconnect_attempts=1,
+                              error_cb=_ignore, **untrusted)
