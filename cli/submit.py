@@ -64,6 +64,6 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         stored = asyncio.run(submit(spec, args.server, **options))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-        raise ValueError(f"cannot reach NATS at {args.server} ({exc or type(exc).__name__}); is `goodput up` running?") from None
+        raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); is `goodput up` running?") from None
     print(spec.id if stored else f"{spec.id} (already submitted: not stored again)")
     return 0

@@ -138,7 +138,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         records, profiled, leader = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
-        raise ValueError(f"cannot reach a running goodput at {server} ({exc or type(exc).__name__}); "
+        raise ValueError(f"cannot reach a running goodput at {credentials.redact(server)} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
     finished = [r for r in records.jobs if r.finish_s is not None]
     print(f"{len(records.jobs)} jobs known to the executors, {profiled} profiled, {len(finished)} finished; "

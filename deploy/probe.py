@@ -22,10 +22,11 @@ import json
 import os
 import re
 import sys
-from urllib.parse import urlsplit, urlunsplit
 
 import nats
 import nats.errors
+
+from shared.credentials import redact
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"       # as shared.bus: this module stays light, for a fast probe
 SERVER_ENV = "GOODPUT_NATS_URL"
@@ -39,20 +40,6 @@ class ProbeFailed(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-def redact(servers: str) -> str:
-    """The URL(s) with any password or token replaced by ***."""
-    shown = []
-    for server in servers.split(","):
-        parts = urlsplit(server.strip())
-        if parts.username is None:
-            shown.append(server.strip())
-            continue
-        host = parts.netloc.rpartition("@")[2]
-        user = f"{parts.username}:***" if parts.password is not None else "***"
-        shown.append(urlunsplit(parts._replace(netloc=f"{user}@{host}")))
-    return ",".join(shown)
 
 
 async def ping(service: str, server: str, timeout_s: float) -> dict:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env"]
 
@@ -145,3 +146,17 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
     if context is not None:
         options["tls"] = context
     return options
+
+
+def redact(servers: str) -> str:
+    """The URL(s) with any password or token replaced by ***."""
+    shown = []
+    for server in servers.split(","):
+        parts = urlsplit(server.strip())
+        if parts.username is None:
+            shown.append(server.strip())
+            continue
+        host = parts.netloc.rpartition("@")[2]
+        user = f"{parts.username}:***" if parts.password is not None else "***"
+        shown.append(urlunsplit(parts._replace(netloc=f"{user}@{host}")))
+    return ",".join(shown)
