@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -93,6 +94,9 @@ def _receive_attributes(raw: Msg) -> dict[str, Any]:
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"
 SERVER_ENV = "GOODPUT_NATS_URL"          # where every service and command finds NATS
+# How many servers keep each stream and KV bucket a service creates (3 on a 3-server cluster: the
+# data stays available while one server is down); 1 on a single server.
+REPLICAS_ENV = "GOODPUT_JETSTREAM_REPLICAS"
 
 
 @dataclass
@@ -113,8 +117,12 @@ class Bus:
         *,
         tracer_provider: TracerProvider | None = None,
         on_invalid: InvalidHandler | None = None,
+        replicas: int = 1,
     ) -> None:
+        if replicas < 1:
+            raise ValueError(f"JetStream replicas must be at least 1, got {replicas}")
         self.nc = nc
+        self.replicas = replicas
         self.js: JetStreamContext = nc.jetstream()
         # None means the process's provider (shared.tracing.setup_tracing); tests pass their own.
         self._tracer = trace.get_tracer(_TRACER_NAME, tracer_provider=tracer_provider)
@@ -136,10 +144,15 @@ class Bus:
         *,
         tracer_provider: TracerProvider | None = None,
         on_invalid: InvalidHandler | None = None,
+        replicas: int | None = None,
         **options: Any,
     ) -> Bus:
         """Connect as `name` (shown in server monitoring); TLS and auth options (`tls`, `user`,
-        `password`, `token`, `user_credentials`, `nkeys_seed` …) pass through to nats-py."""
+        `password`, `token`, `user_credentials`, `nkeys_seed` …) pass through to nats-py.
+        `replicas`: the servers that keep each stream and KV bucket this bus creates (default:
+        $GOODPUT_JETSTREAM_REPLICAS, else 1)."""
+        if replicas is None:
+            replicas = int(os.environ.get(REPLICAS_ENV, "1"))
         options.setdefault("max_reconnect_attempts", -1)
         options.setdefault("reconnect_time_wait", 0.5)
         options.setdefault("connect_timeout", 2)
@@ -147,7 +160,7 @@ class Bus:
         options.setdefault("disconnected_cb", _log_event(f"{name}: disconnected from NATS"))
         options.setdefault("reconnected_cb", _log_event(f"{name}: reconnected to NATS"))
         nc = await nats.connect(servers, name=name, **options)
-        return cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid)
+        return cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid, replicas=replicas)
 
     async def close(self) -> None:
         """Drain (finish handlers in flight, flush what was published), then close."""
@@ -333,6 +346,7 @@ class Bus:
         """Create the stream, or bring an existing one to this configuration (idempotent, so
         every replica can call it at start). `config` is nats-py's StreamConfig fields, e.g.
         `duplicate_window=120` (seconds), `max_age`, `storage=api.StorageType.FILE`."""
+        config.setdefault("num_replicas", self.replicas)
         stream = api.StreamConfig(name=name, subjects=list(subjects), **config)
         try:
             return await self.js.add_stream(stream)
@@ -439,6 +453,7 @@ class Bus:
         """The KV bucket `bucket`, created on first use, whose values are `value_type`.
         `config` is nats-py's KeyValueConfig fields (`history`, `ttl` in seconds …); an existing
         bucket with another configuration is used as it is."""
+        config.setdefault("replicas", self.replicas)
         try:
             store = await self.js.create_key_value(bucket=bucket, **config)
         except nats.js.errors.BadRequestError as error:

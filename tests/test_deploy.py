@@ -41,7 +41,7 @@ from deploy.nats import free_loopback_port, nats_server_binary
 from deploy.stack import SERVICES
 from services.runner import new_service
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import REPLICAS_ENV, Bus
 from shared.cluster import load_cluster
 from shared.schema import RunCheckpoint
 
@@ -187,6 +187,7 @@ def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
             assert names.index("NATS_USER") < names.index("GOODPUT_NATS_URL")    # $(VAR) sees only earlier ones
             assert names.index("NATS_PASSWORD") < names.index("GOODPUT_NATS_URL")
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://jaeger:4318"
+            assert env[REPLICAS_ENV]["value"] == str(objects(build, "StatefulSet")["nats"]["spec"]["replicas"])
             for probe in ("readinessProbe", "livenessProbe"):
                 assert container[probe]["exec"]["command"] == ["python", "-m", "deploy.probe", SERVICE_NAMES[service]]
 
@@ -444,6 +445,19 @@ async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_a_probed_se
             assert len(stream.cluster.replicas) == 2         # the leader and two followers: three servers
         finally:
             await nc.close()
+        # As the manifests set it: every stream and KV bucket a service creates is kept on all three.
+        os.environ[REPLICAS_ENV] = "3"
+        try:
+            bus = await Bus.connect(with_credentials[0], "replicas-test", max_reconnect_attempts=1)
+        finally:
+            del os.environ[REPLICAS_ENV]
+        try:
+            await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS)
+            await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+            for name in (subjects.JOBS_STREAM, f"KV_{subjects.RUNS_BUCKET}"):
+                assert (await bus.js.stream_info(name)).config.num_replicas == 3, name
+        finally:
+            await bus.close()
         command = [sys.executable, "-m", "services.placer", "--cluster", str(K8S / "base" / "cluster.yaml")]
         log = tmp_path / "placer.log"
         with open(log, "wb") as output:
