@@ -253,6 +253,22 @@ class AdvanceReply(msgspec.Struct, frozen=True):
     finished: tuple[str, ...]
 
 
+class JobStats(msgspec.Struct, frozen=True):
+    """A training job -> its executor, every 30 s (configurable): what it measured. Its
+    observations feed the throughput fit, its gradient statistics the efficiency model."""
+
+    job_id: str
+    gpu_type: str
+    observations: tuple[Observation, ...]      # each configuration run, with its median step time
+    grad_sqr: float | None                     # |G|², None before the first usable step
+    grad_var: float | None                     # the variance of a gradient over M0 examples
+    epochs: NonNegativeFloat                   # statistical progress, in epochs at M0
+    steps: int
+    m: PositiveInt
+    s: int
+    skipped: int = 0                           # steps with a non-finite gradient, never learned from
+
+
 class Observed(msgspec.Struct, frozen=True):
     """Executors -> estimator: a configuration a job ran, and its measured iteration time."""
 

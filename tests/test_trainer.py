@@ -99,3 +99,24 @@ def test_the_default_rule_follows_the_optimizer_and_noise_is_measured(optimizer_
         one_step(training)
     sqr, var = training.noise.stats()
     assert var > 0 and training.steps == 10
+
+
+def test_stats_are_reported_as_the_bus_carries_them(monkeypatch):
+    import msgspec
+
+    from shared.schema import JobStats
+
+    monkeypatch.setenv("GOODPUT_JOB_ID", "tiny-1")
+    reports = []
+    training = tiny_training(report=reports.append, report_every_s=0.0)
+    for _ in range(6):
+        one_step(training)
+    assert len(reports) == 6 and [r.steps for r in reports] == list(range(1, 7))
+    last = msgspec.msgpack.decode(msgspec.msgpack.encode(reports[-1]), type=JobStats)
+    assert last.job_id == "tiny-1" and last.epochs == pytest.approx(training.epochs) and last.epochs > 0
+    assert last.observations and last.observations[0].m == training.m and last.observations[0].t_iter > 0
+    assert last.grad_sqr is not None and last.grad_var > 0
+    quiet = []
+    training = tiny_training(report=quiet.append)            # every 30 s by default: none in a few steps
+    one_step(training)
+    assert quiet == []

@@ -17,7 +17,9 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
 - scales the learning rate by its rule (`lr`) and counts statistical progress in M0-examples;
 - measures the step's time, and every `retune_every` steps fits the throughput model to what it
   measured (shared.goodput.fit_throughput) and re-picks (m, s) for the most goodput (rank 0
-  decides and broadcasts, so every rank runs the same batch).
+  decides and broadcasts, so every rank runs the same batch);
+- every `report_every_s` (30 s) hands `report` a `JobStats`: the configurations it ran with their
+  step times, its gradient statistics and its statistical progress (rank 0 only).
 
 `save()` checkpoints atomically (model, optimizer, data position, noise scale, progress, what it
 measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save and
@@ -45,8 +47,11 @@ from services.executor.data import ElasticOrder
 from services.executor.lr import LrScaling, default_rule
 from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
+from shared.schema import JobStats
 
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
+REPORT_EVERY_S = 30.0      # seconds between JobStats reports
+JOB_ENV, GPU_TYPE_ENV = "GOODPUT_JOB_ID", "GOODPUT_GPU_TYPE"   # set by the executor that starts the job
 TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
 
 
@@ -115,7 +120,8 @@ class AdaptiveTraining:
                  init_batch: int, max_batch: int | None = None, max_local: int | None = None, min_local: int = 1,
                  lr_rule: str | None = None, warmup_epochs: float = 0.0, target_epochs: float | None = None,
                  checkpoint_path: str | Path | None = None, seed: int = 0, retune_every: int = RETUNE_EVERY,
-                 collate: Callable = default_collate, adaptive: bool = True):
+                 collate: Callable = default_collate, adaptive: bool = True,
+                 report: Callable[[JobStats], None] | None = None, report_every_s: float = REPORT_EVERY_S):
         self.placement = Placement.from_env()
         self.dataset, self.collate = dataset, collate
         self.optimizer = optimizer
@@ -126,6 +132,8 @@ class AdaptiveTraining:
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.retune_every = retune_every
         self.adaptive = adaptive
+        self.report, self.report_every_s = report, report_every_s
+        self._reported = time.monotonic()
         self.order = ElasticOrder(len(dataset), seed)
         self.noise = NoiseScale(init_batch)
         self.progress = 0.0                        # statistical progress, in M0-examples
@@ -201,6 +209,9 @@ class AdaptiveTraining:
         self._time(time.perf_counter() - self._started)
         if self.adaptive and self.steps % self.retune_every == 0:
             self.retune()
+        if self.report and self.placement.rank == 0 and time.monotonic() - self._reported >= self.report_every_s:
+            self._reported = time.monotonic()
+            self.report(self.stats())
 
     def done(self) -> bool:
         return self.target_epochs is not None and self.epochs >= self.target_epochs
@@ -215,6 +226,13 @@ class AdaptiveTraining:
         return self.placement.world * self.m * (self.s + 1)
 
     # ---- adaptation -----------------------------------------------------------------------
+
+    def stats(self) -> JobStats:
+        """What the job has measured, as it reports it (`report`, every `report_every_s`)."""
+        noise = self.noise.stats()
+        return JobStats(os.environ.get(JOB_ENV, "job"), os.environ.get(GPU_TYPE_ENV, "cpu"),
+                        tuple(self.observations()), *(noise or (None, None)), self.epochs, self.steps,
+                        self.m, self.s, self.skipped)
 
     def observations(self) -> list[Observation]:
         """Each configuration run, with the median of its recent step times."""
