@@ -142,7 +142,7 @@ class AdaptiveTraining:
         self.m, self.s = self._initial_batch()
         self.model, self._norms = self._distribute(model)
         self._previous: list[torch.Tensor] | None = None      # the last gradient (differenced estimator)
-        self._micro: list[float] = []                         # this step's micro-batch losses
+        self._micro = 0                                       # micro-batches done in this step
         self._micro_norms: list[float] = []                   # and their own gradients' squared norms
         self.skipped = 0                                      # steps with a non-finite gradient
         self._started = 0.0
@@ -156,7 +156,7 @@ class AdaptiveTraining:
     def micro_batches(self) -> Iterator[Any]:
         """This rank's s + 1 micro-batches for the next optimizer step."""
         self._started = time.perf_counter()
-        self._micro, self._micro_norms = [], []
+        self._micro, self._micro_norms = 0, []
         self._order_before = self.order.state_dict()
         p = self.placement
         for indices in self.order.step(p.rank, p.world, self.m, self.s):
@@ -168,7 +168,7 @@ class AdaptiveTraining:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through one micro-batch: averaged over the step's micro-batches; replicas
         synchronise on the last one only."""
-        last = len(self._micro) == self.s
+        last = self._micro == self.s
         scaled = loss / (self.s + 1)
         if isinstance(self.model, DistributedDataParallel) and not last:
             with self.model.no_sync():
@@ -177,7 +177,7 @@ class AdaptiveTraining:
             scaled.backward()
         if self.placement.world == 1 and self.s > 0:
             self._record_micro_gradient()
-        self._micro.append(float(loss.detach()))
+        self._micro += 1                 # (no loss.item(): on a GPU it would wait for the step)
 
     def step(self) -> None:
         """The optimizer step, with everything around it (see the module doc)."""
