@@ -56,7 +56,7 @@ def main() -> None:
     root = reference_root()
     workload = args.workload or str(Path(root) / "sia/sia-simulator/workloads/philly/workload-1.csv")
     jobs = load_workload(workload)
-    direct = simulate(jobs, "sia-hetero-64", "sia", sources=job_sources())
+    direct = simulate(jobs, "sia-hetero-64", "sia", sources=job_sources(), fairness=False)
     records, took = asyncio.run(killed_run(jobs, args.victim, args.after, str(root)))
     outcome = {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records}
     expected = {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
