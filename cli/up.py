@@ -71,7 +71,7 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
     from shared.reference import load_workload
     from services.policy.base import make_policy
     from shared.cluster import load_cluster
-    from sim.run import replay_results, simulation_settings
+    from sim.run import add_fairness, job_sources, replay_results, simulation_settings
     from sim.simulator import FEEDBACK_ITERATIONS
 
     policy, options = policy_spec(args.policy)
@@ -94,8 +94,11 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
                 start = time.perf_counter()
                 run, records = await replay(bus, stack, jobs, policy, options, settings.name)
                 origin = f"reference:{args.reference}" if args.reference else "zoo"
-                result = replay_results(jobs, load_cluster(args.cluster), make_policy(policy, **options), settings,
+                cluster = load_cluster(args.cluster)
+                result = replay_results(jobs, cluster, make_policy(policy, **options), settings,
                                         FEEDBACK_ITERATIONS, run, records, args.workload, origin)
+                await asyncio.to_thread(add_fairness, result, jobs, cluster, policy, options, settings,
+                                        job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS)
                 report(result, time.perf_counter() - start, args.out)
             if not args.once:
                 settings = simulation_settings(None, args.cluster)

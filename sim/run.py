@@ -129,10 +129,17 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
         sim.run(_progress_bar(len(jobs)) if progress else None)
         result = results(sim, name, sources.origin)
     if fairness:
-        alone = AloneRuns(lambda: make_policy(policy, **(policy_options or {})), settings, sources.truths,
-                          sources.profile, feedback_iterations)
-        finish_time_fairness(result, jobs, spec, alone)
+        add_fairness(result, jobs, spec, policy, policy_options or {}, settings, sources, feedback_iterations)
     return result
+
+
+def add_fairness(result: dict, jobs: list[WorkloadJob], cluster, policy: str, policy_options: dict,
+                 settings: SimSettings, sources: JobSources, feedback_iterations: int) -> None:
+    """Each job's finish-time fairness in a result document (sim.fairness): a run of each distinct
+    job alone on its fair share, with the same policy and the same job model."""
+    alone = AloneRuns(lambda: make_policy(policy, **policy_options), settings, sources.truths, sources.profile,
+                      feedback_iterations)
+    finish_time_fairness(result, jobs, cluster, alone)
 
 
 class _Replayed:

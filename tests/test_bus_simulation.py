@@ -65,6 +65,7 @@ def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     import json
     result = json.loads(out.read_text())
     assert result["jobs_unfinished"] == 0 and len(result["jobs"]) == 2
+    assert all(j["rho"] is not None for j in result["jobs"]) and "finish-time fairness" in printed
     assert (tmp_path / "stack" / "policy.log").exists()
 
 
