@@ -28,6 +28,7 @@ raise `Stopped`, so a rescale or a preemption loses at most one step.
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import signal
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -52,6 +54,8 @@ from shared.schema import JobStats
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
 REPORT_EVERY_S = 30.0      # seconds between JobStats reports
 JOB_ENV, GPU_TYPE_ENV = "GOODPUT_JOB_ID", "GOODPUT_GPU_TYPE"   # set by the executor that starts the job
+REPORT_ENV = "GOODPUT_REPORT_S"      # set (seconds): report JobStats on stdout that often, for the executor
+STATS_PREFIX = "goodput-stats "
 TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
 
 
@@ -115,6 +119,11 @@ def _local_norms_hook(state: _LocalNorms, bucket):
     return dist.all_reduce(combined, async_op=True).get_future().then(settle)
 
 
+def _print_stats(stats: JobStats) -> None:
+    """One line on stdout: msgpack (it keeps NaN, which JSON cannot), in base64."""
+    print(STATS_PREFIX + base64.b64encode(msgspec.msgpack.encode(stats)).decode(), flush=True)
+
+
 class AdaptiveTraining:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, *,
                  init_batch: int, max_batch: int | None = None, max_local: int | None = None, min_local: int = 1,
@@ -132,6 +141,8 @@ class AdaptiveTraining:
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.retune_every = retune_every
         self.adaptive = adaptive
+        if report is None and os.environ.get(REPORT_ENV):
+            report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
         self.report, self.report_every_s = report, report_every_s
         self._reported = time.monotonic()
         self.order = ElasticOrder(len(dataset), seed)
@@ -344,9 +355,12 @@ class AdaptiveTraining:
                 "timings": [[list(key), times] for key, times in self.timings.items()]}
 
     def save(self) -> None:
-        """Checkpoint (rank 0 writes; every rank holds the same state)."""
+        """Checkpoint (rank 0 writes; every rank holds the same state), and report what it
+        measured: the last word before a stop or at the end."""
         if self.checkpoint_path and self.placement.rank == 0:
             checkpoint.save(self.state_dict(), self.checkpoint_path)
+        if self.report and self.placement.rank == 0:
+            self.report(self.stats())
         if self.placement.world > 1:
             dist.barrier()
 

@@ -1,0 +1,156 @@
+"""Real jobs on this machine: each GPU of a placement is a CPU slot running one worker process of
+the job (an example job module, `python -m examples.jobs.<application>`), data-parallel over gloo.
+
+`LocalExecutors` is the node agent's core, without the bus: it starts a job's workers for a
+placement (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; and
+GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE), stops them with SIGTERM when the placement
+changes (the library checkpoints and exits) and starts them again on the new one (the library
+resumes from the checkpoint at the new world size), collects the `JobStats` the workers print,
+and notices when a job finishes, or crashes (restarted from its last checkpoint; after
+`max_crashes` it fails, with the reason).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from deploy.nats import free_loopback_port
+from services.executor.trainer import GPU_TYPE_ENV, JOB_ENV, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
+from shared.cluster import Cluster, Spots
+from shared.schema import JobStats
+
+JOBS_PACKAGE = "examples.jobs"          # the only code a submission may run: a module of this package
+STOP_TIMEOUT_S = 60.0
+MAX_CRASHES = 3
+
+
+@dataclass
+class LocalJob:
+    job_id: str
+    application: str
+    placement: Spots = ()
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    lines: queue.Queue = field(default_factory=queue.Queue)
+    stats: JobStats | None = None
+    result: dict | None = None           # the job's last line once it has finished
+    restarts: int = 0
+    crashes: int = 0
+    failure: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return bool(self.workers)
+
+
+class LocalExecutors:
+    def __init__(self, cluster: Cluster, workdir: Path, max_crashes: int = MAX_CRASHES,
+                 report_every_s: float = REPORT_EVERY_S):
+        self.cluster = cluster
+        self.workdir = workdir
+        self.max_crashes = max_crashes
+        self.report_every_s = report_every_s
+        self.jobs: dict[str, LocalJob] = {}
+
+    def add(self, job_id: str, application: str) -> None:
+        if not application.isidentifier() or not (Path(__file__).resolve().parents[2] / "examples" / "jobs"
+                                                  / f"{application}.py").exists():
+            raise ValueError(f"job {job_id}: no example job {application!r} in {JOBS_PACKAGE}")
+        self.jobs.setdefault(job_id, LocalJob(job_id, application))
+
+    def apply(self, placements: dict[str, Spots]) -> None:
+        """Give each job its placement: a changed one stops its workers (they checkpoint) and
+        starts them again on the new slots."""
+        for job in self.jobs.values():
+            spots = tuple(placements.get(job.job_id, ()))
+            if spots == job.placement or job.result is not None or job.failure:
+                continue
+            if job.running:
+                self._stop(job)
+                job.restarts += 1
+            job.placement = spots
+            if spots:
+                self._start(job)
+
+    def poll(self) -> list[str]:
+        """Take the workers' reports; the jobs that finished since the last poll."""
+        finished = []
+        for job in self.jobs.values():
+            self._read(job)
+            if not job.running or any(w.poll() is None for w in job.workers):
+                continue
+            codes = [w.returncode for w in job.workers]
+            job.workers = []
+            if all(code == 0 for code in codes) and job.result is not None:
+                finished.append(job.job_id)
+            elif any(code != 0 for code in codes):
+                job.crashes += 1
+                if job.crashes >= self.max_crashes:
+                    job.failure = f"its workers crashed {job.crashes} times (exit codes {codes})"
+                else:
+                    self._start(job)                  # from its last checkpoint
+        return finished
+
+    def stop_all(self) -> None:
+        for job in self.jobs.values():
+            if job.running:
+                self._stop(job)
+
+    # ---- workers --------------------------------------------------------------------------
+
+    def _start(self, job: LocalJob) -> None:
+        world = sum(g for _, g in job.placement)
+        gpu_type = self.cluster.placement_type(job.placement)
+        port = free_loopback_port()
+        command = [sys.executable, "-m", f"{JOBS_PACKAGE}.{job.application}",
+                   "--checkpoint", str(self.workdir / f"{job.job_id}.pt")]
+        for rank in range(world):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "GOODPUT_NODES": str(len(job.placement)), JOB_ENV: job.job_id, GPU_TYPE_ENV: gpu_type or "",
+                   REPORT_ENV: str(self.report_every_s)}
+            worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, cwd=Path(__file__).resolve().parents[2])
+            threading.Thread(target=_forward, args=(worker, job.lines), daemon=True).start()
+            job.workers.append(worker)
+
+    def _stop(self, job: LocalJob) -> None:
+        for worker in job.workers:
+            worker.send_signal(signal.SIGTERM)
+        for worker in job.workers:
+            try:
+                worker.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        job.workers = []
+        self._read(job)
+
+    def _read(self, job: LocalJob) -> None:
+        while True:
+            try:
+                line = job.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line.startswith(STATS_PREFIX):
+                job.stats = msgspec.msgpack.decode(base64.b64decode(line[len(STATS_PREFIX):]), type=JobStats)
+            elif line.startswith("{"):
+                outcome = json.loads(line)
+                if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
+                    job.result = outcome
+
+
+def _forward(worker: subprocess.Popen, lines: queue.Queue) -> None:
+    """A worker's stdout, line by line (rank 0 reports; every rank prints its outcome)."""
+    for line in worker.stdout:
+        lines.put(line.strip())

@@ -1,0 +1,63 @@
+"""Real jobs on CPU slots: a placement change checkpoints the job and restarts it at the new world
+size, it re-tunes its batch and reaches its target; a crashed worker restarts from its checkpoint."""
+
+import time
+
+import pytest
+
+from services.executor.local import LocalExecutors
+from shared.cluster import Cluster
+from shared.schema import Node
+
+SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
+
+
+def wait_for(condition, executors, timeout_s=120):
+    finished = []
+    deadline = time.monotonic() + timeout_s
+    while not condition(finished):
+        assert time.monotonic() < deadline, "timed out"
+        finished += executors.poll()
+        time.sleep(0.1)
+    return finished
+
+
+def test_a_job_moved_to_two_slots_resumes_there_and_reaches_its_target(tmp_path):
+    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors.add("lm-1", "tiny_lm")
+    job = executors.jobs["lm-1"]
+    try:
+        executors.apply({"lm-1": (("local-0", 1),)})
+        wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)      # training on one slot
+        epochs_on_one = job.stats.epochs
+        executors.apply({"lm-1": (("local-0", 2),)})                                      # the scheduler doubles it
+        wait_for(lambda finished: "lm-1" in finished, executors)
+    finally:
+        executors.stop_all()
+    assert job.restarts == 1 and job.failure is None
+    assert job.result["world"] == 2 and job.result["metric"] >= 0.75
+    assert epochs_on_one < 3.0 <= job.stats.epochs                    # it went on from where it stopped
+    assert {o.gpus for o in job.stats.observations} == {1, 2}        # it measured both, in one model's data
+    assert (tmp_path / "lm-1.pt").exists()
+
+
+def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
+    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors.add("cnn-1", "cnn_shapes")
+    job = executors.jobs["cnn-1"]
+    try:
+        executors.apply({"cnn-1": (("local-0", 1),)})
+        wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)
+        job.workers[0].kill()                                            # kill -9 mid-training
+        wait_for(lambda finished: "cnn-1" in finished, executors)
+    finally:
+        executors.stop_all()
+    assert job.crashes == 1 and job.failure is None and job.result["metric"] >= 0.95
+
+
+def test_only_example_jobs_may_run():
+    executors = LocalExecutors(SLOTS, None)
+    with pytest.raises(ValueError, match="no example job"):
+        executors.add("x", "os")
+    with pytest.raises(ValueError, match="no example job"):
+        executors.add("y", "../../etc/passwd")
