@@ -4,10 +4,10 @@ throughput-based auto-scaler (Or et al.): node count, statistical efficiency, co
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from pathlib import Path
 
+from cli.output import rounded, write_results
 from sim import autoscale as auto
 from sim.run import job_sources, simulation_settings
 from sim.settings import PRESETS
@@ -51,26 +51,12 @@ def _run(args: argparse.Namespace) -> int:
     settings = simulation_settings(args.calibration, "", args.restart_delay)
     runs = auto.compare(sources.truths[args.model], args.gpu_type, options, settings)
     results = build_results(runs, options, sources.origin, settings)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(format_report(results))
-    print(f"\nwrote {out}")
-    if args.plot:
-        # Drawn from the file just written, so the figure depends on the JSON alone.
-        plot_runs(json.loads(out.read_text()), args.plot)
-        print(f"wrote {args.plot}")
+    write_results(results, args.out, format_report(results), plot_runs, args.plot)
     return 0
 
 
 def _rounded(value):
-    if isinstance(value, float):
-        return round(value, _DIGITS)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
-    return value
+    return rounded(value, _DIGITS)
 
 
 def run_record(run: auto.AutoscaleRun) -> dict:

@@ -4,10 +4,10 @@ optimal quanta, a results.json and (optionally) a figure drawn from that JSON al
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict
 from pathlib import Path
 
+from cli.output import rounded, write_results
 from sim import timeslice as ts
 
 # JSON floats are rounded so 0.1-multiples read as written (8.7, not 8.700000000000001).
@@ -26,26 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     results = build_results()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
-    print(format_report(results))
-    print(f"\nwrote {out}")
-    if args.plot:
-        # Drawn from the file just written, so the figure depends on results.json alone.
-        plot_feedback(json.loads(out.read_text()), args.plot)
-        print(f"wrote {args.plot}")
+    write_results(results, args.out, format_report(results), plot_feedback, args.plot)
     return 0
 
 
 def _rounded(value):
-    if isinstance(value, float):
-        return round(value, _DIGITS)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
-    return value
+    return rounded(value, _DIGITS)
 
 
 def schedule_record(result: ts.ScheduleResult, cases: list[str]) -> dict:

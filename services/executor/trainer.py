@@ -137,6 +137,7 @@ class AdaptiveTraining:
         self.limits = BatchLimits(init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch))
         self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self._group_of = self._groups()
         self.target_epochs = target_epochs
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.retune_every = retune_every
@@ -278,12 +279,17 @@ class AdaptiveTraining:
 
     # ---- the noise scale ------------------------------------------------------------------
 
+    def _groups(self) -> dict[int, dict]:
+        """Each parameter's optimizer group, looked up once: the preconditioner needs it for every
+        parameter every step."""
+        return {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
+
     def _preconditioner(self, param: torch.Tensor) -> torch.Tensor | None:
         """Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps); None for SGD or before its first step."""
         state = self.optimizer.state.get(param, {})
         if "exp_avg_sq" not in state:
             return None
-        group = next(g for g in self.optimizer.param_groups if any(p is param for p in g["params"]))
+        group = self._group_of[id(param)]
         step = float(state["step"])
         v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** step)
         return 1.0 / (v_hat.sqrt() + group["eps"])
@@ -370,6 +376,7 @@ class AdaptiveTraining:
             return
         self._module().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._group_of = self._groups()                         # loading made new group dicts
         self.base_lrs = state["base_lrs"]               # the optimizer's lr was the scaled one
         self.order = ElasticOrder.from_state(len(self.dataset), state["order"])
         self.noise.load_state_dict(state["noise"])
