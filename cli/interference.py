@@ -33,6 +33,9 @@ def _interference(args: argparse.Namespace) -> int:
     from sim.run import job_sources
 
     name, options = policy_spec(args.policy)
+    bad = [f for f in args.slowdowns if not 0.0 <= f < 1.0]
+    if bad:                                   # refused before hours of runs, not after the first
+        raise ValueError(f"slowdowns are fractions in [0, 1), got {bad}")
     if name != "pollux":
         raise ValueError(f"policy {name!r} has no interference avoidance to turn off (pollux has)")
     files = [f for group in _workload_sets(args.workloads).values() for f in group]

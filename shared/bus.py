@@ -650,8 +650,11 @@ class TypedKV(Generic[T]):
         live = []
         for subject in sorted(info.state.subjects or {}):
             key = subject[len(prefix):]
-            if await self.get(key) is not None:
-                live.append(key)
+            try:                                 # present and not deleted; its value is not decoded here
+                await self._store.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                continue
+            live.append(key)
         return live
 
 

@@ -217,3 +217,42 @@ async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
     assert outcome == await _direct(jobs)
     # Whichever replica took the lease next (the standby, or the killed one back first) resumed.
     assert any("resumed from round" in (tmp_path / f"{name}.log").read_text() for name in ("policy", "policy-2"))
+
+
+async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tmp_path):
+    """Garbage under a key of the runs bucket (a stranger, a bug) must not stop the leader."""
+    from shared import subjects
+
+    jobs = _mixed(3)
+    import asyncio
+
+    from deploy.nats import nats_from_binary
+    from deploy.stack import replay, running_services, service_arguments
+    from shared.bus import Bus
+    from sim.settings import settings_for
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
+        bus = await Bus.connect(url, "driver")
+        try:
+            await stack.wait_ready(bus)
+            store = await bus.js.create_key_value(bucket=subjects.RUNS_BUCKET)
+            await store.put("aaa-garbage", b"\x93 not a checkpoint")        # listed before the real run
+            _, records = await asyncio.wait_for(
+                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name), 120)
+        finally:
+            await bus.close()
+    assert all(r.finish_s is not None for r in records.jobs)
+    assert "unreadable checkpoint" in (tmp_path / "policy.log").read_text()
+
+
+def test_the_policy_service_refuses_a_lease_that_never_expires():
+    import argparse
+
+    from services.policy.service import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--lease-ttl", "2"]).lease_ttl == 2.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lease-ttl", "0"])

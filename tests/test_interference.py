@@ -85,3 +85,11 @@ def test_a_slowdown_slows_training_by_that_fraction():
 def test_interference_is_a_fraction_below_one():
     with pytest.raises(ValueError, match="interference"):
         simulate([WorkloadJob("j", 0, "cifar10", 2, 256)], "pollux-homo-64", "fifo", sources=ZOO, interference=1.5)
+
+
+def test_the_command_refuses_a_bad_slowdown_before_running_anything(capsys):
+    from cli.main import main
+
+    assert main(["interference", "--workloads", "examples/workloads/mixed-40.csv", "--slowdowns", "0", "1.5"]) == 2
+    assert "slowdowns are fractions in [0, 1)" in capsys.readouterr().err
+

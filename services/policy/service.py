@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 
+import msgspec
 from nats import micro
 
 from services.policy.base import make_policy
@@ -41,9 +42,16 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S,
+    parser.add_argument("--lease-ttl", type=_positive, default=LEASE_TTL_S,
                         help="seconds a leader's lease lasts unrenewed: a standby takes over within it "
                              "(default: %(default)s)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 class RunJournal:
@@ -102,17 +110,32 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
     log.info("run %s: over", request.run_id)
 
 
+async def _next_run(runs: TypedKV[RunCheckpoint], unreadable: set[str]):
+    """The first run not over; an unreadable checkpoint is skipped (warned of once), not fatal."""
+    for key in await runs.keys():
+        try:
+            entry = await runs.get(key)
+        except msgspec.DecodeError as error:
+            if key not in unreadable:
+                unreadable.add(key)
+                log.warning("run %s: unreadable checkpoint, skipped: %s", key, error)
+            continue
+        if entry is not None and not entry.value.over:
+            return entry
+    return None
+
+
 async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], cluster: Cluster,
                cluster_arg: str, stop: asyncio.Event) -> None:
     """While we lead: run each unfinished run in turn."""
+    unreadable: set[str] = set()
     while not stop.is_set():
         pending = None
         if leadership.held:
-            for key in await runs.keys():
-                entry = await runs.get(key)
-                if entry is not None and not entry.value.over:
-                    pending = entry
-                    break
+            try:
+                pending = await _next_run(runs, unreadable)
+            except Exception:  # noqa: BLE001 - a failed read must not end the leading; try again
+                log.exception("reading the runs failed")
         if pending is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), IDLE_POLL_S)
