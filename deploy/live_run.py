@@ -20,6 +20,7 @@ import nats.errors
 from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
 from shared import subjects
 from shared.bus import Bus, RevisionConflict
+from shared.credentials import connect_options
 from shared.schema import RunCheckpoint, RunRequest
 
 LIVE_RUN = "live"
@@ -46,7 +47,8 @@ async def create_live_run(server: str, request: RunRequest, wait_s: float) -> Ru
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         try:
-            bus = await Bus.connect(server, "goodput-live-run", allow_reconnect=False, max_reconnect_attempts=1)
+            bus = await Bus.connect(server, "goodput-live-run", allow_reconnect=False, max_reconnect_attempts=1,
+                                    **connect_options())     # the $GOODPUT_NATS_* credentials
             break
         except Exception as error:  # noqa: BLE001 - NATS may still be starting: try again until the deadline
             if asyncio.get_running_loop().time() > deadline:

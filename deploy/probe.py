@@ -11,7 +11,8 @@ service API names an instance only by a random id. With several replicas the pro
 service is served, not that this container serves it.
 
 The NATS URL is `--server`, else $GOODPUT_NATS_URL, else nats://127.0.0.1:4222; credentials may
-stand in it (nats://USER:PASSWORD@HOST:4222) and are never printed.
+stand in it (nats://USER:PASSWORD@HOST:4222) and are never printed, or come as the services take
+them, from $GOODPUT_NATS_USER, $GOODPUT_NATS_PASSWORD_FILE … (shared/credentials.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import nats
 import nats.errors
 
-from shared.credentials import redact
+from shared.credentials import connect_options, redact
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"       # as shared.bus: this module stays light, for a fast probe
 SERVER_ENV = "GOODPUT_NATS_URL"
@@ -42,8 +43,9 @@ class ProbeFailed(Exception):
         self.code = code
 
 
-async def ping(service: str, server: str, timeout_s: float) -> dict:
-    """The first ping answer of an instance of `service`; ProbeFailed with the reason otherwise."""
+async def ping(service: str, server: str, timeout_s: float, **options) -> dict:
+    """The first ping answer of an instance of `service`; ProbeFailed with the reason otherwise.
+    `options`: nats-py connect options (credentials, TLS, inbox prefix)."""
     errors: list[Exception] = []
 
     async def remember(error: Exception) -> None:
@@ -52,7 +54,7 @@ async def ping(service: str, server: str, timeout_s: float) -> dict:
     try:
         nc = await nats.connect(server, name=f"goodput-probe-{service}", allow_reconnect=False,
                                 max_reconnect_attempts=1, reconnect_time_wait=0.1, connect_timeout=timeout_s,
-                                error_cb=remember)
+                                error_cb=remember, **options)
     except Exception as error:  # noqa: BLE001 - every way of not connecting is the same answer
         reason = errors[0] if errors else error
         raise ProbeFailed(f"cannot reach NATS at {redact(server)}: {reason or type(reason).__name__}",
@@ -92,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
     try:
-        answer = asyncio.run(ping(args.service, args.server, args.timeout))
+        options = connect_options()            # the $GOODPUT_NATS_* credentials, as the service's own
+        answer = asyncio.run(ping(args.service, args.server, args.timeout, **options))
+    except ValueError as error:
+        print(f"probe: {error}", file=sys.stderr)
+        return EXIT_NO_NATS
     except ProbeFailed as failure:
         print(f"probe: {failure}", file=sys.stderr)
         return failure.code

@@ -13,9 +13,13 @@ password, from the environment), never from the command line, where `ps` would s
   --tls-ca PATH               GOODPUT_NATS_TLS_CA          CA bundle that verifies the server (enables TLS)
   --tls-cert PATH             GOODPUT_NATS_TLS_CERT        client certificate (mutual TLS; needs --tls-key)
   --tls-key PATH              GOODPUT_NATS_TLS_KEY         the client certificate's private key
+  --nats-inbox-prefix PREFIX  GOODPUT_NATS_INBOX_PREFIX    where replies come back; default _INBOX_<user>
+                                                           with a user, since each role may read only
+                                                           its own inboxes (shared/permissions.py)
 
 A file that is named but missing or empty is a ValueError naming the option and the path.
-Credentials in the URL (nats://USER:PASSWORD@HOST:4222) keep working as before.
+Credentials in the URL (nats://USER:PASSWORD@HOST:4222) still connect, but their replies use
+nats-py's default inbox: against the per-role permissions, give --nats-inbox-prefix _INBOX_<USER> too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from shared.permissions import inbox_prefix
 
 __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env"]
 
@@ -44,6 +50,8 @@ _OPTIONS = {
     "tls_ca": ("--tls-ca", "GOODPUT_NATS_TLS_CA", "CA bundle verifying the NATS server (turns TLS on)"),
     "tls_cert": ("--tls-cert", "GOODPUT_NATS_TLS_CERT", "client certificate for mutual TLS"),
     "tls_key": ("--tls-key", "GOODPUT_NATS_TLS_KEY", "private key of the client certificate"),
+    "inbox_prefix": ("--nats-inbox-prefix", "GOODPUT_NATS_INBOX_PREFIX",
+                     "prefix of this client's reply subjects (default: _INBOX_<user> with a user)"),
 }
 
 
@@ -59,6 +67,7 @@ class Credentials:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    inbox_prefix: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -136,6 +145,10 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
         else:
             raise ValueError(f"--nats-user {credentials.user} needs a password: --nats-password-file "
                              f"or ${PASSWORD_ENV}")
+    # Replies come back where this role may subscribe (shared/permissions.py).
+    prefix = credentials.inbox_prefix or (inbox_prefix(credentials.user) if credentials.user else None)
+    if prefix:
+        options["inbox_prefix"] = prefix
     if credentials.token_file:
         options["token"] = _secret("token_file", credentials.token_file)
     if credentials.creds:

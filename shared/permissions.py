@@ -4,13 +4,15 @@
 Each role is one NATS user: the five services, `operator` (who drives replays and live runs) and
 `user` (whoever runs `goodput submit` and `goodput status`). The rules, beyond each role's own subjects:
 
-- Every client receives replies on `_INBOX.>` (requests, JetStream acks, KV and consumer replies);
-  services answer requests through `allow_responses` (they may publish once to the reply subject of
-  a request they received, and nowhere else by that right).
-- Services use JetStream and KV through `$JS.API.>` (streams, consumers, `$JS.API.DIRECT.GET` for KV
-  reads) and `$JS.ACK.>` (acknowledging pulled messages); a KV write is a publish on
-  `$KV.<bucket>.<key>`, so each service may write only its own buckets. They answer the NATS service
-  API (`$SRV.PING`/`INFO`/`STATS`, `nats.micro`).
+- Replies (requests, JetStream acks, KV and consumer replies) come back on the role's own inboxes,
+  `_INBOX_<role>.>`: a client connects with that inbox prefix (shared/credentials.py sets it from
+  the user name), so no role can subscribe to another's replies. Services answer requests through
+  `allow_responses` (they may publish once to the reply subject of a request they received, and
+  nowhere else by that right).
+- JetStream is granted per stream, consumer and KV bucket, as each role uses them (`_stream`,
+  `_durable`, `_kv`, `_follow`), not as all of `$JS.API.>`. A KV write is a publish on
+  `$KV.<bucket>.<key>`, so each role writes only its own buckets. Services answer the NATS service
+  API (`$SRV.PING`/`INFO`/`STATS`, `nats.micro`) and may ping themselves (their readiness probe).
 - Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a user
   cannot.
 - A user may publish a submission (`SUBMIT`, stored by JetStream: the JetStream publish is a plain
@@ -18,6 +20,9 @@ Each role is one NATS user: the five services, `operator` (who drives replays an
   is not there yet, hence `$JS.API.STREAM.CREATE.GOODPUT_JOBS` — creating an existing stream with
   its own configuration is a no-op, and a different configuration is refused) and read status
   (request the status subjects, ping services).
+
+What stays coarse: replicas of one role share its inboxes, and every `user` shares the user role's;
+a service that may create and update its streams could also change their subjects.
 
 Passwords never live here or in the repository: `render_authorization` takes them as a mapping, and
 `passwords_from` reads them from files or the environment.
@@ -28,25 +33,58 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared import subjects
 
-__all__ = ["ROLES", "Permissions", "passwords_from", "render_authorization", "render_server_config"]
+__all__ = ["ROLES", "Permissions", "inbox_prefix", "passwords_from", "render_authorization", "render_server_config"]
 
-INBOX = "_INBOX.>"
-JS_API = "$JS.API.>"
-JS_ACK = "$JS.ACK.>"
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024          # nats-server's max_payload: the largest message it accepts
+# A service may send this many messages to the reply subject of a request it took (nats-server's
+# default is one): a body over max_payload travels in parts (shared/bus.py).
+MAX_RESPONSE_MESSAGES = 1024
 PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"   # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
+
+
+def inbox_prefix(role: str) -> str:
+    """The inbox prefix a role's clients connect with (nats-py's `inbox_prefix`)."""
+    return f"_INBOX_{role}"
 
 
 def kv_subjects(bucket: str) -> str:
     """What a KV write publishes on."""
     return f"$KV.{bucket}.>"
+
+
+def _stream(name: str) -> tuple[str, ...]:
+    """Create a stream, or bring it to the code's configuration (Bus.ensure_stream), and read its info."""
+    return tuple(f"$JS.API.STREAM.{op}.{name}" for op in ("CREATE", "UPDATE", "INFO"))
+
+
+def _kv(bucket: str, write: bool = True) -> tuple[str, ...]:
+    """Use a KV bucket: create it, read keys (message get, or direct get when the bucket allows it)."""
+    stream = f"KV_{bucket}"
+    reads = (f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>")
+    return _stream(stream) + reads + ((kv_subjects(bucket),) if write else ())
+
+
+def _durable(stream: str, consumer: str) -> tuple[str, ...]:
+    """Create, pull from and acknowledge one durable consumer (Bus.pull_consumer)."""
+    api = "$JS.API.CONSUMER"
+    return (f"{api}.CREATE.{stream}.{consumer}", f"{api}.CREATE.{stream}.{consumer}.>",
+            f"{api}.DURABLE.CREATE.{stream}.{consumer}", f"{api}.INFO.{stream}.{consumer}",
+            f"{api}.MSG.NEXT.{stream}.{consumer}", f"$JS.ACK.{stream}.{consumer}.>")
+
+
+def _follow(stream: str) -> tuple[str, ...]:
+    """Read a stream through ordered consumers (Bus.follow): nats-py looks the stream up by subject,
+    creates unnamed consumers, and answers the server's flow control on `$JS.FC`."""
+    return ("$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
 
 
 @dataclass(frozen=True)
@@ -56,45 +94,54 @@ class Permissions:
     allow_responses: bool = False        # may reply to requests it received
 
 
-def _service(publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
-    return Permissions(publish=(JS_API, JS_ACK, *publish), subscribe=(INBOX, *SERVICE_API, *subscribe),
-                       allow_responses=True)
+def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
+    return Permissions(publish=(f"$SRV.PING.{name}", *publish),
+                       subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe), allow_responses=True)
+
+
+def _client(name: str, publish: Iterable[str]) -> Permissions:
+    return Permissions(publish=tuple(publish), subscribe=(f"{inbox_prefix(name)}.>",))
 
 
 STATUS_SUBJECTS = (subjects.RECORDS, subjects.EXECUTOR_STATUS, subjects.ESTIMATOR_STATUS, subjects.POLICY_STATUS)
+JOBS = subjects.JOBS_STREAM
 
 ROLES: dict[str, Permissions] = {
-    "placer": _service(publish=(), subscribe=(subjects.PLACE,)),
+    "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
     "profiler": _service(
-        publish=(subjects.REJECTED, subjects.PROFILES),
+        "profiler",
+        publish=(subjects.REJECTED, subjects.PROFILES, *_stream(JOBS),
+                 *_durable(JOBS, subjects.PROFILER_CONSUMER)),
         subscribe=(),
     ),
     "estimator": _service(
-        publish=(kv_subjects(subjects.ESTIMATES_BUCKET),),
+        "estimator",
+        publish=_kv(subjects.ESTIMATES_BUCKET),
         subscribe=(subjects.PROFILES, subjects.OBSERVE, subjects.MODELS, subjects.ESTIMATOR_STATUS),
     ),
     "executor": _service(
-        publish=(subjects.OBSERVE, kv_subjects(subjects.EXECUTOR_BUCKET)),
+        "executor",
+        publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_stream(JOBS),
+                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
                    subjects.EXECUTOR_STATUS),
     ),
     "policy": _service(
+        "policy",
         publish=(subjects.FACTS, subjects.MODELS, subjects.PLACE, subjects.APPLY, subjects.ADVANCE,
-                 subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, kv_subjects(subjects.RUNS_BUCKET),
-                 kv_subjects(subjects.LEASE_BUCKET)),
+                 subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, *_stream(subjects.RUN_LOG_STREAM),
+                 *_kv(subjects.RUNS_BUCKET), *_kv(subjects.LEASE_BUCKET)),
         subscribe=(subjects.POLICY_STATUS,),
     ),
     # Whoever drives replays and live runs (`goodput up`, deploy/live_run.py): submits, creates runs
-    # in KV, follows their logs, asks the services how they are.
-    "operator": Permissions(
-        publish=(JS_API, subjects.SUBMIT, kv_subjects(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API),
-        subscribe=(INBOX,),
-    ),
-    "user": Permissions(
-        publish=(subjects.SUBMIT, "$JS.API.INFO", f"$JS.API.STREAM.INFO.{subjects.JOBS_STREAM}",
-                 f"$JS.API.STREAM.CREATE.{subjects.JOBS_STREAM}", *STATUS_SUBJECTS, "$SRV.PING", "$SRV.PING.>"),
-        subscribe=(INBOX,),
-    ),
+    # in KV, follows their logs and the submissions' dead letters, asks the services how they are.
+    "operator": _client("operator", publish=(
+        subjects.SUBMIT, *_stream(JOBS), *_follow(JOBS), *_stream(subjects.RUN_LOG_STREAM),
+        *_follow(subjects.RUN_LOG_STREAM),
+        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API)),
+    "user": _client("user", publish=(
+        subjects.SUBMIT, "$JS.API.INFO", f"$JS.API.STREAM.INFO.{JOBS}", f"$JS.API.STREAM.CREATE.{JOBS}",
+        *STATUS_SUBJECTS, "$SRV.PING", "$SRV.PING.>")),
 }
 
 # Letters, digits and a few marks: safe inside a quoted nats-server config string, and no $VAR.
@@ -141,7 +188,7 @@ def render_authorization(passwords: Mapping[str, str], roles: Mapping[str, Permi
             f"      subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
         ]
         if permissions.allow_responses:
-            lines.append("      allow_responses: true")
+            lines.append(f"      allow_responses: {{max: {MAX_RESPONSE_MESSAGES}}}")
         lines.append("    }}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
@@ -152,22 +199,33 @@ def render_server_config(passwords: Mapping[str, str], max_payload: int = MAX_PA
     return f"max_payload: {max_payload}\n" + render_authorization(passwords)
 
 
+def write_private(path: str | Path, text: str) -> None:
+    """Write `text` to a file only its owner can read (it holds passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shared.permissions [--passwords DIR]`: print the config block (passwords from
+    """`python -m shared.permissions [--passwords DIR] [--out FILE]`: the config block (passwords from
     $GOODPUT_NATS_PASSWORD_<ROLE> or DIR/<role>), to include from nats-server's configuration."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m shared.permissions", description=main.__doc__)
     parser.add_argument("--passwords", help="folder with one file per role, named after it, holding its password")
     parser.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to render (default: all)")
     parser.add_argument("--max-payload", type=int, default=MAX_PAYLOAD_BYTES, help="largest message in bytes")
+    parser.add_argument("--out", help="write the block to this file, readable by its owner only (default: stdout)")
     args = parser.parse_args(argv)
     try:
         passwords = passwords_from([role for role in args.roles.split(",") if role], args.passwords)
-        sys.stdout.write(render_server_config(passwords, args.max_payload))
+        config = render_server_config(passwords, args.max_payload)
     except ValueError as error:
         parser.error(str(error))
+    if args.out:
+        write_private(args.out, config)
+    else:
+        sys.stdout.write(config)
     return 0
 
 

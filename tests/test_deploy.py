@@ -31,7 +31,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
-import nats
 import pytest
 import yaml
 from kubernetes_validate import utils as k8s_schema
@@ -40,9 +39,10 @@ from deploy.live_run import create_live_run, live_request
 from deploy.nats import free_loopback_port, nats_server_binary
 from deploy.stack import SERVICES
 from services.runner import new_service
-from shared import subjects
-from shared.bus import REPLICAS_ENV, Bus
+from shared import permissions, subjects
+from shared.bus import REPLICAS_ENV, SERVER_ENV, Bus
 from shared.cluster import load_cluster
+from shared.credentials import connect_options
 from shared.schema import RunCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +57,7 @@ SERVICE_NAMES = {"profiler": subjects.PROFILER_SERVICE, "estimator": subjects.ES
                  "policy": subjects.POLICY_SERVICE, "placer": subjects.PLACER_SERVICE,
                  "executor": subjects.EXECUTOR_SERVICE}
 PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"     # the shape docs/deploy.md makes: a letter, then hex
+PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(permissions.ROLES)}
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 
 
@@ -109,6 +110,41 @@ def service_workloads(name: str) -> dict[str, list[dict]]:
             if service:
                 found.setdefault(service, []).append(obj)
     return found
+
+
+def password_mounts(workload: dict) -> dict[str, set[str]]:
+    """Each container's NATS password Secret keys that it mounts (init containers included)."""
+    pod = workload["spec"]["template"]["spec"]
+    keys = {v["name"]: {i["key"] for i in v["secret"].get("items", [])} or {"*"}   # "*": every key
+            for v in pod.get("volumes", []) if "secret" in v}
+    return {c["name"]: set().union(*(keys[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in keys))
+            for c in pod.get("initContainers", []) + pod["containers"]}
+
+
+def role_problems(workload: dict, role: str) -> list[str]:
+    """Why `workload` does not log in as `role` with only its own password file, or []."""
+    pod = workload["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = env_of(container)
+    problems = []
+    if password_mounts(workload) != {container["name"]: {role}}:
+        problems.append(f"mounts the password keys {password_mounts(workload)}, not only {role!r}")
+    if env.get("GOODPUT_NATS_USER", {}).get("value") != role:
+        problems.append(f"GOODPUT_NATS_USER is not {role!r}")
+    password_file = Path(env.get("GOODPUT_NATS_PASSWORD_FILE", {}).get("value", "/nowhere/x"))
+    mounted = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    volume = next((v for v in pod["volumes"] if v["name"] == mounted.get(str(password_file.parent))), {})
+    if {"key": role, "path": password_file.name} not in volume.get("secret", {}).get("items", []):
+        problems.append(f"GOODPUT_NATS_PASSWORD_FILE {password_file} is not its role's key")
+    if "secretKeyRef" in json.dumps(container.get("env", [])) or "@" in env.get(SERVER_ENV, {}).get("value", ""):
+        problems.append("a password in its environment or URL")
+    return problems
+
+
+def render_auth(config_dir: Path) -> None:
+    """Put the rendered users where nats.conf includes them: ../nats-auth/auth.conf."""
+    (config_dir.parent / "nats-auth").mkdir(exist_ok=True)
+    (config_dir.parent / "nats-auth" / "auth.conf").write_text(permissions.render_server_config(PASSWORDS))
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------
@@ -182,10 +218,8 @@ def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
                 assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == REPLICAS[service], service
             container = containers(workload)[0]
             env = env_of(container)
-            assert env["GOODPUT_NATS_URL"]["value"] == f"nats://$(NATS_USER):$(NATS_PASSWORD)@nats:{nats_port}"
-            names = [e["name"] for e in container["env"]]
-            assert names.index("NATS_USER") < names.index("GOODPUT_NATS_URL")    # $(VAR) sees only earlier ones
-            assert names.index("NATS_PASSWORD") < names.index("GOODPUT_NATS_URL")
+            assert env["GOODPUT_NATS_URL"]["value"] == f"nats://nats:{nats_port}"
+            assert role_problems(workload, service) == [], workload["metadata"]["name"]
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://jaeger:4318"
             assert env[REPLICAS_ENV]["value"] == str(objects(build, "StatefulSet")["nats"]["spec"]["replicas"])
             for probe in ("readinessProbe", "livenessProbe"):
@@ -217,11 +251,20 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_credentials_come_from_the_secret_that_is_not_in_the_repo(build):
-    refs = [env["valueFrom"]["secretKeyRef"] for obj in built(build) if obj["kind"] in WORKLOADS
-            for container in containers(obj) for env in container.get("env", [])
-            if "secretKeyRef" in env.get("valueFrom", {})]
-    assert refs and {r["name"] for r in refs} == {SECRET} and {r["key"] for r in refs} == {"user", "password"}
+def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_is_not_in_the_repo(build):
+    workloads = {o["metadata"]["name"]: o for o in built(build) if o["kind"] in WORKLOADS}
+    roles = {name: env_of(containers(w)[0]).get("GOODPUT_SERVICE", {}).get("value") for name, w in workloads.items()}
+    roles["live-run"] = "operator"
+    for name, workload in workloads.items():
+        secrets = {v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", [])
+                   if "secret" in v}
+        assert secrets <= {SECRET}, name
+        if name == "nats":
+            # only its init container sees every password: it renders the users for the servers
+            assert password_mounts(workload) == {"nats-auth": {"*"}, "nats": set()}
+        elif name != "jaeger":
+            assert role_problems(workload, roles[name]) == [], f"{name}: {role_problems(workload, roles[name])}"
+    assert {roles[name] for name in workloads if name not in ("nats", "jaeger")} == set(permissions.ROLES) - {"user"}
     assert not [o for o in built(build) if o["kind"] == "Secret"]
     for path in DEPLOY.rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".yml", ".conf"):
@@ -229,7 +272,18 @@ def test_credentials_come_from_the_secret_that_is_not_in_the_repo(build):
     assert f"create secret generic {SECRET}" in (ROOT / "docs" / "deploy.md").read_text()
 
 
-def test_nats_is_a_three_node_jetstream_statefulset_whose_routes_name_its_pods():
+def test_the_role_check_notices_a_workload_with_another_roles_password():
+    placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
+    assert role_problems(placer, "placer") == []
+    assert role_problems(placer, "policy")                 # the placer's file and user are not the policy's
+    volume = next(v for v in placer["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+    volume["secret"]["items"].append({"key": "policy", "path": "policy"})
+    assert "mounts the password keys" in role_problems(placer, "placer")[0]
+    del volume["secret"]["items"]                          # every key of the Secret
+    assert role_problems(placer, "placer")
+
+
+def test_nats_is_a_three_node_jetstream_statefulset_whose_routes_name_its_pods(tmp_path):
     statefulset = objects("default", "StatefulSet")["nats"]
     headless = objects("default", "Service")[statefulset["spec"]["serviceName"]]
     assert statefulset["spec"]["replicas"] == 3
@@ -239,10 +293,30 @@ def test_nats_is_a_three_node_jetstream_statefulset_whose_routes_name_its_pods()
     routes = re.findall(r"nats://([\w.-]+):6222", conf)
     assert routes == [f"nats-{i}.{headless['metadata']['name']}" for i in range(3)]
     assert re.search(r"^jetstream\s*{", conf, re.M)
-    env = {"POD_NAME": "nats-0", "NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD, "PATH": os.environ["PATH"]}
-    check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(K8S / "base" / "nats.conf")], env=env,
-                           capture_output=True, text=True, timeout=30)
+    # The init container renders the users into the volume the server mounts where nats.conf includes them.
+    pod = statefulset["spec"]["template"]["spec"]
+    [init], [server] = pod["initContainers"], pod["containers"]
+    config_dir = next(m["mountPath"] for m in server["volumeMounts"] if m["name"] == "config")
+    include = os.path.normpath(os.path.join(config_dir, re.search(r"^include (\S+)", conf, re.M).group(1)))
+    out = init["args"][init["args"].index("--out") + 1]
+    assert init["args"][:3] == ["python", "-m", "shared.permissions"] and out == include
+    auth_volume = next(m["name"] for m in server["volumeMounts"] if m["mountPath"] == os.path.dirname(include))
+    assert auth_volume in {m["name"] for m in init["volumeMounts"]}
+    passwords = init["args"][init["args"].index("--passwords") + 1]
+    assert {m["mountPath"]: m["name"] for m in init["volumeMounts"]}[passwords] == "passwords"
+    assert "NATS_PASSWORD" not in json.dumps(server.get("env", []))
+    check = check_nats_conf(conf, tmp_path, {"POD_NAME": "nats-0"})
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def check_nats_conf(conf: str, workdir: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`nats-server -t` on `conf`, with the rendered users where it includes them."""
+    config_dir = workdir / "etc-nats"
+    config_dir.mkdir()
+    (config_dir / "nats.conf").write_text(conf)
+    render_auth(config_dir)
+    return subprocess.run([str(nats_server_binary()), "-t", "-c", str(config_dir / "nats.conf")],
+                          env={**(env or {}), "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=30)
 
 
 def test_gpu_executors_are_daemonsets_on_their_gpu_type_that_take_every_gpu_of_a_node():
@@ -268,7 +342,7 @@ def test_gpu_executors_are_daemonsets_on_their_gpu_type_that_take_every_gpu_of_a
 # ---- compose -------------------------------------------------------------------------------------
 
 
-def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack():
+def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path):
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     schema = json.loads(importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
                         .joinpath("compose-spec.json").read_text())
@@ -278,20 +352,34 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack():
     nats_conf = DEPLOY / "docker" / "nats.conf"
     assert f"./{nats_conf.relative_to(DEPLOY)}:/etc/nats/nats.conf:ro" in services["nats"]["volumes"]
     assert re.search(r"^jetstream\s*{", nats_conf.read_text(), re.M)
-    env = {"NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD}
-    check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(nats_conf)], env=env, capture_output=True,
-                           text=True, timeout=30)
+    check = check_nats_conf(nats_conf.read_text(), tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
-    for name in SERVICES:
+    # nats-auth renders every role's user into the volume the server reads where nats.conf includes it
+    include = os.path.normpath(os.path.join("/etc/nats", re.search(r"^include (\S+)", nats_conf.read_text(),
+                                                                   re.M).group(1)))
+    auth = services["nats-auth"]
+    out = auth["command"][auth["command"].index("--out") + 1]
+    volume = next(v.split(":")[0] for v in auth["volumes"] if v.split(":")[1] == os.path.dirname(out))
+    assert f"{volume}:{os.path.dirname(include)}:ro" in services["nats"]["volumes"]
+    assert services["nats"]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
+    assert auth["command"][auth["command"].index("--passwords") + 1] == "/run/secrets"
+    assert set(auth["secrets"]) == set(permissions.ROLES) == set(compose["secrets"])
+    for role, secret in compose["secrets"].items():
+        assert secret == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}    # none in the repo
+    roles = {**{name: name for name in SERVICES}, "live-run": "operator"}
+    for name, role in roles.items():
         service = services[name]
         env = service["environment"]
-        assert env["GOODPUT_SERVICE"] == name
-        assert "@nats:4222" in env["GOODPUT_NATS_URL"] and "${GOODPUT_NATS_PASSWORD:?" in env["GOODPUT_NATS_URL"]
+        assert env.get("GOODPUT_SERVICE", name) == name
+        assert env[SERVER_ENV] == "nats://nats:4222" and env["GOODPUT_NATS_USER"] == role, name
+        assert service["secrets"] == [{"source": role, "target": "nats-password"}], name      # its own only
+        assert env["GOODPUT_NATS_PASSWORD_FILE"] == "/run/secrets/nats-password"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
-        assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "deploy.probe", SERVICE_NAMES[name]]
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
         for volume in service.get("volumes", []):
             assert (DEPLOY / volume.split(":")[0]).exists(), volume
+        if name in SERVICES:
+            assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "deploy.probe", SERVICE_NAMES[name]]
     assert services["policy"]["deploy"]["replicas"] >= 2
 
 
@@ -401,12 +489,13 @@ def nats_cluster(workdir: Path) -> Iterator[tuple[list[str], list[int]]]:
     try:
         for i, (client, http, _) in enumerate(ports):
             home = workdir / f"nats-{i}"
-            home.mkdir()
-            (home / "nats.conf").write_text(nats_conf_on_loopback(conf, i, client, http, routes, home))
-            env = {"POD_NAME": f"nats-{i}", "NATS_USER": "goodput", "NATS_PASSWORD": PASSWORD}
+            (home / "etc").mkdir(parents=True)
+            (home / "etc" / "nats.conf").write_text(nats_conf_on_loopback(conf, i, client, http, routes, home))
+            render_auth(home / "etc")                                  # as the pod's init container does
             with open(home / "log", "wb") as log:
-                processes.append(subprocess.Popen([str(nats_server_binary()), "-c", str(home / "nats.conf")],
-                                                  env=env, stdout=log, stderr=subprocess.STDOUT))
+                processes.append(subprocess.Popen([str(nats_server_binary()), "-c", str(home / "etc" / "nats.conf")],
+                                                  env={"POD_NAME": f"nats-{i}"}, stdout=log,
+                                                  stderr=subprocess.STDOUT))
         yield [f"nats://127.0.0.1:{p[0]}" for p in ports], [p[1] for p in ports]
     finally:
         for process in processes:
@@ -435,46 +524,53 @@ def wait_healthy(http_ports: list[int], logs: Path, timeout_s: float = 20.0) -> 
         time.sleep(0.05)
 
 
-async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_a_probed_service_with_credentials(tmp_path):
+def role_env(role: str, workdir: Path, server: str) -> dict[str, str]:
+    """A pod's NATS environment for `role`: the URL, its user, its password file."""
+    password_file = workdir / f"{role}.password"
+    password_file.write_text(PASSWORDS[role])
+    return {SERVER_ENV: server, "GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(password_file)}
+
+
+async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_each_role(tmp_path):
     with nats_cluster(tmp_path) as (urls, http_ports):
         await asyncio.to_thread(wait_healthy, http_ports, tmp_path)
-        with_credentials = [url.replace("nats://", f"nats://goodput:{PASSWORD}@") for url in urls]
-        nc = await nats.connect(with_credentials[0], allow_reconnect=False, max_reconnect_attempts=1)
-        try:
-            stream = await nc.jetstream().add_stream(name="REPLICATED", subjects=["replicated.>"], num_replicas=3)
-            assert len(stream.cluster.replicas) == 2         # the leader and two followers: three servers
-        finally:
-            await nc.close()
-        # As the manifests set it: every stream and KV bucket a service creates is kept on all three.
+        # As the manifests set it: every stream and KV bucket a process creates is kept on all three.
         os.environ[REPLICAS_ENV] = "3"
         try:
-            bus = await Bus.connect(with_credentials[0], "replicas-test", max_reconnect_attempts=1)
+            bus = await Bus.connect(urls[0], "replicas-test", max_reconnect_attempts=1,
+                                    **connect_options(environ=role_env("operator", tmp_path, urls[0])))
         finally:
             del os.environ[REPLICAS_ENV]
         try:
             await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS)
             await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
             for name in (subjects.JOBS_STREAM, f"KV_{subjects.RUNS_BUCKET}"):
-                assert (await bus.js.stream_info(name)).config.num_replicas == 3, name
+                info = await bus.js.stream_info(name)
+                assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, name   # + the leader
         finally:
             await bus.close()
         command = [sys.executable, "-m", "services.placer", "--cluster", str(K8S / "base" / "cluster.yaml")]
         log = tmp_path / "placer.log"
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("GOODPUT_NATS_")}
         with open(log, "wb") as output:
-            placer = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "GOODPUT_NATS_URL": with_credentials[0]},
+            placer = subprocess.Popen(command, cwd=ROOT, env={**clean, **role_env("placer", tmp_path, urls[0])},
                                       stdout=output, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
-            # as in a pod: the URL with the credentials in $GOODPUT_NATS_URL; another server of the cluster
-            while (result := await probe("placer", env={"GOODPUT_NATS_URL": with_credentials[1]}))[0] != 0:
+            # as in the placer's pod: its role from the environment, on another server of the cluster
+            while (result := await probe("placer", env=role_env("placer", tmp_path, urls[1])))[0] != 0:
                 assert placer.poll() is None and time.monotonic() < deadline, f"{result}\n{log.read_text()[-3000:]}"
                 await asyncio.sleep(0.2)
             code, out = await probe("placer", urls[2])
             assert code == 2 and "Authorization Violation" in out, out
+            wrong = {**role_env("placer", tmp_path, urls[2]), "GOODPUT_NATS_USER": "policy"}    # the placer's file
+            code, out = await probe("placer", env=wrong)
+            assert code == 2 and "Authorization Violation" in out, out
         finally:
             placer.send_signal(signal.SIGTERM)
             placer.wait(timeout=20)
-        code, out = await probe("placer", with_credentials[0])
+        assert "ermissions violation" not in log.read_text(), log.read_text()
+        code, out = await probe("placer", env=role_env("placer", tmp_path, urls[0]))
         assert code == 1 and "no instance of service 'placer'" in out, out
 
 

