@@ -16,6 +16,11 @@ module settles them once, and stays generic over message types (the Structs live
 - Every publish, request and JetStream publish writes the current span's W3C `traceparent` into
   the message headers; every handler runs in a span whose parent is the producer's span, so one
   scheduling round is one trace across processes.
+- A body larger than the connection's `max_payload` travels in parts, so no message size is a
+  service's concern: a reply is sent as numbered parts to the requester's inbox; a request's first
+  part goes to the service, whose responder then asks the requester for the others (so every part
+  reaches the one replica of a queue group that took the request). A KV value that large is kept in
+  part keys beside its key (`TypedKV`). A part that does not come in time raises `ChunkLost`.
 - Connections reconnect forever (`max_reconnect_attempts=-1`), so a service outlives a restart of
   the server; pass `max_reconnect_attempts=0` to fail fast instead (a command-line client).
 """
@@ -48,6 +53,7 @@ from shared.tracing import extract_trace_context, inject_trace_context
 
 __all__ = [
     "Bus",
+    "ChunkLost",
     "Delivery",
     "InvalidHandler",
     "KVEntry",
@@ -70,6 +76,48 @@ MSG_ID_HEADER = api.Header.MSG_ID.value  # "Nats-Msg-Id": JetStream drops repeat
 _STREAM_EXISTS_WITH_OTHER_CONFIG = 10058
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 _TRACER_NAME = "goodput.bus"
+
+# A body in parts: each message says "i/n" (part i from 0, of n); a responder asks for part i of a
+# request with an empty request carrying WANT_HEADER: i to the requester's inbox.
+CHUNK_HEADER = "Goodput-Chunk"
+WANT_HEADER = "Goodput-Want"
+HEADER_ROOM = 16 * 1024      # max_payload counts headers too: trace context, error descriptions
+CHUNK_TIMEOUT_S = 5.0        # the most a part may lag the one before it
+NO_RESPONDERS_STATUS = "503"
+
+
+class ChunkLost(nats.errors.TimeoutError):
+    """A part of a body sent in parts did not arrive in time (the sender died, or it was dropped)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def split_body(body: bytes, size: int) -> list[bytes]:
+    """`body` in parts of at most `size` bytes (one part, maybe empty, when it fits)."""
+    return [body[i:i + size] for i in range(0, len(body), size)] or [body]
+
+
+def _chunk_of(headers: dict[str, str] | None) -> tuple[int, int]:
+    """(part, parts) of a message: (0, 1) for a whole body."""
+    mark = (headers or {}).get(CHUNK_HEADER)
+    if mark is None:
+        return 0, 1
+    index, count = mark.split("/")
+    return int(index), int(count)
+
+
+@dataclass
+class _Pending:
+    """A request of ours waiting for its reply: the request's parts (a responder may ask for them)
+    and the reply's messages as they come."""
+
+    parts: list[bytes]
+    replies: asyncio.Queue
 
 
 async def _settle(result: Any) -> Any:
@@ -133,6 +181,12 @@ class Bus:
         # wait its full timeout on their inboxes, which nothing reads between fetches.
         self._pull_consumers: set[PullConsumer[Any]] = set()
         self._closing: list[Callable[[], Awaitable[None]]] = []
+        # Replies come to one wildcard inbox, by token (nats-py's own request keeps only the first
+        # message of a reply; a reply in parts is several).
+        self._reply_prefix: str | None = None
+        self._reply_inbox_ready = asyncio.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self.chunk_timeout_s = CHUNK_TIMEOUT_S
 
     # ---- connection -------------------------------------------------------------------------
 
@@ -208,6 +262,11 @@ class Bus:
             decoder = self._decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
         return decoder.decode(data)
 
+    @property
+    def part_size(self) -> int:
+        """The largest part of a body that fits one message of this connection, headers included."""
+        return max(self.nc.max_payload - HEADER_ROOM, self.nc.max_payload // 2)
+
     @staticmethod
     def _trace_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
         """The caller's headers plus the current trace context; None keeps a plain PUB."""
@@ -229,14 +288,91 @@ class Bus:
         headers: dict[str, str] | None = None,
     ) -> T:
         """Send `msg` and decode the reply as `reply_type`; a reply that does not decode raises
-        (the caller asked, so the caller should know), as do timeouts and no responders."""
-        reply = await self.nc.request(
-            subject, self.encode(msg), timeout=timeout, headers=self._trace_headers(headers)
-        )
-        if reply.headers and micro.request.ERROR_CODE_HEADER in reply.headers:
-            raise micro.request.ServiceError(reply.headers[micro.request.ERROR_CODE_HEADER],
-                                             reply.headers.get(micro.request.ERROR_HEADER, ""))
-        return self.decode(reply.data, reply_type)
+        (the caller asked, so the caller should know), as do timeouts, no responders and a part of
+        a large reply that did not come (`ChunkLost`). `timeout` is for the first part of the reply;
+        each further part may take `chunk_timeout_s`."""
+        reply_headers, data = await self._exchange(subject, self.encode(msg), timeout, self._trace_headers(headers))
+        if reply_headers and micro.request.ERROR_CODE_HEADER in reply_headers:
+            raise micro.request.ServiceError(reply_headers[micro.request.ERROR_CODE_HEADER],
+                                             reply_headers.get(micro.request.ERROR_HEADER, ""))
+        return self.decode(data, reply_type)
+
+    async def _exchange(self, subject: str, body: bytes, timeout: float,
+                        headers: dict[str, str] | None) -> tuple[dict[str, str] | None, bytes]:
+        """One request, in parts if it is large; the reply's headers and its whole body."""
+        async with self._reply_inbox_ready:
+            if self._reply_prefix is None:
+                prefix = self.nc.new_inbox()
+                await self.nc.subscribe(f"{prefix}.*", cb=self._on_reply)
+                self._reply_prefix = prefix
+        token = self.nc.new_inbox().rsplit(".", 1)[1]
+        pending = self._pending[token] = _Pending(split_body(body, self.part_size), asyncio.Queue())
+        try:
+            if len(pending.parts) > 1:
+                headers = {**(headers or {}), CHUNK_HEADER: f"0/{len(pending.parts)}"}
+            await self.nc.publish(subject, pending.parts[0], reply=f"{self._reply_prefix}.{token}", headers=headers)
+            try:
+                first = await asyncio.wait_for(pending.replies.get(), timeout)
+            except asyncio.TimeoutError:
+                raise nats.errors.TimeoutError from None
+            if first.headers and first.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
+                raise nats.errors.NoRespondersError
+
+            async def next_part(index: int, count: int) -> bytes:
+                try:
+                    raw = await asyncio.wait_for(pending.replies.get(), self.chunk_timeout_s)
+                except asyncio.TimeoutError:
+                    raise ChunkLost(f"reply on {subject}: part {index + 1} of {count} did not come "
+                                    f"within {self.chunk_timeout_s:g} s") from None
+                if _chunk_of(raw.headers)[0] != index:
+                    raise ChunkLost(f"reply on {subject}: part {index + 1} of {count} is missing")
+                return raw.data
+
+            return first.headers, await _assemble(first.headers, first.data, next_part)
+        finally:
+            del self._pending[token]
+
+    async def _on_reply(self, raw: Msg) -> None:
+        """A message to our reply inbox: a reply (or part of one), or a responder asking for a part
+        of our request."""
+        pending = self._pending.get(raw.subject.rsplit(".", 1)[1])
+        if pending is None:          # late: its request timed out
+            return
+        want = raw.headers.get(WANT_HEADER) if raw.headers else None
+        if want is None:
+            pending.replies.put_nowait(raw)
+        elif raw.reply and want.isdigit() and int(want) < len(pending.parts):
+            await self.nc.publish(raw.reply, pending.parts[int(want)])
+
+    async def _request_body(self, subject: str, headers: dict[str, str] | None, data: bytes,
+                            reply: str | None) -> bytes | None:
+        """A received request's whole body: its first part plus the others, asked of the requester;
+        None (logged) when one does not come."""
+        async def next_part(index: int, count: int) -> bytes:
+            try:
+                raw = await self.nc.request(reply, b"", timeout=self.chunk_timeout_s, headers={WANT_HEADER: str(index)})
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+                raise ChunkLost(f"request on {subject}: part {index + 1} of {count} did not come "
+                                f"within {self.chunk_timeout_s:g} s") from None
+            return raw.data
+
+        if _chunk_of(headers)[1] > 1 and not reply:
+            log.warning("a message on %s in parts has no reply subject to ask for the rest; dropped", subject)
+            return None
+        try:
+            return await _assemble(headers, data, next_part)
+        except ChunkLost as error:
+            log.warning("%s; the request is dropped", error)
+            return None
+
+    async def _respond(self, reply: str, body: bytes, headers: dict[str, str] | None) -> None:
+        """Answer a request, in numbered parts when the body is larger than one message."""
+        parts = split_body(body, self.part_size)
+        for index, part in enumerate(parts):
+            part_headers = dict(headers or {}) if index == 0 else {}
+            if len(parts) > 1:
+                part_headers[CHUNK_HEADER] = f"{index}/{len(parts)}"
+            await self.nc.publish(reply, part, headers=part_headers or None)
 
     async def _handle(self, subject: str, headers: dict[str, str] | None, data: bytes, msg_type: type[T],
                       handler: Callable[[T], Any], name: str, kind: SpanKind, attributes: dict[str, Any],
@@ -290,17 +426,21 @@ class Bus:
         report_invalid = on_invalid or self._on_invalid
 
         async def on_request(request: micro.Request) -> None:
-            outcome = await self._handle(request.subject, request.headers, request.data, msg_type, handler, span,
+            reply = request._msg.reply
+            data = await self._request_body(request.subject, request.headers, request.data, reply)
+            if data is None or not reply:
+                return
+            outcome = await self._handle(request.subject, request.headers, data, msg_type, handler, span,
                                          SpanKind.SERVER, {"messaging.destination.name": request.subject},
                                          report_invalid)
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
                 return
             body = b"" if outcome.answer is None else self.encode(outcome.answer)
-            if outcome.refusal is not None:
-                await request.respond_error("400", outcome.refusal, data=body, headers=outcome.headers)
-            else:
-                await request.respond(body, headers=outcome.headers)
+            headers = dict(outcome.headers or {})
+            if outcome.refusal is not None:     # as micro's respond_error, in parts if need be
+                headers.update({micro.request.ERROR_HEADER: outcome.refusal, micro.request.ERROR_CODE_HEADER: "400"})
+            await self._respond(reply, body, headers)
 
         options = {"queue_group": queue} if queue else {}
         await service.add_endpoint(name=name, subject=subject, handler=on_request, **options)
@@ -331,10 +471,13 @@ class Bus:
         async def on_message(raw: Msg) -> None:
             kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
             call = (lambda message: handler(message, raw)) if with_raw else handler
-            outcome = await self._handle(raw.subject, raw.headers, raw.data, msg_type, call, name, kind,
+            data = await self._request_body(raw.subject, raw.headers, raw.data, raw.reply)
+            if data is None:
+                return
+            outcome = await self._handle(raw.subject, raw.headers, data, msg_type, call, name, kind,
                                          _receive_attributes(raw), report_invalid)
             if raw.reply and outcome is not None and outcome.answer is not None:
-                await self.nc.publish(raw.reply, self.encode(outcome.answer), headers=outcome.headers)
+                await self._respond(raw.reply, self.encode(outcome.answer), outcome.headers)
 
         subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
         await self.flush()  # when subscribe returns, the server routes to it
@@ -603,34 +746,97 @@ class KVEntry(Generic[T]):
     revision: int
 
 
+# A KV value larger than one message is kept in part keys `_parts.<id>.<i>.<key>`, and its key holds
+# SPILLED + the msgpack of a _Spilled: 0xc1 never begins msgpack, so no value is taken for one. The
+# key's last token(s) come last so that `_parts.*.*.<key>` matches this key's parts and no other's.
+SPILLED = b"\xc1"
+PARTS = "_parts"
+_SPILL_RETRIES = 3           # a value replaced while it was read is read again
+
+
+class _Spilled(msgspec.Struct, frozen=True, array_like=True):
+    id: str
+    parts: int
+
+
 class TypedKV(Generic[T]):
-    """A KV bucket whose values are one Struct type; revisions make compare-and-set possible."""
+    """A KV bucket whose values are one Struct type; revisions make compare-and-set possible. A value
+    too large for one message is written in parts before its key (compare-and-set on the key alone
+    keeps its meaning) and the parts of values it replaced are purged after."""
 
     def __init__(self, bus: Bus, bucket: str, store: KeyValue, value_type: type[T]) -> None:
         self.bucket = bucket
         self._bus = bus
         self._store = store
         self._value_type = value_type
+        self._stream = f"KV_{bucket}"
+        self._spilled: set[str] = set()      # keys seen with parts: a later small value purges them
+
+    def _parts_subject(self, key: str, spill_id: str = "*") -> str:
+        return f"$KV.{self.bucket}.{PARTS}.{spill_id}.*.{key}"
 
     async def get(self, key: str) -> KVEntry[T] | None:
         """The current value and its revision; None when the key is missing or deleted."""
+        for _ in range(_SPILL_RETRIES):
+            try:
+                entry = await self._store.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                return None
+            data = entry.value or b""
+            if data[:1] == SPILLED:
+                self._spilled.add(key)
+                try:
+                    data = await self._read_parts(key, self._bus.decode(data[1:], _Spilled))
+                except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                    continue             # replaced (and its parts purged) while we read it
+            return KVEntry(key, self._bus.decode(data, self._value_type), entry.revision)
+        raise ChunkLost(f"KV {self.bucket}/{key}: its parts went missing {_SPILL_RETRIES} times in a row")
+
+    async def _read_parts(self, key: str, spilled: _Spilled) -> bytes:
+        parts = [await self._store.get(f"{PARTS}.{spilled.id}.{i}.{key}") for i in range(spilled.parts)]
+        return b"".join(part.value or b"" for part in parts)
+
+    async def _write(self, key: str, value: T, write: Callable[[bytes], Awaitable[int]]) -> int:
+        """`write` the value's bytes, or, when it is too large for one message, its parts first and
+        then `write` a pointer to them; then purge what older values left."""
+        data = self._bus.encode(value)
+        spill_id, first = None, None
+        if len(data) > self._bus.part_size:
+            spill_id = self._bus.nc.new_inbox().rsplit(".", 1)[1]
+            parts = split_body(data, self._bus.part_size)
+            for i, part in enumerate(parts):
+                seq = await self._store.put(f"{PARTS}.{spill_id}.{i}.{key}", part)
+                first = first or seq
+            data = SPILLED + self._bus.encode(_Spilled(spill_id, len(parts)))
         try:
-            entry = await self._store.get(key)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return KVEntry(key, self._bus.decode(entry.value or b"", self._value_type), entry.revision)
+            revision = await write(data)
+        except BaseException:
+            if spill_id is not None:     # refused (e.g. a stale revision): its parts are nobody's
+                await self._purge(self._parts_subject(key, spill_id))
+            raise
+        if spill_id is not None or key in self._spilled:
+            await self._purge(self._parts_subject(key), before=first)   # older values' parts only
+            if spill_id is None:
+                self._spilled.discard(key)
+            else:
+                self._spilled.add(key)
+        return revision
+
+    async def _purge(self, subject: str, before: int | None = None) -> None:
+        with contextlib.suppress(nats.errors.Error):      # left over parts cost space, never a value
+            await self._bus.js.purge_stream(self._stream, subject=subject, seq=before)
 
     async def put(self, key: str, value: T) -> int:
         """Write unconditionally; returns the new revision."""
-        return await self._store.put(key, self._bus.encode(value))
+        return await self._write(key, value, lambda data: self._store.put(key, data))
 
     async def create(self, key: str, value: T) -> int:
         """Write only if the key does not exist (or was deleted); RevisionConflict otherwise."""
-        return await self._store.create(key, self._bus.encode(value))
+        return await self._write(key, value, lambda data: self._store.create(key, data))
 
     async def update(self, key: str, value: T, revision: int) -> int:
         """Write only if `revision` is still the key's latest; RevisionConflict otherwise."""
-        return await self._store.update(key, self._bus.encode(value), last=revision)
+        return await self._write(key, value, lambda data: self._store.update(key, data, last=revision))
 
     async def delete(self, key: str, revision: int | None = None) -> None:
         """Delete (a tombstone); with `revision`, only if it is still the latest."""
@@ -640,22 +846,35 @@ class TypedKV(Generic[T]):
             if error.err_code in _WRONG_LAST_SEQUENCE:
                 raise RevisionConflict(description=error.description) from error
             raise
+        await self._purge(self._parts_subject(key))
+        self._spilled.discard(key)
 
     async def keys(self) -> list[str]:
         """Live keys (deleted ones excluded); [] for an empty bucket. Read from the bucket's stream:
         nats-py's watcher-based keys() can end early under load and report none, and a service
         restoring its state from KV must see every key."""
         prefix = f"$KV.{self.bucket}."
-        info = await self._bus.js.stream_info(f"KV_{self.bucket}", subjects_filter=f"{prefix}>")
+        info = await self._bus.js.stream_info(self._stream, subjects_filter=f"{prefix}>")
         live = []
         for subject in sorted(info.state.subjects or {}):
             key = subject[len(prefix):]
+            if key.startswith(f"{PARTS}."):
+                continue
             try:                                 # present and not deleted; its value is not decoded here
                 await self._store.get(key)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
                 continue
             live.append(key)
         return live
+
+
+async def _assemble(headers: dict[str, str] | None, first: bytes,
+                    next_part: Callable[[int, int], Awaitable[bytes]]) -> bytes:
+    """A body from its first part and `next_part(i, n)` for each other part."""
+    _, count = _chunk_of(headers)
+    if count == 1:
+        return first
+    return b"".join([first] + [await next_part(index, count) for index in range(1, count)])
 
 
 def _mark_invalid(span: trace.Span, error: Exception) -> None:

@@ -1,15 +1,18 @@
 """The typed NATS layer against a real server: core pub/sub and request/reply, invalid payloads,
-JetStream de-duplication and redelivery, and KV compare-and-set."""
+JetStream de-duplication and redelivery, KV compare-and-set, and bodies larger than a message."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from typing import Annotated
 
 import msgspec
 import pytest
+from nats import micro
 
-from shared.bus import Delivery, RevisionConflict
+from shared.bus import CHUNK_HEADER, ChunkLost, Delivery, KVEntry, RevisionConflict
 
 TIMEOUT_S = 3.0
 
@@ -220,3 +223,116 @@ async def test_kv_create_and_compare_and_set(connect_bus, name_prefix):
     assert await kv.keys() == ["job-2"]
     assert await kv.get("never") is None
     await kv.create("job-1", Ping(4))  # a deleted key can be created again
+
+
+# ---- bodies larger than max_payload ---------------------------------------------------------------
+
+class Blob(msgspec.Struct, frozen=True):
+    tag: int
+    data: bytes
+
+
+def several_mb(tag: int) -> Blob:
+    return Blob(tag, os.urandom(3 * 1024 * 1024 + 12345))   # 3 MiB and a bit: four parts at 1 MiB
+
+
+async def test_large_requests_and_replies_travel_in_parts(connect_bus, name_prefix):
+    """Two replicas of a service in one queue group answer two requesters at once; every request
+    and every reply is over the server's max_payload, both ways."""
+    subject = f"{name_prefix}.reverse"
+    seen: list[int] = []
+
+    async def reverse(blob: Blob) -> Blob:
+        seen.append(blob.tag)
+        await asyncio.sleep(0.05)               # the two requests overlap on the replicas
+        return Blob(blob.tag, blob.data[::-1])
+
+    for replica in ("a", "b"):
+        bus = await connect_bus(f"replica-{replica}")
+        service = await micro.add_service(bus.nc, name=f"{name_prefix}_svc", version="0.1.0")
+        await bus.add_endpoint(service, "reverse", subject, Blob, reverse)
+    first, second = await connect_bus("first"), await connect_bus("second")
+    assert first.nc.max_payload == 1024 * 1024          # the server's default: these bodies cannot go whole
+    blobs = [several_mb(1), several_mb(2), several_mb(3)]
+    assert all(len(first.encode(b)) > 3 * first.nc.max_payload for b in blobs)
+
+    replies = await asyncio.gather(first.request(subject, blobs[0], Blob, timeout=TIMEOUT_S),
+                                   second.request(subject, blobs[1], Blob, timeout=TIMEOUT_S),
+                                   first.request(subject, blobs[2], Blob, timeout=TIMEOUT_S))
+
+    assert replies == [Blob(b.tag, b.data[::-1]) for b in blobs]
+    assert sorted(seen) == [1, 2, 3]                     # each request handled once, by one replica
+
+
+async def test_large_reply_of_a_plain_subscription(connect_bus, name_prefix):
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject = f"{name_prefix}.blob"
+    await server.subscribe(subject, Ping, lambda ping: several_mb(ping.n))
+
+    reply = await client.request(subject, Ping(7), Blob, timeout=TIMEOUT_S)
+
+    assert reply.tag == 7 and len(reply.data) > 3 * client.nc.max_payload
+
+
+async def test_a_lost_reply_part_raises_chunk_lost(connect_bus, name_prefix):
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject = f"{name_prefix}.broken"
+
+    async def answer_first_part_only(raw) -> None:   # a responder that dies after its first part
+        await server.nc.publish(raw.reply, b"\x92\x01", headers={CHUNK_HEADER: "0/3"})
+
+    await server.nc.subscribe(subject, cb=answer_first_part_only)
+    await server.flush()
+    client.chunk_timeout_s = 0.3
+    with pytest.raises(ChunkLost, match=f"reply on {subject}: part 2 of 3 did not come within 0.3 s"):
+        await client.request(subject, Ping(1), Blob, timeout=TIMEOUT_S)
+
+
+async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject = f"{name_prefix}.echo"
+    handled: list[Ping] = []
+
+    def echo(ping: Ping) -> Pong:
+        handled.append(ping)
+        return Pong(ping.n)
+
+    service = await micro.add_service(server.nc, name=f"{name_prefix}_svc", version="0.1.0")
+    await server.add_endpoint(service, "echo", subject, Ping, echo)
+    server.chunk_timeout_s = 0.3
+    gone = client.nc.new_inbox()           # a requester that sent its first part and died: no one answers here
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        await client.nc.publish(subject, client.encode(Ping(1))[:2], reply=gone, headers={CHUNK_HEADER: "0/2"})
+        assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
+
+    assert handled == [Ping(2)]
+    assert f"request on {subject}: part 2 of 2 did not come within 0.3 s; the request is dropped" in caplog.text
+
+
+async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):
+    bus, other = await connect_bus("writer"), await connect_bus("reader")
+    bucket = f"{name_prefix}_big"
+    kv, kv_other = await bus.kv(bucket, Blob), await other.kv(bucket, Blob)
+
+    async def stored_parts() -> int:
+        info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"$KV.{bucket}._parts.>")
+        return len(info.state.subjects or {})
+
+    first = several_mb(1)
+    created = await kv.create("run.1", first)
+    assert await kv_other.get("run.1") == KVEntry("run.1", first, created)
+    big = several_mb(2)
+    updated = await kv.update("run.1", big, revision=created)
+    read = await kv_other.get("run.1")
+    assert (read.value, read.revision) == (big, updated)
+    assert await stored_parts() == 4                       # the first value's parts are purged
+
+    with pytest.raises(RevisionConflict):                  # a stale writer's parts are purged too
+        await kv_other.update("run.1", several_mb(3), revision=created)
+    assert await stored_parts() == 4 and (await kv.get("run.1")).value == big
+
+    await kv.put("run", Blob(0, b"small"))                 # a key that is a prefix of the other's
+    await kv_other.update("run.1", Blob(4, b"small now"), revision=updated)
+    assert await stored_parts() == 0
+    assert sorted(await kv.keys()) == ["run", "run.1"]
+    assert (await kv.get("run.1")).value == Blob(4, b"small now")
