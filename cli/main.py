@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules under cli/, in help order.
-COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up"]
+COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up", "chaos"]
 
 
 def build_parser() -> argparse.ArgumentParser:

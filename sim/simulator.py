@@ -23,6 +23,7 @@ epoch, as in the peers' simulators).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from typing import Callable, Mapping, Protocol
@@ -33,10 +34,12 @@ from opentelemetry.context import Context
 
 from services.estimator.core import Estimator
 from services.placer.core import place
-from services.policy.base import Policy, RoundState, job_view, restore_policy, snapshot_policy
+from services.policy.base import (Decision, Policy, RoundState, decision_from_placements, job_view, restore_policy,
+                                  snapshot_policy)
 from shared.cluster import Cluster, Config, Spots
 from shared.reference import WorkloadJob
 from shared.schema import (
+    AdvanceReply,
     ApplyRequest,
     DecidedRound,
     JobFacts,
@@ -54,6 +57,7 @@ from sim.world import SimulatedExecutors, SimulatedJob
 
 FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
 _TRACER = trace.get_tracer("goodput.round")
+log = logging.getLogger(__name__)
 
 
 class Wiring(Protocol):
@@ -69,7 +73,7 @@ class Wiring(Protocol):
     async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
                     adaptive: bool) -> None: ...                                    # executors
 
-    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]: ...   # executors: jobs finished
+    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply: ...   # executors: jobs that ended
 
 
 class Journal(Protocol):
@@ -122,11 +126,11 @@ class DirectWiring:
                     adaptive: bool) -> None:
         self.executors.apply(now, placements, models, adaptive)
 
-    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]:
+    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply:
         finished, observed = self.executors.advance(now, step, jobs)
         for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
             self.estimator.observe(job_id, gpu_type, observation)
-        return finished
+        return AdvanceReply(tuple(finished))
 
 
 def hybrid_groups(allocations: Mapping[str, Config], models: list[JobModels]) -> dict[str, int]:
@@ -211,8 +215,10 @@ class Simulator:
                 if clock.decided is not None:
                     apply = clock.decided.apply
                     await self.wiring.apply(apply.now_s, apply.placements, apply.models, apply.adaptive)
-                finished = set(await self.wiring.advance(now, step, list(clock.active)))
+                ended = await self.wiring.advance(now, step, list(clock.active))
+            finished = set(ended.finished) | set(ended.failed)          # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
+            events += tuple(f"{now:.0f}s: {job} failed: {reason}" for job, reason in sorted(ended.failed.items()))
             if record is not None:
                 self.rounds.append(record)
             self.events.extend(events)
@@ -239,7 +245,13 @@ class Simulator:
         policy_start = time.perf_counter()
         with _TRACER.start_as_current_span("policy.solve", attributes={"policy": self.policy.name}):
             # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
-            decision = await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, views))
+            try:
+                decision = await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, views))
+            except ValueError:          # the policy refuses these jobs (e.g. hybrid): the run cannot go on
+                raise
+            except Exception as error:  # noqa: BLE001 - a failed solve costs a round, not the run
+                decision = self._keep(facts, f"policy {self.policy.name} failed ({type(error).__name__}: "
+                                             f"{error}); previous allocation kept")
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
@@ -255,6 +267,11 @@ class Simulator:
         record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus)
         apply = ApplyRequest(now, dict(placements), {m.job_id: m for m in models}, self.policy.adaptive_batch)
         return DecidedRound(apply, record, tuple(events))
+
+    def _keep(self, facts: list[JobFacts], event: str) -> Decision:
+        """The round's decision when the policy could not make one: every job stays where it is."""
+        log.warning(event)
+        return decision_from_placements(self.cluster, {f.job_id: f.placement for f in facts if f.placement}, (event,))
 
     def _check(self, placements: Mapping[str, Spots]) -> None:
         used: dict[str, int] = defaultdict(int)

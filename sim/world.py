@@ -201,7 +201,12 @@ class SimulatedExecutors:
         return [self.jobs[name].facts(self.truths[name], now) for name in names]
 
     def apply(self, now: float, placements, models, adaptive: bool) -> None:
+        """Take a round's placements. A job already run past `now` ignores them: a late or repeated
+        apply (a deposed leader's, a duplicate on the bus) must not undo a newer round's."""
         for name, job_models in models.items():
+            advanced_to = self.jobs[name].advanced_to
+            if advanced_to is not None and advanced_to > now + 1e-9:
+                continue
             self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models, adaptive, now,
                                   self.settings.retune_threshold)
 

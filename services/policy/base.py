@@ -145,6 +145,7 @@ POLICIES: dict[str, str] = {
     "tiresias": "services.policy.tiresias:TiresiasPolicy",
     "fifo": "services.policy.fifo:FifoPolicy",
     "timeslice": "services.policy.timeslice:TimeslicePolicy",
+    "chaos": "services.policy.chaos:ChaosPolicy",      # fault injection only (docs/chaos.md)
 }
 
 

@@ -21,6 +21,7 @@ import os
 import socket
 
 import msgspec
+import nats.errors
 from nats import micro
 
 from services.policy.base import make_policy
@@ -37,6 +38,10 @@ from sim.simulator import Simulator
 
 LEASE_TTL_S = 5.0
 IDLE_POLL_S = 0.1
+RESUME_AFTER_S = 0.5
+# A run that fails is resumed from its checkpoint (the NATS server restarting fails a round's
+# requests and writes); only when it fails this often in a row at the same round does it fail.
+RESUME_TRIES = 3
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +70,7 @@ class RunJournal:
         self.request = checkpoint.request
         self.revision = revision
         self.leadership = leadership
+        self.clock = checkpoint.clock           # as last checkpointed
 
     async def decided(self, clock: RunClock) -> None:
         await self._save(clock)
@@ -75,7 +81,10 @@ class RunJournal:
         await self.bus.js_publish(subjects.run_log(run_id), step, msg_id=f"{run_id}.{step.round}")
         await self._save(clock, over=step.over)
 
-    async def fail(self, clock: RunClock, reason: str) -> None:
+    async def fail(self, reason: str) -> None:
+        # At the last checkpoint's round: the log has not had it, so the step is neither
+        # de-duplicated nor skipped by the driver.
+        clock = self.clock
         step = RunStep(clock.round, clock.now_s, None, (), (), clock.done, len(self.request.jobs),
                        over=True, failure=reason)
         await self.stepped(clock, step)
@@ -85,6 +94,7 @@ class RunJournal:
         try:
             self.revision = await self.runs.update(self.request.run_id, RunCheckpoint(self.request, clock, over),
                                                    self.revision)
+            self.clock = clock
         except RevisionConflict:
             raise LeaseLost(f"run {self.request.run_id} was checkpointed by another leader") from None
 
@@ -97,7 +107,7 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
         settings = simulation_settings(request.calibration, cluster_arg, round_s=request.round_s,
                                        horizon_s=request.horizon_s)
     except ValueError as error:
-        await journal.fail(clock, str(error))
+        await journal.fail(str(error))
         return
     # The clock needs each job's name and submit time only; the executors hold the rest.
     workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
@@ -129,6 +139,7 @@ async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], c
                cluster_arg: str, stop: asyncio.Event) -> None:
     """While we lead: run each unfinished run in turn."""
     unreadable: set[str] = set()
+    failures: dict[str, tuple[int, int]] = {}       # run -> (round it last failed at, failures there in a row)
     while not stop.is_set():
         pending = None
         if leadership.held:
@@ -145,10 +156,20 @@ async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], c
             await run(bus, cluster, cluster_arg, journal, pending.value.clock)
         except LeaseLost as error:
             log.warning("stepping down: %s", error)
-        except Exception as error:  # noqa: BLE001 - the run fails with its reason; the service goes on
+        except Exception as error:  # noqa: BLE001 - resumed, or failed with its reason; the service goes on
+            at = journal.clock.round
+            last, count = failures.get(pending.key, (-1, 0))
+            failures[pending.key] = (at, count + 1 if last == at else 1)
+            if failures[pending.key][1] < RESUME_TRIES:
+                log.warning("run %s interrupted at round %d (%s: %s); resuming it from its checkpoint",
+                            pending.key, at, type(error).__name__, error)
+                await asyncio.sleep(RESUME_AFTER_S)
+                continue
             log.exception("run %s failed", pending.key)
-            with contextlib.suppress(LeaseLost):
-                await journal.fail(pending.value.clock, f"{type(error).__name__}: {error}")
+            try:
+                await journal.fail(f"{type(error).__name__}: {error}")
+            except (LeaseLost, nats.errors.Error) as failed:    # leading goes on: the run is tried again
+                log.warning("run %s: its failure was not recorded: %s", pending.key, failed)
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
