@@ -150,6 +150,20 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
     }
 
 
+def local_service_arguments(cluster: str, workdir: Path, report_every_s: float,
+                            slot_memory_mb: float | None = None) -> dict[str, list[str]]:
+    """Each service's options for real jobs on this machine's slots (`--executors local`)."""
+    memory = ["--slot-memory", str(slot_memory_mb)] if slot_memory_mb is not None else []
+    return {
+        "profiler": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "profiles"), *memory],
+        "estimator": ["--cluster", cluster],
+        "policy": ["--cluster", cluster],
+        "placer": ["--cluster", cluster],
+        "executor": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "jobs"),
+                     "--report-every", str(report_every_s)],
+    }
+
+
 async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,
                  calibration: str, round_s: float | None = None, horizon_s: float | None = None,
                  request_timeout_s: float = 10.0, run_id: str | None = None,

@@ -110,7 +110,7 @@ ROLES: dict[str, Permissions] = {
     "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
     "profiler": _service(
         "profiler",
-        publish=(subjects.REJECTED, subjects.PROFILES, *_stream(JOBS),
+        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, *_stream(JOBS),
                  *_durable(JOBS, subjects.PROFILER_CONSUMER)),
         subscribe=(),
     ),
@@ -122,7 +122,8 @@ ROLES: dict[str, Permissions] = {
     "executor": _service(
         "executor",
         publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_stream(JOBS),
-                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER)),
+                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.EXECUTOR_PROFILED_CONSUMER),
+                 *_durable(JOBS, subjects.EXECUTOR_REJECTED_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
                    subjects.EXECUTOR_STATUS),
     ),

@@ -251,6 +251,7 @@ class LiveJobs(msgspec.Struct, frozen=True):
 
 class AdvanceReply(msgspec.Struct, frozen=True):
     finished: tuple[str, ...]
+    failed: dict[str, str] = {}               # jobs that ended without finishing, and why
 
 
 class JobStats(msgspec.Struct, frozen=True):
@@ -267,6 +268,25 @@ class JobStats(msgspec.Struct, frozen=True):
     m: PositiveInt
     s: int
     skipped: int = 0                           # steps with a non-finite gradient, never learned from
+
+
+class ProfileRun(msgspec.Struct, frozen=True):
+    """A job's profiling run on one GPU (slot) -> the profiler: its step time at each per-GPU batch
+    that fitted, smallest first, and the first that ran out of memory (None: every one fitted)."""
+
+    points: tuple[ProfilePoint, ...]
+    init_batch: PositiveInt                    # the job's own M0 and largest total batch
+    max_batch: PositiveInt
+    out_of_memory: int | None = None
+    gpu_seconds: NonNegativeFloat = 0.0
+
+
+class Profiled(msgspec.Struct, frozen=True):
+    """Profiler -> executors (JetStream): the job's profiles are with the estimator, it may run."""
+
+    job_id: str
+    init_batch: PositiveInt
+    max_batch: PositiveInt
 
 
 class Observed(msgspec.Struct, frozen=True):
@@ -299,6 +319,8 @@ class JobRecord(msgspec.Struct, frozen=True):
     gpu_seconds: float
     feedback_s: float | None
     placement: tuple[tuple[str, int], ...] = ()   # where it runs now
+    failure: str | None = None                    # why it ended without finishing
+    metric: float | None = None                   # a real job's own measure of success, when it finished
 
 
 class Count(msgspec.Struct, frozen=True):

@@ -12,8 +12,10 @@ PREFIX = "goodput"
 SUBMIT = f"{PREFIX}.jobs.submit"
 # A submission that failed validation: the Rejected record, kept in the JOBS stream (dead letters).
 REJECTED = f"{PREFIX}.jobs.rejected"
+# A job measured by the real profiler (`Profiled`): the executors may run it.
+PROFILED = f"{PREFIX}.jobs.profiled"
 JOBS_STREAM = "GOODPUT_JOBS"
-JOBS_STREAM_SUBJECTS = (SUBMIT, REJECTED)
+JOBS_STREAM_SUBJECTS = (SUBMIT, REJECTED, PROFILED)
 DEDUP_WINDOW_S = 24 * 3600.0
 
 # The profiler's durable consumer of submissions (replicas share it: each submission goes to one).
@@ -23,7 +25,9 @@ PROFILER_CONSUMER = "profiler"
 PLACER_SERVICE = "placer"
 PLACE = f"{PREFIX}.placer.place"            # request PlaceRequest -> PlacementResult
 PROFILER_SERVICE = "profiler"
-EXECUTOR_CONSUMER = "executor"              # simulated executors' durable consumer of submissions
+EXECUTOR_CONSUMER = "executor"              # the executors' durable consumer of submissions
+EXECUTOR_PROFILED_CONSUMER = "executor-profiled"   # local executors': jobs measured, may run
+EXECUTOR_REJECTED_CONSUMER = "executor-rejected"   # local executors': jobs refused, with the reason
 EXECUTOR_SERVICE = "executor"
 FACTS = f"{PREFIX}.executor.facts"          # FactsRequest -> FactsReply
 APPLY = f"{PREFIX}.executor.apply"          # ApplyRequest -> Ack

@@ -74,9 +74,8 @@ class BusWiring:
                     adaptive: bool) -> None:
         await self._request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack)
 
-    async def advance(self, now: float, step: float, jobs: list[str]) -> list[str]:
-        reply = await self._request(subjects.ADVANCE, AdvanceRequest(now, step, tuple(jobs)), AdvanceReply)
-        return list(reply.finished)
+    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply:
+        return await self._request(subjects.ADVANCE, AdvanceRequest(now, step, tuple(jobs)), AdvanceReply)
 
     async def live_jobs(self, now: float) -> list[str]:
         """The live jobs not finished (those submitted since the last round arrive now)."""

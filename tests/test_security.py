@@ -472,4 +472,5 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     assert "unknown field `command`" in reasons["bad-command"].reason
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason
+    assert all("may not carry commands or file paths" in r.reason for r in rejected)
     assert "Traceback" not in logs["profiler"], logs["profiler"]

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from services.executor.trainer import AdaptiveTraining, Stopped
+from services.executor.trainer import AdaptiveTraining
 
 
 def job_arguments(description: str, epochs: float, argv: list[str] | None = None,
@@ -26,19 +26,11 @@ def job_arguments(description: str, epochs: float, argv: list[str] | None = None
 def train(training: AdaptiveTraining, loss_of: Callable[[torch.nn.Module, tuple], torch.Tensor],
           evaluate: Callable[[], float]) -> dict:
     """Run `training` to its target epochs; `loss_of(model, batch)` is one micro-batch's loss."""
-    batches = set()
-    try:
-        while not training.done():
-            for batch in training.micro_batches():
-                training.backward(loss_of(training.model, batch))
-            training.step()
-            batches.add(training.batch)
-    except Stopped:
-        result = {"stopped": True, "epochs": training.epochs, "steps": training.steps}
-    else:
-        training.save()
-        result = {"stopped": False, "epochs": training.epochs, "steps": training.steps, "batches": sorted(batches),
-                  "metric": evaluate(), "noise": training.noise.stats(), "world": training.placement.world,
-                  "skipped": training.skipped}
-    print(json.dumps(result), flush=True)
+    outcome = training.run(loss_of)
+    result = {"stopped": outcome == "stopped", "epochs": training.epochs, "steps": training.steps}
+    if outcome == "done":
+        result.update(batches=training.batches, metric=evaluate(), noise=training.noise.stats(),
+                      world=training.placement.world, skipped=training.skipped)
+    if outcome != "profiled":
+        print(json.dumps(result), flush=True)
     return result

@@ -1,5 +1,6 @@
 """Real jobs on this machine: each GPU of a placement is a CPU slot running one worker process of
-the job (an example job module, `python -m examples.jobs.<application>`), data-parallel over gloo.
+the job (a module of the allowed jobs package, `python -m examples.jobs.<application>` by default),
+data-parallel over gloo.
 
 `LocalExecutors` is the node agent's core, without the bus: it starts a job's workers for a
 placement (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; and
@@ -7,12 +8,13 @@ GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE), stops them with SIGTERM when t
 changes (the library checkpoints and exits) and starts them again on the new one (the library
 resumes from the checkpoint at the new world size), collects the `JobStats` the workers print,
 and notices when a job finishes, or crashes (restarted from its last checkpoint; after
-`max_crashes` it fails, with the reason).
+`max_crashes` it fails, with the last line its workers wrote to stderr).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import queue
@@ -22,17 +24,45 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import msgspec
 
 from deploy.nats import free_loopback_port
-from services.executor.trainer import GPU_TYPE_ENV, JOB_ENV, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
+from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
 from shared.cluster import Cluster, Spots
 from shared.schema import JobStats
 
-JOBS_PACKAGE = "examples.jobs"          # the only code a submission may run: a module of this package
+JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
 STOP_TIMEOUT_S = 60.0
 MAX_CRASHES = 3
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
+    """The module a job's `application` names; ValueError unless it is one of `package`'s own."""
+    module = f"{package}.{application}"
+    try:
+        found = application.isidentifier() and importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:               # the package itself is not there
+        found = False
+    if not found:
+        raise ValueError(f"no job {application!r} in {package} (a submission names its code by a module "
+                         f"of that package; it may not carry a command or a path)")
+    return module
+
+
+def worker(module: str, arguments: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
+    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`."""
+    return subprocess.Popen([sys.executable, "-m", module, *arguments], env={**os.environ, "OMP_NUM_THREADS": "1",
+                            **env}, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+
+
+def last_error(log: Path) -> str:
+    """The last line a worker wrote to stderr (a traceback's ends with the exception)."""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] \
+        if log.exists() else []
+    return lines[-1] if lines else "no error output"
 
 
 @dataclass
@@ -55,17 +85,19 @@ class LocalJob:
 
 class LocalExecutors:
     def __init__(self, cluster: Cluster, workdir: Path, max_crashes: int = MAX_CRASHES,
-                 report_every_s: float = REPORT_EVERY_S):
+                 report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE):
         self.cluster = cluster
         self.workdir = workdir
         self.max_crashes = max_crashes
         self.report_every_s = report_every_s
+        self.jobs_package = jobs_package
         self.jobs: dict[str, LocalJob] = {}
 
     def add(self, job_id: str, application: str) -> None:
-        if not application.isidentifier() or not (Path(__file__).resolve().parents[2] / "examples" / "jobs"
-                                                  / f"{application}.py").exists():
-            raise ValueError(f"job {job_id}: no example job {application!r} in {JOBS_PACKAGE}")
+        try:
+            job_module(application, self.jobs_package)
+        except ValueError as error:
+            raise ValueError(f"job {job_id}: {error}") from None
         self.jobs.setdefault(job_id, LocalJob(job_id, application))
 
     def apply(self, placements: dict[str, Spots]) -> None:
@@ -96,7 +128,8 @@ class LocalExecutors:
             elif any(code != 0 for code in codes):
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
-                    job.failure = f"its workers crashed {job.crashes} times (exit codes {codes})"
+                    job.failure = (f"its workers crashed {job.crashes} times (exit codes {codes}); the last error: "
+                                   f"{last_error(self._log(job, codes.index(next(c for c in codes if c))))}")
                 else:
                     self._start(job)                  # from its last checkpoint
         return finished
@@ -112,17 +145,19 @@ class LocalExecutors:
         world = sum(g for _, g in job.placement)
         gpu_type = self.cluster.placement_type(job.placement)
         port = free_loopback_port()
-        command = [sys.executable, "-m", f"{JOBS_PACKAGE}.{job.application}",
-                   "--checkpoint", str(self.workdir / f"{job.job_id}.pt")]
+        module = job_module(job.application, self.jobs_package)
+        arguments = ["--checkpoint", str(self.workdir / f"{job.job_id}.pt")]
         for rank in range(world):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "GOODPUT_NODES": str(len(job.placement)), JOB_ENV: job.job_id, GPU_TYPE_ENV: gpu_type or "",
-                   REPORT_ENV: str(self.report_every_s)}
-            worker = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True, cwd=Path(__file__).resolve().parents[2])
-            threading.Thread(target=_forward, args=(worker, job.lines), daemon=True).start()
-            job.workers.append(worker)
+            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "GOODPUT_NODES": str(len(job.placement)), JOB_ENV: job.job_id,
+                   GPU_TYPE_ENV: gpu_type or "", REPORT_ENV: str(self.report_every_s)}
+            with open(self._log(job, rank), "w") as log:
+                process = worker(module, arguments, env, log)
+            threading.Thread(target=_forward, args=(process, job.lines), daemon=True).start()
+            job.workers.append(process)
+
+    def _log(self, job: LocalJob, rank: int) -> Path:
+        return self.workdir / f"{job.job_id}.rank{rank}.log"
 
     def _stop(self, job: LocalJob) -> None:
         for worker in job.workers:

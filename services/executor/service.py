@@ -1,9 +1,9 @@
-"""The executor service, simulated: the jobs of a simulated cluster run here on a virtual clock.
+"""The executor service. Simulated (the default): the jobs of a simulated cluster run here on a
+virtual clock. With `--executors local`: real jobs on this machine's slots (`services.executor.agent`).
 
 It takes submissions from the JetStream stream (its own durable consumer), and answers the policy
 leader's round: the jobs' facts, the placements to apply, and a round to advance — after which it
-reports every configuration a job ran to the estimator. (Real executors, running training on GPUs,
-come with the executor issue.)
+reports every configuration a job ran to the estimator.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 import nats.errors
 from nats import micro
 
+from services.executor import agent
 from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
@@ -43,9 +44,14 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_world_arguments(parser)
+    parser.add_argument("--executors", choices=["simulated", "local"], default="simulated",
+                        help="simulated jobs on a virtual clock, or real jobs on local CPU slots")
+    agent.add_arguments(parser)
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    if args.executors == "local":
+        return await agent.start(bus, args)
     # Every job's state is written to KV before a request is answered, so a restarted executor
     # picks the cluster up where it was; a round asked again runs only the jobs not yet run.
     executors, sources = world_of(args)

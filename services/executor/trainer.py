@@ -1,6 +1,11 @@
 """The training library: a few lines in an ordinary PyTorch script make it adaptive.
 
     training = AdaptiveTraining(model, optimizer, dataset, init_batch=128, target_epochs=20)
+    training.run(lambda model, batch: loss_fn(model(batch[0]), batch[1]))
+
+(`run` is the loop below, with a clean stop on SIGTERM, and the profiling run when the profiler
+started the script: `services.executor.profiling`.)
+
     while not training.done():
         for inputs, targets in training.micro_batches():
             training.backward(loss_fn(training.model(inputs), targets))
@@ -44,18 +49,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from services.executor import checkpoint
+from services.executor import checkpoint, profiling
 from services.executor.data import ElasticOrder
 from services.executor.lr import LrScaling, default_rule
+from services.executor.protocol import (GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX, REPORT_ENV,
+                                        REPORT_EVERY_S, STATS_PREFIX)
 from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from shared.schema import JobStats
 
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
-REPORT_EVERY_S = 30.0      # seconds between JobStats reports
-JOB_ENV, GPU_TYPE_ENV = "GOODPUT_JOB_ID", "GOODPUT_GPU_TYPE"   # set by the executor that starts the job
-REPORT_ENV = "GOODPUT_REPORT_S"      # set (seconds): report JobStats on stdout that often, for the executor
-STATS_PREFIX = "goodput-stats "
 TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
 
 
@@ -119,9 +122,13 @@ def _local_norms_hook(state: _LocalNorms, bucket):
     return dist.all_reduce(combined, async_op=True).get_future().then(settle)
 
 
+def _print_line(prefix: str, message: msgspec.Struct) -> None:
+    """One line on stdout for the executor: msgpack (it keeps NaN, which JSON cannot), in base64."""
+    print(prefix + base64.b64encode(msgspec.msgpack.encode(message)).decode(), flush=True)
+
+
 def _print_stats(stats: JobStats) -> None:
-    """One line on stdout: msgpack (it keeps NaN, which JSON cannot), in base64."""
-    print(STATS_PREFIX + base64.b64encode(msgspec.msgpack.encode(stats)).decode(), flush=True)
+    _print_line(STATS_PREFIX, stats)
 
 
 class AdaptiveTraining:
@@ -164,6 +171,26 @@ class AdaptiveTraining:
         self._resume()
 
     # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> str:
+        """Train to the target epochs, `loss_of(model, micro_batch)` a micro-batch's loss: "done"
+        (checkpointed), or "stopped" (SIGTERM: checkpointed, to be resumed); or, started by the
+        profiler, profile instead and print the result for it: "profiled"."""
+        if os.environ.get(PROFILE_ENV):
+            _print_line(PROFILE_PREFIX, profiling.profile(self, loss_of))
+            return "profiled"
+        try:
+            while not self.done():
+                self.train_step(loss_of)
+        except Stopped:
+            return "stopped"
+        self.save()
+        return "done"
+
+    def train_step(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
+        for batch in self.micro_batches():
+            self.backward(loss_of(self.model, batch))
+        self.step()
 
     def micro_batches(self) -> Iterator[Any]:
         """This rank's s + 1 micro-batches for the next optimizer step."""
@@ -236,6 +263,11 @@ class AdaptiveTraining:
     @property
     def batch(self) -> int:
         return self.placement.world * self.m * (self.s + 1)
+
+    @property
+    def batches(self) -> list[int]:
+        """Every total batch it has trained at, over all its allocations."""
+        return sorted({world * m * (s + 1) for _, world, m, s in self.timings})
 
     # ---- adaptation -----------------------------------------------------------------------
 

@@ -372,16 +372,17 @@ class PolluxPolicy:
     """Pollux's population search over per-node allocations, heterogeneity-unaware (see module doc)."""
 
     name = "pollux"
-    round_s = ROUND_S
     adaptive_batch = True
 
     def __init__(self, p: float = DEFAULT_P, population: int = DEFAULT_POPULATION,
                  generations: int = DEFAULT_GENERATIONS, restart_penalty_s: float | None = DEFAULT_RESTART_PENALTY_S,
                  seed: int = 0, avoid_interference: bool = True, collapse_in_search: bool = False,
-                 warm_start: bool = True, type_order: Sequence[str] = TYPE_TIE_ORDER):
+                 warm_start: bool = True, type_order: Sequence[str] = TYPE_TIE_ORDER, round_s: float = ROUND_S):
         """restart_penalty_s: delta of the re-allocation factor (None: each job's own restart_cost_s)."""
-        if population < 1 or generations < 0:
-            raise ValueError(f"population must be >= 1 and generations >= 0, got {population}, {generations}")
+        if population < 1 or generations < 0 or round_s <= 0:
+            raise ValueError(f"population must be >= 1, generations >= 0 and round_s > 0, got {population}, "
+                             f"{generations}, {round_s}")
+        self.round_s = float(round_s)
         self.p = float(p)
         self.population = int(population)
         self.generations = int(generations)

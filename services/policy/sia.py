@@ -22,12 +22,13 @@ from services.policy.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, D
 
 class SiaPolicy:
     name = "sia"
-    round_s = ROUND_S
     adaptive_batch = True
 
     def __init__(self, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
-                 time_limit_s: float = DEFAULT_TIME_LIMIT_S):
-        self.p, self.lam, self.solver, self.time_limit_s = p, lam, solver, time_limit_s
+                 time_limit_s: float = DEFAULT_TIME_LIMIT_S, round_s: float = ROUND_S):
+        if round_s <= 0:
+            raise ValueError(f"round_s must be positive, got {round_s}")
+        self.p, self.lam, self.solver, self.time_limit_s, self.round_s = p, lam, solver, time_limit_s, float(round_s)
 
     def problem(self, state: RoundState) -> IlpProblem:
         table, jobs = state.table, state.jobs

@@ -75,11 +75,16 @@ def model_profile(params: ThroughputParams, model: str, gpu_type: str, min_local
     return _profile(job_id, model, gpu_type, chosen, group)
 
 
-def submission_problem(spec: JobSpec, gpu_types: Iterable[str], models: Iterable[str]) -> str | None:
+SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
+                    "a model or job module the cluster knows")
+
+
+def submission_problem(spec: JobSpec, gpu_types: Iterable[str], models: Iterable[str] | None) -> str | None:
     """Why a well-formed submission cannot be scheduled here (None if it can): an application with no
-    profile, or GPU types this cluster does not have."""
+    profile (`models` None: profiles are measured, any application may be), or GPU types this
+    cluster does not have."""
     known_types = set(gpu_types)
-    if spec.application not in set(models):
+    if models is not None and spec.application not in set(models):
         return f"unknown application {spec.application!r}: no profile for it"
     unknown = sorted(set(spec.gpu_types) - known_types)
     if unknown:

@@ -2,52 +2,96 @@
 
 A durable pull consumer on the submissions stream: a submission is acknowledged once its
 profiles reached the estimator, or once its rejection is recorded on the dead-letter subject
-with the reason. Profiles are trace-backed here (the real profiler comes with the executor issue).
+with the reason. On a simulated cluster the profiles are trace-backed (`services.profiler.core`);
+with `--executors local` the job's own script is run on one slot of each GPU type
+(`services.profiler.measure`), and the executors are told it may run (`Profiled`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
+from pathlib import Path
 
 from nats import micro
 
-from services.profiler.core import submission_problem
+from services.executor.local import JOBS_PACKAGE
+from services.profiler.core import SUBMISSION_RULES, submission_problem
+from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
-from shared.schema import JobProfiles, JobSpec, Stored, rejection
+from shared.schema import JobProfiles, JobSpec, Profiled, Stored, rejection
 from sim.run import job_sources
+
+PROFILING_ACK_WAIT_S = 900.0     # a submission being profiled is not handed to another replica meanwhile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
     parser.add_argument("--reference", help="reference folder the profiles are read from")
     parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo")
+    parser.add_argument("--executors", choices=["simulated", "local"], default="simulated",
+                        help="local: profile each job by running its script on one slot of each GPU type")
+    parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
+                        help="local: the package whose modules jobs may run (default: %(default)s)")
+    parser.add_argument("--slot-memory", type=float,
+                        help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)")
+    parser.add_argument("--workdir", help="local: where profiling runs write their logs (default: a temporary folder)")
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
-    sources = job_sources(args.reference, args.zoo)
+    local = args.executors == "local"
+    sources = None if local else job_sources(args.reference, args.zoo)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-profiles-"))
+    workdir.mkdir(parents=True, exist_ok=True)
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, on the dead-letter subject; the submission is then dropped.
-        await bus.js_publish(subjects.REJECTED, rejection(subject, f"malformed submission: {error}", data))
+        await bus.js_publish(subjects.REJECTED, rejection(subject, f"malformed submission: {error}; {SUBMISSION_RULES}",
+                                                          data))
+
+    async def reject(spec: JobSpec, reason: str) -> None:
+        await bus.js_publish(subjects.REJECTED, rejection(subjects.SUBMIT, reason, repr(spec), spec.id))
+
+    async def measure(spec: JobSpec, types: list[str]) -> tuple:
+        """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
+        profiles, run = [], None
+        for gpu_type in types:
+            run = await asyncio.to_thread(profiling_run, spec.id, spec.application, gpu_type, workdir,
+                                          args.jobs_package, args.slot_memory)
+            memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
+            profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
+        return tuple(profiles), run
 
     async def on_submission(spec: JobSpec) -> None:
-        problem = submission_problem(spec, cluster.gpu_types, sources.truths)
+        problem = submission_problem(spec, cluster.gpu_types, None if local else sources.truths)
         if problem is not None:
-            await bus.js_publish(subjects.REJECTED, rejection(subjects.SUBMIT, problem, repr(spec), spec.id))
+            await reject(spec, problem)
             return
-        types = [t for t in cluster.gpu_types if t in sources.truths[spec.application].types
-                 and (not spec.gpu_types or t in spec.gpu_types)]
-        profiles = tuple(sources.profile(spec.application, t) for t in types)
+        if local:
+            types = [t for t in cluster.gpu_types if not spec.gpu_types or t in spec.gpu_types]
+            try:
+                profiles, run = await measure(spec, types)
+            except ProfilingFailed as error:
+                await reject(spec, f"job {spec.id} cannot run: {error}")
+                return
+        else:
+            types = [t for t in cluster.gpu_types if t in sources.truths[spec.application].types
+                     and (not spec.gpu_types or t in spec.gpu_types)]
+            profiles = tuple(sources.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
+        if local:
+            await bus.js_publish(subjects.PROFILED, Profiled(spec.id, run.init_batch, run.max_batch),
+                                 msg_id=f"{spec.id}.profiled")     # ids are per stream: not the submission's
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT, JobSpec,
-                                       span_name="profiler.bootstrap", on_invalid=on_malformed)
+                                       span_name="profiler.bootstrap", on_invalid=on_malformed,
+                                       **({"ack_wait": PROFILING_ACK_WAIT_S} if local else {}))
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

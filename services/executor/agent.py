@@ -1,0 +1,308 @@
+"""The node agent: the executor service over real training processes (`--executors local`).
+
+It answers the round's requests as the simulated executors do — facts, apply, advance, live,
+records — for jobs that really train (`LocalExecutors`: a worker process per GPU, here per CPU
+slot). The clock is the live run's, paced by the wall clock: a job arrives at the first live round
+after the profiler has measured it (`Profiled`); a placement is applied by restarting its workers
+at the new world size (they checkpoint first); each round reports the configurations the jobs ran,
+with their measured step times, to the estimator, and the jobs that finished or failed since the
+last. A job the profiler refused is kept as failed, with the profiler's reason.
+
+`NodeAgent` is the bookkeeping, without the bus; `start` is the service around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats.errors
+from nats import micro
+
+from services.executor.local import JOBS_PACKAGE, LocalExecutors
+from services.executor.protocol import REPORT_EVERY_S
+from services.runner import new_service
+from shared import subjects
+from shared.bus import Bus
+from shared.cluster import Cluster, Spots, load_cluster
+from shared.goodput import Observation
+from shared.schema import (
+    Ack,
+    AdvanceReply,
+    AdvanceRequest,
+    ApplyRequest,
+    Count,
+    FactsReply,
+    FactsRequest,
+    JobFacts,
+    JobRecord,
+    JobRecords,
+    JobSpec,
+    LiveJobs,
+    LiveJobsRequest,
+    Observed,
+    Profiled,
+    Rejected,
+    Stored,
+)
+
+POLL_S = 0.5            # how often the workers are looked at: finishes are timed to this
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Scheduled:
+    """What the scheduler is told of one real job, besides what its workers report."""
+
+    spec: JobSpec
+    profiled: Profiled | None = None
+    arrival_s: float | None = None                 # on the run's clock
+    finish_s: float | None = None
+    failure: str | None = None
+    gpu_seconds: float = 0.0
+    by_type: dict[str, float] = field(default_factory=dict)
+    idle_since_s: float | None = None
+    max_gpus_seen: int = 0
+    slice_steps: int = 0                           # its steps when the current placement began
+    estimate_revision: int = 0
+    reported: set[tuple] = field(default_factory=set)   # configurations the estimator has
+    told: bool = False                             # its end reported to the clock
+
+
+class NodeAgent:
+    """The real jobs of this node, on the run's clock (its time is the last request's, plus the wall
+    clock since)."""
+
+    def __init__(self, executors: LocalExecutors):
+        self.executors = executors
+        self.jobs: dict[str, Scheduled] = {}
+        self.failures: dict[str, str] = {}          # refused before this agent saw the submission
+        self._clock = (0.0, time.monotonic())
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.executors.cluster
+
+    def now(self) -> float:
+        virtual, wall = self._clock
+        return virtual + time.monotonic() - wall
+
+    def tick(self, now: float) -> None:
+        self._clock = (now, time.monotonic())
+
+    # ---- what the other services tell it ----------------------------------------------------
+
+    def submitted(self, spec: JobSpec) -> None:
+        if spec.id in self.jobs:
+            return
+        job = self.jobs[spec.id] = Scheduled(spec, failure=self.failures.pop(spec.id, None))
+        try:
+            self.executors.add(spec.id, spec.application)
+        except ValueError as error:
+            job.failure = job.failure or str(error)
+
+    def profiled(self, message: Profiled) -> None:
+        if message.job_id in self.jobs:
+            self.jobs[message.job_id].profiled = message
+        else:
+            log.warning("job %s profiled before its submission reached this agent", message.job_id)
+
+    def rejected(self, message: Rejected) -> None:
+        if message.job_id is None:
+            return
+        if message.job_id in self.jobs:
+            self.jobs[message.job_id].failure = message.reason
+        else:
+            self.failures[message.job_id] = message.reason
+
+    # ---- the round ----------------------------------------------------------------------------
+
+    def arrive(self, now: float) -> list[str]:
+        """Jobs measured and not yet arrived arrive now; every arrived job whose end the clock has
+        not been told of (by `advance`)."""
+        for job in self.jobs.values():
+            if job.arrival_s is None and job.profiled is not None and job.failure is None:
+                job.arrival_s = now
+        live = [j for j in self.jobs.values() if j.arrival_s is not None and not j.told]
+        return [j.spec.id for j in sorted(live, key=lambda j: (j.arrival_s, j.spec.id))]
+
+    def facts(self, now: float, names) -> list[JobFacts]:
+        return [self._facts(self.jobs[name], now) for name in names]
+
+    def _facts(self, job: Scheduled, now: float) -> JobFacts:
+        local, spec, profiled = self.executors.jobs[job.spec.id], job.spec, job.profiled
+        stats = local.stats
+        steps = stats.steps if stats else 0
+        return JobFacts(
+            job_id=spec.id, application=spec.application, submit_s=job.arrival_s, age_s=now - job.arrival_s,
+            requested_gpus=spec.requested_gpus, requested_batch=spec.requested_batch or profiled.init_batch,
+            rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch,
+            restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
+            placement=local.placement, iterations=float(steps),
+            slice_iterations=float(steps - job.slice_steps) if local.placement else 0.0,
+            idle_since_s=None if local.placement else (job.idle_since_s or job.arrival_s),
+            max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
+            grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
+
+    def apply(self, now: float, placements: dict[str, Spots]) -> None:
+        """Start, move, resize or stop workers (blocking: a moved job checkpoints first)."""
+        for name, job in self.jobs.items():
+            spots = tuple(placements.get(name, ()))
+            local = self.executors.jobs.get(name)
+            if local is None or spots == local.placement or job.finish_s is not None or job.failure:
+                continue
+            if spots:
+                job.max_gpus_seen = max(job.max_gpus_seen, sum(g for _, g in spots))
+                job.slice_steps = local.stats.steps if local.stats else 0
+            else:
+                job.idle_since_s = now
+        self.executors.apply(placements)
+
+    def poll(self) -> None:
+        """Look at the workers: a job that finished or failed is timed now, on the run's clock."""
+        finished = set(self.executors.poll())
+        for name, job in self.jobs.items():
+            local = self.executors.jobs.get(name)
+            if name in finished:
+                job.finish_s = self.now()
+            elif local is not None and local.failure and job.failure is None:
+                job.failure = local.failure
+
+    def advance(self, now: float, step: float, names) -> AdvanceReply:
+        """The round [now, now + step) runs in real time: count what it uses; the jobs that ended."""
+        self.poll()
+        finished, failed = [], {}
+        for name in names:
+            job, local = self.jobs[name], self.executors.jobs[name]
+            gpu_type = self.cluster.placement_type(local.placement)
+            if gpu_type is not None and job.finish_s is None and job.failure is None:
+                used = step * sum(g for _, g in local.placement)
+                job.gpu_seconds += used
+                job.by_type[gpu_type] = job.by_type.get(gpu_type, 0.0) + used
+            if job.told:
+                continue
+            if job.finish_s is not None:
+                finished.append(name)
+            elif job.failure is not None:
+                failed[name] = job.failure
+            job.told = job.finish_s is not None or job.failure is not None
+        return AdvanceReply(tuple(finished), failed)
+
+    def observations(self) -> list[Observed]:
+        """The configurations the jobs measured that the estimator has not been told of."""
+        new = []
+        for name, job in self.jobs.items():
+            stats = self.executors.jobs[name].stats
+            if stats is None or not stats.gpu_type:
+                continue
+            for observation in stats.observations:
+                if _key(observation) not in job.reported:
+                    new.append(Observed(name, stats.gpu_type, observation))
+        return new
+
+    def reported(self, message: Observed, revision: int) -> None:
+        job = self.jobs[message.job_id]
+        job.reported.add(_key(message.observation))
+        job.estimate_revision = max(job.estimate_revision, revision)
+
+    def records(self) -> list[JobRecord]:
+        records = []
+        for name, job in self.jobs.items():
+            local = self.executors.jobs.get(name)
+            result = local.result if local else None
+            submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
+            records.append(JobRecord(name, job.spec.application, submit,
+                                     job.finish_s, local.restarts if local else 0, job.gpu_seconds, None,
+                                     local.placement if local else (), job.failure,
+                                     result.get("metric") if result else None))
+        return records
+
+
+def _key(observation: Observation) -> tuple:
+    return tuple(observation[:4])          # nodes, GPUs, m, s: one configuration
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
+                        help="local: the package whose modules jobs may run (default: %(default)s)")
+    parser.add_argument("--workdir", help="local: checkpoints and worker logs (default: a temporary folder)")
+    parser.add_argument("--report-every", type=float, default=REPORT_EVERY_S,
+                        help="local: seconds between a job's reports of what it measured (default: %(default)s)")
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-jobs-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    agent = NodeAgent(LocalExecutors(load_cluster(args.cluster), workdir, report_every_s=args.report_every,
+                                     jobs_package=args.jobs_package))
+    turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
+
+    async def guarded(change, *arguments):
+        async with turn:
+            return change(*arguments)
+
+    async def on_apply(request: ApplyRequest) -> Ack:
+        async with turn:
+            agent.tick(request.now_s)
+            await asyncio.to_thread(agent.apply, request.now_s, request.placements)
+        return Ack()
+
+    async def on_advance(request: AdvanceRequest) -> AdvanceReply:
+        async with turn:
+            agent.tick(request.now_s)
+            reply = agent.advance(request.now_s, request.step_s, request.jobs)
+            for message in agent.observations():
+                agent.reported(message, await report(message))
+        return reply
+
+    async def report(message: Observed) -> int:
+        while True:
+            try:
+                return (await bus.request(subjects.OBSERVE, message, Stored, timeout=5)).revision
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                log.warning("estimator unavailable; reporting %s again", message.job_id)
+                await asyncio.sleep(0.2)
+
+    async def on_live(request: LiveJobsRequest) -> LiveJobs:
+        async with turn:
+            agent.tick(request.now_s)
+            return LiveJobs(tuple(agent.arrive(request.now_s)))
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            await guarded(agent.poll)
+
+    async def stop_workers() -> None:
+        await asyncio.to_thread(agent.executors.stop_all)
+
+    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    loop = asyncio.get_running_loop()
+    for durable, subject, kind, handler in (
+            (subjects.EXECUTOR_CONSUMER, subjects.SUBMIT, JobSpec, agent.submitted),
+            (subjects.EXECUTOR_PROFILED_CONSUMER, subjects.PROFILED, Profiled, agent.profiled),
+            (subjects.EXECUTOR_REJECTED_CONSUMER, subjects.REJECTED, Rejected, agent.rejected)):
+        consumer = await bus.pull_consumer(subjects.JOBS_STREAM, durable, subject, kind,
+                                           span_name=f"executor.{durable}")
+        loop.create_task(consumer.consume(lambda message, handler=handler: guarded(handler, message), timeout=0.2))
+    loop.create_task(watch())
+    bus.on_close(stop_workers)
+
+    service = new_service(bus, subjects.EXECUTOR_SERVICE, f"real jobs on {agent.cluster.total_gpus} local slots")
+    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
+                           lambda request: FactsReply(tuple(agent.facts(request.now_s, request.jobs))),
+                           span_name="executor.facts")
+    await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
+    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance,
+                           span_name="executor.advance")
+    await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, on_live)
+    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack, lambda _: JobRecords(tuple(agent.records())))
+    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(agent.jobs)))
+    return service

@@ -1,0 +1,67 @@
+"""The real profiler (Sia §3.3): a submitted job's own script, run on one GPU (a CPU slot here) of a
+type, times a few steps at ~10 batch sizes and finds the largest that fits memory
+(`services.executor.profiling`); here that run is started and its result made a bootstrap profile.
+
+Every way it can go wrong ends in a `ProfilingFailed` with the reason the job is refused for: the
+script raised, it printed no profile, it ran too long, or no batch size fits the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+from pathlib import Path
+
+import msgspec
+
+from services.executor.local import job_module, last_error, worker
+from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from shared.schema import Profile, ProfileRun
+
+PROFILE_TIMEOUT_S = 300.0
+
+
+class ProfilingFailed(Exception):
+    """The job cannot run here; the message says why."""
+
+
+def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
+                  slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S) -> ProfileRun:
+    """Run the job's script in profiling mode on one slot of `gpu_type`; what it measured."""
+    try:
+        module = job_module(application, jobs_package)
+    except ValueError as error:
+        raise ProfilingFailed(str(error)) from None
+    env = {PROFILE_ENV: "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", JOB_ENV: job_id, GPU_TYPE_ENV: gpu_type}
+    if slot_memory_mb is not None:
+        env[SLOT_MEMORY_ENV] = str(slot_memory_mb)
+    log_path = workdir / f"{job_id}.profile-{gpu_type}.log"
+    with open(log_path, "w") as log:
+        process = worker(module, [], env, log)
+        try:
+            out, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise ProfilingFailed(f"its profiling run on {gpu_type} took longer than {timeout_s:.0f} s") from None
+    if process.returncode != 0:
+        raise ProfilingFailed(f"its script failed while profiling on {gpu_type} (exit code {process.returncode}): "
+                              f"{last_error(log_path)}")
+    for line in out.splitlines():
+        if line.startswith(PROFILE_PREFIX):
+            try:
+                return msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX):]), type=ProfileRun)
+            except (ValueError, msgspec.DecodeError) as error:
+                raise ProfilingFailed(f"its profiling run printed an unreadable profile: {error}") from None
+    raise ProfilingFailed(f"its script printed no profile on {gpu_type}: it must train through "
+                          "AdaptiveTraining.run (services.executor.trainer)")
+
+
+def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun,
+                     memory: str = "memory") -> Profile:
+    """The bootstrap profile of what the run measured; ProfilingFailed if no batch size fitted."""
+    if not run.points:
+        raise ProfilingFailed(f"it does not fit in the {memory} of one {gpu_type} GPU at any batch size "
+                              f"(out of memory at per-GPU batch {run.out_of_memory})")
+    sizes = [p.local_bsz for p in run.points]
+    return Profile(job_id, application, gpu_type, run.points, min(sizes), max(sizes), run.gpu_seconds)
