@@ -6,6 +6,11 @@ everything is, replays a workload through them (the built-in one unless told oth
 the results; then, unless --once, it serves: jobs submitted with `goodput submit` are scheduled
 live, a round every --round seconds of the wall clock (sped up by --speed), and each decision is
 printed, until Ctrl-C.
+
+With `--executors local` the jobs are real: the example jobs (or --jobs YAML files) are submitted,
+profiled on one CPU slot, and trained on this machine's slots (the `local` cluster: 4 slots) as
+the scheduler allocates them, each change of allocation printed; --once stops when every job has
+ended and writes each job's outcome (time, restarts, batches, its metric) to --out.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from shared.schema import RunRequest
 
 LIVE_RUN = "live"
 BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
+EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
+ROUND_S = {"simulated": 60.0, "local": 10.0}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start NATS and the five services; replay a workload through them")
-    up.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file (default: %(default)s)")
+    up.add_argument("--executors", choices=sorted(ROUND_S), default="simulated",
+                    help="simulated jobs, or real ones on this machine's CPU slots (default: %(default)s)")
+    up.add_argument("--cluster", help="cluster preset or YAML/JSON file (default: sia-hetero-64; local: local)")
     up.add_argument("--workload", default=str(BUILT_IN_WORKLOAD),
                     help="workload CSV to replay (default: the built-in 40-job workload); 'none' to replay nothing")
     up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
@@ -36,12 +45,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--data", default="out/stack", help="JetStream data and service logs (default: %(default)s)")
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
-    up.add_argument("--round", type=float, default=60.0, help="live: seconds between rounds (default: %(default)s)")
+    up.add_argument("--round", type=float, help="live: seconds between rounds (default: 60; local: 10)")
     up.add_argument("--speed", type=float, default=1.0,
                     help="live: simulated seconds per wall-clock second, to watch long jobs (default: %(default)s)")
     up.add_argument("--policy-replicas", type=int, default=1,
                     help="policy replicas: one leads, the others stand by (default: %(default)s)")
     up.add_argument("--estimator-replicas", type=int, default=1, help="estimator replicas (default: %(default)s)")
+    up.add_argument("--jobs", nargs="+", default=[str(p) for p in EXAMPLE_JOBS],
+                    help="local: job YAML files to submit (default: the example jobs)")
+    up.add_argument("--jobs-package", help="local: the package whose modules jobs may run (default: examples.jobs)")
+    up.add_argument("--slot-memory", type=float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="jobs known to a running goodput")
@@ -53,8 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _up(args: argparse.Namespace) -> int:
     from deploy.nats import nats_from_binary
 
+    local = args.executors == "local"
+    args.cluster = args.cluster or ("local" if local else "sia-hetero-64")
+    args.round = args.round or ROUND_S[args.executors]
     if args.round <= 0 or args.speed <= 0 or args.policy_replicas < 1 or args.estimator_replicas < 1:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
+    if local and args.speed != 1:
+        raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data)
     # A fresh store each time: each start replays onto an empty simulated cluster.
     shutil.rmtree(data / "jetstream", ignore_errors=True)
@@ -65,18 +83,23 @@ def _up(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
-    from cli.simulate import policy_spec, report
-    from deploy.stack import create_run, replay, running_services, service_arguments
+    from cli.simulate import policy_spec
+    from deploy.stack import create_run, local_service_arguments, running_services, service_arguments
     from shared.bus import Bus
-    from shared.reference import load_workload
-    from services.policy.base import make_policy
-    from shared.cluster import load_cluster
-    from sim.run import add_fairness, job_sources, replay_results, simulation_settings
+    from sim.run import simulation_settings
     from sim.simulator import FEEDBACK_ITERATIONS
 
+    local = args.executors == "local"
     policy, options = policy_spec(args.policy)
-    arguments = service_arguments(args.cluster, args.reference, args.reference is None, None, FEEDBACK_ITERATIONS,
-                                  None)
+    if local:
+        # Jobs report what they measured twice a round: the estimator learns a new allocation in one.
+        arguments = local_service_arguments(args.cluster, data / "work", args.round / 2, args.slot_memory,
+                                            args.jobs_package)
+        options.setdefault("round_s", args.round)       # re-decide every round: real jobs are short
+        specs = [_job(path) for path in args.jobs]     # a bad file is refused here, before anything starts
+    else:
+        arguments = service_arguments(args.cluster, args.reference, args.reference is None, None,
+                                      FEEDBACK_ITERATIONS, None)
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
     with running_services(url, arguments, data, replicas) as stack:
         bus = await Bus.connect(url, "goodput-up")
@@ -87,35 +110,101 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
             print(f"submit jobs with `goodput submit JOB.yaml --server {url}`; "
                   f"see them with `goodput status --server {url}`")
-            if args.workload != "none":
-                jobs = load_workload(args.workload)
-                settings = simulation_settings(None, args.cluster)
-                print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
-                start = time.perf_counter()
-                run, records = await replay(bus, stack, jobs, policy, options, settings.name)
-                origin = f"reference:{args.reference}" if args.reference else "zoo"
-                cluster = load_cluster(args.cluster)
-                result = replay_results(jobs, cluster, make_policy(policy, **options), settings,
-                                        FEEDBACK_ITERATIONS, run, records, args.workload, origin)
-                await asyncio.to_thread(add_fairness, result, jobs, cluster, policy, options, settings,
-                                        job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS)
-                report(result, time.perf_counter() - start, args.out)
-            if not args.once:
+            if not local and args.workload != "none":
+                await _replay(args, bus, stack, policy, options)
+            if local or not args.once:
                 settings = simulation_settings(None, args.cluster)
                 await create_run(bus, RunRequest(LIVE_RUN, policy, options, settings.name, (), args.round,
                                                  live=True, speed=args.speed))
                 print(f"serving: submitted jobs are scheduled live with {args.policy}, a round every "
                       f"{args.round:g} s{f' (x{args.speed:g})' if args.speed != 1 else ''}; Ctrl-C stops everything")
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, stop.set)
                 watch = asyncio.ensure_future(_watch(bus, LIVE_RUN))
-                await stop.wait()
+                if local:
+                    await _submit_local(bus, specs)
+                if local and args.once:
+                    _report_local(args, await _until_ended(bus, [spec.id for spec in specs], args.round))
+                else:
+                    stop = asyncio.Event()
+                    loop = asyncio.get_running_loop()
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        loop.add_signal_handler(sig, stop.set)
+                    await stop.wait()
                 watch.cancel()
         finally:
             await bus.close()
     print("goodput is down")
+
+
+async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: dict) -> None:
+    """Replay the workload through the services; print and write its results."""
+    from cli.simulate import report
+    from deploy.stack import replay
+    from services.policy.base import make_policy
+    from shared.cluster import load_cluster
+    from shared.reference import load_workload
+    from sim.run import add_fairness, job_sources, replay_results, simulation_settings
+    from sim.simulator import FEEDBACK_ITERATIONS
+
+    jobs = load_workload(args.workload)
+    settings = simulation_settings(None, args.cluster)
+    print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
+    start = time.perf_counter()
+    run, records = await replay(bus, stack, jobs, policy, options, settings.name)
+    origin = f"reference:{args.reference}" if args.reference else "zoo"
+    cluster = load_cluster(args.cluster)
+    result = replay_results(jobs, cluster, make_policy(policy, **options), settings,
+                            FEEDBACK_ITERATIONS, run, records, args.workload, origin)
+    await asyncio.to_thread(add_fairness, result, jobs, cluster, policy, options, settings,
+                            job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS)
+    report(result, time.perf_counter() - start, args.out)
+
+
+def _job(path: str):
+    from cli.submit import load_job
+
+    spec = load_job(path)
+    if spec.submit_s is not None:
+        raise ValueError(f"{path}: a live job has no submit_s")
+    return spec
+
+
+async def _submit_local(bus, specs) -> None:
+    from shared import subjects
+
+    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    for spec in specs:
+        await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
+        print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
+
+
+async def _until_ended(bus, job_ids: list[str], poll_s: float):
+    """The executors' records once every one of these jobs has finished or failed."""
+    from shared import subjects
+    from shared.schema import Ack, JobRecords
+
+    while True:
+        records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=30)).jobs}
+        if all(job in records and (records[job].finish_s is not None or records[job].failure) for job in job_ids):
+            return [records[job] for job in job_ids]
+        await asyncio.sleep(poll_s)
+
+
+def _report_local(args: argparse.Namespace, records) -> None:
+    from cli.output import rounded, write_results
+
+    jobs = [{"name": r.name, "application": r.application, "submit_s": r.submit_s, "finish_s": r.finish_s,
+             "jct_s": None if r.finish_s is None else r.finish_s - r.submit_s, "restarts": r.restarts,
+             "gpu_seconds": r.gpu_seconds, "batches": list(r.batches), "metric": r.metric, "failure": r.failure}
+            for r in records]
+    lines = [f"{len(jobs)} real jobs with {args.policy} on {args.cluster}:"]
+    for job in jobs:
+        outcome = (f"finished in {job['jct_s']:.0f} s, metric {job['metric']:.3f}" if job["failure"] is None
+                   else f"failed: {job['failure']}")
+        lines.append(f"  {job['name']:<14} {outcome}; restarts {job['restarts']}, "
+                     f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}")
+    write_results(rounded({"executors": "local", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
+                  args.out, "\n".join(lines))
 
 
 async def _watch(bus, run_id: str) -> None:
@@ -148,7 +237,8 @@ def _status(args: argparse.Namespace) -> int:
           f"policy leader: {leader or 'none'}")
     for r in records.jobs:
         gpus = "+".join(f"{g}@{node}" for node, g in r.placement)
-        state = (f"finished after {(r.finish_s - r.submit_s) / 3600:.2f} h" if r.finish_s is not None
+        state = (f"failed: {r.failure}" if r.failure
+                 else f"finished after {(r.finish_s - r.submit_s) / 3600:.2f} h" if r.finish_s is not None
                  else f"running on {gpus}" if gpus else "waiting")
         print(f"  {r.name:<24} {r.application:<12} {state:<28} restarts {r.restarts:<3} "
               f"GPU-h {r.gpu_seconds / 3600:.2f}")

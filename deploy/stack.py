@@ -150,17 +150,19 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
     }
 
 
-def local_service_arguments(cluster: str, workdir: Path, report_every_s: float,
-                            slot_memory_mb: float | None = None) -> dict[str, list[str]]:
+def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, slot_memory_mb: float | None = None,
+                            jobs_package: str | None = None) -> dict[str, list[str]]:
     """Each service's options for real jobs on this machine's slots (`--executors local`)."""
     memory = ["--slot-memory", str(slot_memory_mb)] if slot_memory_mb is not None else []
+    package = ["--jobs-package", jobs_package] if jobs_package else []
     return {
-        "profiler": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "profiles"), *memory],
+        "profiler": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "profiles"), *memory,
+                     *package],
         "estimator": ["--cluster", cluster],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
         "executor": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "jobs"),
-                     "--report-every", str(report_every_s)],
+                     "--report-every", str(report_every_s), *package],
     }
 
 

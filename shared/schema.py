@@ -60,6 +60,16 @@ class Rejected(msgspec.Struct, frozen=True):
 MAX_RECORDED_PAYLOAD = 512
 
 
+def readable_id(data: bytes) -> str | None:
+    """The job id of a submission that is otherwise malformed, when one can be read: its rejection
+    is then the job's own (it ends failed, with the reason), not only a dead letter."""
+    try:
+        document = msgspec.msgpack.decode(data)        # the bus speaks msgpack
+        return msgspec.convert(document["id"], Identifier)
+    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError):
+        return None
+
+
 def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None) -> Rejected:
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
     return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD])
@@ -321,6 +331,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     placement: tuple[tuple[str, int], ...] = ()   # where it runs now
     failure: str | None = None                    # why it ended without finishing
     metric: float | None = None                   # a real job's own measure of success, when it finished
+    batches: tuple[int, ...] = ()                 # a real job's total batches, as it re-tuned them
 
 
 class Count(msgspec.Struct, frozen=True):

@@ -83,6 +83,7 @@ class NodeAgent:
         self.executors = executors
         self.jobs: dict[str, Scheduled] = {}
         self.failures: dict[str, str] = {}          # refused before this agent saw the submission
+        self.applied_s = -math.inf                  # the round whose placements are in force
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -151,7 +152,11 @@ class NodeAgent:
             grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
 
     def apply(self, now: float, placements: dict[str, Spots]) -> None:
-        """Start, move, resize or stop workers (blocking: a moved job checkpoints first)."""
+        """Start, move, resize or stop workers (blocking: a moved job checkpoints first). An older
+        round's placements (a late or repeated apply: a deposed leader's) never undo a newer's."""
+        if now < self.applied_s:
+            return
+        self.applied_s = now
         for name, job in self.jobs.items():
             spots = tuple(placements.get(name, ()))
             local = self.executors.jobs.get(name)
@@ -220,7 +225,11 @@ class NodeAgent:
             records.append(JobRecord(name, job.spec.application, submit,
                                      job.finish_s, local.restarts if local else 0, job.gpu_seconds, None,
                                      local.placement if local else (), job.failure,
-                                     result.get("metric") if result else None))
+                                     result.get("metric") if result else None,
+                                     tuple(result.get("batches", ())) if result else ()))
+        # Refused before its submission could be read here (e.g. a malformed one): failed all the same.
+        records += [JobRecord(name, "", math.nan, None, 0, 0.0, None, failure=reason)
+                    for name, reason in self.failures.items()]
         return records
 
 

@@ -23,7 +23,7 @@ from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
-from shared.schema import JobProfiles, JobSpec, Profiled, Stored, rejection
+from shared.schema import JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
 from sim.run import job_sources
 
 PROFILING_ACK_WAIT_S = 900.0     # a submission being profiled is not handed to another replica meanwhile
@@ -51,8 +51,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, on the dead-letter subject; the submission is then dropped.
-        await bus.js_publish(subjects.REJECTED, rejection(subject, f"malformed submission: {error}; {SUBMISSION_RULES}",
-                                                          data))
+        reason = f"malformed submission: {error}; {SUBMISSION_RULES}"
+        await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
 
     async def reject(spec: JobSpec, reason: str) -> None:
         await bus.js_publish(subjects.REJECTED, rejection(subjects.SUBMIT, reason, repr(spec), spec.id))

@@ -1,0 +1,1 @@
+"""Job scripts for the tests of real jobs (`--jobs-package tests.jobs`)."""

@@ -1,0 +1,81 @@
+"""Real jobs end to end on this machine: NATS, the five services, CPU slots standing in for GPUs.
+
+`goodput up --executors local --once` submits the three example jobs together; the real profiler
+measures each on one slot, the scheduler allocates and re-allocates slots as jobs arrive and
+finish, every moved job checkpoints, restarts at its new world size and re-tunes its batch, and
+every job reaches its target. Then the bad inputs: a script that breaks, a job too big for a slot,
+a submission with an unknown field — each ends failed with its reason, the others unaffected.
+"""
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import msgspec
+
+from deploy.nats import free_loopback_port, nats_from_binary
+from deploy.stack import create_run, local_service_arguments, running_services
+from shared import subjects
+from shared.bus import Bus
+from shared.schema import Ack, JobRecords, JobSpec, RunRequest
+
+TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job's own metric at its end
+
+
+def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_path):
+    out = tmp_path / "up.json"
+    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--once", "--round", "3",
+                          "--port", str(free_loopback_port()), "--data", str(tmp_path), "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    jobs = {job["name"]: job for job in json.loads(out.read_text())["jobs"]}
+    assert set(jobs) == set(TARGETS)
+    for name, job in jobs.items():
+        assert job["failure"] is None and job["finish_s"] is not None, job
+        assert job["metric"] >= TARGETS[name], job
+    moved = [job for job in jobs.values() if job["restarts"] >= 1]
+    assert moved, f"the scheduler changed no job's allocation mid-training: {jobs}"
+    # A moved job resumed at its new world size and re-tuned: it trained at more than one total batch.
+    assert any(len(job["batches"]) > 1 for job in moved), jobs
+    assert "finished" in run.stdout and "GPUs" in run.stdout          # the changes were shown as they came
+
+
+async def _bad_inputs(folder):
+    with nats_from_binary(folder) as url:
+        arguments = local_service_arguments("local", folder / "work", 1.0, slot_memory_mb=64,
+                                            jobs_package="tests.jobs")
+        with running_services(url, arguments, folder) as stack:
+            bus = await Bus.connect(url, "bad-inputs")
+            try:
+                await stack.wait_ready(bus)
+                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                                        duplicate_window=subjects.DEDUP_WINDOW_S)
+                await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
+                for job_id, application in [("breaks", "raises"), ("too-big", "huge"), ("good", "quick")]:
+                    await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
+                unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
+                await bus.nc.publish(subjects.SUBMIT, msgspec.msgpack.encode(unknown_field))
+                for _ in range(600):
+                    records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
+                    if len(records) == 4 and all(r.finish_s is not None or r.failure for r in records.values()):
+                        break
+                    await asyncio.sleep(0.5)
+                alive = [name for name, process in stack.processes.items() if process.poll() is None]
+                return records, alive
+            finally:
+                await bus.close()
+
+
+def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_affected(tmp_path):
+    records, alive = asyncio.run(_bad_inputs(tmp_path))
+    assert set(records) == {"breaks", "too-big", "good", "typo"}, records
+    breaks, too_big, good, typo = (records[name] for name in ("breaks", "too-big", "good", "typo"))
+    assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks
+    assert "RuntimeError: the data loader broke at step 3" in breaks.failure
+    assert "does not fit in the 64 MB memory of one cpu GPU at any batch size" in too_big.failure, too_big
+    assert math.isnan(too_big.submit_s) and too_big.gpu_seconds == 0         # it never ran
+    assert "unknown field `requested_gpu`" in typo.failure, typo
+    assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
+    assert len(alive) == 5, f"a service died: only {alive} still run"
