@@ -61,3 +61,23 @@ def test_only_example_jobs_may_run():
         executors.add("x", "os")
     with pytest.raises(ValueError, match="no job"):
         executors.add("y", "../../etc/passwd")
+
+
+def test_the_agent_takes_what_the_profiler_says_before_or_after_the_submission(tmp_path):
+    """The agent's consumers are apart: a job measured (or refused) before its submission reached
+    the agent still arrives (or ends failed with the reason)."""
+    from services.executor.agent import NodeAgent
+    from shared.schema import JobSpec, Profiled, Rejected
+
+    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    agent.profiled(Profiled("early", 16, 256))
+    agent.rejected(Rejected("goodput.jobs.submit", "too big", "refused"))
+    agent.rejected(Rejected("goodput.jobs.submit", "malformed: unknown field", "never-read"))
+    for job_id in ("early", "refused", "late"):
+        agent.submitted(JobSpec(job_id, "tiny_lm"))
+    agent.profiled(Profiled("late", 16, 256))
+    assert agent.arrive(10.0) == ["early", "late"]
+    failures = {r.name: r.failure for r in agent.records() if r.failure}
+    assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
+    facts = agent.facts(12.0, ["early"])[0]
+    assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)

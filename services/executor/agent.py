@@ -83,6 +83,7 @@ class NodeAgent:
         self.executors = executors
         self.jobs: dict[str, Scheduled] = {}
         self.failures: dict[str, str] = {}          # refused before this agent saw the submission
+        self.early: dict[str, Profiled] = {}         # measured before this agent saw the submission
         self.applied_s = -math.inf                  # the round whose placements are in force
         self._clock = (0.0, time.monotonic())
 
@@ -102,7 +103,7 @@ class NodeAgent:
     def submitted(self, spec: JobSpec) -> None:
         if spec.id in self.jobs:
             return
-        job = self.jobs[spec.id] = Scheduled(spec, failure=self.failures.pop(spec.id, None))
+        job = self.jobs[spec.id] = Scheduled(spec, self.early.pop(spec.id, None), failure=self.failures.pop(spec.id, None))
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
@@ -111,8 +112,8 @@ class NodeAgent:
     def profiled(self, message: Profiled) -> None:
         if message.job_id in self.jobs:
             self.jobs[message.job_id].profiled = message
-        else:
-            log.warning("job %s profiled before its submission reached this agent", message.job_id)
+        else:                      # the consumers are apart: the submission may come second
+            self.early[message.job_id] = message
 
     def rejected(self, message: Rejected) -> None:
         if message.job_id is None:
