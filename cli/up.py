@@ -22,6 +22,7 @@ import signal
 import time
 from pathlib import Path
 
+from services.executor.local import JOBS_PACKAGE
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
 from shared.schema import RunRequest
@@ -53,7 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--estimator-replicas", type=int, default=1, help="estimator replicas (default: %(default)s)")
     up.add_argument("--jobs", nargs="+", default=[str(p) for p in EXAMPLE_JOBS],
                     help="local: job YAML files to submit (default: the example jobs)")
-    up.add_argument("--jobs-package", help="local: the package whose modules jobs may run (default: examples.jobs)")
+    up.add_argument("--jobs-package", default=JOBS_PACKAGE,
+                    help="local: the package whose modules jobs may run (default: %(default)s)")
     up.add_argument("--slot-memory", type=float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
     up.set_defaults(func=_up)
 
@@ -220,6 +222,9 @@ async def _watch(bus, run_id: str) -> None:
                   f"{': ' + running if running else ''}", flush=True)
         for job in step.finished:
             print(f"  t={step.now_s:>8.0f} s  {job} finished", flush=True)
+        for event in step.events:
+            if " failed: " in event:
+                print(f"  {event}", flush=True)
 
 
 def _status(args: argparse.Namespace) -> int:

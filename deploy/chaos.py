@@ -429,7 +429,7 @@ def record(fault: Fault, jobs: list[WorkloadJob], outcome: Outcome, baseline: Ou
         "notes": outcome.notes,
     }
     row["ok"] = (row["jobs_lost"] == row["jobs_duplicated"] == row["capacity_violations"] == 0
-                 and not outcome.crashed and row["avg_jct_ratio"] is not None
+                 and not outcome.failure and not outcome.crashed and row["avg_jct_ratio"] is not None
                  and abs(row["avg_jct_ratio"] - 1) <= JCT_TOLERANCE)
     return row
 

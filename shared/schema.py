@@ -412,6 +412,7 @@ class RunStep(msgspec.Struct, frozen=True):
     total: int
     over: bool = False               # the last step: every job finished, the horizon passed, or it failed
     failure: str = ""                # why the run could not go on
+    failed: tuple[str, ...] = ()     # jobs that ended without finishing (why: in `events`)
 
 
 class Lease(msgspec.Struct, frozen=True):

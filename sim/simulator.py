@@ -216,20 +216,20 @@ class Simulator:
                     apply = clock.decided.apply
                     await self.wiring.apply(apply.now_s, apply.placements, apply.models, apply.adaptive)
                 ended = await self.wiring.advance(now, step, list(clock.active))
-            finished = set(ended.finished) | set(ended.failed)          # a failed job is done with, too
+            ended_jobs = set(ended.finished) | set(ended.failed)          # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
             events += tuple(f"{now:.0f}s: {job} failed: {reason}" for job, reason in sorted(ended.failed.items()))
             if record is not None:
                 self.rounds.append(record)
             self.events.extend(events)
             clock = msgspec.structs.replace(
-                clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(finished), decided=None,
-                active=tuple(name for name in clock.active if name not in finished))
+                clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(ended_jobs), decided=None,
+                active=tuple(name for name in clock.active if name not in ended_jobs))
             over = not live and clock.admitted == len(self.workload) and not clock.active
             total = clock.done + len(clock.active) if live else len(self.workload)
             if journal:
-                await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(finished)),
-                                                     clock.done, total, over))
+                await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(ended.finished)),
+                                                     clock.done, total, over, failed=tuple(sorted(ended.failed))))
             if progress:
                 progress(clock.now_s, clock.done, total)
         return clock
@@ -247,9 +247,9 @@ class Simulator:
             # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
             try:
                 decision = await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, views))
-            except ValueError:          # the policy refuses these jobs (e.g. hybrid): the run cannot go on
-                raise
             except Exception as error:  # noqa: BLE001 - a failed solve costs a round, not the run
+                if type(error) is ValueError:   # the policy refuses these jobs (e.g. hybrid): the run cannot go on
+                    raise                       # (a LinAlgError or a validation error is a failed solve)
                 decision = self._keep(facts, f"policy {self.policy.name} failed ({type(error).__name__}: "
                                              f"{error}); previous allocation kept")
         policy_ms = (time.perf_counter() - policy_start) * 1e3

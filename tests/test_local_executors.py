@@ -81,3 +81,24 @@ def test_the_agent_takes_what_the_profiler_says_before_or_after_the_submission(t
     assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
     facts = agent.facts(12.0, ["early"])[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
+
+
+def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_path):
+    """The clock asks a round again when its reply was lost: the job that finished in it is
+    reported again (else the run would never learn of it), its slot-seconds are counted once."""
+    from services.executor.agent import NodeAgent
+    from shared.schema import JobSpec, Profiled
+
+    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    agent.submitted(JobSpec("lm", "tiny_lm"))
+    agent.profiled(Profiled("lm", 16, 256))
+    agent.arrive(0.0)
+    local = agent.executors.jobs["lm"]
+    local.placement = (("local-0", 2),)                 # as if running on two slots (no processes here)
+    assert agent.advance(0.0, 3.0, ["lm"]).finished == ()      # a round on two slots: 6 slot-seconds
+    local.result = {"stopped": False, "metric": 0.9}    # and then it finished
+    first = agent.advance(3.0, 3.0, ["lm"])
+    again = agent.advance(3.0, 3.0, ["lm"])
+    assert first == again and first.finished == ("lm",)
+    assert agent.jobs["lm"].gpu_seconds == 6.0
+    assert agent.advance(6.0, 3.0, ["lm"]).finished == ()       # reported in its round only

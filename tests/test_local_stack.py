@@ -72,7 +72,7 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     records, alive = asyncio.run(_bad_inputs(tmp_path))
     assert set(records) == {"breaks", "too-big", "good", "typo"}, records
     breaks, too_big, good, typo = (records[name] for name in ("breaks", "too-big", "good", "typo"))
-    assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks
+    assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks       # restarted twice
     assert "RuntimeError: the data loader broke at step 3" in breaks.failure
     assert "does not fit in the 64 MB memory of one cpu GPU at any batch size" in too_big.failure, too_big
     assert math.isnan(too_big.submit_s) and too_big.gpu_seconds == 0         # it never ran

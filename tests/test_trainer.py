@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from deploy.nats import free_loopback_port
+from services.executor.protocol import OUTCOME_PREFIX
 from services.executor.trainer import AdaptiveTraining
 
 JOB = [sys.executable, "-m", "examples.jobs.mlp_blobs"]
@@ -21,10 +22,17 @@ EXAMPLES = {"cnn_shapes": 0.95, "tiny_lm": 0.75}      # each example job's metri
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}     # a CPU slot is one core
 
 
+def outcome(stdout: str) -> dict:
+    """A job's last line: its outcome, for the executor."""
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith(OUTCOME_PREFIX), last
+    return json.loads(last[len(OUTCOME_PREFIX):])
+
+
 def run_job(*args, env=None, timeout=300) -> dict:
     done = subprocess.run([*JOB, *args], env=env or ONE_THREAD, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return outcome(done.stdout)
 
 
 def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
@@ -39,7 +47,7 @@ def test_the_other_example_jobs_reach_their_targets(job):
     done = subprocess.run([sys.executable, "-m", f"examples.jobs.{job}"], env=ONE_THREAD, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = outcome(done.stdout)
     assert result["metric"] >= EXAMPLES[job] and result["skipped"] == 0
     assert max(result["batches"]) > min(result["batches"])          # it re-tuned its batch
 
@@ -58,7 +66,7 @@ def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     outputs = [worker.communicate(timeout=120) for worker in workers]
     for worker, (out, err) in zip(workers, outputs):
         assert worker.returncode == 0, err[-3000:]
-    stopped = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    stopped = [outcome(out) for out, _ in outputs]
     assert all(s["stopped"] for s in stopped) and stopped[0]["steps"] == stopped[1]["steps"] > 0
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["placement"] == [2, 1] and saved["steps"] == stopped[0]["steps"]

@@ -1,5 +1,5 @@
 """The loop every example job shares: train until the target, stop cleanly on SIGTERM, print one
-JSON line with the outcome (the executor and the tests read it)."""
+line with the outcome (`goodput-outcome ` and JSON: the executor and the tests read it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from services.executor.protocol import OUTCOME_PREFIX
 from services.executor.trainer import AdaptiveTraining
 
 
@@ -32,5 +33,5 @@ def train(training: AdaptiveTraining, loss_of: Callable[[torch.nn.Module, tuple]
         result.update(batches=training.batches, metric=evaluate(), noise=training.noise.stats(),
                       world=training.placement.world, skipped=training.skipped)
     if outcome != "profiled":
-        print(json.dumps(result), flush=True)
+        print(OUTCOME_PREFIX + json.dumps(result), flush=True)
     return result

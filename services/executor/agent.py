@@ -85,6 +85,7 @@ class NodeAgent:
         self.failures: dict[str, str] = {}          # refused before this agent saw the submission
         self.early: dict[str, Profiled] = {}         # measured before this agent saw the submission
         self.applied_s = -math.inf                  # the round whose placements are in force
+        self._advanced: tuple[float, AdvanceReply] | None = None    # the last round run, and its reply
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -96,7 +97,9 @@ class NodeAgent:
         return virtual + time.monotonic() - wall
 
     def tick(self, now: float) -> None:
-        self._clock = (now, time.monotonic())
+        """A request at `now`: the clock is set by it (never back: a late request is an old round's)."""
+        if now >= self.now():
+            self._clock = (now, time.monotonic())
 
     # ---- what the other services tell it ----------------------------------------------------
 
@@ -118,8 +121,12 @@ class NodeAgent:
     def rejected(self, message: Rejected) -> None:
         if message.job_id is None:
             return
-        if message.job_id in self.jobs:
-            self.jobs[message.job_id].failure = message.reason
+        job = self.jobs.get(message.job_id)
+        if job is not None and job.profiled is not None:
+            log.warning("job %s: a rejection after it was profiled (a submission reusing its id?) is ignored: %s",
+                        message.job_id, message.reason)
+        elif job is not None:
+            job.failure = message.reason
         else:
             self.failures[message.job_id] = message.reason
 
@@ -148,7 +155,7 @@ class NodeAgent:
             restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
             placement=local.placement, iterations=float(steps),
             slice_iterations=float(steps - job.slice_steps) if local.placement else 0.0,
-            idle_since_s=None if local.placement else (job.idle_since_s or job.arrival_s),
+            idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
             grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
 
@@ -181,7 +188,10 @@ class NodeAgent:
                 job.failure = local.failure
 
     def advance(self, now: float, step: float, names) -> AdvanceReply:
-        """The round [now, now + step) runs in real time: count what it uses; the jobs that ended."""
+        """The round [now, now + step) runs in real time: count what it uses; the jobs that ended.
+        A round asked again (its reply lost) gets the same reply, and nothing is counted twice."""
+        if self._advanced is not None and self._advanced[0] == now:
+            return self._advanced[1]
         self.poll()
         finished, failed = [], {}
         for name in names:
@@ -198,13 +208,16 @@ class NodeAgent:
             elif job.failure is not None:
                 failed[name] = job.failure
             job.told = job.finish_s is not None or job.failure is not None
-        return AdvanceReply(tuple(finished), failed)
+        reply = AdvanceReply(tuple(finished), failed)
+        self._advanced = (now, reply)
+        return reply
 
     def observations(self) -> list[Observed]:
         """The configurations the jobs measured that the estimator has not been told of."""
         new = []
         for name, job in self.jobs.items():
-            stats = self.executors.jobs[name].stats
+            local = self.executors.jobs.get(name)          # none: a job refused on submission
+            stats = local.stats if local else None
             if stats is None or not stats.gpu_type:
                 continue
             for observation in stats.observations:
@@ -290,7 +303,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await guarded(agent.poll)
 
     async def stop_workers() -> None:
-        await asyncio.to_thread(agent.executors.stop_all)
+        watching.cancel()
+        async with turn:                  # no request half done; then no worker is started again
+            await asyncio.to_thread(agent.executors.stop_all)
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
@@ -302,7 +317,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         consumer = await bus.pull_consumer(subjects.JOBS_STREAM, durable, subject, kind,
                                            span_name=f"executor.{durable}")
         loop.create_task(consumer.consume(lambda message, handler=handler: guarded(handler, message), timeout=0.2))
-    loop.create_task(watch())
+    watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 
     service = new_service(bus, subjects.EXECUTOR_SERVICE, f"real jobs on {agent.cluster.total_gpus} local slots")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import logging
 import os
 import queue
 import signal
@@ -29,7 +30,7 @@ from typing import IO
 import msgspec
 
 from deploy.nats import free_loopback_port
-from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
+from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
 from shared.cluster import Cluster, Spots
 from shared.schema import JobStats
 
@@ -37,6 +38,7 @@ JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by defaul
 STOP_TIMEOUT_S = 60.0
 MAX_CRASHES = 3
 ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
@@ -55,7 +57,13 @@ def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
 def worker(module: str, arguments: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
     """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`."""
     return subprocess.Popen([sys.executable, "-m", module, *arguments], env={**os.environ, "OMP_NUM_THREADS": "1",
-                            **env}, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+                            **env}, stdout=subprocess.PIPE, stderr=log, text=True, errors="replace", cwd=ROOT)
+
+
+def torchrun_env(rank: int, world: int, nodes: int, port: int, job_id: str, gpu_type: str) -> dict[str, str]:
+    """A worker's place in its job, as torchrun gives it, and what goodput adds."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "GOODPUT_NODES": str(nodes), JOB_ENV: job_id, GPU_TYPE_ENV: gpu_type}
 
 
 def last_error(log: Path) -> str:
@@ -71,12 +79,14 @@ class LocalJob:
     application: str
     placement: Spots = ()
     workers: list[subprocess.Popen] = field(default_factory=list)
+    readers: list[threading.Thread] = field(default_factory=list)     # one per worker: its stdout
     lines: queue.Queue = field(default_factory=queue.Queue)
     stats: JobStats | None = None
     result: dict | None = None           # the job's last line once it has finished
     restarts: int = 0
     crashes: int = 0
     failure: str | None = None
+    announced: bool = False              # its finish returned by `poll` once
 
     @property
     def running(self) -> bool:
@@ -92,6 +102,7 @@ class LocalExecutors:
         self.report_every_s = report_every_s
         self.jobs_package = jobs_package
         self.jobs: dict[str, LocalJob] = {}
+        self.closing = False                 # stopping for good: a worker that exits is not restarted
 
     def add(self, job_id: str, application: str) -> None:
         try:
@@ -115,26 +126,36 @@ class LocalExecutors:
                 self._start(job)
 
     def poll(self) -> list[str]:
-        """Take the workers' reports; the jobs that finished since the last poll."""
-        finished = []
+        """Take the workers' reports; the jobs that finished since the last poll (also one that
+        finished just as it was being stopped). A worker that crashed takes the others of its job
+        down (they would wait for it in a collective) and the job restarts from its checkpoint."""
         for job in self.jobs.values():
             self._read(job)
-            if not job.running or any(w.poll() is None for w in job.workers):
+            codes = [w.poll() for w in job.workers]
+            crashed = any(code not in (None, 0) for code in codes)
+            if not job.running or (None in codes and not crashed):
                 continue
+            for worker in job.workers:
+                if worker.poll() is None:
+                    worker.kill()
+            self._end(job)
             codes = [w.returncode for w in job.workers]
-            job.workers = []
-            if all(code == 0 for code in codes) and job.result is not None:
-                finished.append(job.job_id)
-            elif any(code != 0 for code in codes):
+            job.workers, job.readers = [], []
+            if crashed and job.result is None and not self.closing:
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
+                    rank = next(rank for rank, code in enumerate(codes) if code not in (None, 0))
                     job.failure = (f"its workers crashed {job.crashes} times (exit codes {codes}); the last error: "
-                                   f"{last_error(self._log(job, codes.index(next(c for c in codes if c))))}")
+                                   f"{last_error(self._log(job, rank))}")
                 else:
                     self._start(job)                  # from its last checkpoint
-        return finished
+        finished = [job for job in self.jobs.values() if job.result is not None and not job.announced]
+        for job in finished:
+            job.announced = True
+        return [job.job_id for job in finished]
 
     def stop_all(self) -> None:
+        self.closing = True
         for job in self.jobs.values():
             if job.running:
                 self._stop(job)
@@ -148,13 +169,14 @@ class LocalExecutors:
         module = job_module(job.application, self.jobs_package)
         arguments = ["--checkpoint", str(self.workdir / f"{job.job_id}.pt")]
         for rank in range(world):
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "GOODPUT_NODES": str(len(job.placement)), JOB_ENV: job.job_id,
-                   GPU_TYPE_ENV: gpu_type or "", REPORT_ENV: str(self.report_every_s)}
+            env = {**torchrun_env(rank, world, len(job.placement), port, job.job_id, gpu_type or ""),
+                   REPORT_ENV: str(self.report_every_s)}
             with open(self._log(job, rank), "w") as log:
                 process = worker(module, arguments, env, log)
-            threading.Thread(target=_forward, args=(process, job.lines), daemon=True).start()
+            reader = threading.Thread(target=_forward, args=(process, job.lines), daemon=True)
+            reader.start()
             job.workers.append(process)
+            job.readers.append(reader)
 
     def _log(self, job: LocalJob, rank: int) -> Path:
         return self.workdir / f"{job.job_id}.rank{rank}.log"
@@ -168,7 +190,13 @@ class LocalExecutors:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        job.workers = []
+        self._end(job)
+        job.workers, job.readers = [], []
+
+    def _end(self, job: LocalJob) -> None:
+        """After the workers exited: every line they wrote, read."""
+        for reader in job.readers:
+            reader.join(timeout=STOP_TIMEOUT_S)
         self._read(job)
 
     def _read(self, job: LocalJob) -> None:
@@ -177,12 +205,15 @@ class LocalExecutors:
                 line = job.lines.get_nowait()
             except queue.Empty:
                 return
-            if line.startswith(STATS_PREFIX):
-                job.stats = msgspec.msgpack.decode(base64.b64decode(line[len(STATS_PREFIX):]), type=JobStats)
-            elif line.startswith("{"):
-                outcome = json.loads(line)
-                if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
-                    job.result = outcome
+            try:
+                if line.startswith(STATS_PREFIX):
+                    job.stats = msgspec.msgpack.decode(base64.b64decode(line[len(STATS_PREFIX):]), type=JobStats)
+                elif line.startswith(OUTCOME_PREFIX):
+                    outcome = json.loads(line[len(OUTCOME_PREFIX):])
+                    if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
+                        job.result = outcome
+            except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
+                log.warning("job %s: unreadable report %r: %s", job.job_id, line[:80], error)
 
 
 def _forward(worker: subprocess.Popen, lines: queue.Queue) -> None:

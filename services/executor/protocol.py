@@ -12,3 +12,4 @@ SLOT_MEMORY_ENV = "GOODPUT_SLOT_MEMORY_MB"   # a CPU slot's memory, for the prof
 # Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
 STATS_PREFIX = "goodput-stats "          # JobStats, from rank 0
 PROFILE_PREFIX = "goodput-profile "      # ProfileRun
+OUTCOME_PREFIX = "goodput-outcome "      # then JSON: how the run ended ({"stopped": true} on SIGTERM)

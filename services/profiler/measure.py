@@ -14,8 +14,8 @@ from pathlib import Path
 
 import msgspec
 
-from services.executor.local import job_module, last_error, worker
-from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from services.executor.local import job_module, last_error, torchrun_env, worker
+from services.executor.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
 from shared.schema import Profile, ProfileRun
 
 PROFILE_TIMEOUT_S = 300.0
@@ -32,7 +32,7 @@ def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, j
         module = job_module(application, jobs_package)
     except ValueError as error:
         raise ProfilingFailed(str(error)) from None
-    env = {PROFILE_ENV: "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", JOB_ENV: job_id, GPU_TYPE_ENV: gpu_type}
+    env = {**torchrun_env(0, 1, 1, 0, job_id, gpu_type), PROFILE_ENV: "1"}
     if slot_memory_mb is not None:
         env[SLOT_MEMORY_ENV] = str(slot_memory_mb)
     log_path = workdir / f"{job_id}.profile-{gpu_type}.log"

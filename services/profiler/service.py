@@ -18,7 +18,7 @@ from nats import micro
 
 from services.executor.local import JOBS_PACKAGE
 from services.profiler.core import SUBMISSION_RULES, submission_problem
-from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
+from services.profiler.measure import PROFILE_TIMEOUT_S, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
@@ -26,7 +26,6 @@ from shared.cluster import load_cluster
 from shared.schema import JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
 from sim.run import job_sources
 
-PROFILING_ACK_WAIT_S = 900.0     # a submission being profiled is not handed to another replica meanwhile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +89,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
+    # A submission being profiled (one run per GPU type) is not handed to another replica meanwhile.
+    ack_wait = PROFILE_TIMEOUT_S * len(cluster.gpu_types) + 60.0
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT, JobSpec,
                                        span_name="profiler.bootstrap", on_invalid=on_malformed,
-                                       **({"ack_wait": PROFILING_ACK_WAIT_S} if local else {}))
+                                       **({"ack_wait": ack_wait} if local else {}))
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")
