@@ -4,7 +4,8 @@
 measures each on one slot, the scheduler allocates and re-allocates slots as jobs arrive and
 finish, every moved job checkpoints, restarts at its new world size and re-tunes its batch, and
 every job reaches its target. Then the bad inputs: a script that breaks, a job too big for a slot,
-a submission with an unknown field — each ends failed with its reason, the others unaffected.
+a job naming no code there is, a submission with an unknown field — each ends failed with its
+reason, the others unaffected.
 """
 
 import asyncio
@@ -53,13 +54,14 @@ async def _bad_inputs(folder):
                 await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                                         duplicate_window=subjects.DEDUP_WINDOW_S)
                 await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
-                for job_id, application in [("breaks", "raises"), ("too-big", "huge"), ("good", "quick")]:
+                for job_id, application in [("breaks", "raises"), ("too-big", "huge"), ("no-code", "nosuchjob"),
+                                            ("good", "quick")]:
                     await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
                 unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
                 await bus.nc.publish(subjects.SUBMIT, msgspec.msgpack.encode(unknown_field))
                 for _ in range(600):
                     records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
-                    if len(records) == 4 and all(r.finish_s is not None or r.failure for r in records.values()):
+                    if len(records) == 5 and all(r.finish_s is not None or r.failure for r in records.values()):
                         break
                     await asyncio.sleep(0.5)
                 alive = [name for name, process in stack.processes.items() if process.poll() is None]
@@ -70,12 +72,13 @@ async def _bad_inputs(folder):
 
 def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_affected(tmp_path):
     records, alive = asyncio.run(_bad_inputs(tmp_path))
-    assert set(records) == {"breaks", "too-big", "good", "typo"}, records
+    assert set(records) == {"breaks", "too-big", "no-code", "good", "typo"}, records
     breaks, too_big, good, typo = (records[name] for name in ("breaks", "too-big", "good", "typo"))
     assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks       # restarted twice
     assert "RuntimeError: the data loader broke at step 3" in breaks.failure
     assert "does not fit in the 64 MB memory of one cpu GPU at any batch size" in too_big.failure, too_big
     assert math.isnan(too_big.submit_s) and too_big.gpu_seconds == 0         # it never ran
     assert "unknown field `requested_gpu`" in typo.failure, typo
+    assert "no job 'nosuchjob' in tests.jobs" in records["no-code"].failure, records["no-code"]
     assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
     assert len(alive) == 5, f"a service died: only {alive} still run"
