@@ -83,6 +83,7 @@ CHUNK_HEADER = "Goodput-Chunk"
 WANT_HEADER = "Goodput-Want"
 HEADER_ROOM = 16 * 1024      # max_payload counts headers too: trace context, error descriptions
 CHUNK_TIMEOUT_S = 5.0        # the most a part may lag the one before it
+MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
 NO_RESPONDERS_STATUS = "503"
 
 
@@ -99,15 +100,20 @@ class ChunkLost(nats.errors.TimeoutError):
 
 def split_body(body: bytes, size: int) -> list[bytes]:
     """`body` in parts of at most `size` bytes (one part, maybe empty, when it fits)."""
+    if len(body) > MAX_PARTS * size:
+        raise ValueError(f"a body of {len(body)} bytes is over {MAX_PARTS} parts of {size} bytes")
     return [body[i:i + size] for i in range(0, len(body), size)] or [body]
 
 
 def _chunk_of(headers: dict[str, str] | None) -> tuple[int, int]:
-    """(part, parts) of a message: (0, 1) for a whole body."""
+    """(part, parts) of a message: (0, 1) for a whole body. ValueError for a header that is not
+    `i/n` with 0 <= i < n <= MAX_PARTS: a peer's header is never trusted to size a buffer."""
     mark = (headers or {}).get(CHUNK_HEADER)
     if mark is None:
         return 0, 1
-    index, count = mark.split("/")
+    index, _, count = mark.partition("/")
+    if not (index.isdigit() and count.isdigit() and int(index) < int(count) <= MAX_PARTS):
+        raise ValueError(f"bad {CHUNK_HEADER} header {mark[:40]!r} (want i/n, n at most {MAX_PARTS})")
     return int(index), int(count)
 
 
@@ -356,13 +362,13 @@ class Bus:
                                 f"within {self.chunk_timeout_s:g} s") from None
             return raw.data
 
-        if _chunk_of(headers)[1] > 1 and not reply:
-            log.warning("a message on %s in parts has no reply subject to ask for the rest; dropped", subject)
-            return None
         try:
+            if _chunk_of(headers)[1] > 1 and not reply:
+                log.warning("a message on %s in parts has no reply subject to ask for the rest; dropped", subject)
+                return None
             return await _assemble(headers, data, next_part)
-        except ChunkLost as error:
-            log.warning("%s; the request is dropped", error)
+        except (ChunkLost, ValueError) as error:
+            log.warning("%s: %s; the request is dropped", subject, error)
             return None
 
     async def _respond(self, reply: str, body: bytes, headers: dict[str, str] | None) -> None:

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from nats import micro
 
-from shared.bus import CHUNK_HEADER, ChunkLost, Delivery, KVEntry, RevisionConflict
+from shared.bus import CHUNK_HEADER, MAX_PARTS, ChunkLost, Delivery, KVEntry, RevisionConflict
 
 TIMEOUT_S = 3.0
 
@@ -307,6 +307,28 @@ async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(co
 
     assert handled == [Ping(2)]
     assert f"request on {subject}: part 2 of 2 did not come within 0.3 s; the request is dropped" in caplog.text
+
+
+async def test_a_bad_part_header_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
+    """A peer's part header never sizes a buffer: not `i/n`, or more parts than MAX_PARTS, is refused."""
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject = f"{name_prefix}.echo"
+    handled: list[Ping] = []
+
+    def echo(ping: Ping) -> Pong:
+        handled.append(ping)
+        return Pong(ping.n)
+
+    service = await micro.add_service(server.nc, name=f"{name_prefix}_svc", version="0.1.0")
+    await server.add_endpoint(service, "echo", subject, Ping, echo)
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        for mark in ("x/y", f"0/{MAX_PARTS + 1}", "3/2", "-1/2"):
+            await client.nc.publish(subject, client.encode(Ping(1)), reply=client.nc.new_inbox(),
+                                    headers={CHUNK_HEADER: mark})
+        assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
+
+    assert handled == [Ping(2)]
+    assert caplog.text.count(f"bad {CHUNK_HEADER} header") == 4
 
 
 async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):
