@@ -121,7 +121,8 @@ ROLES: dict[str, Permissions] = {
     ),
     "executor": _service(
         "executor",
-        publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_stream(JOBS),
+        publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
+                 *_stream(JOBS),
                  *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.EXECUTOR_PROFILED_CONSUMER),
                  *_durable(JOBS, subjects.EXECUTOR_REJECTED_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,

@@ -299,6 +299,33 @@ class Profiled(msgspec.Struct, frozen=True):
     max_batch: PositiveInt
 
 
+class NodeJob(msgspec.Struct):
+    """A real job as its node agent keeps it (KV): what the scheduler is told of it besides what its
+    workers report, and what they reported last, so a restarted agent goes on with it (its workers
+    resume from their checkpoint)."""
+
+    spec: JobSpec
+    profiled: Profiled | None = None
+    arrival_s: float | None = None                 # on the run's clock
+    finish_s: float | None = None
+    failure: str | None = None
+    ended_in: float | None = None                  # the round (its now_s) whose advance reported the end
+    advanced_to: float | None = None               # its slot-seconds are counted up to here
+    gpu_seconds: float = 0.0
+    by_type: dict[str, float] = {}
+    idle_since_s: float | None = None
+    max_gpus_seen: int = 0
+    slice_steps: int = 0                           # its steps when the current placement began
+    estimate_revision: int = 0
+    reported: tuple[tuple[int, int, int, int], ...] = ()    # configurations (nodes, GPUs, m, s) the estimator has
+    placement: Spots = ()                          # where its workers ran when this was saved
+    restarts: int = 0
+    crashes: int = 0
+    stats: JobStats | None = None
+    metric: float | None = None                    # its own measure of success, once finished
+    batches: tuple[int, ...] = ()                  # the total batches it trained at, once finished
+
+
 class Observed(msgspec.Struct, frozen=True):
     """Executors -> estimator: a configuration a job ran, and its measured iteration time."""
 

@@ -60,3 +60,4 @@ LEASE_BUCKET = "goodput_policy_lease"       # KV: LEADER_KEY -> Lease
 LEADER_KEY = "leader"
 ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord
 EXECUTOR_BUCKET = "goodput_executor_jobs"   # KV: job id -> the simulated job's whole state
+NODE_JOBS_BUCKET = "goodput_node_jobs"      # KV: job id -> NodeJob, a real job as its node agent keeps it

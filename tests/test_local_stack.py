@@ -5,16 +5,19 @@ measures each on one slot, the scheduler allocates and re-allocates slots as job
 finish, every moved job checkpoints, restarts at its new world size and re-tunes its batch, and
 every job reaches its target. Then the bad inputs: a script that breaks, a job too big for a slot,
 a job naming no code there is, a submission with an unknown field — each ends failed with its
-reason, the others unaffected.
+reason, the others unaffected. And the node agent killed -9 mid-training: its successor takes the
+jobs back from KV, the workers it left checkpoint and stop, and every job still reaches its target.
 """
 
 import asyncio
+import contextlib
 import json
 import math
 import subprocess
 import sys
 
 import msgspec
+import nats.errors
 
 from deploy.nats import free_loopback_port, nats_from_binary
 from deploy.stack import create_run, local_service_arguments, running_services
@@ -82,3 +85,51 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     assert "no job 'nosuchjob' in tests.jobs" in records["no-code"].failure, records["no-code"]
     assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
     assert len(alive) == 5, f"a service died: only {alive} still run"
+
+
+async def _until_ended(bus, count: int, timeout_s: float = 300.0) -> dict:
+    records = {}
+    for _ in range(int(timeout_s / 0.5)):
+        with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):   # a restart
+            records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
+        if len(records) == count and all(r.finish_s is not None or r.failure for r in records.values()):
+            return records
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"jobs still running after {timeout_s} s: {records}")
+
+
+async def _agent_killed(folder):
+    with nats_from_binary(folder) as url:
+        arguments = local_service_arguments("local", folder / "work", 1.0)
+        with running_services(url, arguments, folder) as stack:
+            bus = await Bus.connect(url, "agent-killed")
+            try:
+                await stack.wait_ready(bus)
+                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+                                        duplicate_window=subjects.DEDUP_WINDOW_S)
+                await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
+                for job_id, application in [("tiny-lm", "tiny_lm"), ("cnn-shapes", "cnn_shapes")]:
+                    await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
+                for _ in range(240):                     # both training
+                    records = (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs
+                    if len(records) == 2 and all(r.placement for r in records):
+                        break
+                    await asyncio.sleep(0.5)
+                await asyncio.sleep(3)
+                stack.kill("executor")                   # kill -9: its workers are left behind
+                await asyncio.sleep(1)
+                stack.start("executor")
+                records = await _until_ended(bus, 2)
+                return records, stack.log("executor")
+            finally:
+                await bus.close()
+
+
+def test_the_node_agent_killed_mid_training_its_successor_finishes_the_jobs(tmp_path):
+    records, log = asyncio.run(_agent_killed(tmp_path))
+    assert log.count("ready on") == 2                                   # it really started again
+    for name, record in records.items():
+        assert record.failure is None and record.metric >= TARGETS[name], record
+        assert record.restarts >= 1, record                  # started again from its checkpoint
+    leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True).stdout
+    assert leftover == "", f"workers left running: {leftover}"

@@ -19,7 +19,6 @@ import logging
 import math
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats.errors
@@ -46,6 +45,7 @@ from shared.schema import (
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
+    NodeJob,
     Observed,
     Profiled,
     Rejected,
@@ -56,36 +56,16 @@ POLL_S = 0.5            # how often the workers are looked at: finishes are time
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Scheduled:
-    """What the scheduler is told of one real job, besides what its workers report."""
-
-    spec: JobSpec
-    profiled: Profiled | None = None
-    arrival_s: float | None = None                 # on the run's clock
-    finish_s: float | None = None
-    failure: str | None = None
-    gpu_seconds: float = 0.0
-    by_type: dict[str, float] = field(default_factory=dict)
-    idle_since_s: float | None = None
-    max_gpus_seen: int = 0
-    slice_steps: int = 0                           # its steps when the current placement began
-    estimate_revision: int = 0
-    reported: set[tuple] = field(default_factory=set)   # configurations the estimator has
-    told: bool = False                             # its end reported to the clock
-
-
 class NodeAgent:
-    """The real jobs of this node, on the run's clock (its time is the last request's, plus the wall
-    clock since)."""
+    """The real jobs of this node (`NodeJob`s beside `LocalExecutors`' processes), on the run's
+    clock: its time is the last request's, plus the wall clock since."""
 
     def __init__(self, executors: LocalExecutors):
         self.executors = executors
-        self.jobs: dict[str, Scheduled] = {}
+        self.jobs: dict[str, NodeJob] = {}
         self.failures: dict[str, str] = {}          # refused before this agent saw the submission
         self.early: dict[str, Profiled] = {}         # measured before this agent saw the submission
         self.applied_s = -math.inf                  # the round whose placements are in force
-        self._advanced: tuple[float, AdvanceReply] | None = None    # the last round run, and its reply
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -101,12 +81,39 @@ class NodeAgent:
         if now >= self.now():
             self._clock = (now, time.monotonic())
 
+    # ---- kept in KV -------------------------------------------------------------------------
+
+    def saved(self) -> list[NodeJob]:
+        """Every job, with what its workers reported so far: what a restarted agent needs."""
+        for name, job in self.jobs.items():
+            local = self.executors.jobs.get(name)
+            if local is not None:
+                job.placement, job.restarts, job.crashes, job.stats = (local.placement, local.restarts, local.crashes,
+                                                                       local.stats)
+                if local.result is not None:
+                    job.metric, job.batches = local.result.get("metric"), tuple(local.result.get("batches", ()))
+        return list(self.jobs.values())
+
+    def restore(self, job: NodeJob) -> None:
+        """Take a job back after a restart. Its workers stopped with the old agent; the next apply
+        starts them again from their checkpoint (a restart)."""
+        self.jobs[job.spec.id] = job
+        try:
+            self.executors.add(job.spec.id, job.spec.application)
+        except ValueError:
+            return                                   # refused on submission: nothing ever ran
+        local = self.executors.jobs[job.spec.id]
+        local.restarts, local.crashes, local.stats = job.restarts + bool(job.placement), job.crashes, job.stats
+        local.failure = job.failure
+        if job.finish_s is not None:
+            local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
+
     # ---- what the other services tell it ----------------------------------------------------
 
     def submitted(self, spec: JobSpec) -> None:
         if spec.id in self.jobs:
             return
-        job = self.jobs[spec.id] = Scheduled(spec, self.early.pop(spec.id, None), failure=self.failures.pop(spec.id, None))
+        job = self.jobs[spec.id] = NodeJob(spec, self.early.pop(spec.id, None), failure=self.failures.pop(spec.id, None))
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
@@ -133,18 +140,18 @@ class NodeAgent:
     # ---- the round ----------------------------------------------------------------------------
 
     def arrive(self, now: float) -> list[str]:
-        """Jobs measured and not yet arrived arrive now; every arrived job whose end the clock has
-        not been told of (by `advance`)."""
+        """Jobs measured and not yet arrived arrive now; every arrived job whose end the clock had
+        not been told of before this round."""
         for job in self.jobs.values():
             if job.arrival_s is None and job.profiled is not None and job.failure is None:
                 job.arrival_s = now
-        live = [j for j in self.jobs.values() if j.arrival_s is not None and not j.told]
+        live = [j for j in self.jobs.values() if j.arrival_s is not None and (j.ended_in is None or j.ended_in >= now)]
         return [j.spec.id for j in sorted(live, key=lambda j: (j.arrival_s, j.spec.id))]
 
     def facts(self, now: float, names) -> list[JobFacts]:
         return [self._facts(self.jobs[name], now) for name in names]
 
-    def _facts(self, job: Scheduled, now: float) -> JobFacts:
+    def _facts(self, job: NodeJob, now: float) -> JobFacts:
         local, spec, profiled = self.executors.jobs[job.spec.id], job.spec, job.profiled
         stats = local.stats
         steps = stats.steps if stats else 0
@@ -177,40 +184,43 @@ class NodeAgent:
                 job.idle_since_s = now
         self.executors.apply(placements)
 
-    def poll(self) -> None:
-        """Look at the workers: a job that finished or failed is timed now, on the run's clock."""
+    def poll(self) -> bool:
+        """Look at the workers: a job that finished or failed is timed now, on the run's clock.
+        Whether anything worth keeping changed."""
         finished = set(self.executors.poll())
+        changed = bool(finished)
         for name, job in self.jobs.items():
             local = self.executors.jobs.get(name)
             if name in finished:
                 job.finish_s = self.now()
             elif local is not None and local.failure and job.failure is None:
-                job.failure = local.failure
+                job.failure, changed = local.failure, True
+            changed |= local is not None and (local.crashes, local.restarts) != (job.crashes, job.restarts)
+        return changed
 
     def advance(self, now: float, step: float, names) -> AdvanceReply:
         """The round [now, now + step) runs in real time: count what it uses; the jobs that ended.
-        A round asked again (its reply lost) gets the same reply, and nothing is counted twice."""
-        if self._advanced is not None and self._advanced[0] == now:
-            return self._advanced[1]
+        A round asked again (its reply lost; or the agent restarted) gets the same jobs ended, and
+        nothing is counted twice."""
         self.poll()
         finished, failed = [], {}
         for name in names:
             job, local = self.jobs[name], self.executors.jobs[name]
             gpu_type = self.cluster.placement_type(local.placement)
-            if gpu_type is not None and job.finish_s is None and job.failure is None:
+            ended = job.finish_s is not None or job.failure is not None
+            if gpu_type is not None and not ended and (job.advanced_to is None or job.advanced_to <= now):
                 used = step * sum(g for _, g in local.placement)
                 job.gpu_seconds += used
                 job.by_type[gpu_type] = job.by_type.get(gpu_type, 0.0) + used
-            if job.told:
-                continue
-            if job.finish_s is not None:
-                finished.append(name)
-            elif job.failure is not None:
-                failed[name] = job.failure
-            job.told = job.finish_s is not None or job.failure is not None
-        reply = AdvanceReply(tuple(finished), failed)
-        self._advanced = (now, reply)
-        return reply
+                job.advanced_to = now + step
+            if ended and job.ended_in is None:
+                job.ended_in = now
+            if job.ended_in == now:
+                if job.finish_s is not None:
+                    finished.append(name)
+                else:
+                    failed[name] = job.failure
+        return AdvanceReply(tuple(finished), failed)
 
     def observations(self) -> list[Observed]:
         """The configurations the jobs measured that the estimator has not been told of."""
@@ -227,53 +237,64 @@ class NodeAgent:
 
     def reported(self, message: Observed, revision: int) -> None:
         job = self.jobs[message.job_id]
-        job.reported.add(_key(message.observation))
+        job.reported += (_key(message.observation),)
         job.estimate_revision = max(job.estimate_revision, revision)
 
     def records(self) -> list[JobRecord]:
         records = []
-        for name, job in self.jobs.items():
-            local = self.executors.jobs.get(name)
-            result = local.result if local else None
+        for job in self.saved():
             submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
-            records.append(JobRecord(name, job.spec.application, submit,
-                                     job.finish_s, local.restarts if local else 0, job.gpu_seconds, None,
-                                     local.placement if local else (), job.failure,
-                                     result.get("metric") if result else None,
-                                     tuple(result.get("batches", ())) if result else ()))
+            records.append(JobRecord(job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
+                                     job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches))
         # Refused before its submission could be read here (e.g. a malformed one): failed all the same.
         records += [JobRecord(name, "", math.nan, None, 0, 0.0, None, failure=reason)
                     for name, reason in self.failures.items()]
         return records
 
 
-def _key(observation: Observation) -> tuple:
+def _key(observation: Observation) -> tuple[int, int, int, int]:
     return tuple(observation[:4])          # nodes, GPUs, m, s: one configuration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
                         help="local: the package whose modules jobs may run (default: %(default)s)")
-    parser.add_argument("--workdir", help="local: checkpoints and worker logs (default: a temporary folder)")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "goodput-node"),
+                        help="local: checkpoints and worker logs; a restarted agent must find them (default: %(default)s)")
     parser.add_argument("--report-every", type=float, default=REPORT_EVERY_S,
                         help="local: seconds between a job's reports of what it measured (default: %(default)s)")
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-jobs-"))
+    workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     agent = NodeAgent(LocalExecutors(load_cluster(args.cluster), workdir, report_every_s=args.report_every,
                                      jobs_package=args.jobs_package))
+    # Every job is in KV, written before a request is answered: a restarted agent goes on with them,
+    # once the workers its predecessor left have checkpointed and stopped.
+    states = await bus.kv(subjects.NODE_JOBS_BUCKET, NodeJob)
+    for key in await states.keys():
+        entry = await states.get(key)
+        if entry is not None:
+            agent.restore(entry.value)
+    await asyncio.to_thread(agent.executors.stop_leftovers)
     turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
+
+    async def save() -> None:
+        for job in agent.saved():
+            await states.put(job.spec.id, job)
 
     async def guarded(change, *arguments):
         async with turn:
-            return change(*arguments)
+            result = change(*arguments)
+            await save()
+            return result
 
     async def on_apply(request: ApplyRequest) -> Ack:
         async with turn:
             agent.tick(request.now_s)
             await asyncio.to_thread(agent.apply, request.now_s, request.placements)
+            await save()
         return Ack()
 
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
@@ -282,6 +303,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             reply = agent.advance(request.now_s, request.step_s, request.jobs)
             for message in agent.observations():
                 agent.reported(message, await report(message))
+            await save()
         return reply
 
     async def report(message: Observed) -> int:
@@ -295,12 +317,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_live(request: LiveJobsRequest) -> LiveJobs:
         async with turn:
             agent.tick(request.now_s)
-            return LiveJobs(tuple(agent.arrive(request.now_s)))
+            live = agent.arrive(request.now_s)
+            await save()
+        return LiveJobs(tuple(live))
 
     async def watch() -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            await guarded(agent.poll)
+            async with turn:
+                if agent.poll():
+                    await save()
 
     async def stop_workers() -> None:
         watching.cancel()

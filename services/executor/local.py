@@ -14,6 +14,7 @@ and notices when a job finishes, or crashes (restarted from its last checkpoint;
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 import logging
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -177,6 +179,32 @@ class LocalExecutors:
             reader.start()
             job.workers.append(process)
             job.readers.append(reader)
+        self._pids(job).write_text(" ".join(str(w.pid) for w in job.workers))
+
+    def _pids(self, job: LocalJob) -> Path:
+        """Its workers' process ids, while they run: an agent that died leaves them for the next."""
+        return self.workdir / f"{job.job_id}.pids"
+
+    def stop_leftovers(self) -> None:
+        """Workers an agent before this one left running (it was killed): each told to stop — it
+        checkpoints — and waited for. A process id is taken for a worker of ours only while its
+        command line names this workdir (ids are reused)."""
+        leftovers = []
+        for pids in self.workdir.glob("*.pids"):
+            for pid in map(int, pids.read_text().split()):
+                try:
+                    if str(self.workdir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGTERM)
+                        leftovers.append(pid)
+                except (FileNotFoundError, ProcessLookupError):
+                    pass                                     # gone already
+            pids.unlink()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while any(Path(f"/proc/{pid}").exists() for pid in leftovers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in leftovers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _log(self, job: LocalJob, rank: int) -> Path:
         return self.workdir / f"{job.job_id}.rank{rank}.log"
@@ -198,6 +226,7 @@ class LocalExecutors:
         for reader in job.readers:
             reader.join(timeout=STOP_TIMEOUT_S)
         self._read(job)
+        self._pids(job).unlink(missing_ok=True)
 
     def _read(self, job: LocalJob) -> None:
         while True:

@@ -250,7 +250,10 @@ class AdaptiveTraining:
             self.retune()
         if self.report and self.placement.rank == 0 and time.monotonic() - self._reported >= self.report_every_s:
             self._reported = time.monotonic()
-            self.report(self.stats())
+            try:
+                self.report(self.stats())
+            except BrokenPipeError:      # the executor reading the reports is gone: stop, checkpointed
+                self._stop = True
 
     def done(self) -> bool:
         return self.target_epochs is not None and self.epochs >= self.target_epochs
