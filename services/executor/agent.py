@@ -161,6 +161,8 @@ class NodeAgent:
             rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch,
             restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
             placement=local.placement, iterations=float(steps),
+            # Started on this placement and not yet heard from there: still restarting.
+            mid_restart=local.running and (stats is None or stats.steps <= job.slice_steps),
             slice_iterations=float(steps - job.slice_steps) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,

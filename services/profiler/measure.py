@@ -26,8 +26,11 @@ class ProfilingFailed(Exception):
 
 
 def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
-                  slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S) -> ProfileRun:
-    """Run the job's script in profiling mode on one slot of `gpu_type`; what it measured."""
+                  slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
+                  running: set[subprocess.Popen] | None = None) -> ProfileRun:
+    """Run the job's script in profiling mode on one slot of `gpu_type`; what it measured. The
+    process is in `running` while it runs (for whoever must stop it)."""
+    running = set() if running is None else running
     try:
         module = job_module(application, jobs_package)
     except ValueError as error:
@@ -38,12 +41,15 @@ def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, j
     log_path = workdir / f"{job_id}.profile-{gpu_type}.log"
     with open(log_path, "w") as log:
         process = worker(module, [], env, log)
+        running.add(process)
         try:
             out, _ = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
             raise ProfilingFailed(f"its profiling run on {gpu_type} took longer than {timeout_s:.0f} s") from None
+        finally:
+            running.discard(process)
     if process.returncode != 0:
         raise ProfilingFailed(f"its script failed while profiling on {gpu_type} (exit code {process.returncode}): "
                               f"{last_error(log_path)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -47,6 +48,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     sources = None if local else job_sources(args.reference, args.zoo)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-profiles-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    running: set[subprocess.Popen] = set()     # profiling runs in progress: stopped with the service
+    stopping = asyncio.Event()
+
+    async def stop_runs() -> None:
+        stopping.set()
+        for process in list(running):
+            process.kill()
+
+    bus.on_close(stop_runs)
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, on the dead-letter subject; the submission is then dropped.
@@ -61,7 +71,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         profiles, run = [], None
         for gpu_type in types:
             run = await asyncio.to_thread(profiling_run, spec.id, spec.application, gpu_type, workdir,
-                                          args.jobs_package, args.slot_memory)
+                                          args.jobs_package, args.slot_memory, running=running)
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
@@ -76,6 +86,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             try:
                 profiles, run = await measure(spec, types)
             except ProfilingFailed as error:
+                if stopping.is_set():            # we stopped its run: the submission goes back for another replica
+                    raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
                 await reject(spec, f"job {spec.id} cannot run: {error}")
                 return
         else:
