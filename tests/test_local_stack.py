@@ -30,7 +30,7 @@ TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job
 
 def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_path):
     out = tmp_path / "up.json"
-    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--once", "--round", "3",
+    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--once", "--round", "2",
                           "--port", str(free_loopback_port()), "--data", str(tmp_path), "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
