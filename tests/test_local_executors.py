@@ -42,13 +42,15 @@ def test_a_job_moved_to_two_slots_resumes_there_and_reaches_its_target(tmp_path)
 
 
 def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
+    """kill -9 of one of a job's two workers: the other (waiting for it in a collective) is taken
+    down too, and the job starts again from its checkpoint."""
     executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
     executors.add("cnn-1", "cnn_shapes")
     job = executors.jobs["cnn-1"]
     try:
-        executors.apply({"cnn-1": (("local-0", 1),)})
+        executors.apply({"cnn-1": (("local-0", 2),)})
         wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)
-        job.workers[0].kill()                                            # kill -9 mid-training
+        job.workers[1].kill()                                            # kill -9 mid-training
         wait_for(lambda finished: "cnn-1" in finished, executors)
     finally:
         executors.stop_all()

@@ -6,7 +6,8 @@ slot). The clock is the live run's, paced by the wall clock: a job arrives at th
 after the profiler has measured it (`Profiled`); a placement is applied by restarting its workers
 at the new world size (they checkpoint first); each round reports the configurations the jobs ran,
 with their measured step times, to the estimator, and the jobs that finished or failed since the
-last. A job the profiler refused is kept as failed, with the profiler's reason.
+last. A job the profiler refused is kept as failed, with the profiler's reason. Every job is kept
+in KV (`NodeJob`), so an agent started again (kill -9, an upgrade) goes on with them.
 
 `NodeAgent` is the bookkeeping, without the bus; `start` is the service around it.
 """

@@ -84,7 +84,7 @@ class LocalJob:
     readers: list[threading.Thread] = field(default_factory=list)     # one per worker: its stdout
     lines: queue.Queue = field(default_factory=queue.Queue)
     stats: JobStats | None = None
-    result: dict | None = None           # the job's last line once it has finished
+    result: dict | None = None           # its outcome line, once it has finished
     restarts: int = 0
     crashes: int = 0
     failure: str | None = None
@@ -122,6 +122,8 @@ class LocalExecutors:
                 continue
             if job.running:
                 self._stop(job)
+                if job.result is not None:          # it finished as it was being stopped
+                    continue
                 job.restarts += 1
             job.placement = spots
             if spots:
@@ -140,15 +142,15 @@ class LocalExecutors:
             for worker in job.workers:
                 if worker.poll() is None:
                     worker.kill()
+                    worker.wait()
             self._end(job)
-            codes = [w.returncode for w in job.workers]
             job.workers, job.readers = [], []
             if crashed and job.result is None and not self.closing:
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
-                    rank = next(rank for rank, code in enumerate(codes) if code not in (None, 0))
-                    job.failure = (f"its workers crashed {job.crashes} times (exit codes {codes}); the last error: "
-                                   f"{last_error(self._log(job, rank))}")
+                    rank = next(rank for rank, code in enumerate(codes) if code not in (None, 0))   # the first to crash
+                    job.failure = (f"its workers crashed {job.crashes} times (exit code {codes[rank]} on rank {rank}); "
+                                   f"the last error: {last_error(self._log(job, rank))}")
                 else:
                     self._start(job)                  # from its last checkpoint
         finished = [job for job in self.jobs.values() if job.result is not None and not job.announced]
