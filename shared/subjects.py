@@ -25,9 +25,10 @@ PROFILER_CONSUMER = "profiler"
 PLACER_SERVICE = "placer"
 PLACE = f"{PREFIX}.placer.place"            # request PlaceRequest -> PlacementResult
 PROFILER_SERVICE = "profiler"
-EXECUTOR_CONSUMER = "executor"              # the executors' durable consumer of submissions
-EXECUTOR_PROFILED_CONSUMER = "executor-profiled"   # local executors': jobs measured, may run
-EXECUTOR_REJECTED_CONSUMER = "executor-rejected"   # local executors': jobs refused, with the reason
+EXECUTOR_CONSUMER = "executor"              # the simulated executors' durable consumer of submissions
+# The node agent's: submissions, then each one's Profiled or Rejected, in the stream's order.
+NODE_AGENT_CONSUMER = "node-agent"
+JOBS_EVENTS = f"{PREFIX}.jobs.>"
 EXECUTOR_SERVICE = "executor"
 FACTS = f"{PREFIX}.executor.facts"          # FactsRequest -> FactsReply
 APPLY = f"{PREFIX}.executor.apply"          # ApplyRequest -> Ack

@@ -3,11 +3,12 @@ size, it re-tunes its batch and reaches its target; a crashed worker restarts fr
 
 import time
 
+import msgspec
 import pytest
 
 from services.executor.local import LocalExecutors
 from shared.cluster import Cluster
-from shared.schema import Node
+from shared.schema import Node, NodeJob
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
 
@@ -65,24 +66,41 @@ def test_only_example_jobs_may_run():
         executors.add("y", "../../etc/passwd")
 
 
-def test_the_agent_takes_what_the_profiler_says_before_or_after_the_submission(tmp_path):
-    """The agent's consumers are apart: a job measured (or refused) before its submission reached
-    the agent still arrives (or ends failed with the reason)."""
+def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs_back(tmp_path):
+    """Submissions, then the profiler's word on each; a refused malformed submission (never read)
+    is a failed job all the same; a rejection reusing a profiled job's id is ignored. A new agent
+    given the saved jobs answers the same, restarts only what was running, and nothing twice."""
     from services.executor.agent import NodeAgent
     from shared.schema import JobSpec, Profiled, Rejected
 
     agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
-    agent.profiled(Profiled("early", 16, 256))
+    for job_id in ("lm", "refused", "done"):
+        agent.submitted(JobSpec(job_id, "tiny_lm"))
+    agent.profiled(Profiled("lm", 16, 256))
+    agent.profiled(Profiled("done", 16, 256))
     agent.rejected(Rejected("goodput.jobs.submit", "too big", "refused"))
     agent.rejected(Rejected("goodput.jobs.submit", "malformed: unknown field", "never-read"))
-    for job_id in ("early", "refused", "late"):
-        agent.submitted(JobSpec(job_id, "tiny_lm"))
-    agent.profiled(Profiled("late", 16, 256))
-    assert agent.arrive(10.0) == ["early", "late"]
+    agent.rejected(Rejected("goodput.jobs.submit", "duplicate", "lm"))
+    assert agent.arrive(10.0) == ["done", "lm"]
+    agent.executors.jobs["lm"].placement = (("local-0", 1),)           # as if running (no processes here)
+    agent.executors.jobs["done"].result = {"stopped": False, "metric": 0.9, "batches": [16, 32]}
+    assert agent.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)
     failures = {r.name: r.failure for r in agent.records() if r.failure}
     assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
-    facts = agent.facts(12.0, ["early"])[0]
+    facts = agent.facts(12.0, ["lm"])[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
+
+    successor = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):   # as KV keeps them
+        successor.restore(job)
+    records = {r.name: r for r in successor.records()}
+    assert {name: r.failure for name, r in records.items() if r.failure} == failures
+    assert (records["done"].finish_s, records["done"].restarts, records["done"].metric) == (
+        agent.jobs["done"].finish_s, 0, 0.9)                                 # ended: not started again
+    assert records["lm"].restarts == 1 and records["lm"].gpu_seconds == 3.0  # was running: starts again
+    assert successor.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)   # the same round asked again
+    assert successor.jobs["lm"].gpu_seconds == 3.0
+    assert successor.arrive(13.0) == ["lm"]
 
 
 def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_path):

@@ -128,3 +128,30 @@ def test_stats_are_reported_as_the_bus_carries_them(monkeypatch):
     training = tiny_training(report=quiet.append)            # every 30 s by default: none in a few steps
     one_step(training)
     assert quiet == []
+
+
+def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_the_rest(tmp_path):
+    """Periodic checkpoints (here every 0.5 s), agreed by both replicas at the same step: kill -9 of
+    both then loses only what came after the last one, and the job resumes from it."""
+    checkpoint = tmp_path / "job.pt"
+    port = free_loopback_port()
+    workers = [subprocess.Popen([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
+                                env={**ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                     "GOODPUT_CHECKPOINT_S": "0.5"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for rank in range(2)]
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists():                      # the first periodic checkpoint, mid-training
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "no periodic checkpoint"
+        time.sleep(0.1)
+    first = torch.load(checkpoint, weights_only=True)["steps"]
+    time.sleep(2)
+    for worker in workers:
+        worker.kill()
+        worker.communicate()
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["placement"] == [2, 1] and saved["steps"] > first > 0       # saved again and again
+    epochs = saved["progress"] / 8192                   # progress in examples; mlp_blobs trains on 8192
+    resumed = run_job("--epochs", str(epochs + 1), "--checkpoint", str(checkpoint))
+    assert resumed["world"] == 1 and resumed["steps"] > saved["steps"]

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import nats.errors
 from nats import micro
 
@@ -54,6 +55,7 @@ from shared.schema import (
 )
 
 POLL_S = 0.5            # how often the workers are looked at: finishes are timed to this
+UNREADABLE = "unreadable"   # the application of a job whose submission could not be read
 log = logging.getLogger(__name__)
 
 
@@ -64,9 +66,7 @@ class NodeAgent:
     def __init__(self, executors: LocalExecutors):
         self.executors = executors
         self.jobs: dict[str, NodeJob] = {}
-        self.failures: dict[str, str] = {}          # refused before this agent saw the submission
-        self.early: dict[str, Profiled] = {}         # measured before this agent saw the submission
-        self.applied_s = -math.inf                  # the round whose placements are in force
+        self.latest_s = -math.inf                   # the newest round applied or run: an older one is stale
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -101,42 +101,48 @@ class NodeAgent:
         self.jobs[job.spec.id] = job
         try:
             self.executors.add(job.spec.id, job.spec.application)
-        except ValueError:
-            return                                   # refused on submission: nothing ever ran
+        except ValueError as error:                  # refused on submission, or its code is gone since
+            job.failure = job.failure or str(error)
+            return
         local = self.executors.jobs[job.spec.id]
-        local.restarts, local.crashes, local.stats = job.restarts + bool(job.placement), job.crashes, job.stats
-        local.failure = job.failure
-        if job.finish_s is not None:
-            local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
+        local.crashes, local.stats, local.failure = job.crashes, job.stats, job.failure
+        if job.finish_s is not None or job.failure is not None:
+            local.restarts, local.placement = job.restarts, job.placement      # as it ended
+            if job.finish_s is not None:
+                local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
+        else:
+            local.restarts = job.restarts + bool(job.placement)               # its workers start again
 
     # ---- what the other services tell it ----------------------------------------------------
+
+    # They come in the stream's order: a job's submission before its Profiled or Rejected.
 
     def submitted(self, spec: JobSpec) -> None:
         if spec.id in self.jobs:
             return
-        job = self.jobs[spec.id] = NodeJob(spec, self.early.pop(spec.id, None), failure=self.failures.pop(spec.id, None))
+        job = self.jobs[spec.id] = NodeJob(spec)
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
-            job.failure = job.failure or str(error)
+            job.failure = str(error)
 
     def profiled(self, message: Profiled) -> None:
         if message.job_id in self.jobs:
             self.jobs[message.job_id].profiled = message
-        else:                      # the consumers are apart: the submission may come second
-            self.early[message.job_id] = message
+        else:
+            log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)
 
     def rejected(self, message: Rejected) -> None:
         if message.job_id is None:
             return
         job = self.jobs.get(message.job_id)
-        if job is not None and job.profiled is not None:
+        if job is None:            # its submission could not be read (malformed): kept as failed all the same
+            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason)
+        elif job.profiled is not None:
             log.warning("job %s: a rejection after it was profiled (a submission reusing its id?) is ignored: %s",
                         message.job_id, message.reason)
-        elif job is not None:
-            job.failure = message.reason
         else:
-            self.failures[message.job_id] = message.reason
+            job.failure = message.reason
 
     # ---- the round ----------------------------------------------------------------------------
 
@@ -162,9 +168,8 @@ class NodeAgent:
             rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch,
             restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
             placement=local.placement, iterations=float(steps),
-            # Started on this placement and not yet heard from there: still restarting.
-            mid_restart=local.running and (stats is None or stats.steps <= job.slice_steps),
-            slice_iterations=float(steps - job.slice_steps) if local.placement else 0.0,
+            mid_restart=local.running and not local.heard,      # started, not yet heard from: restarting
+            slice_iterations=float(max(steps - job.slice_steps, 0)) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
             grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
@@ -172,9 +177,9 @@ class NodeAgent:
     def apply(self, now: float, placements: dict[str, Spots]) -> None:
         """Start, move, resize or stop workers (blocking: a moved job checkpoints first). An older
         round's placements (a late or repeated apply: a deposed leader's) never undo a newer's."""
-        if now < self.applied_s:
+        if now < self.latest_s:
             return
-        self.applied_s = now
+        self.latest_s = now
         for name, job in self.jobs.items():
             spots = tuple(placements.get(name, ()))
             local = self.executors.jobs.get(name)
@@ -204,7 +209,10 @@ class NodeAgent:
     def advance(self, now: float, step: float, names) -> AdvanceReply:
         """The round [now, now + step) runs in real time: count what it uses; the jobs that ended.
         A round asked again (its reply lost; or the agent restarted) gets the same jobs ended, and
-        nothing is counted twice."""
+        nothing is counted twice; an older round (a deposed leader's) changes nothing."""
+        if now < self.latest_s:
+            return AdvanceReply(())
+        self.latest_s = now
         self.poll()
         finished, failed = [], {}
         for name in names:
@@ -249,10 +257,12 @@ class NodeAgent:
             submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
             records.append(JobRecord(job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
                                      job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches))
-        # Refused before its submission could be read here (e.g. a malformed one): failed all the same.
-        records += [JobRecord(name, "", math.nan, None, 0, 0.0, None, failure=reason)
-                    for name, reason in self.failures.items()]
         return records
+
+
+# What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
+EVENTS = {subjects.SUBMIT: (NodeAgent.submitted, JobSpec), subjects.PROFILED: (NodeAgent.profiled, Profiled),
+          subjects.REJECTED: (NodeAgent.rejected, Rejected)}
 
 
 def _key(observation: Observation) -> tuple[int, int, int, int]:
@@ -264,6 +274,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local: the package whose modules jobs may run (default: %(default)s)")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "goodput-node"),
                         help="local: checkpoints and worker logs; a restarted agent must find them (default: %(default)s)")
+    parser.add_argument("--checkpoint-every", type=float,
+                        help="local: seconds between a job's periodic checkpoints (default: the job's own, 300)")
     parser.add_argument("--report-every", type=float, default=REPORT_EVERY_S,
                         help="local: seconds between a job's reports of what it measured (default: %(default)s)")
 
@@ -272,7 +284,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     agent = NodeAgent(LocalExecutors(load_cluster(args.cluster), workdir, report_every_s=args.report_every,
-                                     jobs_package=args.jobs_package))
+                                     jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every))
     # Every job is in KV, written before a request is answered: a restarted agent goes on with them,
     # once the workers its predecessor left have checkpointed and stopped.
     states = await bus.kv(subjects.NODE_JOBS_BUCKET, NodeJob)
@@ -287,11 +299,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         for job in agent.saved():
             await states.put(job.spec.id, job)
 
-    async def guarded(change, *arguments):
+    async def on_event(message: msgspec.Raw, delivery) -> None:
+        """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
+        take, kind = EVENTS[delivery.raw.subject]
+        try:
+            event = bus.decode(message, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return                 # a malformed submission: the profiler records it, with the reason
         async with turn:
-            result = change(*arguments)
+            take(agent, event)
             await save()
-            return result
 
     async def on_apply(request: ApplyRequest) -> Ack:
         async with turn:
@@ -303,7 +320,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_advance(request: AdvanceRequest) -> AdvanceReply:
         async with turn:
             agent.tick(request.now_s)
-            reply = agent.advance(request.now_s, request.step_s, request.jobs)
+            reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
+            await save()                       # the round's counts, before the estimator is waited for
             for message in agent.observations():
                 agent.reported(message, await report(message))
             await save()
@@ -327,9 +345,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def watch() -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            async with turn:
-                if agent.poll():
-                    await save()
+            try:
+                async with turn:
+                    if await asyncio.to_thread(agent.poll):
+                        await save()
+            except Exception:  # noqa: BLE001 - e.g. KV unreachable for a moment: look again next time
+                log.exception("looking at the workers failed")
 
     async def stop_workers() -> None:
         watching.cancel()
@@ -339,13 +360,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                             duplicate_window=subjects.DEDUP_WINDOW_S)
     loop = asyncio.get_running_loop()
-    for durable, subject, kind, handler in (
-            (subjects.EXECUTOR_CONSUMER, subjects.SUBMIT, JobSpec, agent.submitted),
-            (subjects.EXECUTOR_PROFILED_CONSUMER, subjects.PROFILED, Profiled, agent.profiled),
-            (subjects.EXECUTOR_REJECTED_CONSUMER, subjects.REJECTED, Rejected, agent.rejected)):
-        consumer = await bus.pull_consumer(subjects.JOBS_STREAM, durable, subject, kind,
-                                           span_name=f"executor.{durable}")
-        loop.create_task(consumer.consume(lambda message, handler=handler: guarded(handler, message), timeout=0.2))
+    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, subjects.JOBS_EVENTS,
+                                       msgspec.Raw, span_name="executor.job-event")
+    loop.create_task(consumer.consume(on_event, timeout=0.2, with_delivery=True))
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 

@@ -32,7 +32,8 @@ from typing import IO
 import msgspec
 
 from deploy.nats import free_loopback_port
-from services.executor.protocol import GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX
+from services.executor.protocol import (CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX, REPORT_ENV,
+                                        REPORT_EVERY_S, STATS_PREFIX)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobStats
 
@@ -89,6 +90,7 @@ class LocalJob:
     crashes: int = 0
     failure: str | None = None
     announced: bool = False              # its finish returned by `poll` once
+    heard: bool = False                  # its workers have reported since they were last started
 
     @property
     def running(self) -> bool:
@@ -97,12 +99,14 @@ class LocalJob:
 
 class LocalExecutors:
     def __init__(self, cluster: Cluster, workdir: Path, max_crashes: int = MAX_CRASHES,
-                 report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE):
+                 report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE,
+                 checkpoint_every_s: float | None = None):
         self.cluster = cluster
         self.workdir = workdir
         self.max_crashes = max_crashes
         self.report_every_s = report_every_s
         self.jobs_package = jobs_package
+        self.checkpoint_every_s = checkpoint_every_s      # None: each job's own (the library's 5 min)
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False                 # stopping for good: a worker that exits is not restarted
 
@@ -116,6 +120,8 @@ class LocalExecutors:
     def apply(self, placements: dict[str, Spots]) -> None:
         """Give each job its placement: a changed one stops its workers (they checkpoint) and
         starts them again on the new slots."""
+        if self.closing:
+            return
         for job in self.jobs.values():
             spots = tuple(placements.get(job.job_id, ()))
             if spots == job.placement or job.result is not None or job.failure:
@@ -171,17 +177,23 @@ class LocalExecutors:
         gpu_type = self.cluster.placement_type(job.placement)
         port = free_loopback_port()
         module = job_module(job.application, self.jobs_package)
-        arguments = ["--checkpoint", str(self.workdir / f"{job.job_id}.pt")]
+        arguments = ["--checkpoint", str(self._checkpoint(job))]
+        job.heard = False
         for rank in range(world):
             env = {**torchrun_env(rank, world, len(job.placement), port, job.job_id, gpu_type or ""),
                    REPORT_ENV: str(self.report_every_s)}
+            if self.checkpoint_every_s is not None:
+                env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
             with open(self._log(job, rank), "w") as log:
                 process = worker(module, arguments, env, log)
             reader = threading.Thread(target=_forward, args=(process, job.lines), daemon=True)
             reader.start()
             job.workers.append(process)
             job.readers.append(reader)
-        self._pids(job).write_text(" ".join(str(w.pid) for w in job.workers))
+            self._pids(job).write_text(" ".join(str(w.pid) for w in job.workers))    # at once: we may die next
+
+    def _checkpoint(self, job: LocalJob) -> Path:
+        return self.workdir / f"{job.job_id}.pt"
 
     def _pids(self, job: LocalJob) -> Path:
         """Its workers' process ids, while they run: an agent that died leaves them for the next."""
@@ -190,19 +202,20 @@ class LocalExecutors:
     def stop_leftovers(self) -> None:
         """Workers an agent before this one left running (it was killed): each told to stop — it
         checkpoints — and waited for. A process id is taken for a worker of ours only while its
-        command line names this workdir (ids are reused)."""
+        command line ends with the job's own checkpoint argument (ids are reused)."""
         leftovers = []
         for pids in self.workdir.glob("*.pids"):
-            for pid in map(int, pids.read_text().split()):
+            mark = f"--checkpoint\0{self.workdir / pids.stem}.pt\0".encode()
+            for pid in (int(p) for p in pids.read_text().split() if p.isdigit() and int(p) != os.getpid()):
                 try:
-                    if str(self.workdir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().endswith(mark):
                         os.kill(pid, signal.SIGTERM)
                         leftovers.append(pid)
                 except (FileNotFoundError, ProcessLookupError):
                     pass                                     # gone already
             pids.unlink()
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(Path(f"/proc/{pid}").exists() for pid in leftovers) and time.monotonic() < deadline:
+        while any(_alive(pid) for pid in leftovers) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in leftovers:
             with contextlib.suppress(ProcessLookupError):
@@ -239,12 +252,21 @@ class LocalExecutors:
             try:
                 if line.startswith(STATS_PREFIX):
                     job.stats = msgspec.msgpack.decode(base64.b64decode(line[len(STATS_PREFIX):]), type=JobStats)
+                    job.heard = True
                 elif line.startswith(OUTCOME_PREFIX):
                     outcome = json.loads(line[len(OUTCOME_PREFIX):])
                     if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
                         job.result = outcome
             except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
                 log.warning("job %s: unreadable report %r: %s", job.job_id, line[:80], error)
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _forward(worker: subprocess.Popen, lines: queue.Queue) -> None:

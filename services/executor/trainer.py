@@ -28,7 +28,9 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
 
 `save()` checkpoints atomically (model, optimizer, data position, noise scale, progress, what it
 measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save and
-raise `Stopped`, so a rescale or a preemption loses at most one step.
+raise `Stopped`, so a rescale or a preemption loses at most one step; a checkpoint every
+`checkpoint_every_s` (5 min) bounds what a crash loses. Both are agreed by all replicas through
+the last gradient bucket's all-reduce, so all save at the same step.
 """
 
 from __future__ import annotations
@@ -52,13 +54,14 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from services.executor import checkpoint, profiling
 from services.executor.data import ElasticOrder
 from services.executor.lr import LrScaling, default_rule
-from services.executor.protocol import (GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX, REPORT_ENV,
-                                        REPORT_EVERY_S, STATS_PREFIX)
+from services.executor.protocol import (CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX,
+                                        REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
 from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from shared.schema import JobStats
 
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
+CHECKPOINT_EVERY_S = 300.0     # a periodic checkpoint: what a crash can lose at most
 TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
 
 
@@ -84,22 +87,22 @@ class Placement:
 
 class _LocalNorms:
     """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets,
-    whether it was asked to stop, and what all replicas agreed on the last step."""
+    what it asks for (to stop; to checkpoint), and what all replicas agreed on the last step."""
 
-    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None], stopping: Callable[[], bool],
-                 world: int):
+    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None],
+                 requests: Callable[[], tuple[bool, bool]], world: int):
         self.precondition = precondition
-        self.stopping = stopping
+        self.requests = requests
         self.world = world
         self.total = 0.0
-        self.agreed = (0.0, False)          # (the replicas' mean local squared norm, any asked to stop)
+        self.agreed = (0.0, False, False)   # (the replicas' mean local squared norm, any asked to stop, to save)
 
 
 def _local_norms_hook(state: _LocalNorms, bucket):
     """DDP communication hook: each bucket's local squared norm is taken before the bucket is
     averaged across replicas (the replica estimator's samples, at no extra pass over the data).
-    The last bucket carries two more numbers in its all-reduce — the local norms' sum and the stop
-    requests — so agreeing on them costs no collective of its own."""
+    The last bucket carries three more numbers in its all-reduce — the local norms' sum, the stop
+    requests and the checkpoint requests — so agreeing on them costs no collective of its own."""
     params, grads = bucket.parameters(), bucket.gradients()
     preconditions = [state.precondition(p) for p in params]
     if all(p is None for p in preconditions):
@@ -109,14 +112,14 @@ def _local_norms_hook(state: _LocalNorms, bucket):
     buffer = bucket.buffer()
     if not bucket.is_last():
         return dist.all_reduce(buffer.div_(state.world), async_op=True).get_future().then(lambda f: f.value()[0])
-    extra = torch.tensor([state.total, float(state.stopping())], dtype=buffer.dtype)
+    extra = torch.tensor([state.total, *map(float, state.requests())], dtype=buffer.dtype)
     combined = torch.cat([buffer.div_(state.world), extra / state.world])
     state.total = 0.0
 
     def settle(future):
         reduced = future.value()[0]
-        state.agreed = (float(reduced[-2]), bool(reduced[-1] > 0))
-        buffer.copy_(reduced[:-2])
+        state.agreed = (float(reduced[-3]), bool(reduced[-2] > 0), bool(reduced[-1] > 0))
+        buffer.copy_(reduced[:-3])
         return buffer
 
     return dist.all_reduce(combined, async_op=True).get_future().then(settle)
@@ -137,7 +140,8 @@ class AdaptiveTraining:
                  lr_rule: str | None = None, warmup_epochs: float = 0.0, target_epochs: float | None = None,
                  checkpoint_path: str | Path | None = None, seed: int = 0, retune_every: int = RETUNE_EVERY,
                  collate: Callable = default_collate, adaptive: bool = True,
-                 report: Callable[[JobStats], None] | None = None, report_every_s: float = REPORT_EVERY_S):
+                 report: Callable[[JobStats], None] | None = None, report_every_s: float = REPORT_EVERY_S,
+                 checkpoint_every_s: float | None = CHECKPOINT_EVERY_S):
         self.placement = Placement.from_env()
         self.dataset, self.collate = dataset, collate
         self.optimizer = optimizer
@@ -147,6 +151,8 @@ class AdaptiveTraining:
         self._group_of = self._groups()
         self.target_epochs = target_epochs
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
+        self.checkpoint_every_s = float(os.environ.get(CHECKPOINT_ENV, 0)) or checkpoint_every_s
+        self._saved = time.monotonic()
         self.retune_every = retune_every
         self.adaptive = adaptive
         if report is None and os.environ.get(REPORT_ENV):
@@ -220,7 +226,7 @@ class AdaptiveTraining:
 
     def step(self) -> None:
         """The optimizer step, with everything around it (see the module doc)."""
-        local_sqr, stop = self._agree()
+        local_sqr, stop, save = self._agree()
         if stop:                                   # this step is dropped: resume re-runs its examples
             self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
             self.optimizer.zero_grad(set_to_none=False)
@@ -248,12 +254,10 @@ class AdaptiveTraining:
         self._time(time.perf_counter() - self._started)
         if self.adaptive and self.steps % self.retune_every == 0:
             self.retune()
-        if self.report and self.placement.rank == 0 and time.monotonic() - self._reported >= self.report_every_s:
-            self._reported = time.monotonic()
-            try:
-                self.report(self.stats())
-            except BrokenPipeError:      # the executor reading the reports is gone: stop, checkpointed
-                self._stop = True
+        if time.monotonic() - self._reported >= self.report_every_s:
+            self._report()
+        if save:                         # a crash then loses at most checkpoint_every_s of training
+            self.save()
 
     def done(self) -> bool:
         return self.target_epochs is not None and self.epochs >= self.target_epochs
@@ -347,12 +351,18 @@ class AdaptiveTraining:
         self._micro_norms.append(self._norm(own, params))
         self._previous = [g.clone() for g in grads]
 
-    def _agree(self) -> tuple[float, bool]:
-        """The replicas' mean local squared norm, and whether any replica was told to stop before
-        this step's gradients were exchanged (so all stop at the same step)."""
+    def _agree(self) -> tuple[float, bool, bool]:
+        """The replicas' mean local squared norm, and whether any replica, before this step's
+        gradients were exchanged, was told to stop or asked for a checkpoint (so all do it at the
+        same step)."""
         if self.placement.world == 1:
-            return 0.0, self._stop
+            return 0.0, self._stop, self._save_due()
         return self._norms.agreed
+
+    def _save_due(self) -> bool:
+        """Rank 0's clock decides when a periodic checkpoint is due (the others agree through it)."""
+        return (self.checkpoint_path is not None and self.checkpoint_every_s is not None and self.placement.rank == 0
+                and time.monotonic() - self._saved >= self.checkpoint_every_s)
 
     def _estimate_noise(self, batch: int, local_sqr: float, params: list[torch.Tensor], grads: list[torch.Tensor],
                         mean_sqr: float) -> None:
@@ -381,7 +391,7 @@ class AdaptiveTraining:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         ddp = DistributedDataParallel(model)
-        norms = _LocalNorms(self._preconditioner, lambda: self._stop, self.placement.world)
+        norms = _LocalNorms(self._preconditioner, lambda: (self._stop, self._save_due()), self.placement.world)
         ddp.register_comm_hook(norms, _local_norms_hook)
         return ddp, norms
 
@@ -400,10 +410,20 @@ class AdaptiveTraining:
         measured: the last word before a stop or at the end."""
         if self.checkpoint_path and self.placement.rank == 0:
             checkpoint.save(self.state_dict(), self.checkpoint_path)
-        if self.report and self.placement.rank == 0:
-            self.report(self.stats())
+        self._saved = time.monotonic()
+        self._report()
         if self.placement.world > 1:
             dist.barrier()
+
+    def _report(self) -> None:
+        """Hand `report` what it measured (rank 0). If the executor reading the reports is gone,
+        stop (checkpointed) at the next step: no one would know what this job does."""
+        if self.report and self.placement.rank == 0:
+            self._reported = time.monotonic()
+            try:
+                self.report(self.stats())
+            except BrokenPipeError:
+                self.report, self._stop = None, True
 
     def _resume(self) -> None:
         state = checkpoint.load(self.checkpoint_path) if self.checkpoint_path else None

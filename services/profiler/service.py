@@ -70,6 +70,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
         profiles, run = [], None
         for gpu_type in types:
+            if stopping.is_set():
+                raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
             run = await asyncio.to_thread(profiling_run, spec.id, spec.application, gpu_type, workdir,
                                           args.jobs_package, args.slot_memory, running=running)
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
