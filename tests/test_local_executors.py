@@ -122,3 +122,17 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     assert first == again and first.finished == ("lm",)
     assert agent.jobs["lm"].gpu_seconds == 6.0
     assert agent.advance(6.0, 3.0, ["lm"]).finished == ()       # reported in its round only
+
+
+def test_a_job_told_not_to_adapt_keeps_its_batch(tmp_path):
+    """Under a policy that does not adapt batches (or for a rigid job) the workers keep theirs."""
+    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors.add("cnn-1", "cnn_shapes")
+    job = executors.jobs["cnn-1"]
+    job.adaptive = False
+    try:
+        executors.apply({"cnn-1": (("local-0", 1),)})
+        wait_for(lambda finished: "cnn-1" in finished, executors)
+    finally:
+        executors.stop_all()
+    assert job.result["batches"] == [32] and job.result["metric"] >= 0.95

@@ -174,9 +174,11 @@ class NodeAgent:
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
             grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
 
-    def apply(self, now: float, placements: dict[str, Spots]) -> None:
-        """Start, move, resize or stop workers (blocking: a moved job checkpoints first). An older
-        round's placements (a late or repeated apply: a deposed leader's) never undo a newer's."""
+    def apply(self, now: float, placements: dict[str, Spots], adaptive: bool = True) -> None:
+        """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
+        policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
+        their batch. An older round's placements (a late or repeated apply: a deposed leader's)
+        never undo a newer's."""
         if now < self.latest_s:
             return
         self.latest_s = now
@@ -185,6 +187,7 @@ class NodeAgent:
             local = self.executors.jobs.get(name)
             if local is None or spots == local.placement or job.finish_s is not None or job.failure:
                 continue
+            local.adaptive = adaptive and not (job.spec.rigid or job.spec.strong_scaling)
             if spots:
                 job.max_gpus_seen = max(job.max_gpus_seen, sum(g for _, g in spots))
                 job.slice_steps = local.stats.steps if local.stats else 0
@@ -313,7 +316,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_apply(request: ApplyRequest) -> Ack:
         async with turn:
             agent.tick(request.now_s)
-            await asyncio.to_thread(agent.apply, request.now_s, request.placements)
+            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive)
             await save()
         return Ack()
 

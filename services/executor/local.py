@@ -32,8 +32,8 @@ from typing import IO
 import msgspec
 
 from deploy.nats import free_loopback_port
-from services.executor.protocol import (CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX, REPORT_ENV,
-                                        REPORT_EVERY_S, STATS_PREFIX)
+from services.executor.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX,
+                                        REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobStats
 
@@ -91,6 +91,7 @@ class LocalJob:
     failure: str | None = None
     announced: bool = False              # its finish returned by `poll` once
     heard: bool = False                  # its workers have reported since they were last started
+    adaptive: bool = True                # its workers re-tune their batch (else they keep it)
 
     @property
     def running(self) -> bool:
@@ -181,7 +182,7 @@ class LocalExecutors:
         job.heard = False
         for rank in range(world):
             env = {**torchrun_env(rank, world, len(job.placement), port, job.job_id, gpu_type or ""),
-                   REPORT_ENV: str(self.report_every_s)}
+                   REPORT_ENV: str(self.report_every_s), ADAPTIVE_ENV: str(int(job.adaptive))}
             if self.checkpoint_every_s is not None:
                 env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
             with open(self._log(job, rank), "w") as log:

@@ -54,8 +54,8 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from services.executor import checkpoint, profiling
 from services.executor.data import ElasticOrder
 from services.executor.lr import LrScaling, default_rule
-from services.executor.protocol import (CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX,
-                                        REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
+from services.executor.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV,
+                                        PROFILE_PREFIX, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
 from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from shared.schema import JobStats
@@ -154,7 +154,7 @@ class AdaptiveTraining:
         self.checkpoint_every_s = float(os.environ.get(CHECKPOINT_ENV, 0)) or checkpoint_every_s
         self._saved = time.monotonic()
         self.retune_every = retune_every
-        self.adaptive = adaptive
+        self.adaptive = adaptive and os.environ.get(ADAPTIVE_ENV) != "0"
         if report is None and os.environ.get(REPORT_ENV):
             report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
         self.report, self.report_every_s = report, report_every_s
