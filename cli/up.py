@@ -76,8 +76,10 @@ def _up(args: argparse.Namespace) -> int:
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data)
-    # A fresh store each time: each start replays onto an empty simulated cluster.
-    shutil.rmtree(data / "jetstream", ignore_errors=True)
+    # A fresh store each time: each start replays onto an empty cluster (and real jobs of the same
+    # ids start from scratch, not from the last start's checkpoints).
+    for fresh in ("jetstream", "work"):
+        shutil.rmtree(data / fresh, ignore_errors=True)
     data.mkdir(parents=True, exist_ok=True)
     with nats_from_binary(data, port=args.port) as url:
         asyncio.run(_serve(args, url, data))
