@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+
+from cli.output import write_results
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,15 +53,12 @@ def _interference(args: argparse.Namespace) -> int:
             print(f"  slowdown {slowdown:.0%}, {spec}: avg JCT {row[key]:.0f} s "
                   f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         rows.append(row)
-    print(f"| slowdown | avg JCT, avoidance on (s) | avg JCT, avoidance off (s) | off / on |   ({len(files)} workloads)")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | {row['no_avoid'] / row['avoid']:.2f} |")
-    Path(args.out).write_text(json.dumps({"policy": args.policy, "workloads": files, "rows": rows}, indent=1))
-    print(f"wrote {args.out}")
-    if args.plot:
-        _plot(rows, args.plot)
-        print(f"wrote {args.plot}")
+    table = [f"| slowdown | avg JCT, avoidance on (s) | avg JCT, avoidance off (s) | off / on |   ({len(files)} workloads)",
+             "|---|---|---|---|"]
+    table += [f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | "
+              f"{row['no_avoid'] / row['avoid']:.2f} |" for row in rows]
+    write_results({"policy": args.policy, "workloads": files, "rows": rows}, args.out, "\n".join(table),
+                  lambda results, path: _plot(results["rows"], path), args.plot)
     return 0
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cli.output import write_results
 from services.policy.base import POLICIES
 from services.policy.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
@@ -196,18 +197,14 @@ def _compare(args: argparse.Namespace) -> int:
                          "unfinished": sum(r["jobs_unfinished"] for r in runs),
                          "took_s": float(np.mean([r["took_s"] for r in runs]))})
     header = "| workloads | policy | " + " | ".join(label for _, label, _ in METRICS) + " | policy ms p50/p95 | run took |"
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
+    table = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         cells = " | ".join("-" if row[key] is None else f"{row[key] / scale:.3f}" if key.endswith("_s")
                            else f"{row[key]:.2f}" for key, _, scale in METRICS)
-        print(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
-              f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
-    Path(args.out).write_text(json.dumps({"table": rows, "runs": everything}, indent=1))
-    print(f"wrote {args.out}")
-    if args.plot:
-        plot_table(rows, args.plot)
-        print(f"wrote {args.plot}")
+        table.append(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
+                     f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
+    write_results({"table": rows, "runs": everything}, args.out, "\n".join(table),
+                  lambda results, path: plot_table(results["table"], path), args.plot)
     return 0
 
 
