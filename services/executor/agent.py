@@ -23,12 +23,11 @@ import time
 from pathlib import Path
 
 import msgspec
-import nats.errors
 from nats import micro
 
+from services.executor import endpoints
 from services.executor.local import JOBS_PACKAGE, LocalExecutors
 from services.executor.protocol import REPORT_EVERY_S
-from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
@@ -38,12 +37,8 @@ from shared.schema import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,
-    Count,
-    FactsReply,
-    FactsRequest,
     JobFacts,
     JobRecord,
-    JobRecords,
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
@@ -51,7 +46,6 @@ from shared.schema import (
     Observed,
     Profiled,
     Rejected,
-    Stored,
 )
 
 POLL_S = 0.5            # how often the workers are looked at: finishes are timed to this
@@ -326,17 +320,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
             await save()                       # the round's counts, before the estimator is waited for
             for message in agent.observations():
-                agent.reported(message, await report(message))
+                agent.reported(message, await endpoints.report(bus, message))
             await save()
         return reply
-
-    async def report(message: Observed) -> int:
-        while True:
-            try:
-                return (await bus.request(subjects.OBSERVE, message, Stored, timeout=5)).revision
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                log.warning("estimator unavailable; reporting %s again", message.job_id)
-                await asyncio.sleep(0.2)
 
     async def on_live(request: LiveJobsRequest) -> LiveJobs:
         async with turn:
@@ -369,14 +355,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 
-    service = new_service(bus, subjects.EXECUTOR_SERVICE, f"real jobs on {agent.cluster.total_gpus} local slots")
-    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
-                           lambda request: FactsReply(tuple(agent.facts(request.now_s, request.jobs))),
-                           span_name="executor.facts")
-    await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
-    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance,
-                           span_name="executor.advance")
-    await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, on_live)
-    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack, lambda _: JobRecords(tuple(agent.records())))
-    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(agent.jobs)))
-    return service
+    return await endpoints.serve_round(
+        bus, f"real jobs on {agent.cluster.total_gpus} local slots", facts=agent.facts, apply=on_apply,
+        advance=on_advance, live=on_live, records=agent.records, count=lambda: len(agent.jobs))

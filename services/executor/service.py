@@ -13,11 +13,10 @@ import asyncio
 import logging
 import math
 
-import nats.errors
 from nats import micro
 
 from services.executor import agent
-from services.runner import new_service
+from services.executor import endpoints
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
@@ -26,15 +25,10 @@ from shared.schema import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,
-    Count,
-    FactsReply,
-    FactsRequest,
-    JobRecords,
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
     Observed,
-    Stored,
 )
 from sim.run import add_world_arguments, world_of
 from sim.world import SimulatedJob
@@ -99,17 +93,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return AdvanceReply(tuple(finished))
 
     async def report(message: Observed) -> None:
-        """Until the estimator has it: observing twice changes nothing, so a restarted estimator
-        is simply asked again. The job's facts then carry the revision the estimator stored."""
-        while True:
-            try:
-                stored = await bus.request(subjects.OBSERVE, message, Stored, timeout=5)
-                job = executors.jobs[message.job_id]
-                job.estimate_revision = max(job.estimate_revision, stored.revision)
-                return
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-                log.warning("estimator unavailable; reporting %s again", message.job_id)
-                await asyncio.sleep(0.2)
+        job = executors.jobs[message.job_id]
+        job.estimate_revision = max(job.estimate_revision, await endpoints.report(bus, message))
 
     async def on_live(request: LiveJobsRequest) -> LiveJobs:
         async with turn:
@@ -130,15 +115,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                        span_name="executor.submission")
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
 
-    service = new_service(bus, subjects.EXECUTOR_SERVICE, "simulated executors on a virtual clock")
-    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
-                           lambda request: FactsReply(tuple(executors.facts(request.now_s, request.jobs))),
-                           span_name="executor.facts")
-    await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, on_apply, span_name="executor.apply")
-    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, on_advance,
-                           span_name="executor.advance")
-    await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, on_live)
-    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack,
-                           lambda _: JobRecords(tuple(job.record() for job in executors.jobs.values())))
-    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(len(executors.jobs)))
-    return service
+    return await endpoints.serve_round(
+        bus, "simulated executors on a virtual clock", facts=executors.facts, apply=on_apply, advance=on_advance,
+        live=on_live, records=lambda: (job.record() for job in executors.jobs.values()),
+        count=lambda: len(executors.jobs))

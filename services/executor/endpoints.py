@@ -1,0 +1,63 @@
+"""The executors' side of the round as endpoints, the same whoever plays the jobs: the simulated
+executors (`services.executor.service`) or the node agent over real ones (`services.executor.agent`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Iterable
+
+import nats.errors
+from nats import micro
+
+from services.runner import new_service
+from shared import subjects
+from shared.bus import Bus
+from shared.schema import (
+    Ack,
+    AdvanceReply,
+    AdvanceRequest,
+    ApplyRequest,
+    Count,
+    FactsReply,
+    FactsRequest,
+    JobFacts,
+    JobRecord,
+    JobRecords,
+    LiveJobs,
+    LiveJobsRequest,
+    Observed,
+    Stored,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def report(bus: Bus, message: Observed) -> int:
+    """A configuration a job ran, to the estimator, until it has it: observing twice changes nothing,
+    so a restarted estimator is simply asked again. The revision it stored (the job's facts carry it)."""
+    while True:
+        try:
+            return (await bus.request(subjects.OBSERVE, message, Stored, timeout=5)).revision
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            log.warning("estimator unavailable; reporting %s again", message.job_id)
+            await asyncio.sleep(0.2)
+
+
+async def serve_round(bus: Bus, description: str, *, facts: Callable[[float, tuple[str, ...]], Iterable[JobFacts]],
+                      apply: Callable[[ApplyRequest], Awaitable[Ack]],
+                      advance: Callable[[AdvanceRequest], Awaitable[AdvanceReply]],
+                      live: Callable[[LiveJobsRequest], Awaitable[LiveJobs]],
+                      records: Callable[[], Iterable[JobRecord]], count: Callable[[], int]) -> micro.Service:
+    """Register the round's executor endpoints (facts, apply, advance, live) and the status ones."""
+    service = new_service(bus, subjects.EXECUTOR_SERVICE, description)
+    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
+                           lambda request: FactsReply(tuple(facts(request.now_s, request.jobs))),
+                           span_name="executor.facts")
+    await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, apply, span_name="executor.apply")
+    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, advance,
+                           span_name="executor.advance")
+    await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, live)
+    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack, lambda _: JobRecords(tuple(records())))
+    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(count()))
+    return service
