@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from services.executor.local import JOBS_PACKAGE
+from services.runner import positive_float
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
 from shared.schema import RunRequest
@@ -56,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="local: job YAML files to submit (default: the example jobs)")
     up.add_argument("--jobs-package", default=JOBS_PACKAGE,
                     help="local: the package whose modules jobs may run (default: %(default)s)")
-    up.add_argument("--slot-memory", type=float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
+    up.add_argument("--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="jobs known to a running goodput")
@@ -88,7 +89,8 @@ def _up(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
     from cli.simulate import policy_spec
-    from deploy.stack import create_run, local_service_arguments, running_services, service_arguments
+    from deploy.stack import (create_run, local_service_arguments, records_once_ended, running_services,
+                              service_arguments)
     from shared.bus import Bus
     from sim.run import simulation_settings
     from sim.simulator import FEEDBACK_ITERATIONS
@@ -126,7 +128,8 @@ async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
                 if local:
                     await _submit_local(bus, specs)
                 if local and args.once:
-                    _report_local(args, await _until_ended(bus, [spec.id for spec in specs], args.round))
+                    ended = await records_once_ended(bus, [spec.id for spec in specs], args.round)
+                    _report_local(args, list(ended.values()))
                 else:
                     stop = asyncio.Event()
                     loop = asyncio.get_running_loop()
@@ -180,18 +183,6 @@ async def _submit_local(bus, specs) -> None:
     for spec in specs:
         await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
-
-
-async def _until_ended(bus, job_ids: list[str], poll_s: float):
-    """The executors' records once every one of these jobs has finished or failed."""
-    from shared import subjects
-    from shared.schema import Ack, JobRecords
-
-    while True:
-        records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=30)).jobs}
-        if all(job in records and (records[job].finish_s is not None or records[job].failure) for job in job_ids):
-            return [records[job] for job in job_ids]
-        await asyncio.sleep(poll_s)
 
 
 def _report_local(args: argparse.Namespace, records) -> None:

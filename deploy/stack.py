@@ -17,7 +17,8 @@ import nats.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.reference import WorkloadJob
-from shared.schema import Ack, Count, JobRecords, JobSpec, Lease, RunCheckpoint, RunReport, RunRequest, RunStep
+from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, Lease, RunCheckpoint, RunReport, RunRequest,
+                           RunStep)
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 READY_TIMEOUT_S = 60.0
@@ -200,6 +201,22 @@ async def create_run(bus: Bus, request: RunRequest) -> None:
                             duplicate_window=subjects.RUN_LOG_DEDUP_S)
     runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
     await runs.create(request.run_id, RunCheckpoint(request))
+
+
+async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0.5,
+                             timeout_s: float | None = None) -> dict[str, JobRecord]:
+    """The executors' records once every one of these jobs has finished or failed (asked every
+    `poll_s`; an executor restarting meanwhile is asked again). TimeoutError past `timeout_s`."""
+    deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+    records: dict[str, JobRecord] = {}
+    while True:
+        with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=30)).jobs}
+        if all(job in records and (records[job].finish_s is not None or records[job].failure) for job in job_ids):
+            return {job: records[job] for job in job_ids}
+        if deadline is not None and asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"jobs not ended after {timeout_s:.0f} s: {records}")
+        await asyncio.sleep(poll_s)
 
 
 async def follow_run_steps(bus: Bus, run_id: str,

@@ -26,6 +26,17 @@ log = logging.getLogger(__name__)
 Start = Callable[[Bus, argparse.Namespace], Awaitable[micro.Service]]
 
 
+def positive_float(text: str) -> float:
+    """An option that must be a positive number (argparse type: a clear error before anything starts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
     """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
     config = micro.ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata or {},

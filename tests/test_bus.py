@@ -288,8 +288,8 @@ async def test_a_lost_reply_part_raises_chunk_lost(connect_bus, name_prefix):
         await client.request(subject, Ping(1), Blob, timeout=TIMEOUT_S)
 
 
-async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
-    server, client = await connect_bus("server"), await connect_bus("client")
+async def _echo_endpoint(server, name_prefix):
+    """An endpoint answering Ping n with Pong n; its subject, and the pings it handled."""
     subject = f"{name_prefix}.echo"
     handled: list[Ping] = []
 
@@ -299,6 +299,12 @@ async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(co
 
     service = await micro.add_service(server.nc, name=f"{name_prefix}_svc", version="0.1.0")
     await server.add_endpoint(service, "echo", subject, Ping, echo)
+    return subject, handled
+
+
+async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject, handled = await _echo_endpoint(server, name_prefix)
     server.chunk_timeout_s = 0.3
     gone = client.nc.new_inbox()           # a requester that sent its first part and died: no one answers here
     with caplog.at_level(logging.WARNING, logger="shared.bus"):
@@ -312,15 +318,7 @@ async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(co
 async def test_a_bad_part_header_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
     """A peer's part header never sizes a buffer: not `i/n`, or more parts than MAX_PARTS, is refused."""
     server, client = await connect_bus("server"), await connect_bus("client")
-    subject = f"{name_prefix}.echo"
-    handled: list[Ping] = []
-
-    def echo(ping: Ping) -> Pong:
-        handled.append(ping)
-        return Pong(ping.n)
-
-    service = await micro.add_service(server.nc, name=f"{name_prefix}_svc", version="0.1.0")
-    await server.add_endpoint(service, "echo", subject, Ping, echo)
+    subject, handled = await _echo_endpoint(server, name_prefix)
     with caplog.at_level(logging.WARNING, logger="shared.bus"):
         for mark in ("x/y", f"0/{MAX_PARTS + 1}", "3/2", "-1/2"):
             await client.nc.publish(subject, client.encode(Ping(1)), reply=client.nc.new_inbox(),

@@ -17,10 +17,9 @@ import subprocess
 import sys
 
 import msgspec
-import nats.errors
 
 from deploy.nats import free_loopback_port, nats_from_binary
-from deploy.stack import create_run, local_service_arguments, running_services
+from deploy.stack import create_run, local_service_arguments, records_once_ended, running_services
 from shared import subjects
 from shared.bus import Bus
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
@@ -46,31 +45,37 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
     assert "finished" in run.stdout and "GPUs" in run.stdout          # the changes were shown as they came
 
 
-async def _bad_inputs(folder):
+@contextlib.asynccontextmanager
+async def _live_stack(folder, **options):
+    """NATS, the five services on the local cluster's slots (real jobs), a live run of sia every 2 s;
+    a bus to submit on."""
     with nats_from_binary(folder) as url:
-        arguments = local_service_arguments("local", folder / "work", 1.0, slot_memory_mb=64,
-                                            jobs_package="tests.jobs")
-        with running_services(url, arguments, folder) as stack:
-            bus = await Bus.connect(url, "bad-inputs")
+        with running_services(url, local_service_arguments("local", folder / "work", 1.0, **options), folder) as stack:
+            bus = await Bus.connect(url, "test")
             try:
                 await stack.wait_ready(bus)
                 await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
                                         duplicate_window=subjects.DEDUP_WINDOW_S)
                 await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
-                for job_id, application in [("breaks", "raises"), ("too-big", "huge"), ("no-code", "nosuchjob"),
-                                            ("good", "quick")]:
-                    await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
-                unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
-                await bus.nc.publish(subjects.SUBMIT, msgspec.msgpack.encode(unknown_field))
-                for _ in range(600):
-                    records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
-                    if len(records) == 5 and all(r.finish_s is not None or r.failure for r in records.values()):
-                        break
-                    await asyncio.sleep(0.5)
-                alive = [name for name, process in stack.processes.items() if process.poll() is None]
-                return records, alive
+                yield bus, stack
             finally:
                 await bus.close()
+
+
+async def _submit(bus, jobs: dict[str, str]) -> None:
+    for job_id, application in jobs.items():
+        await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
+
+
+async def _bad_inputs(folder):
+    async with _live_stack(folder, slot_memory_mb=64, jobs_package="tests.jobs") as (bus, stack):
+        await _submit(bus, {"breaks": "raises", "too-big": "huge", "no-code": "nosuchjob", "good": "quick"})
+        unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
+        await bus.nc.publish(subjects.SUBMIT, msgspec.msgpack.encode(unknown_field))
+        await records_once_ended(bus, ["breaks", "too-big", "no-code", "good", "typo"], timeout_s=300)
+        records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
+        alive = [name for name, process in stack.processes.items() if process.poll() is None]
+        return records, alive
 
 
 def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_affected(tmp_path):
@@ -87,42 +92,20 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     assert len(alive) == 5, f"a service died: only {alive} still run"
 
 
-async def _until_ended(bus, count: int, timeout_s: float = 300.0) -> dict:
-    records = {}
-    for _ in range(int(timeout_s / 0.5)):
-        with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):   # a restart
-            records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
-        if len(records) == count and all(r.finish_s is not None or r.failure for r in records.values()):
-            return records
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"jobs still running after {timeout_s} s: {records}")
-
-
 async def _agent_killed(folder):
-    with nats_from_binary(folder) as url:
-        arguments = local_service_arguments("local", folder / "work", 1.0)
-        with running_services(url, arguments, folder) as stack:
-            bus = await Bus.connect(url, "agent-killed")
-            try:
-                await stack.wait_ready(bus)
-                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                        duplicate_window=subjects.DEDUP_WINDOW_S)
-                await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
-                for job_id, application in [("tiny-lm", "tiny_lm"), ("cnn-shapes", "cnn_shapes")]:
-                    await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
-                for _ in range(240):                     # both training
-                    records = (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs
-                    if len(records) == 2 and all(r.placement for r in records):
-                        break
-                    await asyncio.sleep(0.5)
-                await asyncio.sleep(3)
-                stack.kill("executor")                   # kill -9: its workers are left behind
-                await asyncio.sleep(1)
-                stack.start("executor")
-                records = await _until_ended(bus, 2)
-                return records, stack.log("executor")
-            finally:
-                await bus.close()
+    async with _live_stack(folder) as (bus, stack):
+        await _submit(bus, {"tiny-lm": "tiny_lm", "cnn-shapes": "cnn_shapes"})
+        for _ in range(240):                     # both training
+            records = (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs
+            if len(records) == 2 and all(r.placement for r in records):
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(3)
+        stack.kill("executor")                   # kill -9: its workers are left behind
+        await asyncio.sleep(1)
+        stack.start("executor")
+        records = await records_once_ended(bus, ["tiny-lm", "cnn-shapes"], timeout_s=300)
+        return records, stack.log("executor")
 
 
 def test_the_node_agent_killed_mid_training_its_successor_finishes_the_jobs(tmp_path):

@@ -28,6 +28,7 @@ from nats import micro
 from services.executor import endpoints
 from services.executor.local import JOBS_PACKAGE, LocalExecutors
 from services.executor.protocol import REPORT_EVERY_S
+from services.runner import positive_float
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
@@ -271,9 +272,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local: the package whose modules jobs may run (default: %(default)s)")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "goodput-node"),
                         help="local: checkpoints and worker logs; a restarted agent must find them (default: %(default)s)")
-    parser.add_argument("--checkpoint-every", type=float,
+    parser.add_argument("--checkpoint-every", type=positive_float,
                         help="local: seconds between a job's periodic checkpoints (default: the job's own, 300)")
-    parser.add_argument("--report-every", type=float, default=REPORT_EVERY_S,
+    parser.add_argument("--report-every", type=positive_float, default=REPORT_EVERY_S,
                         help="local: seconds between a job's reports of what it measured (default: %(default)s)")
 
 
@@ -292,9 +293,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     await asyncio.to_thread(agent.executors.stop_leftovers)
     turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
 
+    kept: dict[str, bytes] = {}          # what KV holds of each job: only a job that changed is written
+
     async def save() -> None:
         for job in agent.saved():
-            await states.put(job.spec.id, job)
+            state = msgspec.msgpack.encode(job)
+            if kept.get(job.spec.id) != state:
+                await states.put(job.spec.id, job)
+                kept[job.spec.id] = state
 
     async def on_event(message: msgspec.Raw, delivery) -> None:
         """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""

@@ -26,7 +26,7 @@ from nats import micro
 
 from services.policy.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
-from services.runner import new_service
+from services.runner import new_service, positive_float
 from shared import subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
@@ -47,16 +47,9 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--lease-ttl", type=_positive, default=LEASE_TTL_S,
+    parser.add_argument("--lease-ttl", type=positive_float, default=LEASE_TTL_S,
                         help="seconds a leader's lease lasts unrenewed: a standby takes over within it "
                              "(default: %(default)s)")
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
 
 
 class RunJournal:

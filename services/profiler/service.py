@@ -20,7 +20,7 @@ from nats import micro
 from services.executor.local import JOBS_PACKAGE
 from services.profiler.core import SUBMISSION_RULES, submission_problem
 from services.profiler.measure import PROFILE_TIMEOUT_S, ProfilingFailed, measured_profile, profiling_run
-from services.runner import new_service
+from services.runner import new_service, positive_float
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local: profile each job by running its script on one slot of each GPU type")
     parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
                         help="local: the package whose modules jobs may run (default: %(default)s)")
-    parser.add_argument("--slot-memory", type=float,
+    parser.add_argument("--slot-memory", type=positive_float,
                         help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)")
     parser.add_argument("--workdir", help="local: where profiling runs write their logs (default: a temporary folder)")
 
