@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from deploy.nats import nats_from_binary
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.schema import JobSpec
 
@@ -41,8 +41,7 @@ async def publish_all(bus: Bus, specs: list[JobSpec], in_flight: int) -> tuple[f
 async def run(url: str, jobs: int, in_flight: int) -> None:
     bus = await Bus.connect(url, "bench-ingest")
     try:
-        await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                duplicate_window=subjects.DEDUP_WINDOW_S)
+        await streams.ensure_jobs(bus)
         specs = [JobSpec(f"job-{i}", "cifar10", requested_gpus=1 + i % 8) for i in range(jobs)]
         took, duplicates = await publish_all(bus, specs, in_flight)
         print(f"stored {jobs} submissions in {took:.2f} s: {jobs / took:,.0f} submissions/s "

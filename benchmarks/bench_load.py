@@ -30,7 +30,7 @@ import numpy as np
 from deploy.nats import nats_from_binary
 from deploy.stack import replay, running_services, service_arguments
 from shared.bus import Bus
-from sim.settings import settings_for
+from shared.settings import settings_for
 from sim.simulator import FEEDBACK_ITERATIONS
 from sim.workload import generate_workload
 

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from services.estimator.core import goodput_table, profile_observations, type_models
+from services.estimator.core import profile_observations, type_models
+from shared.table import goodput_table
 from services.profiler.core import model_profile
 from shared.cluster import load_cluster
 from shared.goodput import Observation, fit_throughput, iteration_time

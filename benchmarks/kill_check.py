@@ -18,7 +18,7 @@ from deploy.stack import replay, running_services, service_arguments
 from shared.bus import Bus
 from shared.reference import load_workload, reference_root
 from sim.run import job_sources, simulate
-from sim.settings import settings_for
+from shared.settings import settings_for
 
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from cli.output import rounded, write_results
 from sim import autoscale as auto
-from sim.run import job_sources, simulation_settings
-from sim.settings import PRESETS
+from shared.settings import simulation_settings
+from sim.run import job_sources
+from shared.settings import PRESETS
 
 _DIGITS = 6   # JSON floats: enough for hours and efficiencies, short enough to read
 

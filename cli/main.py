@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommand modules under cli/, in help order.
@@ -29,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"goodput {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:            # `goodput status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 0
+    except KeyboardInterrupt:
+        print(f"goodput {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from cli.output import write_results
 from services.policy.base import POLICIES
 from services.policy.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
-from sim.settings import PRESETS
+from shared.settings import PRESETS
 from sim.simulator import FEEDBACK_ITERATIONS
 
 

@@ -35,7 +35,7 @@ def load_job(path: str | Path):
     except yaml.YAMLError as exc:
         raise ValueError(f"{path} is not valid YAML: {exc}") from None
     try:
-        return msgspec.convert(document, JobSpec)
+        return msgspec.convert(document, JobSpec, strict=False)     # as the bus decodes: 2.0 is 2
     except msgspec.ValidationError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
@@ -43,15 +43,14 @@ def load_job(path: str | Path):
 async def submit(spec, server: str, **options) -> bool:
     """Publish the spec to the submissions stream; True if stored, False if that id was already stored.
     `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`."""
-    from shared import subjects
+    from shared import streams, subjects
     from shared.bus import Bus
 
     # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
     # max_reconnect_attempts=0 as "no limit" while choosing a server; 1 gives up after one try).
     bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
-        await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                duplicate_window=subjects.DEDUP_WINDOW_S)
+        await streams.ensure_jobs(bus)
         ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
         return not ack.duplicate
     finally:

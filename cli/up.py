@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import shutil
 import signal
 import time
@@ -26,9 +28,10 @@ from services.executor.local import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
-from shared.schema import RunRequest
 
-LIVE_RUN = "live"
+from shared.schema import JOB_STATES
+
+LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
 BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
 ROUND_S = {"simulated": 60.0, "local": 10.0}
@@ -47,9 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--data", default="out/stack", help="JetStream data and service logs (default: %(default)s)")
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
-    up.add_argument("--round", type=float, help="live: seconds between rounds (default: 60; local: 10)")
+    up.add_argument("--fresh", action="store_true",
+                    help="start from an empty store: forget every job of the earlier starts on --data")
+    up.add_argument("--round", type=float, help="live: wall-clock seconds between rounds (default: 60; local: 10)")
     up.add_argument("--speed", type=float, default=1.0,
-                    help="live: simulated seconds per wall-clock second, to watch long jobs (default: %(default)s)")
+                    help="live: simulated seconds per wall-clock second, to watch long jobs: a round is then "
+                         "round x speed seconds of the simulated cluster (default: %(default)s)")
     up.add_argument("--policy-replicas", type=int, default=1,
                     help="policy replicas: one leads, the others stand by (default: %(default)s)")
     up.add_argument("--estimator-replicas", type=int, default=1, help="estimator replicas (default: %(default)s)")
@@ -60,14 +66,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
     up.set_defaults(func=_up)
 
-    status = sub.add_parser("status", help="jobs known to a running goodput")
+    status = sub.add_parser("status", help="jobs known to a running goodput, and its live run")
+    status.add_argument("id", nargs="?", help="show this job only")
+    status.add_argument("--json", action="store_true",
+                        help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)')
     status.add_argument("--server", default=None, help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
     credentials.add_arguments(status)
     status.set_defaults(func=_status)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.nats import nats_from_binary
+    from deploy.nats import nats_from_binary, port_in_use
 
     local = args.executors == "local"
     args.cluster = args.cluster or ("local" if local else "sia-hetero-64")
@@ -77,69 +86,114 @@ def _up(args: argparse.Namespace) -> int:
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data)
-    # A fresh store each time: each start replays onto an empty cluster (and real jobs of the same
-    # ids start from scratch, not from the last start's checkpoints).
-    for fresh in ("jetstream", "work"):
-        shutil.rmtree(data / fresh, ignore_errors=True)
     data.mkdir(parents=True, exist_ok=True)
-    with nats_from_binary(data, port=args.port) as url:
-        asyncio.run(_serve(args, url, data))
+    with _holding(data):
+        if port_in_use(args.port):
+            raise ValueError(f"port {args.port} on 127.0.0.1 is taken (another goodput up, or another server?); "
+                             "choose another with --port")
+        if args.fresh:                   # the explicit wipe: an empty cluster, real jobs from scratch
+            for folder in ("jetstream", "work"):
+                shutil.rmtree(data / folder, ignore_errors=True)
+        resumed = (data / "jetstream").is_dir()
+        try:
+            with nats_from_binary(data, port=args.port) as url:
+                asyncio.run(_serve(args, url, data, resumed))
+        except KeyboardInterrupt:        # Ctrl-C while NATS was starting: nothing was running yet
+            pass
+    print("goodput is down")
     return 0
 
 
-async def _serve(args: argparse.Namespace, url: str, data: Path) -> None:
-    from cli.simulate import policy_spec
-    from deploy.stack import (create_run, local_service_arguments, records_once_ended, running_services,
+@contextlib.contextmanager
+def _holding(data: Path):
+    """Hold the data folder for this `goodput up`; ValueError if another one holds it."""
+    import fcntl
+
+    lock = (data / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise ValueError(f"data folder {data} is in use by another `goodput up` (pid {holder}); stop it, or "
+                         "choose another --data") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(os.getpid()))
+    lock.flush()
+    try:
+        yield
+    finally:
+        lock.close()
+
+
+async def _serve(args: argparse.Namespace, url: str, data: Path, resumed: bool) -> None:
+    """Start the services, replay, serve; Ctrl-C (or SIGTERM) at any moment stops everything."""
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await _stack(args, url, data, resumed)
+    except asyncio.CancelledError:
+        print("stopping goodput ...", flush=True)
+
+
+async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) -> None:
+    from deploy.live_run import describe, live_request
+    from deploy.stack import (ensure_run, local_service_arguments, records_once_ended, running_services,
                               service_arguments)
     from shared.bus import Bus
-    from sim.run import simulation_settings
+    from shared.subjects import LIVE_RUN
     from sim.simulator import FEEDBACK_ITERATIONS
 
     local = args.executors == "local"
-    policy, options = policy_spec(args.policy)
     if local:
         # Jobs report what they measured twice a round: the estimator learns a new allocation in one.
         arguments = local_service_arguments(args.cluster, data / "work", args.round / 2, args.slot_memory,
                                             args.jobs_package)
-        options.setdefault("round_s", args.round)       # re-decide every round: real jobs are short
         specs = [_job(path) for path in args.jobs]     # a bad file is refused here, before anything starts
     else:
         arguments = service_arguments(args.cluster, args.reference, args.reference is None, None,
                                       FEEDBACK_ITERATIONS, None)
+    # Real jobs are short: the policy re-decides every round.
+    live = live_request(LIVE_RUN, args.policy, args.cluster, args.round, args.speed,
+                        **({"round_s": args.round} if local else {}))
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
     with running_services(url, arguments, data, replicas) as stack:
         bus = await Bus.connect(url, "goodput-up")
         try:
             await stack.wait_ready(bus)
-            print(f"goodput is up: NATS at {url} (JetStream data in {data})")
+            print(f"goodput is up: NATS at {url} (JetStream data in {data}"
+                  f"{', kept from the last start: --fresh starts empty' if resumed else ''})")
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
             print(f"submit jobs with `goodput submit JOB.yaml --server {url}`; "
                   f"see them with `goodput status --server {url}`")
-            if not local and args.workload != "none":
-                await _replay(args, bus, stack, policy, options)
+            if not local and args.workload != "none" and (args.once or not resumed):
+                await _replay(args, bus, stack, live.policy, dict(live.policy_options))
             if local or not args.once:
-                settings = simulation_settings(None, args.cluster)
-                await create_run(bus, RunRequest(LIVE_RUN, policy, options, settings.name, (), args.round,
-                                                 live=True, speed=args.speed))
-                print(f"serving: submitted jobs are scheduled live with {args.policy}, a round every "
-                      f"{args.round:g} s{f' (x{args.speed:g})' if args.speed != 1 else ''}; Ctrl-C stops everything")
+                existing = await ensure_run(bus, live)
+                if existing is not None and (existing.policy, existing.policy_options, existing.round_s) != \
+                        (live.policy, live.policy_options, live.round_s):
+                    print(f"the live run goes on as it was created ({describe(existing)}), not with {describe(live)}")
+                running = existing or live
+                print(f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
+                      f"{describe(running)}; Ctrl-C stops everything", flush=True)
                 watch = asyncio.ensure_future(_watch(bus, LIVE_RUN))
-                if local:
-                    await _submit_local(bus, specs)
-                if local and args.once:
-                    ended = await records_once_ended(bus, [spec.id for spec in specs], args.round)
-                    _report_local(args, list(ended.values()))
-                else:
-                    stop = asyncio.Event()
-                    loop = asyncio.get_running_loop()
-                    for sig in (signal.SIGINT, signal.SIGTERM):
-                        loop.add_signal_handler(sig, stop.set)
-                    await stop.wait()
-                watch.cancel()
+                try:
+                    if local:
+                        await _submit_local(bus, specs)
+                    if local and args.once:
+                        ended = await records_once_ended(bus, [spec.id for spec in specs], args.round)
+                        _report_local(args, list(ended.values()))
+                    else:
+                        await asyncio.Event().wait()            # until Ctrl-C
+                finally:
+                    watch.cancel()
         finally:
             await bus.close()
-    print("goodput is down")
 
 
 async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: dict) -> None:
@@ -149,7 +203,8 @@ async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: di
     from services.policy.base import make_policy
     from shared.cluster import load_cluster
     from shared.reference import load_workload
-    from sim.run import add_fairness, job_sources, replay_results, simulation_settings
+    from shared.settings import simulation_settings
+    from sim.run import add_fairness, job_sources, replay_results
     from sim.simulator import FEEDBACK_ITERATIONS
 
     jobs = load_workload(args.workload)
@@ -176,10 +231,9 @@ def _job(path: str):
 
 
 async def _submit_local(bus, specs) -> None:
-    from shared import subjects
+    from shared import streams, subjects
 
-    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    await streams.ensure_jobs(bus)
     for spec in specs:
         await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
@@ -221,38 +275,68 @@ async def _watch(bus, run_id: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import json
     import os
 
     server = args.server or os.environ.get(SERVER_ENV, DEFAULT_SERVER)
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        records, profiled, leader = asyncio.run(_query(server, **options))
+        records, policy = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(f"cannot reach a running goodput at {credentials.redact(server)} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
-    finished = [r for r in records.jobs if r.finish_s is not None]
-    print(f"{len(records.jobs)} jobs known to the executors, {profiled} profiled, {len(finished)} finished; "
-          f"policy leader: {leader or 'none'}")
-    for r in records.jobs:
-        gpus = "+".join(f"{g}@{node}" for node, g in r.placement)
-        state = (f"failed: {r.failure}" if r.failure
-                 else f"finished after {(r.finish_s - r.submit_s) / 3600:.2f} h" if r.finish_s is not None
-                 else f"running on {gpus}" if gpus else "waiting")
-        print(f"  {r.name:<24} {r.application:<12} {state:<28} restarts {r.restarts:<3} "
-              f"GPU-h {r.gpu_seconds / 3600:.2f}")
+    jobs = [job_document(r) for r in records.jobs]
+    if args.id is not None:
+        jobs = [j for j in jobs if j["id"] == args.id]
+        if not jobs:
+            raise ValueError(f"no job {args.id!r} is known to the executors")
+    run = run_document(policy)
+    if args.json:
+        print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
+        return 0
+    counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
+    print(f"{len(jobs)} jobs: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if jobs else "no jobs")
+    print(f"live run: {run['state']}" + (f" at round {run['round']}" if run.get("round") is not None else "")
+          + (f" ({run['reason']})" if run["reason"] else "") + f"; policy leader: {run['leader'] or 'none'}")
+    for j in jobs:
+        where = (f"{j['gpus']} {j['gpu_type']} on {', '.join(j['nodes'])}, batch {j['batch']}"
+                 if j["state"] == "running" else j["reason"])
+        print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
     return 0
+
+
+def job_document(r) -> dict:
+    """A job as `goodput status --json` shows it."""
+    import math
+
+    submitted = r.submit_s if r.submit_s is not None and math.isfinite(r.submit_s) else None   # inf: not arrived
+    return {"id": r.name or None, "state": r.state, "reason": r.failure or "", "application": r.application or None,
+            "gpu_type": r.gpu_type, "gpus": sum(g for _, g in r.placement) if r.state == "running" else 0,
+            "nodes": [node for node, _ in r.placement] if r.state == "running" else [],
+            "batch": r.batch, "submit_s": submitted, "finish_s": r.finish_s,
+            "jct_s": None if r.finish_s is None or submitted is None else r.finish_s - submitted,
+            "restarts": r.restarts, "gpu_seconds": round(r.gpu_seconds, 3)}
+
+
+def run_document(policy) -> dict:
+    """The live run (and the policy leader) as `goodput status --json` shows it."""
+    run = policy.run
+    if run is None:
+        return {"id": None, "state": "none", "reason": "no live run yet", "round": None, "now_s": None,
+                "jobs": 0, "leader": policy.leader}
+    return {"id": run.id, "state": run.state, "reason": run.reason, "round": run.round, "now_s": run.now_s,
+            "jobs": run.jobs, "leader": policy.leader}
 
 
 async def _query(server: str, **options):
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import Ack, Count, JobRecords, Lease
+    from shared.schema import Ack, JobRecords, JobsQuery, PolicyStatus
 
     bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
-        records = await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=5)
-        profiled = await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)
-        leader = await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=5)
-        return records, profiled.n, leader.holder
+        records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)
+        policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
+        return records, policy
     finally:
         await bus.close()

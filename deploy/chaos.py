@@ -33,17 +33,29 @@ import nats.errors
 from nats import micro
 
 from deploy.nats import free_loopback_port, nats_from_binary
-from services.policy.base import ROUND_S
 from deploy.stack import Stack, replay, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import (
-    Ack, AdvanceRequest, ApplyRequest, FactsRequest, JobProfiles, JobRecord, JobRecords, JobSpec, LiveJobsRequest,
-    ModelsRequest, Observed, PlaceRequest, RunCheckpoint, RunStep, Spots,
+    Ack,
+    AdvanceRequest,
+    ApplyRequest,
+    FactsRequest,
+    JobProfiles,
+    JobRecord,
+    JobRecords,
+    JobSpec,
+    LiveJobsRequest,
+    ModelsRequest,
+    Observed,
+    PlaceRequest,
+    RunCheckpoint,
+    RunStep,
+    Spots,
 )
-from sim.settings import settings_for
+from shared.settings import ROUND_S, settings_for
 
 CLUSTER = "sia-hetero-64"
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
@@ -205,7 +217,9 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
 def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
     """`n` payloads that do not decode as `message_type`: its fields (some missing, one unknown)
     with values of any kind, or bytes that need not be msgpack at all (hypothesis)."""
-    from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings, strategies as st
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis import strategies as st
 
     names = [f.encode_name for f in msgspec.structs.fields(message_type)] + ["unknown"]
     value = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)

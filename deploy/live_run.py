@@ -18,31 +18,35 @@ import sys
 import nats.errors
 
 from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
-from shared import subjects
-from shared.bus import Bus, RevisionConflict
+from shared.bus import Bus
 from shared.credentials import connect_options
-from shared.schema import RunCheckpoint, RunRequest
+from shared.schema import RunRequest
+from shared.subjects import LIVE_RUN
 
-LIVE_RUN = "live"
 
-
-def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, speed: float) -> RunRequest:
-    """The live run's request, as `goodput up` makes it; ValueError for an unknown policy or option."""
+def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, speed: float,
+                 **option_defaults) -> RunRequest:
+    """The live run's request, as `goodput up` makes it: a round every `round_s` seconds of the wall
+    clock, each `round_s` x `speed` seconds of the cluster's clock (a simulated cluster may run
+    faster than the wall clock). `option_defaults`: policy options unless the spec sets them.
+    ValueError for an unknown policy or option."""
     from cli.simulate import policy_spec as parse_policy
     from services.policy.base import make_policy
-    from sim.settings import settings_for
+    from shared.settings import settings_for
 
     if round_s <= 0 or speed <= 0:
         raise ValueError("--round and --speed must be positive")
     policy, options = parse_policy(policy_spec)
+    options = {**option_defaults, **options}
     make_policy(policy, **options)                      # refuse options the policy does not take, here
-    return RunRequest(run_id, policy, options, settings_for(None, cluster).name, (), round_s, live=True, speed=speed)
+    return RunRequest(run_id, policy, options, settings_for(None, cluster).name, (), round_s * speed, live=True,
+                      speed=speed)
 
 
 async def create_live_run(server: str, request: RunRequest, wait_s: float) -> RunRequest | None:
     """Create the run: None once created, or the stored request of the run of that id that exists
     already. Keeps trying to reach NATS for `wait_s` seconds."""
-    from deploy.stack import create_run
+    from deploy.stack import ensure_run
 
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
@@ -55,12 +59,7 @@ async def create_live_run(server: str, request: RunRequest, wait_s: float) -> Ru
                 raise RuntimeError(f"cannot reach NATS at {redact(server)} within {wait_s:g} s: {error}") from None
             await asyncio.sleep(1.0)
     try:
-        try:
-            await create_run(bus, request)
-            return None
-        except RevisionConflict:
-            entry = await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)
-            return entry.value.request
+        return await ensure_run(bus, request)
     except nats.errors.Error as error:
         raise RuntimeError(f"cannot create the run on NATS at {redact(server)}: {error}") from None
     finally:
@@ -101,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(request: RunRequest) -> str:
     options = ",".join(f"{key}={value}" for key, value in request.policy_options.items())
-    return f"policy {request.policy}{':' + options if options else ''}, a round every {request.round_s:g} s"
+    pace = f"{request.round_s / request.speed:g} s" + (f" ({request.round_s:g} s of the cluster's clock)"
+                                                     if request.speed != 1 else "")
+    return f"policy {request.policy}{':' + options if options else ''}, a round every {pace}"
 
 
 if __name__ == "__main__":

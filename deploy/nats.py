@@ -38,6 +38,16 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) `port` on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def wait_until_accepting(process: subprocess.Popen, port: int, log_path: Path) -> None:
     """Block until the server sends its INFO line on `port`; fail with its log if it died."""
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S

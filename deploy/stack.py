@@ -12,13 +12,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import msgspec
 import nats.errors
 
-from shared import subjects
-from shared.bus import Bus
+from shared import streams, subjects
+from shared.bus import Bus, RevisionConflict
 from shared.reference import WorkloadJob
-from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, Lease, RunCheckpoint, RunReport, RunRequest,
-                           RunStep)
+from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, JobsQuery, PolicyStatus, RunCheckpoint, RunReport,
+                           RunRequest, RunStep)
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 READY_TIMEOUT_S = 60.0
@@ -47,7 +48,7 @@ class Stack:
 
     async def policy_leader(self, bus: Bus) -> str:
         """The policy instance holding the lease now (holders are named `<host>-<pid>`)."""
-        holder = (await bus.request(subjects.POLICY_STATUS, Ack(), Lease, timeout=10)).holder
+        holder = (await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=10)).leader
         pid = int(holder.rsplit("-", 1)[1]) if holder else None
         leader = next((name for name, process in self.processes.items() if process.pid == pid), None)
         if leader is None:
@@ -109,12 +110,21 @@ async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
         await subscription.unsubscribe()
 
 
+def module_of(service: str, arguments: Sequence[str]) -> str:
+    """The module a service runs as: `services.<name>`, but the executors of a simulated cluster
+    (whose arguments do not ask for `--executors local`) are `sim.executor`."""
+    if service == "executor" and "--executors" not in arguments:
+        return "sim.executor"
+    return f"services.{service}"
+
+
 @contextmanager
 def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: Path,
                      replicas: Mapping[str, int] | None = None) -> Iterator[Stack]:
     """Start `python -m services.<name> --server URL <arguments>` for each service, `replicas[name]`
     times (once by default); stop them all after."""
-    stack = Stack({instance: [sys.executable, "-m", f"services.{name}", "--server", server, *arguments.get(name, ())]
+    stack = Stack({instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", server,
+                              *arguments.get(name, ())]
                    for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}, logs)
     try:
         for instance in stack.commands:
@@ -125,11 +135,11 @@ def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: 
         stack.stop()
 
 
-async def _count(bus: Bus, subject: str) -> int:
-    """A service's count; -1 while its endpoint is not answering yet (a service answers ping as soon
-    as it registers, a moment before its endpoints do)."""
+async def _count(bus: Bus, subject: str, prefix: str = "") -> int:
+    """A service's count (of the jobs whose id begins with `prefix`); -1 while its endpoint is not
+    answering yet (a service answers ping as soon as it registers, a moment before its endpoints do)."""
     try:
-        return (await bus.request(subject, Ack(), Count, timeout=10)).n
+        return (await bus.request(subject, JobsQuery(prefix), Count, timeout=10)).n
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
         return -1
 
@@ -171,20 +181,21 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
                  calibration: str, round_s: float | None = None, horizon_s: float | None = None,
                  request_timeout_s: float = 10.0, run_id: str | None = None,
                  progress: Callable[[float, int, int], None] | None = None) -> tuple[RunReport, JobRecords]:
-    """Submit a workload through JetStream, wait until every job is profiled and known to the
-    executors, create the run for the policy leader and follow its log to the end (whichever
-    replica leads, and however often leadership changes on the way)."""
-    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                            duplicate_window=subjects.DEDUP_WINDOW_S)
-    for job in jobs:
-        spec = JobSpec(job.name, job.application, requested_gpus=job.num_replicas,
-                       requested_batch=job.batch_size, submit_s=job.time)
-        await bus.js_publish(subjects.SUBMIT, spec, msg_id=job.name)
-    for status in (subjects.ESTIMATOR_STATUS, subjects.EXECUTOR_STATUS):
-        while await _count(bus, status) < len(jobs):
-            await asyncio.sleep(0.05)
+    """Submit a workload through JetStream, wait for the profiler's verdict on every job, create
+    the run for the policy leader and follow its log to the end (whichever replica leads, and
+    however often leadership changes on the way). The jobs' ids are the run's own (`<run id>.<name>`),
+    so a replay never meets another's jobs or a user's on the same stack; the report and records
+    name them as the workload does."""
+    await streams.ensure_jobs(bus)
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
-    request = RunRequest(run_id, policy, policy_options, calibration, tuple((j.name, j.time) for j in jobs),
+    prefix = f"{run_id}."
+    for job in jobs:
+        spec = JobSpec(prefix + job.name, job.application, requested_gpus=job.num_replicas,
+                       requested_batch=job.batch_size, submit_s=job.time)
+        await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
+    while await _count(bus, subjects.EXECUTOR_STATUS, prefix) < len(jobs):
+        await asyncio.sleep(0.05)
+    request = RunRequest(run_id, policy, policy_options, calibration, tuple((prefix + j.name, j.time) for j in jobs),
                          round_s, horizon_s, request_timeout_s)
     await create_run(bus, request)
     try:
@@ -192,15 +203,37 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     except Exception as error:  # noqa: BLE001 - say which service failed and why
         logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
         raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
-    return report, await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=60)
+    records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=60)
+    return _unprefixed(report, records, prefix)
+
+
+def _unprefixed(report: RunReport, records: JobRecords, prefix: str) -> tuple[RunReport, JobRecords]:
+    """A replay's report and records under the workload's names."""
+    def name(job: str) -> str:
+        return job.removeprefix(prefix)
+
+    rounds = tuple(msgspec.structs.replace(r, gpus={name(j): g for j, g in r.gpus.items()}) for r in report.rounds)
+    events = tuple(e.replace(prefix, "") for e in report.events)
+    jobs = tuple(msgspec.structs.replace(r, name=name(r.name)) for r in records.jobs if r.name.startswith(prefix))
+    return RunReport(rounds, events), JobRecords(jobs)
 
 
 async def create_run(bus: Bus, request: RunRequest) -> None:
     """Hand a run to the policy leader: its first checkpoint, in KV."""
-    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
-                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
+    await streams.ensure_run_log(bus)
     runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
     await runs.create(request.run_id, RunCheckpoint(request))
+
+
+async def ensure_run(bus: Bus, request: RunRequest) -> RunRequest | None:
+    """Create the run unless one of its id exists already: None once created, else the request the
+    existing run was created with (which it keeps: a live run goes on with its jobs)."""
+    try:
+        await create_run(bus, request)
+        return None
+    except RevisionConflict:
+        entry = await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)
+        return entry.value.request
 
 
 async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0.5,

@@ -7,7 +7,11 @@ module settles them once, and stays generic over message types (the Structs live
 
 - Encoding is msgpack via msgspec (smaller and faster to encode/decode than JSON, and msgspec
   validates types and `Meta` ranges while it decodes). Payloads are therefore binary: read them
-  with `Bus.decode`, not with `nats sub`.
+  with `Bus.decode`, not with `nats sub`. Decoding is lax (msgspec's `strict=False`): an integral
+  float is an int, since JSON-minded clients cannot tell 2 from 2.0.
+- A durable consumer never dies silently: a fetch that fails is tried again (with backoff); a
+  message whose handler fails is redelivered with growing delays, and on its last delivery
+  (`max_deliver`) it is dead-lettered once, with the reason, and never delivered again.
 - A payload that does not decode as the subscriber's type (msgspec.DecodeError or its subclass
   ValidationError) never reaches the handler: it goes to `on_invalid(subject, data, error)` and the
   subscription carries on. What `on_invalid` returns (a Struct, e.g. a Rejected) is sent back as
@@ -84,6 +88,14 @@ WANT_HEADER = "Goodput-Want"
 HEADER_ROOM = 16 * 1024      # max_payload counts headers too: trace context, error descriptions
 CHUNK_TIMEOUT_S = 5.0        # the most a part may lag the one before it
 MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
+# Durable consumers: deliveries of one message before it is dead-lettered, and the redelivery delays.
+MAX_DELIVER = 5
+REDELIVER_AFTER_S = 1.0      # doubled at each redelivery, up to REDELIVER_MAX_S
+REDELIVER_MAX_S = 30.0
+FETCH_RETRY_MAX_S = 10.0
+DRAIN_TIMEOUT_S = 0.05       # after a fetch's first message, how long the others may take     # a failing fetch is tried again after 0.5 s, doubling up to this
+DEAD_REASON_HEADER = "Goodput-Dead-Reason"
+DEAD_SUBJECT_HEADER = "Goodput-Dead-Subject"
 NO_RESPONDERS_STATUS = "503"
 
 
@@ -265,7 +277,7 @@ class Bus:
         """Decode and validate; raises msgspec.ValidationError / DecodeError with a reason."""
         decoder = self._decoders.get(msg_type)
         if decoder is None:
-            decoder = self._decoders[msg_type] = msgspec.msgpack.Decoder(msg_type)
+            decoder = self._decoders[msg_type] = msgspec.msgpack.Decoder(msg_type, strict=False)
         return decoder.decode(data)
 
     @property
@@ -530,20 +542,25 @@ class Bus:
         self,
         stream: str,
         durable: str,
-        subject_filter: str,
+        subject_filter: str | Iterable[str],
         msg_type: type[T],
         *,
         span_name: str | None = None,
         on_invalid: InvalidHandler | None = None,
+        dead_letters: str | None = None,
         **consumer_config: Any,
     ) -> PullConsumer[T]:
         """A durable pull consumer with explicit ack on `stream`, created or updated to this
-        configuration. `consumer_config` is nats-py's ConsumerConfig fields, e.g. `ack_wait`
-        (seconds before an unacked message is redelivered) and `max_deliver`."""
+        configuration. `subject_filter` is one subject or several. `consumer_config` is nats-py's
+        ConsumerConfig fields, e.g. `ack_wait` (seconds before an unacked message is redelivered)
+        and `max_deliver` (default MAX_DELIVER). A message dead-lettered is stored on the subject
+        `dead_letters` (a JetStream subject), as it came, with the reason in its headers."""
+        consumer_config.setdefault("max_deliver", MAX_DELIVER)
+        filters = [subject_filter] if isinstance(subject_filter, str) else list(subject_filter)
         config = api.ConsumerConfig(
             name=durable,
             durable_name=durable,
-            filter_subject=subject_filter,
+            **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
             ack_policy=api.AckPolicy.EXPLICIT,
             **consumer_config,
         )
@@ -553,8 +570,10 @@ class Bus:
             bus=self,
             subscription=subscription,
             msg_type=msg_type,
-            span_name=span_name or f"{subject_filter} receive",
+            span_name=span_name or f"{filters[0]} receive",
             on_invalid=on_invalid or self._on_invalid,
+            max_deliver=config.max_deliver,
+            dead_letters=dead_letters,
         )
         self._pull_consumers.add(consumer)
         return consumer
@@ -676,20 +695,30 @@ class PullConsumer(Generic[T]):
         msg_type: type[T],
         span_name: str,
         on_invalid: InvalidHandler,
+        max_deliver: int = MAX_DELIVER,
+        dead_letters: str | None = None,
     ) -> None:
         self._bus = bus
         self._subscription = subscription
         self._msg_type = msg_type
         self._span_name = span_name
         self._on_invalid = on_invalid
+        self.max_deliver = max_deliver
+        self._dead_letters = dead_letters
+        self._stopped = False
 
     async def fetch(self, batch: int = 10, timeout: float = 1.0) -> list[Delivery[T]]:
-        """Up to `batch` messages, waiting at most `timeout` seconds; [] when none came.
+        """Up to `batch` messages, waiting at most `timeout` seconds for the first; [] when none came.
         Messages that do not decode go to `on_invalid` and are terminated, not returned."""
+        # nats-py's waiting fetch of n returns only once n came or the time is up: wait for one,
+        # then take what else is there at once.
         try:
-            raws = await self._subscription.fetch(batch, timeout)
+            raws = await self._subscription.fetch(1, timeout)
         except asyncio.TimeoutError:  # nats.errors.TimeoutError is one
             return []
+        if batch > 1:
+            with contextlib.suppress(asyncio.TimeoutError):
+                raws += await self._subscription.fetch(batch - 1, DRAIN_TIMEOUT_S)
         deliveries = []
         for raw in raws:
             try:
@@ -705,29 +734,74 @@ class PullConsumer(Generic[T]):
         handler: Callable[..., Any],
         *,
         batch: int = 10,
-        timeout: float = 1.0,
+        timeout: float = 5.0,
         with_delivery: bool = False,
+        on_dead: Callable[[Delivery[T], Exception], Any] | None = None,
     ) -> None:
         """Run `handler(message)` (or `handler(message, delivery)`) for every message until
         cancelled, each inside its span: ack when it returns (unless it settled the delivery
-        itself), nak when it raises, so the message comes back to this or another replica."""
+        itself), nak when it raises, so the message comes back to this or another replica after a
+        delay that doubles each time. On its last delivery a message whose handler raises is
+        dead-lettered: `on_dead(delivery, error)` (e.g. the job's rejection), stored on the dead
+        letters subject, and terminated. A fetch that fails is tried again; nothing ends the loop
+        but cancellation. `timeout` is how long one fetch waits for a message (it returns at once
+        when one comes): an idle consumer asks once per `timeout`."""
+        retry_s = 0.5
         while True:
-            for delivery in await self.fetch(batch, timeout):
+            try:
+                deliveries = await self.fetch(batch, timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # noqa: BLE001 - NATS away, the consumer gone: try again, say so
+                if self._stopped or self._bus.nc.is_closed or self._bus.nc.is_draining:
+                    return                 # stopped on purpose: nothing to say
+                log.warning("fetching from %s failed (%s: %s); trying again in %.1f s", self._span_name,
+                            type(error).__name__, error, retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(2 * retry_s, FETCH_RETRY_MAX_S)
+                continue
+            retry_s = 0.5
+            for delivery in deliveries:
                 with delivery.span() as span:
                     try:
                         args = (delivery.message, delivery) if with_delivery else (delivery.message,)
                         await _settle(handler(*args))
                     except Exception as error:  # noqa: BLE001 - redeliver, keep consuming
                         _mark_failed(span, error)
-                        log.exception("handler for %s failed; nak", delivery.subject)
                         if not delivery.settled:
-                            await delivery.nak()
+                            await self._failed(delivery, error, on_dead)
                         continue
                     if not delivery.settled:
                         await delivery.ack()
 
+    async def _failed(self, delivery: Delivery[T], error: Exception,
+                      on_dead: Callable[[Delivery[T], Exception], Any] | None) -> None:
+        """A delivery whose handler raised: redelivered later, or on its last delivery dead-lettered."""
+        attempt = delivery.num_delivered
+        reason = f"{type(error).__name__}: {error}"
+        if attempt < self.max_deliver:
+            delay = min(REDELIVER_AFTER_S * 2 ** (attempt - 1), REDELIVER_MAX_S)
+            log.warning("handler for %s failed (delivery %d of %d: %s); redelivered in %.0f s", delivery.subject,
+                        attempt, self.max_deliver, reason, delay)
+            with contextlib.suppress(nats.errors.Error):
+                await delivery.nak(delay)
+            return
+        log.error("handler for %s failed on the last of %d deliveries (%s); dead-lettered", delivery.subject,
+                  attempt, reason)
+        try:
+            if on_dead is not None:
+                await _settle(on_dead(delivery, error))
+            if self._dead_letters is not None:
+                await self._bus.js.publish(self._dead_letters, delivery.raw.data, headers={
+                    DEAD_REASON_HEADER: reason[:1000], DEAD_SUBJECT_HEADER: delivery.subject})
+        except Exception as failed:  # noqa: BLE001 - the message is dropped all the same: it cannot be processed
+            log.warning("dead-lettering a message of %s failed: %s", delivery.subject, failed)
+        with contextlib.suppress(nats.errors.Error):
+            await delivery.term()
+
     async def unsubscribe(self) -> None:
         """Stop fetching; the durable consumer stays on the server for the next replica."""
+        self._stopped = True
         self._bus._pull_consumers.discard(self)
         await self._subscription.unsubscribe()
 
@@ -854,6 +928,18 @@ class TypedKV(Generic[T]):
             raise
         await self._purge(self._parts_subject(key))
         self._spilled.discard(key)
+
+    async def changes(self) -> AsyncIterator[str]:
+        """The key of every write or delete from now on, as it happens (a push subscription: an
+        idle bucket costs nothing)."""
+        watcher = await self._store.watchall(include_history=False, meta_only=True)
+        try:
+            async for entry in watcher:
+                if entry is not None and not entry.key.startswith(f"{PARTS}."):
+                    yield entry.key
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await watcher.stop()
 
     async def keys(self) -> list[str]:
         """Live keys (deleted ones excluded); [] for an empty bucket. Read from the bucket's stream:

@@ -16,8 +16,17 @@ SCHEMA_VERSION = 1
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
-# Ids travel in subjects and KV keys: letters, digits, '-', '_' and '.' only.
-Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+MAX_ID = 128
+# Ids travel in subjects and KV keys: letters, digits, '-', '_' and '.' only, at most MAX_ID. The
+# pattern ends in "nothing follows" rather than `$`, which would also match before a final newline.
+Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(?![\s\S])", max_length=MAX_ID)]
+# What one submission may ask for, whatever the cluster (the profiler holds it to the cluster's size).
+MAX_GPUS = 65_536
+MAX_BATCH = 1 << 24
+MAX_GPU_TYPES = 32
+MAX_SUBMIT_S = 10 * 365 * 24 * 3600.0      # a replayed workload's span
+GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]
+BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
 
 
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -31,20 +40,23 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     id: Identifier
     application: Identifier                  # the model: a profile name (zoo or reference data)
-    requested_gpus: PositiveInt = 1
-    requested_batch: PositiveInt | None = None
-    min_gpus: PositiveInt = 1
+    requested_gpus: GpuCount = 1
+    requested_batch: BatchSize | None = None
+    min_gpus: GpuCount = 1
     rigid: bool = False
     strong_scaling: bool = False
-    gpu_types: tuple[str, ...] = ()          # allowed GPU types; empty: any
-    submit_s: NonNegativeFloat | None = None   # a replayed workload's submission time; None: live (now)
-    version: int = SCHEMA_VERSION
+    gpu_types: Annotated[tuple[Identifier, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()   # allowed; empty: any
+    # A replayed workload's submission time; None: live (now). Only replays may set it.
+    submit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBMIT_S)] | None = None
+    version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
         if self.strong_scaling and self.requested_batch is None:
             raise ValueError("a strong-scaling job needs requested_batch")
         if self.min_gpus > self.requested_gpus and self.rigid:
             raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
+        if len(set(self.gpu_types)) != len(self.gpu_types):
+            raise ValueError("gpu_types lists a type twice")
 
 
 class Rejected(msgspec.Struct, frozen=True):
@@ -217,7 +229,12 @@ class FactsRequest(msgspec.Struct, frozen=True):
 
 
 class FactsReply(msgspec.Struct, frozen=True):
+    """The facts of the jobs the executors can run now; `held`: jobs they know but cannot run yet
+    (e.g. not profiled), and why; `failed`: jobs that will never run (rejected, unknown), and why."""
+
     facts: tuple[JobFacts, ...]
+    held: dict[str, str] = {}
+    failed: dict[str, str] = {}
 
 
 class ModelsRequest(msgspec.Struct, frozen=True):
@@ -227,17 +244,22 @@ class ModelsRequest(msgspec.Struct, frozen=True):
 
 
 class ModelsReply(msgspec.Struct, frozen=True):
+    """The models of the jobs the estimator knows; `held`: those it has no profile of yet, and why."""
+
     models: tuple[JobModels, ...]
+    held: dict[str, str] = {}
 
 
 class ApplyRequest(msgspec.Struct, frozen=True):
     """Policy -> executors: the round's placements (jobs absent get nothing) and each job's models,
-    which adaptive jobs re-tune their batch size with."""
+    which adaptive jobs re-tune their batch size with; `failed`: jobs the round gave up on, and why
+    (the executors record them as failed)."""
 
     now_s: float
     placements: dict[str, Spots]
     models: dict[str, JobModels]
     adaptive: bool
+    failed: dict[str, str] = {}
 
 
 class AdvanceRequest(msgspec.Struct, frozen=True):
@@ -292,11 +314,12 @@ class ProfileRun(msgspec.Struct, frozen=True):
 
 
 class Profiled(msgspec.Struct, frozen=True):
-    """Profiler -> executors (JetStream): the job's profiles are with the estimator, it may run."""
+    """Profiler -> executors (JetStream): the job's profiles are with the estimator, it may run. A
+    real profiling run also says the batch sizes the job declares (M0 and its largest)."""
 
     job_id: str
-    init_batch: PositiveInt
-    max_batch: PositiveInt
+    init_batch: PositiveInt | None = None
+    max_batch: PositiveInt | None = None
 
 
 class NodeJob(msgspec.Struct):
@@ -345,6 +368,11 @@ class Ack(msgspec.Struct, frozen=True):
     ok: bool = True
 
 
+# A job's lifecycle: submitted and being profiled, then queued (accepted, waiting for GPUs), running,
+# and one of the ends; `rejected` is the profiler's refusal of a submission.
+JOB_STATES = ("queued", "profiling", "running", "finished", "failed", "rejected", "cancelled")
+
+
 class JobRecord(msgspec.Struct, frozen=True):
     """A job's outcome, as the results report it."""
 
@@ -359,10 +387,20 @@ class JobRecord(msgspec.Struct, frozen=True):
     failure: str | None = None                    # why it ended without finishing
     metric: float | None = None                   # a real job's own measure of success, when it finished
     batches: tuple[int, ...] = ()                 # a real job's total batches, as it re-tuned them
+    state: str = ""                               # its place in the lifecycle: one of JOB_STATES
+    gpu_type: str | None = None                   # while running: the type of its GPUs
+    batch: int | None = None                      # while running: its total batch
 
 
 class Count(msgspec.Struct, frozen=True):
     n: int
+
+
+class JobsQuery(msgspec.Struct, frozen=True):
+    """-> executors: their jobs (JobRecords) or how many have the profiler's verdict (Count), of those
+    whose id begins with `prefix` (all: ""). An `Ack` reads as the query for all."""
+
+    prefix: str = ""
 
 
 class JobRecords(msgspec.Struct, frozen=True):
@@ -420,11 +458,14 @@ class RunClock(msgspec.Struct, frozen=True):
 
 class RunCheckpoint(msgspec.Struct, frozen=True):
     """KV, one per run: the request and the clock, written by the leader after every step; the
-    revision fences a deposed leader out (its next write is refused)."""
+    revision fences a deposed leader out (its next write is refused). `problem`: why the run cannot
+    go on now (it is being retried since `problem_since`, wall-clock seconds), or why it failed."""
 
     request: RunRequest
     clock: RunClock = msgspec.field(default_factory=RunClock)
     over: bool = False
+    problem: str = ""
+    problem_since: float | None = None
 
 
 class RunStep(msgspec.Struct, frozen=True):
@@ -446,6 +487,25 @@ class Lease(msgspec.Struct, frozen=True):
     """KV: who leads the policy rounds; the bucket's TTL ends a lease that is not renewed."""
 
     holder: str
+
+
+class RunStatus(msgspec.Struct, frozen=True):
+    """A run as `goodput status` shows it. state: `running`, `stalled` (a round keeps failing; it is
+    retried, `reason` says why), `over` or `failed`."""
+
+    id: str
+    state: str
+    reason: str
+    round: int
+    now_s: float
+    jobs: int                          # active now
+
+
+class PolicyStatus(msgspec.Struct, frozen=True):
+    """Policy -> anyone: who leads the rounds ("" when no one does) and the live run, if there is one."""
+
+    leader: str
+    run: RunStatus | None = None
 
 
 class RunReport(msgspec.Struct, frozen=True):

@@ -10,23 +10,41 @@ PREFIX = "goodput"
 # Submissions: users publish JobSpecs here; the JOBS stream stores each one before it is acknowledged,
 # de-duplicated on the job id (Nats-Msg-Id) within DEDUP_WINDOW_S.
 SUBMIT = f"{PREFIX}.jobs.submit"
-# A submission that failed validation: the Rejected record, kept in the JOBS stream (dead letters).
+# A replayed workload's submissions (`goodput simulate --bus nats`, `goodput up`'s start-up replay):
+# they carry their submit time on the run's clock, which a live submission may not.
+REPLAY_SUBMIT = f"{PREFIX}.jobs.replay"
+SUBMISSIONS = (SUBMIT, REPLAY_SUBMIT)
+# The profiler's verdict on each submission, exactly one: refused (the Rejected record, with the
+# reason), or accepted (`Profiled`: its profiles are with the estimator, the executors may run it).
 REJECTED = f"{PREFIX}.jobs.rejected"
-# A job measured by the real profiler (`Profiled`): the executors may run it.
 PROFILED = f"{PREFIX}.jobs.profiled"
 JOBS_STREAM = "GOODPUT_JOBS"
-JOBS_STREAM_SUBJECTS = (SUBMIT, REJECTED, PROFILED)
+JOBS_STREAM_SUBJECTS = (SUBMIT, REPLAY_SUBMIT, REJECTED, PROFILED)
 DEDUP_WINDOW_S = 24 * 3600.0
 
 # The profiler's durable consumer of submissions (replicas share it: each submission goes to one).
 PROFILER_CONSUMER = "profiler"
 
+# Messages a durable consumer could not process after its deliveries, as they came, with the reason
+# in their headers (shared.bus): a stream of their own, bounded.
+DEAD_LETTER_STREAM = "GOODPUT_DEAD"
+DEAD_LETTER_SUBJECTS = (f"{PREFIX}.dead.>",)
+DEAD_LETTER_MAX_AGE_S = 7 * 24 * 3600.0
+DEAD_LETTER_MAX_MSGS = 100_000
+
+
+def dead_letters(consumer: str) -> str:
+    """Where a consumer's dead letters are stored."""
+    return f"{PREFIX}.dead.{consumer}"
+
+
 # Services (nats.micro names; replicas of one service share its queue group).
 PLACER_SERVICE = "placer"
 PLACE = f"{PREFIX}.placer.place"            # request PlaceRequest -> PlacementResult
 PROFILER_SERVICE = "profiler"
-EXECUTOR_CONSUMER = "executor"              # the simulated executors' durable consumer of submissions
-# The node agent's: submissions, then each one's Profiled or Rejected, in the stream's order.
+# The executors' durable consumers of the jobs stream: submissions, then each one's Profiled or
+# Rejected, in the stream's order (simulated executors; the node agent).
+EXECUTOR_CONSUMER = "executor"
 NODE_AGENT_CONSUMER = "node-agent"
 JOBS_EVENTS = f"{PREFIX}.jobs.>"
 EXECUTOR_SERVICE = "executor"
@@ -42,10 +60,11 @@ OBSERVE = f"{PREFIX}.estimator.observe"     # Observed -> Ack
 PROFILES = f"{PREFIX}.estimator.profiles"   # JobProfiles -> Ack
 ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"   # Ack -> Count
 POLICY_SERVICE = "policy"
-POLICY_STATUS = f"{PREFIX}.policy.status"   # Ack -> Lease (who leads now; "" when no one does)
+POLICY_STATUS = f"{PREFIX}.policy.status"   # Ack -> PolicyStatus (who leads now, the live run)
 # Replays on the virtual clock: the driver creates the run's RunCheckpoint in RUNS_BUCKET; the leader
 # runs it, writing the checkpoint after every step, and appends each round's RunStep to the run's log.
 RUNS_BUCKET = "goodput_runs"                # KV: run id -> RunCheckpoint
+LIVE_RUN = "live"                           # the run that schedules the jobs submitted live
 RUN_LOG_STREAM = "GOODPUT_RUNS"
 RUN_LOG_SUBJECTS = (f"{PREFIX}.runs.*.log",)
 RUN_LOG_DEDUP_S = 600.0                     # a new leader repeating a round logs it once

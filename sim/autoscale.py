@@ -36,7 +36,7 @@ from shared.cluster import Cluster, Node, Spots
 from shared.goodput import BatchLimits, GoodputModel, Observation, ThroughputParams, fit_throughput, throughput
 from shared.reference import WorkloadJob
 from shared.schema import JobModels
-from sim.settings import SimSettings
+from shared.settings import SimSettings
 from sim.truth import ModelTruth
 from sim.world import SimulatedJob
 

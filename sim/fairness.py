@@ -22,7 +22,7 @@ import numpy as np
 from services.policy.base import Policy
 from shared.cluster import Cluster, Node
 from shared.reference import WorkloadJob
-from sim.settings import SimSettings
+from shared.settings import SimSettings
 from sim.simulator import Simulator
 from sim.truth import ModelTruth
 

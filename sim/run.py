@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from services.policy.base import make_policy
-from services.profiler.core import model_profile, trace_profile
+from services.profiler.core import profile_source
 from shared.cluster import load_cluster
-from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models, load_workload
+from shared.reference import WorkloadJob, discover_models, load_workload
 from shared.schema import JobRecord
 from shared.zoo import load_zoo
 from sim.fairness import AloneRuns, finish_time_fairness
-from sim.settings import SimSettings, settings_for
+from shared.settings import SimSettings, simulation_settings
 from sim.simulator import FEEDBACK_ITERATIONS, Simulator
 from sim.truth import ModelTruth, reference_truth, zoo_truth
 from sim.world import SimulatedExecutors
@@ -37,41 +37,14 @@ class JobSources:
 
 
 def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSources:
-    if not use_zoo:
-        try:
-            traces = discover_models(reference)
-        except ReferenceDataMissing:
-            if reference is not None:
-                raise
-        else:
-            return JobSources(f"reference:{next(iter(traces.values())).folder.parent}",
-                              {name: reference_truth(t) for name, t in traces.items()},
-                              lambda model, gpu_type: trace_profile(traces[model], gpu_type))
-    zoo = load_zoo()
-
-    def profile(model: str, gpu_type: str):
-        z = zoo[model].types[gpu_type]
-        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local,
-                             group=zoo[model].group_gpus.get(gpu_type, 1))
-
-    return JobSources("zoo", {name: zoo_truth(m) for name, m in zoo.items()}, profile)
-
-
-def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
-                        round_s: float | None = None, horizon_s: float | None = None,
-                        interference: float = 0.0) -> SimSettings:
-    """The calibration's settings with the run's overrides: every restart delay, the round, the
-    horizon, the slowdown of distributed jobs sharing a node."""
-    if not 0.0 <= interference < 1.0:
-        raise ValueError(f"interference is a slowdown fraction in [0, 1), got {interference}")
-    settings = replace(settings_for(calibration, cluster), interference=interference)
-    if restart_delay_s is not None:
-        settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
-    if round_s is not None:
-        settings = replace(settings, round_s=round_s)
-    if horizon_s is not None:
-        settings = replace(settings, horizon_s=horizon_s)
-    return settings
+    """The jobs' truth and their profiles, from one source: the reference profiles when the
+    reference folder is there, else the built-in model zoo."""
+    source = profile_source(reference, use_zoo)
+    if source.origin == "zoo":
+        truths = {name: zoo_truth(m) for name, m in load_zoo().items()}
+    else:
+        truths = {name: reference_truth(t) for name, t in discover_models(reference).items()}
+    return JobSources(source.origin, truths, source.profile)
 
 
 def add_world_arguments(parser) -> None:
@@ -153,7 +126,7 @@ def replay_results(jobs, cluster, policy, settings, feedback_iterations, report,
     """The result document of a replay the policy leader ran over NATS (its rounds and events, the
     executors' job records)."""
     sim = Simulator(jobs, cluster, policy, settings, feedback_iterations=feedback_iterations, wiring=_Replayed())
-    sim.rounds, sim.events = list(report.rounds), list(report.events)
+    sim.loop.rounds, sim.loop.events = list(report.rounds), list(report.events)
     return results(sim, workload, origin, list(records.jobs))
 
 

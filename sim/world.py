@@ -21,7 +21,7 @@ import msgspec
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
-from shared.schema import JobFacts, JobModels, JobRecord
+from shared.schema import ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
 from sim.truth import ModelTruth
 
 
@@ -53,6 +53,7 @@ class SimulatedJob(msgspec.Struct):
     estimate_revision: int = 0                 # the estimator's record after the last report it took
     live: bool = False                         # submitted live: it arrives at the live round that first sees it
     group_gpus: dict[str, int] = {}            # hybrid-parallel: GPUs of one replica per type (absent: 1)
+    failure: str | None = None                 # why it ended without finishing
 
     @property
     def name(self) -> str:
@@ -76,10 +77,14 @@ class SimulatedJob(msgspec.Struct):
         return self.replicas * self.m * (self.s + 1)
 
     def record(self) -> JobRecord:
+        state = ("failed" if self.failure else "finished" if self.finish_s is not None
+                 else "running" if self.placement else "queued")
         return JobRecord(self.spec.name, self.spec.application, self.spec.time,
                          None if self.finish_s is None else float(self.finish_s), self.restarts,
                          float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s),
-                         self.placement)
+                         self.placement, self.failure, state=state,
+                         gpu_type=self.config.gpu_type if self.placement else None,
+                         batch=self.batch if self.placement else None)
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
         spec = self.spec
@@ -171,12 +176,29 @@ class SimulatedJob(msgspec.Struct):
         return observation
 
 
+class SubmittedJob(msgspec.Struct):
+    """What the simulated executors keep of a submission (KV): its spec until the profiler's
+    verdict, then the reason it was refused, or the job it became."""
+
+    job_id: str                                # "" for a refused submission whose id could not be read
+    spec: JobSpec | None = None                # None: its submission could not be read
+    rejected: str | None = None
+    job: SimulatedJob | None = None
+
+    def record(self) -> JobRecord:
+        if self.job is not None:
+            return self.job.record()
+        spec = self.spec
+        return JobRecord(self.job_id, spec.application if spec else "", math.nan, None, 0, 0.0, None,
+                         failure=self.rejected, state="rejected" if self.rejected else "profiling")
+
+
 class SimulatedExecutors:
     """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order."""
 
     def __init__(self, cluster: Cluster, settings, feedback_iterations: int):
         self.cluster = cluster
-        self.settings = settings            # sim.settings.SimSettings: the world's restart delays, calibration
+        self.settings = settings            # shared.settings.SimSettings: the world's restart delays, calibration
         self.feedback_iterations = feedback_iterations
         self.jobs: dict[str, SimulatedJob] = {}
         self.truths: dict[str, ModelTruth] = {}
@@ -200,22 +222,36 @@ class SimulatedExecutors:
     def facts(self, now: float, names) -> list[JobFacts]:
         return [self.jobs[name].facts(self.truths[name], now) for name in names]
 
-    def apply(self, now: float, placements, models, adaptive: bool) -> None:
+    def apply(self, request: ApplyRequest) -> None:
         """Take a round's placements. A job already run past `now` ignores them: a late or repeated
-        apply (a deposed leader's, a duplicate on the bus) must not undo a newer round's."""
-        for name, job_models in models.items():
-            advanced_to = self.jobs[name].advanced_to
-            if advanced_to is not None and advanced_to > now + 1e-9:
+        apply (a deposed leader's, a duplicate on the bus) must not undo a newer round's. A job the
+        round gave up on, or whose placement cannot be taken, fails with the reason; the others go on."""
+        now = request.now_s
+        for name, reason in request.failed.items():
+            job = self.jobs.get(name)
+            if job is not None and job.finish_s is None and job.failure is None:
+                job.failure, job.placement, job.config = reason, (), None
+        for name, job_models in request.models.items():
+            job = self.jobs.get(name)
+            if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
-            self.jobs[name].apply(self.cluster, tuple(placements.get(name, ())), job_models, adaptive, now,
-                                  self.settings.retune_threshold)
+            try:
+                job.apply(self.cluster, tuple(request.placements.get(name, ())), job_models, request.adaptive, now,
+                          self.settings.retune_threshold)
+            except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
+                job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
+                job.placement, job.config, job.m, job.s = (), None, 0, 0
+
+    def failures(self, names) -> dict[str, str]:
+        """The jobs among `names` that failed, and why."""
+        return {name: self.jobs[name].failure for name in names if name in self.jobs and self.jobs[name].failure}
 
     def arrive(self, now: float) -> list[str]:
         """Live jobs not yet arrived arrive now; every live job not finished, in arrival order."""
         for job in self.jobs.values():
             if job.live and job.spec.time == math.inf:
                 job.spec = dataclasses.replace(job.spec, time=now)
-        live = [job for job in self.jobs.values() if job.live and job.finish_s is None]
+        live = [job for job in self.jobs.values() if job.live and job.finish_s is None and job.failure is None]
         return [job.name for job in sorted(live, key=lambda j: (j.spec.time, j.name))]
 
     def interfered(self, names) -> set[str]:
@@ -239,7 +275,7 @@ class SimulatedExecutors:
         for name, job in self.jobs.items():
             if job.spec.time > now or name not in names:
                 continue
-            if job.finish_s is None and (job.advanced_to is None or job.advanced_to < now + step):
+            if job.finish_s is None and job.failure is None and (job.advanced_to is None or job.advanced_to < now + step):
                 slowdown = self.settings.interference if name in interfered else 0.0
                 observation = job.advance(self.truths[name], now, step, self.feedback_iterations, slowdown)
                 if observation is not None:

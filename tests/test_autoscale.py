@@ -12,7 +12,7 @@ from cli.main import main
 from shared.goodput import GoodputModel
 from sim import autoscale as auto
 from sim.run import job_sources
-from sim.settings import settings_for
+from shared.settings import settings_for
 
 OPTIONS = auto.ScalingOptions()
 SETTINGS = settings_for("pollux", "")

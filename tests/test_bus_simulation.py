@@ -82,13 +82,12 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
     import msgspec
 
     from deploy.stack import running_services, service_arguments
-    from shared import subjects
+    from shared import streams, subjects
     from shared.schema import Ack, Count, JobSpec, Rejected
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     bus = await connect_bus("client")
-    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    await streams.ensure_jobs(bus)
     with running_services(nats_server, arguments, tmp_path) as stack:
         await stack.wait_ready(bus)
         before = (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n
@@ -122,7 +121,7 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     from deploy.nats import nats_from_binary
     from deploy.stack import replay, running_services, service_arguments
     from shared.bus import Bus
-    from sim.settings import settings_for
+    from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     arguments["policy"] += ["--lease-ttl", "1"]
@@ -229,7 +228,7 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
     from deploy.nats import nats_from_binary
     from deploy.stack import replay, running_services, service_arguments
     from shared.bus import Bus
-    from sim.settings import settings_for
+    from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:

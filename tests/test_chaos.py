@@ -60,7 +60,8 @@ def test_the_chaos_policy_refuses_an_unknown_failure():
 
 def test_a_late_apply_does_not_undo_a_newer_round():
     """A deposed leader's apply, or one repeated on the bus, arrives after the next round ran."""
-    from sim.run import job_sources, simulation_settings
+    from shared.settings import simulation_settings
+    from sim.run import job_sources
     from sim.world import SimulatedExecutors
 
     cluster = load_cluster(CLUSTER)

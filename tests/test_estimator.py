@@ -1,4 +1,4 @@
-"""Heterogeneous bootstrap, projection and the goodput matrix (services/estimator/core.py),
+"""Heterogeneous bootstrap and projection (services/estimator/core.py), the goodput matrix (shared/table.py),
 the trace-backed profiler (services/profiler/core.py), the cluster configuration set, the
 models report and the model zoo."""
 
@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from services.estimator.core import (
-    goodput_table,
-    profile_observations,
-    project,
-    type_models,
-)
+from services.estimator.core import profile_observations, project, type_models
 from services.estimator.report import FITTED_TARGET, report_model
 from services.profiler.core import PROFILE_POINTS, model_profile, trace_profile
 from shared.cluster import Config, build_cluster, load_cluster
+from shared.table import goodput_table
 from shared.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
 from shared.reference import discover_models
 from shared.schema import JobModels

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.estimator.core import goodput_table
+from shared.table import goodput_table
 from services.placer.core import place, placement_violations
 from services.policy.base import make_policy
 from services.profiler.core import trace_profile
@@ -18,7 +18,7 @@ from shared.zoo import load_zoo
 from sim.fairness import fair_share
 from sim.rounds import job_models, job_view, round_state
 from sim.run import job_sources, simulate
-from sim.settings import PRESETS
+from shared.settings import PRESETS
 from sim.simulator import DirectWiring, Simulator
 from sim.world import SimulatedJob
 
@@ -124,9 +124,9 @@ class RecordingWiring(DirectWiring):
         super().__init__(*args)
         self.applied: list[dict] = []
 
-    async def apply(self, now, placements, models, adaptive):
-        self.applied.append(dict(placements))
-        await super().apply(now, placements, models, adaptive)
+    async def apply(self, request):
+        self.applied.append(dict(request.placements))
+        await super().apply(request)
 
 
 def test_sia_runs_a_mixed_workload_keeping_every_group_on_one_node():
@@ -163,9 +163,12 @@ def test_policies_that_would_split_groups_refuse_hybrid_jobs(policy):
         make_policy(policy).allocate(state)
 
 
-def test_a_simulation_with_a_refusing_policy_names_the_job():
-    with pytest.raises(ValueError, match="'fifo'.*gpt_pmp-0"):
-        simulate(MIXED[:2], "sia-hetero-64", "fifo", sources=ZOO, fairness=False)
+def test_a_simulation_with_a_refusing_policy_fails_that_job_with_the_reason_and_runs_the_others():
+    result = simulate(MIXED[:2], "sia-hetero-64", "fifo", sources=ZOO, fairness=False)
+    failed = [e for e in result["events"] if " failed: " in e]
+    assert len(failed) == 1 and "gpt_pmp-0 failed: policy 'fifo' cannot schedule hybrid-parallel jobs" in failed[0]
+    outcome = {j["name"]: j["finish_s"] for j in result["jobs"]}
+    assert outcome["gpt_pmp-0"] is None and result["jobs_finished"] == len(MIXED[:2]) - 1
 
 
 def test_fair_share_counts_groups_for_a_hybrid_job():

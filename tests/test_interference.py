@@ -8,7 +8,8 @@ import pytest
 from services.policy.base import make_policy
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob
-from sim.run import job_sources, simulate, simulation_settings
+from shared.settings import simulation_settings
+from sim.run import job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 
 ZOO = job_sources(use_zoo=True)
@@ -28,14 +29,14 @@ def shared_nodes_per_round(avoid: bool, interference: float = 0.0) -> list[int]:
     counts = []
     apply = DirectWiring.apply
 
-    async def recording_apply(wiring, now, placements, models, adaptive):
+    async def recording_apply(wiring, request):
         holders = defaultdict(int)
-        for spots in placements.values():
+        for spots in request.placements.values():
             if len(spots) > 1:
                 for node, _ in spots:
                     holders[node] += 1
         counts.append(sum(n > 1 for n in holders.values()))
-        await apply(wiring, now, placements, models, adaptive)
+        await apply(wiring, request)
 
     sim.wiring.apply = recording_apply.__get__(sim.wiring)
     sim.run()

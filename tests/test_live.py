@@ -6,7 +6,7 @@ import time
 from cli.main import main
 from deploy.nats import nats_from_binary
 from deploy.stack import create_run, follow_run_steps, running_services, service_arguments
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
@@ -20,8 +20,7 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
         bus = await Bus.connect(url, "live-test")
         try:
             await stack.wait_ready(bus)
-            await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                    duplicate_window=subjects.DEDUP_WINDOW_S)
+            await streams.ensure_jobs(bus)
             await create_run(bus, RunRequest("live-test", "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED))
             started = time.monotonic()
             await bus.js_publish(subjects.SUBMIT, JobSpec("ncf-live", "ncf"), msg_id="ncf-live")

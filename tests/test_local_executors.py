@@ -87,7 +87,7 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     assert agent.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)
     failures = {r.name: r.failure for r in agent.records() if r.failure}
     assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
-    facts = agent.facts(12.0, ["lm"])[0]
+    facts = agent.facts(12.0, ["lm"]).facts[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
 
     successor = NodeAgent(LocalExecutors(SLOTS, tmp_path))

@@ -20,7 +20,7 @@ import msgspec
 
 from deploy.nats import free_loopback_port, nats_from_binary
 from deploy.stack import create_run, local_service_arguments, records_once_ended, running_services
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
@@ -54,8 +54,7 @@ async def _live_stack(folder, **options):
             bus = await Bus.connect(url, "test")
             try:
                 await stack.wait_ready(bus)
-                await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                                        duplicate_window=subjects.DEDUP_WINDOW_S)
+                await streams.ensure_jobs(bus)
                 await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
                 yield bus, stack
             finally:

@@ -356,7 +356,7 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
     server: the module's holds other tests' submissions.)"""
     from deploy.stack import SERVICES, replay, running_services, service_arguments
     from shared.reference import load_workload
-    from sim.settings import settings_for
+    from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     for service in SERVICES:

@@ -10,7 +10,7 @@ from shared.goodput import efficiency, iteration_time, pgns
 from shared.reference import WorkloadJob, discover_models
 from shared.zoo import load_zoo
 from sim.run import job_sources, simulate
-from sim.settings import PRESETS
+from shared.settings import PRESETS
 from sim.truth import canonical_placement, reference_truth
 
 ZOO = job_sources(use_zoo=True)

@@ -1,6 +1,8 @@
 #!/bin/sh
 # The images' entrypoint: GOODPUT_SERVICE=<name> runs that service with the container's arguments;
 # without it, the arguments are the command to run (e.g. `goodput submit job.yaml`).
+# GOODPUT_SERVICE=executor with GOODPUT_EXECUTORS=simulated runs the simulated executors
+# (`python -m sim.executor`: a whole simulated cluster on a virtual clock) instead of a node agent.
 set -e
 if [ -n "${GOODPUT_SERVICE:-}" ]; then
     case "$GOODPUT_SERVICE" in
@@ -8,6 +10,9 @@ if [ -n "${GOODPUT_SERVICE:-}" ]; then
         *) echo "entrypoint: GOODPUT_SERVICE=$GOODPUT_SERVICE is not a service (profiler, estimator, policy, placer, executor)" >&2
            exit 64 ;;
     esac
+    if [ "$GOODPUT_SERVICE" = executor ] && [ "${GOODPUT_EXECUTORS:-}" = simulated ]; then
+        exec python -m sim.executor "$@"
+    fi
     exec python -m "services.$GOODPUT_SERVICE" "$@"
 fi
 if [ "$#" -eq 0 ]; then

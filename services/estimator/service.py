@@ -19,7 +19,7 @@ from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
-from sim.settings import settings_for
+from shared.settings import settings_for
 
 CONFLICT_RETRIES = 20
 
@@ -75,9 +75,14 @@ class SharedEstimates:
         raise RuntimeError(f"job {message.job_id}: the record kept changing under {CONFLICT_RETRIES} writes")
 
     async def models(self, request: ModelsRequest) -> ModelsReply:
+        """The models of the jobs it has profiles of; the others are held, not an error of the round."""
+        known, held = [], {}
         for facts in request.facts:
-            await self.load(facts.job_id, facts.estimate_revision)
-        return ModelsReply(tuple(self.estimator.models(request.facts)))
+            if await self.load(facts.job_id, facts.estimate_revision):
+                known.append(facts)
+            else:
+                held[facts.job_id] = "the estimator has no profile of it yet"
+        return ModelsReply(tuple(self.estimator.models(known)), held)
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:

@@ -29,13 +29,14 @@ from services.executor import endpoints
 from services.executor.local import JOBS_PACKAGE, LocalExecutors
 from services.executor.protocol import REPORT_EVERY_S
 from services.runner import positive_float
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
 from shared.goodput import Observation
 from shared.schema import (
     Ack,
     AdvanceReply,
+    FactsReply,
     AdvanceRequest,
     ApplyRequest,
     JobFacts,
@@ -150,8 +151,18 @@ class NodeAgent:
         live = [j for j in self.jobs.values() if j.arrival_s is not None and (j.ended_in is None or j.ended_in >= now)]
         return [j.spec.id for j in sorted(live, key=lambda j: (j.arrival_s, j.spec.id))]
 
-    def facts(self, now: float, names) -> list[JobFacts]:
-        return [self._facts(self.jobs[name], now) for name in names]
+    def facts(self, now: float, names) -> FactsReply:
+        """The facts of the jobs that may run; the others held (not arrived here) or failed, with why."""
+        known, held, failed = [], {}, {}
+        for name in names:
+            job = self.jobs.get(name)
+            if job is None or job.arrival_s is None:
+                held[name] = "not arrived at this node agent"
+            elif job.failure is not None:
+                failed[name] = job.failure
+            else:
+                known.append(self._facts(job, now))
+        return FactsReply(tuple(known), held, failed)
 
     def _facts(self, job: NodeJob, now: float) -> JobFacts:
         local, spec, profiled = self.executors.jobs[job.spec.id], job.spec, job.profiled
@@ -169,7 +180,8 @@ class NodeAgent:
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
             grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
 
-    def apply(self, now: float, placements: dict[str, Spots], adaptive: bool = True) -> None:
+    def apply(self, now: float, placements: dict[str, Spots], adaptive: bool = True,
+              failed: dict[str, str] | None = None) -> None:
         """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
         policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
         their batch. An older round's placements (a late or repeated apply: a deposed leader's)
@@ -177,6 +189,11 @@ class NodeAgent:
         if now < self.latest_s:
             return
         self.latest_s = now
+        for name, reason in (failed or {}).items():       # the round gave up on it: its workers stop
+            job = self.jobs.get(name)
+            if job is not None and job.finish_s is None and job.failure is None:
+                job.failure = reason
+                job.ended_in = now
         for name, job in self.jobs.items():
             spots = tuple(placements.get(name, ()))
             local = self.executors.jobs.get(name)
@@ -253,14 +270,22 @@ class NodeAgent:
         records = []
         for job in self.saved():
             submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
+            state = ("finished" if job.finish_s is not None
+                     else ("failed" if job.profiled is not None else "rejected") if job.failure
+                     else "profiling" if job.profiled is None
+                     else "running" if job.placement else "queued")
+            stats = job.stats
             records.append(JobRecord(job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
-                                     job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches))
+                                     job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches,
+                                     state=state, gpu_type=self.cluster.placement_type(job.placement),
+                                     batch=stats.m * (stats.s + 1) * sum(g for _, g in job.placement)
+                                     if stats and job.placement else None))
         return records
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
-EVENTS = {subjects.SUBMIT: (NodeAgent.submitted, JobSpec), subjects.PROFILED: (NodeAgent.profiled, Profiled),
-          subjects.REJECTED: (NodeAgent.rejected, Rejected)}
+EVENTS = {subjects.SUBMIT: (NodeAgent.submitted, JobSpec), subjects.REPLAY_SUBMIT: (NodeAgent.submitted, JobSpec),
+          subjects.PROFILED: (NodeAgent.profiled, Profiled), subjects.REJECTED: (NodeAgent.rejected, Rejected)}
 
 
 def _key(observation: Observation) -> tuple[int, int, int, int]:
@@ -268,6 +293,9 @@ def _key(observation: Observation) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="local", help="cluster preset or YAML/JSON file (default: %(default)s)")
+    parser.add_argument("--executors", choices=["local"], default="local",
+                        help="real jobs on this machine's slots (simulated executors: python -m sim.executor)")
     parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
                         help="local: the package whose modules jobs may run (default: %(default)s)")
     parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "goodput-node"),
@@ -316,7 +344,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_apply(request: ApplyRequest) -> Ack:
         async with turn:
             agent.tick(request.now_s)
-            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive)
+            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive, request.failed)
             await save()
         return Ack()
 
@@ -352,15 +380,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:                  # no request half done; then no worker is started again
             await asyncio.to_thread(agent.executors.stop_all)
 
-    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    await streams.ensure_jobs(bus)
     loop = asyncio.get_running_loop()
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, subjects.JOBS_EVENTS,
                                        msgspec.Raw, span_name="executor.job-event")
-    loop.create_task(consumer.consume(on_event, timeout=0.2, with_delivery=True))
+    loop.create_task(consumer.consume(on_event, with_delivery=True))
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 
     return await endpoints.serve_round(
         bus, f"real jobs on {agent.cluster.total_gpus} local slots", facts=agent.facts, apply=on_apply,
-        advance=on_advance, live=on_live, records=agent.records, count=lambda: len(agent.jobs))
+        advance=on_advance, live=on_live, records=agent.records,
+        count=lambda prefix: sum(1 for name, job in agent.jobs.items()
+                                 if name.startswith(prefix) and (job.profiled is not None or job.failure)))

@@ -1,5 +1,5 @@
 """The executors' side of the round as endpoints, the same whoever plays the jobs: the simulated
-executors (`services.executor.service`) or the node agent over real ones (`services.executor.agent`)."""
+executors (`sim.executor`) or the node agent over real ones (`services.executor.agent`)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from shared.schema import (
     Count,
     FactsReply,
     FactsRequest,
-    JobFacts,
     JobRecord,
     JobRecords,
+    JobsQuery,
     LiveJobs,
     LiveJobsRequest,
     Observed,
@@ -44,20 +44,23 @@ async def report(bus: Bus, message: Observed) -> int:
             await asyncio.sleep(0.2)
 
 
-async def serve_round(bus: Bus, description: str, *, facts: Callable[[float, tuple[str, ...]], Iterable[JobFacts]],
+async def serve_round(bus: Bus, description: str, *, facts: Callable[[float, tuple[str, ...]], FactsReply],
                       apply: Callable[[ApplyRequest], Awaitable[Ack]],
                       advance: Callable[[AdvanceRequest], Awaitable[AdvanceReply]],
                       live: Callable[[LiveJobsRequest], Awaitable[LiveJobs]],
-                      records: Callable[[], Iterable[JobRecord]], count: Callable[[], int]) -> micro.Service:
-    """Register the round's executor endpoints (facts, apply, advance, live) and the status ones."""
+                      records: Callable[[], Iterable[JobRecord]], count: Callable[[str], int]) -> micro.Service:
+    """Register the round's executor endpoints (facts, apply, advance, live) and the status ones:
+    the jobs' records, and how many of those whose id begins with a prefix have the profiler's
+    verdict (`count(prefix)`)."""
     service = new_service(bus, subjects.EXECUTOR_SERVICE, description)
     await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
-                           lambda request: FactsReply(tuple(facts(request.now_s, request.jobs))),
+                           lambda request: facts(request.now_s, request.jobs),
                            span_name="executor.facts")
     await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, apply, span_name="executor.apply")
     await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, advance,
                            span_name="executor.advance")
     await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, live)
-    await bus.add_endpoint(service, "records", subjects.RECORDS, Ack, lambda _: JobRecords(tuple(records())))
-    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, Ack, lambda _: Count(count()))
+    await bus.add_endpoint(service, "records", subjects.RECORDS, JobsQuery,
+                           lambda query: JobRecords(tuple(r for r in records() if r.name.startswith(query.prefix))))
+    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, JobsQuery, lambda query: Count(count(query.prefix)))
     return service

@@ -19,11 +19,9 @@ from typing import Iterable, Mapping, Protocol
 
 import numpy as np
 
-from services.estimator.core import GoodputTable, goodput_table
 from shared.cluster import Cluster, Config, Spots
 from shared.schema import JobFacts, JobModels
-
-ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
+from shared.table import GoodputTable, goodput_table
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class Leadership:
         self.holder = holder
         self.ttl_s = ttl_s
         self.revision: int | None = None        # of our last write while we lead
+        self.gained = asyncio.Event()           # set when this replica takes the lease
 
     @classmethod
     async def open(cls, bus: Bus, bucket: str, key: str, holder: str, ttl_s: float) -> Leadership:
@@ -55,6 +56,7 @@ class Leadership:
         with contextlib.suppress(RevisionConflict, nats.errors.TimeoutError):
             self.revision = await self.kv.create(self.key, Lease(self.holder))
             log.info("%s leads", self.holder)
+            self.gained.set()
         return self.held
 
     async def renew(self) -> bool:
@@ -65,11 +67,13 @@ class Leadership:
         except (RevisionConflict, nats.errors.Error) as error:
             log.warning("%s lost the lease: %s", self.holder, error)
             self.revision = None
+            self.gained.clear()
         return self.held
 
     async def release(self) -> None:
         """Step down now (a clean stop): a standby need not wait for the TTL."""
         revision, self.revision = self.revision, None
+        self.gained.clear()
         if revision is not None:
             with contextlib.suppress(RevisionConflict, nats.errors.Error):
                 await self.kv.delete(self.key, revision)

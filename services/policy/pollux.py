@@ -67,10 +67,17 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from services.estimator.core import stack_jobs
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, refuse_hybrid, restart_factor
+from services.policy.base import (
+    Decision,
+    RoundState,
+    decision_from_placements,
+    refuse_hybrid,
+    restart_factor,
+)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
+from shared.settings import ROUND_S
+from shared.table import stack_jobs
 
 # Settings, in one place.
 DEFAULT_P = -1.0

@@ -3,12 +3,19 @@
 Replicas campaign for a KV lease (services.policy.lease); the one holding it runs the rounds. On a
 simulated cluster a run is a whole replay on the virtual clock — the next round starts as soon as
 the executors have applied and advanced the last — each stage a request to its service
-(sim.bus_wiring), each decision by the named policy. The run's checkpoint (its request and clock,
+(`services.policy.wiring`), each decision by the named policy, through the scheduler's round loop
+(`services.policy.rounds`). A live run has no end: its jobs are those submitted live, its rounds
+paced by the wall clock. The run's checkpoint (its request and clock,
 `RunCheckpoint`) lives in KV and is rewritten after every decision and every round; each round run
 is appended to the run's log, which the driver follows. A standby that takes the lease resumes
 every unfinished run from its checkpoint: a decided round is carried out as decided (every stage
 may be asked twice), so the schedule is the one the old leader would have made. Checkpoints are
 written compare-and-set, so a deposed leader that wakes up is refused at its next step.
+
+A round that fails as a whole (NATS away, a service gone) is retried from the checkpoint, sooner at
+first and then every RESUME_MAX_S; a replay that fails RESUME_TRIES times in a row at one round
+fails with the reason, a live run never does: meanwhile its checkpoint says why it cannot go on
+(`problem`), which `goodput status` and the readiness probe show.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 
 import msgspec
 import nats.errors
@@ -26,20 +34,21 @@ from nats import micro
 
 from services.policy.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
+from services.policy.rounds import Arrival, RoundLoop
+from services.policy.wiring import BusWiring, LiveFeed
 from services.runner import new_service, positive_float
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
-from shared.reference import WorkloadJob
-from shared.schema import Ack, Lease, RunCheckpoint, RunClock, RunStep
-from sim.bus_wiring import BusWiring, LiveFeed
-from sim.run import simulation_settings
-from sim.simulator import Simulator
+from shared.schema import Ack, PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
+from shared.settings import simulation_settings
 
 LEASE_TTL_S = 5.0
-IDLE_POLL_S = 0.1
+# With no run to lead, the runs are looked at again when the runs bucket changes, or after IDLE_POLL_S.
+IDLE_POLL_S = 5.0
 RESUME_AFTER_S = 0.5
-# A run that fails is resumed from its checkpoint (the NATS server restarting fails a round's
+RESUME_MAX_S = 30.0
+# A replay that fails is resumed from its checkpoint (the NATS server restarting fails a round's
 # requests and writes); only when it fails this often in a row at the same round does it fail.
 RESUME_TRIES = 3
 log = logging.getLogger(__name__)
@@ -80,13 +89,23 @@ class RunJournal:
         clock = self.clock
         step = RunStep(clock.round, clock.now_s, None, (), (), clock.done, len(self.request.jobs),
                        over=True, failure=reason)
-        await self.stepped(clock, step)
+        self.leadership.check()
+        run_id = self.request.run_id
+        await self.bus.js_publish(subjects.run_log(run_id), step, msg_id=f"{run_id}.{step.round}")
+        await self._save(clock, over=True, problem=reason)
 
-    async def _save(self, clock: RunClock, over: bool = False) -> None:
+    async def stalled(self, reason: str, since: float) -> None:
+        """Say in the checkpoint why the run cannot go on (best effort: NATS may be what is away)."""
+        try:
+            await self._save(self.clock, problem=reason, since=since)
+        except (LeaseLost, nats.errors.Error, OSError) as error:
+            log.info("run %s: its problem was not recorded: %s", self.request.run_id, error)
+
+    async def _save(self, clock: RunClock, over: bool = False, problem: str = "", since: float | None = None) -> None:
         self.leadership.check()
         try:
-            self.revision = await self.runs.update(self.request.run_id, RunCheckpoint(self.request, clock, over),
-                                                   self.revision)
+            checkpoint = RunCheckpoint(self.request, clock, over, problem, since)
+            self.revision = await self.runs.update(self.request.run_id, checkpoint, self.revision)
             self.clock = clock
         except RevisionConflict:
             raise LeaseLost(f"run {self.request.run_id} was checkpointed by another leader") from None
@@ -103,13 +122,12 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
         await journal.fail(str(error))
         return
     # The clock needs each job's name and submit time only; the executors hold the rest.
-    workload = [WorkloadJob(name, submit_s, "", 1, 1) for name, submit_s in request.jobs]
     wiring = BusWiring(bus, request.request_timeout_s)
-    sim = Simulator(workload, cluster, policy, settings, wiring=wiring)
+    loop = RoundLoop([Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring)
     live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
     log.info("run %s: %s from round %d (%d jobs done)", request.run_id, "resumed" if clock.round else "started",
              clock.round, clock.done)
-    await sim.run_async(clock=clock, journal=journal, live=live)
+    await loop.run(clock=clock, journal=journal, live=live)
     log.info("run %s: over", request.run_id)
 
 
@@ -132,17 +150,40 @@ async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], c
                cluster_arg: str, stop: asyncio.Event) -> None:
     """While we lead: run each unfinished run in turn."""
     unreadable: set[str] = set()
-    failures: dict[str, tuple[int, int]] = {}       # run -> (round it last failed at, failures there in a row)
+    failures: dict[str, tuple[int, int, float]] = {}   # run -> (round it last failed at, failures there in a row, since)
+    changed = asyncio.Event()             # the runs bucket changed: a new run may be there
+
+    async def watch() -> None:
+        while True:
+            try:
+                async for _ in runs.changes():
+                    changed.set()
+            except Exception as error:  # noqa: BLE001 - NATS away: the idle poll stands in until it is back
+                log.info("watching the runs stopped (%s); watching again", error)
+            await asyncio.sleep(1.0)
+
+    watching = asyncio.get_running_loop().create_task(watch())
+    try:
+        await _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, failures, changed)
+    finally:
+        watching.cancel()
+
+
+async def _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, failures, changed) -> None:
     while not stop.is_set():
         pending = None
+        changed.clear()
         if leadership.held:
             try:
                 pending = await _next_run(runs, unreadable)
-            except Exception:  # noqa: BLE001 - a failed read must not end the leading; try again
-                log.exception("reading the runs failed")
-        if pending is None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), IDLE_POLL_S)
+            except Exception as error:  # noqa: BLE001 - a failed read must not end the leading; try again
+                log.warning("reading the runs failed: %s: %s", type(error).__name__, error)
+        if pending is None:              # idle: until a run is written, we lead, or the poll is due
+            events = (stop, changed) if leadership.held else (stop, changed, leadership.gained)
+            waits = [asyncio.ensure_future(e.wait()) for e in events]
+            await asyncio.wait(waits, timeout=IDLE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
             continue
         journal = RunJournal(bus, runs, pending.value, pending.revision, leadership)
         try:
@@ -150,25 +191,40 @@ async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], c
         except LeaseLost as error:
             log.warning("stepping down: %s", error)
         except Exception as error:  # noqa: BLE001 - resumed, or failed with its reason; the service goes on
-            at = journal.clock.round
-            last, count = failures.get(pending.key, (-1, 0))
-            failures[pending.key] = (at, count + 1 if last == at else 1)
-            if failures[pending.key][1] < RESUME_TRIES:
-                log.warning("run %s interrupted at round %d (%s: %s); resuming it from its checkpoint",
-                            pending.key, at, type(error).__name__, error)
-                await asyncio.sleep(RESUME_AFTER_S)
+            if stop.is_set():
+                return
+            at, reason = journal.clock.round, f"{type(error).__name__}: {error}"
+            last, count, since = failures.get(pending.key, (-1, 0, time.time()))
+            count, since = (count + 1, since) if last == at else (1, time.time())
+            failures[pending.key] = (at, count, since)
+            if pending.value.request.live or count < RESUME_TRIES:
+                wait_s = min(RESUME_AFTER_S * 2 ** (count - 1), RESUME_MAX_S)
+                log.warning("run %s interrupted at round %d (%s); resuming it from its checkpoint in %.1f s",
+                            pending.key, at, reason, wait_s)
+                await journal.stalled(f"round {at} failed {count} time{'s' * (count > 1)} in a row: {reason}", since)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), wait_s)
                 continue
-            log.exception("run %s failed", pending.key)
+            log.error("run %s failed at round %d: %s", pending.key, at, reason)
             try:
-                await journal.fail(f"{type(error).__name__}: {error}")
+                await journal.fail(reason)
             except (LeaseLost, nats.errors.Error) as failed:    # leading goes on: the run is tried again
                 log.warning("run %s: its failure was not recorded: %s", pending.key, failed)
 
 
+def run_status(checkpoint: RunCheckpoint) -> RunStatus:
+    clock = checkpoint.clock
+    state = ("failed" if checkpoint.problem else "over") if checkpoint.over else \
+        "stalled" if checkpoint.problem else "running"
+    reason = checkpoint.problem
+    if state == "stalled" and checkpoint.problem_since is not None:
+        reason += f" (since {time.time() - checkpoint.problem_since:.0f} s ago; retrying)"
+    return RunStatus(checkpoint.request.run_id, state, reason, clock.round, clock.now_s, len(clock.active))
+
+
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
-    await bus.ensure_stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
-                            duplicate_window=subjects.RUN_LOG_DEDUP_S)
+    await streams.ensure_run_log(bus)
     runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
     holder = f"{socket.gethostname()}-{os.getpid()}"
     leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder, args.lease_ttl)
@@ -186,8 +242,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     bus.on_close(step_down)
 
-    async def status(_: Ack) -> Lease:
-        return Lease(await leadership.leader())
+    async def status(_: Ack) -> PolicyStatus:
+        entry = await runs.get(subjects.LIVE_RUN)
+        return PolicyStatus(await leadership.leader(), None if entry is None else run_status(entry.value))
 
     service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
     await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status)

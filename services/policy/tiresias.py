@@ -25,9 +25,21 @@ mid checkpoint-restart is treated like any other running job (Pollux's simulator
 
 from __future__ import annotations
 
-from services.policy.base import ROUND_S, Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
-from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix
+from services.policy.base import (
+    Decision,
+    RoundState,
+    decision_from_placements,
+    free_gpus,
+    pack,
+    refuse_hybrid,
+)
+from services.policy.rigid import (
+    fastest_type,
+    holds_request,
+    requested_throughput_matrix,
+)
 from shared.cluster import Spots
+from shared.settings import ROUND_S
 
 THRESHOLD_GPU_H = 16.0
 

@@ -9,13 +9,16 @@ when there is no reference data), so the simulator and the embedded stack bootst
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from shared.cluster import Cluster
 from shared.goodput import ThroughputParams, compute_time, iteration_time
-from shared.reference import ModelTrace
+from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
 from shared.schema import JobSpec, Profile, ProfilePoint
+from shared.zoo import load_zoo
 
 PROFILE_POINTS = 10     # batch sizes per GPU type
 STEPS_PER_POINT = 10    # timed steps at each batch size (what profiling costs in GPU time)
@@ -75,18 +78,78 @@ def model_profile(params: ThroughputParams, model: str, gpu_type: str, min_local
     return _profile(job_id, model, gpu_type, chosen, group)
 
 
+@dataclass(frozen=True)
+class ProfileSource:
+    """The trace-backed profiler's data: per application, the GPU types it has measurements of, and
+    the profile a profiling run would measure on each."""
+
+    origin: str                                   # "reference:<folder>" or "zoo"
+    types: Mapping[str, tuple[str, ...]]          # application -> its GPU types
+    profile: Callable[[str, str], Profile]        # (application, GPU type) -> its 1-GPU profile
+
+
+def profile_source(reference: str | None = None, use_zoo: bool = False) -> ProfileSource:
+    """The reference profiles when the reference folder is there (or `reference` names it), else
+    (or with `use_zoo`) the built-in model zoo's predictions."""
+    if not use_zoo:
+        try:
+            traces = discover_models(reference)
+        except ReferenceDataMissing:
+            if reference is not None:
+                raise
+        else:
+            return ProfileSource(f"reference:{next(iter(traces.values())).folder.parent}",
+                                 {name: tuple(t.gpu_types) for name, t in traces.items()},
+                                 lambda model, gpu_type: trace_profile(traces[model], gpu_type))
+    zoo = load_zoo()
+
+    def profile(model: str, gpu_type: str) -> Profile:
+        z = zoo[model].types[gpu_type]
+        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local,
+                             group=zoo[model].group_gpus.get(gpu_type, 1))
+
+    return ProfileSource("zoo", {name: tuple(m.types) for name, m in zoo.items()}, profile)
+
+
 SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
                     "a model or job module the cluster knows")
 
 
-def submission_problem(spec: JobSpec, gpu_types: Iterable[str], models: Iterable[str] | None) -> str | None:
-    """Why a well-formed submission cannot be scheduled here (None if it can): an application with no
-    profile (`models` None: profiles are measured, any application may be), or GPU types this
-    cluster does not have."""
-    known_types = set(gpu_types)
-    if models is not None and spec.application not in set(models):
-        return f"unknown application {spec.application!r}: no profile for it"
+def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None,
+                       live: bool) -> str | None:
+    """Why a well-formed submission cannot be scheduled on `cluster` (None if it can): an application
+    with no profile (`models`, application -> its GPU types; None: profiles are measured, any
+    application may be), GPU types this cluster does not have (or none the application runs on), a
+    GPU count larger than the GPUs it may use, or a submit time on a live submission."""
+    if live and spec.submit_s is not None:
+        return ("submit_s is for replayed workloads; a live submission arrives when it is submitted: "
+                "leave submit_s out")
+    known_types = set(cluster.gpu_types)
     unknown = sorted(set(spec.gpu_types) - known_types)
     if unknown:
         return f"unknown GPU type(s) {', '.join(unknown)}; this cluster has {', '.join(sorted(known_types))}"
+    allowed = set(spec.gpu_types) or known_types
+    if models is not None:
+        if spec.application not in models:
+            near = sorted(models)
+            return f"unknown application {spec.application!r}: no profile for it (known: {', '.join(near)})"
+        allowed &= set(models[spec.application])
+        if not allowed:
+            return (f"application {spec.application!r} has no profile on GPU type(s) "
+                    f"{', '.join(sorted(set(spec.gpu_types) or known_types))}")
+    usable = sum(n.gpus for n in cluster.nodes if n.gpu_type in allowed)
+    for field, gpus in (("requested_gpus", spec.requested_gpus if spec.rigid else 0), ("min_gpus", spec.min_gpus)):
+        if gpus > usable:
+            return (f"{field} {gpus} is more than the {usable} GPUs it may use: cluster {cluster.name} has "
+                    f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})")
+    if spec.requested_gpus > cluster.total_gpus:
+        return (f"requested_gpus {spec.requested_gpus} is more than cluster {cluster.name}'s "
+                f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})")
     return None
+
+
+def _type_counts(cluster: Cluster) -> str:
+    counts: dict[str, int] = {}
+    for node in cluster.nodes:
+        counts[node.gpu_type] = counts.get(node.gpu_type, 0) + node.gpus
+    return ", ".join(f"{gpus} {gpu_type}" for gpu_type, gpus in sorted(counts.items()))

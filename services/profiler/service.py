@@ -1,10 +1,13 @@
-"""The profiler service: each submission, validated, bootstraps a job with its 1-GPU profiles.
+"""The profiler service: the gate every submission passes. Each one, validated, bootstraps a job
+with its 1-GPU profiles, or is refused with the reason.
 
-A durable pull consumer on the submissions stream: a submission is acknowledged once its
-profiles reached the estimator, or once its rejection is recorded on the dead-letter subject
-with the reason. On a simulated cluster the profiles are trace-backed (`services.profiler.core`);
-with `--executors local` the job's own script is run on one slot of each GPU type
-(`services.profiler.measure`), and the executors are told it may run (`Profiled`).
+A durable pull consumer on the submissions (live ones and a replay's): a submission is
+acknowledged once the profiler's verdict is stored in the jobs stream, exactly one per submission:
+`Profiled` (its profiles reached the estimator; the executors may run it) or `Rejected` (the reason:
+malformed, an unknown application or GPU type, more GPUs than the cluster has, a submit time on a
+live submission, a profiling run that failed). Only accepted jobs ever run. On a simulated cluster
+the profiles are trace-backed (`services.profiler.core`); with `--executors local` the job's own
+script is run on one slot of each GPU type (`services.profiler.measure`).
 """
 
 from __future__ import annotations
@@ -18,15 +21,13 @@ from pathlib import Path
 from nats import micro
 
 from services.executor.local import JOBS_PACKAGE
-from services.profiler.core import SUBMISSION_RULES, submission_problem
+from services.profiler.core import SUBMISSION_RULES, profile_source, submission_problem
 from services.profiler.measure import PROFILE_TIMEOUT_S, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
-from shared import subjects
+from shared import streams, subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
 from shared.schema import JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
-from sim.run import job_sources
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
     local = args.executors == "local"
-    sources = None if local else job_sources(args.reference, args.zoo)
+    source = None if local else profile_source(args.reference, args.zoo)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-profiles-"))
     workdir.mkdir(parents=True, exist_ok=True)
     running: set[subprocess.Popen] = set()     # profiling runs in progress: stopped with the service
@@ -59,8 +60,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     bus.on_close(stop_runs)
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
-        # Recorded, with the reason, on the dead-letter subject; the submission is then dropped.
-        reason = f"malformed submission: {error}; {SUBMISSION_RULES}"
+        # Recorded, with the reason, as the submission's verdict; the submission is then dropped.
+        rules = f"; {SUBMISSION_RULES}" if "unknown field" in str(error) else ""
+        reason = f"malformed submission: {error}{rules}"
         await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
 
     async def reject(spec: JobSpec, reason: str) -> None:
@@ -78,8 +80,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
 
-    async def on_submission(spec: JobSpec) -> None:
-        problem = submission_problem(spec, cluster.gpu_types, None if local else sources.truths)
+    async def on_submission(spec: JobSpec, delivery) -> None:
+        problem = submission_problem(spec, cluster, None if local else source.types,
+                                     live=delivery.subject == subjects.SUBMIT)
         if problem is not None:
             await reject(spec, problem)
             return
@@ -93,20 +96,25 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 await reject(spec, f"job {spec.id} cannot run: {error}")
                 return
         else:
-            types = [t for t in cluster.gpu_types if t in sources.truths[spec.application].types
+            types = [t for t in cluster.gpu_types if t in source.types[spec.application]
                      and (not spec.gpu_types or t in spec.gpu_types)]
-            profiles = tuple(sources.profile(spec.application, t) for t in types)
+            profiles = tuple(source.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
-        if local:
-            await bus.js_publish(subjects.PROFILED, Profiled(spec.id, run.init_batch, run.max_batch),
-                                 msg_id=f"{spec.id}.profiled")     # ids are per stream: not the submission's
+        verdict = Profiled(spec.id, run.init_batch, run.max_batch) if local else Profiled(spec.id)
+        await bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")   # not the submission's id
 
-    await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-                            duplicate_window=subjects.DEDUP_WINDOW_S)
+    async def on_dead(delivery, error: Exception) -> None:
+        # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
+        await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
+                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}")
+
+    await streams.ensure_jobs(bus)
+    await streams.ensure_dead_letters(bus)
     # A submission being profiled (one run per GPU type) is not handed to another replica meanwhile.
     ack_wait = PROFILE_TIMEOUT_S * len(cluster.gpu_types) + 60.0
-    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT, JobSpec,
-                                       span_name="profiler.bootstrap", on_invalid=on_malformed,
+    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS,
+                                       JobSpec, span_name="profiler.bootstrap", on_invalid=on_malformed,
+                                       dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
                                        **({"ack_wait": ack_wait} if local else {}))
-    asyncio.get_running_loop().create_task(consumer.consume(on_submission, timeout=0.2))
+    asyncio.get_running_loop().create_task(consumer.consume(on_submission, with_delivery=True, on_dead=on_dead))
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

@@ -1,16 +1,18 @@
-"""The simulator's settings in one place, with the two peers' calibrations as presets.
+"""The scheduler's and the simulated world's settings in one place, with the two peers' calibrations
+as presets.
 
-The numbers that decide a simulated schedule besides the policy (SIMULATORS.md in the reference
+The numbers that decide a schedule besides the policy (SIMULATORS.md in the reference
 folder): how long a checkpoint-restart really takes, what the policy believes it takes (S in Sia's
 restart factor), Sia's per-model goodput calibration, and which jobs are rigid whatever the policy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from services.policy.base import ROUND_S
 from shared.goodput import RETUNE_THRESHOLD
+
+ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 
 
 @dataclass(frozen=True)
@@ -70,3 +72,20 @@ def settings_for(name: str | None, cluster: str) -> SimSettings:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown calibration {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
+                        round_s: float | None = None, horizon_s: float | None = None,
+                        interference: float = 0.0) -> SimSettings:
+    """The calibration's settings with the run's overrides: every restart delay, the round, the
+    horizon, the slowdown of distributed jobs sharing a node."""
+    if not 0.0 <= interference < 1.0:
+        raise ValueError(f"interference is a slowdown fraction in [0, 1), got {interference}")
+    settings = replace(settings_for(calibration, cluster), interference=interference)
+    if restart_delay_s is not None:
+        settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
+    if round_s is not None:
+        settings = replace(settings, round_s=round_s)
+    if horizon_s is not None:
+        settings = replace(settings, horizon_s=horizon_s)
+    return settings

@@ -1,4 +1,4 @@
-"""The simulator's clock over NATS: each stage of a round is a request to its service.
+"""The round loop over NATS: each stage of a round is a request to its service.
 
 A request that finds no responder, or times out, is sent again until `retry_s` has passed: every
 stage may safely run twice (facts, models and place are pure; apply gives the same placement the
@@ -25,7 +25,6 @@ from shared.schema import (
     FactsReply,
     FactsRequest,
     JobFacts,
-    JobModels,
     LiveJobs,
     LiveJobsRequest,
     ModelsReply,
@@ -57,22 +56,19 @@ class BusWiring:
                 log.warning("%s: %s; asking again", subject, type(error).__name__)
                 await asyncio.sleep(0.2)
 
-    async def facts(self, now: float, jobs: list[str]) -> list[JobFacts]:
-        reply = await self._request(subjects.FACTS, FactsRequest(now, tuple(jobs)), FactsReply)
-        return list(reply.facts)
+    async def facts(self, now: float, jobs: list[str]) -> FactsReply:
+        return await self._request(subjects.FACTS, FactsRequest(now, tuple(jobs)), FactsReply)
 
-    async def models(self, facts: list[JobFacts]) -> list[JobModels]:
-        reply = await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
-        return list(reply.models)
+    async def models(self, facts: list[JobFacts]) -> ModelsReply:
+        return await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
 
     async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
                     groups: dict[str, int]) -> PlacementResult:
         return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous, groups),
                                    PlacementResult)
 
-    async def apply(self, now: float, placements: dict[str, Spots], models: dict[str, JobModels],
-                    adaptive: bool) -> None:
-        await self._request(subjects.APPLY, ApplyRequest(now, placements, models, adaptive), Ack)
+    async def apply(self, request: ApplyRequest) -> None:
+        await self._request(subjects.APPLY, request, Ack)
 
     async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply:
         return await self._request(subjects.ADVANCE, AdvanceRequest(now, step, tuple(jobs)), AdvanceReply)

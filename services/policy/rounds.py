@@ -1,0 +1,268 @@
+"""The scheduler's round loop: the clock, a round's stages (facts → models → solve → place → apply
+→ advance), and what each round cost. It is the policy leader's own; the simulator is one of its
+drivers (`sim.simulator`, the stages as calls in one process), the policy service another (the
+stages as requests to the services, `services.policy.wiring`).
+
+Every round:
+1. jobs whose submit time has come join the queue (a live run: the jobs the executors say arrived);
+2. on a policy round, the executors' `JobFacts` and the estimator's `JobModels` make the policy's
+   views, the policy decides, the placer (or the policy itself) picks physical GPUs, and the
+   executors apply the placements;
+3. the executors run the round and report the jobs that ended.
+
+One job's trouble is never the round's: a job the executors cannot run yet, or the estimator has no
+model of yet, is held out of the round (it waits, and is asked of again next round); a job that will
+never run (rejected, refused by the policy, a view that cannot be made of it) leaves the run as
+failed, with its reason, which the executors are told in the round's apply. A policy that fails to
+solve, or whose decision does not fit the cluster, costs a round: every job keeps its placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Protocol, Sequence
+
+import msgspec
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from services.policy.base import Decision, Policy, RoundState, decision_from_placements, job_view, restore_policy, \
+    snapshot_policy
+from shared.cluster import Cluster, Config, Spots
+from shared.schema import (
+    AdvanceReply,
+    ApplyRequest,
+    DecidedRound,
+    FactsReply,
+    JobFacts,
+    JobModels,
+    ModelsReply,
+    PlacementResult,
+    RoundRecord,
+    RunClock,
+    RunStep,
+)
+from shared.settings import SimSettings
+
+_TRACER = trace.get_tracer("goodput.round")
+log = logging.getLogger(__name__)
+
+
+class Wiring(Protocol):
+    """How a round's messages travel between the loop (with the policy) and the other stages."""
+
+    async def facts(self, now: float, jobs: list[str]) -> FactsReply: ...          # executors
+
+    async def models(self, facts: list[JobFacts]) -> ModelsReply: ...              # estimator
+
+    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
+                    groups: dict[str, int]) -> PlacementResult: ...
+
+    async def apply(self, request: ApplyRequest) -> None: ...                      # executors
+
+    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply: ...   # executors: jobs that ended
+
+
+class Journal(Protocol):
+    """Where a run's progress is kept (the policy leader's checkpoints and the run's log)."""
+
+    async def decided(self, clock: RunClock) -> None: ...                  # before it is carried out
+
+    async def stepped(self, clock: RunClock, step: RunStep) -> None: ...    # a round has run
+
+
+class LiveFeed(Protocol):
+    """A live run's jobs and pace (the policy leader's, over the bus: `services.policy.wiring.LiveFeed`)."""
+
+    async def wait(self, now: float) -> None: ...            # until the round at `now` is due
+
+    async def jobs(self, now: float) -> list[str]: ...      # the live jobs not finished, arrived by `now`
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A replayed job: its id and submit time on the run's clock."""
+
+    name: str
+    time: float
+
+
+def hybrid_groups(allocations: Mapping[str, Config], models: Sequence[JobModels]) -> dict[str, int]:
+    """The GPUs of one model-parallel group of each allocated hybrid-parallel job, on its allocated type."""
+    by_id = {m.job_id: m for m in models}
+    groups = {job: by_id[job].group(config.gpu_type) for job, config in allocations.items() if job in by_id}
+    return {job: group for job, group in groups.items() if group > 1}
+
+
+class RoundLoop:
+    """The clock, the policy and the metrics over a wiring; `rounds` and `events` as it ran."""
+
+    def __init__(self, arrivals: Sequence[Arrival], cluster: Cluster, policy: Policy, settings: SimSettings,
+                 wiring: Wiring):
+        self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
+        self.cluster = cluster
+        self.policy = policy
+        self.settings = settings
+        self.wiring = wiring
+        self.rounds: list[RoundRecord] = []
+        self.events: list[str] = []
+
+    async def run(self, progress: Callable[[float, int, int], None] | None = None, clock: RunClock | None = None,
+                  journal: Journal | None = None, live: LiveFeed | None = None) -> RunClock:
+        """Run to the end from `clock` (the start unless given: a standby resuming a run passes the
+        last checkpoint). `journal` is told of each decision before it is carried out and of each
+        round once it has run, so a run can be resumed from any point; returns the final clock.
+        With `live`, the jobs are those `live` reports each round, rounds keep its pace, and the run
+        has no end."""
+        step = self.settings.round_s
+        clock = clock or RunClock()
+        arrivals = self.arrivals
+        if clock.policy_state:
+            restore_policy(self.policy, clock.policy_state)
+        while live or clock.admitted < len(arrivals) or clock.active:
+            if live:
+                await live.wait(clock.now_s)
+                clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
+                if not clock.active:             # idle: the next round, on the wall clock
+                    clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
+                    continue
+            now = clock.now_s
+            if not live and now > self.settings.horizon_s:
+                event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
+                self.events.append(event)
+                if journal:
+                    await journal.stepped(clock, RunStep(clock.round, now, None, (event,), (), clock.done,
+                                                         len(arrivals), over=True))
+                return clock
+            arrived = [j.name for j in arrivals[clock.admitted:] if j.time <= now]
+            if arrived:
+                clock = msgspec.structs.replace(clock, admitted=clock.admitted + len(arrived),
+                                                active=clock.active + tuple(arrived))
+            if not clock.active:                 # idle: jump to the round of the next arrival
+                clock = msgspec.structs.replace(clock, now_s=step * -(-arrivals[clock.admitted].time // step))
+                continue
+            decide = clock.decided is None and now >= clock.next_decision_s - 1e-9   # on the policy's grid
+            # One trace per round: every stage's span, in every service, descends from this root.
+            with _TRACER.start_as_current_span("round", context=Context(), attributes={
+                    "round": clock.round, "now_s": now, "jobs": len(clock.active),
+                    "gpus": self.cluster.total_gpus, "decides": decide}):
+                if decide:
+                    decided = await self._decide(now, list(clock.active), clock.decisions)
+                    clock = msgspec.structs.replace(
+                        clock, decided=decided, decisions=clock.decisions + 1,
+                        next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s)
+                    if journal:
+                        clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
+                        await journal.decided(clock)
+                given_up = clock.decided.apply.failed if clock.decided is not None else {}
+                if clock.decided is not None:
+                    await self.wiring.apply(clock.decided.apply)
+                ended = await self.wiring.advance(now, step, [j for j in clock.active if j not in given_up])
+            failed = {**given_up, **ended.failed}
+            ended_jobs = set(ended.finished) | set(failed)            # a failed job is done with, too
+            record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
+            events += tuple(f"{now:.0f}s: {job} failed: {reason}" for job, reason in sorted(failed.items()))
+            if record is not None:
+                self.rounds.append(record)
+            self.events.extend(events)
+            clock = msgspec.structs.replace(
+                clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(ended_jobs), decided=None,
+                active=tuple(name for name in clock.active if name not in ended_jobs))
+            over = not live and clock.admitted == len(arrivals) and not clock.active
+            total = clock.done + len(clock.active) if live else len(arrivals)
+            if journal:
+                await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(ended.finished)),
+                                                     clock.done, total, over, failed=tuple(sorted(failed))))
+            if progress:
+                progress(clock.now_s, clock.done, total)
+        return clock
+
+    async def _decide(self, now: float, active: list[str], decisions: int) -> DecidedRound:
+        """The round's decision: facts, models, the policy, then the placer unless the policy placed."""
+        start = time.perf_counter()
+        events: list[str] = []
+        known = await self.wiring.facts(now, active)
+        failed = dict(known.failed)               # jobs that will never run: they leave the run
+        held = dict(known.held)                   # jobs that cannot run yet: they wait out this round
+        estimated = await self.wiring.models(list(known.facts))
+        held.update(estimated.held)
+        models = {m.job_id: m for m in estimated.models}
+        facts, views = [], []
+        for f in known.facts:
+            if f.job_id in held or f.job_id in failed:
+                continue
+            if f.job_id not in models:
+                held[f.job_id] = "the estimator has no model of it yet"
+                continue
+            try:
+                views.append(job_view(f, models[f.job_id], self.cluster,
+                                      self.settings.restart_estimate(f.application)))
+                facts.append(f)
+            except Exception as error:  # noqa: BLE001 - one job that cannot be viewed is that job's failure
+                failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
+        events.extend(f"{now:.0f}s: {job} waits: {reason}" for job, reason in sorted(held.items()))
+        policy_start = time.perf_counter()
+        decision = await self._solve(now, facts, views, failed)
+        policy_ms = (time.perf_counter() - policy_start) * 1e3
+        if decision.placements is None:
+            previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
+            placed = await self.wiring.place(decisions + 1, decision.allocations, previous,
+                                             hybrid_groups(decision.allocations, [v.models for v in views]))
+            placements = placed.placements
+            events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
+        else:
+            placements = decision.placements
+        problem = self._misfit(placements)
+        if problem is not None:
+            decision = self._keep(facts, f"policy {self.policy.name} {problem}; previous allocation kept")
+            placements = decision.placements
+        events.extend(f"{now:.0f}s: {e}" for e in decision.events)
+        scheduled = {v.job_id for v in views}
+        placements = {job: spots for job, spots in placements.items() if job in scheduled}
+        gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots}
+        record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus)
+        apply = ApplyRequest(now, placements, {v.job_id: v.models for v in views}, self.policy.adaptive_batch, failed)
+        return DecidedRound(apply, record, tuple(events))
+
+    async def _solve(self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]) -> Decision:
+        """The policy's decision for `views`. Jobs it refuses (a hybrid-parallel job under a policy
+        that would split its groups) are failed with its reason and it decides for the rest; any
+        other failure keeps every job where it is for this round."""
+        with _TRACER.start_as_current_span("policy.solve", attributes={"policy": self.policy.name,
+                                                                      "jobs": len(views)}):
+            for _ in range(2):
+                try:
+                    # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
+                    return await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, tuple(views)))
+                except ValueError as error:
+                    refused = [v for v in views if v.models.group_gpus]
+                    if not refused:
+                        return self._keep(facts, f"policy {self.policy.name} failed ({error}); previous allocation kept")
+                    failed.update({v.job_id: str(error) for v in refused})
+                    views[:] = [v for v in views if not v.models.group_gpus]
+                    facts[:] = [f for f in facts if f.job_id not in failed]
+                except Exception as error:  # noqa: BLE001 - a failed solve (LinAlgError, a solver's) costs a round
+                    return self._keep(facts, f"policy {self.policy.name} failed ({type(error).__name__}: {error}); "
+                                             "previous allocation kept")
+            return self._keep(facts, f"policy {self.policy.name} refused the round; previous allocation kept")
+
+    def _keep(self, facts: list[JobFacts], event: str) -> Decision:
+        """The round's decision when the policy could not make one: every job stays where it is."""
+        log.warning(event)
+        return decision_from_placements(self.cluster, {f.job_id: f.placement for f in facts if f.placement}, (event,))
+
+    def _misfit(self, placements: Mapping[str, Spots]) -> str | None:
+        """Why placements cannot be carried out on this cluster (None when they can)."""
+        used: dict[str, int] = defaultdict(int)
+        for job, spots in placements.items():
+            if self.cluster.placement_type(spots) is None:
+                return f"placed {job} on unknown or mixed nodes: {spots}"
+            for node, gpus in spots:
+                used[node] += gpus
+        capacity = {n.name: n.gpus for n in self.cluster.nodes}
+        over = sorted(n for n, g in used.items() if g > capacity[n])
+        return f"over-filled nodes {over}" if over else None

@@ -1,0 +1,185 @@
+"""The simulated executors as the executor service: `python -m sim.executor` (what `goodput up`,
+`goodput simulate --bus nats` and the manifests' simulated cluster run in place of node agents).
+
+The jobs of a simulated cluster run here on a virtual clock (`sim.world`). They come from the jobs
+stream, read in order by one durable consumer: a submission, then the profiler's verdict on it. A
+job enters the rounds only once the profiler accepted it (`Profiled`: its profiles are with the
+estimator); one it refused is kept with the reason, so `goodput status` shows it. The service
+answers the policy leader's round — the jobs' facts, the placements to apply, a round to advance,
+after which it reports every configuration a job ran to the estimator — and the status requests.
+Every submission's state is written to KV before a request is answered, so a restarted executor
+picks the cluster up where it was; a round asked again runs only the jobs not yet run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+
+import msgspec
+from nats import micro
+
+from services.executor import endpoints
+from services.runner import service_main
+from shared import streams, subjects
+from shared.bus import Bus
+from shared.reference import WorkloadJob
+from shared.schema import (
+    Ack,
+    AdvanceReply,
+    AdvanceRequest,
+    ApplyRequest,
+    FactsReply,
+    JobSpec,
+    LiveJobs,
+    LiveJobsRequest,
+    Observed,
+    Profiled,
+    Rejected,
+)
+from sim.run import add_world_arguments, world_of
+from sim.world import SubmittedJob
+
+log = logging.getLogger(__name__)
+UNNAMED = "_rejected"       # KV keys of refused submissions whose id could not be read (no job id starts with _)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_world_arguments(parser)
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    executors, sources = world_of(args)
+    states = await bus.kv(subjects.EXECUTOR_BUCKET, SubmittedJob)
+    submitted: dict[str, SubmittedJob] = {}
+    for key in await states.keys():
+        entry = await states.get(key)
+        if entry is not None:
+            submitted[key] = entry.value
+            if entry.value.job is not None:
+                executors.restore(entry.value.job, sources.truths[entry.value.job.spec.application])
+
+    # One request at a time: a request asked again while the first is still being answered waits
+    # for it, and then finds its work done.
+    turn = asyncio.Lock()
+
+    async def save(names) -> None:
+        for name in names:
+            entry = submitted[name]
+            entry.job = executors.jobs.get(name)
+            await states.put(name, entry)
+
+    def on_submitted(spec: JobSpec, _: int) -> str | None:
+        known = submitted.get(spec.id)
+        if known is not None and (known.job is not None or known.rejected is None):
+            return None                          # a repeat: the first stands (a refused id may be used again)
+        submitted[spec.id] = SubmittedJob(spec.id, spec)
+        return spec.id
+
+    def on_profiled(verdict: Profiled, _: int) -> str | None:
+        entry = submitted.get(verdict.job_id)
+        if entry is None or entry.spec is None:
+            log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
+            return None
+        if entry.job is not None or entry.rejected is not None:
+            return None
+        spec = entry.spec
+        truth = sources.truths.get(spec.application)
+        if truth is None:
+            entry.rejected = f"no simulated behaviour for application {spec.application!r} on this cluster"
+            return spec.id
+        live = spec.submit_s is None             # arrives at the live round that first sees it
+        batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
+        try:
+            executors.add(WorkloadJob(spec.id, math.inf if live else spec.submit_s, spec.application,
+                                      spec.requested_gpus, batch), truth)
+        except ValueError as error:
+            entry.rejected = str(error)
+            return spec.id
+        executors.jobs[spec.id].live = live
+        return spec.id
+
+    def on_rejected(verdict: Rejected, sequence: int) -> str | None:
+        if verdict.job_id is None:               # unreadable: kept under its place in the stream
+            key = f"{UNNAMED}.{sequence}"
+            submitted[key] = SubmittedJob("", None, verdict.reason)
+            return key
+        entry = submitted.setdefault(verdict.job_id, SubmittedJob(verdict.job_id))
+        if entry.job is not None or entry.rejected is not None:
+            log.warning("job %s: a rejection after its verdict (a submission reusing its id?) is ignored: %s",
+                        verdict.job_id, verdict.reason)
+            return None
+        entry.rejected = verdict.reason
+        return verdict.job_id
+
+    events = {subjects.SUBMIT: (on_submitted, JobSpec), subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
+              subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected)}
+
+    async def on_event(message: msgspec.Raw, delivery) -> None:
+        take, kind = events[delivery.subject]
+        try:
+            event = bus.decode(message, kind)
+        except msgspec.DecodeError:
+            return                 # a malformed submission: the profiler's rejection of it follows
+        async with turn:
+            changed = take(event, delivery.stream_sequence)
+            if changed is not None:
+                await save([changed])
+
+    def facts(now: float, names) -> FactsReply:
+        known, held, failed = [], {}, {}
+        for name in names:
+            entry = submitted.get(name)
+            job = executors.jobs.get(name)
+            if job is not None and job.failure is None:
+                known.append(job.facts(executors.truths[name], now))
+            elif job is not None:
+                failed[name] = job.failure
+            elif entry is not None and entry.rejected is not None:
+                failed[name] = entry.rejected
+            else:
+                held[name] = "waiting for the profiler's verdict" if entry else "its submission has not reached the executors"
+        return FactsReply(tuple(known), held, failed)
+
+    async def on_advance(request: AdvanceRequest) -> AdvanceReply:
+        async with turn:
+            before = {name: job.advanced_to for name, job in executors.jobs.items()}
+            finished, observed = executors.advance(request.now_s, request.step_s, request.jobs)
+            for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
+                job = executors.jobs[job_id]
+                revision = await endpoints.report(bus, Observed(job_id, gpu_type, observation))
+                job.estimate_revision = max(job.estimate_revision, revision)
+            await save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
+            return AdvanceReply(tuple(finished), executors.failures(request.jobs))
+
+    async def on_live(request: LiveJobsRequest) -> LiveJobs:
+        async with turn:
+            before = {name: job.spec.time for name, job in executors.jobs.items()}
+            live = executors.arrive(request.now_s)
+            await save(name for name, job in executors.jobs.items() if job.spec.time != before[name])
+        return LiveJobs(tuple(live))
+
+    async def on_apply(request: ApplyRequest) -> Ack:
+        async with turn:
+            executors.apply(request)
+            await save(name for name in {*request.models, *request.failed} if name in submitted)
+        return Ack()
+
+    await streams.ensure_jobs(bus)
+    await streams.ensure_dead_letters(bus)
+    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, subjects.JOBS_EVENTS,
+                                       msgspec.Raw, span_name="executor.job-event",
+                                       dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER))
+    asyncio.get_running_loop().create_task(consumer.consume(on_event, with_delivery=True))
+
+    return await endpoints.serve_round(
+        bus, "simulated executors on a virtual clock", facts=facts, apply=on_apply, advance=on_advance,
+        live=on_live, records=lambda: (entry.record() for entry in submitted.values()),
+        count=lambda prefix: sum(1 for e in submitted.values()
+                                 if e.job_id.startswith(prefix) and (e.job is not None or e.rejected)))
+
+
+if __name__ == "__main__":
+    service_main("executor", start, add_arguments)
