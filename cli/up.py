@@ -31,7 +31,8 @@ from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
 from shared.schema import JOB_STATES
 
-LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
+LOCK_FILE = "goodput-up.lock"
+WATCH_JOBS = 8                      # jobs named on one line of the live output       # held by the `goodput up` serving from a data folder
 BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
 ROUND_S = {"simulated": 60.0, "local": 10.0}
@@ -257,18 +258,23 @@ def _report_local(args: argparse.Namespace, records) -> None:
 
 
 async def _watch(bus, run_id: str) -> None:
-    """Print each live decision that changes something, and each job that finishes."""
+    """Print each live decision that changes something (from now on: a resumed run's past is in
+    `goodput status`), and each job that finishes or fails."""
     from deploy.stack import follow_run_steps
 
     shown = None
-    async for step in follow_run_steps(bus, run_id, idle_timeout_s=None):
+    async for step in follow_run_steps(bus, run_id, idle_timeout_s=None, new_only=True):
         if step.record is not None and (step.record.active, step.record.gpus) != shown:
             shown = (step.record.active, step.record.gpus)
-            running = ", ".join(f"{job} {gpus} GPU{'s' * (gpus > 1)}" for job, gpus in sorted(step.record.gpus.items()))
+            running = sorted(step.record.gpus.items())
+            listed = ", ".join(f"{job} {gpus} GPU{'s' * (gpus > 1)}" for job, gpus in running[:WATCH_JOBS])
+            more = f" and {len(running) - WATCH_JOBS} more" if len(running) > WATCH_JOBS else ""
             print(f"  t={step.now_s:>8.0f} s  {step.record.active} active, {step.record.running} running"
-                  f"{': ' + running if running else ''}", flush=True)
-        for job in step.finished:
-            print(f"  t={step.now_s:>8.0f} s  {job} finished", flush=True)
+                  f"{': ' + listed + more if running else ''}", flush=True)
+        if step.finished:
+            names = ", ".join(step.finished[:WATCH_JOBS])
+            more = f" and {len(step.finished) - WATCH_JOBS} more" if len(step.finished) > WATCH_JOBS else ""
+            print(f"  t={step.now_s:>8.0f} s  finished: {names}{more}", flush=True)
         for event in step.events:
             if " failed: " in event:
                 print(f"  {event}", flush=True)

@@ -252,12 +252,12 @@ async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0
         await asyncio.sleep(poll_s)
 
 
-async def follow_run_steps(bus: Bus, run_id: str,
-                           idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S) -> AsyncIterator[RunStep]:
-    """A run's steps as the leader logs them, from the first; a round repeated by a new leader once.
-    `idle_timeout_s` None: wait for ever (a live run may idle)."""
+async def follow_run_steps(bus: Bus, run_id: str, idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S,
+                           new_only: bool = False) -> AsyncIterator[RunStep]:
+    """A run's steps as the leader logs them, from the first (`new_only`: from now on); a round
+    repeated by a new leader once. `idle_timeout_s` None: wait for ever (a live run may idle)."""
     last = -1
-    async for step in bus.follow(subjects.run_log(run_id), RunStep, idle_timeout=idle_timeout_s):
+    async for step in bus.follow(subjects.run_log(run_id), RunStep, idle_timeout=idle_timeout_s, new_only=new_only):
         if step.round > last:
             last = step.round
             yield step

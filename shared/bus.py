@@ -601,12 +601,12 @@ class Bus:
                 await consumer.unsubscribe()
 
     async def follow(self, subject: str, msg_type: type[T], *,
-                     idle_timeout: float | None = 3600.0) -> AsyncIterator[T]:
-        """Every message stored on `subject`, from the first, then each as it is stored (an
-        ordered consumer: no acks, nothing missed or repeated). TimeoutError after `idle_timeout`
-        seconds without one (None: wait for ever)."""
-        subscription = await self.js.subscribe(subject, ordered_consumer=True,
-                                               deliver_policy=api.DeliverPolicy.ALL)
+                     idle_timeout: float | None = 3600.0, new_only: bool = False) -> AsyncIterator[T]:
+        """Every message stored on `subject`, from the first (`new_only`: from now on), then each as
+        it is stored (an ordered consumer: no acks, nothing missed or repeated). TimeoutError after
+        `idle_timeout` seconds without one (None: wait for ever)."""
+        policy = api.DeliverPolicy.NEW if new_only else api.DeliverPolicy.ALL
+        subscription = await self.js.subscribe(subject, ordered_consumer=True, deliver_policy=policy)
         try:
             while True:
                 raw = await subscription.next_msg(timeout=idle_timeout)

@@ -83,8 +83,8 @@ class SimulatedJob(msgspec.Struct):
                          None if self.finish_s is None else float(self.finish_s), self.restarts,
                          float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s),
                          self.placement, self.failure, state=state,
-                         gpu_type=self.config.gpu_type if self.placement else None,
-                         batch=self.batch if self.placement else None)
+                         gpu_type=self.config.gpu_type if state == "running" else None,
+                         batch=self.batch if state == "running" else None)
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
         spec = self.spec

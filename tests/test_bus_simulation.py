@@ -3,6 +3,7 @@ the direct wiring gives, job for job."""
 
 import pytest
 
+from shared import subjects
 from shared.reference import WorkloadJob
 from sim.run import job_sources, simulate
 
@@ -115,7 +116,8 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
 
 async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     """Replay `jobs` with sia through the services (`replicas` per service); `disturb(stack, bus)`
-    runs 1.5 s in, while the replay is still going. Each job's (finish, restarts, GPU-seconds)."""
+    runs once the leader has checkpointed a few rounds of the replay, while it is still going.
+    Each job's (finish, restarts, GPU-seconds)."""
     import asyncio
 
     from deploy.nats import nats_from_binary
@@ -132,7 +134,7 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
             run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
                                                request_timeout_s=2.0))
             if disturb:
-                await asyncio.sleep(1.5)
+                await _rounds_checkpointed(bus, DISTURB_AFTER_ROUNDS)
                 assert not run.done(), "the replay ended before the disturbance: make the workload longer"
                 await disturb(stack, bus)
             _, records = await asyncio.wait_for(run, 120)
@@ -140,6 +142,24 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
         finally:
             await bus.close()
     return {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records.jobs}, served
+
+
+DISTURB_AFTER_ROUNDS = 3
+
+
+async def _rounds_checkpointed(bus, rounds: int) -> None:
+    """Until a run's checkpoint in KV has `rounds` rounds run (a signal, not a guess of time)."""
+    import asyncio
+
+    from shared.schema import RunCheckpoint
+
+    kv = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    while True:
+        for key in await kv.keys():
+            entry = await kv.get(key)
+            if entry is not None and entry.value.clock.round >= rounds:
+                return
+        await asyncio.sleep(0.05)
 
 
 async def _requests_served(bus, service, endpoint):

@@ -222,8 +222,11 @@ def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
             assert role_problems(workload, service) == [], workload["metadata"]["name"]
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://jaeger:4318"
             assert env[REPLICAS_ENV]["value"] == str(objects(build, "StatefulSet")["nats"]["spec"]["replicas"])
-            for probe in ("readinessProbe", "livenessProbe"):
-                assert container[probe]["exec"]["command"] == ["python", "-m", "deploy.probe", SERVICE_NAMES[service]]
+            probe = ["python", "-m", "deploy.probe", SERVICE_NAMES[service]]
+            assert container["livenessProbe"]["exec"]["command"] == probe
+            # The policy is ready only while its live run is not stalled.
+            ready = probe + (["--ready"] if service == "policy" else [])
+            assert container["readinessProbe"]["exec"]["command"] == ready
 
 
 @pytest.mark.parametrize("build", BUILDS)
