@@ -12,7 +12,7 @@ import msgspec
 import pytest
 from nats import micro
 
-from shared.bus import CHUNK_HEADER, MAX_PARTS, ChunkLost, Delivery, KVEntry, RevisionConflict
+from shared.bus import CHUNK_HEADER, DEAD_REASON_HEADER, MAX_PARTS, ChunkLost, Delivery, KVEntry, RevisionConflict
 
 TIMEOUT_S = 3.0
 
@@ -184,7 +184,7 @@ async def test_consume_acks_naks_and_terminates_invalid(connect_bus, name_prefix
     async def handle(ping: Ping, delivery: Delivery[Ping]) -> None:
         handled.put_nowait((ping, delivery.num_delivered))
         if delivery.num_delivered == 1:
-            raise RuntimeError("transient")  # nak: comes straight back
+            raise RuntimeError("transient")  # nak: comes back after REDELIVER_AFTER_S
 
     task = asyncio.create_task(consumer.consume(handle, with_delivery=True, timeout=0.5))
     try:
@@ -356,3 +356,35 @@ async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):
     assert await stored_parts() == 0
     assert sorted(await kv.keys()) == ["run", "run.1"]
     assert (await kv.get("run.1")).value == Blob(4, b"small now")
+
+
+async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consumer_goes_on(connect_bus, name_prefix):
+    bus = await connect_bus()
+    stream, subject, dead = f"{name_prefix}_POISON", f"{name_prefix}.poison", f"{name_prefix}.dead"
+    await bus.ensure_stream(stream, [subject])
+    await bus.ensure_stream(f"{name_prefix}_DEAD", [dead])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, max_deliver=2, dead_letters=dead)
+    await bus.js_publish(subject, Ping(1))         # fails every time
+    await bus.js_publish(subject, Ping(2))         # fine
+    tries: list[int] = []
+    handled: asyncio.Queue = asyncio.Queue()
+    buried: asyncio.Queue = asyncio.Queue()
+
+    async def handle(ping: Ping, delivery: Delivery[Ping]) -> None:
+        if ping.n == 1:
+            tries.append(delivery.num_delivered)
+            raise RuntimeError("poison")
+        handled.put_nowait(ping)
+
+    task = asyncio.create_task(consumer.consume(handle, with_delivery=True, timeout=0.5,
+                                                on_dead=lambda delivery, error: buried.put_nowait(str(error))))
+    try:
+        assert await next_item(handled) == Ping(2)             # the one behind it is not held up
+        assert await next_item(buried) == "poison"             # on its last delivery, once
+        stored = await bus.js.get_last_msg(f"{name_prefix}_DEAD", dead)
+    finally:
+        task.cancel()
+    assert tries == [1, 2] and buried.empty()
+    assert bus.decode(stored.data, Ping) == Ping(1) and "poison" in stored.headers[DEAD_REASON_HEADER]
+    info = await bus.js.consumer_info(stream, "worker")
+    assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -6,6 +6,7 @@ from cli.main import main
 from cli.submit import load_job, submit
 from services.profiler.core import submission_problem
 from shared import subjects
+from shared.cluster import load_cluster
 from shared.schema import JobSpec, Rejected, rejection
 
 
@@ -34,11 +35,32 @@ def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):
     assert reason in str(error.value)
 
 
+CLUSTER = load_cluster("sia-hetero-64")          # 24 aws (T4), 16 dgx-ext (A100), 24 rtx
+MODELS = {"cifar10": ("aws", "dgx-ext", "rtx"), "bert": ("dgx-ext",)}
+
+
+def problem(spec: JobSpec, live: bool = True) -> str | None:
+    return submission_problem(spec, CLUSTER, MODELS, live)
+
+
 def test_submission_problems_name_what_is_unknown():
-    spec = JobSpec("a", "cifar10", gpu_types=("a100", "tpu-v9"))
-    assert "tpu-v9" in submission_problem(spec, ["a100", "t4"], ["cifar10"])
-    assert "resnet" in submission_problem(JobSpec("b", "resnet"), ["t4"], ["cifar10"])
-    assert submission_problem(JobSpec("c", "cifar10", gpu_types=("t4",)), ["t4"], ["cifar10"]) is None
+    assert "tpu-v9" in problem(JobSpec("a", "cifar10", gpu_types=("dgx-ext", "tpu-v9")))
+    assert "resnet" in problem(JobSpec("b", "resnet")) and "cifar10" in problem(JobSpec("b", "resnet"))
+    assert "no profile on GPU type(s) aws" in problem(JobSpec("b", "bert", gpu_types=("aws",)))
+    assert problem(JobSpec("c", "cifar10", gpu_types=("aws",))) is None
+
+
+def test_a_request_larger_than_the_cluster_is_refused_naming_its_size():
+    assert "64 GPUs" in problem(JobSpec("a", "cifar10", requested_gpus=10_000))
+    # A rigid job must fit the GPUs of the types it may use: 24 T4s.
+    assert "24 GPUs it may use" in problem(JobSpec("b", "cifar10", requested_gpus=32, rigid=True, gpu_types=("aws",)))
+    assert "min_gpus 17" in problem(JobSpec("c", "bert", min_gpus=17, requested_gpus=17))
+    assert problem(JobSpec("d", "cifar10", requested_gpus=16, rigid=True, gpu_types=("dgx-ext",))) is None
+
+
+def test_only_a_replay_may_say_when_a_job_was_submitted():
+    spec = JobSpec("a", "cifar10", submit_s=30.0)
+    assert "submit_s" in problem(spec, live=True) and problem(spec, live=False) is None
 
 
 def test_rejection_records_the_start_of_the_payload():

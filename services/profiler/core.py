@@ -111,6 +111,7 @@ def profile_source(reference: str | None = None, use_zoo: bool = False) -> Profi
     return ProfileSource("zoo", {name: tuple(m.types) for name, m in zoo.items()}, profile)
 
 
+ID_RULES = "a job id is 1 to 128 letters, digits, '.', '_' or '-', beginning with a letter or digit"
 SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
                     "a model or job module the cluster knows")
 

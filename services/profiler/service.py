@@ -21,7 +21,7 @@ from pathlib import Path
 from nats import micro
 
 from services.executor.local import JOBS_PACKAGE
-from services.profiler.core import SUBMISSION_RULES, profile_source, submission_problem
+from services.profiler.core import ID_RULES, SUBMISSION_RULES, profile_source, submission_problem
 from services.profiler.measure import PROFILE_TIMEOUT_S, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
 from shared import streams, subjects
@@ -61,7 +61,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, as the submission's verdict; the submission is then dropped.
-        rules = f"; {SUBMISSION_RULES}" if "unknown field" in str(error) else ""
+        rules = (f"; {SUBMISSION_RULES}" if "unknown field" in str(error)
+                 else f"; {ID_RULES}" if "`$.id`" in str(error) else "")
         reason = f"malformed submission: {error}{rules}"
         await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
 
