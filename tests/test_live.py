@@ -47,3 +47,52 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
     assert all(s.now_s % ROUND_S == 0 for s in steps) and not any(s.over for s in steps)
     # Rounds keep the wall clock's pace: the virtual time covered took at least its scaled wall time.
     assert wall_s >= (steps[-1].now_s - steps[0].now_s) / SPEED
+
+
+async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp_path):
+    """The estimator gone: no round can be decided. The live run does not end: `goodput status` and
+    the policy's readiness probe say why while it is retried, and once the estimator is back it goes
+    on and the job finishes."""
+    from deploy.probe import ProbeFailed, ping
+    from shared.schema import PolicyStatus
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
+        bus = await Bus.connect(url, "live-test")
+        try:
+            await stack.wait_ready(bus)
+            await streams.ensure_jobs(bus)
+            await create_run(bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED,
+                                             request_timeout_s=1.0))
+            await bus.js_publish(subjects.SUBMIT, JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
+            while await _state(bus, "imagenet-live") != "running":
+                await asyncio.sleep(0.1)
+            stack.kill("estimator")
+
+            async def run_state() -> tuple[str, str]:
+                run = (await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=10)).run
+                return run.state, run.reason
+
+            while (await run_state())[0] != "stalled":
+                await asyncio.sleep(0.1)
+            state, reason = await run_state()
+            assert subjects.MODELS in reason, reason                     # the stage no one answers is named
+            try:
+                await ping("policy", url, 5.0, ready=True)
+                raise AssertionError("the readiness probe passed while the live run was stalled")
+            except ProbeFailed as failure:
+                assert "stalled" in str(failure) and subjects.MODELS in str(failure)
+            await ping("policy", url, 5.0)                                # alive all the same
+
+            stack.start("estimator")
+            while await _state(bus, "imagenet-live") != "finished":
+                await asyncio.sleep(0.2)
+            assert (await run_state())[0] == "running"
+            await ping("policy", url, 5.0, ready=True)
+        finally:
+            await bus.close()
+
+
+async def _state(bus, job: str) -> str | None:
+    records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
+    return records[job].state if job in records else None

@@ -35,7 +35,7 @@ from nats import micro
 from services.policy.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
 from services.policy.rounds import Arrival, RoundLoop
-from services.policy.wiring import BusWiring, LiveFeed
+from services.policy.wiring import RETRY_S, BusWiring, LiveFeed
 from services.runner import new_service, positive_float
 from shared import streams, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
@@ -51,6 +51,7 @@ RESUME_MAX_S = 30.0
 # A replay that fails is resumed from its checkpoint (the NATS server restarting fails a round's
 # requests and writes); only when it fails this often in a row at the same round does it fail.
 RESUME_TRIES = 3
+LIVE_RETRIES = 3      # a live run's stage is asked this many request timeouts before the round fails
 log = logging.getLogger(__name__)
 
 
@@ -122,7 +123,10 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
         await journal.fail(str(error))
         return
     # The clock needs each job's name and submit time only; the executors hold the rest.
-    wiring = BusWiring(bus, request.request_timeout_s)
+    # A live run that cannot go on says so within a few request timeouts (and is retried); a replay
+    # waits longer for a restarted service before its round counts as failed.
+    wiring = BusWiring(bus, request.request_timeout_s, LIVE_RETRIES * request.request_timeout_s if request.live
+                       else RETRY_S)
     loop = RoundLoop([Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring)
     live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
     log.info("run %s: %s from round %d (%d jobs done)", request.run_id, "resumed" if clock.round else "started",

@@ -38,6 +38,10 @@ RETRY_S = 120.0
 log = logging.getLogger(__name__)
 
 
+class StageUnanswered(RuntimeError):
+    """A stage of the round found no service to answer it in time."""
+
+
 class BusWiring:
     def __init__(self, bus: Bus, timeout_s: float = REQUEST_TIMEOUT_S, retry_s: float = RETRY_S):
         self.bus = bus
@@ -52,7 +56,8 @@ class BusWiring:
                 return await self.bus.request(subject, message, reply_type, self.timeout_s)
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
                 if loop.time() > deadline:
-                    raise
+                    what = "no service answered" if isinstance(error, nats.errors.NoRespondersError) else "no answer"
+                    raise StageUnanswered(f"{subject}: {what} for {self.retry_s:g} s") from error
                 log.warning("%s: %s; asking again", subject, type(error).__name__)
                 await asyncio.sleep(0.2)
 
