@@ -1,11 +1,15 @@
-"""`goodput up` — the embedded stack; `goodput status` — what it knows of the jobs.
+"""`goodput up` — the embedded stack; `goodput status` — its jobs and its live run.
 
 `goodput up` starts a NATS server (JetStream on, data under --data) and the five services as child
 processes, on a simulated cluster (simulated executors), waits until each answers ping, prints where
-everything is, replays a workload through them (the built-in one unless told otherwise) and prints
-the results; then, unless --once, it serves: jobs submitted with `goodput submit` are scheduled
-live, a round every --round seconds of the wall clock (sped up by --speed), and each decision is
-printed, until Ctrl-C.
+everything is, replays a workload through them (the built-in one unless told otherwise, under ids
+of the replay's own) and prints the results; then, unless --once, it serves: jobs submitted with
+`goodput submit` are scheduled live, a round every --round seconds of the wall clock (each --speed
+times as long on the simulated cluster), and each decision is printed, until Ctrl-C.
+
+The data folder is kept: started again on it, `goodput up` goes on with every job of the live run
+(the start-up replay is not run again); --fresh starts from an empty store. One `goodput up` holds
+a data folder at a time, and a taken port is refused before anything starts.
 
 With `--executors local` the jobs are real: the example jobs (or --jobs YAML files) are submitted,
 profiled on one CPU slot, and trained on this machine's slots (the `local` cluster: 4 slots) as
@@ -160,7 +164,7 @@ async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) 
                                       FEEDBACK_ITERATIONS, None)
     # Real jobs are short: the policy re-decides every round.
     live = live_request(LIVE_RUN, args.policy, args.cluster, args.round, args.speed,
-                        **({"round_s": args.round} if local else {}))
+                        {"round_s": args.round} if local else None)
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
     with running_services(url, arguments, data, replicas) as stack:
         bus = await Bus.connect(url, "goodput-up")

@@ -47,6 +47,7 @@ from shared.schema import (
     JobRecord,
     JobRecords,
     JobSpec,
+    JobsQuery,
     LiveJobsRequest,
     ModelsRequest,
     Observed,
@@ -73,8 +74,8 @@ FIELDS = ("fault", "jobs_submitted", "jobs_completed", "jobs_lost", "jobs_duplic
 REQUESTS: dict[str, type] = {
     subjects.FACTS: FactsRequest, subjects.MODELS: ModelsRequest, subjects.PLACE: PlaceRequest,
     subjects.APPLY: ApplyRequest, subjects.ADVANCE: AdvanceRequest, subjects.LIVE_JOBS: LiveJobsRequest,
-    subjects.OBSERVE: Observed, subjects.PROFILES: JobProfiles, subjects.RECORDS: Ack,
-    subjects.EXECUTOR_STATUS: Ack, subjects.ESTIMATOR_STATUS: Ack, subjects.POLICY_STATUS: Ack,
+    subjects.OBSERVE: Observed, subjects.PROFILES: JobProfiles, subjects.RECORDS: JobsQuery,
+    subjects.EXECUTOR_STATUS: JobsQuery, subjects.ESTIMATOR_STATUS: Ack, subjects.POLICY_STATUS: Ack,
 }
 
 
@@ -192,7 +193,7 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
     async def capture(raw) -> None:
         seen.append((raw.subject, raw.data))
 
-    captures = [await trial.bus.nc.subscribe(s, cb=capture) for s in (*REQUESTS, subjects.SUBMIT)]
+    captures = [await trial.bus.nc.subscribe(s, cb=capture) for s in (*REQUESTS, *subjects.SUBMISSIONS)]
     await trial.at_round(at)
     for capture_ in captures:
         await capture_.unsubscribe()
@@ -203,10 +204,10 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
             answers[await _answer(trial.bus, subject, data)] += 1
     for data in invalid_payloads(JobSpec, examples):
         await trial.bus.js.publish(subjects.SUBMIT, data)
-    genuine = [(s, d) for s, d in seen if s != subjects.SUBMIT][-REPEATED:]
+    genuine = [(s, d) for s, d in seen if s not in subjects.SUBMISSIONS][-REPEATED:]
     for subject, data in genuine + genuine[::-1]:
         await _answer(trial.bus, subject, data)
-    for subject, data in [(s, d) for s, d in seen if s == subjects.SUBMIT] * 2:
+    for subject, data in [(s, d) for s, d in seen if s in subjects.SUBMISSIONS] * 2:
         await trial.bus.js.publish(subject, data)          # without the id: stored again, not de-duplicated
     trial.notes.append(f"{sum(answers.values())} invalid requests on {len(REQUESTS)} subjects answered "
                        + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items()))
@@ -240,7 +241,7 @@ def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
 
 def _decodes(data: bytes, message_type: type) -> bool:
     try:
-        msgspec.msgpack.decode(data, type=message_type)
+        msgspec.msgpack.decode(data, type=message_type, strict=False)      # as the bus decodes
     except (msgspec.DecodeError, ValueError, TypeError):
         return False
     return True
@@ -322,6 +323,7 @@ async def run_trial(jobs: list[WorkloadJob], fault: Fault, fail_round: int, at: 
 
 async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict, at: int) -> Outcome:
     run_id = f"chaos-{uuid.uuid4().hex[:12]}"
+    prefix = f"{run_id}."
     checked: dict[float, int] = {}        # decided round (its time) -> nodes over capacity
     sampled = [0]                          # samples of the executors' placements over capacity
     watchers = [asyncio.ensure_future(w) for w in (_follow(trial, run_id), _watch_decisions(trial, run_id, checked),
@@ -335,13 +337,17 @@ async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict,
         jobs_seen = list(records.jobs)
     except (RuntimeError, asyncio.TimeoutError) as error:
         failure = str(error).splitlines()[0] or type(error).__name__
-        jobs_seen = list((await trial.bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=30)).jobs)
+        seen = await trial.bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=30)
+        jobs_seen = [msgspec.structs.replace(r, name=r.name.removeprefix(prefix)) for r in seen.jobs]
     if disturbance:
         await disturbance
     await asyncio.sleep(0.2)                # the log's last step reaches the follower
     for watcher in watchers:
         watcher.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
+    # The replay's jobs have ids of its own (`<run>.<name>`): its log names them so.
+    trial.steps = [msgspec.structs.replace(s, finished=tuple(n.removeprefix(prefix) for n in s.finished))
+                   for s in trial.steps]
     crashed = [name for name, process in trial.stack.processes.items()
                if process.poll() is not None and name not in trial.killed]
     kept = sum("previous allocation kept" in e for s in {s.round: s for s in trial.steps}.values() for e in s.events)

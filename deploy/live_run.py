@@ -25,7 +25,7 @@ from shared.subjects import LIVE_RUN
 
 
 def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, speed: float,
-                 **option_defaults) -> RunRequest:
+                 option_defaults: dict | None = None) -> RunRequest:
     """The live run's request, as `goodput up` makes it: a round every `round_s` seconds of the wall
     clock, each `round_s` x `speed` seconds of the cluster's clock (a simulated cluster may run
     faster than the wall clock). `option_defaults`: policy options unless the spec sets them.
@@ -37,7 +37,7 @@ def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, sp
     if round_s <= 0 or speed <= 0:
         raise ValueError("--round and --speed must be positive")
     policy, options = parse_policy(policy_spec)
-    options = {**option_defaults, **options}
+    options = {**(option_defaults or {}), **options}
     make_policy(policy, **options)                      # refuse options the policy does not take, here
     return RunRequest(run_id, policy, options, settings_for(None, cluster).name, (), round_s * speed, live=True,
                       speed=speed)

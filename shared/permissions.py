@@ -94,6 +94,11 @@ class Permissions:
     allow_responses: bool = False        # may reply to requests it received
 
 
+def _dead_letters(consumer: str) -> tuple[str, ...]:
+    """Store what a consumer could not process in the dead letters' stream (streams.ensure_dead_letters)."""
+    return (subjects.dead_letters(consumer), *_stream(subjects.DEAD_LETTER_STREAM))
+
+
 def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
     return Permissions(publish=(f"$SRV.PING.{name}", *publish),
                        subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe), allow_responses=True)
@@ -111,7 +116,7 @@ ROLES: dict[str, Permissions] = {
     "profiler": _service(
         "profiler",
         publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, *_stream(JOBS),
-                 *_durable(JOBS, subjects.PROFILER_CONSUMER)),
+                 *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER)),
         subscribe=(),
     ),
     "estimator": _service(
@@ -123,7 +128,8 @@ ROLES: dict[str, Permissions] = {
         "executor",
         publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
                  *_stream(JOBS),
-                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER)),
+                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
+                 *_dead_letters(subjects.EXECUTOR_CONSUMER), *_dead_letters(subjects.NODE_AGENT_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
                    subjects.EXECUTOR_STATUS),
     ),
@@ -131,13 +137,13 @@ ROLES: dict[str, Permissions] = {
         "policy",
         publish=(subjects.FACTS, subjects.MODELS, subjects.PLACE, subjects.APPLY, subjects.ADVANCE,
                  subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, *_stream(subjects.RUN_LOG_STREAM),
-                 *_kv(subjects.RUNS_BUCKET), *_kv(subjects.LEASE_BUCKET)),
+                 *_kv(subjects.RUNS_BUCKET), *_follow(f"KV_{subjects.RUNS_BUCKET}"), *_kv(subjects.LEASE_BUCKET)),
         subscribe=(subjects.POLICY_STATUS,),
     ),
     # Whoever drives replays and live runs (`goodput up`, deploy/live_run.py): submits, creates runs
     # in KV, follows their logs and the submissions' dead letters, asks the services how they are.
     "operator": _client("operator", publish=(
-        subjects.SUBMIT, *_stream(JOBS), *_follow(JOBS), *_stream(subjects.RUN_LOG_STREAM),
+        subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_stream(JOBS), *_follow(JOBS), *_stream(subjects.RUN_LOG_STREAM),
         *_follow(subjects.RUN_LOG_STREAM),
         *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API)),
     "user": _client("user", publish=(

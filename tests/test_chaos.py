@@ -12,7 +12,7 @@ import pytest
 from deploy.chaos import FIELDS, REQUESTS, invalid_payloads, overfilled
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob, load_workload
-from shared.schema import JobModels, JobSpec
+from shared.schema import ApplyRequest, JobModels, JobSpec
 
 CLUSTER = "sia-hetero-64"
 
@@ -70,14 +70,14 @@ def test_a_late_apply_does_not_undo_a_newer_round():
     first, second = ((cluster.nodes[0].name, 1),), ((cluster.nodes[1].name, 1),)
     types = {n.gpu_type for n in cluster.nodes}
     models = {"a": JobModels("a", {}, {t: (1, 256) for t in types}, 128, 1024)}
-    executors.apply(0.0, {"a": first}, models, False)
+    executors.apply(ApplyRequest(0.0, {"a": first}, models, False))
     executors.advance(0.0, 60.0, ["a"])
-    executors.apply(60.0, {"a": second}, models, False)
+    executors.apply(ApplyRequest(60.0, {"a": second}, models, False))
     executors.advance(60.0, 60.0, ["a"])
     job = executors.jobs["a"]
     before = (job.placement, job.restarts)
-    executors.apply(60.0, {"a": first}, models, False)       # round 60 again, after it ran
-    executors.apply(0.0, {"a": first}, models, False)        # round 0, late
+    executors.apply(ApplyRequest(60.0, {"a": first}, models, False))       # round 60 again, after it ran
+    executors.apply(ApplyRequest(0.0, {"a": first}, models, False))        # round 0, late
     assert (job.placement, job.restarts) == before == (second, 1)
 
 

@@ -382,8 +382,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     await streams.ensure_jobs(bus)
     loop = asyncio.get_running_loop()
+    await streams.ensure_dead_letters(bus)
     consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, subjects.JOBS_EVENTS,
-                                       msgspec.Raw, span_name="executor.job-event")
+                                       msgspec.Raw, span_name="executor.job-event",
+                                       dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER))
     loop.create_task(consumer.consume(on_event, with_delivery=True))
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)

@@ -61,7 +61,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, as the submission's verdict; the submission is then dropped.
-        rules = (f"; {SUBMISSION_RULES}" if "unknown field" in str(error)
+        rules = (f"; {SUBMISSION_RULES}" if "unknown field" in str(error) or "`$.application`" in str(error)
                  else f"; {ID_RULES}" if "`$.id`" in str(error) else "")
         reason = f"malformed submission: {error}{rules}"
         await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))

@@ -1,0 +1,122 @@
+"""A burst of live submissions: thousands of valid jobs at once on a serving stack, until every one finished.
+
+    .venv/bin/python benchmarks/bench_burst.py [--jobs 2000] [--round 2] [--speed 600]
+
+The embedded stack serves as `goodput up --workload none --round R --speed S` does (a NATS server,
+the five services as processes, the live run on `sia-hetero-64`). A client with nats-py alone
+publishes `--jobs` small JobSpecs (cifar10, msgpack, Nats-Msg-Id = the id) all at once, then the
+run is followed until every job has finished. Prints:
+
+- N and the seconds until every submission was stored (each acknowledged by JetStream);
+- the seconds until the last verdict (all profiled) and until the last job finished;
+- the rounds during the burst: the decision's time (facts, models, the policy, the placer;
+  RoundRecord.round_ms) and the wall time between two rounds on the run's log, p50/p95/max,
+  against the round period;
+- each service's and the NATS server's peak resident memory (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import nats
+import numpy as np
+from bench_load import nats_server_pid, rss_mb
+
+from deploy.live_run import live_request
+from deploy.nats import nats_from_binary
+from deploy.stack import ensure_run, follow_run_steps, running_services, service_arguments
+from shared import subjects
+from shared.bus import Bus
+from shared.schema import JobRecords, JobsQuery
+from sim.simulator import FEEDBACK_ITERATIONS
+
+CLUSTER = "sia-hetero-64"
+
+
+def quantiles(values) -> str:
+    if not len(values):
+        return "-"
+    p50, p95 = np.percentile(values, [50, 95])
+    return f"{p50:.0f} / {p95:.0f} / {max(values):.0f} ms"
+
+
+async def submit_burst(url: str, jobs: int) -> float:
+    """Seconds until every submission was stored."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        started = time.perf_counter()
+        acks = [js.publish_async(subjects.SUBMIT, msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
+                                 headers={"Nats-Msg-Id": f"burst-{i}"}) for i in range(jobs)]
+        await asyncio.gather(*acks)
+        return time.perf_counter() - started
+    finally:
+        await nc.close()
+
+
+async def run(args: argparse.Namespace, folder: Path) -> None:
+    arguments = service_arguments(CLUSTER, None, True, None, FEEDBACK_ITERATIONS, None)
+    with nats_from_binary(folder) as url, running_services(url, arguments, folder) as stack:
+        bus = await Bus.connect(url, "bench-burst")
+        try:
+            await stack.wait_ready(bus)
+            await ensure_run(bus, live_request(subjects.LIVE_RUN, "sia", CLUSTER, args.round, args.speed))
+            steps = []
+
+            async def follow() -> None:
+                async for step in follow_run_steps(bus, subjects.LIVE_RUN, idle_timeout_s=None):
+                    steps.append((time.perf_counter(), step))
+
+            following = asyncio.ensure_future(follow())
+            started = time.perf_counter()
+            stored_s = await submit_burst(url, args.jobs)
+            print(f"{args.jobs} submissions stored in {stored_s:.2f} s ({args.jobs / stored_s:,.0f}/s)", flush=True)
+            profiled_s = None
+            while True:
+                records = (await bus.request(subjects.RECORDS, JobsQuery("burst-"), JobRecords, timeout=60)).jobs
+                states = [r.state for r in records]
+                if profiled_s is None and len(states) == args.jobs and "profiling" not in states:
+                    profiled_s = time.perf_counter() - started
+                if len(states) == args.jobs and all(s == "finished" for s in states):
+                    break
+                if time.perf_counter() - started > args.timeout:
+                    raise SystemExit(f"not finished after {args.timeout:.0f} s: "
+                                     f"{ {s: states.count(s) for s in set(states)} }")
+                await asyncio.sleep(1.0)
+            finished_s = time.perf_counter() - started
+            following.cancel()
+            memory = {name: rss_mb(process.pid)["VmHWM"] for name, process in stack.processes.items()}
+            memory["nats-server"] = rss_mb(nats_server_pid())["VmHWM"]
+        finally:
+            await bus.close()
+    burst = [(t, s) for t, s in steps if t >= started]
+    decide = [s.record.round_ms for _, s in burst if s.record is not None]
+    gaps = np.diff([t for t, _ in burst]) * 1e3
+    print(f"every job profiled (verdict given) {profiled_s:.1f} s after the first submission; "
+          f"every job finished after {finished_s:.1f} s")
+    print(f"{len(burst)} rounds during the burst, one every {args.round:g} s of wall time "
+          f"({args.round * args.speed:g} s of the cluster's clock)")
+    print(f"  deciding a round (p50 / p95 / max): {quantiles(decide)}")
+    print(f"  between two rounds  (p50 / p95 / max): {quantiles(gaps)}  (period {args.round * 1e3:.0f} ms)")
+    print("peak resident memory (VmHWM): " + ", ".join(f"{name} {mb:.0f} MiB" for name, mb in memory.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--round", type=float, default=2.0, help="wall-clock seconds between rounds")
+    parser.add_argument("--speed", type=float, default=600.0, help="the cluster's seconds per wall-clock second")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        asyncio.run(run(args, Path(folder)))
+
+
+if __name__ == "__main__":
+    main()
