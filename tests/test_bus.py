@@ -381,10 +381,14 @@ async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consume
     try:
         assert await next_item(handled) == Ping(2)             # the one behind it is not held up
         assert await next_item(buried) == "poison"             # on its last delivery, once
+        for _ in range(100):                                   # then stored and terminated
+            info = await bus.js.consumer_info(stream, "worker")
+            if info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.05)
         stored = await bus.js.get_last_msg(f"{name_prefix}_DEAD", dead)
     finally:
         task.cancel()
     assert tries == [1, 2] and buried.empty()
     assert bus.decode(stored.data, Ping) == Ping(1) and "poison" in stored.headers[DEAD_REASON_HEADER]
-    info = await bus.js.consumer_info(stream, "worker")
     assert info.num_pending == 0 and info.num_ack_pending == 0

@@ -1,6 +1,7 @@
 """The live round loop: jobs submitted while the stack serves are scheduled on the wall clock."""
 
 import asyncio
+import contextlib
 import time
 
 from cli.main import main
@@ -13,7 +14,9 @@ from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 ROUND_S, SPEED = 60.0, 1200.0          # a 60-s round every 50 ms of wall time
 
 
-async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
+@contextlib.asynccontextmanager
+async def live_stack(tmp_path, **request):
+    """The five services serving a live run; (NATS URL, the stack, a bus)."""
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     # A server of its own: a live run never ends, and would keep any later leader on this server busy.
     with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
@@ -21,25 +24,31 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
         try:
             await stack.wait_ready(bus)
             await streams.ensure_jobs(bus)
-            await create_run(bus, RunRequest("live-test", "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED))
-            started = time.monotonic()
-            await bus.js_publish(subjects.SUBMIT, JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
-            steps, late_submitted = [], False
-            async for step in follow_run_steps(bus, "live-test", idle_timeout_s=60):
-                steps.append(step)
-                if not late_submitted and step.record and "ncf-live" in step.record.gpus:
-                    # A second job, submitted while the first runs, joins at a later round.
-                    await bus.js_publish(subjects.SUBMIT, JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live")
-                    late_submitted = True
-                finished = {job for s in steps for job in s.finished}
-                if finished >= {"ncf-live", "cifar10-live"}:
-                    break
-            wall_s = time.monotonic() - started
-            records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
-            assert await asyncio.to_thread(main, ["status", "--server", url]) == 0
-            status = capsys.readouterr().out
+            await create_run(bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED,
+                                             **request))
+            yield url, stack, bus
         finally:
             await bus.close()
+
+
+async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
+    async with live_stack(tmp_path) as (url, stack, bus):
+        started = time.monotonic()
+        await bus.js_publish(subjects.SUBMIT, JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
+        steps, late_submitted = [], False
+        async for step in follow_run_steps(bus, subjects.LIVE_RUN, idle_timeout_s=60):
+            steps.append(step)
+            if not late_submitted and step.record and "ncf-live" in step.record.gpus:
+                # A second job, submitted while the first runs, joins at a later round.
+                await bus.js_publish(subjects.SUBMIT, JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live")
+                late_submitted = True
+            finished = {job for s in steps for job in s.finished}
+            if finished >= {"ncf-live", "cifar10-live"}:
+                break
+        wall_s = time.monotonic() - started
+        records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
+        assert await asyncio.to_thread(main, ["status", "--server", url]) == 0
+        status = capsys.readouterr().out
     assert records["ncf-live"].finish_s is not None and records["cifar10-live"].finish_s is not None
     assert "2 jobs: 2 finished" in status and "ncf-live" in status and "cifar10-live" in status
     # Each arrived at the live round that first saw it: the second after the first had started.
@@ -56,41 +65,32 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
     from deploy.probe import ProbeFailed, ping
     from shared.schema import PolicyStatus
 
-    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
-        bus = await Bus.connect(url, "live-test")
+    async with live_stack(tmp_path, request_timeout_s=1.0) as (url, stack, bus):
+        await bus.js_publish(subjects.SUBMIT, JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
+        while await _state(bus, "imagenet-live") != "running":
+            await asyncio.sleep(0.1)
+        stack.kill("estimator")
+
+        async def run_state() -> tuple[str, str]:
+            run = (await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=10)).run
+            return run.state, run.reason
+
+        while (await run_state())[0] != "stalled":
+            await asyncio.sleep(0.1)
+        state, reason = await run_state()
+        assert subjects.MODELS in reason, reason                     # the stage no one answers is named
         try:
-            await stack.wait_ready(bus)
-            await streams.ensure_jobs(bus)
-            await create_run(bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED,
-                                             request_timeout_s=1.0))
-            await bus.js_publish(subjects.SUBMIT, JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
-            while await _state(bus, "imagenet-live") != "running":
-                await asyncio.sleep(0.1)
-            stack.kill("estimator")
-
-            async def run_state() -> tuple[str, str]:
-                run = (await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=10)).run
-                return run.state, run.reason
-
-            while (await run_state())[0] != "stalled":
-                await asyncio.sleep(0.1)
-            state, reason = await run_state()
-            assert subjects.MODELS in reason, reason                     # the stage no one answers is named
-            try:
-                await ping("policy", url, 5.0, ready=True)
-                raise AssertionError("the readiness probe passed while the live run was stalled")
-            except ProbeFailed as failure:
-                assert "stalled" in str(failure) and subjects.MODELS in str(failure)
-            await ping("policy", url, 5.0)                                # alive all the same
-
-            stack.start("estimator")
-            while await _state(bus, "imagenet-live") != "finished":
-                await asyncio.sleep(0.2)
-            assert (await run_state())[0] == "running"
             await ping("policy", url, 5.0, ready=True)
-        finally:
-            await bus.close()
+            raise AssertionError("the readiness probe passed while the live run was stalled")
+        except ProbeFailed as failure:
+            assert "stalled" in str(failure) and subjects.MODELS in str(failure)
+        await ping("policy", url, 5.0)                                # alive all the same
+
+        stack.start("estimator")
+        while await _state(bus, "imagenet-live") != "finished":
+            await asyncio.sleep(0.2)
+        assert (await run_state())[0] == "running"
+        await ping("policy", url, 5.0, ready=True)
 
 
 async def _state(bus, job: str) -> str | None:

@@ -67,13 +67,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from services.policy.base import (
-    Decision,
-    RoundState,
-    decision_from_placements,
-    refuse_hybrid,
-    restart_factor,
-)
+from services.policy.base import Decision, RoundState, decision_from_placements, refuse_hybrid, restart_factor
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
 from shared.settings import ROUND_S
