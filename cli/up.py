@@ -32,11 +32,10 @@ from services.executor.local import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
-
 from shared.schema import JOB_STATES
 
-LOCK_FILE = "goodput-up.lock"
-WATCH_JOBS = 8                      # jobs named on one line of the live output       # held by the `goodput up` serving from a data folder
+LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
+WATCH_JOBS = 8                      # jobs named on one line of the live output
 BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
 ROUND_S = {"simulated": 60.0, "local": 10.0}
@@ -52,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
     up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
     up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
-    up.add_argument("--data", default="out/stack", help="JetStream data and service logs (default: %(default)s)")
+    up.add_argument("--data", help="JetStream data and service logs (default: out/stack; with --once out/replay)")
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
     up.add_argument("--fresh", action="store_true",
@@ -90,7 +89,7 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
-    data = Path(args.data)
+    data = Path(args.data or ("out/replay" if args.once and not local else "out/stack"))
     data.mkdir(parents=True, exist_ok=True)
     with _holding(data):
         if port_in_use(args.port):
@@ -147,8 +146,8 @@ async def _serve(args: argparse.Namespace, url: str, data: Path, resumed: bool) 
 
 async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) -> None:
     from deploy.live_run import describe, live_request
-    from deploy.stack import (ensure_run, local_service_arguments, records_once_ended, running_services,
-                              service_arguments)
+    from deploy.stack import (ensure_run, live_run_exists, local_service_arguments, records_once_ended,
+                              running_services, service_arguments)
     from shared.bus import Bus
     from shared.subjects import LIVE_RUN
     from sim.simulator import FEEDBACK_ITERATIONS
@@ -177,6 +176,9 @@ async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) 
             print(f"submit jobs with `goodput submit JOB.yaml --server {url}`; "
                   f"see them with `goodput status --server {url}`")
             if not local and args.workload != "none" and (args.once or not resumed):
+                if resumed and await live_run_exists(bus):
+                    raise ValueError(f"{data} holds a live run, which the policy leader serves before any replay: "
+                                     "replay on another --data, or start it empty with --fresh")
                 await _replay(args, bus, stack, live.policy, dict(live.policy_options))
             if local or not args.once:
                 existing = await ensure_run(bus, live)
@@ -330,6 +332,9 @@ def job_document(r) -> dict:
 
 def run_document(policy) -> dict:
     """The live run (and the policy leader) as `goodput status --json` shows it."""
+    if policy is None:
+        return {"id": None, "state": "unknown", "reason": "no policy replica answers", "round": None,
+                "now_s": None, "jobs": 0, "leader": None}
     run = policy.run
     if run is None:
         return {"id": None, "state": "none", "reason": "no live run yet", "round": None, "now_s": None,
@@ -339,6 +344,8 @@ def run_document(policy) -> dict:
 
 
 async def _query(server: str, **options):
+    import nats.errors
+
     from shared import subjects
     from shared.bus import Bus
     from shared.schema import Ack, JobRecords, JobsQuery, PolicyStatus
@@ -346,7 +353,10 @@ async def _query(server: str, **options):
     bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
         records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)
-        policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
+        try:
+            policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            policy = None                   # the jobs are still worth showing
         return records, policy
     finally:
         await bus.close()

@@ -41,6 +41,7 @@ def free_loopback_port() -> int:
 def port_in_use(port: int) -> bool:
     """Whether something listens on (or holds) `port` on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the server binds: TIME_WAIT is free
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -90,6 +91,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
             command,
             stdout=server_log,
             stderr=subprocess.STDOUT,
+            start_new_session=True,      # Ctrl-C reaches its owner, which stops it last
         )
     try:
         wait_until_accepting(process, port, log_path)

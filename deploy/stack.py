@@ -39,7 +39,10 @@ class Stack:
     def start(self, name: str) -> None:
         """Start (or start again) one service instance; its log is appended to."""
         with open(self.logs / f"{name}.log", "ab") as log:
-            self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
+            # A session of its own: Ctrl-C in a terminal reaches the driver only, which stops the
+            # services before the NATS server they need to stop cleanly.
+            self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
 
     def kill(self, name: str) -> None:
         """kill -9: the service gets no chance to clean up."""
@@ -223,6 +226,11 @@ async def create_run(bus: Bus, request: RunRequest) -> None:
     await streams.ensure_run_log(bus)
     runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
     await runs.create(request.run_id, RunCheckpoint(request))
+
+
+async def live_run_exists(bus: Bus) -> bool:
+    """Whether the stack has a live run (which never ends: a leader serving it leads nothing else)."""
+    return await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(subjects.LIVE_RUN) is not None
 
 
 async def ensure_run(bus: Bus, request: RunRequest) -> RunRequest | None:

@@ -92,8 +92,8 @@ MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the
 MAX_DELIVER = 5
 REDELIVER_AFTER_S = 1.0      # doubled at each redelivery, up to REDELIVER_MAX_S
 REDELIVER_MAX_S = 30.0
-FETCH_RETRY_MAX_S = 10.0
-DRAIN_TIMEOUT_S = 0.05       # after a fetch's first message, how long the others may take     # a failing fetch is tried again after 0.5 s, doubling up to this
+FETCH_RETRY_MAX_S = 10.0     # a failing fetch is tried again after 0.5 s, doubling up to this
+DRAIN_TIMEOUT_S = 0.05       # after a fetch's first message, how long the others may take
 DEAD_REASON_HEADER = "Goodput-Dead-Reason"
 DEAD_SUBJECT_HEADER = "Goodput-Dead-Subject"
 NO_RESPONDERS_STATUS = "503"
@@ -772,7 +772,8 @@ class PullConsumer(Generic[T]):
                             await self._failed(delivery, error, on_dead)
                         continue
                     if not delivery.settled:
-                        await delivery.ack()
+                        with contextlib.suppress(nats.errors.Error):    # unacked: it comes back
+                            await delivery.ack()
 
     async def _failed(self, delivery: Delivery[T], error: Exception,
                       on_dead: Callable[[Delivery[T], Exception], Any] | None) -> None:
@@ -791,11 +792,14 @@ class PullConsumer(Generic[T]):
         try:
             if on_dead is not None:
                 await _settle(on_dead(delivery, error))
+        except Exception as failed:  # noqa: BLE001 - it is dead-lettered all the same
+            log.warning("the dead-letter handler of %s failed: %s", delivery.subject, failed)
+        try:
             if self._dead_letters is not None:
                 await self._bus.js.publish(self._dead_letters, delivery.raw.data, headers={
                     DEAD_REASON_HEADER: reason[:1000], DEAD_SUBJECT_HEADER: delivery.subject})
         except Exception as failed:  # noqa: BLE001 - the message is dropped all the same: it cannot be processed
-            log.warning("dead-lettering a message of %s failed: %s", delivery.subject, failed)
+            log.warning("storing a dead letter of %s failed: %s", delivery.subject, failed)
         with contextlib.suppress(nats.errors.Error):
             await delivery.term()
 

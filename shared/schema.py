@@ -17,9 +17,11 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 MAX_ID = 128
-# Ids travel in subjects and KV keys: letters, digits, '-', '_' and '.' only, at most MAX_ID. The
-# pattern ends in "nothing follows" rather than `$`, which would also match before a final newline.
-Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(?![\s\S])", max_length=MAX_ID)]
+# Ids travel in subjects and KV keys: letters, digits, '-', '_' and single '.' between them (a key's
+# tokens), at most MAX_ID. The pattern ends in "nothing follows" rather than `$`, which would also
+# match before a final newline.
+Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*(?![\s\S])",
+                                         max_length=MAX_ID)]
 # What one submission may ask for, whatever the cluster (the profiler holds it to the cluster's size).
 MAX_GPUS = 65_536
 MAX_BATCH = 1 << 24

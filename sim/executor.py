@@ -7,8 +7,9 @@ job enters the rounds only once the profiler accepted it (`Profiled`: its profil
 estimator); one it refused is kept with the reason, so `goodput status` shows it. The service
 answers the policy leader's round — the jobs' facts, the placements to apply, a round to advance,
 after which it reports every configuration a job ran to the estimator — and the status requests.
-Every submission's state is written to KV before a request is answered, so a restarted executor
-picks the cluster up where it was; a round asked again runs only the jobs not yet run.
+Every submission's state is written to KV before a request is answered (what a failed attempt left
+unwritten, by the next), so a restarted executor picks the cluster up where it was; a round asked
+again runs only the jobs not yet run, and reports what the last attempt could not.
 """
 
 from __future__ import annotations
@@ -65,11 +66,17 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     # for it, and then finds its work done.
     turn = asyncio.Lock()
 
-    async def save(names) -> None:
-        for name in names:
+    dirty: set[str] = set()                 # changed here, not yet in KV
+    unreported: list[Observed] = []         # measured, not yet with the estimator
+
+    async def save(names=()) -> None:
+        """Write what changed (now, or in an attempt that failed half-way) to KV."""
+        dirty.update(names)
+        for name in sorted(dirty):
             entry = submitted[name]
             entry.job = executors.jobs.get(name)
             await states.put(name, entry)
+            dirty.discard(name)
 
     def on_submitted(spec: JobSpec, _: int) -> str | None:
         known = submitted.get(spec.id)
@@ -125,8 +132,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             return                 # a malformed submission: the profiler's rejection of it follows
         async with turn:
             changed = take(event, delivery.stream_sequence)
-            if changed is not None:
-                await save([changed])
+            await save([changed] if changed is not None else [])
 
     def facts(now: float, names) -> FactsReply:
         known, held, failed = [], {}, {}
@@ -134,7 +140,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             entry = submitted.get(name)
             job = executors.jobs.get(name)
             if job is not None and job.failure is None:
-                known.append(job.facts(executors.truths[name], now))
+                try:
+                    known.append(job.facts(executors.truths[name], now))
+                except Exception as error:  # noqa: BLE001 - a job whose facts cannot be made is that job's failure
+                    failed[name] = f"its facts could not be made: {type(error).__name__}: {error}"
             elif job is not None:
                 failed[name] = job.failure
             elif entry is not None and entry.rejected is not None:
@@ -147,11 +156,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:
             before = {name: job.advanced_to for name, job in executors.jobs.items()}
             finished, observed = executors.advance(request.now_s, request.step_s, request.jobs)
-            for job_id, gpu_type, observation in observed:      # in order: the estimator sees what direct wiring does
-                job = executors.jobs[job_id]
-                revision = await endpoints.report(bus, Observed(job_id, gpu_type, observation))
-                job.estimate_revision = max(job.estimate_revision, revision)
+            unreported.extend(Observed(job_id, gpu_type, observation) for job_id, gpu_type, observation in observed)
             await save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
+            while unreported:               # in order: the estimator sees what direct wiring does
+                message = unreported[0]
+                job = executors.jobs[message.job_id]
+                job.estimate_revision = max(job.estimate_revision, await endpoints.report(bus, message))
+                dirty.add(message.job_id)
+                unreported.pop(0)
+            await save()
             return AdvanceReply(tuple(finished), executors.failures(request.jobs))
 
     async def on_live(request: LiveJobsRequest) -> LiveJobs:

@@ -25,6 +25,8 @@ def test_a_job_file_becomes_a_jobspec(tmp_path):
     ("id: a\napplication: cifar10\ngpus: 4\n", "unknown field `gpus`"),
     ("id: a\napplication: cifar10\nrequested_batch: -32\n", "requested_batch"),
     ("id: a b\napplication: cifar10\n", "$.id"),
+    ("id: job.\napplication: cifar10\n", "$.id"),             # a KV key may not end in '.'
+    ("id: a..b\napplication: cifar10\n", "$.id"),
     ("application: cifar10\n", "missing required field `id`"),
     ("id: a\napplication: bert\nstrong_scaling: true\n", "needs requested_batch"),
     ("id: [unclosed\n", "not valid YAML"),

@@ -11,6 +11,7 @@ reads the job again if its copy is older. A restarted replica starts empty and l
 from __future__ import annotations
 
 import argparse
+import logging
 
 from nats import micro
 
@@ -22,6 +23,7 @@ from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, 
 from shared.settings import settings_for
 
 CONFLICT_RETRIES = 20
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,13 +78,17 @@ class SharedEstimates:
 
     async def models(self, request: ModelsRequest) -> ModelsReply:
         """The models of the jobs it has profiles of; the others are held, not an error of the round."""
-        known, held = [], {}
+        models, held = [], {}
         for facts in request.facts:
-            if await self.load(facts.job_id, facts.estimate_revision):
-                known.append(facts)
-            else:
-                held[facts.job_id] = "the estimator has no profile of it yet"
-        return ModelsReply(tuple(self.estimator.models(known)), held)
+            try:
+                if not await self.load(facts.job_id, facts.estimate_revision):
+                    held[facts.job_id] = "the estimator has no profile of it yet"
+                    continue
+                models.extend(self.estimator.models([facts]))
+            except Exception as error:  # noqa: BLE001 - one job's model that cannot be made holds that job only
+                log.warning("job %s: no model this round: %s: %s", facts.job_id, type(error).__name__, error)
+                held[facts.job_id] = f"the estimator could not model it: {type(error).__name__}: {error}"
+        return ModelsReply(tuple(models), held)
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:

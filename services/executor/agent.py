@@ -123,7 +123,10 @@ class NodeAgent:
             job.failure = str(error)
 
     def profiled(self, message: Profiled) -> None:
-        if message.job_id in self.jobs:
+        if message.job_id in self.jobs and message.init_batch is None:     # a trace-backed profiler's word
+            self.jobs[message.job_id].failure = ("profiled without a run of its own: real jobs need the profiler "
+                                                 "with --executors local")
+        elif message.job_id in self.jobs:
             self.jobs[message.job_id].profiled = message
         else:
             log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)

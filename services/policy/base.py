@@ -95,14 +95,18 @@ class Policy(Protocol):
     def allocate(self, state: RoundState) -> Decision: ...
 
 
+class HybridRefused(ValueError):
+    """A policy that would split model-parallel groups refuses the hybrid-parallel jobs it was given."""
+
+
 def refuse_hybrid(policy: str, jobs: Iterable[JobView]) -> None:
-    """ValueError naming the hybrid-parallel jobs (Sia §5.3) among `jobs`: for the policies that
+    """HybridRefused naming the hybrid-parallel jobs (Sia §5.3) among `jobs`: for the policies that
     choose GPU counts or placements outside Sia's configuration set, and would split their groups."""
     hybrid = [f"{j.job_id} ({j.model}: model-parallel groups of "
               + ", ".join(f"{g} GPUs on {t}" for t, g in j.models.group_gpus.items()) + ")"
               for j in jobs if j.models.group_gpus]
     if hybrid:
-        raise ValueError(f"policy {policy!r} cannot schedule hybrid-parallel jobs: {'; '.join(hybrid)}. "
+        raise HybridRefused(f"policy {policy!r} cannot schedule hybrid-parallel jobs: {'; '.join(hybrid)}. "
                          "Use the sia policy")
 
 

@@ -30,8 +30,8 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from services.policy.base import Decision, Policy, RoundState, decision_from_placements, job_view, restore_policy, \
-    snapshot_policy
+from services.policy.base import (Decision, HybridRefused, Policy, RoundState, decision_from_placements, job_view,
+                                  restore_policy, snapshot_policy)
 from shared.cluster import Cluster, Config, Spots
 from shared.schema import (
     AdvanceReply,
@@ -73,6 +73,8 @@ class Journal(Protocol):
     async def decided(self, clock: RunClock) -> None: ...                  # before it is carried out
 
     async def stepped(self, clock: RunClock, step: RunStep) -> None: ...    # a round has run
+
+    async def idled(self, clock: RunClock) -> None: ...                    # a live round had no jobs
 
 
 class LiveFeed(Protocol):
@@ -129,6 +131,8 @@ class RoundLoop:
                 clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
                 if not clock.active:             # idle: the next round, on the wall clock
                     clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
+                    if journal:                  # kept, so a resumed run's clock is never behind its jobs
+                        await journal.idled(clock)
                     continue
             now = clock.now_s
             if not live and now > self.settings.horizon_s:
@@ -238,17 +242,15 @@ class RoundLoop:
                 try:
                     # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
                     return await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, tuple(views)))
-                except ValueError as error:
+                except HybridRefused as error:
                     refused = [v for v in views if v.models.group_gpus]
-                    if not refused:
-                        return self._keep(facts, f"policy {self.policy.name} failed ({error}); previous allocation kept")
                     failed.update({v.job_id: str(error) for v in refused})
                     views[:] = [v for v in views if not v.models.group_gpus]
                     facts[:] = [f for f in facts if f.job_id not in failed]
                 except Exception as error:  # noqa: BLE001 - a failed solve (LinAlgError, a solver's) costs a round
                     return self._keep(facts, f"policy {self.policy.name} failed ({type(error).__name__}: {error}); "
                                              "previous allocation kept")
-            return self._keep(facts, f"policy {self.policy.name} refused the round; previous allocation kept")
+            return self._keep(facts, f"policy {self.policy.name} refused the round twice; previous allocation kept")
 
     def _keep(self, facts: list[JobFacts], event: str) -> Decision:
         """The round's decision when the policy could not make one: every job stays where it is."""

@@ -78,6 +78,9 @@ class RunJournal:
     async def decided(self, clock: RunClock) -> None:
         await self._save(clock)
 
+    async def idled(self, clock: RunClock) -> None:
+        await self._save(clock)
+
     async def stepped(self, clock: RunClock, step: RunStep) -> None:
         self.leadership.check()
         run_id = self.request.run_id

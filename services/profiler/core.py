@@ -111,7 +111,8 @@ def profile_source(reference: str | None = None, use_zoo: bool = False) -> Profi
     return ProfileSource("zoo", {name: tuple(m.types) for name, m in zoo.items()}, profile)
 
 
-ID_RULES = "a job id is 1 to 128 letters, digits, '.', '_' or '-', beginning with a letter or digit"
+ID_RULES = ("a job id is 1 to 128 letters, digits, '_', '-' and single '.' between them, beginning with a letter "
+            "or digit")
 SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
                     "a model or job module the cluster knows")
 
@@ -125,6 +126,8 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
     if live and spec.submit_s is not None:
         return ("submit_s is for replayed workloads; a live submission arrives when it is submitted: "
                 "leave submit_s out")
+    if not live and spec.submit_s is None:
+        return "a replayed submission needs its submit_s"
     known_types = set(cluster.gpu_types)
     unknown = sorted(set(spec.gpu_types) - known_types)
     if unknown:

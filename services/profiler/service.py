@@ -66,8 +66,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         reason = f"malformed submission: {error}{rules}"
         await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
 
-    async def reject(spec: JobSpec, reason: str) -> None:
-        await bus.js_publish(subjects.REJECTED, rejection(subjects.SUBMIT, reason, repr(spec), spec.id))
+    async def reject(spec: JobSpec, reason: str, subject: str = subjects.SUBMIT) -> None:
+        await bus.js_publish(subjects.REJECTED, rejection(subject, reason, repr(spec), spec.id))
 
     async def measure(spec: JobSpec, types: list[str]) -> tuple:
         """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
@@ -85,7 +85,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         problem = submission_problem(spec, cluster, None if local else source.types,
                                      live=delivery.subject == subjects.SUBMIT)
         if problem is not None:
-            await reject(spec, problem)
+            await reject(spec, problem, delivery.subject)
             return
         if local:
             types = [t for t in cluster.gpu_types if not spec.gpu_types or t in spec.gpu_types]
@@ -94,7 +94,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             except ProfilingFailed as error:
                 if stopping.is_set():            # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
-                await reject(spec, f"job {spec.id} cannot run: {error}")
+                await reject(spec, f"job {spec.id} cannot run: {error}", delivery.subject)
                 return
         else:
             types = [t for t in cluster.gpu_types if t in source.types[spec.application]
@@ -107,7 +107,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def on_dead(delivery, error: Exception) -> None:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
         await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
-                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}")
+                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery.subject)
 
     await streams.ensure_jobs(bus)
     await streams.ensure_dead_letters(bus)
