@@ -139,8 +139,10 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
 
 
 async def _next_run(runs: TypedKV[RunCheckpoint], unreadable: set[str]):
-    """The first run not over; an unreadable checkpoint is skipped (warned of once), not fatal."""
-    for key in await runs.keys():
+    """The first run not over, replays before a live run (which never ends); an unreadable
+    checkpoint is skipped (warned of once), not fatal."""
+    keys = await runs.keys()
+    for key in sorted(keys, key=lambda k: k == subjects.LIVE_RUN):
         try:
             entry = await runs.get(key)
         except msgspec.DecodeError as error:
