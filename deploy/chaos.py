@@ -33,7 +33,7 @@ import nats.errors
 from nats import micro
 
 from deploy.nats import free_loopback_port, nats_from_binary
-from deploy.stack import Stack, replay, running_services, service_arguments
+from deploy.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, load_cluster
@@ -323,7 +323,7 @@ async def run_trial(jobs: list[WorkloadJob], fault: Fault, fail_round: int, at: 
 
 async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict, at: int) -> Outcome:
     run_id = f"chaos-{uuid.uuid4().hex[:12]}"
-    prefix = f"{run_id}."
+    prefix = replay_prefix(run_id)
     checked: dict[float, int] = {}        # decided round (its time) -> nodes over capacity
     sampled = [0]                          # samples of the executors' placements over capacity
     watchers = [asyncio.ensure_future(w) for w in (_follow(trial, run_id), _watch_decisions(trial, run_id, checked),
@@ -337,8 +337,7 @@ async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict,
         jobs_seen = list(records.jobs)
     except (RuntimeError, asyncio.TimeoutError) as error:
         failure = str(error).splitlines()[0] or type(error).__name__
-        seen = await trial.bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=30)
-        jobs_seen = [msgspec.structs.replace(r, name=r.name.removeprefix(prefix)) for r in seen.jobs]
+        jobs_seen = list((await replay_records(trial.bus, prefix, 30)).jobs)
     if disturbance:
         await disturbance
     await asyncio.sleep(0.2)                # the log's last step reaches the follower

@@ -191,7 +191,7 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     name them as the workload does."""
     await streams.ensure_jobs(bus)
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
-    prefix = f"{run_id}."
+    prefix = replay_prefix(run_id)
     for job in jobs:
         spec = JobSpec(prefix + job.name, job.application, requested_gpus=job.num_replicas,
                        requested_batch=job.batch_size, submit_s=job.time)
@@ -206,19 +206,20 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     except Exception as error:  # noqa: BLE001 - say which service failed and why
         logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
         raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
-    records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=60)
-    return _unprefixed(report, records, prefix)
+    rounds = tuple(msgspec.structs.replace(r, gpus={j.removeprefix(prefix): g for j, g in r.gpus.items()})
+                   for r in report.rounds)
+    return RunReport(rounds, tuple(e.replace(prefix, "") for e in report.events)), await replay_records(bus, prefix)
 
 
-def _unprefixed(report: RunReport, records: JobRecords, prefix: str) -> tuple[RunReport, JobRecords]:
-    """A replay's report and records under the workload's names."""
-    def name(job: str) -> str:
-        return job.removeprefix(prefix)
+def replay_prefix(run_id: str) -> str:
+    """What a replay's job ids begin with: `<run id>.`, then the workload's name."""
+    return f"{run_id}."
 
-    rounds = tuple(msgspec.structs.replace(r, gpus={name(j): g for j, g in r.gpus.items()}) for r in report.rounds)
-    events = tuple(e.replace(prefix, "") for e in report.events)
-    jobs = tuple(msgspec.structs.replace(r, name=name(r.name)) for r in records.jobs if r.name.startswith(prefix))
-    return RunReport(rounds, events), JobRecords(jobs)
+
+async def replay_records(bus: Bus, prefix: str, timeout_s: float = 60.0) -> JobRecords:
+    """The executors' records of a replay's jobs, under the workload's names."""
+    records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=timeout_s)
+    return JobRecords(tuple(msgspec.structs.replace(r, name=r.name.removeprefix(prefix)) for r in records.jobs))
 
 
 async def create_run(bus: Bus, request: RunRequest) -> None:
