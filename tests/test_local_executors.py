@@ -1,12 +1,13 @@
 """Real jobs on CPU slots: a placement change checkpoints the job and restarts it at the new world
 size, it re-tunes its batch and reaches its target; a crashed worker restarts from its checkpoint."""
 
+import json
 import time
 
 import msgspec
 import pytest
 
-from services.executor.local import LocalExecutors
+from services.executor.local import LocalExecutors, job_module
 from shared.cluster import Cluster
 from shared.schema import Node, NodeJob
 
@@ -64,6 +65,59 @@ def test_only_example_jobs_may_run():
         executors.add("x", "os")
     with pytest.raises(ValueError, match="no job"):
         executors.add("y", "../../etc/passwd")
+
+
+def test_only_modules_that_declare_themselves_jobs_may_run():
+    """A module of the jobs package is not a job unless it says so: the example jobs' shared loop
+    is refused, with the reason and the jobs there are."""
+    with pytest.raises(ValueError, match=r"no job 'common' in examples.jobs: examples.jobs.common does not declare "
+                                         r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
+                                         r"tiny_lm\)"):
+        LocalExecutors(SLOTS, None).add("c", "common")
+    with pytest.raises(ValueError, match=r"its jobs: environment, huge, quick, raises\)"):
+        job_module("small", "tests.jobs")                     # the test jobs' helper
+    with pytest.raises(ValueError, match=r"its jobs: none"):
+        job_module("x", "no_such_package")
+    assert job_module("mlp_blobs") == "examples.jobs.mlp_blobs"
+
+
+CREDENTIALS = {"GOODPUT_NATS_USER": "executor", "GOODPUT_NATS_PASSWORD": "hunter2-secret",
+               "GOODPUT_NATS_PASSWORD_FILE": "/run/secrets/executor", "GOODPUT_NATS_PASSWORD_PLACER": "placer-secret",
+               "GOODPUT_NATS_TOKEN_FILE": "/run/secrets/token", "GOODPUT_NATS_TLS_KEY": "/etc/goodput/tls.key",
+               "GOODPUT_NATS_URL": "nats://user:pass@nats:4222", "GITHUB_TOKEN": "ghp_secret",
+               "AWS_SECRET_ACCESS_KEY": "aws-secret"}
+
+
+def given_environment(log) -> dict[str, str]:
+    """What the environment job (tests/jobs/environment.py) wrote to its log."""
+    return json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
+
+
+def test_workers_and_profiling_runs_get_a_minimal_environment_never_the_agents_credentials(tmp_path, monkeypatch):
+    """Real worker processes, started with NATS credentials and tokens in the agent's environment:
+    they see none of them, only what a job needs (the device settings among it) and their place."""
+    from services.profiler.measure import ProfilingFailed, profiling_run
+
+    for name, value in {**CREDENTIALS, "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "WARN"}.items():
+        monkeypatch.setenv(name, value)
+    executors = LocalExecutors(SLOTS, tmp_path, jobs_package="tests.jobs")
+    executors.add("env-1", "environment")
+    try:
+        executors.apply({"env-1": (("local-0", 2),)})
+        wait_for(lambda finished: "env-1" in finished, executors, timeout_s=60)
+    finally:
+        executors.stop_all()
+    with pytest.raises(ProfilingFailed, match="printed no profile"):
+        profiling_run("env-2", "environment", "cpu", tmp_path, "tests.jobs", slot_memory_mb=64)
+    workers = [given_environment(tmp_path / f"env-1.rank{rank}.log") for rank in (0, 1)]
+    profiling = given_environment(tmp_path / "env-2.profile-cpu.log")
+    for env in (*workers, profiling):
+        leaked = {name for name, value in env.items() if name in CREDENTIALS or value in CREDENTIALS.values()}
+        assert not leaked and not any(name.startswith("GOODPUT_NATS_") for name in env), leaked
+        assert env["PATH"] and env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_DEBUG"] == "WARN"
+        assert env["OMP_NUM_THREADS"] == "1" and env["GOODPUT_JOB_ID"] in ("env-1", "env-2")
+    assert [env["RANK"] for env in workers] == ["0", "1"] and workers[0]["WORLD_SIZE"] == "2"
+    assert profiling["GOODPUT_PROFILE"] == "1" and profiling["GOODPUT_SLOT_MEMORY_MB"] == "64"
 
 
 def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs_back(tmp_path):

@@ -14,6 +14,8 @@ from torch.utils.data import TensorDataset
 from examples.jobs.common import job_arguments, train
 from services.executor.trainer import AdaptiveTraining
 
+GOODPUT_JOB = True          # a job: the executors may run this module (a helper module may not)
+
 CLASSES, FEATURES = 8, 32
 
 

@@ -16,6 +16,8 @@ from torch.utils.data import TensorDataset
 from examples.jobs.common import job_arguments, train
 from services.executor.trainer import AdaptiveTraining
 
+GOODPUT_JOB = True          # a job: the executors may run this module (a helper module may not)
+
 CONTEXT = 32
 SUBJECTS = ["the cat", "a dog", "my friend", "the robot", "our team"]
 VERBS = ["sees", "likes", "builds", "finds", "trains"]

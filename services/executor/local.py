@@ -9,16 +9,22 @@ changes (the library checkpoints and exits) and starts them again on the new one
 resumes from the checkpoint at the new world size), collects the `JobStats` the workers print,
 and notices when a job finishes, or crashes (restarted from its last checkpoint; after
 `max_crashes` it fails, with the last line its workers wrote to stderr).
+
+Only a module that declares itself a job (`GOODPUT_JOB = True` at its top level, read from its
+source, never run here) may be started: the package's helpers are not jobs. A worker gets a minimal
+environment (`worker_env`), never the agent's: its NATS credentials stay with the agent.
 """
 
 from __future__ import annotations
 
+import ast
 import base64
 import contextlib
 import importlib.util
 import json
 import logging
 import os
+import pkgutil
 import queue
 import signal
 import subprocess
@@ -38,29 +44,73 @@ from shared.cluster import Cluster, Spots
 from shared.schema import JobStats
 
 JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
+JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
 STOP_TIMEOUT_S = 60.0
 MAX_CRASHES = 3
 ROOT = Path(__file__).resolve().parents[2]
+# What a worker inherits from the agent: what Python, PyTorch and the devices need, nothing else
+# (the agent's NATS credentials, tokens and TLS keys are not a job's).
+WORKER_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
+                              "VIRTUAL_ENV", "LD_LIBRARY_PATH"})
+WORKER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "TORCH_")
+NEVER_TO_WORKERS = "GOODPUT_NATS_"
 log = logging.getLogger(__name__)
 
 
+def declares_job(path: str | Path | None) -> bool:
+    """Whether a module's source says `GOODPUT_JOB = True` at its top level (parsed, not run)."""
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (TypeError, OSError, SyntaxError, ValueError):    # no source (built-in, compiled), or not Python
+        return False
+    return any(isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is True
+               and any(isinstance(target, ast.Name) and target.id == JOB_MARKER for target in node.targets)
+               for node in tree.body)
+
+
+def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
+    """The modules of `package` that declare themselves jobs."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(info.name for info in pkgutil.iter_modules(spec.submodule_search_locations)
+                  if not info.ispkg and declares_job(info.module_finder.find_spec(info.name).origin))
+
+
 def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
-    """The module a job's `application` names; ValueError unless it is one of `package`'s own."""
+    """The module a job's `application` names; ValueError unless it is one of `package`'s declared jobs."""
     module = f"{package}.{application}"
     try:
-        found = application.isidentifier() and importlib.util.find_spec(module) is not None
+        spec = importlib.util.find_spec(module) if application.isidentifier() else None
     except ModuleNotFoundError:               # the package itself is not there
-        found = False
-    if not found:
-        raise ValueError(f"no job {application!r} in {package} (a submission names its code by a module "
-                         f"of that package; it may not carry a command or a path)")
-    return module
+        spec = None
+    if spec is not None and spec.submodule_search_locations is None and declares_job(spec.origin):
+        return module
+    why = (f"{module} does not declare itself a job (`{JOB_MARKER} = True`)" if spec is not None
+           else "a submission names its code by one of the package's jobs; it may not carry a command or a path")
+    jobs = ", ".join(declared_jobs(package)) or "none"
+    raise ValueError(f"no job {application!r} in {package}: {why} (its jobs: {jobs})")
+
+
+def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dict[str, str]:
+    """A worker's whole environment: the allowed part of the agent's (`parent`, default ours), one
+    thread (a CPU slot is one core), then `env`; never a NATS credential."""
+    parent = os.environ if parent is None else parent
+    allowed = {name: value for name, value in parent.items()
+               if name in WORKER_ENV_NAMES or name.startswith(WORKER_ENV_PREFIXES)}
+    return {name: value for name, value in {**allowed, "OMP_NUM_THREADS": "1", **env}.items()
+            if not name.startswith(NEVER_TO_WORKERS)}
 
 
 def worker(module: str, arguments: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
-    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`."""
-    return subprocess.Popen([sys.executable, "-m", module, *arguments], env={**os.environ, "OMP_NUM_THREADS": "1",
-                            **env}, stdout=subprocess.PIPE, stderr=log, text=True, errors="replace", cwd=ROOT)
+    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`. It
+    finds the jobs package from ROOT, its working directory (`-m` puts that first on sys.path), or
+    from PYTHONPATH."""
+    return subprocess.Popen([sys.executable, "-m", module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
+                            stderr=log, text=True, errors="replace", cwd=ROOT)
 
 
 def torchrun_env(rank: int, world: int, nodes: int, port: int, job_id: str, gpu_type: str) -> dict[str, str]:

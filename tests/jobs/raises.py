@@ -10,6 +10,8 @@ from torch.utils.data import TensorDataset
 from services.executor.protocol import PROFILE_ENV
 from tests.jobs.small import run_small
 
+GOODPUT_JOB = True
+
 STEPS = 0
 
 
