@@ -203,16 +203,29 @@ class SimulatedExecutors:
         self.jobs: dict[str, SimulatedJob] = {}
         self.truths: dict[str, ModelTruth] = {}
 
-    def add(self, spec: WorkloadJob, truth: ModelTruth) -> list[str]:
-        """Start tracking a submitted job (again: nothing changes); the GPU types it can run on here."""
+    def add(self, spec: WorkloadJob, truth: ModelTruth, rigid: bool = False) -> list[str]:
+        """Start tracking a submitted job (again: nothing changes); the GPU types it can run on here.
+        A `rigid` one runs at exactly its request (GPUs and batch), like a rigid model of the calibration."""
         usable = [t for t in self.cluster.gpu_types if t in truth.types]
         if not usable:
             raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
                              f"cluster {self.cluster.name}")
         if spec.name not in self.jobs:
             model, settings = spec.application, self.settings
-            self.restore(SimulatedJob(spec, settings.rigid.get(model), settings.restart_delay(model),
+            fixed = (spec.num_replicas, spec.batch_size) if rigid else settings.rigid.get(model)
+            self.restore(SimulatedJob(spec, fixed, settings.restart_delay(model),
                                       settings.goodput_factor(model), group_gpus=dict(truth.group_gpus)), truth)
+        return usable
+
+    def submit(self, spec: JobSpec, truth: ModelTruth) -> list[str]:
+        """A submission the profiler accepted, as `add` takes it: its request (the batch defaults to
+        M0 per GPU), `rigid` as a real job reports it; one without submit_s is live (it arrives at
+        the live round that first sees it)."""
+        live = spec.submit_s is None
+        batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
+        usable = self.add(WorkloadJob(spec.id, math.inf if live else spec.submit_s, spec.application,
+                                      spec.requested_gpus, batch), truth, rigid=spec.rigid)
+        self.jobs[spec.id].live = live
         return usable
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:

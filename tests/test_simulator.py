@@ -150,3 +150,29 @@ def test_generated_workload_is_deterministic_and_loads(tmp_path):
     assert all(0 <= j.time < 3600 and j.num_replicas in (1, 2, 4, 8) for j in loaded)
     with pytest.raises(ValueError, match="not in the zoo"):
         generate_workload(mix={"alexnet": 1.0})
+
+
+def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
+    """The simulated executors take a JobSpec as a node agent does: a rigid one's facts say so, with
+    its request, and the estimator fixes its GPUs and batch from them (the policy's constraint)."""
+    from services.estimator.core import Estimator
+    from shared.cluster import load_cluster
+    from shared.schema import JobSpec
+    from shared.settings import simulation_settings
+    from sim.world import SimulatedExecutors
+
+    executors = SimulatedExecutors(load_cluster("sia-hetero-64"), simulation_settings(None, "sia-hetero-64"), 1)
+    truth = ZOO.truths["cifar10"]
+    executors.submit(JobSpec("rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=5), truth)
+    executors.submit(JobSpec("adaptive", "cifar10", requested_gpus=2, submit_s=5.0), truth)
+    executors.submit(JobSpec("live", "cifar10"), truth)
+    rigid, adaptive = executors.facts(10.0, ["rigid", "adaptive"])
+    assert (rigid.rigid, rigid.requested_gpus, rigid.requested_batch, rigid.submit_s) == (True, 4, 512, 5.0)
+    assert not adaptive.rigid and adaptive.requested_batch == 2 * truth.init_batch
+    assert executors.jobs["live"].live and not executors.jobs["rigid"].live
+    estimator = Estimator()
+    for name in ("rigid", "adaptive"):
+        estimator.add(name, {t: ZOO.profile("cifar10", t) for t in truth.types})
+    fixed, free = estimator.models([rigid, adaptive])
+    assert (fixed.fixed_gpus, fixed.min_gpus, fixed.fixed_batch) == (4, 4, 512)
+    assert (free.fixed_gpus, free.fixed_batch) == (None, None)
