@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 
 import msgspec
 from nats import micro
@@ -26,7 +25,6 @@ from services.executor import endpoints
 from services.runner import service_main
 from shared import streams, subjects
 from shared.bus import Bus
-from shared.reference import WorkloadJob
 from shared.schema import (
     Ack,
     AdvanceReply,
@@ -97,15 +95,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         if truth is None:
             entry.rejected = f"no simulated behaviour for application {spec.application!r} on this cluster"
             return spec.id
-        live = spec.submit_s is None             # arrives at the live round that first sees it
-        batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
         try:
-            executors.add(WorkloadJob(spec.id, math.inf if live else spec.submit_s, spec.application,
-                                      spec.requested_gpus, batch), truth)
+            executors.submit(spec, truth)        # live without submit_s; rigid as it asks
         except ValueError as error:
             entry.rejected = str(error)
-            return spec.id
-        executors.jobs[spec.id].live = live
         return spec.id
 
     def on_rejected(verdict: Rejected, sequence: int) -> str | None:

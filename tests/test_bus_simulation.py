@@ -1,6 +1,8 @@
 """`goodput simulate --bus nats`: the five services over a real NATS server give the schedule that
 the direct wiring gives, job for job."""
 
+import contextlib
+
 import pytest
 
 from shared import subjects
@@ -275,3 +277,42 @@ def test_the_policy_service_refuses_a_lease_that_never_expires():
     assert parser.parse_args(["--lease-ttl", "2"]).lease_ttl == 2.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--lease-ttl", "0"])
+
+
+async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
+    """A rigid JobSpec reaches the simulated executors, which report it rigid as a node agent does:
+    the policy gives it exactly its requested GPUs or none; the adaptive job beside it is rescaled."""
+    import asyncio
+
+    import nats.errors
+
+    from deploy.nats import nats_from_binary
+    from deploy.stack import create_run, follow_run, replay_prefix, running_services, service_arguments
+    from shared.bus import Bus
+    from shared.schema import Count, JobSpec, JobsQuery, RunRequest
+
+    prefix = replay_prefix("rigid-run")
+    specs = [JobSpec(f"{prefix}rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=0.0),
+             JobSpec(f"{prefix}adaptive", "cifar10", requested_gpus=4, requested_batch=512, submit_s=0.0)]
+    with nats_from_binary(tmp_path) as url, running_services(url, service_arguments("sia-hetero-64", None, True, None,
+                                                                                    1, None), tmp_path) as stack:
+        bus = await Bus.connect(url, "driver")
+        try:
+            await stack.wait_ready(bus)
+            for spec in specs:
+                await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
+            for _ in range(200):
+                with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    if (await bus.request(subjects.EXECUTOR_STATUS, JobsQuery(prefix), Count, timeout=5)).n == 2:
+                        break
+                await asyncio.sleep(0.05)
+            await create_run(bus, RunRequest("rigid-run", "sia", {}, "sia", tuple((s.id, 0.0) for s in specs)))
+            report = await asyncio.wait_for(follow_run(bus, "rigid-run"), 120)
+        finally:
+            await bus.close()
+
+    def gpus(name: str) -> set[int]:
+        return {r.gpus[prefix + name] for r in report.rounds if prefix + name in r.gpus}
+
+    assert gpus("rigid") == {4}
+    assert len(gpus("adaptive")) > 1                          # sia starts it small and scales it
