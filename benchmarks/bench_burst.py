@@ -29,10 +29,9 @@ import numpy as np
 from bench_load import nats_server_pid, rss_mb
 
 from deploy.live_run import live_request
-from deploy.nats import nats_from_binary
+from deploy.nats import embedded_nats
 from deploy.stack import ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
-from shared.bus import Bus
 from shared.schema import JobRecords, JobsQuery
 from sim.simulator import FEEDBACK_ITERATIONS
 
@@ -46,9 +45,9 @@ def quantiles(values) -> str:
     return f"{p50:.0f} / {p95:.0f} / {max(values):.0f} ms"
 
 
-async def submit_burst(url: str, jobs: int) -> float:
-    """Seconds until every submission was stored."""
-    nc = await nats.connect(url)
+async def submit_burst(server, jobs: int) -> float:
+    """Seconds until every submission was stored (as a user's client: nats-py, msgpack)."""
+    nc = await nats.connect(server.url, **server.options("user"))
     try:
         js = nc.jetstream()
         started = time.perf_counter()
@@ -62,8 +61,8 @@ async def submit_burst(url: str, jobs: int) -> float:
 
 async def run(args: argparse.Namespace, folder: Path) -> None:
     arguments = service_arguments(CLUSTER, None, True, None, FEEDBACK_ITERATIONS, None)
-    with nats_from_binary(folder) as url, running_services(url, arguments, folder) as stack:
-        bus = await Bus.connect(url, "bench-burst")
+    with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
+        bus = await server.connect("bench-burst")
         try:
             await stack.wait_ready(bus)
             await ensure_run(bus, live_request(subjects.LIVE_RUN, "sia", CLUSTER, args.round, args.speed))
@@ -75,7 +74,7 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
 
             following = asyncio.ensure_future(follow())
             started = time.perf_counter()
-            stored_s = await submit_burst(url, args.jobs)
+            stored_s = await submit_burst(server, args.jobs)
             print(f"{args.jobs} submissions stored in {stored_s:.2f} s ({args.jobs / stored_s:,.0f}/s)", flush=True)
             profiled_s = None
             while True:

@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.nats import nats_from_binary
-from shared import streams, subjects
+from deploy.nats import EmbeddedNats, embedded_nats
 from shared.bus import Bus
+from shared import storage, subjects
 from shared.schema import JobSpec
 
 
@@ -38,10 +38,10 @@ async def publish_all(bus: Bus, specs: list[JobSpec], in_flight: int) -> tuple[f
     return time.perf_counter() - start, duplicates
 
 
-async def run(url: str, jobs: int, in_flight: int) -> None:
-    bus = await Bus.connect(url, "bench-ingest")
+async def run(nats: EmbeddedNats, jobs: int, in_flight: int) -> None:
+    bus = await nats.connect("bench-ingest")       # as the operator: it reads the stream's state after
     try:
-        await streams.ensure_jobs(bus)
+        await storage.provision(bus)
         specs = [JobSpec(f"job-{i}", "cifar10", requested_gpus=1 + i % 8) for i in range(jobs)]
         took, duplicates = await publish_all(bus, specs, in_flight)
         print(f"stored {jobs} submissions in {took:.2f} s: {jobs / took:,.0f} submissions/s "
@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=20000)
     parser.add_argument("--in-flight", type=int, default=256)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
-        asyncio.run(run(url, args.jobs, args.in_flight))
+    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
+        asyncio.run(run(nats, args.jobs, args.in_flight))
 
 
 if __name__ == "__main__":

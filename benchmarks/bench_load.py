@@ -27,9 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.nats import nats_from_binary
+from deploy.nats import embedded_nats
 from deploy.stack import replay, running_services, service_arguments
-from shared.bus import Bus
 from shared.settings import settings_for
 from sim.simulator import FEEDBACK_ITERATIONS
 from sim.workload import generate_workload
@@ -73,8 +72,8 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
     step_walls: list[float] = []
     memory: dict[str, list[dict[str, float]]] = {}
 
-    with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
-        with running_services(url, arguments, Path(folder)) as stack:
+    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
+        with running_services(nats, arguments, Path(folder)) as stack:
             pids = {name: process.pid for name, process in stack.processes.items()} | {"nats-server": nats_server_pid()}
 
             def sample() -> None:
@@ -85,7 +84,7 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
                 step_walls.append(time.perf_counter())
                 sample()
 
-            bus = await Bus.connect(url, "bench-load")
+            bus = await nats.connect("bench-load")
             try:
                 start = time.perf_counter()
                 await stack.wait_ready(bus)

@@ -13,9 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.nats import nats_from_binary
+from deploy.nats import embedded_nats
 from deploy.stack import replay, running_services, service_arguments
-from shared.bus import Bus
 from shared.reference import load_workload, reference_root
 from sim.run import job_sources, simulate
 from shared.settings import settings_for
@@ -23,11 +22,10 @@ from shared.settings import settings_for
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:
     arguments = service_arguments("sia-hetero-64", reference, reference is None, None, 1, None)
-    arguments["policy"] += ["--lease-ttl", "2"]
     replicas = {"policy": 2} if victim == "policy" else {}
-    with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
-        with running_services(url, arguments, Path(folder), replicas) as stack:
-            bus = await Bus.connect(url, "kill-check")
+    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
+        with running_services(nats, arguments, Path(folder), replicas, lease_ttl_s=2.0) as stack:
+            bus = await nats.connect("kill-check")
             try:
                 await stack.wait_ready(bus)
                 start = time.perf_counter()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from pathlib import Path
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import yaml
 
 from shared import credentials
@@ -19,10 +19,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("submit", help="submit a job (YAML or JSON JobSpec) to a running goodput")
     parser.add_argument("job", help="job file: id, application, and optionally requested_gpus, requested_batch, "
                                     "min_gpus, rigid, strong_scaling, gpu_types")
-    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
-                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
-    credentials.add_arguments(parser)
+    add_connection_arguments(parser)
     parser.set_defaults(func=_submit)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """--server and the credentials of a user's command: from the environment, else from the default
+    data folder's user.env (a `goodput up` on this machine)."""
+    environ = credentials.user_environment()
+    parser.add_argument("--server", default=environ.get(SERVER_ENV, DEFAULT_SERVER),
+                        help=f"NATS URL (default: ${SERVER_ENV}, else {credentials.DEFAULT_DATA / credentials.USER_ENV}'s, "
+                             f"else {DEFAULT_SERVER})")
+    credentials.add_arguments(parser, environ)
 
 
 def load_job(path: str | Path):
@@ -43,15 +51,23 @@ def load_job(path: str | Path):
 async def submit(spec, server: str, **options) -> bool:
     """Publish the spec to the submissions stream; True if stored, False if that id was already stored.
     `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`."""
-    from shared import streams, subjects
+    from shared import subjects
     from shared.bus import Bus
+    from shared.storage import MAX_SUBMISSION_BYTES
 
     # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
     # max_reconnect_attempts=0 as "no limit" while choosing a server; 1 gives up after one try).
     bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
-        await streams.ensure_jobs(bus)
-        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
+        if len(bus.encode(spec)) > MAX_SUBMISSION_BYTES:
+            raise ValueError(f"job {spec.id}: a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
+        try:
+            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id, timeout=10)
+        except nats.errors.NoRespondersError:
+            raise ValueError(f"no submissions stream at {credentials.redact(server)}: the operator sets it up "
+                             "(`goodput up` does at start)") from None
+        except nats.js.errors.APIError as error:       # e.g. the stream is full: it refuses, drops nothing
+            raise ValueError(f"the submissions stream refused job {spec.id}: {error.description}") from None
         return not ack.duplicate
     finally:
         await bus.close()

@@ -7,6 +7,11 @@ of the replay's own) and prints the results; then, unless --once, it serves: job
 `goodput submit` are scheduled live, a round every --round seconds of the wall clock (each --speed
 times as long on the simulated cluster), and each decision is printed, until Ctrl-C.
 
+It is secured by default: each service logs in to NATS as its role, with a password made at first
+start under DATA/secrets and kept; `goodput up` writes DATA/user.env, with which a user's client logs
+in as `user` (`goodput submit` and `goodput status` read the default data folder's by themselves).
+Anonymous clients are refused. --insecure turns authentication off, and says so at every start.
+
 The data folder is kept: started again on it, `goodput up` goes on with every job of the live run
 (the start-up replay is not run again); --fresh starts from an empty store. One `goodput up` holds
 a data folder at a time, and a taken port is refused before anything starts.
@@ -30,8 +35,8 @@ from pathlib import Path
 
 from services.executor.local import JOBS_PACKAGE
 from services.runner import positive_float
+from cli.submit import add_connection_arguments
 from shared import credentials
-from shared.bus import DEFAULT_SERVER, SERVER_ENV
 from shared.schema import JOB_STATES
 
 LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
@@ -51,7 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
     up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
     up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
-    up.add_argument("--data", help="JetStream data and service logs (default: out/stack; with --once out/replay)")
+    up.add_argument("--data", help=f"JetStream data, secrets and service logs (default: {credentials.DEFAULT_DATA}; "
+                                   "with --once out/replay)")
+    up.add_argument("--insecure", action="store_true",
+                    help="no authentication: any local process may act as any service (for debugging only)")
+    up.add_argument("--sync-always", action="store_true",
+                    help="fsync every JetStream write (default: every 2 minutes; a killed process loses nothing "
+                         "either way, a power cut up to that much)")
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
     up.add_argument("--fresh", action="store_true",
@@ -74,13 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     status.add_argument("id", nargs="?", help="show this job only")
     status.add_argument("--json", action="store_true",
                         help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)')
-    status.add_argument("--server", default=None, help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
-    credentials.add_arguments(status)
+    add_connection_arguments(status)
     status.set_defaults(func=_status)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.nats import nats_from_binary, port_in_use
+    from deploy.nats import embedded_nats, port_in_use
 
     local = args.executors == "local"
     args.cluster = args.cluster or ("local" if local else "sia-hetero-64")
@@ -89,7 +99,7 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
-    data = Path(args.data or ("out/replay" if args.once and not local else "out/stack"))
+    data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
     data.mkdir(parents=True, exist_ok=True)
     with _holding(data):
         if port_in_use(args.port):
@@ -99,9 +109,12 @@ def _up(args: argparse.Namespace) -> int:
             for folder in ("jetstream", "work"):
                 shutil.rmtree(data / folder, ignore_errors=True)
         resumed = (data / "jetstream").is_dir()
+        if args.insecure:
+            print("WARNING: --insecure: NATS runs without authentication; any process that reaches "
+                  f"127.0.0.1:{args.port} may act as any service (submit, place, delete every stream)", flush=True)
         try:
-            with nats_from_binary(data, port=args.port) as url:
-                asyncio.run(_serve(args, url, data, resumed))
+            with embedded_nats(data, args.port, secure=not args.insecure, sync_always=args.sync_always) as nats:
+                asyncio.run(_serve(args, nats, data, resumed))
         except KeyboardInterrupt:        # Ctrl-C while NATS was starting: nothing was running yet
             pass
     print("goodput is down")
@@ -132,23 +145,22 @@ def _holding(data: Path):
         lock.close()
 
 
-async def _serve(args: argparse.Namespace, url: str, data: Path, resumed: bool) -> None:
+async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
     """Start the services, replay, serve; Ctrl-C (or SIGTERM) at any moment stops everything."""
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        await _stack(args, url, data, resumed)
+        await _stack(args, nats, data, resumed)
     except asyncio.CancelledError:
         print("stopping goodput ...", flush=True)
 
 
-async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) -> None:
+async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
     from deploy.live_run import describe, live_request
     from deploy.stack import (ensure_run, live_run_exists, local_service_arguments, records_once_ended,
                               running_services, service_arguments)
-    from shared.bus import Bus
     from shared.subjects import LIVE_RUN
     from sim.simulator import FEEDBACK_ITERATIONS
 
@@ -165,16 +177,17 @@ async def _stack(args: argparse.Namespace, url: str, data: Path, resumed: bool) 
     live = live_request(LIVE_RUN, args.policy, args.cluster, args.round, args.speed,
                         {"round_s": args.round} if local else None)
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
-    with running_services(url, arguments, data, replicas) as stack:
-        bus = await Bus.connect(url, "goodput-up")
+    with running_services(nats, arguments, data, replicas) as stack:
+        bus = await nats.connect("goodput-up")
         try:
             await stack.wait_ready(bus)
-            print(f"goodput is up: NATS at {url} (JetStream data in {data}"
-                  f"{', kept from the last start: --fresh starts empty' if resumed else ''})")
+            user_env = credentials.write_user_env(data, nats.url, nats.access and nats.access.password_file("user"))
+            print(f"goodput is up: NATS at {nats.url} (JetStream data in {data}"
+                  f"{', kept from the last start: --fresh starts empty' if resumed else ''}"
+                  f"{'; NO AUTHENTICATION (--insecure)' if nats.access is None else ''})")
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
-            print(f"submit jobs with `goodput submit JOB.yaml --server {url}`; "
-                  f"see them with `goodput status --server {url}`")
+            print(_how_to_connect(data, user_env))
             if not local and args.workload != "none" and (args.once or not resumed):
                 if resumed and await live_run_exists(bus):
                     raise ValueError(f"{data} holds a live run, which the policy leader serves before any replay: "
@@ -228,6 +241,13 @@ async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: di
     report(result, time.perf_counter() - start, args.out)
 
 
+def _how_to_connect(data: Path, user_env: Path) -> str:
+    """How a user reaches this stack: its commands find the default data folder's user.env."""
+    found = "" if data.resolve() == credentials.DEFAULT_DATA.resolve() else f"set -a; . {user_env}; set +a; then "
+    return (f"as a user ({user_env} holds the URL and login; other clients: its user, password file and "
+            f"inbox prefix): {found}`goodput submit JOB.yaml`, `goodput status`")
+
+
 def _job(path: str):
     from cli.submit import load_job
 
@@ -238,9 +258,8 @@ def _job(path: str):
 
 
 async def _submit_local(bus, specs) -> None:
-    from shared import streams, subjects
+    from shared import subjects
 
-    await streams.ensure_jobs(bus)
     for spec in specs:
         await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
@@ -288,9 +307,8 @@ async def _watch(bus, run_id: str) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     import json
-    import os
 
-    server = args.server or os.environ.get(SERVER_ENV, DEFAULT_SERVER)
+    server = args.server
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
         records, policy = asyncio.run(_query(server, **options))

@@ -32,7 +32,7 @@ import msgspec
 import nats.errors
 from nats import micro
 
-from deploy.nats import free_loopback_port, nats_from_binary
+from deploy.nats import SECRETS, Access, EmbeddedNats, free_loopback_port, nats_from_binary, server_config
 from deploy.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus
@@ -85,10 +85,11 @@ class Nats:
     def __init__(self, folder: Path):
         self.folder, self.port = folder, free_loopback_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.embedded = EmbeddedNats(self.url, Access.kept_in(folder / SECRETS))   # secured, as `goodput up`
         self._server = contextlib.ExitStack()
 
     def start(self) -> None:
-        self._server.enter_context(nats_from_binary(self.folder, self.port))
+        self._server.enter_context(nats_from_binary(self.folder, self.port, server_config(self.embedded.access)))
 
     def stop(self) -> None:
         self._server.close()
@@ -304,13 +305,12 @@ class Outcome:
 async def run_trial(jobs: list[WorkloadJob], fault: Fault, fail_round: int, at: int, folder: Path) -> Outcome:
     """Replay `jobs` on a fresh stack under `fault`."""
     arguments = service_arguments(CLUSTER, None, True, None, 1, None)
-    arguments["policy"] += ["--lease-ttl", str(LEASE_TTL_S)]
     policy, options = fault.policy(fail_round) if fault.policy else ("sia", {})
     nats = Nats(folder)
     nats.start()
     try:
-        with running_services(nats.url, arguments, folder, {"policy": 2}) as stack:
-            bus = await Bus.connect(nats.url, "chaos")
+        with running_services(nats.embedded, arguments, folder, {"policy": 2}, lease_ttl_s=LEASE_TTL_S) as stack:
+            bus = await nats.embedded.connect("chaos")
             try:
                 await stack.wait_ready(bus)
                 trial = Trial(stack, bus, nats, load_cluster(CLUSTER))

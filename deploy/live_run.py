@@ -2,7 +2,8 @@
 
 The policy leader schedules only the runs it finds in the KV bucket `goodput_runs`; `goodput up`
 creates its live run itself (cli/up.py). A deployed stack (Kubernetes, compose) has no such driver,
-so a one-shot job runs this once the services are up: it creates the live run — jobs submitted with
+so a one-shot job runs this as the operator: it sets up every stream, bucket and consumer (the
+services only open them: deploy/setup.py), then creates the live run — jobs submitted with
 `goodput submit` are scheduled a round every `--round` seconds with `--policy` — unless a run of that
 id exists already, which it leaves as it is (the job may run again at every `kubectl apply`).
 A live run never ends: its policy is the one it was created with.
@@ -18,6 +19,7 @@ import sys
 import nats.errors
 
 from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
+from shared import storage
 from shared.bus import Bus
 from shared.credentials import connect_options
 from shared.schema import RunRequest
@@ -43,9 +45,11 @@ def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, sp
                       speed=speed)
 
 
-async def create_live_run(server: str, request: RunRequest, wait_s: float) -> RunRequest | None:
-    """Create the run: None once created, or the stored request of the run of that id that exists
-    already. Keeps trying to reach NATS for `wait_s` seconds."""
+async def create_live_run(server: str, request: RunRequest, wait_s: float,
+                          lease_ttl_s: float = storage.LEASE_TTL_S) -> RunRequest | None:
+    """Set up the storage (the operator's part: deploy.setup), then create the run: None once
+    created, or the stored request of the run of that id that exists already. Keeps trying to reach
+    NATS for `wait_s` seconds."""
     from deploy.stack import ensure_run
 
     deadline = asyncio.get_running_loop().time() + wait_s
@@ -59,6 +63,7 @@ async def create_live_run(server: str, request: RunRequest, wait_s: float) -> Ru
                 raise RuntimeError(f"cannot reach NATS at {redact(server)} within {wait_s:g} s: {error}") from None
             await asyncio.sleep(1.0)
     try:
+        await storage.provision(bus, lease_ttl_s)
         return await ensure_run(bus, request)
     except nats.errors.Error as error:
         raise RuntimeError(f"cannot create the run on NATS at {redact(server)}: {error}") from None
@@ -80,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulated seconds per wall-clock second (default: %(default)s)")
     parser.add_argument("--wait", type=float, default=120.0,
                         help="seconds to keep trying to reach NATS (default: %(default)s)")
+    parser.add_argument("--lease-ttl", type=float, default=storage.LEASE_TTL_S,
+                        help="seconds the policy leader's lease lasts unrenewed (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
+        if args.lease_ttl <= 0:
+            raise ValueError("--lease-ttl must be positive")
         request = live_request(args.run_id, args.policy, args.cluster, args.round, args.speed)
-        existing = asyncio.run(create_live_run(args.server, request, args.wait))
+        existing = asyncio.run(create_live_run(args.server, request, args.wait, args.lease_ttl))
     except (ValueError, RuntimeError) as error:
         print(f"live_run: {error}", file=sys.stderr)
         return 1

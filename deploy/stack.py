@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -15,8 +16,11 @@ from pathlib import Path
 import msgspec
 import nats.errors
 
-from shared import streams, subjects
+from shared import storage, subjects
+from deploy.nats import EmbeddedNats
+from deploy.setup import provision_now
 from shared.bus import Bus, RevisionConflict
+from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.reference import WorkloadJob
 from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, JobsQuery, PolicyStatus, RunCheckpoint, RunReport,
                            RunRequest, RunStep)
@@ -31,9 +35,11 @@ class Stack:
     """Service processes by instance name: a service's first replica is named after it, the others
     `<service>-2`, `<service>-3` …"""
 
-    def __init__(self, commands: Mapping[str, list[str]], logs: Path):
+    def __init__(self, commands: Mapping[str, list[str]], logs: Path,
+                 environments: Mapping[str, Mapping[str, str]] | None = None):
         self.commands = dict(commands)
         self.logs = logs
+        self.environments = dict(environments or {})     # instance -> its environment (None: ours)
         self.processes: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str) -> None:
@@ -42,7 +48,7 @@ class Stack:
             # A session of its own: Ctrl-C in a terminal reaches the driver only, which stops the
             # services before the NATS server they need to stop cleanly.
             self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True)
+                                                    start_new_session=True, env=self.environments.get(name))
 
     def kill(self, name: str) -> None:
         """kill -9: the service gets no chance to clean up."""
@@ -122,13 +128,20 @@ def module_of(service: str, arguments: Sequence[str]) -> str:
 
 
 @contextmanager
-def running_services(server: str, arguments: Mapping[str, Sequence[str]], logs: Path,
-                     replicas: Mapping[str, int] | None = None) -> Iterator[Stack]:
-    """Start `python -m services.<name> --server URL <arguments>` for each service, `replicas[name]`
-    times (once by default); stop them all after."""
-    stack = Stack({instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", server,
-                              *arguments.get(name, ())]
-                   for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}, logs)
+def running_services(server: str | EmbeddedNats, arguments: Mapping[str, Sequence[str]], logs: Path,
+                     replicas: Mapping[str, int] | None = None,
+                     lease_ttl_s: float = storage.LEASE_TTL_S) -> Iterator[Stack]:
+    """Set up the storage (as the operator), then start `python -m services.<name> --server URL
+    <arguments>` for each service, `replicas[name]` times (once by default), each logged in as its
+    role on a secured embedded server; stop them all after."""
+    nats = server if isinstance(server, EmbeddedNats) else EmbeddedNats(server, None)
+    provision_now(nats.url, lease_ttl_s, **nats.options("operator"))
+    # Whatever credentials this process holds are not the services' (each has its role's).
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith(CREDENTIALS_ENV_PREFIX)}
+    instances = {instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}
+    stack = Stack({instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", nats.url,
+                              *arguments.get(name, ())] for instance, name in instances.items()}, logs,
+                  {instance: {**inherited, **nats.env(name)} for instance, name in instances.items()})
     try:
         for instance in stack.commands:
             (logs / f"{instance}.log").unlink(missing_ok=True)
@@ -189,7 +202,6 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     however often leadership changes on the way). The jobs' ids are the run's own (`<run id>.<name>`),
     so a replay never meets another's jobs or a user's on the same stack; the report and records
     name them as the workload does."""
-    await streams.ensure_jobs(bus)
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
     prefix = replay_prefix(run_id)
     for job in jobs:
@@ -224,14 +236,13 @@ async def replay_records(bus: Bus, prefix: str, timeout_s: float = 60.0) -> JobR
 
 async def create_run(bus: Bus, request: RunRequest) -> None:
     """Hand a run to the policy leader: its first checkpoint, in KV."""
-    await streams.ensure_run_log(bus)
-    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    runs = await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)
     await runs.create(request.run_id, RunCheckpoint(request))
 
 
 async def live_run_exists(bus: Bus) -> bool:
     """Whether the stack has a live run (which never ends: a leader serving it leads nothing else)."""
-    return await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(subjects.LIVE_RUN) is not None
+    return await (await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)).get(subjects.LIVE_RUN) is not None
 
 
 async def ensure_run(bus: Bus, request: RunRequest) -> RunRequest | None:
@@ -241,7 +252,7 @@ async def ensure_run(bus: Bus, request: RunRequest) -> RunRequest | None:
         await create_run(bus, request)
         return None
     except RevisionConflict:
-        entry = await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)
+        entry = await (await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)
         return entry.value.request
 
 

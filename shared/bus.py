@@ -25,6 +25,12 @@ module settles them once, and stays generic over message types (the Structs live
   part goes to the service, whose responder then asks the requester for the others (so every part
   reaches the one replica of a queue group that took the request). A KV value that large is kept in
   part keys beside its key (`TypedKV`). A part that does not come in time raises `ChunkLost`.
+  A request in parts is put together beside the endpoint's other requests, never in their way:
+  within ASSEMBLY_TIMEOUT_S, at most MAX_ASSEMBLIES per requester at a time; an endpoint that takes
+  no parts (`parts=False`: the status endpoints) refuses one at once.
+- Replies go only to inboxes (`_INBOX…`): a request whose reply subject is anything else (a
+  JetStream API subject, a KV key) is dropped and logged, so no one can make a service publish
+  where the requester may not.
 - Connections reconnect forever (`max_reconnect_attempts=-1`), so a service outlives a restart of
   the server; pass `max_reconnect_attempts=0` to fail fast instead (a command-line client).
 """
@@ -87,6 +93,10 @@ CHUNK_HEADER = "Goodput-Chunk"
 WANT_HEADER = "Goodput-Want"
 HEADER_ROOM = 16 * 1024      # max_payload counts headers too: trace context, error descriptions
 CHUNK_TIMEOUT_S = 5.0        # the most a part may lag the one before it
+ASSEMBLY_TIMEOUT_S = 30.0    # the most a whole request in parts may take to come in
+MAX_ASSEMBLIES = 2           # requests in parts one requester may have coming in at a time
+MAX_ASSEMBLIES_IN_ALL = 16   # ... and all requesters together, on one connection
+INBOX = "_INBOX"             # what every reply subject begins with (nats-py's default, or _INBOX_<role>)
 MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
 # Durable consumers: deliveries of one message before it is dead-lettered, and the redelivery delays.
 MAX_DELIVER = 5
@@ -115,6 +125,18 @@ def split_body(body: bytes, size: int) -> list[bytes]:
     if len(body) > MAX_PARTS * size:
         raise ValueError(f"a body of {len(body)} bytes is over {MAX_PARTS} parts of {size} bytes")
     return [body[i:i + size] for i in range(0, len(body), size)] or [body]
+
+
+def is_inbox(reply: str) -> bool:
+    """Whether a reply subject is an inbox (`_INBOX.…`, `_INBOX_<role>.…`), the only place a
+    service answers: never a JetStream API subject or a KV key a requester names."""
+    first, dot, rest = reply.partition(".")
+    return first.startswith(INBOX) and bool(dot and rest)
+
+
+def _requester(reply: str) -> str:
+    """Who asked: the reply subject without its last token (one client's inbox)."""
+    return reply.rpartition(".")[0]
 
 
 def _chunk_of(headers: dict[str, str] | None) -> tuple[int, int]:
@@ -205,6 +227,8 @@ class Bus:
         self._reply_inbox_ready = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}
         self.chunk_timeout_s = CHUNK_TIMEOUT_S
+        self._assembling: dict[str, int] = {}       # requester -> its requests in parts coming in
+        self._background: set[asyncio.Task] = set()
 
     # ---- connection -------------------------------------------------------------------------
 
@@ -243,6 +267,8 @@ class Bus:
         for consumer in list(self._pull_consumers):
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
+        for task in list(self._background):     # requests in parts still coming in: dropped
+            task.cancel()
         try:
             await self.nc.drain()
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
@@ -359,7 +385,7 @@ class Bus:
         want = raw.headers.get(WANT_HEADER) if raw.headers else None
         if want is None:
             pending.replies.put_nowait(raw)
-        elif raw.reply and want.isdigit() and int(want) < len(pending.parts):
+        elif raw.reply and is_inbox(raw.reply) and want.isdigit() and int(want) < len(pending.parts):
             await self.nc.publish(raw.reply, pending.parts[int(want)])
 
     async def _request_body(self, subject: str, headers: dict[str, str] | None, data: bytes,
@@ -378,10 +404,57 @@ class Bus:
             if _chunk_of(headers)[1] > 1 and not reply:
                 log.warning("a message on %s in parts has no reply subject to ask for the rest; dropped", subject)
                 return None
-            return await _assemble(headers, data, next_part)
-        except (ChunkLost, ValueError) as error:
+            return await asyncio.wait_for(_assemble(headers, data, next_part), ASSEMBLY_TIMEOUT_S)
+        except (ChunkLost, ValueError) as error:       # ChunkLost first: it is a TimeoutError too
             log.warning("%s: %s; the request is dropped", subject, error)
             return None
+        except asyncio.TimeoutError:
+            log.warning("%s: a request in parts did not come in within %.0f s; dropped", subject, ASSEMBLY_TIMEOUT_S)
+            return None
+
+    def _receive(self, subject: str, headers: dict[str, str] | None, reply: str | None, parts: bool,
+                 serve: Callable[[dict[str, str] | None, bytes], Awaitable[None]], data: bytes,
+                 refuse: Callable[[str], Awaitable[None]]) -> Awaitable[None] | None:
+        """How one received message is served: at once (a whole body), in a task of its own (a
+        request in parts, which must not hold up the others), refused (`refuse(reason)`), or
+        dropped (None: a reply subject that is not an inbox)."""
+        if reply and not is_inbox(reply):
+            log.warning("a request on %s asks for its reply on %r, which is not an inbox; dropped", subject, reply[:80])
+            return None
+
+        def refused(reason: str) -> Awaitable[None] | None:
+            log.warning("a request on %s is refused: %s", subject, reason)
+            return refuse(reason) if reply else None
+
+        try:
+            count = _chunk_of(headers)[1]
+        except ValueError as error:
+            return refused(str(error))
+        if count == 1:
+            return serve(headers, data)
+        if not parts:
+            return refused(f"{subject} takes a request in one message, not in {count} parts")
+        requester = _requester(reply or "")
+        if self._assembling.get(requester, 0) >= MAX_ASSEMBLIES or \
+                sum(self._assembling.values()) >= MAX_ASSEMBLIES_IN_ALL:
+            return refused("too many requests in parts are coming in already (from this requester, or in all); "
+                           "send this one when they are done")
+        self._assembling[requester] = self._assembling.get(requester, 0) + 1
+
+        async def assemble_then_serve() -> None:
+            try:
+                whole = await self._request_body(subject, headers, data, reply)
+            finally:
+                self._assembling[requester] -= 1
+                if not self._assembling[requester]:
+                    del self._assembling[requester]
+            if whole is not None:
+                await serve({k: v for k, v in (headers or {}).items() if k != CHUNK_HEADER}, whole)
+
+        task = asyncio.ensure_future(assemble_then_serve())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return None
 
     async def _respond(self, reply: str, body: bytes, headers: dict[str, str] | None) -> None:
         """Answer a request, in numbered parts when the body is larger than one message."""
@@ -433,22 +506,31 @@ class Bus:
         queue: str | None = None,
         span_name: str | None = None,
         on_invalid: InvalidHandler | None = None,
+        parts: bool = True,
     ) -> None:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
         answered as a service error 400 with `on_invalid`'s answer (e.g. a Rejected) as its data,
         one the handler refuses with ValueError as error 400 with that reason, and a handler that
         fails otherwise as error 500; `Bus.request` raises them as micro's ServiceError. Replicas
-        share `queue` (default: the service's own queue group)."""
+        share `queue` (default: the service's own queue group). `parts=False`: the requests are
+        small (a status), and one in parts is refused at once."""
         span = span_name or f"{subject} receive"
         report_invalid = on_invalid or self._on_invalid
 
         async def on_request(request: micro.Request) -> None:
             reply = request._msg.reply
-            data = await self._request_body(request.subject, request.headers, request.data, reply)
-            if data is None or not reply:
+            if not reply:
                 return
-            outcome = await self._handle(request.subject, request.headers, data, msg_type, handler, span,
+            served = self._receive(request.subject, request.headers, reply, parts,
+                                   lambda headers, data: serve(request, reply, headers, data), request.data,
+                                   lambda reason: request.respond_error("400", reason))
+            if served is not None:
+                await served
+
+        async def serve(request: micro.Request, reply: str, request_headers: dict[str, str] | None,
+                        data: bytes) -> None:
+            outcome = await self._handle(request.subject, request_headers, data, msg_type, handler, span,
                                          SpanKind.SERVER, {"messaging.destination.name": request.subject},
                                          report_invalid)
             if outcome is None:
@@ -487,12 +569,18 @@ class Bus:
         report_invalid = on_invalid or self._on_invalid
 
         async def on_message(raw: Msg) -> None:
+            async def refuse(_: str) -> None:       # a plain subscription answers nothing it did not handle
+                return None
+
+            served = self._receive(raw.subject, raw.headers, raw.reply, True,
+                                   lambda headers, data: serve(raw, headers, data), raw.data, refuse)
+            if served is not None:
+                await served
+
+        async def serve(raw: Msg, headers: dict[str, str] | None, data: bytes) -> None:
             kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
             call = (lambda message: handler(message, raw)) if with_raw else handler
-            data = await self._request_body(raw.subject, raw.headers, raw.data, raw.reply)
-            if data is None:
-                return
-            outcome = await self._handle(raw.subject, raw.headers, data, msg_type, call, name, kind,
+            outcome = await self._handle(raw.subject, headers, data, msg_type, call, name, kind,
                                          _receive_attributes(raw), report_invalid)
             if raw.reply and outcome is not None and outcome.answer is not None:
                 await self._respond(raw.reply, self.encode(outcome.answer), outcome.headers)
@@ -565,14 +653,31 @@ class Bus:
             **consumer_config,
         )
         await self.js.add_consumer(stream, config)
+        return await self.bind_consumer(stream, durable, msg_type, span_name=span_name or f"{filters[0]} receive",
+                                        on_invalid=on_invalid, dead_letters=dead_letters)
+
+    async def bind_consumer(
+        self,
+        stream: str,
+        durable: str,
+        msg_type: type[T],
+        *,
+        span_name: str | None = None,
+        on_invalid: InvalidHandler | None = None,
+        dead_letters: str | None = None,
+    ) -> PullConsumer[T]:
+        """The durable pull consumer `durable` of `stream`, as it exists on the server (created by
+        whoever may: `pull_consumer`, or the operator's setup); nats-py's NotFoundError if it does not."""
+        info = await self.js.consumer_info(stream, durable)
         subscription = await self.js.pull_subscribe_bind(durable=durable, stream=stream)
         consumer = PullConsumer(
             bus=self,
             subscription=subscription,
             msg_type=msg_type,
-            span_name=span_name or f"{filters[0]} receive",
+            span_name=span_name or f"{durable} receive",
             on_invalid=on_invalid or self._on_invalid,
-            max_deliver=config.max_deliver,
+            max_deliver=info.config.max_deliver or MAX_DELIVER,
+            ack_wait_s=info.config.ack_wait or 30.0,
             dead_letters=dead_letters,
         )
         self._pull_consumers.add(consumer)
@@ -629,6 +734,10 @@ class Bus:
                 raise
             store = await self.js.key_value(bucket)
         return TypedKV(self, bucket, store, value_type)
+
+    async def open_kv(self, bucket: str, value_type: type[T]) -> TypedKV[T]:
+        """The existing KV bucket `bucket` (nats-py's BucketNotFoundError if there is none)."""
+        return TypedKV(self, bucket, await self.js.key_value(bucket), value_type)
 
 
 class Delivery(Generic[T]):
@@ -696,9 +805,11 @@ class PullConsumer(Generic[T]):
         span_name: str,
         on_invalid: InvalidHandler,
         max_deliver: int = MAX_DELIVER,
+        ack_wait_s: float = 30.0,
         dead_letters: str | None = None,
     ) -> None:
         self._bus = bus
+        self.ack_wait_s = ack_wait_s
         self._subscription = subscription
         self._msg_type = msg_type
         self._span_name = span_name
@@ -763,6 +874,7 @@ class PullConsumer(Generic[T]):
             retry_s = 0.5
             for delivery in deliveries:
                 with delivery.span() as span:
+                    working = asyncio.ensure_future(self._working(delivery))
                     try:
                         args = (delivery.message, delivery) if with_delivery else (delivery.message,)
                         await _settle(handler(*args))
@@ -771,9 +883,19 @@ class PullConsumer(Generic[T]):
                         if not delivery.settled:
                             await self._failed(delivery, error, on_dead)
                         continue
+                    finally:
+                        working.cancel()
                     if not delivery.settled:
                         with contextlib.suppress(nats.errors.Error):    # unacked: it comes back
                             await delivery.ack()
+
+    async def _working(self, delivery: Delivery[T]) -> None:
+        """While a handler works (a job profiled on real slots takes minutes), tell the server the
+        message is in hand, so it is not redelivered to another replica meanwhile."""
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            with contextlib.suppress(nats.errors.Error):
+                await delivery.in_progress()
 
     async def _failed(self, delivery: Delivery[T], error: Exception,
                       on_dead: Callable[[Delivery[T], Exception], Any] | None) -> None:

@@ -18,6 +18,10 @@ password, from the environment), never from the command line, where `ps` would s
                                                            its own inboxes (shared/permissions.py)
 
 A file that is named but missing or empty is a ValueError naming the option and the path.
+
+`goodput up` writes DATA/user.env (`write_user_env`): the URL and the `user` role's login. The
+user's commands (`goodput submit`, `status`) read the default data folder's by themselves
+(`user_environment`) when no GOODPUT_NATS_* variable is set.
 Credentials in the URL (nats://USER:PASSWORD@HOST:4222) still connect, but their replies use
 nats-py's default inbox: against the per-role permissions, give --nats-inbox-prefix _INBOX_<USER> too.
 """
@@ -39,6 +43,8 @@ __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from
 
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
+USER_ENV = "user.env"                   # in `goodput up`'s data folder
+DEFAULT_DATA = Path("out/stack")        # `goodput up`'s default data folder
 
 # field -> (option, environment variable, help)
 _OPTIONS = {
@@ -173,3 +179,31 @@ def redact(servers: str) -> str:
         user = f"{parts.username}:***" if parts.password is not None else "***"
         shown.append(urlunsplit(parts._replace(netloc=f"{user}@{host}")))
     return ",".join(shown)
+
+
+def write_user_env(data: Path, url: str, password_file: Path | None) -> Path:
+    """DATA/user.env: how a user's client reaches this stack (no password in it: the file's path)."""
+    from shared.permissions import inbox_prefix, write_private
+
+    lines = ["# Written by `goodput up`: how a user reaches this goodput. In a shell: set -a; . THIS_FILE; set +a",
+             f"# Other NATS clients: user \"user\", the password in the file below, inbox prefix {inbox_prefix('user')}",
+             f"GOODPUT_NATS_URL={url}"]
+    if password_file is not None:
+        lines += ["GOODPUT_NATS_USER=user", f"GOODPUT_NATS_PASSWORD_FILE={password_file.resolve()}"]
+    path = data / USER_ENV
+    write_private(path, "\n".join(lines) + "\n")
+    return path
+
+
+def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA) -> dict[str, str]:
+    """The environment, plus DATA/user.env's settings when no GOODPUT_NATS_* variable is set: a user's
+    command on the machine of a `goodput up` with the default data folder finds it and logs in."""
+    environ = dict(os.environ if environ is None else environ)
+    file = data / USER_ENV
+    if any(key.startswith(ENV_PREFIX) for key in environ) or not file.is_file():
+        return environ
+    for line in file.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not key.startswith("#") and key.startswith(ENV_PREFIX):
+            environ[key.strip()] = value.strip()
+    return environ

@@ -6,23 +6,26 @@ Each role is one NATS user: the five services, `operator` (who drives replays an
 
 - Replies (requests, JetStream acks, KV and consumer replies) come back on the role's own inboxes,
   `_INBOX_<role>.>`: a client connects with that inbox prefix (shared/credentials.py sets it from
-  the user name), so no role can subscribe to another's replies. Services answer requests through
-  `allow_responses` (they may publish once to the reply subject of a request they received, and
-  nowhere else by that right).
-- JetStream is granted per stream, consumer and KV bucket, as each role uses them (`_stream`,
-  `_durable`, `_kv`, `_follow`), not as all of `$JS.API.>`. A KV write is a publish on
-  `$KV.<bucket>.<key>`, so each role writes only its own buckets. Services answer the NATS service
-  API (`$SRV.PING`/`INFO`/`STATS`, `nats.micro`) and may ping themselves (their readiness probe).
+  the user name), so no role can subscribe to another's replies. A service answers by publishing
+  to the roles' inboxes, and nowhere else: nats-server's `allow_responses` is not used, since it
+  lets a responder publish to whatever reply subject a request names (`$JS.API.STREAM.DELETE.…`,
+  a KV key), past the responder's own allow and deny lists; and a service drops a request whose
+  reply is not an inbox before handling it (shared/bus.py).
+- Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
+  plan, deploy/setup.py). The services read a stream's info, pull from and acknowledge their own
+  durable consumer, and read and write their own buckets (a KV write is a publish on
+  `$KV.<bucket>.<key>`); a reader of a stream's log creates ordered consumers on that stream only
+  (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
+  `STATS`, `nats.micro`) and may ping themselves (their readiness probe).
 - Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a user
   cannot.
 - A user may publish a submission (`SUBMIT`, stored by JetStream: the JetStream publish is a plain
-  publish whose ack comes back on an inbox; `goodput submit` also creates the submissions stream if it
-  is not there yet, hence `$JS.API.STREAM.CREATE.GOODPUT_JOBS` — creating an existing stream with
-  its own configuration is a no-op, and a different configuration is refused) and read status
-  (request the status subjects, ping services).
+  publish whose ack comes back on an inbox), read the submissions stream's info, and read status
+  (request the status subjects, ping services). A user cannot create, change or delete anything
+  in JetStream.
 
 What stays coarse: replicas of one role share its inboxes, and every `user` shares the user role's;
-a service that may create and update its streams could also change their subjects.
+a service may publish to any role's inbox (a reply no one waits for is dropped by its receiver).
 
 Passwords never live here or in the repository: `render_authorization` takes them as a mapping, and
 `passwords_from` reads them from files or the environment.
@@ -38,15 +41,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import subjects
+from shared import storage, subjects
 
 __all__ = ["ROLES", "Permissions", "inbox_prefix", "passwords_from", "render_authorization", "render_server_config"]
 
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024          # nats-server's max_payload: the largest message it accepts
-# A service may send this many messages to the reply subject of a request it took (nats-server's
-# default is one): a body over max_payload travels in parts (shared/bus.py).
-MAX_RESPONSE_MESSAGES = 1024
+SERVICES = ("placer", "profiler", "estimator", "executor", "policy")
+CLIENTS = ("operator", "user")
 PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"   # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
 
 
@@ -60,24 +62,33 @@ def kv_subjects(bucket: str) -> str:
     return f"$KV.{bucket}.>"
 
 
-def _stream(name: str) -> tuple[str, ...]:
-    """Create a stream, or bring it to the code's configuration (Bus.ensure_stream), and read its info."""
-    return tuple(f"$JS.API.STREAM.{op}.{name}" for op in ("CREATE", "UPDATE", "INFO"))
+def _info(stream: str) -> str:
+    """Read a stream's configuration and state (shared.storage checks it against the plan)."""
+    return f"$JS.API.STREAM.INFO.{stream}"
 
 
-def _kv(bucket: str, write: bool = True) -> tuple[str, ...]:
-    """Use a KV bucket: create it, read keys (message get, or direct get when the bucket allows it)."""
+def _kv(bucket: str) -> tuple[str, ...]:
+    """Use a KV bucket: read keys (message get, or direct get), write and delete them, purge the parts
+    of a large value (shared.bus.TypedKV)."""
     stream = f"KV_{bucket}"
-    reads = (f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>")
-    return _stream(stream) + reads + ((kv_subjects(bucket),) if write else ())
+    return (_info(stream), f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.PURGE.{stream}", kv_subjects(bucket))
 
 
 def _durable(stream: str, consumer: str) -> tuple[str, ...]:
-    """Create, pull from and acknowledge one durable consumer (Bus.pull_consumer)."""
+    """Pull from and acknowledge one durable consumer the operator made (Bus.bind_consumer)."""
+    return (f"$JS.API.CONSUMER.INFO.{stream}.{consumer}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+            f"$JS.ACK.{stream}.{consumer}.>")
+
+
+def _provision() -> tuple[str, ...]:
+    """Create every stream, bucket and durable consumer of the plan, or bring it to the plan."""
+    streams = [*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values())]
+    made = tuple(f"$JS.API.STREAM.{op}.{name}" for name in streams for op in ("CREATE", "UPDATE", "INFO"))
     api = "$JS.API.CONSUMER"
-    return (f"{api}.CREATE.{stream}.{consumer}", f"{api}.CREATE.{stream}.{consumer}.>",
-            f"{api}.DURABLE.CREATE.{stream}.{consumer}", f"{api}.INFO.{stream}.{consumer}",
-            f"{api}.MSG.NEXT.{stream}.{consumer}", f"$JS.ACK.{stream}.{consumer}.>")
+    return made + tuple(subject for c in storage.CONSUMERS.values() for subject in (
+        f"{api}.CREATE.{c.stream}.{c.name}", f"{api}.CREATE.{c.stream}.{c.name}.>",
+        f"{api}.DURABLE.CREATE.{c.stream}.{c.name}", f"{api}.INFO.{c.stream}.{c.name}"))
 
 
 def _follow(stream: str) -> tuple[str, ...]:
@@ -91,17 +102,18 @@ def _follow(stream: str) -> tuple[str, ...]:
 class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
-    allow_responses: bool = False        # may reply to requests it received
 
 
 def _dead_letters(consumer: str) -> tuple[str, ...]:
     """Store what a consumer could not process in the dead letters' stream (streams.ensure_dead_letters)."""
-    return (subjects.dead_letters(consumer), *_stream(subjects.DEAD_LETTER_STREAM))
+    return (subjects.dead_letters(consumer), _info(subjects.DEAD_LETTER_STREAM))
 
 
 def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
-    return Permissions(publish=(f"$SRV.PING.{name}", *publish),
-                       subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe), allow_responses=True)
+    """A service: answers on the roles' inboxes only (the replies to what they asked)."""
+    replies = tuple(f"{inbox_prefix(role)}.>" for role in (*SERVICES, *CLIENTS))
+    return Permissions(publish=(f"$SRV.PING.{name}", *replies, *publish),
+                       subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe))
 
 
 def _client(name: str, publish: Iterable[str]) -> Permissions:
@@ -115,8 +127,9 @@ ROLES: dict[str, Permissions] = {
     "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
     "profiler": _service(
         "profiler",
-        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, *_stream(JOBS),
-                 *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER)),
+        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, _info(JOBS),
+                 *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
+                 *_kv(subjects.JOB_OWNERS_BUCKET)),
         subscribe=(),
     ),
     "estimator": _service(
@@ -127,7 +140,7 @@ ROLES: dict[str, Permissions] = {
     "executor": _service(
         "executor",
         publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
-                 *_stream(JOBS),
+                 _info(JOBS),
                  *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
                  *_dead_letters(subjects.EXECUTOR_CONSUMER), *_dead_letters(subjects.NODE_AGENT_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
@@ -136,19 +149,19 @@ ROLES: dict[str, Permissions] = {
     "policy": _service(
         "policy",
         publish=(subjects.FACTS, subjects.MODELS, subjects.PLACE, subjects.APPLY, subjects.ADVANCE,
-                 subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, *_stream(subjects.RUN_LOG_STREAM),
-                 *_kv(subjects.RUNS_BUCKET), *_follow(f"KV_{subjects.RUNS_BUCKET}"), *_kv(subjects.LEASE_BUCKET)),
+                 subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, _info(subjects.RUN_LOG_STREAM),
+                 *_kv(subjects.RUNS_BUCKET), *_follow(f"KV_{subjects.RUNS_BUCKET}"), *_kv(subjects.LEASE_BUCKET),
+                 subjects.POLICY_STATUS),          # its readiness probe asks how the live run is
         subscribe=(subjects.POLICY_STATUS,),
     ),
-    # Whoever drives replays and live runs (`goodput up`, deploy/live_run.py): submits, creates runs
-    # in KV, follows their logs and the submissions' dead letters, asks the services how they are.
+    # Whoever sets up the storage and drives replays and live runs (`goodput up`, deploy/setup.py,
+    # deploy/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
+    # follows their logs and the submissions, asks the services how they are.
     "operator": _client("operator", publish=(
-        subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_stream(JOBS), *_follow(JOBS), *_stream(subjects.RUN_LOG_STREAM),
-        *_follow(subjects.RUN_LOG_STREAM),
+        *_provision(), subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM),
         *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API)),
     "user": _client("user", publish=(
-        subjects.SUBMIT, "$JS.API.INFO", f"$JS.API.STREAM.INFO.{JOBS}", f"$JS.API.STREAM.CREATE.{JOBS}",
-        *STATUS_SUBJECTS, "$SRV.PING", "$SRV.PING.>")),
+        subjects.SUBMIT, "$JS.API.INFO", _info(JOBS), *STATUS_SUBJECTS, "$SRV.PING", "$SRV.PING.>")),
 }
 
 # Letters, digits and a few marks: safe inside a quoted nats-server config string, and no $VAR.
@@ -194,8 +207,6 @@ def render_authorization(passwords: Mapping[str, str], roles: Mapping[str, Permi
             f"      publish: {{allow: {_quoted(permissions.publish)}}}",
             f"      subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
         ]
-        if permissions.allow_responses:
-            lines.append(f"      allow_responses: {{max: {MAX_RESPONSE_MESSAGES}}}")
         lines.append("    }}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"

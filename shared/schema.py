@@ -69,6 +69,9 @@ class Rejected(msgspec.Struct, frozen=True):
     job_id: str | None = None
     payload: str = ""                         # the start of the message, for the record
     version: int = SCHEMA_VERSION
+    # The stream sequence of the submission refused; None when none could be read as one (malformed).
+    # A verdict touches only the job of that very submission, never one another submission holds.
+    submission: int | None = None
 
 
 MAX_RECORDED_PAYLOAD = 512
@@ -84,9 +87,10 @@ def readable_id(data: bytes) -> str | None:
         return None
 
 
-def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None) -> Rejected:
+def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None,
+              submission: int | None = None) -> Rejected:
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
-    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD])
+    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission)
 
 
 Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
@@ -149,6 +153,7 @@ class JobFacts(msgspec.Struct, frozen=True):
     rigid: bool                                # runs at exactly requested_gpus and requested_batch
     init_batch: PositiveInt                    # M0, the batch its gradient statistics refer to
     max_batch: PositiveInt
+    min_gpus: PositiveInt = 1                  # the fewest GPUs it may run on (its JobSpec's)
     restarts: int = 0
     attained_gpu_s: NonNegativeFloat = 0.0
     attained_by_type: dict[str, float] = {}
@@ -322,6 +327,21 @@ class Profiled(msgspec.Struct, frozen=True):
     job_id: str
     init_batch: PositiveInt | None = None
     max_batch: PositiveInt | None = None
+    submission: int | None = None             # the stream sequence of the submission profiled
+
+
+class JobOwner(msgspec.Struct, frozen=True):
+    """Profiler (KV, by job id): the submission that holds a job's id, from its first valid
+    submission on; a refused one gives the id up."""
+
+    submission: int                           # its stream sequence
+    digest: str                               # of its JobSpec: the same job sent again is a repeat
+    subject: str                              # where it came (a user's submit, an operator's replay)
+
+
+def verdict_for(verdict_submission: int | None, held_by: int) -> bool:
+    """Whether a verdict is on the submission that holds the job (a verdict naming none is not)."""
+    return verdict_submission is not None and verdict_submission == held_by
 
 
 class NodeJob(msgspec.Struct):
@@ -331,6 +351,7 @@ class NodeJob(msgspec.Struct):
 
     spec: JobSpec
     profiled: Profiled | None = None
+    submission: int = 0                            # the stream sequence of its submission
     arrival_s: float | None = None                 # on the run's clock
     finish_s: float | None = None
     failure: str | None = None

@@ -81,3 +81,4 @@ LEADER_KEY = "leader"
 ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord
 EXECUTOR_BUCKET = "goodput_executor_jobs"   # KV: job id -> the simulated job's whole state
 NODE_JOBS_BUCKET = "goodput_node_jobs"      # KV: job id -> NodeJob, a real job as its node agent keeps it
+JOB_OWNERS_BUCKET = "goodput_job_owners"    # KV: job id -> JobOwner, the submission that holds the id

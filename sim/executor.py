@@ -23,7 +23,7 @@ from nats import micro
 
 from services.executor import endpoints
 from services.runner import service_main
-from shared import streams, subjects
+from shared import storage, subjects
 from shared.bus import Bus
 from shared.schema import (
     Ack,
@@ -37,12 +37,13 @@ from shared.schema import (
     Observed,
     Profiled,
     Rejected,
+    verdict_for,
 )
 from sim.run import add_world_arguments, world_of
 from sim.world import SubmittedJob
 
 log = logging.getLogger(__name__)
-UNNAMED = "_rejected"       # KV keys of refused submissions whose id could not be read (no job id starts with _)
+UNNAMED = "_rejected"       # KV keys of refusals kept apart from any job (no job id starts with _): by their sequence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     executors, sources = world_of(args)
-    states = await bus.kv(subjects.EXECUTOR_BUCKET, SubmittedJob)
+    states = await storage.open_kv(bus, subjects.EXECUTOR_BUCKET, SubmittedJob)
     submitted: dict[str, SubmittedJob] = {}
     for key in await states.keys():
         entry = await states.get(key)
@@ -76,11 +77,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await states.put(name, entry)
             dirty.discard(name)
 
-    def on_submitted(spec: JobSpec, _: int) -> str | None:
+    def on_submitted(spec: JobSpec, sequence: int) -> str | None:
         known = submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
-            return None                          # a repeat: the first stands (a refused id may be used again)
-        submitted[spec.id] = SubmittedJob(spec.id, spec)
+            return None                          # another submission holds the id (a refused one gives it up)
+        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence)
         return spec.id
 
     def on_profiled(verdict: Profiled, _: int) -> str | None:
@@ -88,7 +89,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         if entry is None or entry.spec is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
             return None
-        if entry.job is not None or entry.rejected is not None:
+        if entry.job is not None or entry.rejected is not None or not verdict_for(verdict.submission, entry.submission):
             return None
         spec = entry.spec
         truth = sources.truths.get(spec.application)
@@ -106,13 +107,18 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             key = f"{UNNAMED}.{sequence}"
             submitted[key] = SubmittedJob("", None, verdict.reason)
             return key
-        entry = submitted.setdefault(verdict.job_id, SubmittedJob(verdict.job_id))
-        if entry.job is not None or entry.rejected is not None:
-            log.warning("job %s: a rejection after its verdict (a submission reusing its id?) is ignored: %s",
-                        verdict.job_id, verdict.reason)
-            return None
-        entry.rejected = verdict.reason
-        return verdict.job_id
+        entry = submitted.get(verdict.job_id)
+        if entry is None:                        # its submission was never read as one: refused under its id
+            submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason)
+            return verdict.job_id
+        if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
+            entry.rejected = verdict.reason
+            return verdict.job_id
+        # A verdict on another submission under a known id (a second body, a malformed message naming
+        # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
+        key = f"{UNNAMED}.{sequence}"
+        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason)
+        return key
 
     events = {subjects.SUBMIT: (on_submitted, JobSpec), subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
               subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected)}
@@ -173,11 +179,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await save(name for name in {*request.models, *request.failed} if name in submitted)
         return Ack()
 
-    await streams.ensure_jobs(bus)
-    await streams.ensure_dead_letters(bus)
-    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, subjects.JOBS_EVENTS,
-                                       msgspec.Raw, span_name="executor.job-event",
-                                       dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER))
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    consumer = await storage.open_consumer(bus, subjects.EXECUTOR_CONSUMER, msgspec.Raw, span_name="executor.job-event",
+                                           dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER))
     asyncio.get_running_loop().create_task(consumer.consume(on_event, with_delivery=True))
 
     return await endpoints.serve_round(

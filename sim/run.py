@@ -135,15 +135,14 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
     """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
     import tempfile
 
-    from deploy.nats import nats_from_binary
+    from deploy.nats import embedded_nats
     from deploy.stack import replay, running_services, service_arguments
-    from shared.bus import Bus
 
     arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
                                   restart_delay_s, interference)
-    with tempfile.TemporaryDirectory() as folder, nats_from_binary(Path(folder)) as url:
-        with running_services(url, arguments, Path(folder)) as stack:
-            bus = await Bus.connect(url, "goodput-simulate")
+    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
+        with running_services(nats, arguments, Path(folder)) as stack:
+            bus = await nats.connect("goodput-simulate")
             try:
                 await stack.wait_ready(bus)
                 return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s,

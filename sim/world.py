@@ -54,6 +54,7 @@ class SimulatedJob(msgspec.Struct):
     live: bool = False                         # submitted live: it arrives at the live round that first sees it
     group_gpus: dict[str, int] = {}            # hybrid-parallel: GPUs of one replica per type (absent: 1)
     failure: str | None = None                 # why it ended without finishing
+    min_gpus: int = 1                          # the fewest GPUs its submission allows
 
     @property
     def name(self) -> str:
@@ -96,7 +97,7 @@ class SimulatedJob(msgspec.Struct):
             requested_gpus=self.rigid[0] if self.rigid else spec.num_replicas,
             requested_batch=self.rigid[1] if self.rigid else spec.batch_size,
             rigid=self.rigid is not None, init_batch=truth.init_batch, max_batch=truth.max_batch,
-            restarts=self.restarts, attained_gpu_s=float(self.gpu_seconds),
+            min_gpus=self.min_gpus, restarts=self.restarts, attained_gpu_s=float(self.gpu_seconds),
             attained_by_type={t: float(v) for t, v in self.attained_by_type.items()},
             placement=self.placement, mid_restart=self.restart_left_s > 0, iterations=self.iterations,
             slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
@@ -184,6 +185,7 @@ class SubmittedJob(msgspec.Struct):
     spec: JobSpec | None = None                # None: its submission could not be read
     rejected: str | None = None
     job: SimulatedJob | None = None
+    submission: int = 0                        # its stream sequence: the verdicts on it name it
 
     def record(self) -> JobRecord:
         if self.job is not None:
@@ -226,6 +228,7 @@ class SimulatedExecutors:
         usable = self.add(WorkloadJob(spec.id, math.inf if live else spec.submit_s, spec.application,
                                       spec.requested_gpus, batch), truth, rigid=spec.rigid)
         self.jobs[spec.id].live = live
+        self.jobs[spec.id].min_gpus = spec.min_gpus
         return usable
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:

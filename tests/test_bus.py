@@ -12,7 +12,8 @@ import msgspec
 import pytest
 from nats import micro
 
-from shared.bus import CHUNK_HEADER, DEAD_REASON_HEADER, MAX_PARTS, ChunkLost, Delivery, KVEntry, RevisionConflict
+from shared.bus import (CHUNK_HEADER, DEAD_REASON_HEADER, MAX_ASSEMBLIES, MAX_PARTS, ChunkLost, Delivery, KVEntry,
+                        RevisionConflict)
 
 TIMEOUT_S = 3.0
 
@@ -309,10 +310,13 @@ async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(co
     gone = client.nc.new_inbox()           # a requester that sent its first part and died: no one answers here
     with caplog.at_level(logging.WARNING, logger="shared.bus"):
         await client.nc.publish(subject, client.encode(Ping(1))[:2], reply=gone, headers={CHUNK_HEADER: "0/2"})
+        # Answered while the other waits for its part: a request in parts never holds up the endpoint.
         assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
+        dropped = f"request on {subject}: part 2 of 2 did not come within 0.3 s; the request is dropped"
+        while dropped not in caplog.text:
+            await asyncio.sleep(0.05)
 
     assert handled == [Ping(2)]
-    assert f"request on {subject}: part 2 of 2 did not come within 0.3 s; the request is dropped" in caplog.text
 
 
 async def test_a_bad_part_header_drops_the_request_and_the_endpoint_goes_on(connect_bus, name_prefix, caplog):
@@ -327,6 +331,47 @@ async def test_a_bad_part_header_drops_the_request_and_the_endpoint_goes_on(conn
 
     assert handled == [Ping(2)]
     assert caplog.text.count(f"bad {CHUNK_HEADER} header") == 4
+
+
+async def test_a_request_whose_reply_is_not_an_inbox_is_dropped_unhandled(connect_bus, name_prefix, caplog):
+    """No one makes a service publish where they may not: a reply naming the JetStream API or a KV key."""
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject, handled = await _echo_endpoint(server, name_prefix)
+    pinged: list[Ping] = []
+    await server.subscribe(f"{name_prefix}.plain", Ping, lambda ping: pinged.append(ping) or Pong(ping.n))
+    with caplog.at_level(logging.WARNING, logger="shared.bus"):
+        for target in (subject, f"{name_prefix}.plain"):
+            for reply in ("$JS.API.STREAM.DELETE.GOODPUT_JOBS", "$KV.goodput_runs.live", "_INBOX", "_INBOXED"):
+                await client.nc.publish(target, client.encode(Ping(1)), reply=reply)
+        assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
+        assert await client.request(f"{name_prefix}.plain", Ping(3), Pong, timeout=TIMEOUT_S) == Pong(3)
+    assert handled == [Ping(2)] and pinged == [Ping(3)]
+    assert caplog.text.count("which is not an inbox; dropped") == 8
+
+
+async def test_requests_in_parts_are_refused_where_not_taken_and_bounded_per_requester(connect_bus, name_prefix):
+    """A status endpoint (parts=False) refuses a request in parts at once; elsewhere one requester
+    has at most MAX_ASSEMBLIES coming in, and the endpoint answers whole requests all the while."""
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject, handled = await _echo_endpoint(server, name_prefix)
+    service = await micro.add_service(server.nc, name=f"{name_prefix}_status", version="0.1.0")
+    await server.add_endpoint(service, "status", f"{name_prefix}.status", Ping, lambda ping: Pong(ping.n), parts=False)
+    first = client.encode(Ping(1))[:2]
+    refusal = await client.nc.request(f"{name_prefix}.status", first, timeout=TIMEOUT_S, headers={CHUNK_HEADER: "0/2"})
+    assert refusal.headers["Nats-Service-Error-Code"] == "400" and "in one message" in refusal.headers["Nats-Service-Error"]
+
+    silent = client.nc.new_inbox()           # a requester that never sends its other parts
+    answers = await client.nc.subscribe(f"{silent}.*")
+    for index in range(MAX_ASSEMBLIES + 1):
+        await client.nc.publish(subject, first, reply=f"{silent}.{index}", headers={CHUNK_HEADER: "0/2"})
+    assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
+    while True:                              # the server asks for the parts it takes; refuses the one over
+        message = await answers.next_msg(timeout=TIMEOUT_S)
+        if message.headers and message.headers.get("Nats-Service-Error-Code") == "400":
+            break
+    assert message.subject == f"{silent}.{MAX_ASSEMBLIES}" and "too many" in message.headers["Nats-Service-Error"]
+    assert handled == [Ping(2)]
+    await answers.unsubscribe()
 
 
 async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):

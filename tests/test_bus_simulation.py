@@ -85,12 +85,11 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
     import msgspec
 
     from deploy.stack import running_services, service_arguments
-    from shared import streams, subjects
+    from shared import subjects
     from shared.schema import Ack, Count, JobSpec, Rejected
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     bus = await connect_bus("client")
-    await streams.ensure_jobs(bus)
     with running_services(nats_server, arguments, tmp_path) as stack:
         await stack.wait_ready(bus)
         before = (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n
@@ -122,15 +121,14 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     Each job's (finish, restarts, GPU-seconds)."""
     import asyncio
 
-    from deploy.nats import nats_from_binary
+    from deploy.nats import embedded_nats
     from deploy.stack import replay, running_services, service_arguments
-    from shared.bus import Bus
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    arguments["policy"] += ["--lease-ttl", "1"]
-    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path, replicas) as stack:
-        bus = await Bus.connect(url, "driver")
+    with embedded_nats(tmp_path) as nats, running_services(nats, arguments, tmp_path, replicas,
+                                                           lease_ttl_s=1.0) as stack:
+        bus = await nats.connect("driver")
         try:
             await stack.wait_ready(bus)
             run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
@@ -247,17 +245,16 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
     jobs = _mixed(3)
     import asyncio
 
-    from deploy.nats import nats_from_binary
+    from deploy.nats import embedded_nats
     from deploy.stack import replay, running_services, service_arguments
-    from shared.bus import Bus
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
-        bus = await Bus.connect(url, "driver")
+    with embedded_nats(tmp_path) as nats, running_services(nats, arguments, tmp_path) as stack:
+        bus = await nats.connect("driver")
         try:
             await stack.wait_ready(bus)
-            store = await bus.js.create_key_value(bucket=subjects.RUNS_BUCKET)
+            store = await bus.js.key_value(subjects.RUNS_BUCKET)
             await store.put("aaa-garbage", b"\x93 not a checkpoint")        # listed before the real run
             _, records = await asyncio.wait_for(
                 replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name), 120)
@@ -267,16 +264,11 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
     assert "unreadable checkpoint" in (tmp_path / "policy.log").read_text()
 
 
-def test_the_policy_service_refuses_a_lease_that_never_expires():
-    import argparse
+def test_the_setup_refuses_a_lease_that_never_expires():
+    from deploy.setup import main
 
-    from services.policy.service import add_arguments
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert parser.parse_args(["--lease-ttl", "2"]).lease_ttl == 2.0
     with pytest.raises(SystemExit):
-        parser.parse_args(["--lease-ttl", "0"])
+        main(["--lease-ttl", "0"])
 
 
 async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
@@ -286,17 +278,16 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
 
     import nats.errors
 
-    from deploy.nats import nats_from_binary
+    from deploy.nats import embedded_nats
     from deploy.stack import create_run, follow_run, replay_prefix, running_services, service_arguments
-    from shared.bus import Bus
     from shared.schema import Count, JobSpec, JobsQuery, RunRequest
 
     prefix = replay_prefix("rigid-run")
     specs = [JobSpec(f"{prefix}rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=0.0),
              JobSpec(f"{prefix}adaptive", "cifar10", requested_gpus=4, requested_batch=512, submit_s=0.0)]
-    with nats_from_binary(tmp_path) as url, running_services(url, service_arguments("sia-hetero-64", None, True, None,
+    with embedded_nats(tmp_path) as server, running_services(server, service_arguments("sia-hetero-64", None, True, None,
                                                                                     1, None), tmp_path) as stack:
-        bus = await Bus.connect(url, "driver")
+        bus = await server.connect("driver")
         try:
             await stack.wait_ready(bus)
             for spec in specs:
@@ -310,7 +301,6 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
             report = await asyncio.wait_for(follow_run(bus, "rigid-run"), 120)
         finally:
             await bus.close()
-
     def gpus(name: str) -> set[int]:
         return {r.gpus[prefix + name] for r in report.rounds if prefix + name in r.gpus}
 

@@ -39,7 +39,7 @@ from deploy.live_run import create_live_run, live_request
 from deploy.nats import free_loopback_port, nats_server_binary
 from deploy.stack import SERVICES
 from services.runner import new_service
-from shared import permissions, subjects
+from shared import permissions, storage, subjects
 from shared.bus import REPLICAS_ENV, SERVER_ENV, Bus
 from shared.cluster import load_cluster
 from shared.credentials import connect_options
@@ -545,9 +545,8 @@ async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_each_role(t
         finally:
             del os.environ[REPLICAS_ENV]
         try:
-            await bus.ensure_stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS)
-            await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
-            for name in (subjects.JOBS_STREAM, f"KV_{subjects.RUNS_BUCKET}"):
+            await storage.provision(bus)             # the live-run Job's setup, as the operator
+            for name in (*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values())):
                 info = await bus.js.stream_info(name)
                 assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, name   # + the leader
         finally:

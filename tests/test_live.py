@@ -5,10 +5,9 @@ import contextlib
 import time
 
 from cli.main import main
-from deploy.nats import nats_from_binary
+from deploy.nats import embedded_nats
 from deploy.stack import create_run, follow_run_steps, running_services, service_arguments
-from shared import streams, subjects
-from shared.bus import Bus
+from shared import subjects
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
 ROUND_S, SPEED = 60.0, 1200.0          # a 60-s round every 50 ms of wall time
@@ -19,20 +18,19 @@ async def live_stack(tmp_path, **request):
     """The five services serving a live run; (NATS URL, the stack, a bus)."""
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     # A server of its own: a live run never ends, and would keep any later leader on this server busy.
-    with nats_from_binary(tmp_path) as url, running_services(url, arguments, tmp_path) as stack:
-        bus = await Bus.connect(url, "live-test")
+    with embedded_nats(tmp_path) as nats, running_services(nats, arguments, tmp_path) as stack:
+        bus = await nats.connect("live-test")
         try:
             await stack.wait_ready(bus)
-            await streams.ensure_jobs(bus)
             await create_run(bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED,
                                              **request))
-            yield url, stack, bus
+            yield nats, stack, bus
         finally:
             await bus.close()
 
 
 async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
-    async with live_stack(tmp_path) as (url, stack, bus):
+    async with live_stack(tmp_path) as (nats, stack, bus):
         started = time.monotonic()
         await bus.js_publish(subjects.SUBMIT, JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
         steps, late_submitted = [], False
@@ -47,7 +45,8 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
                 break
         wall_s = time.monotonic() - started
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
-        assert await asyncio.to_thread(main, ["status", "--server", url]) == 0
+        assert await asyncio.to_thread(main, ["status", "--server", nats.url, "--nats-user", "user",
+                                                      "--nats-password-file", str(nats.access.password_file("user"))]) == 0
         status = capsys.readouterr().out
     assert records["ncf-live"].finish_s is not None and records["cifar10-live"].finish_s is not None
     assert "2 jobs: 2 finished" in status and "ncf-live" in status and "cifar10-live" in status
@@ -65,7 +64,7 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
     from deploy.probe import ProbeFailed, ping
     from shared.schema import PolicyStatus
 
-    async with live_stack(tmp_path, request_timeout_s=1.0) as (url, stack, bus):
+    async with live_stack(tmp_path, request_timeout_s=1.0) as (nats, stack, bus):
         await bus.js_publish(subjects.SUBMIT, JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
         while await _state(bus, "imagenet-live") != "running":
             await asyncio.sleep(0.1)
@@ -80,17 +79,17 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
         state, reason = await run_state()
         assert subjects.MODELS in reason, reason                     # the stage no one answers is named
         try:
-            await ping("policy", url, 5.0, ready=True)
+            await ping("policy", nats.url, 5.0, ready=True, **nats.options("policy"))
             raise AssertionError("the readiness probe passed while the live run was stalled")
         except ProbeFailed as failure:
             assert "stalled" in str(failure) and subjects.MODELS in str(failure)
-        await ping("policy", url, 5.0)                                # alive all the same
+        await ping("policy", nats.url, 5.0, **nats.options("policy"))                                # alive all the same
 
         stack.start("estimator")
         while await _state(bus, "imagenet-live") != "finished":
             await asyncio.sleep(0.2)
         assert (await run_state())[0] == "running"
-        await ping("policy", url, 5.0, ready=True)
+        await ping("policy", nats.url, 5.0, ready=True, **nats.options("policy"))
 
 
 async def _state(bus, job: str) -> str | None:

@@ -1,11 +1,13 @@
 """The live service as a user meets it: `goodput up` serving, a client with nats-py alone (none of
-the project's code) publishing msgpack JobSpecs, bad ones among a burst of good ones, then a stop
-with Ctrl-C and a start again on the same data folder."""
+the project's code) logging in with what DATA/user.env says and publishing msgpack JobSpecs, bad
+ones among a burst of good ones, then a stop with Ctrl-C and a start again on the same data folder;
+and the same stack probed as an attacker with the user's login would."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,9 +36,30 @@ BAD = {
 NEWLINE_ID = "newline-1\n"               # never becomes a job, but is answered: a rejection with no id
 
 
-async def publish(port: int, documents: list[dict]) -> None:
+def user_env(data: Path) -> dict[str, str]:
+    """The settings DATA/user.env holds (KEY=VALUE lines), as a user's shell would source them."""
+    lines = (data / "user.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def user_login(data: Path) -> dict:
+    """nats-py connect options for the user role, from user.env (its password file, the role's inboxes)."""
+    env = user_env(data)
+    return {"servers": env["GOODPUT_NATS_URL"], "user": env["GOODPUT_NATS_USER"],
+            "password": Path(env["GOODPUT_NATS_PASSWORD_FILE"]).read_text().strip(), "inbox_prefix": "_INBOX_user"}
+
+
+def command_env(data: Path | None) -> dict[str, str]:
+    """Our environment without NATS settings, plus user.env's when `data` is given (None: the command
+    is to find the default data folder's by itself)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return {**env, **(user_env(data) if data is not None else {})}
+
+
+async def publish(data: Path, documents: list[dict]) -> None:
     """As a user's client would: msgpack bodies, Nats-Msg-Id = the id, all at once."""
-    nc = await nats.connect(f"nats://127.0.0.1:{port}")
+    nc = await nats.connect(**user_login(data))
     try:
         js = nc.jetstream()
         acks = [js.publish_async(SUBMIT, msgspec.msgpack.encode(doc), headers={"Nats-Msg-Id": doc["id"]})
@@ -46,18 +69,18 @@ async def publish(port: int, documents: list[dict]) -> None:
         await nc.close()
 
 
-def status(port: int) -> dict:
-    out = subprocess.run([*GOODPUT, "status", "--server", f"nats://127.0.0.1:{port}", "--json"], cwd=ROOT,
+def status(data: Path | None, cwd: Path = ROOT) -> dict:
+    out = subprocess.run([*GOODPUT, "status", "--json"], cwd=cwd, env=command_env(data),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
-def wait_for(port: int, done, what: str, timeout_s: float = 600.0) -> dict:
+def wait_for(data: Path | None, done, what: str, timeout_s: float = 600.0, cwd: Path = ROOT) -> dict:
     """`goodput status --json` until `done(document)`; fails with the last document after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        document = status(port)
+        document = status(data, cwd)
         if done(document):
             return document
         if time.monotonic() > deadline:
@@ -71,12 +94,14 @@ def wait_for(port: int, done, what: str, timeout_s: float = 600.0) -> dict:
 class Up:
     """`goodput up` serving, as a process of its own."""
 
-    def __init__(self, port: int, data: Path, *extra: str):
-        self.log = data.parent / f"up-{time.monotonic_ns()}.log"
+    def __init__(self, port: int, data: Path | None, *extra: str, cwd: Path = ROOT):
+        """`data` None: the default data folder, under `cwd`."""
+        self.log = (data.parent if data is not None else cwd) / f"up-{time.monotonic_ns()}.log"
         self.output = self.log.open("w")
-        self.process = subprocess.Popen([*GOODPUT, "up", "--workload", "none", "--port", str(port), "--data", str(data),
+        folder = ["--data", str(data)] if data is not None else []
+        self.process = subprocess.Popen([*GOODPUT, "up", "--workload", "none", "--port", str(port), *folder,
                                          "--round", "2", "--speed", "600", *extra],
-                                        cwd=ROOT, stdout=self.output, stderr=subprocess.STDOUT)
+                                        cwd=cwd, env=command_env(None), stdout=self.output, stderr=subprocess.STDOUT)
 
     def wait_serving(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -121,14 +146,14 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     # JSON clients cannot tell 2 from 2.0: an integral float is a GPU count.
     good = [{"id": f"burst-{i}", "application": "cifar10", "requested_gpus": 2.0 if i % 2 else 1}
             for i in range(BURST)]
-    asyncio.run(publish(port, bad + good))
+    asyncio.run(publish(data, bad + good))
 
     def settled(document):
         jobs = {j["id"]: j for j in document["jobs"]}
         return (all(jobs.get(f"burst-{i}", {}).get("state") == "finished" for i in range(BURST))
                 and all(jobs.get(name, {}).get("state") == "rejected" for name in BAD))
 
-    document = wait_for(port, settled, "every good job finished and every bad one rejected")
+    document = wait_for(data, settled, "every good job finished and every bad one rejected")
     jobs = {j["id"]: j for j in document["jobs"]}
     for name, (_, word) in BAD.items():
         assert word in jobs[name]["reason"], (name, jobs[name]["reason"])
@@ -138,10 +163,10 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     assert set(jobs["burst-1"]) >= {"id", "state", "reason", "application", "gpu_type", "gpus", "nodes", "batch"}
 
     # One job, for people and for scripts; the table piped into a reader that stops early is no error.
-    one = subprocess.run([*GOODPUT, "status", "burst-7", "--server", f"nats://127.0.0.1:{port}", "--json"],
+    one = subprocess.run([*GOODPUT, "status", "burst-7", "--json"], env=command_env(data),
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert json.loads(one.stdout)["id"] == "burst-7"
-    piped = subprocess.run(f"{sys.executable} -m cli.main status --server nats://127.0.0.1:{port} | head -1",
+    piped = subprocess.run(f"{sys.executable} -m cli.main status | head -1", env=command_env(data),
                            shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr
 
@@ -160,11 +185,96 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     again = Up(port, data)
     try:
         again.wait_serving()
-        asyncio.run(publish(port, [{"id": "after-restart", "application": "cifar10"}]))
-        document = wait_for(port, lambda d: any(j["id"] == "after-restart" and j["state"] == "finished"
+        asyncio.run(publish(data, [{"id": "after-restart", "application": "cifar10"}]))
+        document = wait_for(data, lambda d: any(j["id"] == "after-restart" and j["state"] == "finished"
                                                 for j in d["jobs"]), "the job submitted after the restart finished")
         states = {j["id"]: j["state"] for j in document["jobs"]}
         assert all(states[f"burst-{i}"] == "finished" for i in range(BURST))
         assert all(states[name] == "rejected" for name in BAD)
     finally:
         again.kill()
+
+
+STATUS_SUBJECTS = ("goodput.executor.records", "goodput.executor.status", "goodput.estimator.status",
+                   "goodput.policy.status")
+# Where an attacker asks a service to answer: deleting the submissions and the runs, the live run's checkpoint.
+EVIL_REPLIES = ("$JS.API.STREAM.DELETE.GOODPUT_JOBS", "$JS.API.STREAM.DELETE.GOODPUT_RUNS", "$KV.goodput_runs.live")
+
+
+async def attack(data: Path) -> list[str]:
+    """Every trick the user's login allows, as a client that is not ours; what the server said back."""
+    url = user_env(data)["GOODPUT_NATS_URL"]
+    errors: list[str] = []
+
+    async def collect(error: Exception) -> None:
+        errors.append(str(error).lower())
+
+    with pytest.raises(Exception):                                    # no login: refused
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=collect)
+    assert any("authorization violation" in error for error in errors), errors
+
+    nc = await nats.connect(**user_login(data), error_cb=collect)
+    try:
+        await nc.publish("goodput.executor.apply", msgspec.msgpack.encode({"now_s": 1e6, "placements": {}}))
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await nc.request("$JS.API.STREAM.CREATE.GOODPUT_JOBS", json.dumps(
+                {"name": "GOODPUT_JOBS", "subjects": ["goodput.executor.apply"], "storage": "memory"}).encode(), timeout=2)
+        for subject in STATUS_SUBJECTS:
+            for reply in EVIL_REPLIES:
+                for body in (msgspec.msgpack.encode({}), b"\xc1"):       # a valid request, and an invalid one
+                    await nc.publish(subject, body, reply=reply)
+        # A request in parts on a status endpoint is refused at once: it never waits for parts.
+        refusals = [await nc.request("goodput.executor.status", b"", timeout=10, headers={"Goodput-Chunk": "0/256"})
+                    for _ in range(6)]
+        assert all(r.headers.get("Nats-Service-Error-Code") == "400" for r in refusals), [r.headers for r in refusals]
+        # Each service has taken the tricks before these answers (one subscription, in order).
+        for subject in STATUS_SUBJECTS:
+            await nc.request(subject, msgspec.msgpack.encode({}), timeout=10)
+        await nc.flush()
+    finally:
+        await nc.close()
+    return errors
+
+
+async def stored_streams(data: Path) -> dict[str, int]:
+    """Each stream's message count, as the operator (whose password `goodput up` keeps in DATA/secrets) sees it."""
+    nc = await nats.connect(user_env(data)["GOODPUT_NATS_URL"], user="operator", inbox_prefix="_INBOX_operator",
+                            password=(data / "secrets" / "operator").read_text().strip())
+    try:
+        js = nc.jetstream()
+        return {name: (await js.stream_info(name)).state.messages
+                for name in ("GOODPUT_JOBS", "GOODPUT_RUNS", "KV_goodput_runs")}
+    finally:
+        await nc.close()
+
+
+def test_a_user_cannot_act_through_a_service_and_the_stack_goes_on(tmp_path):
+    """`goodput up` on its default data folder: anonymous clients are refused; with user.env, an
+    allocation or a stream of one's own is a permissions violation; status requests whose replies
+    name the JetStream API or the live run's key change nothing; `goodput submit` and `goodput
+    status`, given no server or login, find user.env by themselves and a job is scheduled to finished."""
+    port = free_loopback_port()
+    up = Up(port, None, cwd=tmp_path)
+    data = tmp_path / "out" / "stack"
+    try:
+        up.wait_serving()
+        assert (data / "user.env").stat().st_mode & 0o777 == 0o600
+        errors = asyncio.run(attack(data))
+        for refused in ('publish to "goodput.executor.apply"', 'publish to "$js.api.stream.create.goodput_jobs"'):
+            assert any("permissions violation" in error and refused in error for error in errors), errors
+        job = tmp_path / "job.yaml"
+        job.write_text("id: after-tricks\napplication: cifar10\n")
+        submitted = subprocess.run([*GOODPUT, "submit", str(job)], cwd=tmp_path, env=command_env(None),
+                                   capture_output=True, text=True, timeout=60)
+        assert submitted.returncode == 0 and submitted.stdout.strip() == "after-tricks", submitted.stderr
+        document = wait_for(None, lambda d: any(j["id"] == "after-tricks" and j["state"] == "finished"
+                                                for j in d["jobs"]), "the job submitted after the tricks finished",
+                            cwd=tmp_path)
+        assert document["run"]["state"] == "running" and document["run"]["id"] == "live"
+        assert all(messages > 0 for messages in asyncio.run(stored_streams(data)).values())
+    finally:
+        up.kill()
+    logs = {path.name: path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log"}
+    for service in ("executor", "estimator", "policy"):
+        assert "which is not an inbox; dropped" in logs[f"{service}.log"], logs[f"{service}.log"]
+    assert not [name for name, text in logs.items() if "Traceback" in text], logs

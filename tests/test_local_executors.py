@@ -128,13 +128,17 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     from shared.schema import JobSpec, Profiled, Rejected
 
     agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
-    for job_id in ("lm", "refused", "done"):
-        agent.submitted(JobSpec(job_id, "tiny_lm"))
-    agent.profiled(Profiled("lm", 16, 256))
-    agent.profiled(Profiled("done", 16, 256))
-    agent.rejected(Rejected("goodput.jobs.submit", "too big", "refused"))
+    for sequence, job_id in enumerate(("lm", "refused", "done"), start=1):
+        agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
+    agent.submitted(JobSpec("lm", "cnn_shapes"), 4)                    # another body under a held id: not taken
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
+    agent.profiled(Profiled("done", 16, 256, submission=3))
+    agent.rejected(Rejected("goodput.jobs.submit", "too big", "refused", submission=2))
     agent.rejected(Rejected("goodput.jobs.submit", "malformed: unknown field", "never-read"))
-    agent.rejected(Rejected("goodput.jobs.submit", "duplicate", "lm"))
+    # Refusals of other submissions naming held ids leave the jobs as they are.
+    agent.rejected(Rejected("goodput.jobs.submit", "job lm already exists", "lm", submission=4))
+    agent.rejected(Rejected("goodput.jobs.submit", "malformed submission", "done"))
+    assert agent.jobs["lm"].spec.application == "tiny_lm"
     assert agent.arrive(10.0) == ["done", "lm"]
     agent.executors.jobs["lm"].placement = (("local-0", 1),)           # as if running (no processes here)
     agent.executors.jobs["done"].result = {"stopped": False, "metric": 0.9, "batches": [16, 32]}
@@ -164,8 +168,8 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     from shared.schema import JobSpec, Profiled
 
     agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
-    agent.submitted(JobSpec("lm", "tiny_lm"))
-    agent.profiled(Profiled("lm", 16, 256))
+    agent.submitted(JobSpec("lm", "tiny_lm"), 1)
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.arrive(0.0)
     local = agent.executors.jobs["lm"]
     local.placement = (("local-0", 2),)                 # as if running on two slots (no processes here)

@@ -18,10 +18,9 @@ import sys
 
 import msgspec
 
-from deploy.nats import free_loopback_port, nats_from_binary
+from deploy.nats import embedded_nats, free_loopback_port
 from deploy.stack import create_run, local_service_arguments, records_once_ended, running_services
-from shared import streams, subjects
-from shared.bus import Bus
+from shared import subjects
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
 TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job's own metric at its end
@@ -49,12 +48,11 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
 async def _live_stack(folder, **options):
     """NATS, the five services on the local cluster's slots (real jobs), a live run of sia every 2 s;
     a bus to submit on."""
-    with nats_from_binary(folder) as url:
-        with running_services(url, local_service_arguments("local", folder / "work", 1.0, **options), folder) as stack:
-            bus = await Bus.connect(url, "test")
+    with embedded_nats(folder) as nats:
+        with running_services(nats, local_service_arguments("local", folder / "work", 1.0, **options), folder) as stack:
+            bus = await nats.connect("test")
             try:
                 await stack.wait_ready(bus)
-                await streams.ensure_jobs(bus)
                 await create_run(bus, RunRequest("live", "sia", {"round_s": 2.0}, "none", (), 2.0, live=True))
                 yield bus, stack
             finally:

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import pytest
 
-from deploy.nats import nats_from_binary, nats_server_binary
+from deploy.nats import embedded_nats, nats_from_binary, nats_server_binary
+from deploy.setup import provision_now
 from deploy.probe import EXIT_NO_ANSWER, ProbeFailed, ping
-from shared import credentials, permissions, subjects
+from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
 from shared.schema import ApplyRequest, JobSpec, PlaceRequest
 
@@ -30,6 +32,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a nats-server (JetStream on) with one user per role and its permissions."""
     workdir = tmp_path_factory.mktemp("secured-nats")
     with nats_from_binary(workdir, config=permissions.render_server_config(PASSWORDS)) as url:
+        provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
         yield url
 
 
@@ -107,8 +110,7 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     try:
         info = await reader.js.stream_info(subjects.JOBS_STREAM)
         assert info.state.messages == 1
-        consumer = await reader.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMIT,
-                                              JobSpec)
+        consumer = await storage.open_consumer(reader, subjects.PROFILER_CONSUMER, JobSpec)
         [delivery] = await consumer.fetch(1, timeout=2)
         assert delivery.message == spec
         await delivery.ack()
@@ -322,8 +324,15 @@ def test_permission_table() -> None:
             assert not allocations & set(allowed.publish), role
             assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
     user = permissions.ROLES["user"]
-    assert set(user.subscribe) == {"_INBOX_user.>"} and not user.allow_responses
+    assert set(user.subscribe) == {"_INBOX_user.>"}
     assert subjects.SUBMIT in user.publish
+    for role, allowed in permissions.ROLES.items():
+        # Only the operator makes or changes streams, buckets and consumers; a user publishes to no inbox.
+        changes = [s for s in allowed.publish if s.startswith(("$JS.API.STREAM.CREATE", "$JS.API.STREAM.UPDATE",
+                                                               "$JS.API.STREAM.DELETE", "$JS.API.CONSUMER.DURABLE",
+                                                               "$JS.API.STREAM.PURGE.GOODPUT"))]
+        assert role == "operator" or not changes, (role, changes)
+        assert role in permissions.SERVICES or not [s for s in allowed.publish if s.startswith("_INBOX")], role
     for role, allowed in permissions.ROLES.items():
         # no role holds the whole JetStream API or anyone's inboxes but its own
         assert not {"$JS.API.>", "$JS.ACK.>", "_INBOX.>", ">"} & set(allowed.publish + allowed.subscribe), role
@@ -351,24 +360,17 @@ def test_passwords_from_files_and_environment(tmp_path: Path) -> None:
 
 
 async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: Path) -> None:
-    """Every service connects as its own role (password files) and a replay completes: the table
-    grants each service what it uses; no service's log reports a permissions violation. (Its own
-    server: the module's holds other tests' submissions.)"""
-    from deploy.stack import SERVICES, replay, running_services, service_arguments
+    """The embedded stack as `goodput up` runs it: every service logs in as its own role (a password
+    made under the data folder), and a replay completes: the table grants each service what it uses;
+    no service's log reports a permissions violation."""
+    from deploy.stack import replay, running_services, service_arguments
     from shared.reference import load_workload
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    for service in SERVICES:
-        password_file = tmp_path / f"{service}.password"
-        password_file.write_text(PASSWORDS[service])
-        arguments[service] += ["--nats-user", service, "--nats-password-file", str(password_file)]
     jobs = load_workload(str(ROOT / "examples" / "workloads" / "mixed-40.csv"))[:4]
-    (tmp_path / "nats").mkdir()
-    config = permissions.render_server_config(PASSWORDS)
-    with nats_from_binary(tmp_path / "nats", config=config) as secured, \
-            running_services(secured, arguments, tmp_path) as stack:
-        bus = await connect(secured, "operator")
+    with embedded_nats(tmp_path) as server, running_services(server, arguments, tmp_path) as stack:
+        bus = await server.connect("test-operator")
         try:
             await asyncio.wait_for(stack.wait_ready(bus), 60)
             report, records = await asyncio.wait_for(
@@ -377,7 +379,10 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
         finally:
             await bus.close()
         logs = {name: stack.log(name) for name in stack.processes}
+        with pytest.raises(nats.errors.Error, match="(?i)authorization"):     # and no one gets in without a login
+            await Bus.connect(server.url, "anonymous", allow_reconnect=False, max_reconnect_attempts=1, error_cb=_ignore)
     assert len(records.jobs) == 4 and all(r.finish_s is not None for r in records.jobs)
+    assert (tmp_path / "secrets" / "policy").stat().st_mode & 0o777 == 0o600
     for name, log in logs.items():
         assert "ermissions violation" not in log, f"{name}:\n{log}"
 
@@ -442,6 +447,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
                              "--nats-user", service, "--nats-password-file", str(password_file)]
     (tmp_path / "nats").mkdir()
     with nats_from_binary(tmp_path / "nats", config=permissions.render_server_config(PASSWORDS)) as url:
+        provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
         stack = Stack({name: [*command, "--server", url] for name, command in commands.items()}, tmp_path)
         for name in commands:
             stack.start(name)
@@ -474,3 +480,102 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     assert "$.application" in reasons["bad-application"].reason
     assert all("may not carry commands or file paths" in r.reason for r in rejected)
     assert "Traceback" not in logs["profiler"], logs["profiler"]
+
+
+async def test_a_service_cannot_answer_outside_the_inboxes(secured: str) -> None:
+    """The server's own guard, for a responder that answers whatever reply a request names (as
+    nats.micro's $SRV handlers do): a user's status request with its reply set to the JetStream API
+    makes the service's answer a permissions violation, and the stream stays."""
+    executor_errors: list[Exception] = []
+    executor = await connect(secured, "executor", executor_errors)
+
+    async def answer_anything(msg) -> None:
+        await msg.respond(b"{}")
+
+    await executor.nc.subscribe(subjects.EXECUTOR_STATUS, cb=answer_anything)
+    await executor.flush()
+    user, operator = await connect(secured, "user"), await connect(secured, "operator")
+    try:
+        before = await operator.js.stream_info(subjects.JOBS_STREAM)
+        evil = f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}"
+        await user.nc.publish(subjects.EXECUTOR_STATUS, b"", reply=evil)
+        await user.flush()
+        while not any(evil.lower() in str(error).lower() for error in executor_errors):
+            await asyncio.sleep(0.02)                 # the server's -ERR to the responder
+        after = await operator.js.stream_info(subjects.JOBS_STREAM)
+        assert after.config.name == before.config.name and after.state.first_seq == before.state.first_seq
+    finally:
+        for bus in (user, operator, executor):
+            await bus.close()
+    assert_violation(executor_errors, evil)
+
+
+async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_changes_nothing(tmp_path: Path) -> None:
+    """A job id belongs to its first valid submission: a malformed message naming it, and a different
+    valid body under it, are refused on their own (each a rejected entry of its own, the reason with
+    it); the same body again is a repeat; the job stays as first submitted."""
+    from deploy.stack import running_services, service_arguments
+    from shared.schema import JobRecords, JobsQuery
+
+    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
+    with embedded_nats(tmp_path) as server, running_services(server, arguments, tmp_path) as stack:
+        operator = await server.connect("test-operator")
+        user = await Bus.connect(server.url, "test-user", **server.options("user"))
+        try:
+            await stack.wait_ready(operator)
+            first = JobSpec(id="mine", application="cifar10")
+            await user.js_publish(subjects.SUBMIT, first)
+            await user.js_publish(subjects.SUBMIT, {"id": "mine", "application": "cifar10", "command": "rm -rf /"})
+            await user.js_publish(subjects.SUBMIT, JobSpec(id="mine", application="ncf", requested_gpus=2))
+            await user.js_publish(subjects.SUBMIT, first)          # no Nats-Msg-Id: not de-duplicated by the stream
+            await user.js_publish(subjects.SUBMIT, JobSpec(id="after", application="cifar10"))
+            while True:
+                records = (await user.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)).jobs
+                if any(r.name == "after" and r.state == "queued" for r in records):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await user.close()
+            await operator.close()
+    mine = [r for r in records if r.name == "mine"]
+    held = [r for r in mine if r.state != "rejected"]
+    assert len(held) == 1 and held[0].application == "cifar10" and held[0].state == "queued", mine
+    reasons = sorted(r.failure for r in mine if r.state == "rejected")
+    assert len(reasons) == 2 and "already exists" in reasons[0] and "unknown field `command`" in reasons[1], reasons
+
+
+async def test_a_submission_over_64_kib_is_refused_by_the_stream_and_by_goodput_submit(secured: str) -> None:
+    from cli.submit import submit
+
+    user = await connect(secured, "user")
+    try:
+        with pytest.raises(nats.js.errors.APIError, match="(?i)message size exceeds"):
+            await user.nc.jetstream().publish(subjects.SUBMIT, b"\x81" + b"x" * storage.MAX_SUBMISSION_BYTES)
+    finally:
+        await user.close()
+    as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
+    huge = JobSpec(id="huge-spec", application="cifar10", gpu_types=tuple(f"t{i}" * 1200 for i in range(32)))
+    with pytest.raises(ValueError, match="at most 64 KiB"):
+        await submit(huge, secured, **as_user)
+
+
+async def test_a_service_refuses_a_stream_that_is_not_as_the_plan_says(tmp_path: Path) -> None:
+    """Only the operator makes the storage; a service finding it missing, or changed (here: its limits
+    taken off), stops with a clear message instead of working on it."""
+    with embedded_nats(tmp_path) as server:
+        operator = await server.connect("test-operator")
+        try:
+            with pytest.raises(storage.StorageMismatch, match="GOODPUT_JOBS does not exist: the operator creates it"):
+                await storage.open_stream(operator, subjects.JOBS_STREAM)
+            await storage.provision(operator)
+            await storage.open_stream(operator, subjects.JOBS_STREAM)
+            info = await operator.js.stream_info(subjects.JOBS_STREAM)
+            info.config.max_bytes = -1
+            await operator.js.update_stream(info.config)
+            with pytest.raises(storage.StorageMismatch, match="max_bytes is -1, the plan says 1073741824"):
+                await storage.open_stream(operator, subjects.JOBS_STREAM)
+            await storage.provision(operator)                 # the operator brings it back to the plan
+            await storage.open_stream(operator, subjects.JOBS_STREAM)
+            assert storage.total_bytes() < 5 * storage.GIB
+        finally:
+            await operator.close()

@@ -164,7 +164,7 @@ def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
     executors = SimulatedExecutors(load_cluster("sia-hetero-64"), simulation_settings(None, "sia-hetero-64"), 1)
     truth = ZOO.truths["cifar10"]
     executors.submit(JobSpec("rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=5), truth)
-    executors.submit(JobSpec("adaptive", "cifar10", requested_gpus=2, submit_s=5.0), truth)
+    executors.submit(JobSpec("adaptive", "cifar10", requested_gpus=2, min_gpus=2, submit_s=5.0), truth)
     executors.submit(JobSpec("live", "cifar10"), truth)
     rigid, adaptive = executors.facts(10.0, ["rigid", "adaptive"])
     assert (rigid.rigid, rigid.requested_gpus, rigid.requested_batch, rigid.submit_s) == (True, 4, 512, 5.0)
@@ -175,4 +175,4 @@ def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
         estimator.add(name, {t: ZOO.profile("cifar10", t) for t in truth.types})
     fixed, free = estimator.models([rigid, adaptive])
     assert (fixed.fixed_gpus, fixed.min_gpus, fixed.fixed_batch) == (4, 4, 512)
-    assert (free.fixed_gpus, free.fixed_batch) == (None, None)
+    assert (free.fixed_gpus, free.fixed_batch, free.min_gpus) == (None, None, 2)      # its floor, to the policy

@@ -17,7 +17,7 @@ from nats import micro
 
 from services.estimator.core import Estimator
 from services.runner import new_service
-from shared import subjects
+from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
 from shared.settings import settings_for
@@ -92,11 +92,14 @@ class SharedEstimates:
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    records = await bus.kv(subjects.ESTIMATES_BUCKET, EstimateRecord)
+    records = await storage.open_kv(bus, subjects.ESTIMATES_BUCKET, EstimateRecord)
     shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records)
 
     async def count(_: Ack) -> Count:
-        return Count(len(await records.keys()))
+        # The bucket's keys, as the server counts them, in one request however many jobs: it keeps one
+        # value per key (history 1) and none is deleted, so each stored message is a key.
+        info = await bus.js.stream_info(storage.BUCKETS[subjects.ESTIMATES_BUCKET].stream)
+        return Count(info.state.messages)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
     await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, shared.add)
@@ -104,5 +107,5 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                            span_name="estimator.observe")
     await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest, shared.models,
                            span_name="estimator.goodput")
-    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, count)
+    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, count, parts=False)
     return service

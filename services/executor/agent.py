@@ -29,7 +29,7 @@ from services.executor import endpoints
 from services.executor.local import JOBS_PACKAGE, LocalExecutors
 from services.executor.protocol import REPORT_EVERY_S
 from services.runner import positive_float
-from shared import streams, subjects
+from shared import storage, subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
 from shared.goodput import Observation
@@ -48,6 +48,7 @@ from shared.schema import (
     Observed,
     Profiled,
     Rejected,
+    verdict_for,
 )
 
 POLL_S = 0.5            # how often the workers are looked at: finishes are timed to this
@@ -113,17 +114,22 @@ class NodeAgent:
 
     # They come in the stream's order: a job's submission before its Profiled or Rejected.
 
-    def submitted(self, spec: JobSpec) -> None:
-        if spec.id in self.jobs:
-            return
-        job = self.jobs[spec.id] = NodeJob(spec)
+    def submitted(self, spec: JobSpec, sequence: int = 0) -> None:
+        known = self.jobs.get(spec.id)
+        if known is not None and not (known.failure is not None and known.profiled is None):
+            return                                   # another submission holds the id (a refused one gives it up)
+        self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
+        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence)
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
             job.failure = str(error)
 
-    def profiled(self, message: Profiled) -> None:
-        if message.job_id in self.jobs and message.init_batch is None:     # a trace-backed profiler's word
+    def profiled(self, message: Profiled, _: int = 0) -> None:
+        job = self.jobs.get(message.job_id)
+        if job is not None and not verdict_for(message.submission, job.submission):
+            log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
+        elif message.job_id in self.jobs and message.init_batch is None:     # a trace-backed profiler's word
             self.jobs[message.job_id].failure = ("profiled without a run of its own: real jobs need the profiler "
                                                  "with --executors local")
         elif message.job_id in self.jobs:
@@ -131,14 +137,16 @@ class NodeAgent:
         else:
             log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)
 
-    def rejected(self, message: Rejected) -> None:
+    def rejected(self, message: Rejected, _: int = 0) -> None:
         if message.job_id is None:
             return
         job = self.jobs.get(message.job_id)
         if job is None:            # its submission could not be read (malformed): kept as failed all the same
             self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason)
-        elif job.profiled is not None:
-            log.warning("job %s: a rejection after it was profiled (a submission reusing its id?) is ignored: %s",
+        elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
+            # A verdict on another submission (a second body under the id, a malformed message naming it):
+            # the job the id belongs to is untouched; the refusal is on the stream, for its sender.
+            log.warning("job %s: a refusal of another submission under its id leaves it as it is: %s",
                         message.job_id, message.reason)
         else:
             job.failure = message.reason
@@ -174,7 +182,7 @@ class NodeAgent:
         return JobFacts(
             job_id=spec.id, application=spec.application, submit_s=job.arrival_s, age_s=now - job.arrival_s,
             requested_gpus=spec.requested_gpus, requested_batch=spec.requested_batch or profiled.init_batch,
-            rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch,
+            rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch, min_gpus=spec.min_gpus,
             restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
             placement=local.placement, iterations=float(steps),
             mid_restart=local.running and not local.heard,      # started, not yet heard from: restarting
@@ -316,7 +324,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                      jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every))
     # Every job is in KV, written before a request is answered: a restarted agent goes on with them,
     # once the workers its predecessor left have checkpointed and stopped.
-    states = await bus.kv(subjects.NODE_JOBS_BUCKET, NodeJob)
+    states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
     for key in await states.keys():
         entry = await states.get(key)
         if entry is not None:
@@ -341,7 +349,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return                 # a malformed submission: the profiler records it, with the reason
         async with turn:
-            take(agent, event)
+            take(agent, event, delivery.stream_sequence)
             await save()
 
     async def on_apply(request: ApplyRequest) -> Ack:
@@ -383,12 +391,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:                  # no request half done; then no worker is started again
             await asyncio.to_thread(agent.executors.stop_all)
 
-    await streams.ensure_jobs(bus)
     loop = asyncio.get_running_loop()
-    await streams.ensure_dead_letters(bus)
-    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, subjects.JOBS_EVENTS,
-                                       msgspec.Raw, span_name="executor.job-event",
-                                       dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER))
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    consumer = await storage.open_consumer(bus, subjects.NODE_AGENT_CONSUMER, msgspec.Raw,
+                                           span_name="executor.job-event",
+                                           dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER))
     loop.create_task(consumer.consume(on_event, with_delivery=True))
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)

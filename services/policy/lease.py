@@ -36,8 +36,11 @@ class Leadership:
         self.gained = asyncio.Event()           # set when this replica takes the lease
 
     @classmethod
-    async def open(cls, bus: Bus, bucket: str, key: str, holder: str, ttl_s: float) -> Leadership:
-        return cls(await bus.kv(bucket, Lease, ttl=ttl_s, history=1), key, holder, ttl_s)
+    async def open(cls, bus: Bus, bucket: str, key: str, holder: str) -> Leadership:
+        """Campaign for `key` of `bucket` (the operator's, its TTL the lease's: shared.storage)."""
+        from shared import storage
+
+        return cls(await storage.open_kv(bus, bucket, Lease), key, holder, await storage.bucket_ttl(bus, bucket))
 
     @property
     def held(self) -> bool:

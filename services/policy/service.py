@@ -36,14 +36,13 @@ from services.policy.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
 from services.policy.rounds import Arrival, RoundLoop
 from services.policy.wiring import RETRY_S, BusWiring, LiveFeed
-from services.runner import new_service, positive_float
-from shared import streams, subjects
+from services.runner import new_service
+from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.schema import Ack, PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
 from shared.settings import simulation_settings
 
-LEASE_TTL_S = 5.0
 # With no run to lead, the runs are looked at again when the runs bucket changes, or after IDLE_POLL_S.
 IDLE_POLL_S = 5.0
 RESUME_AFTER_S = 0.5
@@ -56,10 +55,8 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # The lease's time to live is the operator's: the lease bucket's (shared.storage, deploy.setup --lease-ttl).
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--lease-ttl", type=positive_float, default=LEASE_TTL_S,
-                        help="seconds a leader's lease lasts unrenewed: a standby takes over within it "
-                             "(default: %(default)s)")
 
 
 class RunJournal:
@@ -233,10 +230,10 @@ def run_status(checkpoint: RunCheckpoint) -> RunStatus:
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
-    await streams.ensure_run_log(bus)
-    runs = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
+    await storage.open_stream(bus, subjects.RUN_LOG_STREAM)
+    runs = await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)
     holder = f"{socket.gethostname()}-{os.getpid()}"
-    leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder, args.lease_ttl)
+    leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(leadership.campaign(stop)),
@@ -256,6 +253,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return PolicyStatus(await leadership.leader(), None if entry is None else run_status(entry.value))
 
     service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
-    await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status)
+    await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status, parts=False)
     return service
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import subprocess
 import tempfile
 from pathlib import Path
@@ -22,12 +24,12 @@ from nats import micro
 
 from services.executor.local import JOBS_PACKAGE
 from services.profiler.core import ID_RULES, SUBMISSION_RULES, profile_source, submission_problem
-from services.profiler.measure import PROFILE_TIMEOUT_S, ProfilingFailed, measured_profile, profiling_run
+from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
-from shared import streams, subjects
-from shared.bus import Bus
+from shared import storage, subjects
+from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
-from shared.schema import JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
+from shared.schema import JobOwner, JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +68,36 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         reason = f"malformed submission: {error}{rules}"
         await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
 
-    async def reject(spec: JobSpec, reason: str, subject: str = subjects.SUBMIT) -> None:
-        await bus.js_publish(subjects.REJECTED, rejection(subject, reason, repr(spec), spec.id))
+    owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
+
+    async def claim(spec: JobSpec, delivery) -> str | None:
+        """Hold the job's id for this submission: None when it holds it (first, or delivered again),
+        "repeat" for the same job sent again, else why it cannot have it."""
+        mine = JobOwner(delivery.stream_sequence, hashlib.sha256(bus.encode(spec)).hexdigest(), delivery.subject)
+        for _ in range(3):                        # the holder may give it up meanwhile
+            try:
+                await owners.create(spec.id, mine)
+                return None
+            except RevisionConflict:
+                held = await owners.get(spec.id)
+            if held is None:
+                continue
+            if held.value.submission == mine.submission:
+                return None
+            if held.value.digest == mine.digest:
+                return "repeat"
+            return (f"job {spec.id} already exists: another submission holds this id (a job's id belongs to its "
+                    "first valid submission); submit under another id")
+        raise RuntimeError(f"job {spec.id}: its id changes hands too fast to claim")
+
+    async def reject(spec: JobSpec, reason: str, delivery, release: bool = True) -> None:
+        """Refuse this submission, with the reason; the id it held is free again (`release`)."""
+        await bus.js_publish(subjects.REJECTED, rejection(delivery.subject, reason, repr(spec), spec.id,
+                                                          delivery.stream_sequence))
+        held = await owners.get(spec.id) if release else None
+        if held is not None and held.value.submission == delivery.stream_sequence:
+            with contextlib.suppress(RevisionConflict):
+                await owners.delete(spec.id, held.revision)
 
     async def measure(spec: JobSpec, types: list[str]) -> tuple:
         """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
@@ -82,10 +112,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return tuple(profiles), run
 
     async def on_submission(spec: JobSpec, delivery) -> None:
+        taken = await claim(spec, delivery)
+        if taken == "repeat":                    # the first one's verdict stands
+            return
+        if taken is not None:
+            await reject(spec, taken, delivery, release=False)
+            return
         problem = submission_problem(spec, cluster, None if local else source.types,
                                      live=delivery.subject == subjects.SUBMIT)
         if problem is not None:
-            await reject(spec, problem, delivery.subject)
+            await reject(spec, problem, delivery)
             return
         if local:
             types = [t for t in cluster.gpu_types if not spec.gpu_types or t in spec.gpu_types]
@@ -94,28 +130,28 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             except ProfilingFailed as error:
                 if stopping.is_set():            # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
-                await reject(spec, f"job {spec.id} cannot run: {error}", delivery.subject)
+                await reject(spec, f"job {spec.id} cannot run: {error}", delivery)
                 return
         else:
             types = [t for t in cluster.gpu_types if t in source.types[spec.application]
                      and (not spec.gpu_types or t in spec.gpu_types)]
             profiles = tuple(source.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
-        verdict = Profiled(spec.id, run.init_batch, run.max_batch) if local else Profiled(spec.id)
+        sequence = delivery.stream_sequence
+        verdict = (Profiled(spec.id, run.init_batch, run.max_batch, submission=sequence) if local
+                   else Profiled(spec.id, submission=sequence))
         await bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")   # not the submission's id
 
     async def on_dead(delivery, error: Exception) -> None:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
         await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
-                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery.subject)
+                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery)
 
-    await streams.ensure_jobs(bus)
-    await streams.ensure_dead_letters(bus)
-    # A submission being profiled (one run per GPU type) is not handed to another replica meanwhile.
-    ack_wait = PROFILE_TIMEOUT_S * len(cluster.gpu_types) + 60.0
-    consumer = await bus.pull_consumer(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS,
-                                       JobSpec, span_name="profiler.bootstrap", on_invalid=on_malformed,
-                                       dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
-                                       **({"ack_wait": ack_wait} if local else {}))
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
+    # says so to the server), not handed to another replica.
+    consumer = await storage.open_consumer(bus, subjects.PROFILER_CONSUMER, JobSpec, span_name="profiler.bootstrap",
+                                           on_invalid=on_malformed,
+                                           dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER))
     asyncio.get_running_loop().create_task(consumer.consume(on_submission, with_delivery=True, on_dead=on_dead))
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

@@ -1,0 +1,199 @@
+"""What goodput keeps in JetStream: every stream, KV bucket and durable consumer, with its limits,
+in one place.
+
+Only the operator creates or changes them (`provision`: `goodput up` at start, `python -m
+deploy.setup` as a one-shot in the manifests). A service opens what it uses (`open_stream`,
+`open_kv`, `open_consumer`) and fails with a clear message when it is missing or differs from
+this plan, so no service (and no user) may create a stream with a configuration of its own.
+
+Limits, so one user cannot fill the disk: each stream and bucket has max bytes (and an age where
+old entries may go); the submissions stream refuses new messages when full rather than dropping
+stored ones, and any message over MAX_SUBMISSION_BYTES. The sum of the limits (`total_bytes`) is
+what the JetStream store must hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from shared import subjects
+from shared.bus import MAX_DELIVER, Bus, PullConsumer, TypedKV
+
+T = TypeVar("T")
+
+KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
+DAY_S = 24 * 3600.0
+MAX_SUBMISSION_BYTES = 64 * KIB      # a JobSpec is a few hundred bytes; anything this large is not one
+LEASE_TTL_S = 5.0                    # the policy lease: a dead leader is replaced within this
+SETUP_HINT = ("the operator creates it: `goodput up` does at start, a deployment runs `python -m deploy.setup` "
+              "(the setup job in the manifests)")
+
+
+class StorageMismatch(RuntimeError):
+    """A stream, bucket or consumer a service needs is missing, or not as the plan says."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    name: str
+    subjects: tuple[str, ...]
+    limits: dict[str, Any] = field(default_factory=dict)   # nats-py StreamConfig fields
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    max_bytes: int
+    history: int = 1
+    ttl_s: float | None = None       # None: entries stay until deleted
+
+    @property
+    def stream(self) -> str:
+        return f"KV_{self.name}"
+
+
+@dataclass(frozen=True)
+class Durable:
+    stream: str
+    name: str
+    filters: tuple[str, ...]
+    ack_wait_s: float = 30.0         # a handler that takes longer says it is still at work (Delivery.in_progress)
+
+
+STREAMS = {s.name: s for s in (
+    # Submissions and verdicts: refused when full, never dropped; a submission is at most 64 KiB.
+    Stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
+           {"duplicate_window": subjects.DEDUP_WINDOW_S, "max_bytes": 1 * GIB, "max_age": 30 * DAY_S,
+            "max_msg_size": MAX_SUBMISSION_BYTES, "discard": api.DiscardPolicy.NEW}),
+    # What no consumer could process: the newest kept a week.
+    Stream(subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_SUBJECTS,
+           {"max_age": subjects.DEAD_LETTER_MAX_AGE_S, "max_msgs": subjects.DEAD_LETTER_MAX_MSGS,
+            "max_bytes": 256 * MIB, "max_msg_size": MAX_SUBMISSION_BYTES + 4 * KIB, "discard": api.DiscardPolicy.OLD}),
+    # Each run's rounds; a live run's oldest go first.
+    Stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
+           {"duplicate_window": subjects.RUN_LOG_DEDUP_S, "max_bytes": 512 * MIB, "max_age": 30 * DAY_S,
+            "discard": api.DiscardPolicy.OLD}),
+)}
+
+BUCKETS = {b.name: b for b in (
+    Bucket(subjects.RUNS_BUCKET, 512 * MIB),
+    Bucket(subjects.LEASE_BUCKET, 1 * MIB, ttl_s=LEASE_TTL_S),
+    Bucket(subjects.ESTIMATES_BUCKET, 512 * MIB),
+    Bucket(subjects.EXECUTOR_BUCKET, 1 * GIB),
+    Bucket(subjects.NODE_JOBS_BUCKET, 512 * MIB),
+    Bucket(subjects.JOB_OWNERS_BUCKET, 128 * MIB),
+)}
+
+CONSUMERS = {c.name: c for c in (
+    Durable(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS),
+    Durable(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, (subjects.JOBS_EVENTS,)),
+    Durable(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, (subjects.JOBS_EVENTS,)),
+)}
+
+
+def total_bytes() -> int:
+    """The most the plan's streams and buckets may hold together."""
+    return sum(s.limits.get("max_bytes", 0) for s in STREAMS.values()) + sum(b.max_bytes for b in BUCKETS.values())
+
+
+def _stream_config(stream: Stream, replicas: int) -> api.StreamConfig:
+    return api.StreamConfig(name=stream.name, subjects=list(stream.subjects), num_replicas=replicas, **stream.limits)
+
+
+def _bucket_limits(bucket: Bucket, ttl_s: float | None) -> dict[str, Any]:
+    """The fields of a bucket's stream the plan sets (nats-py writes a bucket's `ttl` as `max_age`)."""
+    return {"max_bytes": bucket.max_bytes, "max_msgs_per_subject": bucket.history, "max_age": ttl_s or 0.0}
+
+
+async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
+    """Create every stream, bucket and consumer of the plan, or bring one that exists to it (the
+    operator's part; idempotent). `lease_ttl_s`: the policy lease's time to live."""
+    for stream in STREAMS.values():
+        await bus.ensure_stream(stream.name, stream.subjects, **stream.limits)
+    for bucket in BUCKETS.values():
+        ttl_s = lease_ttl_s if bucket.name == subjects.LEASE_BUCKET else bucket.ttl_s
+        await bus.kv(bucket.name, bytes, history=bucket.history, ttl=ttl_s, max_bytes=bucket.max_bytes)
+        info = await bus.js.stream_info(bucket.stream)
+        if _differences(info.config, _bucket_limits(bucket, ttl_s)):      # made before with other limits
+            for name, value in _bucket_limits(bucket, ttl_s).items():
+                setattr(info.config, name, value)
+            await bus.js.update_stream(info.config)
+    for durable in CONSUMERS.values():
+        await bus.js.add_consumer(durable.stream, _consumer_config(durable))
+
+
+def _consumer_config(durable: Durable) -> api.ConsumerConfig:
+    filters = list(durable.filters)
+    return api.ConsumerConfig(
+        name=durable.name, durable_name=durable.name, ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=durable.ack_wait_s, max_deliver=MAX_DELIVER,
+        **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}))
+
+
+def _differences(config: Any, expected: dict[str, Any]) -> list[str]:
+    """`name is X, the plan says Y` for each expected field the configuration does not match."""
+    found = []
+    for name, want in expected.items():
+        have = getattr(config, name, None)
+        if isinstance(want, float) or isinstance(have, float):
+            same = abs(float(have or 0.0) - float(want or 0.0)) < 1e-6
+        elif name == "subjects":
+            same = sorted(have or []) == sorted(want)
+        else:
+            same = have == want
+        if not same:
+            found.append(f"{name} is {have!r}, the plan says {want!r}")
+    return found
+
+
+async def _info(bus: Bus, name: str, what: str) -> api.StreamInfo:
+    try:
+        return await bus.js.stream_info(name)
+    except nats.js.errors.NotFoundError:
+        raise StorageMismatch(f"the {what} {name} does not exist: {SETUP_HINT}") from None
+
+
+async def open_stream(bus: Bus, name: str) -> api.StreamInfo:
+    """The stream, checked against the plan; StorageMismatch naming what differs."""
+    stream = STREAMS[name]
+    info = await _info(bus, name, "stream")
+    expected = {"subjects": list(stream.subjects), **{k: v for k, v in stream.limits.items()}}
+    problems = _differences(info.config, expected)
+    if problems:
+        raise StorageMismatch(f"the stream {name} differs from the plan ({'; '.join(problems)}): {SETUP_HINT}")
+    return info
+
+
+async def open_kv(bus: Bus, bucket: str, value_type: type[T]) -> TypedKV[T]:
+    """The bucket, checked against the plan (a lease bucket's TTL is the operator's choice)."""
+    plan = BUCKETS[bucket]
+    info = await _info(bus, plan.stream, "KV bucket")
+    expected = _bucket_limits(plan, plan.ttl_s)
+    if plan.ttl_s is not None:
+        del expected["max_age"]
+    problems = _differences(info.config, expected)
+    if problems:
+        raise StorageMismatch(f"the KV bucket {bucket} differs from the plan ({'; '.join(problems)}): {SETUP_HINT}")
+    return await bus.open_kv(bucket, value_type)
+
+
+async def bucket_ttl(bus: Bus, bucket: str) -> float:
+    """The time to live the operator gave a bucket's entries (the policy lease's)."""
+    return float((await _info(bus, BUCKETS[bucket].stream, "KV bucket")).config.max_age or 0.0)
+
+
+async def open_consumer(bus: Bus, durable: str, msg_type: type[T], **options: Any) -> PullConsumer[T]:
+    """Bind to one of the plan's durable consumers (`options`: Bus.bind_consumer's)."""
+    plan = CONSUMERS[durable]
+    await open_stream(bus, plan.stream)
+    try:
+        return await bus.bind_consumer(plan.stream, durable, msg_type, **options)
+    except nats.js.errors.NotFoundError:
+        raise StorageMismatch(f"the consumer {durable} of {plan.stream} does not exist: {SETUP_HINT}") from None
+    except nats.errors.Error as error:
+        raise StorageMismatch(f"cannot bind the consumer {durable} of {plan.stream} ({error}): {SETUP_HINT}") from None
