@@ -187,7 +187,6 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                   f"{'; NO AUTHENTICATION (--insecure)' if nats.access is None else ''})")
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
-            print(_how_to_connect(data, user_env))
             if not local and args.workload != "none" and (args.once or not resumed):
                 if resumed and await live_run_exists(bus):
                     raise ValueError(f"{data} holds a live run, which the policy leader serves before any replay: "
@@ -199,6 +198,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                         (live.policy, live.policy_options, live.round_s):
                     print(f"the live run goes on as it was created ({describe(existing)}), not with {describe(live)}")
                 running = existing or live
+                print(_how_to_connect(data, user_env))
                 print(f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
                       f"{describe(running)}; Ctrl-C stops everything", flush=True)
                 watch = asyncio.ensure_future(_watch(bus, LIVE_RUN))

@@ -470,7 +470,7 @@ async def test_the_probe_says_when_nats_cannot_be_reached_without_showing_the_pa
 def nats_conf_on_loopback(conf: str, me: int, client: int, http: int, routes: list[int], workdir: Path) -> str:
     """The Kubernetes nats.conf with its listeners, routes and paths moved to loopback and `workdir`."""
     swaps = [("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
-             ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{http}"),
+             ("http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}"),
              ("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{routes[me]}"),
              ("store_dir: /data", f"store_dir: {workdir / 'jetstream'}"),
              ("pid_file: /var/run/nats/nats.pid", f"pid_file: {workdir / 'nats.pid'}")]
