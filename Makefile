@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_bus.py --zoo --workload examples/workloads/mixed-40.csv
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_burst.py
+	$(PY) benchmarks/bench_abuse.py
 	$(PY) benchmarks/bench_trainer_overhead.py
 
 clean:
