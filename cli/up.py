@@ -33,9 +33,9 @@ import signal
 import time
 from pathlib import Path
 
+from cli.submit import add_connection_arguments
 from services.executor.local import JOBS_PACKAGE
 from services.runner import positive_float
-from cli.submit import add_connection_arguments
 from shared import credentials
 from shared.schema import JOB_STATES
 
