@@ -63,7 +63,7 @@ async def submit(spec, server: str, **options) -> bool:
             raise ValueError(f"job {spec.id}: a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
         try:
             ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id, timeout=10)
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             raise ValueError(f"no submissions stream at {credentials.redact(server)}: the operator sets it up "
                              "(`goodput up` does at start)") from None
         except nats.js.errors.APIError as error:       # e.g. the stream is full: it refuses, drops nothing

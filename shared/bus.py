@@ -6,9 +6,11 @@ module settles them once, and stays generic over message types (the Structs live
 `shared/schema.py`, the names in `shared/subjects.py`).
 
 - Encoding is msgpack via msgspec (smaller and faster to encode/decode than JSON, and msgspec
-  validates types and `Meta` ranges while it decodes). Payloads are therefore binary: read them
-  with `Bus.decode`, not with `nats sub`. Decoding is lax (msgspec's `strict=False`): an integral
-  float is an int, since JSON-minded clients cannot tell 2 from 2.0.
+  validates types and `Meta` ranges while it decodes). A body that is a JSON object is read as
+  JSON, on every subject (`is_json`: a message is always an object, and no msgpack message begins
+  with `{`), and a request in JSON is answered in JSON, so any client (`nats req`, Go, TypeScript)
+  needs no msgpack. Decoding is lax (msgspec's `strict=False`): an integral float is an int, since
+  JSON-minded clients cannot tell 2 from 2.0.
 - A durable consumer never dies silently: a fetch that fails is tried again (with backoff); a
   message whose handler fails is redelivered with growing delays, and on its last delivery
   (`max_deliver`) it is dead-lettered once, with the reason, and never delivered again.
@@ -127,6 +129,13 @@ def split_body(body: bytes, size: int) -> list[bytes]:
     return [body[i:i + size] for i in range(0, len(body), size)] or [body]
 
 
+def is_json(data: bytes) -> bool:
+    """Whether a body is JSON: an object, as every message is, begins with `{` (after white space).
+    A msgpack message never does: those bytes are msgpack's small integers, never a whole message."""
+    head = bytes(memoryview(data)[:64]).lstrip(b" \t\r\n")
+    return head[:1] == b"{"
+
+
 def is_inbox(reply: str) -> bool:
     """Whether a reply subject is an inbox (`_INBOX.…`, `_INBOX_<role>.…`), the only place a
     service answers: never a JetStream API subject or a KV key a requester names."""
@@ -216,7 +225,8 @@ class Bus:
         self._tracer = trace.get_tracer(_TRACER_NAME, tracer_provider=tracer_provider)
         self._on_invalid = on_invalid or _report_invalid
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+        self._json_encoder = msgspec.json.Encoder()
+        self._decoders: dict[tuple[Any, bool], msgspec.msgpack.Decoder | msgspec.json.Decoder] = {}
         # Pull subscriptions are unsubscribed before a drain: nats-py's drain would otherwise
         # wait its full timeout on their inboxes, which nothing reads between fetches.
         self._pull_consumers: set[PullConsumer[Any]] = set()
@@ -296,14 +306,17 @@ class Bus:
 
     # ---- encoding ---------------------------------------------------------------------------
 
-    def encode(self, msg: Any) -> bytes:
-        return self._encoder.encode(msg)
+    def encode(self, msg: Any, json: bool = False) -> bytes:
+        return (self._json_encoder if json else self._encoder).encode(msg)
 
     def decode(self, data: bytes, msg_type: type[T]) -> T:
-        """Decode and validate; raises msgspec.ValidationError / DecodeError with a reason."""
-        decoder = self._decoders.get(msg_type)
+        """Decode (msgpack, or JSON when the body is a JSON object) and validate; raises
+        msgspec.ValidationError / DecodeError with a reason."""
+        key = (msg_type, is_json(data))
+        decoder = self._decoders.get(key)
         if decoder is None:
-            decoder = self._decoders[msg_type] = msgspec.msgpack.Decoder(msg_type, strict=False)
+            kind = msgspec.json.Decoder if key[1] else msgspec.msgpack.Decoder
+            decoder = self._decoders[key] = kind(msg_type, strict=False)
         return decoder.decode(data)
 
     @property
@@ -536,7 +549,7 @@ class Bus:
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
                 return
-            body = b"" if outcome.answer is None else self.encode(outcome.answer)
+            body = b"" if outcome.answer is None else self.encode(outcome.answer, json=is_json(data))
             headers = dict(outcome.headers or {})
             if outcome.refusal is not None:     # as micro's respond_error, in parts if need be
                 headers.update({micro.request.ERROR_HEADER: outcome.refusal, micro.request.ERROR_CODE_HEADER: "400"})
@@ -583,7 +596,7 @@ class Bus:
             outcome = await self._handle(raw.subject, headers, data, msg_type, call, name, kind,
                                          _receive_attributes(raw), report_invalid)
             if raw.reply and outcome is not None and outcome.answer is not None:
-                await self._respond(raw.reply, self.encode(outcome.answer), outcome.headers)
+                await self._respond(raw.reply, self.encode(outcome.answer, json=is_json(data)), outcome.headers)
 
         subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
         await self.flush()  # when subscribe returns, the server routes to it

@@ -80,8 +80,10 @@ MAX_RECORDED_PAYLOAD = 512
 def readable_id(data: bytes) -> str | None:
     """The job id of a submission that is otherwise malformed, when one can be read: its rejection
     is then the job's own (it ends failed, with the reason), not only a dead letter."""
+    from shared.bus import is_json
+
     try:
-        document = msgspec.msgpack.decode(data)        # the bus speaks msgpack
+        document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)   # as the bus reads it
         return msgspec.convert(document["id"], Identifier)
     except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError):
         return None

@@ -374,6 +374,26 @@ async def test_requests_in_parts_are_refused_where_not_taken_and_bounded_per_req
     await answers.unsubscribe()
 
 
+async def test_json_bodies_are_read_as_json_and_a_json_request_is_answered_in_json(connect_bus, name_prefix):
+    """Any client may speak JSON: a plain nats request with a JSON object gets a JSON reply (a refusal
+    too), JetStream JSON bodies decode for a consumer, and msgpack goes on as before."""
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject, handled = await _echo_endpoint(server, name_prefix)
+    reply = await client.nc.request(subject, b' {"n": 2.0, "text": "hi"}', timeout=TIMEOUT_S)
+    assert msgspec.json.decode(reply.data) == {"n": 2}
+    refused = await client.nc.request(subject, b'{"n": -1}', timeout=TIMEOUT_S)
+    assert refused.headers["Nats-Service-Error-Code"] == "400" and "n" in refused.headers["Nats-Service-Error"]
+    assert await client.request(subject, Ping(3), Pong, timeout=TIMEOUT_S) == Pong(3)      # msgpack, as before
+    assert handled == [Ping(2, "hi"), Ping(3)]
+
+    stream, subject = f"{name_prefix}_JSON", f"{name_prefix}.json"
+    await client.ensure_stream(stream, [subject])
+    await client.js.publish(subject, b'{"n": 7}')
+    consumer = await client.pull_consumer(stream, "reader", subject, Ping)
+    [delivery] = await consumer.fetch(1, timeout=TIMEOUT_S)
+    assert delivery.message == Ping(7)
+
+
 async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):
     bus, other = await connect_bus("writer"), await connect_bus("reader")
     bucket = f"{name_prefix}_big"

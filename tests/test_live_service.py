@@ -58,13 +58,24 @@ def command_env(data: Path | None) -> dict[str, str]:
 
 
 async def publish(data: Path, documents: list[dict]) -> None:
-    """As a user's client would: msgpack bodies, Nats-Msg-Id = the id, all at once."""
+    """As users' clients would: msgpack bodies, and every third one JSON (as a Go or TypeScript client
+    writes it), Nats-Msg-Id = the id, all at once."""
     nc = await nats.connect(**user_login(data))
     try:
         js = nc.jetstream()
-        acks = [js.publish_async(SUBMIT, msgspec.msgpack.encode(doc), headers={"Nats-Msg-Id": doc["id"]})
-                for doc in documents]
+        acks = [js.publish_async(SUBMIT, json.dumps(doc).encode() if i % 3 == 2 else msgspec.msgpack.encode(doc),
+                                 headers={"Nats-Msg-Id": doc["id"]})
+                for i, doc in enumerate(documents)]
         await asyncio.gather(*acks)
+    finally:
+        await nc.close()
+
+
+async def json_status(data: Path) -> dict:
+    """The executors' count of jobs, asked in JSON with nats-py alone."""
+    nc = await nats.connect(**user_login(data))
+    try:
+        return json.loads((await nc.request("goodput.executor.status", b'{"prefix": ""}', timeout=10)).data)
     finally:
         await nc.close()
 
@@ -160,6 +171,7 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     unnamed = [j for j in document["jobs"] if j["id"] is None]
     assert len(unnamed) == 1 and unnamed[0]["state"] == "rejected" and "id" in unnamed[0]["reason"]
     assert document["run"]["state"] == "running" and document["run"]["leader"]
+    assert asyncio.run(json_status(data))["n"] >= BURST          # a status request in JSON, answered in JSON
     assert set(jobs["burst-1"]) >= {"id", "state", "reason", "application", "gpu_type", "gpus", "nodes", "batch"}
 
     # One job, for people and for scripts; the table piped into a reader that stops early is no error.

@@ -5,7 +5,7 @@ import pytest
 from cli.main import main
 from cli.submit import load_job, submit
 from services.profiler.core import submission_problem
-from shared import subjects
+from shared import storage, subjects
 from shared.cluster import load_cluster
 from shared.schema import JobSpec, Rejected, rejection
 
@@ -72,6 +72,7 @@ def test_rejection_records_the_start_of_the_payload():
 
 async def test_submissions_are_stored_once_per_id(nats_server, connect_bus):
     spec = JobSpec("dup-test-1", "cifar10")
+    await storage.provision(await connect_bus("operator"))      # the operator's part: the stream
     assert await submit(spec, nats_server) is True
     assert await submit(spec, nats_server) is False           # same id: acknowledged, not stored again
     bus = await connect_bus()
