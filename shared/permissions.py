@@ -9,7 +9,7 @@ Each role is one NATS user: the five services, `operator` (who drives replays an
   the user name), so no role can subscribe to another's replies. A service answers by publishing
   to the roles' inboxes, and nowhere else: nats-server's `allow_responses` is not used, since it
   lets a responder publish to whatever reply subject a request names (`$JS.API.STREAM.DELETE.…`,
-  a KV key), past the responder's own allow and deny lists; and a service drops a request whose
+  a KV key), past the responder's own allow list; and a service drops a request whose
   reply is not an inbox before handling it (shared/bus.py).
 - Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
   plan, deploy/setup.py). The services read a stream's info, pull from and acknowledge their own
