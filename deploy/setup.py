@@ -1,9 +1,9 @@
 """The operator's one-shot setup: every stream, KV bucket and durable consumer of the storage plan
 (shared/storage.py), created or brought to the plan. No service may create them.
 
-`goodput up` and the embedded stacks run it before they start the services (`provision_now`);
-a deployment runs `python -m deploy.setup` as the operator once per start (the setup job of the
-manifests), with the operator's credentials (shared/credentials.py).
+`goodput up` and the embedded stacks run it before they start the services (`provision_now`); the
+manifests' and compose's `live-run` one-shot runs it first (deploy/live_run.py); `python -m
+deploy.setup` runs it alone, with the operator's credentials (shared/credentials.py).
 """
 
 from __future__ import annotations

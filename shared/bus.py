@@ -132,8 +132,10 @@ def split_body(body: bytes, size: int) -> list[bytes]:
 def is_json(data: bytes) -> bool:
     """Whether a body is JSON: an object, as every message is, begins with `{` (after white space).
     A msgpack message never does: those bytes are msgpack's small integers, never a whole message."""
-    head = bytes(memoryview(data)[:64]).lstrip(b" \t\r\n")
-    return head[:1] == b"{"
+    first = memoryview(data)[:1].tobytes()          # every message is decoded: look no further than needed
+    if first in (b"{", b""):
+        return first == b"{"
+    return first in b" \t\r\n" and memoryview(data)[:64].tobytes().lstrip(b" \t\r\n")[:1] == b"{"
 
 
 def is_inbox(reply: str) -> bool:
@@ -427,17 +429,17 @@ class Bus:
 
     def _receive(self, subject: str, headers: dict[str, str] | None, reply: str | None, parts: bool,
                  serve: Callable[[dict[str, str] | None, bytes], Awaitable[None]], data: bytes,
-                 refuse: Callable[[str], Awaitable[None]]) -> Awaitable[None] | None:
+                 refuse: Callable[[str], Awaitable[None]] | None) -> Awaitable[None] | None:
         """How one received message is served: at once (a whole body), in a task of its own (a
-        request in parts, which must not hold up the others), refused (`refuse(reason)`), or
-        dropped (None: a reply subject that is not an inbox)."""
+        request in parts, which must not hold up the others), refused (`refuse(reason)`; None:
+        logged only), or dropped (None: a reply subject that is not an inbox)."""
         if reply and not is_inbox(reply):
             log.warning("a request on %s asks for its reply on %r, which is not an inbox; dropped", subject, reply[:80])
             return None
 
         def refused(reason: str) -> Awaitable[None] | None:
             log.warning("a request on %s is refused: %s", subject, reason)
-            return refuse(reason) if reply else None
+            return refuse(reason) if reply and refuse is not None else None
 
         try:
             count = _chunk_of(headers)[1]
@@ -582,11 +584,9 @@ class Bus:
         report_invalid = on_invalid or self._on_invalid
 
         async def on_message(raw: Msg) -> None:
-            async def refuse(_: str) -> None:       # a plain subscription answers nothing it did not handle
-                return None
-
+            # A plain subscription answers nothing it did not handle: a refusal is only logged.
             served = self._receive(raw.subject, raw.headers, raw.reply, True,
-                                   lambda headers, data: serve(raw, headers, data), raw.data, refuse)
+                                   lambda headers, data: serve(raw, headers, data), raw.data, None)
             if served is not None:
                 await served
 

@@ -101,10 +101,6 @@ def total_bytes() -> int:
     return sum(s.limits.get("max_bytes", 0) for s in STREAMS.values()) + sum(b.max_bytes for b in BUCKETS.values())
 
 
-def _stream_config(stream: Stream, replicas: int) -> api.StreamConfig:
-    return api.StreamConfig(name=stream.name, subjects=list(stream.subjects), num_replicas=replicas, **stream.limits)
-
-
 def _bucket_limits(bucket: Bucket, ttl_s: float | None) -> dict[str, Any]:
     """The fields of a bucket's stream the plan sets (nats-py writes a bucket's `ttl` as `max_age`)."""
     return {"max_bytes": bucket.max_bytes, "max_msgs_per_subject": bucket.history, "max_age": ttl_s or 0.0}
@@ -162,8 +158,7 @@ async def open_stream(bus: Bus, name: str) -> api.StreamInfo:
     """The stream, checked against the plan; StorageMismatch naming what differs."""
     stream = STREAMS[name]
     info = await _info(bus, name, "stream")
-    expected = {"subjects": list(stream.subjects), **{k: v for k, v in stream.limits.items()}}
-    problems = _differences(info.config, expected)
+    problems = _differences(info.config, {"subjects": list(stream.subjects), **stream.limits})
     if problems:
         raise StorageMismatch(f"the stream {name} differs from the plan ({'; '.join(problems)}): {SETUP_HINT}")
     return info

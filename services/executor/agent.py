@@ -127,15 +127,14 @@ class NodeAgent:
 
     def profiled(self, message: Profiled, _: int = 0) -> None:
         job = self.jobs.get(message.job_id)
-        if job is not None and not verdict_for(message.submission, job.submission):
-            log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
-        elif message.job_id in self.jobs and message.init_batch is None:     # a trace-backed profiler's word
-            self.jobs[message.job_id].failure = ("profiled without a run of its own: real jobs need the profiler "
-                                                 "with --executors local")
-        elif message.job_id in self.jobs:
-            self.jobs[message.job_id].profiled = message
-        else:
+        if job is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)
+        elif not verdict_for(message.submission, job.submission):
+            log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
+        elif message.init_batch is None:                 # a trace-backed profiler's word
+            job.failure = "profiled without a run of its own: real jobs need the profiler with --executors local"
+        else:
+            job.profiled = message
 
     def rejected(self, message: Rejected, _: int = 0) -> None:
         if message.job_id is None:

@@ -15,6 +15,7 @@ import logging
 
 import nats.errors
 
+from shared import storage
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.schema import Lease
 
@@ -38,8 +39,6 @@ class Leadership:
     @classmethod
     async def open(cls, bus: Bus, bucket: str, key: str, holder: str) -> Leadership:
         """Campaign for `key` of `bucket` (the operator's, its TTL the lease's: shared.storage)."""
-        from shared import storage
-
         return cls(await storage.open_kv(bus, bucket, Lease), key, holder, await storage.bucket_ttl(bus, bucket))
 
     @property
