@@ -7,7 +7,7 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from cli.output import rounded, write_results
+from cli.output import default_out, rounded, write_results
 from sim import autoscale as auto
 from shared.settings import simulation_settings
 from sim.run import job_sources
@@ -38,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="simulator calibration: restart delays, per-GPU batch caps (default: %(default)s)")
     parser.add_argument("--restart-delay", type=float, metavar="S", help="a rescale's checkpoint-restart delay, "
                                                                          "instead of the calibration's")
-    parser.add_argument("--out", default="autoscale.json", help="results JSON (default: %(default)s)")
+    parser.add_argument("--out", default=default_out("autoscale", "autoscale.json"),
+                        help="results JSON, its folder created (default: %(default)s)")
     parser.add_argument("--plot", help="also draw nodes and statistical efficiency over time into this PNG")
     parser.set_defaults(func=_run)
 

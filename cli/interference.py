@@ -7,10 +7,11 @@ import argparse
 import copy
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from cli.output import write_results
+from cli.output import default_out, write_results
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                             "(default: %(default)s)")
     parser.add_argument("--slowdowns", nargs="+", type=float, default=[0.0, 0.25, 0.5],
                         help="slowdowns of distributed jobs sharing a node (default: %(default)s)")
-    parser.add_argument("--out", default="interference.json", help="results JSON (default: %(default)s)")
+    parser.add_argument("--out", default=default_out("interference", "interference.json"),
+                        help="results JSON, its folder created (default: %(default)s)")
     parser.add_argument("--plot", help="PNG: avg JCT per slowdown, avoidance on and off")
     _common(parser)
     parser.set_defaults(func=_interference, cluster="pollux-homo-64", fairness=False)
@@ -57,12 +59,19 @@ def _interference(args: argparse.Namespace) -> int:
              "|---|---|---|---|"]
     table += [f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | "
               f"{row['no_avoid'] / row['avoid']:.2f} |" for row in rows]
-    write_results({"policy": args.policy, "workloads": files, "rows": rows}, args.out, "\n".join(table),
-                  lambda results, path: _plot(results["rows"], path), args.plot)
+    write_results({"policy": args.policy, "cluster": args.cluster, "workloads": files, "rows": rows}, args.out,
+                  "\n".join(table), lambda results, path: _plot(results["rows"], path, _title(results)), args.plot)
     return 0
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _title(results: dict) -> str:
+    """The workload files (the first few, and how many), the policy and the cluster."""
+    names = [Path(f).name for f in results["workloads"]]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{shown}: {results['policy']} on {results.get('cluster', '?')}, avg JCT over {len(names)} workload(s)"
+
+
+def _plot(rows: list[dict], path: str, title: str | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -76,6 +85,8 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.set_ylabel("average JCT (h)")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -12,11 +12,26 @@ import sys
 COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up", "chaos"]
 
 
+class _Version(argparse.Action):
+    """`goodput --version`: the version the services report (services.runner.VERSION, pyproject's),
+    looked up only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from services.runner import VERSION
+
+        print(f"{parser.prog} {VERSION}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="goodput",
         description="Goodput-optimised, heterogeneity-aware scheduler for deep-learning training clusters.",
     )
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"cli.{name}").register(sub)

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from cli.output import default_out
 from shared.reference import discover_models, reference_root
 
 
@@ -16,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     report = actions.add_parser(
         "report", help="fit every (model, GPU type) of a reference folder and report prediction errors")
     report.add_argument("--reference", help="reference folder (default: $GOODPUT_REFERENCE, else ../shared/reference)")
-    report.add_argument("--out", default="models-report.json", help="JSON report (default: %(default)s)")
+    report.add_argument("--out", default=default_out("models", "models-report.json"),
+                        help="JSON report, its folder created (default: %(default)s)")
     report.set_defaults(func=_report)
 
     zoo = actions.add_parser("zoo", help="fit the built-in model zoo from a reference folder")

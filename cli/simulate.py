@@ -10,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cli.output import write_results
-from services.policy.base import POLICIES
+from cli.output import default_out, write_results
+from services.policy.base import POLICIES, check_policy
 from services.policy.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
 from shared.settings import PRESETS
 from sim.simulator import FEEDBACK_ITERATIONS
+from sim.workload import BUILT_IN_WORKLOAD
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +44,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
-    sim.add_argument("--workload", required=True, help="workload CSV (name,time,application,num_replicas,batch_size)")
+    sim.add_argument("--workload", default=str(BUILT_IN_WORKLOAD),
+                     help="workload CSV (name,time,application,num_replicas,batch_size; default: the built-in "
+                          f"40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})")
     sim.add_argument("--policy", default="sia", metavar="NAME[:KEY=VALUE,...]",
                      help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
                           "(default: %(default)s)")
     sim.add_argument("--bus", choices=["direct", "nats"], default="direct",
                      help="direct: the cores in this process (default); nats: the five services over a NATS "
                           "server of their own, on a virtual clock")
-    sim.add_argument("--out", default="simulation.json", help="result JSON (default: %(default)s)")
+    sim.add_argument("--out", default=default_out("simulate", "simulation.json"),
+                     help="result JSON, its folder created (default: %(default)s)")
     sim.add_argument("--plot", help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF")
     _common(sim)
     sim.set_defaults(func=_simulate)
@@ -59,17 +63,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("--workloads", nargs="+", required=True,
                      help="workload CSVs or folders of them (each folder is one set; cells are means over its files)")
     cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], metavar="NAME[:KEY=VALUE,...]")
-    cmp.add_argument("--out", default="compare.json", help="all results as JSON (default: %(default)s)")
+    cmp.add_argument("--out", default=default_out("compare", "compare.json"),
+                     help="all results as JSON, its folder created (default: %(default)s)")
     cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
     _common(cmp)
     cmp.set_defaults(func=_compare)
 
 
 def policy_spec(spec: str) -> tuple[str, dict]:
-    """'gavel:objective=max_sum_throughput,round_s=60' -> ('gavel', {...}); values parsed as JSON when they can be."""
+    """'gavel:objective=max_sum_throughput,round_s=60' -> ('gavel', {...}); values parsed as JSON when they can be.
+    ValueError naming the valid policies, or the policy's valid options, for a name it does not know."""
     name, _, rest = spec.partition(":")
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    check_policy(name)
     options = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -79,6 +84,7 @@ def policy_spec(spec: str) -> tuple[str, dict]:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
+    check_policy(name, options)
     return name, options
 
 
@@ -111,9 +117,11 @@ def _hours(seconds) -> str:
 
 def _simulate(args: argparse.Namespace) -> int:
     from sim.run import job_sources
+    policy_spec(args.policy)                      # a bad name or option refused before the truth is loaded
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
-    result = _run(args, args.workload, args.policy, sources, progress=sys.stderr.isatty())
+    # On a terminal a bar; in a log or a pipe a plain line every few seconds (sim.run.progress_reporter).
+    result = _run(args, args.workload, args.policy, sources, progress=True)
     took = time.perf_counter() - start
     report(result, took, args.out, args.plot)
     return 0
@@ -127,7 +135,8 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     title = result.get("policy_spec", result["policy"])
-    print(f"{title} on {result['cluster']} ({result['calibration']} calibration, truth: {result['truth']})")
+    print(f"{title} on {result['cluster']}, workload {result['workload']} "
+          f"({result['calibration']} calibration, truth: {result['truth']})")
     print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, "
           f"took {took:.1f} s")
     print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
@@ -142,6 +151,7 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
         print(f"  event: {event}")
     print(f"wrote {path}")
     if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
         plot(result, plot_path)
         print(f"wrote {plot_path}")
 
@@ -204,12 +214,21 @@ def _compare(args: argparse.Namespace) -> int:
         table.append(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
                      f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
     write_results({"table": rows, "runs": everything}, args.out, "\n".join(table),
-                  lambda results, path: plot_table(results["table"], path), args.plot)
+                  lambda results, path: plot_table(results["table"], path, _compare_title(results)), args.plot)
     return 0
 
 
-def plot_table(rows: list[dict], path: str) -> None:
-    """Grouped bars: one group per workload set, one bar per policy run on it; average and p99 JCT."""
+def _compare_title(results: dict) -> str:
+    """A comparison plot's title: the workload sets (files in each) and the cluster(s) they ran on."""
+    sets = ", ".join(f"{Path(r['workloads']).name} ({r['files']})" for r in
+                     {r["workloads"]: r for r in results["table"]}.values())
+    clusters = ", ".join(sorted({r["cluster"] for r in results["runs"]}))
+    return f"{sets} on {clusters}"
+
+
+def plot_table(rows: list[dict], path: str, title: str | None = None) -> None:
+    """Grouped bars: one group per workload set, one bar per policy run on it; average and p99 JCT.
+    `title` names the workloads and the cluster (default: the workload sets)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -234,6 +253,7 @@ def plot_table(rows: list[dict], path: str) -> None:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)          # room for the labels and the legend
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(title or ", ".join(Path(s).name for s in sets))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

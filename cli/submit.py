@@ -1,4 +1,6 @@
-"""`goodput submit JOB.yaml` — store a job submission in JetStream and print its id."""
+"""`goodput submit JOB.yaml` — submit a job through the user API and print its answer;
+`goodput cancel ID` — cancel one. `--stream` stores the submission in JetStream without waiting
+for an answer (durable, fire-and-forget: taken even while the profiler is down)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("submit", help="submit a job (YAML or JSON JobSpec) to a running goodput")
     parser.add_argument("job", help="job file: id, application, and optionally requested_gpus, requested_batch, "
                                     "min_gpus, rigid, strong_scaling, gpu_types")
+    parser.add_argument("--stream", action="store_true",
+                        help="store it in the submissions stream and return without the API's answer "
+                             "(`goodput status ID` shows the verdict)")
     add_connection_arguments(parser)
     parser.set_defaults(func=_submit)
+
+    cancel = sub.add_parser("cancel", help="cancel a job: queued, it never starts; running, it checkpoints and stops")
+    cancel.add_argument("id", help="the job's id")
+    add_connection_arguments(cancel)
+    cancel.set_defaults(func=_cancel)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +55,9 @@ def load_job(path: str | Path):
     try:
         return msgspec.convert(document, JobSpec, strict=False)     # as the bus decodes: 2.0 is 2
     except msgspec.ValidationError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        from services.profiler.core import malformed_reason
+
+        raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}") from None
 
 
 async def submit(spec, server: str, **options) -> bool:
@@ -73,12 +85,58 @@ async def submit(spec, server: str, **options) -> bool:
         await bus.close()
 
 
-def _submit(args: argparse.Namespace) -> int:
-    spec = load_job(args.job)
+async def ask(server: str, subject: str, request, answer_type, **options):
+    """One request to the user API, as a one-shot client; its answer."""
+    from shared.bus import Bus
+
+    bus = await Bus.connect(server, "goodput-cli", allow_reconnect=False, max_reconnect_attempts=1, **options)
+    try:
+        return await bus.request(subject, request, answer_type, timeout=30)
+    except nats.errors.NoRespondersError:
+        raise ValueError(f"no user API answers at {credentials.redact(server)} (the profiler serves it): is the "
+                         "stack up? `--stream` stores a submission without it") from None
+    finally:
+        await bus.close()
+
+
+def _call(args: argparse.Namespace, subject: str, request, answer_type):
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        stored = asyncio.run(submit(spec, args.server, **options))
+        return asyncio.run(ask(args.server, subject, request, answer_type, **options))
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-        raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); is `goodput up` running?") from None
-    print(spec.id if stored else f"{spec.id} (already submitted: not stored again)")
+        raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); "
+                         "is `goodput up` running?") from None
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from shared import subjects
+    from shared.schema import SubmitAnswer
+
+    spec = load_job(args.job)
+    if args.stream:
+        options = credentials.connect_options(credentials.from_args(args))
+        try:
+            stored = asyncio.run(submit(spec, args.server, **options))
+        except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); "
+                             "is `goodput up` running?") from None
+        print(f"{spec.id}: stored" if stored else f"{spec.id}: already submitted, not stored again")
+        return 0
+    answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer)
+    if not answer.accepted:
+        raise ValueError(f"job {spec.id} refused: {answer.reason}")
+    print(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}")
+    for note in answer.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from shared import subjects
+    from shared.schema import CancelAnswer, JobRequest
+
+    answer = _call(args, subjects.API_CANCEL, JobRequest(args.id), CancelAnswer)
+    if not answer.cancelled:
+        raise ValueError(f"job {args.id} not cancelled: {answer.reason}")
+    print(f"{args.id}: {answer.state}{' (' + answer.reason + ')' if answer.reason else ''}")
     return 0

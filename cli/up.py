@@ -37,11 +37,11 @@ from cli.submit import add_connection_arguments
 from services.executor.local import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import credentials
-from shared.schema import JOB_STATES
+from shared.schema import CANCELLED, JOB_STATES
+from sim.workload import BUILT_IN_WORKLOAD
 
 LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
 WATCH_JOBS = 8                      # jobs named on one line of the live output
-BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
 ROUND_S = {"simulated": 60.0, "local": 10.0}
 
@@ -224,20 +224,22 @@ async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: di
     from shared.cluster import load_cluster
     from shared.reference import load_workload
     from shared.settings import simulation_settings
-    from sim.run import add_fairness, job_sources, replay_results
+    from sim.run import add_fairness, fairness_reporter, job_sources, progress_reporter, replay_results
     from sim.simulator import FEEDBACK_ITERATIONS
 
     jobs = load_workload(args.workload)
     settings = simulation_settings(None, args.cluster)
     print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
     start = time.perf_counter()
-    run, records = await replay(bus, stack, jobs, policy, options, settings.name)
+    run, records = await replay(bus, stack, jobs, policy, options, settings.name,
+                                progress=progress_reporter(len(jobs), label="replay"))
     origin = f"reference:{args.reference}" if args.reference else "zoo"
     cluster = load_cluster(args.cluster)
     result = replay_results(jobs, cluster, make_policy(policy, **options), settings,
                             FEEDBACK_ITERATIONS, run, records, args.workload, origin)
     await asyncio.to_thread(add_fairness, result, jobs, cluster, policy, options, settings,
-                            job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS)
+                            job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS,
+                            progress=fairness_reporter(result))
     report(result, time.perf_counter() - start, args.out)
 
 
@@ -292,7 +294,7 @@ async def _watch(bus, run_id: str) -> None:
         if step.record is not None and (step.record.active, step.record.gpus) != shown:
             shown = (step.record.active, step.record.gpus)
             running = sorted(step.record.gpus.items())
-            listed = ", ".join(f"{job} {gpus} GPU{'s' * (gpus > 1)}" for job, gpus in running[:WATCH_JOBS])
+            listed = "; ".join(_running(job, gpus, step.record) for job, gpus in running[:WATCH_JOBS])
             more = f" and {len(running) - WATCH_JOBS} more" if len(running) > WATCH_JOBS else ""
             print(f"  t={step.now_s:>8.0f} s  {step.record.active} active, {step.record.running} running"
                   f"{': ' + listed + more if running else ''}", flush=True)
@@ -301,12 +303,26 @@ async def _watch(bus, run_id: str) -> None:
             more = f" and {len(step.finished) - WATCH_JOBS} more" if len(step.finished) > WATCH_JOBS else ""
             print(f"  t={step.now_s:>8.0f} s  finished: {names}{more}", flush=True)
         for event in step.events:
-            if " failed: " in event:
+            if " failed: " in event or event.endswith(f" was {CANCELLED}"):
                 print(f"  {event}", flush=True)
+
+
+def _running(job: str, gpus: int, record) -> str:
+    """`job 2 x A100 (batch 512)`: a running job on a live round's line."""
+    from shared.hardware import hardware_name
+
+    kind = record.types.get(job)
+    batch = record.batches.get(job)
+    return (f"{job} {gpus} x {hardware_name(kind)}" if kind else f"{job} {gpus} GPU{'s' * (gpus > 1)}") + \
+        (f" (batch {batch})" if batch else "")
 
 
 def _status(args: argparse.Namespace) -> int:
     import json
+
+    import msgspec
+
+    from shared.schema import job_status
 
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
@@ -315,7 +331,7 @@ def _status(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(f"cannot reach a running goodput at {credentials.redact(server)} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
-    jobs = [job_document(r) for r in records.jobs]
+    jobs = [msgspec.to_builtins(job_status(r)) for r in records.jobs]
     if args.id is not None:
         jobs = [j for j in jobs if j["id"] == args.id]
         if not jobs:
@@ -333,19 +349,6 @@ def _status(args: argparse.Namespace) -> int:
                  if j["state"] == "running" else j["reason"])
         print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
     return 0
-
-
-def job_document(r) -> dict:
-    """A job as `goodput status --json` shows it."""
-    import math
-
-    submitted = r.submit_s if r.submit_s is not None and math.isfinite(r.submit_s) else None   # inf: not arrived
-    return {"id": r.name or None, "state": r.state, "reason": r.failure or "", "application": r.application or None,
-            "gpu_type": r.gpu_type, "gpus": sum(g for _, g in r.placement) if r.state == "running" else 0,
-            "nodes": [node for node, _ in r.placement] if r.state == "running" else [],
-            "batch": r.batch, "submit_s": submitted, "finish_s": r.finish_s,
-            "jct_s": None if r.finish_s is None or submitted is None else r.finish_s - submitted,
-            "restarts": r.restarts, "gpu_seconds": round(r.gpu_seconds, 3)}
 
 
 def run_document(policy) -> dict:

@@ -200,6 +200,9 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
     await trial.at_round(at)
     for capture_ in captures:
         await capture_.unsubscribe()
+    if trial.over:                       # nothing left to disturb: the trial says so rather than wait on answers
+        trial.notes.append(f"the run ended before round {at}: no bad messages were sent")
+        return
     trial.notes.append(f"at round {trial.rounds}:")
     answers: Counter[str] = Counter()
     for subject, message_type in REQUESTS.items():
@@ -341,7 +344,10 @@ async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict,
         failure = str(error).splitlines()[0] or type(error).__name__
         jobs_seen = list((await replay_records(trial.bus, prefix, 30)).jobs)
     if disturbance:
-        await disturbance
+        try:
+            await asyncio.wait_for(disturbance, RUN_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            failure = failure or f"the fault's disturbance did not end within {RUN_TIMEOUT_S:.0f} s"
     await asyncio.sleep(0.2)                # the log's last step reaches the follower
     for watcher in watchers:
         watcher.cancel()

@@ -69,6 +69,7 @@ __all__ = [
     "Delivery",
     "InvalidHandler",
     "KVEntry",
+    "NotFound",
     "PullConsumer",
     "RevisionConflict",
     "TypedKV",
@@ -81,10 +82,15 @@ T = TypeVar("T")
 # What a subscriber learns about a payload it cannot decode; may return a reply (e.g. Rejected).
 InvalidHandler = Callable[[str, bytes, Exception], Any]
 
+class NotFound(LookupError):
+    """A handler's answer that what the request names is not there (service error 404)."""
+
+
 # A KV create on an existing key, or an update/delete with a stale revision: someone else won.
 RevisionConflict = nats.js.errors.KeyWrongLastSequenceError
 
 MSG_ID_HEADER = api.Header.MSG_ID.value  # "Nats-Msg-Id": JetStream drops repeats in its window
+TRACEPARENT = "traceparent"              # the W3C trace context header (shared.tracing writes it)
 _STREAM_EXISTS_WITH_OTHER_CONFIG = 10058
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 _TRACER_NAME = "goodput.bus"
@@ -205,6 +211,7 @@ class _Outcome:
     answer: Any                      # the reply, or on_invalid's answer to an undecodable message
     refusal: str | None              # why it was refused (undecodable, or the handler's ValueError)
     headers: dict[str, str] | None   # reply headers carrying the handling span's context
+    code: str = "400"                # the refusal's service error code (404: what it asks for is not there)
 
 
 class Bus:
@@ -504,6 +511,9 @@ class Bus:
             except ValueError as error:   # well formed, but it cannot be served: say why
                 _mark_invalid(span, error)
                 return _Outcome(None, str(error), self._trace_headers())
+            except NotFound as error:     # what it asks for is not there
+                _mark_invalid(span, error)
+                return _Outcome(None, error.args[0] if error.args else str(error), self._trace_headers(), "404")
             except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
                 _mark_failed(span, error)
                 log.exception("handler for %s failed", subject)
@@ -522,14 +532,17 @@ class Bus:
         span_name: str | None = None,
         on_invalid: InvalidHandler | None = None,
         parts: bool = True,
+        metadata: dict[str, str] | None = None,
     ) -> None:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
         answered as a service error 400 with `on_invalid`'s answer (e.g. a Rejected) as its data,
         one the handler refuses with ValueError as error 400 with that reason, and a handler that
-        fails otherwise as error 500; `Bus.request` raises them as micro's ServiceError. Replicas
-        share `queue` (default: the service's own queue group). `parts=False`: the requests are
-        small (a status), and one in parts is refused at once."""
+        fails otherwise as error 500; `Bus.request` raises them as micro's ServiceError. A handler's
+        NotFound is error 404. A JSON request refused without an answer gets `{"error", "code"}`
+        as its body too, for clients that do not read headers. Replicas share `queue` (default: the
+        service's own queue group). `parts=False`: the requests are small (a status), and one in
+        parts is refused at once. `metadata`: the endpoint's, in $SRV.INFO."""
         span = span_name or f"{subject} receive"
         report_invalid = on_invalid or self._on_invalid
 
@@ -551,14 +564,18 @@ class Bus:
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
                 return
-            body = b"" if outcome.answer is None else self.encode(outcome.answer, json=is_json(data))
+            answer = outcome.answer
+            if answer is None and outcome.refusal is not None and is_json(data):
+                answer = {"error": outcome.refusal, "code": int(outcome.code)}
+            body = b"" if answer is None else self.encode(answer, json=is_json(data))
             headers = dict(outcome.headers or {})
             if outcome.refusal is not None:     # as micro's respond_error, in parts if need be
-                headers.update({micro.request.ERROR_HEADER: outcome.refusal, micro.request.ERROR_CODE_HEADER: "400"})
+                headers.update({micro.request.ERROR_HEADER: outcome.refusal,
+                                micro.request.ERROR_CODE_HEADER: outcome.code})
             await self._respond(reply, body, headers)
 
         options = {"queue_group": queue} if queue else {}
-        await service.add_endpoint(name=name, subject=subject, handler=on_request, **options)
+        await service.add_endpoint(name=name, subject=subject, handler=on_request, metadata=metadata, **options)
         await self.flush()  # when this returns, the server routes requests to the endpoint
 
     async def subscribe(
@@ -775,6 +792,11 @@ class Delivery(Generic[T]):
     @property
     def stream_sequence(self) -> int:
         return self.raw.metadata.sequence.stream
+
+    @property
+    def traceparent(self) -> str:
+        """The producer's W3C trace context ("" when it sent none)."""
+        return (self.raw.headers or {}).get(TRACEPARENT, "")
 
     @contextlib.contextmanager
     def span(self, name: str | None = None) -> Iterator[trace.Span]:

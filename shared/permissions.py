@@ -20,9 +20,10 @@ Each role is one NATS user: the five services, `operator` (who drives replays an
 - Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a user
   cannot.
 - A user may publish a submission (`SUBMIT`, stored by JetStream: the JetStream publish is a plain
-  publish whose ack comes back on an inbox), read the submissions stream's info, and read status
-  (request the status subjects, ping services). A user cannot create, change or delete anything
-  in JetStream.
+  publish whose ack comes back on an inbox), use the user API (`goodput.api.*`: submit, look up,
+  list, cancel; the profiler serves it and stores what it takes), read the submissions stream's
+  info, and read status (request the status subjects, ping and discover services). A user cannot
+  create, change or delete anything in JetStream.
 
 What stays coarse: replicas of one role share its inboxes, and every `user` shares the user role's;
 a service may publish to any role's inbox (a reply no one waits for is dropped by its receiver).
@@ -127,10 +128,12 @@ ROLES: dict[str, Permissions] = {
     "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
     "profiler": _service(
         "profiler",
-        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, _info(JOBS),
+        # It serves the user API too: it stores valid submissions and cancel orders, asks for the records.
+        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, subjects.SUBMIT, subjects.CANCEL,
+                 subjects.RECORDS, _info(JOBS),
                  *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
                  *_kv(subjects.JOB_OWNERS_BUCKET)),
-        subscribe=(),
+        subscribe=subjects.API_SUBJECTS,
     ),
     "estimator": _service(
         "estimator",
@@ -159,9 +162,9 @@ ROLES: dict[str, Permissions] = {
     # follows their logs and the submissions, asks the services how they are.
     "operator": _client("operator", publish=(
         *_provision(), subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM),
-        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API)),
+        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API, *subjects.API_SUBJECTS)),
     "user": _client("user", publish=(
-        subjects.SUBMIT, "$JS.API.INFO", _info(JOBS), *STATUS_SUBJECTS, "$SRV.PING", "$SRV.PING.>")),
+        subjects.SUBMIT, *subjects.API_SUBJECTS, "$JS.API.INFO", _info(JOBS), *STATUS_SUBJECTS, *SERVICE_API)),
 }
 
 # Letters, digits and a few marks: safe inside a quoted nats-server config string, and no $VAR.

@@ -168,6 +168,7 @@ class JobFacts(msgspec.Struct, frozen=True):
     grad_sqr: float | None = None
     grad_var: float | None = None
     estimate_revision: int = 0                 # the estimator's record of the job is at least this new
+    trace: str = ""                            # its submission's W3C traceparent ("" when none came)
 
 
 class JobModels(msgspec.Struct, frozen=True):
@@ -332,6 +333,13 @@ class Profiled(msgspec.Struct, frozen=True):
     submission: int | None = None             # the stream sequence of the submission profiled
 
 
+def spec_digest(spec: JobSpec) -> str:
+    """A submission's fingerprint, whatever its encoding: the same job sent again has the same."""
+    import hashlib
+
+    return hashlib.sha256(msgspec.msgpack.encode(spec)).hexdigest()
+
+
 class JobOwner(msgspec.Struct, frozen=True):
     """Profiler (KV, by job id): the submission that holds a job's id, from its first valid
     submission on; a refused one gives the id up."""
@@ -354,6 +362,8 @@ class NodeJob(msgspec.Struct):
     spec: JobSpec
     profiled: Profiled | None = None
     submission: int = 0                            # the stream sequence of its submission
+    trace: str = ""                                # its submission's traceparent (else its verdict's)
+    cancelled: bool = False                        # its user cancelled it (its failure says so)
     arrival_s: float | None = None                 # on the run's clock
     finish_s: float | None = None
     failure: str | None = None
@@ -421,6 +431,105 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
+CANCELLED = "cancelled by its user"          # the reason a cancelled job ended
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    """API -> the jobs stream (CANCEL) -> executors: stop this job. A queued one never starts, a
+    running one's workers checkpoint and stop; it ends `cancelled`. Cancelling an ended job does
+    nothing."""
+
+    job_id: Identifier
+    version: int = SCHEMA_VERSION
+
+
+class JobStatus(msgspec.Struct, frozen=True):
+    """A job as a user sees it (`goodput status --json`, `goodput.api.job`). Times are seconds on
+    the run's clock; `jct_s` is from its submission to its end."""
+
+    id: str | None                            # None: a refused submission whose id could not be read
+    state: str                                # one of JOB_STATES
+    reason: str = ""                          # why it ended without finishing, or was refused
+    application: str | None = None
+    gpu_type: str | None = None               # while running: its GPUs' hardware (T4, A100, ...)
+    gpu_alias: str | None = None              # ... and their type's key in the cluster (aws, dgx-ext, ...)
+    gpus: int = 0                             # while running
+    nodes: tuple[str, ...] = ()               # while running
+    batch: int | None = None                  # while running: its total batch
+    submit_s: float | None = None
+    finish_s: float | None = None
+    jct_s: float | None = None
+    restarts: int = 0
+    gpu_seconds: float = 0.0
+
+
+def job_status(record: JobRecord) -> JobStatus:
+    """What a user sees of a job, from the executors' record of it."""
+    import math
+
+    from shared.hardware import hardware_name
+
+    submitted = record.submit_s if record.submit_s is not None and math.isfinite(record.submit_s) else None
+    running = record.state == "running"
+    return JobStatus(
+        record.name or None, record.state, record.failure or "", record.application or None,
+        record.gpu_type and hardware_name(record.gpu_type), record.gpu_type,
+        sum(g for _, g in record.placement) if running else 0,
+        tuple(node for node, _ in record.placement) if running else (), record.batch, submitted, record.finish_s,
+        None if record.finish_s is None or submitted is None else record.finish_s - submitted,
+        record.restarts, round(record.gpu_seconds, 3))
+
+
+# ---- the user API (goodput.api.*): what a client in any language sends and gets ------------------
+
+class JobRequest(msgspec.Struct, frozen=True):
+    """-> goodput.api.job (its JobStatus), goodput.api.cancel (a CancelAnswer)."""
+
+    id: Identifier
+
+
+MAX_PAGE = 1000
+
+
+class JobsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """-> goodput.api.jobs: a page of the jobs, in submission order, of those matching every filter
+    given (state: one of JOB_STATES; application; an id prefix)."""
+
+    state: str | None = None
+    application: str | None = None
+    prefix: str = ""
+    offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE)] = 100
+
+
+class JobsPage(msgspec.Struct, frozen=True):
+    jobs: tuple[JobStatus, ...]
+    total: int                                # jobs matching the filters, in all pages
+    next_offset: int | None = None            # the next page's offset; None: this was the last
+
+
+class SubmitAnswer(msgspec.Struct, frozen=True):
+    """goodput.api.submit's answer. accepted: the submission is stored (or was, the same body
+    before) and goes to the profiler; refused: `reason` says why, and nothing was stored, so the
+    corrected body may use the same id."""
+
+    accepted: bool
+    id: str | None
+    state: str                                # profiling when just stored; else the job's state now
+    reason: str = ""
+    notes: tuple[str, ...] = ()               # what the submitter may not expect (e.g. a GPU count is a hint)
+
+
+class CancelAnswer(msgspec.Struct, frozen=True):
+    """goodput.api.cancel's answer: `cancelled` once the order is stored (or the job already was);
+    false for a job unknown or ended, with why."""
+
+    cancelled: bool
+    id: str
+    state: str
+    reason: str = ""
+
+
 class JobsQuery(msgspec.Struct, frozen=True):
     """-> executors: their jobs (JobRecords) or how many have the profiler's verdict (Count), of those
     whose id begins with `prefix` (all: ""). An `Ack` reads as the query for all."""
@@ -441,6 +550,8 @@ class RoundRecord(msgspec.Struct):
     policy_ms: float
     round_ms: float
     gpus: dict[str, int]          # GPUs of each running job after the decision
+    types: dict[str, str] = {}    # ... their GPU type
+    batches: dict[str, int] = {}  # ... the total batch the policy planned, when it plans one
 
 
 class RunRequest(msgspec.Struct, frozen=True):

@@ -18,8 +18,10 @@ SUBMISSIONS = (SUBMIT, REPLAY_SUBMIT)
 # reason), or accepted (`Profiled`: its profiles are with the estimator, the executors may run it).
 REJECTED = f"{PREFIX}.jobs.rejected"
 PROFILED = f"{PREFIX}.jobs.profiled"
+# A user's order to stop a job (`Cancel`, from the API): the executors end it as cancelled.
+CANCEL = f"{PREFIX}.jobs.cancel"
 JOBS_STREAM = "GOODPUT_JOBS"
-JOBS_STREAM_SUBJECTS = (SUBMIT, REPLAY_SUBMIT, REJECTED, PROFILED)
+JOBS_STREAM_SUBJECTS = (SUBMIT, REPLAY_SUBMIT, REJECTED, PROFILED, CANCEL)
 DEDUP_WINDOW_S = 24 * 3600.0
 
 # The profiler's durable consumer of submissions (replicas share it: each submission goes to one).
@@ -37,6 +39,15 @@ def dead_letters(consumer: str) -> str:
     """Where a consumer's dead letters are stored."""
     return f"{PREFIX}.dead.{consumer}"
 
+
+# The user API (a nats.micro service; JSON or msgpack in, answered in the request's encoding).
+API_SERVICE = "api"
+API_SUBMIT = f"{PREFIX}.api.submit"         # JobSpec -> SubmitAnswer (only a valid submission is stored)
+API_JOB = f"{PREFIX}.api.job"               # JobRequest -> JobStatus
+API_JOBS = f"{PREFIX}.api.jobs"             # JobsRequest -> JobsPage
+API_CANCEL = f"{PREFIX}.api.cancel"         # JobRequest -> CancelAnswer
+API_SCHEMAS = f"{PREFIX}.api.schemas"       # Ack -> {message name: its JSON Schema}
+API_SUBJECTS = (API_SUBMIT, API_JOB, API_JOBS, API_CANCEL, API_SCHEMAS)
 
 # Services (nats.micro names; replicas of one service share its queue group).
 PLACER_SERVICE = "placer"

@@ -13,6 +13,7 @@ to whatever they test (the bus takes a `tracer_provider`), so tests never fight 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -30,6 +31,7 @@ __all__ = [
     "inject_trace_context",
     "otlp_exporter_from_env",
     "setup_tracing",
+    "span_context_of",
 ]
 
 # Either variable turns OTLP export on; the traces-only one wins, as the OTLP exporter reads it so.
@@ -104,6 +106,19 @@ def inject_trace_context(
     headers = {} if headers is None else headers
     _W3C.inject(headers, context=context)
     return headers
+
+
+def span_context_of(traceparent: str | None) -> trace.SpanContext | None:
+    """The span context a W3C `traceparent` names (e.g. a job's submission, for a span's Link), or
+    None when it is empty or not a valid traceparent."""
+    return _span_context_of(traceparent) if traceparent else None
+
+
+@functools.lru_cache(maxsize=16384)    # a job's submission is the same every round: parse it once
+def _span_context_of(traceparent: str) -> trace.SpanContext | None:
+    context = trace.get_current_span(_W3C.extract({"traceparent": traceparent}, context=otel_context.Context()))
+    span_context = context.get_span_context()
+    return span_context if span_context.is_valid else None
 
 
 def extract_trace_context(headers: Mapping[str, str] | None) -> otel_context.Context:

@@ -30,6 +30,7 @@ from shared.schema import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,
+    Cancel,
     FactsReply,
     JobSpec,
     LiveJobs,
@@ -77,19 +78,20 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await states.put(name, entry)
             dirty.discard(name)
 
-    def on_submitted(spec: JobSpec, sequence: int) -> str | None:
+    def on_submitted(spec: JobSpec, sequence: int, trace: str) -> str | None:
         known = submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
             return None                          # another submission holds the id (a refused one gives it up)
-        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence)
+        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace)
         return spec.id
 
-    def on_profiled(verdict: Profiled, _: int) -> str | None:
+    def on_profiled(verdict: Profiled, _: int, trace: str) -> str | None:
         entry = submitted.get(verdict.job_id)
         if entry is None or entry.spec is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
             return None
-        if entry.job is not None or entry.rejected is not None or not verdict_for(verdict.submission, entry.submission):
+        if (entry.job is not None or entry.rejected is not None or entry.cancelled
+                or not verdict_for(verdict.submission, entry.submission)):
             return None
         spec = entry.spec
         truth = sources.truths.get(spec.application)
@@ -100,9 +102,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             executors.submit(spec, truth)        # live without submit_s; rigid as it asks
         except ValueError as error:
             entry.rejected = str(error)
+        else:
+            executors.jobs[spec.id].trace = entry.trace or trace
         return spec.id
 
-    def on_rejected(verdict: Rejected, sequence: int) -> str | None:
+    def on_rejected(verdict: Rejected, sequence: int, _: str) -> str | None:
         if verdict.job_id is None:               # unreadable: kept under its place in the stream
             key = f"{UNNAMED}.{sequence}"
             submitted[key] = SubmittedJob("", None, verdict.reason)
@@ -120,8 +124,18 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason)
         return key
 
+    def on_cancel(order: Cancel, _: int, __: str) -> str | None:
+        entry = submitted.get(order.job_id)
+        if entry is None or entry.rejected is not None or entry.cancelled:
+            return None
+        if entry.job is None:                    # not yet profiled: it never starts
+            entry.cancelled = True
+            return order.job_id
+        return order.job_id if executors.cancel(order.job_id) else None
+
     events = {subjects.SUBMIT: (on_submitted, JobSpec), subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
-              subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected)}
+              subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected),
+              subjects.CANCEL: (on_cancel, Cancel)}
 
     async def on_event(message: msgspec.Raw, delivery) -> None:
         take, kind = events[delivery.subject]
@@ -130,7 +144,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         except msgspec.DecodeError:
             return                 # a malformed submission: the profiler's rejection of it follows
         async with turn:
-            changed = take(event, delivery.stream_sequence)
+            changed = take(event, delivery.stream_sequence, delivery.traceparent)
             await save([changed] if changed is not None else [])
 
     def facts(now: float, names) -> FactsReply:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
 import numpy as np
 
@@ -77,9 +79,12 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool = False, bus: str = "direct", fairness: bool = True, interference: float = 0.0) -> dict:
+             progress: bool | Progress = False, bus: str = "direct", fairness: bool = True,
+             interference: float = 0.0) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
+    `progress` True reports on stderr as the run goes (`progress_reporter`), or is a callback
+    (simulated time, jobs done, jobs in all);
     `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
     `interference` slows distributed jobs that share a node by that fraction."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
@@ -90,28 +95,54 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
+    show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
     if bus == "nats":
         report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
                                                      restart_delay_s, round_s, horizon_s, interference, sources.origin,
-                                                     _progress_bar(len(jobs)) if progress else None))
+                                                     show))
         result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name,
                                 sources.origin)
     else:
         sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
-        sim.run(_progress_bar(len(jobs)) if progress else None)
+        sim.run(show)
         result = results(sim, name, sources.origin)
     if fairness:
-        add_fairness(result, jobs, spec, policy, policy_options or {}, settings, sources, feedback_iterations)
+        add_fairness(result, jobs, spec, policy, policy_options or {}, settings, sources, feedback_iterations,
+                     progress=fairness_reporter(result) if progress is True else None)
     return result
 
 
+def fairness_reporter(result: dict, stream: TextIO | None = None, **options) -> Progress:
+    """`progress_reporter` for `add_fairness` on a result: its finished jobs, one alone run each."""
+    return progress_reporter(sum(j["jct_s"] is not None for j in result["jobs"]), stream,
+                             label="finish-time fairness", what="jobs", **options)
+
+
+class _ReportedAloneRuns(AloneRuns):
+    """AloneRuns that tell `progress` of each job looked up (simulated time None: each runs alone)."""
+
+    def __init__(self, *args, progress: Progress, total: int):
+        super().__init__(*args)
+        self.progress, self.total, self.asked = progress, total, 0
+
+    def jct(self, job, cluster):
+        jct = super().jct(job, cluster)
+        self.asked += 1
+        self.progress(None, self.asked, self.total)
+        return jct
+
+
 def add_fairness(result: dict, jobs: list[WorkloadJob], cluster, policy: str, policy_options: dict,
-                 settings: SimSettings, sources: JobSources, feedback_iterations: int) -> None:
+                 settings: SimSettings, sources: JobSources, feedback_iterations: int,
+                 progress: Progress | None = None) -> None:
     """Each job's finish-time fairness in a result document (sim.fairness): a run of each distinct
-    job alone on its fair share, with the same policy and the same job model."""
-    alone = AloneRuns(lambda: make_policy(policy, **policy_options), settings, sources.truths, sources.profile,
-                      feedback_iterations)
+    job alone on its fair share, with the same policy and the same job model. `progress` is told of
+    each finished job's alone run (None, done, finished jobs): `fairness_reporter(result)`."""
+    args = (lambda: make_policy(policy, **policy_options), settings, sources.truths, sources.profile,
+            feedback_iterations)
+    total = sum(j["jct_s"] is not None for j in result["jobs"])
+    alone = _ReportedAloneRuns(*args, progress=progress, total=total) if progress else AloneRuns(*args)
     finish_time_fairness(result, jobs, cluster, alone)
 
 
@@ -151,17 +182,52 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
                 await bus.close()
 
 
-def _progress_bar(total: int):
+Progress = Callable[[float | None, int, int], None]     # (simulated time s or None, jobs done, jobs in all)
+
+PROGRESS_EVERY_S = 5.0     # wall-clock seconds between two progress lines when stderr is no terminal
+
+
+def progress_reporter(total: int, stream: TextIO | None = None, *, tty: bool | None = None, label: str = "",
+                      what: str = "jobs done", every_s: float | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> Progress:
+    """A run's progress on `stream` (stderr): on a terminal a bar redrawn in place; otherwise (a log,
+    a pipe, CI) a plain line every `every_s` seconds of wall time (default PROGRESS_EVERY_S), and a
+    last one at the end when any was printed: `LABEL: 37/160 jobs done, 12.4 h simulated, 10 s
+    elapsed`. For a run with an end: once done reaches the total it says no more."""
+    stream = stream or sys.stderr
+    every_s = PROGRESS_EVERY_S if every_s is None else every_s
+    if tty is None:
+        tty = stream.isatty()
+    if tty:
+        return _progress_bar(total, stream, what)
+    start = clock()
+    last, ended = [start], [False]
+    prefix = f"{label}: " if label else ""
+
+    def show(now: float | None, done: int, of: int) -> None:
+        at = clock()
+        if ended[0]:
+            return
+        ended[0] = done >= of
+        if at - last[0] >= every_s or (ended[0] and last[0] > start):
+            last[0] = at
+            simulated = "" if now is None else f", {now / 3600:.1f} h simulated"
+            print(f"  {prefix}{done}/{of} {what}{simulated}, {at - start:.0f} s elapsed", file=stream, flush=True)
+    return show
+
+
+def _progress_bar(total: int, stream: TextIO, what: str = "jobs done"):
     last = [-1]
 
-    def show(now: float, done: int, _total: int) -> None:
-        percent = 100 * done // total
+    def show(now: float | None, done: int, _total: int) -> None:
+        percent = 100 * done // max(total, 1)
         if percent != last[0]:
             last[0] = percent
             bar = "#" * (percent // 4)
-            print(f"\r  [{bar:<25}] {done}/{total} jobs done, {now / 3600:5.1f} h simulated", end="", file=sys.stderr)
+            simulated = "" if now is None else f", {now / 3600:5.1f} h simulated"
+            print(f"\r  [{bar:<25}] {done}/{total} {what}{simulated}", end="", file=stream)
             if done == total:
-                print(file=sys.stderr)
+                print(file=stream)
     return show
 
 
@@ -208,9 +274,31 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
     }
 
 
+# Every application known to the zoo and the reference data, in a fixed order: each keeps its colour
+# in every plot, whichever applications a workload has. Append new names; never reorder.
+KNOWN_APPLICATIONS = ("bert", "cifar10", "deepspeech2", "gpt_pmp", "imagenet", "ncf", "yolov3")
+_KNOWN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")   # tab10
+_OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+                  "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")    # the rest of tab10, tab20's light
+
+
+def application_colour(application: str) -> str:
+    """The one colour of an application in every plot: a known application's own, any other's a
+    stable hash of its name into the colours the known ones leave."""
+    if application in KNOWN_APPLICATIONS:
+        return _KNOWN_COLOURS[KNOWN_APPLICATIONS.index(application)]
+    return _OTHER_COLOURS[zlib.crc32(application.encode()) % len(_OTHER_COLOURS)]
+
+
+def run_title(result: dict) -> str:
+    """What a plot of one run is about: the workload, the policy (with its options), the cluster."""
+    workload = "/".join(Path(result["workload"]).parts[-2:]) if result.get("workload") else "workload"
+    return f"{workload}: {result.get('policy_spec') or result['policy']} on {result['cluster']}"
+
+
 def plot(result: dict, path: str | Path) -> None:
     """GPUs in use by each application over time (stacked), the JCT CDF, and the finish-time
-    fairness CDF when the result has it."""
+    fairness CDF when the result has it; titled with the workload, the policy and the cluster."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -224,10 +312,10 @@ def plot(result: dict, path: str | Path) -> None:
     fig, axes = plt.subplots(1, 3 if len(rhos) else 2, figsize=(19 if len(rhos) else 13, 4.5))
     ax1, ax2 = axes[:2]
     if len(t):
-        ax1.stackplot(t, stack, labels=apps, step="post")
+        ax1.stackplot(t, stack, labels=apps, colors=[application_colour(a) for a in apps], step="post")
     ax1.set_xlabel("time (h)")
     ax1.set_ylabel("GPUs allocated")
-    ax1.set_title(f"{result['policy']} on {result['cluster']}: GPUs per application")
+    ax1.set_title("GPUs per application")
     ax1.legend(loc="upper right", fontsize=8)
     jcts = np.sort([j["jct_s"] for j in result["jobs"] if j["jct_s"] is not None]) / 3600
     ax2.step(jcts, np.arange(1, len(jcts) + 1) / max(len(jcts), 1), where="post")
@@ -244,6 +332,7 @@ def plot(result: dict, path: str | Path) -> None:
         ax3.set_ylabel("fraction of jobs")
         ax3.set_title(f"rho CDF (max {rhos[-1]:.2f}, {100 * np.mean(rhos > 1 + 1e-9):.0f}% above 1)")
         ax3.grid(alpha=0.3)
+    fig.suptitle(run_title(result))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

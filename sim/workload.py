@@ -16,6 +16,10 @@ import numpy as np
 from shared.reference import WorkloadJob
 from shared.zoo import load_zoo
 
+# The built-in workload (40 jobs of the zoo's models over 2 hours): what `goodput up` and
+# `goodput simulate` replay when no --workload is given. Shipped as package data.
+BUILT_IN_WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"
+
 # Share of each model among jobs: short jobs dominate, as in the Philly-derived workloads.
 DEFAULT_MIX = {"cifar10": 0.55, "deepspeech2": 0.14, "bert": 0.12, "ncf": 0.08, "yolov3": 0.08, "imagenet": 0.03}
 REQUESTED_GPUS = (1, 2, 4, 8)
@@ -46,6 +50,7 @@ def generate_workload(jobs: int = 40, hours: float = 2.0, seed: int = 0,
 
 
 def write_workload(jobs: list[WorkloadJob], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["name", "time", "application", "num_replicas", "batch_size"])

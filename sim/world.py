@@ -21,7 +21,7 @@ import msgspec
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
-from shared.schema import ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
+from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
 from sim.truth import ModelTruth
 
 
@@ -55,6 +55,8 @@ class SimulatedJob(msgspec.Struct):
     group_gpus: dict[str, int] = {}            # hybrid-parallel: GPUs of one replica per type (absent: 1)
     failure: str | None = None                 # why it ended without finishing
     min_gpus: int = 1                          # the fewest GPUs its submission allows
+    cancelled: bool = False                    # its user cancelled it (its failure says so)
+    trace: str = ""                            # its submission's traceparent
 
     @property
     def name(self) -> str:
@@ -78,7 +80,7 @@ class SimulatedJob(msgspec.Struct):
         return self.replicas * self.m * (self.s + 1)
 
     def record(self) -> JobRecord:
-        state = ("failed" if self.failure else "finished" if self.finish_s is not None
+        state = ("cancelled" if self.cancelled else "failed" if self.failure else "finished" if self.finish_s is not None
                  else "running" if self.placement else "queued")
         return JobRecord(self.spec.name, self.spec.application, self.spec.time,
                          None if self.finish_s is None else float(self.finish_s), self.restarts,
@@ -103,7 +105,7 @@ class SimulatedJob(msgspec.Struct):
             slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
             idle_since_s=None if self.placement else (spec.time if self.idle_since_s is None else self.idle_since_s),
             max_gpus_seen=self.max_gpus_seen, grad_sqr=sqr, grad_var=var,
-            estimate_revision=self.estimate_revision,
+            estimate_revision=self.estimate_revision, trace=self.trace,
         )
 
     def apply(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float,
@@ -186,13 +188,16 @@ class SubmittedJob(msgspec.Struct):
     rejected: str | None = None
     job: SimulatedJob | None = None
     submission: int = 0                        # its stream sequence: the verdicts on it name it
+    trace: str = ""                            # its submission's traceparent (else its verdict's)
+    cancelled: bool = False                    # cancelled before the profiler's verdict: it never starts
 
     def record(self) -> JobRecord:
         if self.job is not None:
             return self.job.record()
         spec = self.spec
+        state = "cancelled" if self.cancelled else "rejected" if self.rejected else "profiling"
         return JobRecord(self.job_id, spec.application if spec else "", math.nan, None, 0, 0.0, None,
-                         failure=self.rejected, state="rejected" if self.rejected else "profiling")
+                         failure=CANCELLED if self.cancelled else self.rejected, state=state)
 
 
 class SimulatedExecutors:
@@ -257,6 +262,14 @@ class SimulatedExecutors:
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
                 job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
                 job.placement, job.config, job.m, job.s = (), None, 0, 0
+
+    def cancel(self, name: str) -> bool:
+        """End a job that has not ended, as its user asked: it leaves its GPUs at once."""
+        job = self.jobs.get(name)
+        if job is None or job.finish_s is not None or job.failure is not None:
+            return False
+        job.failure, job.cancelled, job.placement, job.config = CANCELLED, True, (), None
+        return True
 
     def failures(self, names) -> dict[str, str]:
         """The jobs among `names` that failed, and why."""

@@ -21,7 +21,7 @@ import msgspec
 from deploy.nats import embedded_nats, free_loopback_port
 from deploy.stack import create_run, local_service_arguments, records_once_ended, running_services
 from shared import subjects
-from shared.schema import Ack, JobRecords, JobSpec, RunRequest
+from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, RunRequest
 
 TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job's own metric at its end
 
@@ -113,3 +113,29 @@ def test_the_node_agent_killed_mid_training_its_successor_finishes_the_jobs(tmp_
         assert record.restarts >= 1, record                  # started again from its checkpoint
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True).stdout
     assert leftover == "", f"workers left running: {leftover}"
+
+
+async def _cancelled_mid_training(folder):
+    async with _live_stack(folder) as (bus, stack):
+        await _submit(bus, {"tiny-lm": "tiny_lm", "mlp-blobs": "mlp_blobs"})
+        for _ in range(240):                     # tiny-lm training: its workers have reported steps
+            records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
+            if "tiny-lm" in records and records["tiny-lm"].batch is not None:
+                break
+            await asyncio.sleep(0.5)
+        answer = await bus.request(subjects.API_CANCEL, JobRequest("tiny-lm"), CancelAnswer, timeout=60)
+        workers = subprocess.run(["pgrep", "-f", f"{folder / 'work'}.*tiny-lm.pt"], capture_output=True,
+                                 text=True).stdout
+        ended = await records_once_ended(bus, ["mlp-blobs"], timeout_s=300)
+        records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
+        return answer, workers, records, ended
+
+
+def test_a_real_job_cancelled_mid_training_checkpoints_stops_and_the_others_go_on(tmp_path):
+    answer, workers, records, ended = asyncio.run(_cancelled_mid_training(tmp_path))
+    assert answer.cancelled and answer.state == "cancelled", answer
+    assert workers == "", f"its workers still run after the cancel was answered: {workers}"
+    cancelled = records["tiny-lm"]
+    assert cancelled.state == "cancelled" and cancelled.placement == () and cancelled.finish_s is None, cancelled
+    assert list((tmp_path / "work").rglob("tiny-lm.pt")), "it stopped without a checkpoint"
+    assert ended["mlp-blobs"].failure is None and ended["mlp-blobs"].metric >= TARGETS["mlp-blobs"], ended

@@ -48,7 +48,10 @@ def problem(spec: JobSpec, live: bool = True) -> str | None:
 def test_submission_problems_name_what_is_unknown():
     assert "tpu-v9" in problem(JobSpec("a", "cifar10", gpu_types=("dgx-ext", "tpu-v9")))
     assert "resnet" in problem(JobSpec("b", "resnet")) and "cifar10" in problem(JobSpec("b", "resnet"))
-    assert "no profile on GPU type(s) aws" in problem(JobSpec("b", "bert", gpu_types=("aws",)))
+    assert "no profile on GPU type(s) T4 (aws)" in problem(JobSpec("b", "bert", gpu_types=("aws",)))
+    # Hardware names stand for the types: "T4" is aws, "RTX2080Ti" rtx; an unknown one lists them.
+    assert problem(JobSpec("e", "cifar10", gpu_types=("T4", "rtx-2080-ti"))) is None
+    assert "RTX 2080 Ti (rtx)" in problem(JobSpec("f", "cifar10", gpu_types=("H100",)))
     assert problem(JobSpec("c", "cifar10", gpu_types=("aws",))) is None
 
 

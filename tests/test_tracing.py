@@ -266,3 +266,318 @@ async def test_spans_exported_over_otlp_http_keep_parent_links(connect_bus, name
     assert place.trace_id == solve.trace_id
     assert place.parent_span_id == solve.span_id
     assert place.kind == place.SPAN_KIND_CONSUMER
+
+
+# --- reading a round: per-job decision spans, links to submissions, the services' attributes -------
+
+SUBMISSION_TRACE_ID = 0x0AF7651916CD43DD8448EB211C80319C
+SUBMISSION_SPAN_ID = 0xB7AD6B7169203331
+SUBMISSION = f"00-{SUBMISSION_TRACE_ID:032x}-{SUBMISSION_SPAN_ID:016x}-01"
+
+
+def test_span_context_of_reads_a_traceparent_and_refuses_anything_else():
+    from shared.tracing import span_context_of
+
+    context = span_context_of(SUBMISSION)
+    assert (context.trace_id, context.span_id, context.is_remote) == (SUBMISSION_TRACE_ID, SUBMISSION_SPAN_ID, True)
+    assert span_context_of("") is None and span_context_of(None) is None
+    assert span_context_of("not-a-traceparent") is None
+    assert span_context_of(f"00-{0:032x}-{SUBMISSION_SPAN_ID:016x}-01") is None   # an all-zero trace id
+
+
+def _facts(job_id: str, application: str, cluster, placement=(), trace: str = ""):
+    from shared.schema import JobFacts
+    from sim.rounds import job_models
+
+    models = job_models(job_id, application, cluster)
+    return JobFacts(job_id, application, submit_s=0.0, age_s=600.0, requested_gpus=1,
+                    requested_batch=models.init_batch, rigid=False, init_batch=models.init_batch,
+                    max_batch=models.max_batch, placement=placement, restarts=1 if placement else 0,
+                    max_gpus_seen=sum(g for _, g in placement), trace=trace)
+
+
+class _OneRoundWiring:
+    """The round's stages as calls: given facts, zoo models, the real placer; every job ends after one round."""
+
+    def __init__(self, cluster, facts, held=None, failed=None, unmodelled=(), evict=()):
+        self.cluster, self.known = cluster, list(facts)
+        self.held, self.failed, self.unmodelled, self.evict = dict(held or {}), dict(failed or {}), unmodelled, evict
+        self.applied = []
+
+    async def facts(self, now, jobs):
+        from shared.schema import FactsReply
+
+        return FactsReply(tuple(f for f in self.known if f.job_id in jobs), self.held, self.failed)
+
+    async def models(self, facts):
+        from shared.schema import ModelsReply
+        from sim.rounds import job_models
+
+        return ModelsReply(tuple(job_models(f.job_id, f.application, self.cluster, max_gpus_seen=f.max_gpus_seen)
+                                 for f in facts if f.job_id not in self.unmodelled),
+                           {job: "the estimator has no profile of it yet" for job in self.unmodelled})
+
+    async def place(self, round, allocations, previous, groups):
+        from services.placer.core import place
+        from shared.schema import PlacementResult
+
+        placed = place(self.cluster, {j: c for j, c in allocations.items() if j not in self.evict}, previous, groups)
+        return PlacementResult(placed.placements, placed.restarts, tuple(self.evict))
+
+    async def apply(self, request):
+        self.applied.append(request)
+
+    async def advance(self, now, step, jobs):
+        from shared.schema import AdvanceReply
+
+        return AdvanceReply(tuple(jobs))
+
+
+class _FixedPolicy:
+    """Allocates what it is told (a missing job gets nothing), or fails to solve."""
+
+    name, round_s, adaptive_batch = "fixed", 60.0, True
+
+    def __init__(self, allocations, error: Exception | None = None):
+        self.allocations, self.error = allocations, error
+
+    def allocate(self, state):
+        from services.policy.base import Decision
+
+        if self.error is not None:
+            raise self.error
+        return Decision({v.job_id: self.allocations[v.job_id] for v in state.jobs if v.job_id in self.allocations})
+
+
+def _run_one_round(provider, cluster, policy, wiring, jobs):
+    from services.policy.rounds import Arrival, RoundLoop
+    from shared.settings import SimSettings
+
+    loop = RoundLoop([Arrival(job, 0.0) for job in jobs], cluster, policy, SimSettings("test"), wiring,
+                     tracer_provider=provider)
+    asyncio.run(loop.run())
+    assert len(wiring.applied) == 1
+
+
+def _decision_spans(exporter):
+    spans = exporter.get_finished_spans()
+    (root,) = [s for s in spans if s.name == "round"]
+    decisions = {s.attributes["job.id"]: s for s in spans if s.name == "job.decision"}
+    assert len(decisions) == sum(1 for s in spans if s.name == "job.decision")   # one span per job
+    for span in decisions.values():
+        assert_child_of(span, root)
+    return root, decisions
+
+
+def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason_and_submission_link(traced):
+    from shared.cluster import Config, build_cluster
+
+    provider, exporter = traced
+    cluster = build_cluster("two-t4-nodes", [{"gpu_type": "aws", "count": 2, "gpus_per_node": 4}])
+    facts = [_facts("grown", "cifar10", cluster, placement=(("aws-1", 1),), trace=SUBMISSION),
+             _facts("starved", "bert", cluster), _facts("new", "ncf", cluster),
+             _facts("unprofiled", "cifar10", cluster), _facts("homeless", "cifar10", cluster)]
+    wiring = _OneRoundWiring(cluster, facts, held={"queued": "not profiled yet"},
+                             failed={"bad": "rejected: no such model"}, unmodelled=("unprofiled",), evict=("homeless",))
+    policy = _FixedPolicy({"grown": Config("aws", 1, 2), "new": Config("aws", 1, 4), "homeless": Config("aws", 1, 1)})
+    _run_one_round(provider, cluster, policy, wiring, [f.job_id for f in facts] + ["queued", "bad"])
+
+    root, spans = _decision_spans(exporter)
+    assert set(spans) == {"grown", "starved", "new", "unprofiled", "homeless", "queued", "bad"}
+    assert all(span.attributes["round"] == root.attributes["round"] for span in spans.values())
+    placements = wiring.applied[0].placements
+    for job in ("grown", "new"):                 # what the span says is what the executors were told
+        span = spans[job]
+        assert span.attributes["decision"] == "allocated" and "reason" not in span.attributes
+        assert span.attributes["gpu.type"] == "aws"
+        assert span.attributes["gpu.count"] == sum(g for _, g in placements[job])
+        assert tuple(span.attributes["nodes"]) == tuple(sorted({n for n, _ in placements[job]}))
+        assert span.attributes["job.application"] == {"grown": "cifar10", "new": "ncf"}[job]
+    assert spans["grown"].attributes["gpu.count"] == 2 and spans["new"].attributes["gpu.count"] == 4
+    assert spans["grown"].attributes["previous.gpu.count"] == 1
+    assert spans["grown"].attributes["restart"] is True and spans["new"].attributes["restart"] is False
+    assert spans["new"].attributes["placement.changed"] is True   # it starts: a change, not a restart
+
+    why = {job: (span.attributes["decision"], span.attributes.get("reason")) for job, span in spans.items()}
+    assert why["starved"] == ("unallocated", "no GPUs allocated by fixed")
+    assert why["unprofiled"] == ("waits", "the estimator has no profile of it yet")
+    assert why["queued"] == ("waits", "not profiled yet")
+    assert why["bad"] == ("failed", "rejected: no such model")
+    assert why["homeless"][0] == "evicted" and "1 aws GPUs by fixed" in why["homeless"][1]
+    for job in ("starved", "unprofiled", "queued", "bad", "homeless"):
+        assert spans[job].attributes["gpu.count"] == 0 and "gpu.type" not in spans[job].attributes
+
+    (link,) = spans["grown"].links                # the job's submission, another trace
+    assert (link.context.trace_id, link.context.span_id) == (SUBMISSION_TRACE_ID, SUBMISSION_SPAN_ID)
+    assert all(not spans[job].links for job in spans if job != "grown")
+
+    (solve,) = [s for s in exporter.get_finished_spans() if s.name == "policy.solve"]
+    assert solve.attributes["jobs"] == 4 and solve.attributes["jobs.allocated"] == 3   # "homeless" too
+    assert solve.attributes["gpus.allocated"] == 7 and solve.attributes["allocation.kept"] is False
+    assert root.attributes["jobs.allocated"] == 2 and root.attributes["gpus.allocated"] == 6
+    assert (root.attributes["jobs.held"], root.attributes["jobs.failed"], root.attributes["evictions"]) == (2, 1, 1)
+
+
+def test_a_failed_solve_tells_each_job_why_it_kept_its_place(traced):
+    from shared.cluster import build_cluster
+
+    provider, exporter = traced
+    cluster = build_cluster("one-t4-node", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 4}])
+    facts = [_facts("running", "cifar10", cluster, placement=(("aws-0", 2),)), _facts("waiting", "bert", cluster)]
+    wiring = _OneRoundWiring(cluster, facts)
+    _run_one_round(provider, cluster, _FixedPolicy({}, error=RuntimeError("solver crashed")), wiring,
+                   ["running", "waiting"])
+
+    _, spans = _decision_spans(exporter)
+    assert spans["running"].attributes["decision"] == "kept"
+    assert spans["running"].attributes["gpu.count"] == 2 and spans["running"].attributes["restart"] is False
+    assert spans["waiting"].attributes["decision"] == "unallocated"
+    for span in spans.values():
+        assert "solver crashed" in span.attributes["reason"] and "previous allocation kept" in span.attributes["reason"]
+    (solve,) = [s for s in exporter.get_finished_spans() if s.name == "policy.solve"]
+    assert solve.attributes["allocation.kept"] is True and "solver crashed" in solve.attributes["reason"]
+
+
+def test_a_huge_round_records_the_jobs_left_where_they_were_last(traced, monkeypatch):
+    from services.policy import rounds
+    from shared.cluster import Config, build_cluster
+
+    monkeypatch.setattr(rounds, "MAX_DECISION_SPANS", 1)
+    provider, exporter = traced
+    cluster = build_cluster("one-t4-node", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 4}])
+    facts = [_facts("running", "cifar10", cluster, placement=(("aws-0", 2),)), _facts("waiting", "bert", cluster)]
+    _run_one_round(provider, cluster, _FixedPolicy({"running": Config("aws", 1, 2)}),
+                   _OneRoundWiring(cluster, facts), ["running", "waiting"])
+
+    root, spans = _decision_spans(exporter)
+    assert list(spans) == ["waiting"] and root.attributes["job.decisions.omitted"] == 1
+
+
+def test_sia_decisions_carry_its_predicted_goodput_batch_and_restart_factor(traced):
+    from services.policy.sia import SiaPolicy
+    from shared.cluster import build_cluster
+
+    provider, exporter = traced
+    # One T4: sia gives it to one of the two new jobs; the other gets nothing, and the span says so.
+    cluster = build_cluster("one-t4", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 1}])
+    facts = [_facts("c", "cifar10", cluster), _facts("n", "ncf", cluster)]
+    wiring = _OneRoundWiring(cluster, facts)
+    _run_one_round(provider, cluster, SiaPolicy(), wiring, ["c", "n"])
+
+    _, spans = _decision_spans(exporter)
+    (winner,) = wiring.applied[0].placements
+    loser = ({"c", "n"} - {winner}).pop()
+    won = spans[winner].attributes
+    assert (won["gpu.type"], won["gpu.count"], tuple(won["nodes"])) == ("aws", 1, ("aws-0",))
+    assert won["goodput.predicted"] > 0 and won["goodput.normalized"] > 0
+    assert won["batch"] == won["batch.per_gpu"] * (won["batch.accumulation_steps"] + 1)   # one GPU
+    models = {f.job_id: f for f in facts}[winner]
+    assert models.init_batch <= won["batch"] <= models.max_batch
+    assert won["restart_factor"] == 1.0                      # a waiting job starts wherever it goes
+    lost = spans[loser].attributes
+    assert lost["reason"] == "no GPUs allocated by sia" and "goodput.predicted" not in lost and "batch" not in lost
+
+
+def test_pollux_exposes_its_predicted_speedup_per_allocated_job():
+    from services.policy.pollux import PolluxPolicy
+    from sim.rounds import job_view, round_state
+
+    state = round_state([job_view("c", "cifar10", _homo()), job_view("b", "bert", _homo())], _homo())
+    decision = PolluxPolicy(population=10, generations=5).allocate(state)
+    assert decision.allocations                            # it gives something to someone
+    for job, prediction in decision.predictions.items():
+        assert prediction.restart_factor is not None
+        assert (prediction.speedup is not None and prediction.speedup > 0) == (job in decision.allocations)
+
+
+def _homo():
+    from shared.cluster import load_cluster
+
+    return load_cluster("pollux-homo-64")
+
+
+def test_placer_span_attributes_count_placed_jobs_and_evictions():
+    from services.placer.service import placement_attributes
+    from shared.schema import PlacementResult, PlaceRequest
+
+    request = PlaceRequest(7, {}, {})
+    result = PlacementResult({"a": (("aws-0", 2),), "b": (("aws-1", 4), ("aws-2", 4))}, ("a",), ("c",))
+    attributes = placement_attributes(request, result)
+    assert (attributes["decision.number"], attributes["jobs.placed"], attributes["gpus.placed"]) == (7, 2, 10)
+    assert (attributes["restarts"], attributes["evictions"], attributes["evicted.job.ids"]) == (1, 1, ["c"])
+
+
+class _MemoryKV:
+    """The few TypedKV calls the estimator makes, in a dict."""
+
+    def __init__(self):
+        self.values, self.revision = {}, 0
+
+    async def get(self, key):
+        from types import SimpleNamespace
+
+        return None if key not in self.values else SimpleNamespace(value=self.values[key][0],
+                                                                   revision=self.values[key][1])
+
+    async def create(self, key, value):
+        self.revision += 1
+        self.values[key] = (value, self.revision)
+        return self.revision
+
+    async def update(self, key, value, revision):
+        return await self.create(key, value)
+
+
+async def test_estimator_spans_name_the_job(traced):
+    from services.estimator.core import Estimator
+    from services.estimator.service import SharedEstimates
+    from shared.goodput import Observation
+    from shared.schema import JobProfiles, ModelsRequest, Observed, Profile, ProfilePoint
+    from shared.cluster import load_cluster
+
+    provider, exporter = traced
+    tracer = provider.get_tracer("test")
+    estimates = SharedEstimates(Estimator(), _MemoryKV())
+    profile = Profile("e-1", "cifar10", "aws", (ProfilePoint(16, 0.05), ProfilePoint(64, 0.12)), 16, 64)
+    with tracer.start_as_current_span("estimator.profiles"):
+        await estimates.add(JobProfiles("e-1", (profile,)))
+    with tracer.start_as_current_span("estimator.observe"):
+        await estimates.observe(Observed("e-1", "aws", Observation(1, 2, 64, 0, 0.15)))
+    cluster = load_cluster("sia-hetero-64")
+    facts = [_facts("e-1", "cifar10", cluster), _facts("e-2", "bert", cluster)]
+    with tracer.start_as_current_span("estimator.goodput"):
+        reply = await estimates.models(ModelsRequest(tuple(facts)))
+    assert [m.job_id for m in reply.models] == ["e-1"] and set(reply.held) == {"e-2"}
+
+    spans = {s.name: s.attributes for s in exporter.get_finished_spans()}
+    profiles, observed = spans["estimator.profiles"], spans["estimator.observe"]
+    assert profiles["job.id"] == "e-1" and tuple(profiles["gpu.types"]) == ("aws",)
+    assert (observed["job.id"], observed["gpu.type"], observed["gpu.count"]) == ("e-1", "aws", 2)
+    assert observed["learned"] is True
+    goodput = spans["estimator.goodput"]
+    assert tuple(goodput["job.ids"]) == ("e-1", "e-2") and tuple(goodput["held.job.ids"]) == ("e-2",)
+    assert (goodput["jobs"], goodput["jobs.modelled"], goodput["jobs.held"]) == (2, 1, 1)
+
+
+async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, monkeypatch):
+    from services.profiler import measure
+    from shared.schema import ProfilePoint, ProfileRun
+
+    provider, exporter = traced
+    with provider.get_tracer("test").start_as_current_span("profiler.consume"):   # the thread gets the context
+        with pytest.raises(measure.ProfilingFailed):
+            await asyncio.to_thread(measure.profiling_run, "p-1", "no_such_job", "aws", tmp_path, "tests.jobs",
+                                    tracer_provider=provider)
+    run = ProfileRun((ProfilePoint(8, 0.1), ProfilePoint(16, 0.15)), 8, 256, out_of_memory=32, gpu_seconds=1.5)
+    monkeypatch.setattr(measure, "_profiling_run", lambda *args: run)
+    assert measure.profiling_run("p-2", "quick", "rtx", tmp_path, "tests.jobs", tracer_provider=provider) is run
+
+    spans = exporter.get_finished_spans()
+    failed, measured = [s for s in spans if s.name == "profiler.run"]
+    assert_child_of(failed, next(s for s in spans if s.name == "profiler.consume"))
+    assert (failed.attributes["job.id"], failed.attributes["gpu.type"], failed.attributes["outcome"]) == \
+        ("p-1", "aws", "failed")
+    assert "no job 'no_such_job'" in failed.attributes["reason"] and not failed.status.is_ok
+    assert (measured.attributes["job.id"], measured.attributes["job.application"]) == ("p-2", "quick")
+    assert tuple(measured.attributes["batch_sizes"]) == (8, 16) and measured.attributes["out_of_memory.batch"] == 32
+    assert measured.attributes["outcome"] == "measured"

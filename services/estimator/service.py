@@ -14,6 +14,7 @@ import argparse
 import logging
 
 from nats import micro
+from opentelemetry import trace
 
 from services.estimator.core import Estimator
 from services.runner import new_service
@@ -23,6 +24,7 @@ from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, 
 from shared.settings import settings_for
 
 CONFLICT_RETRIES = 20
+MAX_TRACED_IDS = 256         # job ids listed on one `estimator.goodput` span (the count is always there)
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,8 @@ class SharedEstimates:
         return True
 
     async def add(self, message: JobProfiles) -> Stored:
+        trace.get_current_span().set_attributes({"job.id": message.job_id,
+                                                 "gpu.types": [p.gpu_type for p in message.profiles]})
         if not await self.load(message.job_id):
             self.estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
             try:
@@ -62,15 +66,22 @@ class SharedEstimates:
         return Stored(self.revisions[message.job_id])
 
     async def observe(self, message: Observed) -> Stored:
+        span = trace.get_current_span()
+        seen = message.observation
+        span.set_attributes({"job.id": message.job_id, "gpu.type": message.gpu_type, "nodes": seen.nodes,
+                             "gpu.count": seen.gpus, "batch.per_gpu": seen.m, "batch.accumulation_steps": seen.s,
+                             "t_iter_s": seen.t_iter})
         for _ in range(CONFLICT_RETRIES):
             if not await self.load(message.job_id):
                 raise ValueError(f"no profile for job {message.job_id!r} yet")
             revision = self.revisions[message.job_id]
             if not self.estimator.observe(message.job_id, message.gpu_type, message.observation):
+                span.set_attribute("learned", False)
                 return Stored(revision)              # seen already: nothing to write
             try:
                 self.revisions[message.job_id] = await self.records.update(
                     message.job_id, self.estimator.record(message.job_id), revision)
+                span.set_attributes({"learned": True, "revision": self.revisions[message.job_id]})
                 return Stored(self.revisions[message.job_id])
             except RevisionConflict:                 # another replica wrote first: reload, learn again
                 await self.load(message.job_id, revision + 1)
@@ -88,6 +99,13 @@ class SharedEstimates:
             except Exception as error:  # noqa: BLE001 - one job's model that cannot be made holds that job only
                 log.warning("job %s: no model this round: %s: %s", facts.job_id, type(error).__name__, error)
                 held[facts.job_id] = f"the estimator could not model it: {type(error).__name__}: {error}"
+        span = trace.get_current_span()
+        if span.is_recording():
+            ids = [f.job_id for f in request.facts]
+            span.set_attributes({"jobs": len(ids), "jobs.modelled": len(models), "jobs.held": len(held),
+                                 "job.ids": ids[:MAX_TRACED_IDS], "job.ids.truncated": len(ids) > MAX_TRACED_IDS})
+            if held:
+                span.set_attribute("held.job.ids", sorted(held)[:MAX_TRACED_IDS])
         return ModelsReply(tuple(models), held)
 
 
@@ -102,7 +120,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return Count(info.state.messages)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
-    await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, shared.add)
+    await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, shared.add,
+                           span_name="estimator.profiles")
     await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, shared.observe,
                            span_name="estimator.observe")
     await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest, shared.models,

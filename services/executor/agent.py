@@ -34,11 +34,13 @@ from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
 from shared.goodput import Observation
 from shared.schema import (
+    CANCELLED,
     Ack,
     AdvanceReply,
     FactsReply,
     AdvanceRequest,
     ApplyRequest,
+    Cancel,
     JobFacts,
     JobRecord,
     JobSpec,
@@ -114,29 +116,41 @@ class NodeAgent:
 
     # They come in the stream's order: a job's submission before its Profiled or Rejected.
 
-    def submitted(self, spec: JobSpec, sequence: int = 0) -> None:
+    def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "") -> None:
         known = self.jobs.get(spec.id)
-        if known is not None and not (known.failure is not None and known.profiled is None):
+        if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
             return                                   # another submission holds the id (a refused one gives it up)
         self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
-        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence)
+        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, trace=trace)
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
             job.failure = str(error)
 
-    def profiled(self, message: Profiled, _: int = 0) -> None:
+    def profiled(self, message: Profiled, _: int = 0, trace: str = "") -> None:
         job = self.jobs.get(message.job_id)
         if job is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)
         elif not verdict_for(message.submission, job.submission):
             log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
+        elif job.cancelled:
+            return                                       # cancelled while it was being profiled: it never starts
         elif message.init_batch is None:                 # a trace-backed profiler's word
             job.failure = "profiled without a run of its own: real jobs need the profiler with --executors local"
         else:
-            job.profiled = message
+            job.profiled, job.trace = message, job.trace or trace
 
-    def rejected(self, message: Rejected, _: int = 0) -> None:
+    def cancelled(self, message: Cancel, _: int = 0, __: str = "") -> None:
+        """Its user's order: a job not yet ended ends cancelled; its workers checkpoint and stop now
+        (blocking), and the next round hears it ended, so its GPUs go back."""
+        job = self.jobs.get(message.job_id)
+        if job is None or job.finish_s is not None or job.failure is not None:
+            return
+        if message.job_id in self.executors.jobs:       # first: it reads as cancelled once its workers are gone
+            self.executors.cancel(message.job_id)
+        job.failure, job.cancelled = CANCELLED, True
+
+    def rejected(self, message: Rejected, _: int = 0, __: str = "") -> None:
         if message.job_id is None:
             return
         job = self.jobs.get(message.job_id)
@@ -188,7 +202,7 @@ class NodeAgent:
             slice_iterations=float(max(steps - job.slice_steps, 0)) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
-            grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision)
+            grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision, trace=job.trace)
 
     def apply(self, now: float, placements: dict[str, Spots], adaptive: bool = True,
               failed: dict[str, str] | None = None) -> None:
@@ -280,7 +294,7 @@ class NodeAgent:
         records = []
         for job in self.saved():
             submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
-            state = ("finished" if job.finish_s is not None
+            state = ("finished" if job.finish_s is not None else "cancelled" if job.cancelled
                      else ("failed" if job.profiled is not None else "rejected") if job.failure
                      else "profiling" if job.profiled is None
                      else "running" if job.placement else "queued")
@@ -295,7 +309,8 @@ class NodeAgent:
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
 EVENTS = {subjects.SUBMIT: (NodeAgent.submitted, JobSpec), subjects.REPLAY_SUBMIT: (NodeAgent.submitted, JobSpec),
-          subjects.PROFILED: (NodeAgent.profiled, Profiled), subjects.REJECTED: (NodeAgent.rejected, Rejected)}
+          subjects.PROFILED: (NodeAgent.profiled, Profiled), subjects.REJECTED: (NodeAgent.rejected, Rejected),
+          subjects.CANCEL: (NodeAgent.cancelled, Cancel)}
 
 
 def _key(observation: Observation) -> tuple[int, int, int, int]:
@@ -347,8 +362,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             event = bus.decode(message, kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return                 # a malformed submission: the profiler records it, with the reason
-        async with turn:
-            take(agent, event, delivery.stream_sequence)
+        async with turn:                 # in a thread: a cancel waits for its workers to checkpoint
+            await asyncio.to_thread(take, agent, event, delivery.stream_sequence, delivery.traceparent)
             await save()
 
     async def on_apply(request: ApplyRequest) -> Ack:

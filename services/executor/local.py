@@ -41,7 +41,7 @@ from deploy.nats import free_loopback_port
 from services.executor.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX,
                                         REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
 from shared.cluster import Cluster, Spots
-from shared.schema import JobStats
+from shared.schema import CANCELLED, JobStats
 
 JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
 JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
@@ -214,6 +214,13 @@ class LocalExecutors:
         for job in finished:
             job.announced = True
         return [job.job_id for job in finished]
+
+    def cancel(self, job_id: str) -> None:
+        """Stop a job for good, as its user asked: its workers checkpoint and stop; it gives up its slots."""
+        job = self.jobs[job_id]
+        if job.running:
+            self._stop(job)
+        job.failure, job.placement = CANCELLED, ()
 
     def stop_all(self) -> None:
         self.closing = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from nats import micro
+from opentelemetry import trace
 
 from services.placer.core import place
 from services.runner import new_service
@@ -18,11 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
 
 
+def placement_attributes(request: PlaceRequest, result: PlacementResult) -> dict:
+    """The `placer.place` span's attributes: what was asked, what was placed, who moved or lost out."""
+    return {"decision.number": request.round, "jobs.allocated": len(request.allocations),
+            "jobs.placed": sum(1 for spots in result.placements.values() if spots),
+            "gpus.placed": sum(g for spots in result.placements.values() for _, g in spots),
+            "restarts": len(result.restarts), "evictions": len(result.evicted),
+            "evicted.job.ids": list(result.evicted)}
+
+
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
 
     def on_place(request: PlaceRequest) -> PlacementResult:
-        return place(cluster, request.allocations, request.previous, request.groups)
+        result = place(cluster, request.allocations, request.previous, request.groups)
+        trace.get_current_span().set_attributes(placement_attributes(request, result))
+        return result
 
     service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {cluster.name}")
     await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, on_place, span_name="placer.place")

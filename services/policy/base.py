@@ -12,7 +12,9 @@ evaluation switch between them with one string.
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Mapping, Protocol
@@ -74,12 +76,28 @@ class RoundState:
 
 
 @dataclass(frozen=True)
+class Prediction:
+    """What a policy expected of one job when it decided, for the round's trace (each `None`: the
+    policy does not say). Goodput is samples/s x statistical efficiency by the estimator's models."""
+
+    goodput: float | None = None             # of its allocation, at the batch below
+    normalized_goodput: float | None = None  # the same in the units the policy compared jobs in (Sia's matrix)
+    speedup: float | None = None             # over its fair share (Pollux), restart factor not applied
+    batch: int | None = None                 # the total batch planned: replicas x per_gpu_batch x (steps + 1)
+    per_gpu_batch: int | None = None
+    accumulation_steps: int | None = None
+    restart_factor: float | None = None      # what a move would have cost it (1: nothing)
+
+
+@dataclass(frozen=True)
 class Decision:
     """Allocations for the placer, or placements chosen by the policy itself; jobs absent get nothing."""
 
     allocations: dict[str, Config]
     placements: dict[str, Spots] | None = None
     events: tuple[str, ...] = field(default_factory=tuple)   # e.g. solver time-outs, for logs and traces
+    # Per job, what the policy expected (for traces only: never part of what a decision is).
+    predictions: Mapping[str, Prediction] = field(default_factory=dict, compare=False)
 
 
 class Policy(Protocol):
@@ -151,14 +169,51 @@ POLICIES: dict[str, str] = {
 }
 
 
-def make_policy(name: str, **options) -> Policy:
-    """A policy by name, with its options (e.g. p=-1 for the fairness exponent)."""
+def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for a close misspelling of one of `choices`, else ''."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _policy_class(name: str) -> type:
     try:
         module, cls = POLICIES[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+        raise ValueError(f"unknown policy {name!r}{_did_you_mean(name, POLICIES)}; "
+                         f"choose one of {', '.join(POLICIES)}") from None
+    return getattr(importlib.import_module(module), cls)
+
+
+def policy_options(name: str) -> dict[str, object]:
+    """A policy's options and their defaults (its constructor's keyword parameters; a parameter
+    without a default maps to `inspect.Parameter.empty`). ValueError for an unknown policy."""
+    parameters = inspect.signature(_policy_class(name)).parameters.values()
+    return {p.name: p.default for p in parameters
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+
+
+def check_policy(name: str, options: Mapping[str, object] | None = None) -> None:
+    """ValueError naming the valid policies for an unknown name, and the valid options of the policy
+    (with their defaults) for an option it does not take, with a "did you mean" for a misspelling."""
+    parameters = inspect.signature(_policy_class(name)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return                                  # e.g. chaos: hands the rest to the policy it wraps
+    valid = policy_options(name)
+    unknown = [key for key in options or {} if key not in valid]
+    if unknown:
+        hints = "; ".join(f"{key!r}{_did_you_mean(key, valid)}" for key in unknown)
+        listed = ", ".join(key if default is inspect.Parameter.empty else f"{key}={default!r}"
+                           for key, default in valid.items())
+        raise ValueError(f"policy {name!r} has no option {hints}; its options (with defaults): "
+                         f"{listed or 'none'}")
+
+
+def make_policy(name: str, **options) -> Policy:
+    """A policy by name, with its options (e.g. p=-1 for the fairness exponent). ValueError for an
+    unknown name or option, naming the valid ones."""
+    check_policy(name, options)
     try:
-        return getattr(importlib.import_module(module), cls)(**options)
+        return _policy_class(name)(**options)
     except TypeError as exc:
         raise ValueError(f"policy {name!r} does not take these options {sorted(options)}: {exc}") from None
 

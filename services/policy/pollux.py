@@ -61,13 +61,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import msgspec
 import numpy as np
 
-from services.policy.base import Decision, RoundState, decision_from_placements, refuse_hybrid, restart_factor
+from services.policy.base import (Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid,
+                                 restart_factor)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
 from shared.settings import ROUND_S
@@ -410,9 +411,18 @@ class PolluxPolicy:
         best = search.collapse(states[:1])
         # What the collapse left below a job's minimum, and GPUs a job is predicted to make no progress
         # on (no model of the type, no feasible batch), stay free.
-        useless = (best.sum(axis=2) < problem.min_gpus) | (search.speedups(best, restarts=False) <= 0)
+        speedup = search.speedups(best, restarts=False)
+        useless = (best.sum(axis=2) < problem.min_gpus) | (speedup <= 0)
         best[useless & ~problem.pinned] = 0
-        return self._decision(state.cluster, problem, best[0])
+        decision = self._decision(state.cluster, problem, best[0])
+        # For traces: each job's predicted speedup over its fair share (without the search's scale c =
+        # nodes / GPUs), and its re-allocation factor.
+        kept = (~useless[0] | problem.pinned).tolist()
+        scale = float(problem.node_gpus.sum()) / max(len(problem.node_names), 1)
+        factors, speedups = problem.restart_factor.tolist(), (speedup[0] * scale).tolist()
+        return replace(decision, predictions={
+            job: Prediction(speedup=speedups[j] if kept[j] and job in decision.allocations else None,
+                            restart_factor=factors[j]) for j, job in enumerate(problem.job_ids)})
 
     def snapshot(self) -> bytes:
         """The last round's population (mostly zeros: compressed), for a standby to resume from."""

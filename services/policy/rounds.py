@@ -30,10 +30,11 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from services.policy.base import (Decision, HybridRefused, Policy, RoundState, decision_from_placements, job_view,
-                                  restore_policy, snapshot_policy)
+from services.policy.base import (Decision, HybridRefused, Policy, Prediction, RoundState, decision_from_placements,
+                                  job_view, restore_policy, snapshot_policy)
 from shared.cluster import Cluster, Config, Spots
 from shared.schema import (
+    CANCELLED,
     AdvanceReply,
     ApplyRequest,
     DecidedRound,
@@ -46,9 +47,14 @@ from shared.schema import (
     RunClock,
     RunStep,
 )
+from shared.hardware import hardware_name
 from shared.settings import SimSettings
+from shared.tracing import span_context_of
 
-_TRACER = trace.get_tracer("goodput.round")
+TRACER_NAME = "goodput.round"
+# At most this many `job.decision` spans a round (a span costs the SDK tens of microseconds, and a
+# trace of 10,000 spans is not read): beyond it, the jobs left where they were go unrecorded.
+MAX_DECISION_SPANS = 2000
 log = logging.getLogger(__name__)
 
 
@@ -104,12 +110,14 @@ class RoundLoop:
     """The clock, the policy and the metrics over a wiring; `rounds` and `events` as it ran."""
 
     def __init__(self, arrivals: Sequence[Arrival], cluster: Cluster, policy: Policy, settings: SimSettings,
-                 wiring: Wiring):
+                 wiring: Wiring, *, tracer_provider: trace.TracerProvider | None = None):
+        """`tracer_provider`: where the round's spans go (the process's global one unless given)."""
         self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
         self.cluster = cluster
         self.policy = policy
         self.settings = settings
         self.wiring = wiring
+        self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
 
@@ -151,11 +159,11 @@ class RoundLoop:
                 continue
             decide = clock.decided is None and now >= clock.next_decision_s - 1e-9   # on the policy's grid
             # One trace per round: every stage's span, in every service, descends from this root.
-            with _TRACER.start_as_current_span("round", context=Context(), attributes={
+            with self.tracer.start_as_current_span("round", context=Context(), attributes={
                     "round": clock.round, "now_s": now, "jobs": len(clock.active),
                     "gpus": self.cluster.total_gpus, "decides": decide}):
                 if decide:
-                    decided = await self._decide(now, list(clock.active), clock.decisions)
+                    decided = await self._decide(now, list(clock.active), clock.decisions, clock.round)
                     clock = msgspec.structs.replace(
                         clock, decided=decided, decisions=clock.decisions + 1,
                         next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s)
@@ -169,7 +177,8 @@ class RoundLoop:
             failed = {**given_up, **ended.failed}
             ended_jobs = set(ended.finished) | set(failed)            # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
-            events += tuple(f"{now:.0f}s: {job} failed: {reason}" for job, reason in sorted(failed.items()))
+            events += tuple(f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
+                            for job, reason in sorted(failed.items()))
             if record is not None:
                 self.rounds.append(record)
             self.events.extend(events)
@@ -185,7 +194,7 @@ class RoundLoop:
                 progress(clock.now_s, clock.done, total)
         return clock
 
-    async def _decide(self, now: float, active: list[str], decisions: int) -> DecidedRound:
+    async def _decide(self, now: float, active: list[str], decisions: int, round_number: int) -> DecidedRound:
         """The round's decision: facts, models, the policy, then the placer unless the policy placed."""
         start = time.perf_counter()
         events: list[str] = []
@@ -210,47 +219,155 @@ class RoundLoop:
                 failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
         events.extend(f"{now:.0f}s: {job} waits: {reason}" for job, reason in sorted(held.items()))
         policy_start = time.perf_counter()
-        decision = await self._solve(now, facts, views, failed)
+        decision, kept = await self._solve(now, facts, views, failed)
         policy_ms = (time.perf_counter() - policy_start) * 1e3
+        evicted: tuple[str, ...] = ()
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
             placed = await self.wiring.place(decisions + 1, decision.allocations, previous,
                                              hybrid_groups(decision.allocations, [v.models for v in views]))
-            placements = placed.placements
+            placements, evicted = placed.placements, tuple(placed.evicted)
             events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:
             placements = decision.placements
         problem = self._misfit(placements)
         if problem is not None:
-            decision = self._keep(facts, f"policy {self.policy.name} {problem}; previous allocation kept")
+            kept = f"policy {self.policy.name} {problem}; previous allocation kept"
+            decision, evicted = self._keep(facts, kept), ()
             placements = decision.placements
         events.extend(f"{now:.0f}s: {e}" for e in decision.events)
         scheduled = {v.job_id for v in views}
         placements = {job: spots for job, spots in placements.items() if job in scheduled}
         gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots}
-        record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus)
+        types = {job: self.cluster.placement_type(placements[job]) or "mixed" for job in gpus}
+        batches = {job: p.batch for job, p in decision.predictions.items() if job in gpus and p.batch is not None}
+        record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus,
+                             types, batches)
         apply = ApplyRequest(now, placements, {v.job_id: v.models for v in views}, self.policy.adaptive_batch, failed)
+        self._trace_decisions(round_number, active, known.facts, held, failed, decision, placements, evicted, kept)
         return DecidedRound(apply, record, tuple(events))
 
-    async def _solve(self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]) -> Decision:
-        """The policy's decision for `views`. Jobs it refuses (a hybrid-parallel job under a policy
-        that would split its groups) are failed with its reason and it decides for the rest; any
-        other failure keeps every job where it is for this round."""
-        with _TRACER.start_as_current_span("policy.solve", attributes={"policy": self.policy.name,
-                                                                      "jobs": len(views)}):
-            for _ in range(2):
-                try:
-                    # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
-                    return await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, tuple(views)))
-                except HybridRefused as error:
-                    refused = [v for v in views if v.models.group_gpus]
-                    failed.update({v.job_id: str(error) for v in refused})
-                    views[:] = [v for v in views if not v.models.group_gpus]
-                    facts[:] = [f for f in facts if f.job_id not in failed]
-                except Exception as error:  # noqa: BLE001 - a failed solve (LinAlgError, a solver's) costs a round
-                    return self._keep(facts, f"policy {self.policy.name} failed ({type(error).__name__}: {error}); "
-                                             "previous allocation kept")
-            return self._keep(facts, f"policy {self.policy.name} refused the round twice; previous allocation kept")
+    def _trace_decisions(self, round_number: int, active: Sequence[str], facts: Sequence[JobFacts],
+                         held: Mapping[str, str], failed: Mapping[str, str], decision: Decision,
+                         placements: Mapping[str, Spots], evicted: Sequence[str], kept: str | None) -> None:
+        """One `job.decision` span per job the round considered, a child of the round's span (and
+        linked to the job's submission when its facts carry that trace): what it got and why."""
+        round_span = trace.get_current_span()
+        if not round_span.is_recording():        # no one records this round: spare building the spans
+            return
+        by_id = {f.job_id: f for f in facts}
+        evicted = set(evicted)
+        jobs = list(dict.fromkeys([*active, *held, *failed]))
+        decided = [self._decision_attributes(job, by_id.get(job), held, failed, decision, placements, evicted, kept)
+                   for job in jobs]
+        if len(decided) > MAX_DECISION_SPANS:    # a huge round: what changed first, jobs left as they were last
+            decided.sort(key=lambda d: d[0]["decision"] in ("allocated", "kept") and not d[0]["placement.changed"])
+        for attributes, _ in decided[:MAX_DECISION_SPANS]:
+            f = by_id.get(attributes["job.id"])
+            context = span_context_of(f.trace) if f is not None else None
+            links = [trace.Link(context)] if context is not None else None   # its submission's trace
+            self.tracer.start_span("job.decision", attributes={"round": round_number, **attributes}, links=links).end()
+        round_span.set_attributes({
+            "jobs.considered": len(jobs), "jobs.held": len(held), "jobs.failed": len(failed),
+            "jobs.allocated": sum(1 for spots in placements.values() if spots),
+            "gpus.allocated": sum(g for spots in placements.values() for _, g in spots),
+            "restarts": sum(restart for _, restart in decided), "evictions": len(evicted),
+            "allocation.kept": kept is not None, "job.decisions.omitted": max(0, len(decided) - MAX_DECISION_SPANS)})
+
+    def _decision_attributes(self, job: str, f: JobFacts | None, held: Mapping[str, str], failed: Mapping[str, str],
+                             decision: Decision, placements: Mapping[str, Spots], evicted: set[str],
+                             kept: str | None) -> tuple[dict, bool]:
+        """A `job.decision` span's attributes (docs/services.md), and whether the job restarts."""
+        spots = tuple(sorted(placements.get(job, ())))
+        attributes: dict = {"job.id": job, "gpu.count": sum(g for _, g in spots)}
+        if spots:
+            attributes["gpu.type"] = self.cluster.placement_type(spots) or "mixed"
+            attributes["gpu.name"] = hardware_name(attributes["gpu.type"])       # T4, A100: as people say
+            attributes["nodes"] = [node for node, _ in spots]
+            if len(spots) > 1:                   # GPUs per node, when it spans several
+                attributes["placement"] = [f"{node}:{gpus}" for node, gpus in spots]
+        previous: tuple = ()
+        if f is not None:
+            previous = tuple(sorted((node, gpus) for node, gpus in f.placement))
+            attributes.update({"job.application": f.application, "job.age_s": f.age_s, "job.restarts": f.restarts})
+            if f.mid_restart:
+                attributes["job.mid_restart"] = True
+            if previous:
+                attributes.update({"previous.gpu.type": self.cluster.placement_type(previous) or "mixed",
+                                   "previous.gpu.count": sum(g for _, g in previous),
+                                   "previous.nodes": [node for node, _ in previous]})
+        restart = bool(previous) and bool(spots) and spots != previous
+        attributes.update({"placement.changed": spots != previous, "restart": restart})
+        if previous and not spots:
+            attributes["preempted"] = True
+        prediction = decision.predictions.get(job) or Prediction()
+        for name, value in (("goodput.predicted", prediction.goodput),
+                            ("goodput.normalized", prediction.normalized_goodput),
+                            ("speedup.predicted", prediction.speedup), ("batch", prediction.batch),
+                            ("batch.per_gpu", prediction.per_gpu_batch),
+                            ("batch.accumulation_steps", prediction.accumulation_steps),
+                            ("restart_factor", prediction.restart_factor)):
+            if value is not None and (spots or name == "restart_factor"):
+                attributes[name] = value
+        if job in failed:
+            outcome, reason = "failed", failed[job]
+        elif job in held:
+            outcome, reason = "waits", held[job]
+        elif f is None:
+            outcome, reason = "waits", "the executors reported nothing of it this round"
+        elif kept is not None:
+            outcome, reason = ("kept" if spots else "unallocated"), kept
+        elif job in evicted:
+            config = decision.allocations.get(job)
+            given = f"{config.gpus} {config.gpu_type} GPUs" if config else "GPUs"
+            outcome, reason = "evicted", f"allocated {given} by {self.policy.name}, but no node fits them"
+        elif spots:
+            outcome, reason = "allocated", None
+        else:
+            outcome, reason = "unallocated", f"no GPUs allocated by {self.policy.name}"
+        attributes["decision"] = outcome
+        if reason is not None:
+            attributes["reason"] = reason
+        return attributes, restart
+
+    async def _solve(self, now: float, facts: list[JobFacts], views: list,
+                     failed: dict[str, str]) -> tuple[Decision, str | None]:
+        """The policy's decision for `views`, and why every job was kept where it is instead (None
+        when the policy decided). Jobs it refuses (a hybrid-parallel job under a policy that would
+        split its groups) are failed with its reason and it decides for the rest; any other failure
+        keeps every job where it is for this round."""
+        with self.tracer.start_as_current_span("policy.solve", attributes={"policy": self.policy.name,
+                                                                          "jobs": len(views)}) as span:
+            before = len(failed)
+            decision, kept = await self._policy_decision(now, facts, views, failed)
+            span.set_attributes({"jobs.scheduled": len(views), "jobs.allocated": len(decision.allocations),
+                                 "gpus.allocated": sum(c.gpus for c in decision.allocations.values()),
+                                 "jobs.refused": len(failed) - before,
+                                 "placed_by_policy": decision.placements is not None,
+                                 "allocation.kept": kept is not None})
+            if kept is not None:
+                span.set_attribute("reason", kept)
+            if decision.events:                  # e.g. sia's solver ran out of time
+                span.set_attribute("events", list(decision.events))
+            return decision, kept
+
+    async def _policy_decision(self, now: float, facts: list[JobFacts], views: list,
+                               failed: dict[str, str]) -> tuple[Decision, str | None]:
+        for _ in range(2):
+            try:
+                # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
+                return await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, tuple(views))), None
+            except HybridRefused as error:
+                refused = [v for v in views if v.models.group_gpus]
+                failed.update({v.job_id: str(error) for v in refused})
+                views[:] = [v for v in views if not v.models.group_gpus]
+                facts[:] = [f for f in facts if f.job_id not in failed]
+            except Exception as error:  # noqa: BLE001 - a failed solve (LinAlgError, a solver's) costs a round
+                event = (f"policy {self.policy.name} failed ({type(error).__name__}: {error}); "
+                         "previous allocation kept")
+                return self._keep(facts, event), event
+        event = f"policy {self.policy.name} refused the round twice; previous allocation kept"
+        return self._keep(facts, event), event
 
     def _keep(self, facts: list[JobFacts], event: str) -> Decision:
         """The round's decision when the policy could not make one: every job stays where it is."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.policy.base import Decision, RoundState, restart_factor
+from services.policy.base import Decision, Prediction, RoundState, restart_factor
 from services.policy.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
 from shared.settings import ROUND_S
 
@@ -54,8 +54,34 @@ class SiaPolicy:
     def allocate(self, state: RoundState) -> Decision:
         if not state.jobs:
             return Decision({})
-        solution = solve(self.problem(state), self.p, self.lam, self.solver, self.time_limit_s)
+        problem = self.problem(state)
+        solution = solve(problem, self.p, self.lam, self.solver, self.time_limit_s)
         configs = state.table.configs
         allocations = {v.job_id: configs[c] for v, c in zip(state.jobs, solution.choice) if c >= 0}
         events = (f"sia: previous allocation kept ({solution.status})",) if solution.fallback else ()
-        return Decision(allocations, events=events)
+        return Decision(allocations, events=events, predictions=self.predictions(state, problem, solution.choice))
+
+    @staticmethod
+    def predictions(state: RoundState, problem: IlpProblem, choice: np.ndarray) -> dict[str, Prediction]:
+        """What the matrix said of each job's chosen cell (for traces): its goodput and batch; the
+        restart factor of every job, allocated or not."""
+        table = state.table
+        if not table.configs:
+            return {}
+        rows = np.arange(len(state.jobs))
+        cells = np.maximum(choice, 0)
+        chosen = ((choice >= 0) & table.valid[rows, cells]).tolist()
+        goodput, normalized = table.goodput[rows, cells].tolist(), table.normalized[rows, cells].tolist()
+        m, s = table.m[rows, cells].tolist(), table.s[rows, cells].tolist()
+        factors = np.asarray(problem.restart_factor, dtype=float).tolist()
+        cells, out = cells.tolist(), {}
+        for i, view in enumerate(state.jobs):
+            if not chosen[i]:
+                out[view.job_id] = Prediction(restart_factor=factors[i])
+                continue
+            config = table.configs[cells[i]]
+            replicas = config.gpus // view.models.group(config.gpu_type)
+            out[view.job_id] = Prediction(goodput=goodput[i], normalized_goodput=normalized[i],
+                                          batch=replicas * m[i] * (s[i] + 1), per_gpu_batch=m[i],
+                                          accumulation_steps=s[i], restart_factor=factors[i])
+        return out

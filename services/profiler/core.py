@@ -16,6 +16,7 @@ import numpy as np
 
 from shared.cluster import Cluster
 from shared.goodput import ThroughputParams, compute_time, iteration_time
+from shared.hardware import described, hardware_name, types_named
 from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
 from shared.schema import JobSpec, Profile, ProfilePoint
 from shared.zoo import load_zoo
@@ -117,6 +118,30 @@ SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job'
                     "a model or job module the cluster knows")
 
 
+def id_taken(job_id: str) -> str:
+    """Why a second, different submission under an id is refused."""
+    return (f"job {job_id} already exists: another submission holds this id (a job's id belongs to its first valid "
+            "submission); submit under another id")
+
+
+def malformed_reason(error: Exception) -> str:
+    """Why a body is not a submission, as its sender should read it: msgspec's reason, the rules it
+    broke, and for an unknown field the field it may have meant."""
+    import difflib
+    import re
+
+    text = str(error)
+    unknown = re.search(r"unknown field `([^`]*)`", text)
+    hint = ""
+    if unknown:
+        fields = [f for f in JobSpec.__struct_fields__ if f != "version"]
+        near = difflib.get_close_matches(unknown.group(1), fields, n=1)
+        hint = (f"; did you mean `{near[0]}`?" if near else "") + f" (the fields: {', '.join(fields)})"
+    rules = (f"; {SUBMISSION_RULES}" if unknown or "`$.application`" in text
+             else f"; {ID_RULES}" if "`$.id`" in text else "")
+    return f"malformed submission: {text}{hint}{rules}"
+
+
 def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None,
                        live: bool) -> str | None:
     """Why a well-formed submission cannot be scheduled on `cluster` (None if it can): an application
@@ -129,10 +154,10 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
     if not live and spec.submit_s is None:
         return "a replayed submission needs its submit_s"
     known_types = set(cluster.gpu_types)
-    unknown = sorted(set(spec.gpu_types) - known_types)
+    named, unknown = named_types(spec, cluster)
     if unknown:
-        return f"unknown GPU type(s) {', '.join(unknown)}; this cluster has {', '.join(sorted(known_types))}"
-    allowed = set(spec.gpu_types) or known_types
+        return f"unknown GPU type(s) {', '.join(unknown)}; this cluster has {described(cluster.gpu_types)}"
+    allowed = set(named) or known_types
     if models is not None:
         if spec.application not in models:
             near = sorted(models)
@@ -140,7 +165,7 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
         allowed &= set(models[spec.application])
         if not allowed:
             return (f"application {spec.application!r} has no profile on GPU type(s) "
-                    f"{', '.join(sorted(set(spec.gpu_types) or known_types))}")
+                    f"{described(named or cluster.gpu_types)}")
     usable = sum(n.gpus for n in cluster.nodes if n.gpu_type in allowed)
     for field, gpus in (("requested_gpus", spec.requested_gpus if spec.rigid else 0), ("min_gpus", spec.min_gpus)):
         if gpus > usable:
@@ -152,8 +177,13 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
     return None
 
 
+def named_types(spec: JobSpec, cluster: Cluster) -> tuple[list[str], list[str]]:
+    """The cluster's GPU types a submission's `gpu_types` name (by key or hardware name: "aws" or
+    "T4"), in cluster order; and the names that name none."""
+    named = {t for name in spec.gpu_types for t in types_named(name, cluster.gpu_types)}
+    unknown = [name for name in spec.gpu_types if not types_named(name, cluster.gpu_types)]
+    return [t for t in cluster.gpu_types if t in named], unknown
+
+
 def _type_counts(cluster: Cluster) -> str:
-    counts: dict[str, int] = {}
-    for node in cluster.nodes:
-        counts[node.gpu_type] = counts.get(node.gpu_type, 0) + node.gpus
-    return ", ".join(f"{gpus} {gpu_type}" for gpu_type, gpus in sorted(counts.items()))
+    return ", ".join(f"{cluster.capacity(t)} {hardware_name(t)}" for t in cluster.gpu_types)

@@ -13,12 +13,15 @@ import subprocess
 from pathlib import Path
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from services.executor.local import job_module, last_error, torchrun_env, worker
 from services.executor.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
 from shared.schema import Profile, ProfileRun
 
 PROFILE_TIMEOUT_S = 300.0
+TRACER_NAME = "goodput.profiler"
 
 
 class ProfilingFailed(Exception):
@@ -27,9 +30,39 @@ class ProfilingFailed(Exception):
 
 def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
                   slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
-                  running: set[subprocess.Popen] | None = None) -> ProfileRun:
+                  running: set[subprocess.Popen] | None = None,
+                  tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
     """Run the job's script in profiling mode on one slot of `gpu_type`; what it measured. The
-    process is in `running` while it runs (for whoever must stop it)."""
+    process is in `running` while it runs (for whoever must stop it). The run is a `profiler.run`
+    span (a child of the current one: asyncio.to_thread carries the context) with what it measured
+    or why it failed."""
+    tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
+    with tracer.start_as_current_span("profiler.run", record_exception=False, set_status_on_exception=False,
+                                      attributes={"job.id": job_id, "job.application": application,
+                                                  "gpu.type": gpu_type, "timeout_s": timeout_s}) as span:
+        try:
+            run = _profiling_run(job_id, application, gpu_type, workdir, jobs_package, slot_memory_mb, timeout_s,
+                                 running)
+        except ProfilingFailed as error:
+            span.set_attributes({"outcome": "failed", "reason": str(error)})
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+            raise
+        except BaseException as error:
+            span.set_attributes({"outcome": "error", "reason": f"{type(error).__name__}: {error}"})
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+            raise
+        sizes = [p.local_bsz for p in run.points]
+        span.set_attributes({"outcome": "measured" if sizes else "no batch size fits", "batch_sizes": sizes,
+                             "batch_sizes.count": len(sizes), "gpu_seconds": run.gpu_seconds,
+                             "job.init_batch": run.init_batch, "job.max_batch": run.max_batch})
+        if run.out_of_memory is not None:
+            span.set_attribute("out_of_memory.batch", run.out_of_memory)
+        return run
+
+
+def _profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
+                   slot_memory_mb: float | None, timeout_s: float, running: set[subprocess.Popen] | None) -> ProfileRun:
     running = set() if running is None else running
     try:
         module = job_module(application, jobs_package)

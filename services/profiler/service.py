@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import subprocess
 import tempfile
 from pathlib import Path
@@ -23,13 +22,14 @@ from pathlib import Path
 from nats import micro
 
 from services.executor.local import JOBS_PACKAGE
-from services.profiler.core import ID_RULES, SUBMISSION_RULES, profile_source, submission_problem
+from services.profiler import api
+from services.profiler.core import id_taken, malformed_reason, named_types, profile_source, submission_problem
 from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
-from shared.schema import JobOwner, JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection
+from shared.schema import JobOwner, JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection, spec_digest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,17 +63,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, as the submission's verdict; the submission is then dropped.
-        rules = (f"; {SUBMISSION_RULES}" if "unknown field" in str(error) or "`$.application`" in str(error)
-                 else f"; {ID_RULES}" if "`$.id`" in str(error) else "")
-        reason = f"malformed submission: {error}{rules}"
-        await bus.js_publish(subjects.REJECTED, rejection(subject, reason, data, readable_id(data)))
+        await bus.js_publish(subjects.REJECTED, rejection(subject, malformed_reason(error), data, readable_id(data)))
 
     owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
 
     async def claim(spec: JobSpec, delivery) -> str | None:
         """Hold the job's id for this submission: None when it holds it (first, or delivered again),
         "repeat" for the same job sent again, else why it cannot have it."""
-        mine = JobOwner(delivery.stream_sequence, hashlib.sha256(bus.encode(spec)).hexdigest(), delivery.subject)
+        mine = JobOwner(delivery.stream_sequence, spec_digest(spec), delivery.subject)
         for _ in range(3):                        # the holder may give it up meanwhile
             try:
                 await owners.create(spec.id, mine)
@@ -86,8 +83,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 return None
             if held.value.digest == mine.digest:
                 return "repeat"
-            return (f"job {spec.id} already exists: another submission holds this id (a job's id belongs to its "
-                    "first valid submission); submit under another id")
+            return id_taken(spec.id)
         raise RuntimeError(f"job {spec.id}: its id changes hands too fast to claim")
 
     async def reject(spec: JobSpec, reason: str, delivery, release: bool = True) -> None:
@@ -124,7 +120,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await reject(spec, problem, delivery)
             return
         if local:
-            types = [t for t in cluster.gpu_types if not spec.gpu_types or t in spec.gpu_types]
+            named = named_types(spec, cluster)[0]
+            types = [t for t in cluster.gpu_types if not named or t in named]
             try:
                 profiles, run = await measure(spec, types)
             except ProfilingFailed as error:
@@ -133,8 +130,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 await reject(spec, f"job {spec.id} cannot run: {error}", delivery)
                 return
         else:
-            types = [t for t in cluster.gpu_types if t in source.types[spec.application]
-                     and (not spec.gpu_types or t in spec.gpu_types)]
+            named = named_types(spec, cluster)[0]
+            types = [t for t in cluster.gpu_types if t in source.types[spec.application] and (not named or t in named)]
             profiles = tuple(source.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
         sequence = delivery.stream_sequence
@@ -147,6 +144,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
                                        f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery)
 
+    await api.start(bus, owners, lambda spec: submission_problem(spec, cluster, None if local else source.types,
+                                                                  live=True))
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
     # says so to the server), not handed to another replica.

@@ -1,0 +1,251 @@
+"""The user API: `goodput.api.*`, a NATS micro service (`api` in `$SRV.INFO`) that answers every
+request, in the request's encoding (JSON or msgpack), so a client in any language needs only a NATS
+client. The profiler's replicas serve it (one queue group): it is the gate of submissions, and
+validates one as the profiler would before anything is stored.
+
+- `submit`: a JobSpec -> SubmitAnswer. Only a valid submission is stored (in the jobs stream, as if
+  published to goodput.jobs.submit) under the Nats-Msg-Id `<id>.<digest of the body>`: a refused
+  body reserves nothing, so the corrected one is taken under the same id; the same body again is a
+  repeat. The profiler's verdict follows (a real profiling run may still refuse it; `job` says so).
+- `job`: {"id"} -> its JobStatus (404 when no job has that id); `jobs`: filters and paging.
+- `cancel`: {"id"} -> CancelAnswer: the order goes to the jobs stream, the executors end the job.
+- `schemas`: every request's and answer's JSON Schema (generated from the Structs).
+
+Refusals are recorded as the profiler records them (a Rejected on the jobs stream), so `job` shows
+why a submission was refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+from nats import micro
+from opentelemetry import trace
+
+from services.profiler.core import id_taken, malformed_reason
+from services.runner import new_service
+from shared import subjects
+from shared.bus import Bus, NotFound, RevisionConflict, TypedKV
+from shared.schema import (
+    JOB_STATES,
+    Ack,
+    Cancel,
+    CancelAnswer,
+    JobOwner,
+    JobRecords,
+    JobRequest,
+    JobsPage,
+    JobSpec,
+    JobsQuery,
+    JobsRequest,
+    JobStatus,
+    SubmitAnswer,
+    job_status,
+    readable_id,
+    rejection,
+    spec_digest,
+)
+from shared.storage import MAX_SUBMISSION_BYTES
+
+ENDED = ("finished", "failed", "rejected")
+ENCODING = "JSON or msgpack; answered in the request's encoding"
+RECORDS_TIMEOUT_S = 10.0
+CANCEL_WAIT_S = 10.0          # how long `cancel` waits for the executors to take the order before it answers
+CANCEL_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    subject: str
+    request: type
+    response: type
+    description: str
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """What $SRV.INFO says of it: its messages (by their names in the `schemas` answer), encoding."""
+        return {"request": self.request.__name__, "response": self.response.__name__, "encoding": ENCODING,
+                "schemas": subjects.API_SCHEMAS, "description": self.description}
+
+
+ENDPOINTS = (
+    Endpoint("submit", subjects.API_SUBMIT, JobSpec, SubmitAnswer,
+             "submit a job; only a valid submission is stored, a refused one gets the reason"),
+    Endpoint("job", subjects.API_JOB, JobRequest, JobStatus, "a job's state, as `goodput status --json` shows it"),
+    Endpoint("jobs", subjects.API_JOBS, JobsRequest, JobsPage, "the jobs in submission order: filters and paging"),
+    Endpoint("cancel", subjects.API_CANCEL, JobRequest, CancelAnswer,
+             "cancel a job: queued, it never starts; running, its workers checkpoint and stop"),
+    Endpoint("schemas", subjects.API_SCHEMAS, Ack, dict, "the JSON Schema of every request and answer"),
+)
+
+
+@functools.cache
+def schemas() -> dict[str, Any]:
+    """{"$defs": every message's JSON Schema, "endpoints": subject -> its request's and answer's names}."""
+    types = list(dict.fromkeys(t for e in ENDPOINTS for t in (e.request, e.response) if t is not dict))
+    _, definitions = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
+    return {"$defs": definitions,
+            "endpoints": {e.subject: {"request": e.request.__name__, "response": e.response.__name__,
+                                      "description": e.description} for e in ENDPOINTS}}
+
+
+def page(jobs: list[JobStatus], request: JobsRequest) -> JobsPage:
+    """The page `request` asks for of `jobs` (in submission order)."""
+    if request.state is not None and request.state not in JOB_STATES:
+        raise ValueError(f"unknown state {request.state!r}: one of {', '.join(JOB_STATES)}")
+    chosen = [j for j in jobs if (request.state is None or j.state == request.state)
+              and (request.application is None or j.application == request.application)]
+    end = request.offset + request.limit
+    return JobsPage(tuple(chosen[request.offset:end]), len(chosen), end if end < len(chosen) else None)
+
+
+def pick(jobs: list[JobStatus], job_id: str) -> JobStatus | None:
+    """The job of that id: the one it belongs to, rather than a refusal of another body under it."""
+    mine = [j for j in jobs if j.id == job_id]
+    return next((j for j in mine if j.state != "rejected"), mine[-1] if mine else None)
+
+
+def notes(spec: JobSpec) -> tuple[str, ...]:
+    """What a submitter may not expect of an accepted job."""
+    if spec.rigid or spec.requested_gpus == 1:
+        return ()
+    return (f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and batch) "
+            "that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly that many",)
+
+
+async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec], str | None]) -> micro.Service:
+    """Serve the API on `bus` (started, stopped with it). `problem(spec)`: why a well-formed live
+    submission cannot be scheduled on this cluster, or None (the profiler's own check)."""
+
+    async def statuses(prefix: str = "") -> list[JobStatus]:
+        try:
+            records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=RECORDS_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - no executor answers: the caller is told so
+            raise ValueError(f"the executors do not answer ({type(error).__name__}); try again") from None
+        return [job_status(r) for r in records.jobs]
+
+    async def status_of(job_id: str) -> JobStatus | None:
+        trace.get_current_span().set_attribute("job.id", job_id)
+        found = pick(await statuses(job_id), job_id)
+        if found is None and await owners.get(job_id) is not None:    # stored, not yet read by the executors
+            return JobStatus(job_id, "profiling")
+        return found
+
+    async def refuse(data: bytes, reason: str, job_id: str | None) -> SubmitAnswer:
+        await bus.js_publish(subjects.REJECTED, rejection(subjects.API_SUBMIT, reason, data, job_id))
+        return SubmitAnswer(False, job_id, "rejected", reason)
+
+    async def repeat(job_id: str) -> SubmitAnswer:
+        now = await status_of(job_id)
+        return SubmitAnswer(True, job_id, now.state if now else "profiling",
+                            "the same submission was stored before: not stored again")
+
+    async def submit(raw: msgspec.Raw) -> SubmitAnswer:
+        data = bytes(raw)
+        if len(data) > MAX_SUBMISSION_BYTES:
+            return SubmitAnswer(False, None, "rejected", f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
+        try:
+            spec = bus.decode(data, JobSpec)
+        except msgspec.DecodeError as error:
+            return await refuse(data, malformed_reason(error), readable_id(data))
+        trace.get_current_span().set_attribute("job.id", spec.id)
+        reason = problem(spec)
+        if reason is not None:
+            return await refuse(data, reason, spec.id)
+        digest = spec_digest(spec)
+        held = await owners.get(spec.id)
+        if held is not None:
+            return await repeat(spec.id) if held.value.digest == digest else await refuse(data, id_taken(spec.id), spec.id)
+        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=f"{spec.id}.{digest[:32]}", timeout=10)
+        if ack.duplicate:
+            return await repeat(spec.id)
+        try:            # the id is this submission's from now on (the profiler finds it so)
+            await owners.create(spec.id, JobOwner(ack.seq, digest, subjects.SUBMIT))
+        except RevisionConflict:
+            held = await owners.get(spec.id)
+            if held is not None and held.value.submission != ack.seq and held.value.digest != digest:
+                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))   # the profiler refuses it
+        return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
+
+    async def job(request: JobRequest) -> JobStatus:
+        found = await status_of(request.id)
+        if found is None:
+            raise NotFound(f"no job {request.id!r}: none was submitted under this id")
+        return found
+
+    async def jobs(request: JobsRequest) -> JobsPage:
+        return page(await statuses(request.prefix), request)
+
+    async def cancel(request: JobRequest) -> CancelAnswer:
+        now = await status_of(request.id)
+        if now is None:
+            return CancelAnswer(False, request.id, "unknown", f"no job {request.id!r}: none was submitted under this id")
+        if now.state == "cancelled":
+            return CancelAnswer(True, request.id, now.state, "it was cancelled before")
+        if now.state in ENDED:
+            return CancelAnswer(False, request.id, now.state, f"job {request.id} has ended ({now.state}): "
+                                                               "nothing to cancel")
+        await bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
+        deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
+        while now is not None and now.state != "cancelled" and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(CANCEL_POLL_S)
+            now = await status_of(request.id)
+        if now is not None and now.state == "cancelled":
+            return CancelAnswer(True, request.id, now.state)
+        return CancelAnswer(True, request.id, now.state if now else "unknown",
+                            "the order is stored; the executors end the job as they read it")
+
+    def unreadable(_: str, data: bytes, error: Exception) -> SubmitAnswer:
+        return SubmitAnswer(False, None, "rejected", f"malformed submission: the body is neither a JSON object nor "
+                                                     f"msgpack ({error})")
+
+    handlers = {"submit": submit, "job": job, "jobs": jobs, "cancel": cancel, "schemas": lambda _: schemas()}
+    request_types = {"submit": msgspec.Raw}          # decoded by `submit` itself, to answer a bad body
+    service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")
+    for endpoint in ENDPOINTS:
+        await bus.add_endpoint(service, endpoint.name, endpoint.subject,
+                               request_types.get(endpoint.name, endpoint.request), handlers[endpoint.name],
+                               span_name=f"api.{endpoint.name}", metadata=endpoint.metadata,
+                               on_invalid=unreadable if endpoint.name == "submit" else None)
+    await service.start()
+    bus.on_close(service.stop)
+    return service
+
+
+# ---- docs/api.md's generated part ---------------------------------------------------------------
+
+DOCS = "docs/api.md"
+BEGIN, END = "<!-- schemas: begin (python -m services.profiler.api writes this part) -->", "<!-- schemas: end -->"
+
+
+def schemas_markdown() -> str:
+    """The endpoints and every message's JSON Schema, as docs/api.md shows them."""
+    import json
+
+    document = schemas()
+    lines = [BEGIN, "", "| subject | request | answer | what |", "|---|---|---|---|"]
+    lines += [f"| `{e.subject}` | `{e.request.__name__}` | `{e.response.__name__ if e.response is not dict else 'object'}` "
+              f"| {e.description} |" for e in ENDPOINTS]
+    for name, schema in document["$defs"].items():
+        lines += ["", f"### {name}", "", "```json", json.dumps(schema, indent=2, sort_keys=True), "```"]
+    return "\n".join([*lines, "", END])
+
+
+def write_docs(path: str = DOCS) -> bool:
+    """Bring the generated part of `path` up to date; whether it changed."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    updated = text[:start] + schemas_markdown() + text[end:]
+    Path(path).write_text(updated)
+    return updated != text
+
+
+if __name__ == "__main__":
+    print(f"{DOCS}: {'updated' if write_docs() else 'up to date'}")

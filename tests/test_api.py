@@ -1,0 +1,118 @@
+"""The user API as an integrator in another language meets it: nats-py alone and JSON bodies, on
+`goodput up` serving (logged in with what DATA/user.env says). A JSON submission to the JetStream
+subject finishes; `goodput.api.submit` answers a bad body with the reason and takes the corrected
+one under the same id; a running job is cancelled with `goodput cancel` and stays cancelled across
+a restart; `$SRV.INFO` shows the API's endpoints with their schemas."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import subprocess
+
+import nats
+from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
+from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
+
+SUBMIT = "goodput.jobs.submit"                   # the subjects as the docs write them
+API = "goodput.api"
+
+
+async def ask(nc, subject: str, document: dict) -> tuple[dict, dict]:
+    """A JSON request: (its JSON answer, its headers)."""
+    reply = await nc.request(subject, json.dumps(document).encode(), timeout=30)
+    return json.loads(reply.data), dict(reply.headers or {})
+
+
+async def until(nc, job_id: str, states: set[str], timeout_s: float = 300.0) -> dict:
+    """`goodput.api.job` until the job is in one of `states`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        job, _ = await ask(nc, f"{API}.job", {"id": job_id})
+        if job.get("state") in states:
+            return job
+        assert asyncio.get_running_loop().time() < deadline, (job_id, job)
+        await asyncio.sleep(0.5)
+
+
+def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):  # noqa: F811
+    port, data, up = stack
+
+    async def session() -> None:
+        nc = await nats.connect(**user_login(data))
+        try:
+            # The durable, fire-and-forget path: JSON on the JetStream subject, Nats-Msg-Id = id + the
+            # body's digest, as docs/api.md says, so a corrected body is never taken for a repeat.
+            body = json.dumps({"id": "json-1", "application": "cifar10", "requested_gpus": 2.0}).encode()
+            ack = await nc.jetstream().publish(SUBMIT, body, headers={
+                "Nats-Msg-Id": f"json-1.{hashlib.sha256(body).hexdigest()[:16]}"})
+            assert ack.seq > 0
+
+            # The answering path: a bad body is refused with the reason, and reserves nothing.
+            bad, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "cifar10", "requested_gpus": "four"})
+            assert bad["accepted"] is False and bad["id"] == "api-1" and "requested_gpus" in bad["reason"], bad
+            typo, _ = await ask(nc, f"{API}.submit", {"id": "api-2", "application": "cifar10", "requestd_gpus": 2})
+            assert typo["accepted"] is False and "did you mean `requested_gpus`" in typo["reason"], typo
+            good, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "cifar10", "requested_gpus": 4})
+            assert good["accepted"] is True and good["state"] == "profiling", good
+            assert any("hint" in note for note in good["notes"]), good
+            again, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "cifar10", "requested_gpus": 4})
+            assert again["accepted"] is True and "not stored again" in again["reason"], again
+            other, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "bert"})
+            assert other["accepted"] is False and "already exists" in other["reason"], other
+
+            # A long job, cancelled once it runs.
+            big, _ = await ask(nc, f"{API}.submit", {"id": "big-1", "application": "imagenet", "requested_gpus": 8})
+            assert big["accepted"], big
+            running = await until(nc, "big-1", {"running"})
+            assert running["gpus"] >= 1 and running["gpu_type"], running
+
+            for name in ("json-1", "api-1"):
+                done = await until(nc, name, {"finished", "failed", "rejected"})
+                assert done["state"] == "finished" and done["jct_s"] > 0, done
+
+            # Lists, filtered and paged; the schemas; an unknown id is a 404 with the reason.
+            page, _ = await ask(nc, f"{API}.jobs", {"state": "finished", "limit": 1})
+            assert page["total"] >= 2 and len(page["jobs"]) == 1 and page["next_offset"] == 1, page
+            assert page["jobs"][0]["state"] == "finished"
+            wrong, headers = await ask(nc, f"{API}.jobs", {"state": "done"})
+            assert headers.get("Nats-Service-Error-Code") == "400" and "finished" in wrong["error"], (wrong, headers)
+            missing, headers = await ask(nc, f"{API}.job", {"id": "no-such-job"})
+            assert headers.get("Nats-Service-Error-Code") == "404" and "no-such-job" in missing["error"]
+            schemas, _ = await ask(nc, f"{API}.schemas", {})
+            assert {"JobSpec", "SubmitAnswer", "JobStatus", "CancelAnswer"} <= set(schemas["$defs"])
+            assert "requested_gpus" in schemas["$defs"]["JobSpec"]["properties"]
+
+            info = json.loads((await nc.request("$SRV.INFO.api", b"", timeout=10)).data)
+            endpoints = {e["subject"]: e for e in info["endpoints"]}
+            assert endpoints[f"{API}.submit"]["metadata"]["request"] == "JobSpec", endpoints
+            assert endpoints[f"{API}.submit"]["metadata"]["response"] == "SubmitAnswer"
+        finally:
+            await nc.close()
+
+    asyncio.run(session())
+
+    # `goodput cancel`, as a user runs it with the stack's address and login; twice is harmless.
+    for _ in range(2):
+        cancelled = subprocess.run([*GOODPUT, "cancel", "big-1", "--server", f"nats://127.0.0.1:{port}"],
+                                   cwd=ROOT, env=command_env(data), capture_output=True, text=True, timeout=120)
+        assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+    ended = subprocess.run([*GOODPUT, "cancel", "json-1"], cwd=ROOT, env=command_env(data), capture_output=True,
+                           text=True, timeout=120)
+    assert ended.returncode == 2 and "has ended" in ended.stderr, ended.stderr
+
+    def gave_back(document):          # the next round has its GPUs back: it is in no placement
+        jobs = {j["id"]: j for j in document["jobs"]}
+        return jobs["big-1"]["state"] == "cancelled" and jobs["big-1"]["gpus"] == 0
+
+    wait_for(data, gave_back, "big-1 cancelled, holding no GPUs", timeout_s=120)
+    up.interrupt()
+    again = Up(port, data)
+    try:
+        again.wait_serving()
+        document = wait_for(data, lambda d: d["run"]["state"] == "running", "the live run resumed", timeout_s=120)
+        states = {j["id"]: j["state"] for j in document["jobs"]}
+        assert states["big-1"] == "cancelled" and states["api-1"] == "finished", states
+    finally:
+        again.kill()

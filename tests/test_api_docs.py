@@ -1,0 +1,49 @@
+"""The API's documentation and its schemas agree with the code; the API's pure parts."""
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from services.profiler.api import DOCS, ENDPOINTS, page, pick, schemas, schemas_markdown
+from services.profiler.core import malformed_reason
+from shared.schema import JobSpec, JobsRequest, JobStatus
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_docs_api_md_holds_the_generated_schemas():
+    assert schemas_markdown() in (ROOT / DOCS).read_text(), "run: python -m services.profiler.api"
+
+
+def test_every_endpoint_has_its_messages_schemas():
+    document = schemas()
+    for endpoint in ENDPOINTS:
+        assert endpoint.subject.startswith("goodput.api.")
+        for kind in (endpoint.request, endpoint.response):
+            assert kind is dict or kind.__name__ in document["$defs"], kind
+    assert set(document["$defs"]["JobSpec"]["required"]) == {"id", "application"}
+
+
+def test_a_page_filters_then_pages_in_order():
+    jobs = [JobStatus(f"j{i}", "finished" if i % 2 else "running", application="cifar10" if i < 6 else "bert")
+            for i in range(10)]
+    first = page(jobs, JobsRequest(state="finished", limit=2))
+    assert [j.id for j in first.jobs] == ["j1", "j3"] and first.total == 5 and first.next_offset == 2
+    last = page(jobs, JobsRequest(state="finished", offset=4, limit=2))
+    assert [j.id for j in last.jobs] == ["j9"] and last.next_offset is None
+    assert page(jobs, JobsRequest(application="bert")).total == 4
+    with pytest.raises(ValueError, match="one of queued"):
+        page(jobs, JobsRequest(state="done"))
+
+
+def test_a_job_is_its_own_record_not_a_refusal_of_another_body_under_its_id():
+    jobs = [JobStatus("a", "running"), JobStatus("a", "rejected", "already exists"), JobStatus("b", "rejected")]
+    assert pick(jobs, "a").state == "running" and pick(jobs, "b").state == "rejected" and pick(jobs, "c") is None
+
+
+def test_a_field_typo_gets_the_field_it_may_have_meant():
+    with pytest.raises(msgspec.ValidationError) as error:
+        msgspec.convert({"id": "a", "application": "cifar10", "requestd_gpus": 2}, JobSpec)
+    reason = malformed_reason(error.value)
+    assert "did you mean `requested_gpus`" in reason and "min_gpus" in reason, reason
