@@ -364,7 +364,9 @@ class NodeJob(msgspec.Struct):
     submission: int = 0                            # the stream sequence of its submission
     trace: str = ""                                # its submission's traceparent (else its verdict's)
     cancelled: bool = False                        # its user cancelled it (its failure says so)
-    arrival_s: float | None = None                 # on the run's clock
+    submitted_at: float = 0.0                      # when it was read here, wall-clock (epoch) seconds
+    arrival_s: float | None = None                 # on the run's clock: when it entered the rounds, profiled
+    submitted_s: float | None = None               # ... and when it was submitted, on the same clock
     finish_s: float | None = None
     failure: str | None = None
     ended_in: float | None = None                  # the round (its now_s) whose advance reported the end

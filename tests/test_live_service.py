@@ -278,7 +278,7 @@ def test_a_user_cannot_act_through_a_service_and_the_stack_goes_on(tmp_path):
         job.write_text("id: after-tricks\napplication: cifar10\n")
         submitted = subprocess.run([*GOODPUT, "submit", str(job)], cwd=tmp_path, env=command_env(None),
                                    capture_output=True, text=True, timeout=60)
-        assert submitted.returncode == 0 and submitted.stdout.strip() == "after-tricks", submitted.stderr
+        assert submitted.returncode == 0 and submitted.stdout.strip() == "after-tricks: accepted (profiling)", submitted.stderr
         document = wait_for(None, lambda d: any(j["id"] == "after-tricks" and j["state"] == "finished"
                                                 for j in d["jobs"]), "the job submitted after the tricks finished",
                             cwd=tmp_path)

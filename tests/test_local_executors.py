@@ -161,6 +161,34 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     assert successor.arrive(13.0) == ["lm"]
 
 
+def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):
+    """A real job's time counts its profiling and wait (the run's clock is the wall clock's); a
+    cancelled job, queued or still being profiled, never starts and leaves the rounds."""
+    import time
+
+    from services.executor.agent import NodeAgent
+    from shared.schema import CANCELLED, Cancel, JobSpec, Profiled
+
+    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    for sequence, job_id in enumerate(("lm", "queued", "profiling"), start=1):
+        agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
+    agent.jobs["lm"].submitted_at = time.time() - 40.0           # submitted 40 s ago, profiled since
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
+    agent.profiled(Profiled("queued", 16, 256, submission=2))
+    assert agent.arrive(100.0) == ["lm", "queued"]
+    records = {r.name: r for r in agent.records()}
+    assert 59.0 < records["lm"].submit_s <= 60.0 and agent.facts(100.0, ["lm"]).facts[0].submit_s == 100.0
+    agent.cancelled(Cancel("queued"))
+    agent.cancelled(Cancel("profiling"))
+    agent.cancelled(Cancel("queued"))                              # twice: harmless
+    agent.profiled(Profiled("profiling", 16, 256, submission=3))   # its verdict came after: it never starts
+    assert agent.facts(101.0, ["lm", "queued"]).failed == {"queued": CANCELLED}
+    assert agent.advance(101.0, 3.0, ["lm", "queued"]).failed == {"queued": CANCELLED}
+    assert agent.arrive(104.0) == ["lm"]
+    states = {r.name: r.state for r in agent.records()}
+    assert states == {"lm": "queued", "queued": "cancelled", "profiling": "cancelled"}, states
+
+
 def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_path):
     """The clock asks a round again when its reply was lost: the job that finished in it is
     reported again (else the run would never learn of it), its slot-seconds are counted once."""

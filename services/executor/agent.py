@@ -121,7 +121,7 @@ class NodeAgent:
         if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
             return                                   # another submission holds the id (a refused one gives it up)
         self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
-        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, trace=trace)
+        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, trace=trace, submitted_at=time.time())
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
@@ -172,6 +172,8 @@ class NodeAgent:
         for job in self.jobs.values():
             if job.arrival_s is None and job.profiled is not None and job.failure is None:
                 job.arrival_s = now
+                # Real jobs run in real time: the run's clock at its submission is that long before.
+                job.submitted_s = now - max(0.0, time.time() - job.submitted_at) if job.submitted_at else now
         live = [j for j in self.jobs.values() if j.arrival_s is not None and (j.ended_in is None or j.ended_in >= now)]
         return [j.spec.id for j in sorted(live, key=lambda j: (j.arrival_s, j.spec.id))]
 
@@ -293,7 +295,8 @@ class NodeAgent:
     def records(self) -> list[JobRecord]:
         records = []
         for job in self.saved():
-            submit = job.arrival_s if job.arrival_s is not None else math.nan       # refused before it arrived
+            # Its time is from its submission (profiling and the wait included); refused before it arrived: none.
+            submit = next((t for t in (job.submitted_s, job.arrival_s) if t is not None), math.nan)
             state = ("finished" if job.finish_s is not None else "cancelled" if job.cancelled
                      else ("failed" if job.profiled is not None else "rejected") if job.failure
                      else "profiling" if job.profiled is None

@@ -119,8 +119,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         if problem is not None:
             await reject(spec, problem, delivery)
             return
+        named = named_types(spec, cluster)[0]       # the types it may run on ("T4" or "aws"); none: any
         if local:
-            named = named_types(spec, cluster)[0]
             types = [t for t in cluster.gpu_types if not named or t in named]
             try:
                 profiles, run = await measure(spec, types)
@@ -130,7 +130,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 await reject(spec, f"job {spec.id} cannot run: {error}", delivery)
                 return
         else:
-            named = named_types(spec, cluster)[0]
             types = [t for t in cluster.gpu_types if t in source.types[spec.application] and (not named or t in named)]
             profiles = tuple(source.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
