@@ -45,8 +45,9 @@ def test_single_rigid_job_progress_matches_hand_computation():
 
 @pytest.mark.parametrize("policy", ["sia", "fifo", "pollux", "gavel", "tiresias"])
 def test_every_job_completes_within_capacity_and_runs_are_deterministic(policy):
-    first = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO)
-    second = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO)
+    # The runs of each job alone (finish-time fairness) are compared once, under the cheapest policy.
+    first = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO, fairness=policy == "fifo")
+    second = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO, fairness=policy == "fifo")
     assert first["jobs_unfinished"] == 0
     assert all(j["jct_s"] > 0 and j["finish_s"] >= j["submit_s"] for j in first["jobs"])
     assert all(sum(r["gpus"].values()) <= 64 for r in first["timeline"])
