@@ -61,10 +61,12 @@ def load_job(path: str | Path):
 
 
 async def submit(spec, server: str, **options) -> bool:
-    """Publish the spec to the submissions stream; True if stored, False if that id was already stored.
+    """Publish the spec to the submissions stream; True if stored, False if the same body was stored
+    before (a corrected body under the same id is stored: the profiler then decides who holds the id).
     `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`."""
     from shared import subjects
     from shared.bus import Bus
+    from shared.schema import submission_msg_id
     from shared.storage import MAX_SUBMISSION_BYTES
 
     # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
@@ -74,7 +76,7 @@ async def submit(spec, server: str, **options) -> bool:
         if len(bus.encode(spec)) > MAX_SUBMISSION_BYTES:
             raise ValueError(f"job {spec.id}: a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
         try:
-            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id, timeout=10)
+            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             raise ValueError(f"no submissions stream at {credentials.redact(server)}: the operator sets it up "
                              "(`goodput up` does at start)") from None
@@ -100,9 +102,13 @@ async def ask(server: str, subject: str, request, answer_type, **options):
 
 
 def _call(args: argparse.Namespace, subject: str, request, answer_type):
+    from nats.micro.request import ServiceError
+
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
         return asyncio.run(ask(args.server, subject, request, answer_type, **options))
+    except ServiceError as error:                 # the API refused the request: its reason
+        raise ValueError(error.description) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
@@ -135,7 +141,13 @@ def _cancel(args: argparse.Namespace) -> int:
     from shared import subjects
     from shared.schema import CancelAnswer, JobRequest
 
-    answer = _call(args, subjects.API_CANCEL, JobRequest(args.id), CancelAnswer)
+    try:
+        request = msgspec.convert({"id": args.id}, JobRequest)
+    except msgspec.ValidationError:
+        from services.profiler.core import ID_RULES
+
+        raise ValueError(f"{args.id!r} is not a job id: {ID_RULES}") from None
+    answer = _call(args, subjects.API_CANCEL, request, CancelAnswer)
     if not answer.cancelled:
         raise ValueError(f"job {args.id} not cancelled: {answer.reason}")
     print(f"{args.id}: {answer.state}{' (' + answer.reason + ')' if answer.reason else ''}")

@@ -261,9 +261,10 @@ def _job(path: str):
 
 async def _submit_local(bus, specs) -> None:
     from shared import subjects
+    from shared.schema import submission_msg_id
 
     for spec in specs:
-        await bus.js_publish(subjects.SUBMIT, spec, msg_id=spec.id)
+        await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec))
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
 
 
@@ -322,7 +323,7 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from shared.schema import job_status
+    from shared.schema import job_statuses
 
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
@@ -331,7 +332,7 @@ def _status(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(f"cannot reach a running goodput at {credentials.redact(server)} ({exc or type(exc).__name__}); "
                          "is `goodput up` running?") from None
-    jobs = [msgspec.to_builtins(job_status(r)) for r in records.jobs]
+    jobs = [msgspec.to_builtins(status) for status in job_statuses(records.jobs)]
     if args.id is not None:
         jobs = [j for j in jobs if j["id"] == args.id]
         if not jobs:
@@ -341,7 +342,7 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
         return 0
     counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
-    print(f"{len(jobs)} jobs: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if jobs else "no jobs")
+    print(f"{len(jobs)} job{'s' * (len(jobs) != 1)}: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if jobs else "no jobs")
     print(f"live run: {run['state']}" + (f" at round {run['round']}" if run.get("round") is not None else "")
           + (f" ({run['reason']})" if run["reason"] else "") + f"; policy leader: {run['leader'] or 'none'}")
     for j in jobs:

@@ -8,8 +8,9 @@ module settles them once, and stays generic over message types (the Structs live
 - Encoding is msgpack via msgspec (smaller and faster to encode/decode than JSON, and msgspec
   validates types and `Meta` ranges while it decodes). A body that is a JSON object is read as
   JSON, on every subject (`is_json`: a message is always an object, and no msgpack message begins
-  with `{`), and a request in JSON is answered in JSON, so any client (`nats req`, Go, TypeScript)
-  needs no msgpack. Decoding is lax (msgspec's `strict=False`): an integral float is an int, since
+  with `{`), and a request in JSON (or in nothing msgpack: an empty body, `"hello"`) is answered
+  in JSON, so any client (`nats req`, Go, TypeScript) needs no msgpack. An empty request is the
+  empty object. Decoding is lax (msgspec's `strict=False`): an integral float is an int, since
   JSON-minded clients cannot tell 2 from 2.0.
 - A durable consumer never dies silently: a fetch that fails is tried again (with backoff); a
   message whose handler fails is redelivered with growing delays, and on its last delivery
@@ -142,6 +143,18 @@ def is_json(data: bytes) -> bool:
     if first in (b"{", b""):
         return first == b"{"
     return first in b" \t\r\n" and memoryview(data)[:64].tobytes().lstrip(b" \t\r\n")[:1] == b"{"
+
+
+def is_msgpack_message(data: bytes) -> bool:
+    """Whether a body may be a msgpack message: every message is a map (fixmap, map16, map32)."""
+    first = memoryview(data)[:1].tobytes()
+    return bool(first) and (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF))
+
+
+def answers_in_json(data: bytes) -> bool:
+    """Whether a request is answered in JSON: it is JSON, or no msgpack message at all (`"hello"`,
+    `[1, 2]`, an empty body): its sender is no msgpack client, so JSON is what it can read."""
+    return not is_msgpack_message(data)
 
 
 def is_inbox(reply: str) -> bool:
@@ -502,7 +515,11 @@ class Bus:
         ) as span:
             try:
                 message = self.decode(data, msg_type)
-            except msgspec.DecodeError as error:
+            except msgspec.DecodeError as decode_error:
+                error = decode_error
+                if not is_json(data) and not is_msgpack_message(data):     # say what a message is, not msgpack's detail
+                    error = msgspec.DecodeError(f"a message is a JSON object (or a msgpack map); this body "
+                                                f"{'is empty' if not data else f'begins {bytes(data[:24])!r}'}")
                 _mark_invalid(span, error)
                 answer = await _settle(report_invalid(subject, data, error))
                 return _Outcome(answer, f"invalid {msg_type.__name__}: {error}", self._trace_headers())
@@ -558,16 +575,17 @@ class Bus:
 
         async def serve(request: micro.Request, reply: str, request_headers: dict[str, str] | None,
                         data: bytes) -> None:
-            outcome = await self._handle(request.subject, request_headers, data, msg_type, handler, span,
+            # An empty request is the empty object: every field its default (`nats req SUBJECT ''`).
+            outcome = await self._handle(request.subject, request_headers, data or b"{}", msg_type, handler, span,
                                          SpanKind.SERVER, {"messaging.destination.name": request.subject},
                                          report_invalid)
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
                 return
             answer = outcome.answer
-            if answer is None and outcome.refusal is not None and is_json(data):
+            if answer is None and outcome.refusal is not None and answers_in_json(data):
                 answer = {"error": outcome.refusal, "code": int(outcome.code)}
-            body = b"" if answer is None else self.encode(answer, json=is_json(data))
+            body = b"" if answer is None else self.encode(answer, json=answers_in_json(data))
             headers = dict(outcome.headers or {})
             if outcome.refusal is not None:     # as micro's respond_error, in parts if need be
                 headers.update({micro.request.ERROR_HEADER: outcome.refusal,
@@ -613,7 +631,7 @@ class Bus:
             outcome = await self._handle(raw.subject, headers, data, msg_type, call, name, kind,
                                          _receive_attributes(raw), report_invalid)
             if raw.reply and outcome is not None and outcome.answer is not None:
-                await self._respond(raw.reply, self.encode(outcome.answer, json=is_json(data)), outcome.headers)
+                await self._respond(raw.reply, self.encode(outcome.answer, json=answers_in_json(data)), outcome.headers)
 
         subscription = await self.nc.subscribe(subject, queue=queue or "", cb=on_message)
         await self.flush()  # when subscribe returns, the server routes to it

@@ -5,7 +5,7 @@ Ranges are part of the type (msgspec `Meta`), so a negative batch size never rea
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Iterable
 
 import msgspec
 
@@ -28,6 +28,8 @@ MAX_BATCH = 1 << 24
 MAX_GPU_TYPES = 32
 MAX_SUBMIT_S = 10 * 365 * 24 * 3600.0      # a replayed workload's span
 GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]
+# A GPU type as a user names it: the cluster's key (`aws`) or the hardware ("T4", "RTX 2080 Ti").
+GpuName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*(?![\s\S])", max_length=64)]
 BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
 
 
@@ -47,7 +49,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_gpus: GpuCount = 1
     rigid: bool = False
     strong_scaling: bool = False
-    gpu_types: Annotated[tuple[Identifier, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()   # allowed; empty: any
+    gpu_types: Annotated[tuple[GpuName, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()   # allowed; empty: any
     # A replayed workload's submission time; None: live (now). Only replays may set it.
     submit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBMIT_S)] | None = None
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
@@ -340,6 +342,12 @@ def spec_digest(spec: JobSpec) -> str:
     return hashlib.sha256(msgspec.msgpack.encode(spec)).hexdigest()
 
 
+def submission_msg_id(spec: JobSpec) -> str:
+    """The Nats-Msg-Id a submission is stored under: JetStream drops the same body sent again (a
+    retry), and takes a corrected body under the same job id (docs/api.md)."""
+    return f"{spec.id}.{spec_digest(spec)[:16]}"
+
+
 class JobOwner(msgspec.Struct, frozen=True):
     """Profiler (KV, by job id): the submission that holds a job's id, from its first valid
     submission on; a refused one gives the id up."""
@@ -362,6 +370,7 @@ class NodeJob(msgspec.Struct):
     spec: JobSpec
     profiled: Profiled | None = None
     submission: int = 0                            # the stream sequence of its submission
+    seen: int = 0                                  # ... of what it was first read from: listed in that order
     trace: str = ""                                # its submission's traceparent (else its verdict's)
     cancelled: bool = False                        # its user cancelled it (its failure says so)
     submitted_at: float = 0.0                      # when it was read here, wall-clock (epoch) seconds
@@ -482,9 +491,23 @@ def job_status(record: JobRecord) -> JobStatus:
         record.restarts, round(record.gpu_seconds, 3))
 
 
+def job_statuses(records: Iterable[JobRecord]) -> list[JobStatus]:
+    """What a user sees of the jobs, in the records' order: one row per id, the job the id belongs
+    to (the executors also keep refusals of other bodies sent under a taken id: those are left out);
+    refusals whose id could not be read, each."""
+    rows: dict[object, JobStatus] = {}
+    for n, record in enumerate(records):
+        status = job_status(record)
+        key = status.id if status.id is not None else n
+        held = rows.get(key)
+        if held is None or (held.state == "rejected" and status.state != "rejected"):
+            rows[key] = status
+    return list(rows.values())
+
+
 # ---- the user API (goodput.api.*): what a client in any language sends and gets ------------------
 
-class JobRequest(msgspec.Struct, frozen=True):
+class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """-> goodput.api.job (its JobStatus), goodput.api.cancel (a CancelAnswer)."""
 
     id: Identifier
@@ -524,7 +547,7 @@ class SubmitAnswer(msgspec.Struct, frozen=True):
 
 class CancelAnswer(msgspec.Struct, frozen=True):
     """goodput.api.cancel's answer: `cancelled` once the order is stored (or the job already was);
-    false for a job unknown or ended, with why."""
+    false for a job that has ended, with why. No job of that id: error 404."""
 
     cancelled: bool
     id: str

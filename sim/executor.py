@@ -55,12 +55,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     executors, sources = world_of(args)
     states = await storage.open_kv(bus, subjects.EXECUTOR_BUCKET, SubmittedJob)
     submitted: dict[str, SubmittedJob] = {}
-    for key in await states.keys():
-        entry = await states.get(key)
-        if entry is not None:
-            submitted[key] = entry.value
-            if entry.value.job is not None:
-                executors.restore(entry.value.job, sources.truths[entry.value.job.spec.application])
+    kept = [(key, entry.value) for key in await states.keys() if (entry := await states.get(key)) is not None]
+    for key, value in sorted(kept, key=lambda item: item[1].seen):     # in the order they came
+        submitted[key] = value
+        if value.job is not None:
+            executors.restore(value.job, sources.truths[value.job.spec.application])
 
     # One request at a time: a request asked again while the first is still being answered waits
     # for it, and then finds its work done.
@@ -82,7 +81,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         known = submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
             return None                          # another submission holds the id (a refused one gives it up)
-        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace)
+        submitted.pop(spec.id, None)             # a refusal it replaces: listed where this one came
+        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace, seen=sequence)
         return spec.id
 
     def on_profiled(verdict: Profiled, _: int, trace: str) -> str | None:
@@ -109,11 +109,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     def on_rejected(verdict: Rejected, sequence: int, _: str) -> str | None:
         if verdict.job_id is None:               # unreadable: kept under its place in the stream
             key = f"{UNNAMED}.{sequence}"
-            submitted[key] = SubmittedJob("", None, verdict.reason)
+            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence)
             return key
         entry = submitted.get(verdict.job_id)
         if entry is None:                        # its submission was never read as one: refused under its id
-            submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason)
+            submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence)
             return verdict.job_id
         if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
             entry.rejected = verdict.reason
@@ -121,7 +121,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         # A verdict on another submission under a known id (a second body, a malformed message naming
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
         key = f"{UNNAMED}.{sequence}"
-        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason)
+        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence)
         return key
 
     def on_cancel(order: Cancel, _: int, __: str) -> str | None:
@@ -178,7 +178,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 dirty.add(message.job_id)
                 unreported.pop(0)
             await save()
-            return AdvanceReply(tuple(finished), executors.failures(request.jobs))
+            return AdvanceReply(tuple(finished), executors.failures(request.jobs, request.now_s))
 
     async def on_live(request: LiveJobsRequest) -> LiveJobs:
         async with turn:

@@ -83,7 +83,7 @@ class DirectWiring:
         finished, observed = self.executors.advance(now, step, jobs)
         for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
             self.estimator.observe(job_id, gpu_type, observation)
-        return AdvanceReply(tuple(finished), self.executors.failures(jobs))
+        return AdvanceReply(tuple(finished), self.executors.failures(jobs, now))
 
 
 class Simulator:

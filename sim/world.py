@@ -57,6 +57,7 @@ class SimulatedJob(msgspec.Struct):
     min_gpus: int = 1                          # the fewest GPUs its submission allows
     cancelled: bool = False                    # its user cancelled it (its failure says so)
     trace: str = ""                            # its submission's traceparent
+    ended_in: float | None = None              # the round (its now_s) that was told it failed
 
     @property
     def name(self) -> str:
@@ -190,6 +191,7 @@ class SubmittedJob(msgspec.Struct):
     submission: int = 0                        # its stream sequence: the verdicts on it name it
     trace: str = ""                            # its submission's traceparent (else its verdict's)
     cancelled: bool = False                    # cancelled before the profiler's verdict: it never starts
+    seen: int = 0                              # the stream sequence it was first read from: listed in that order
 
     def record(self) -> JobRecord:
         if self.job is not None:
@@ -252,6 +254,8 @@ class SimulatedExecutors:
             job = self.jobs.get(name)
             if job is not None and job.finish_s is None and job.failure is None:
                 job.failure, job.placement, job.config = reason, (), None
+            if job is not None and job.failure is not None and job.ended_in is None:
+                job.ended_in = now              # the round has heard of it: it leaves the live jobs
         for name, job_models in request.models.items():
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
@@ -271,16 +275,22 @@ class SimulatedExecutors:
         job.failure, job.cancelled, job.placement, job.config = CANCELLED, True, (), None
         return True
 
-    def failures(self, names) -> dict[str, str]:
-        """The jobs among `names` that failed, and why."""
-        return {name: self.jobs[name].failure for name in names if name in self.jobs and self.jobs[name].failure}
+    def failures(self, names, now: float | None = None) -> dict[str, str]:
+        """The jobs among `names` that failed, and why (the round at `now` is told: `ended_in`)."""
+        failed = {name: self.jobs[name].failure for name in names if name in self.jobs and self.jobs[name].failure}
+        for name in failed:
+            if now is not None and self.jobs[name].ended_in is None:
+                self.jobs[name].ended_in = now
+        return failed
 
     def arrive(self, now: float) -> list[str]:
         """Live jobs not yet arrived arrive now; every live job not finished, in arrival order."""
         for job in self.jobs.values():
             if job.live and job.spec.time == math.inf:
                 job.spec = dataclasses.replace(job.spec, time=now)
-        live = [job for job in self.jobs.values() if job.live and job.finish_s is None and job.failure is None]
+        # A job that failed (or was cancelled) between rounds stays until a round has been told of it.
+        live = [job for job in self.jobs.values() if job.live and job.finish_s is None
+                and (job.failure is None or job.ended_in is None or job.ended_in >= now)]
         return [job.name for job in sorted(live, key=lambda j: (j.spec.time, j.name))]
 
     def interfered(self, names) -> set[str]:

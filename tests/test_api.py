@@ -80,6 +80,14 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             assert headers.get("Nats-Service-Error-Code") == "400" and "finished" in wrong["error"], (wrong, headers)
             missing, headers = await ask(nc, f"{API}.job", {"id": "no-such-job"})
             assert headers.get("Nats-Service-Error-Code") == "404" and "no-such-job" in missing["error"]
+            missing, headers = await ask(nc, f"{API}.cancel", {"id": "no-such-job"})
+            assert headers.get("Nats-Service-Error-Code") == "404", (missing, headers)
+            # Whatever the body, the answer is JSON: not an object, or empty (every field its default).
+            for body, word in ((b'"hello"', "JSON object"), (b"[1, 2]", "JSON object"), (b"", "field `id`")):
+                answer = json.loads((await nc.request(f"{API}.submit", body, timeout=30)).data)
+                assert answer["accepted"] is False and word in answer["reason"], (body, answer)
+            everything = json.loads((await nc.request(f"{API}.jobs", b"", timeout=30)).data)
+            assert everything["total"] >= 3 and len({j["id"] for j in everything["jobs"]}) == len(everything["jobs"])
             schemas, _ = await ask(nc, f"{API}.schemas", {})
             assert {"JobSpec", "SubmitAnswer", "JobStatus", "CancelAnswer"} <= set(schemas["$defs"])
             assert "requested_gpus" in schemas["$defs"]["JobSpec"]["properties"]
@@ -106,7 +114,10 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
         jobs = {j["id"]: j for j in document["jobs"]}
         return jobs["big-1"]["state"] == "cancelled" and jobs["big-1"]["gpus"] == 0
 
-    wait_for(data, gave_back, "big-1 cancelled, holding no GPUs", timeout_s=120)
+    listed = [j["id"] for j in wait_for(data, gave_back, "big-1 cancelled, holding no GPUs", timeout_s=120)["jobs"]]
+    said = wait_for(data, lambda _: "big-1 was cancelled by its user" in up.log.read_text(),
+                    "the live output saying big-1 was cancelled", timeout_s=60)
+    assert said["run"]["state"] == "running"
     up.interrupt()
     again = Up(port, data)
     try:
@@ -114,5 +125,6 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
         document = wait_for(data, lambda d: d["run"]["state"] == "running", "the live run resumed", timeout_s=120)
         states = {j["id"]: j["state"] for j in document["jobs"]}
         assert states["big-1"] == "cancelled" and states["api-1"] == "finished", states
+        assert [j["id"] for j in document["jobs"]] == listed          # in the order they came, as before
     finally:
         again.kill()

@@ -1,13 +1,14 @@
 """The API's documentation and its schemas agree with the code; the API's pure parts."""
 
+import math
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from services.profiler.api import DOCS, ENDPOINTS, page, pick, schemas, schemas_markdown
+from services.profiler.api import DOCS, ENDPOINTS, page, schemas, schemas_markdown
 from services.profiler.core import malformed_reason
-from shared.schema import JobSpec, JobsRequest, JobStatus
+from shared.schema import JobRecord, JobSpec, JobsRequest, JobStatus, job_statuses
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,9 +38,15 @@ def test_a_page_filters_then_pages_in_order():
         page(jobs, JobsRequest(state="done"))
 
 
-def test_a_job_is_its_own_record_not_a_refusal_of_another_body_under_its_id():
-    jobs = [JobStatus("a", "running"), JobStatus("a", "rejected", "already exists"), JobStatus("b", "rejected")]
-    assert pick(jobs, "a").state == "running" and pick(jobs, "b").state == "rejected" and pick(jobs, "c") is None
+def test_a_job_is_listed_once_as_its_own_record_not_a_refusal_of_another_body_under_its_id():
+    records = [JobRecord("a", "cifar10", 0.0, None, 0, 0.0, None, state="running"),
+               JobRecord("a", "", math.nan, None, 0, 0.0, None, failure="already exists", state="rejected"),
+               JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable", state="rejected"),
+               JobRecord("b", "", math.nan, None, 0, 0.0, None, failure="no such GPU", state="rejected"),
+               JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable too", state="rejected"),
+               JobRecord("b", "cifar10", 5.0, None, 0, 0.0, None, state="queued")]     # a corrected body took b
+    rows = [(j.id, j.state) for j in job_statuses(records)]
+    assert rows == [("a", "running"), (None, "rejected"), ("b", "queued"), (None, "rejected")], rows
 
 
 def test_a_field_typo_gets_the_field_it_may_have_meant():

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from services.profiler.core import profile_source, submission_problem
 from shared.bus import Bus
 from shared.cluster import load_cluster
+from shared.hardware import types_named
 from shared.schema import MAX_GPUS, MAX_ID, JobSpec
 
 CLUSTER = load_cluster("sia-hetero-64")
@@ -27,7 +28,8 @@ documents = st.fixed_dictionaries(
     {"id": ids, "application": st.one_of(st.sampled_from(sorted(MODELS)), st.text(max_size=12))},
     optional={"requested_gpus": counts, "min_gpus": counts, "requested_batch": counts,
               "rigid": st.one_of(st.booleans(), counts), "strong_scaling": st.booleans(),
-              "gpu_types": st.lists(st.one_of(st.sampled_from(CLUSTER.gpu_types), st.text(max_size=8)), max_size=4),
+              "gpu_types": st.lists(st.one_of(st.sampled_from(CLUSTER.gpu_types), st.sampled_from(["T4", "a100", "RTX 2080 Ti"]),
+                                             st.text(max_size=8)), max_size=4),
               "submit_s": st.one_of(st.floats(allow_nan=True), st.none()),
               "version": st.integers(-1, 3), "gpus": st.integers(0, 9)})
 
@@ -49,7 +51,7 @@ def test_a_submission_is_a_valid_jobspec_or_refused_with_a_reason(document):
     problem = submission_problem(spec, CLUSTER, MODELS, live=True)
     if problem is None:
         assert spec.application in MODELS and spec.submit_s is None
-        assert set(spec.gpu_types) <= set(CLUSTER.gpu_types)
+        assert all(types_named(name, CLUSTER.gpu_types) for name in spec.gpu_types)    # a key or a hardware name
         assert spec.requested_gpus <= CLUSTER.total_gpus
     else:
         assert isinstance(problem, str) and problem

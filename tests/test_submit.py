@@ -7,7 +7,7 @@ from cli.submit import load_job, submit
 from services.profiler.core import submission_problem
 from shared import storage, subjects
 from shared.cluster import load_cluster
-from shared.schema import JobSpec, Rejected, rejection
+from shared.schema import JobSpec, Rejected, rejection, submission_msg_id
 
 
 def write(tmp_path, text, name="job.yaml"):
@@ -73,17 +73,19 @@ def test_rejection_records_the_start_of_the_payload():
     assert isinstance(record, Rejected) and len(record.payload) == 512 and record.job_id == "j"
 
 
-async def test_submissions_are_stored_once_per_id(nats_server, connect_bus):
+async def test_submissions_are_stored_once_per_body(nats_server, connect_bus):
     spec = JobSpec("dup-test-1", "cifar10")
     await storage.provision(await connect_bus("operator"))      # the operator's part: the stream
     assert await submit(spec, nats_server) is True
-    assert await submit(spec, nats_server) is False           # same id: acknowledged, not stored again
+    assert await submit(spec, nats_server) is False           # the same body: acknowledged, not stored again
+    # A corrected body under the id is stored (the profiler then gives the id to the first valid one).
+    assert await submit(JobSpec("dup-test-1", "cifar10", requested_gpus=2), nats_server) is True
     bus = await connect_bus()
     info = await bus.js.stream_info(subjects.JOBS_STREAM)
     stored = [await bus.js.get_msg(subjects.JOBS_STREAM, seq) for seq in range(1, info.state.last_seq + 1)]
     # Other tests share the server's stream (and store malformed submissions on purpose): count by id.
     ids = [(m.headers or {}).get("Nats-Msg-Id") for m in stored if m.subject == subjects.SUBMIT]
-    assert ids.count("dup-test-1") == 1
+    assert ids.count(submission_msg_id(spec)) == 1 and len([i for i in ids if i and i.startswith("dup-test-1.")]) == 2
 
 
 def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):

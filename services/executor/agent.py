@@ -121,7 +121,9 @@ class NodeAgent:
         if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
             return                                   # another submission holds the id (a refused one gives it up)
         self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
-        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, trace=trace, submitted_at=time.time())
+        self.jobs.pop(spec.id, None)                     # ... listed where this one came
+        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, seen=sequence, trace=trace,
+                                           submitted_at=time.time())
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
@@ -150,12 +152,13 @@ class NodeAgent:
             self.executors.cancel(message.job_id)
         job.failure, job.cancelled = CANCELLED, True
 
-    def rejected(self, message: Rejected, _: int = 0, __: str = "") -> None:
+    def rejected(self, message: Rejected, sequence: int = 0, _: str = "") -> None:
         if message.job_id is None:
             return
         job = self.jobs.get(message.job_id)
         if job is None:            # its submission could not be read (malformed): kept as failed all the same
-            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason)
+            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason,
+                                                seen=sequence)
         elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
             # A verdict on another submission (a second body under the id, a malformed message naming it):
             # the job the id belongs to is untouched; the refusal is on the stream, for its sender.
@@ -215,11 +218,11 @@ class NodeAgent:
         if now < self.latest_s:
             return
         self.latest_s = now
-        for name, reason in (failed or {}).items():       # the round gave up on it: its workers stop
+        for name, reason in (failed or {}).items():       # the round gave up on it (or heard it was cancelled)
             job = self.jobs.get(name)
-            if job is not None and job.finish_s is None and job.failure is None:
-                job.failure = reason
-                job.ended_in = now
+            if job is not None and job.finish_s is None:
+                job.failure = job.failure or reason
+                job.ended_in = now if job.ended_in is None else job.ended_in
         for name, job in self.jobs.items():
             spots = tuple(placements.get(name, ()))
             local = self.executors.jobs.get(name)
@@ -342,10 +345,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     # Every job is in KV, written before a request is answered: a restarted agent goes on with them,
     # once the workers its predecessor left have checkpointed and stopped.
     states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
-    for key in await states.keys():
-        entry = await states.get(key)
-        if entry is not None:
-            agent.restore(entry.value)
+    kept = [entry.value for key in await states.keys() if (entry := await states.get(key)) is not None]
+    for job in sorted(kept, key=lambda job: job.seen):       # in the order they came
+        agent.restore(job)
     await asyncio.to_thread(agent.executors.stop_leftovers)
     turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
 

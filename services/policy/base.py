@@ -206,6 +206,13 @@ def check_policy(name: str, options: Mapping[str, object] | None = None) -> None
                            for key, default in valid.items())
         raise ValueError(f"policy {name!r} has no option {hints}; its options (with defaults): "
                          f"{listed or 'none'}")
+    for key, value in (options or {}).items():        # of the kind its default is: p=abc is no number
+        default = valid[key]
+        kinds = ((bool,) if isinstance(default, bool) else (int, float) if isinstance(default, (int, float))
+                 else (str,) if isinstance(default, str) else None)
+        if kinds is not None and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
+            kind = "true or false" if bool in kinds else "a number" if int in kinds else "a string"
+            raise ValueError(f"policy {name!r}: option {key} is {kind} (default {default!r}), got {value!r}")
 
 
 def make_policy(name: str, **options) -> Policy:

@@ -44,10 +44,11 @@ from shared.schema import (
     JobsRequest,
     JobStatus,
     SubmitAnswer,
-    job_status,
+    job_statuses,
     readable_id,
     rejection,
     spec_digest,
+    submission_msg_id,
 )
 from shared.storage import MAX_SUBMISSION_BYTES
 
@@ -69,7 +70,7 @@ class Endpoint:
     @property
     def metadata(self) -> dict[str, str]:
         """What $SRV.INFO says of it: its messages (by their names in the `schemas` answer), encoding."""
-        return {"request": self.request.__name__, "response": self.response.__name__, "encoding": ENCODING,
+        return {"request": self.request.__name__, "response": _name(self.response), "encoding": ENCODING,
                 "schemas": subjects.API_SCHEMAS, "description": self.description}
 
 
@@ -84,13 +85,17 @@ ENDPOINTS = (
 )
 
 
+def _name(kind: type) -> str:
+    return "object" if kind is dict else kind.__name__
+
+
 @functools.cache
 def schemas() -> dict[str, Any]:
     """{"$defs": every message's JSON Schema, "endpoints": subject -> its request's and answer's names}."""
     types = list(dict.fromkeys(t for e in ENDPOINTS for t in (e.request, e.response) if t is not dict))
     _, definitions = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     return {"$defs": definitions,
-            "endpoints": {e.subject: {"request": e.request.__name__, "response": e.response.__name__,
+            "endpoints": {e.subject: {"request": e.request.__name__, "response": _name(e.response),
                                       "description": e.description} for e in ENDPOINTS}}
 
 
@@ -104,18 +109,17 @@ def page(jobs: list[JobStatus], request: JobsRequest) -> JobsPage:
     return JobsPage(tuple(chosen[request.offset:end]), len(chosen), end if end < len(chosen) else None)
 
 
-def pick(jobs: list[JobStatus], job_id: str) -> JobStatus | None:
-    """The job of that id: the one it belongs to, rather than a refusal of another body under it."""
-    mine = [j for j in jobs if j.id == job_id]
-    return next((j for j in mine if j.state != "rejected"), mine[-1] if mine else None)
-
-
 def notes(spec: JobSpec) -> tuple[str, ...]:
     """What a submitter may not expect of an accepted job."""
-    if spec.rigid or spec.requested_gpus == 1:
-        return ()
-    return (f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and batch) "
-            "that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly that many",)
+    found = []
+    if not spec.rigid and spec.requested_gpus > 1:
+        found.append(f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and "
+                     "batch) that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly "
+                     "that many")
+    if spec.min_gpus > spec.requested_gpus:
+        found.append(f"min_gpus {spec.min_gpus} is more than requested_gpus {spec.requested_gpus}: it never runs on "
+                     f"fewer than {spec.min_gpus}")
+    return tuple(found)
 
 
 async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec], str | None]) -> micro.Service:
@@ -127,11 +131,11 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
             records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=RECORDS_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - no executor answers: the caller is told so
             raise ValueError(f"the executors do not answer ({type(error).__name__}); try again") from None
-        return [job_status(r) for r in records.jobs]
+        return job_statuses(records.jobs)
 
     async def status_of(job_id: str) -> JobStatus | None:
         trace.get_current_span().set_attribute("job.id", job_id)
-        found = pick(await statuses(job_id), job_id)
+        found = next((j for j in await statuses(job_id) if j.id == job_id), None)
         if found is None and await owners.get(job_id) is not None:    # stored, not yet read by the executors
             return JobStatus(job_id, "profiling")
         return found
@@ -161,7 +165,7 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
         held = await owners.get(spec.id)
         if held is not None:
             return await repeat(spec.id) if held.value.digest == digest else await refuse(data, id_taken(spec.id), spec.id)
-        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=f"{spec.id}.{digest[:32]}", timeout=10)
+        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
         if ack.duplicate:
             return await repeat(spec.id)
         try:            # the id is this submission's from now on (the profiler finds it so)
@@ -184,7 +188,7 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
     async def cancel(request: JobRequest) -> CancelAnswer:
         now = await status_of(request.id)
         if now is None:
-            return CancelAnswer(False, request.id, "unknown", f"no job {request.id!r}: none was submitted under this id")
+            raise NotFound(f"no job {request.id!r}: none was submitted under this id")
         if now.state == "cancelled":
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
         if now.state in ENDED:
@@ -229,7 +233,7 @@ def schemas_markdown() -> str:
 
     document = schemas()
     lines = [BEGIN, "", "| subject | request | answer | what |", "|---|---|---|---|"]
-    lines += [f"| `{e.subject}` | `{e.request.__name__}` | `{e.response.__name__ if e.response is not dict else 'object'}` "
+    lines += [f"| `{e.subject}` | `{e.request.__name__}` | `{_name(e.response)}` "
               f"| {e.description} |" for e in ENDPOINTS]
     for name, schema in document["$defs"].items():
         lines += ["", f"### {name}", "", "```json", json.dumps(schema, indent=2, sort_keys=True), "```"]

@@ -118,6 +118,9 @@ SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job'
                     "a model or job module the cluster knows")
 
 
+MAX_QUOTED = 300      # of msgspec's reason, which quotes the sender's field names
+
+
 def id_taken(job_id: str) -> str:
     """Why a second, different submission under an id is refused."""
     return (f"job {job_id} already exists: another submission holds this id (a job's id belongs to its first valid "
@@ -132,10 +135,12 @@ def malformed_reason(error: Exception) -> str:
 
     text = str(error)
     unknown = re.search(r"unknown field `([^`]*)`", text)
+    if len(text) > MAX_QUOTED:                # it quotes what was sent: a 60 KB field name is not read
+        text = text[:MAX_QUOTED] + "…"
     hint = ""
     if unknown:
         fields = [f for f in JobSpec.__struct_fields__ if f != "version"]
-        near = difflib.get_close_matches(unknown.group(1), fields, n=1)
+        near = difflib.get_close_matches(unknown.group(1)[:64], fields, n=1)
         hint = (f"; did you mean `{near[0]}`?" if near else "") + f" (the fields: {', '.join(fields)})"
     rules = (f"; {SUBMISSION_RULES}" if unknown or "`$.application`" in text
              else f"; {ID_RULES}" if "`$.id`" in text else "")
