@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_load.py
 	$(PY) benchmarks/bench_burst.py
 	$(PY) benchmarks/bench_abuse.py
+	$(PY) benchmarks/bench_api.py
 	$(PY) benchmarks/bench_trainer_overhead.py
 
 clean:

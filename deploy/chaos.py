@@ -35,7 +35,7 @@ from nats import micro
 from deploy.nats import EmbeddedNats, free_loopback_port, nats_from_binary, server_config
 from deploy.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
 from shared import subjects
-from shared.bus import Bus
+from shared.bus import Bus, is_json
 from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import (
@@ -246,8 +246,9 @@ def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
 
 
 def _decodes(data: bytes, message_type: type) -> bool:
+    body = data or b"{}"                      # as an endpoint takes an empty request: the empty object
     try:
-        msgspec.msgpack.decode(data, type=message_type, strict=False)      # as the bus decodes
+        (msgspec.json.decode if is_json(body) else msgspec.msgpack.decode)(body, type=message_type, strict=False)
     except (msgspec.DecodeError, ValueError, TypeError):
         return False
     return True
