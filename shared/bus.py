@@ -550,6 +550,7 @@ class Bus:
         on_invalid: InvalidHandler | None = None,
         parts: bool = True,
         metadata: dict[str, str] | None = None,
+        concurrency: int = 1,
     ) -> None:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
@@ -559,9 +560,13 @@ class Bus:
         NotFound is error 404. A JSON request refused without an answer gets `{"error", "code"}`
         as its body too, for clients that do not read headers. Replicas share `queue` (default: the
         service's own queue group). `parts=False`: the requests are small (a status), and one in
-        parts is refused at once. `metadata`: the endpoint's, in $SRV.INFO."""
+        parts is refused at once. `metadata`: the endpoint's, in $SRV.INFO. `concurrency`: how many
+        requests are served at once (1: one after another, in the order they came; more, for a
+        handler that mostly waits on other services: each in a task, the next one waiting while
+        that many are in hand)."""
         span = span_name or f"{subject} receive"
         report_invalid = on_invalid or self._on_invalid
+        gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
 
         async def on_request(request: micro.Request) -> None:
             reply = request._msg.reply
@@ -570,8 +575,15 @@ class Bus:
             served = self._receive(request.subject, request.headers, reply, parts,
                                    lambda headers, data: serve(request, reply, headers, data), request.data,
                                    lambda reason: request.respond_error("400", reason))
-            if served is not None:
+            if served is None:
+                return
+            if gate is None:
                 await served
+                return
+            await gate.acquire()
+            task = asyncio.ensure_future(served)
+            self._background.add(task)
+            task.add_done_callback(lambda done: (self._background.discard(done), gate.release()))
 
         async def serve(request: micro.Request, reply: str, request_headers: dict[str, str] | None,
                         data: bytes) -> None:

@@ -350,11 +350,20 @@ def submission_msg_id(spec: JobSpec) -> str:
 
 class JobOwner(msgspec.Struct, frozen=True):
     """Profiler (KV, by job id): the submission that holds a job's id, from its first valid
-    submission on; a refused one gives the id up."""
+    submission on; a refused one gives the id up. `submission` 0 is the API's mark while it stores
+    a submission (`since`: when, wall-clock): the first one stored under the id takes it over."""
 
-    submission: int                           # its stream sequence
+    submission: int                           # its stream sequence (0: being stored by the API)
     digest: str                               # of its JobSpec: the same job sent again is a repeat
     subject: str                              # where it came (a user's submit, an operator's replay)
+    since: float = 0.0                        # a mark's time: one older than MARK_TTL_S is void
+
+    @property
+    def marking(self) -> bool:
+        return self.submission == 0
+
+
+MARK_TTL_S = 30.0         # a mark whose API replica died before it stored the submission stops holding the id
 
 
 def verdict_for(verdict_submission: int | None, held_by: int) -> bool:

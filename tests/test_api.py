@@ -62,6 +62,15 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             other, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "bert"})
             assert other["accepted"] is False and "already exists" in other["reason"], other
 
+            # Different bodies racing under one id: one is the job, the others are told, and the job is
+            # the one its answer said.
+            racing = await asyncio.gather(*(ask(nc, f"{API}.submit", {"id": "race-1", "application": "cifar10",
+                                                                         "requested_gpus": n}) for n in range(1, 9)))
+            won = [n for n, (answer, _) in enumerate(racing, start=1) if answer["accepted"]]
+            assert len(won) == 1 and all("already exists" in a["reason"] for a, _ in racing if not a["accepted"])
+            race = await until(nc, "race-1", {"queued", "running", "finished"})
+            assert race["state"] != "rejected", race
+
             # A long job, cancelled once it runs.
             big, _ = await ask(nc, f"{API}.submit", {"id": "big-1", "application": "imagenet", "requested_gpus": 8})
             assert big["accepted"], big

@@ -6,7 +6,11 @@ validates one as the profiler would before anything is stored.
 - `submit`: a JobSpec -> SubmitAnswer. Only a valid submission is stored (in the jobs stream, as if
   published to goodput.jobs.submit) under the Nats-Msg-Id `<id>.<digest of the body>`: a refused
   body reserves nothing, so the corrected one is taken under the same id; the same body again is a
-  repeat. The profiler's verdict follows (a real profiling run may still refuse it; `job` says so).
+  repeat. The id goes to the first valid submission stored: the API marks the id while it stores
+  (so of two bodies racing here, the second is refused at once, storing nothing), and a body
+  stored first through the JetStream subject takes the id over from the mark (the profiler reads
+  the stream in order, as the executors do); that answer says so. The profiler's verdict follows
+  (a real profiling run may still refuse it; `job` says so).
 - `job`: {"id"} -> its JobStatus (404 when no job has that id); `jobs`: filters and paging.
 - `cancel`: {"id"} -> CancelAnswer: the order goes to the jobs stream, the executors end the job.
 - `schemas`: every request's and answer's JSON Schema (generated from the Structs).
@@ -18,7 +22,9 @@ why a submission was refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +38,7 @@ from shared import subjects
 from shared.bus import Bus, NotFound, RevisionConflict, TypedKV
 from shared.schema import (
     JOB_STATES,
+    MARK_TTL_S,
     Ack,
     Cancel,
     CancelAnswer,
@@ -57,6 +64,7 @@ ENCODING = "JSON or msgpack; answered in the request's encoding"
 RECORDS_TIMEOUT_S = 10.0
 CANCEL_WAIT_S = 10.0          # how long `cancel` waits for the executors to take the order before it answers
 CANCEL_POLL_S = 0.2
+CONCURRENCY = 64              # requests one replica serves at once: each mostly waits on JetStream and the executors
 
 
 @dataclass(frozen=True)
@@ -162,19 +170,44 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
         if reason is not None:
             return await refuse(data, reason, spec.id)
         digest = spec_digest(spec)
-        held = await owners.get(spec.id)
-        if held is not None:
-            return await repeat(spec.id) if held.value.digest == digest else await refuse(data, id_taken(spec.id), spec.id)
-        ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
+        mark = await claim(spec.id, digest)
+        if isinstance(mark, SubmitAnswer):
+            return mark
+        try:
+            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
+        except BaseException:
+            with contextlib.suppress(Exception):      # not stored: the id is free again
+                await owners.delete(spec.id, mark)
+            raise
         if ack.duplicate:
             return await repeat(spec.id)
-        try:            # the id is this submission's from now on (the profiler finds it so)
-            await owners.create(spec.id, JobOwner(ack.seq, digest, subjects.SUBMIT))
+        try:              # the mark becomes this submission's claim, unless one stored before took the id
+            await owners.update(spec.id, JobOwner(ack.seq, digest, subjects.SUBMIT), mark)
         except RevisionConflict:
             held = await owners.get(spec.id)
-            if held is not None and held.value.submission != ack.seq and held.value.digest != digest:
-                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))   # the profiler refuses it
+            if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
+                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))    # the profiler refuses it
         return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
+
+    async def claim(job_id: str, digest: str) -> int | SubmitAnswer:
+        """Mark the id as being stored (the mark's revision), or the answer when it is held: a
+        repeat of the same body, or another body's."""
+        mark = JobOwner(0, digest, subjects.SUBMIT, since=time.time())
+        for _ in range(3):
+            try:
+                return await owners.create(job_id, mark)
+            except RevisionConflict:
+                held = await owners.get(job_id)
+            if held is None:
+                continue
+            if held.value.marking and time.time() - held.value.since > MARK_TTL_S:    # its replica died
+                with contextlib.suppress(RevisionConflict):
+                    return await owners.update(job_id, mark, held.revision)
+                continue
+            if held.value.digest == digest:
+                return await repeat(job_id)
+            return SubmitAnswer(False, job_id, "rejected", id_taken(job_id))
+        raise RuntimeError(f"job {job_id}: its id changes hands too fast to claim")
 
     async def job(request: JobRequest) -> JobStatus:
         found = await status_of(request.id)
@@ -215,7 +248,8 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
         await bus.add_endpoint(service, endpoint.name, endpoint.subject,
                                request_types.get(endpoint.name, endpoint.request), handlers[endpoint.name],
                                span_name=f"api.{endpoint.name}", metadata=endpoint.metadata,
-                               on_invalid=unreadable if endpoint.name == "submit" else None)
+                               on_invalid=unreadable if endpoint.name == "submit" else None,
+                               concurrency=CONCURRENCY)
     await service.start()
     bus.on_close(service.stop)
     return service

@@ -81,6 +81,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 continue
             if held.value.submission == mine.submission:
                 return None
+            if held.value.marking:                # the API is storing one: this one was stored first (or is it)
+                try:
+                    await owners.update(spec.id, mine, held.revision)
+                    return None
+                except RevisionConflict:
+                    continue
             if held.value.digest == mine.digest:
                 return "repeat"
             return id_taken(spec.id)
