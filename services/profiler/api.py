@@ -154,6 +154,8 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
 
     async def repeat(job_id: str) -> SubmitAnswer:
         now = await status_of(job_id)
+        if now is not None and now.state == "rejected":     # within JetStream's day, the same body refused before
+            return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
         return SubmitAnswer(True, job_id, now.state if now else "profiling",
                             "the same submission was stored before: not stored again")
 
@@ -179,7 +181,9 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
             with contextlib.suppress(Exception):      # not stored: the id is free again
                 await owners.delete(spec.id, mark)
             raise
-        if ack.duplicate:
+        if ack.duplicate:                             # stored before, and then refused (else it would hold the id)
+            with contextlib.suppress(RevisionConflict):
+                await owners.delete(spec.id, mark)
             return await repeat(spec.id)
         try:              # the mark becomes this submission's claim, unless one stored before took the id
             await owners.update(spec.id, JobOwner(ack.seq, digest, subjects.SUBMIT), mark)
