@@ -21,8 +21,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/goodput up --once --out out/up.json
 
+# The slowest tests are listed at the end: what to look at when the suite grows past its 15 minutes.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py

@@ -194,6 +194,7 @@ class JobModels(msgspec.Struct, frozen=True):
     fixed_gpus: int | None = None              # rigid job: this many GPUs, any type
     fixed_batch: int | None = None             # strong-scaling job: this total batch, goodput = throughput
     group_gpus: dict[str, int] = {}            # hybrid-parallel job: GPUs of one replica per type
+    start_gpus: PositiveInt = 1                # the most a job that never ran may start on (Sia: 1)
 
     def model(self, gpu_type: str) -> GoodputModel:
         return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
@@ -203,8 +204,9 @@ class JobModels(msgspec.Struct, frozen=True):
 
     @property
     def gpu_limit(self) -> int:
-        """Sia's scaling rule: at most twice the most GPUs it ever had, never below its minimum."""
-        return max(2 * self.max_gpus_seen, self.min_gpus, 1)
+        """Sia's scaling rule: at most twice the most GPUs it ever had (a job that never ran: at most
+        `start_gpus`), never below its minimum."""
+        return max(2 * self.max_gpus_seen if self.max_gpus_seen else self.start_gpus, self.min_gpus, 1)
 
 
 class PlaceRequest(msgspec.Struct, frozen=True):

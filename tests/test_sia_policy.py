@@ -53,3 +53,17 @@ def test_fairness_exponent_is_an_option():
     assert make_policy("sia", p=-1.0).p == -1.0
     with pytest.raises(ValueError):
         make_policy("sia", p=0.0).allocate(round_state([job_view("a", "cifar10", CLUSTER)]))
+
+
+def test_goodput_lets_a_new_job_start_on_what_it_asked_for_and_then_doubles_as_sia():
+    """A lone imagenet job asking for 8 GPUs: sia starts it on 1; goodput on up to 8 (what the matrix
+    finds best, never more than asked); a job that ran is held to twice the most it had, by both."""
+    new = job_view("new", "imagenet", CLUSTER, requested_gpus=8, progress=1e5)
+    sia, goodput = make_policy("sia"), make_policy("goodput")
+    assert sia.allocate(round_state([new])).allocations["new"].gpus == 1
+    first = goodput.allocate(round_state([new])).allocations["new"]
+    assert 1 < first.gpus <= 8, first
+    ran = job_view("ran", "imagenet", CLUSTER, requested_gpus=8, max_gpus_seen=2, progress=1e5)
+    assert goodput.allocate(round_state([ran])).allocations["ran"].gpus <= 4
+    alone = job_view("one", "imagenet", CLUSTER, requested_gpus=1, progress=1e5)
+    assert goodput.allocate(round_state([alone])).allocations["one"].gpus == 1          # asked for one: as sia

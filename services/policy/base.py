@@ -160,6 +160,7 @@ def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = Fal
 # name -> "module:class"; modules are imported on first use.
 POLICIES: dict[str, str] = {
     "sia": "services.policy.sia:SiaPolicy",
+    "goodput": "services.policy.goodput:GoodputPolicy",       # in progress: docs/policy.md
     "pollux": "services.policy.pollux:PolluxPolicy",
     "gavel": "services.policy.gavel:GavelPolicy",
     "tiresias": "services.policy.tiresias:TiresiasPolicy",
