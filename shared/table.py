@@ -7,7 +7,8 @@ The matrix (Sia §3.4) has one row per job and one column per configuration of t
 goodput over batch sizes, row-normalised so that rows are comparable: G_ij <- N_i^min * G_ij /
 min_j G_ij over the row's valid cells. A cell is valid when the job may take it this round: its
 type has a model, GPUs >= the job's minimum and <= twice the most GPUs it ever had (new jobs start
-at one GPU), rigid jobs at their fixed GPU count, and some batch size fits.
+at one GPU, or at up to `JobModels.start_gpus`), rigid jobs at their fixed GPU count, and some
+batch size fits.
 
 Hybrid-parallel jobs (Sia §5.3) count in replicas, each a model-parallel group of P_t GPUs on one
 node: their models are per replica (profiles and observations are), a configuration of type t is
