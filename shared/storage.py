@@ -14,6 +14,8 @@ what the JetStream store must hold.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -25,6 +27,7 @@ from shared import subjects
 from shared.bus import MAX_DELIVER, Bus, PullConsumer, TypedKV
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
 DAY_S = 24 * 3600.0
@@ -108,19 +111,41 @@ def _bucket_limits(bucket: Bucket, ttl_s: float | None) -> dict[str, Any]:
 
 async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
     """Create every stream, bucket and consumer of the plan, or bring one that exists to it (the
-    operator's part; idempotent). `lease_ttl_s`: the policy lease's time to live."""
+    operator's part; idempotent). `lease_ttl_s`: the policy lease's time to live. A JetStream that
+    does not answer in time (a cluster still electing its leaders, each replicated stream a group of
+    its own) is asked again, for up to PROVISION_WAIT_S."""
     for stream in STREAMS.values():
-        await bus.ensure_stream(stream.name, stream.subjects, **stream.limits)
+        await _patiently(lambda s=stream: bus.ensure_stream(s.name, s.subjects, **s.limits))
     for bucket in BUCKETS.values():
-        ttl_s = lease_ttl_s if bucket.name == subjects.LEASE_BUCKET else bucket.ttl_s
-        await bus.kv(bucket.name, bytes, history=bucket.history, ttl=ttl_s, max_bytes=bucket.max_bytes)
-        info = await bus.js.stream_info(bucket.stream)
-        if _differences(info.config, _bucket_limits(bucket, ttl_s)):      # made before with other limits
-            for name, value in _bucket_limits(bucket, ttl_s).items():
-                setattr(info.config, name, value)
-            await bus.js.update_stream(info.config)
+        await _patiently(lambda b=bucket: _provision_bucket(bus, b, lease_ttl_s))
     for durable in CONSUMERS.values():
-        await bus.js.add_consumer(durable.stream, _consumer_config(durable))
+        await _patiently(lambda d=durable: bus.js.add_consumer(d.stream, _consumer_config(d)))
+
+
+PROVISION_WAIT_S = 120.0
+
+
+async def _patiently(step) -> None:
+    """An idempotent JetStream step, asked again while JetStream times out."""
+    deadline = asyncio.get_running_loop().time() + PROVISION_WAIT_S
+    while True:
+        try:
+            await step()
+            return
+        except nats.errors.TimeoutError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            log.warning("JetStream did not answer in time (a cluster still electing its leaders?); asking again")
+
+
+async def _provision_bucket(bus: Bus, bucket: Bucket, lease_ttl_s: float) -> None:
+    ttl_s = lease_ttl_s if bucket.name == subjects.LEASE_BUCKET else bucket.ttl_s
+    await bus.kv(bucket.name, bytes, history=bucket.history, ttl=ttl_s, max_bytes=bucket.max_bytes)
+    info = await bus.js.stream_info(bucket.stream)
+    if _differences(info.config, _bucket_limits(bucket, ttl_s)):      # made before with other limits
+        for name, value in _bucket_limits(bucket, ttl_s).items():
+            setattr(info.config, name, value)
+        await bus.js.update_stream(info.config)
 
 
 def _consumer_config(durable: Durable) -> api.ConsumerConfig:
