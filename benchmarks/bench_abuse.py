@@ -14,11 +14,9 @@ import time
 from pathlib import Path
 
 import msgspec
-import nats
 import numpy as np
 
-from deploy.nats import embedded_nats
-from deploy.stack import running_services, service_arguments
+from deploy.stack import users_view
 from shared import subjects
 
 ASKS = 20
@@ -40,25 +38,15 @@ def shown(name: str, times: list[float]) -> str:
 
 
 async def run(folder: Path) -> None:
-    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
-        operator = await server.connect("bench-abuse")
-        try:
-            await stack.wait_ready(operator)
-        finally:
-            await operator.close()
-        nc = await nats.connect(server.url, **server.options("user"))      # the user's login, nats-py alone
-        try:
-            print(shown("alone", await latencies(nc)), flush=True)
-            for _ in range(6):
-                await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=nc.new_inbox(),
-                                 headers={"Goodput-Chunk": "0/256"})
-            print(shown("after 6 requests 'in 256 parts'", await latencies(nc)), flush=True)
-            for _ in range(600):
-                await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}")
-            print(shown("after 600 requests answered onto $JS.API", await latencies(nc)), flush=True)
-        finally:
-            await nc.close()
+    async with users_view(folder) as nc:          # the user's login, nats-py alone
+        print(shown("alone", await latencies(nc)), flush=True)
+        for _ in range(6):
+            await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=nc.new_inbox(),
+                             headers={"Goodput-Chunk": "0/256"})
+        print(shown("after 6 requests 'in 256 parts'", await latencies(nc)), flush=True)
+        for _ in range(600):
+            await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}")
+        print(shown("after 600 requests answered onto $JS.API", await latencies(nc)), flush=True)
 
 
 def main() -> None:

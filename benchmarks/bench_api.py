@@ -15,11 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import nats
 import numpy as np
 
-from deploy.nats import embedded_nats
-from deploy.stack import running_services, service_arguments
+from deploy.stack import users_view
 
 SUBMIT, JOB = "goodput.api.submit", "goodput.api.job"       # as a client in another language writes them
 
@@ -48,32 +46,22 @@ def shown(name: str, took: float, times: list[float], count: int) -> str:
 
 
 async def run(folder: Path, jobs: int, in_flight: int) -> None:
-    arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
-        operator = await server.connect("bench-api")
-        try:
-            await stack.wait_ready(operator)
-        finally:
-            await operator.close()
-        nc = await nats.connect(server.url, **server.options("user"))      # the user's login, nats-py alone
-        try:
-            bodies = [json.dumps({"id": f"api-{i}", "application": "cifar10", "requested_gpus": 1 + i % 4}).encode()
-                      for i in range(jobs)]
-            took, times, answers = await burst(nc, bodies, in_flight)
-            accepted = sum(a["accepted"] for a in answers)
-            print(shown(f"submitted ({accepted} accepted)", took, times, jobs), flush=True)
-            took, times, answers = await burst(nc, bodies, in_flight)
-            repeats = sum("not stored again" in a.get("reason", "") for a in answers)
-            print(shown(f"the same again ({repeats} repeats)", took, times, jobs), flush=True)
-            looked = []
-            start = time.perf_counter()
-            for i in range(0, jobs, max(jobs // 50, 1)):
-                asked = time.perf_counter()
-                await nc.request(JOB, json.dumps({"id": f"api-{i}"}).encode(), timeout=60)
-                looked.append((time.perf_counter() - asked) * 1000)
-            print(shown("looked up one after another", time.perf_counter() - start, looked, len(looked)), flush=True)
-        finally:
-            await nc.close()
+    async with users_view(folder) as nc:          # the user's login, nats-py alone
+        bodies = [json.dumps({"id": f"api-{i}", "application": "cifar10", "requested_gpus": 1 + i % 4}).encode()
+                  for i in range(jobs)]
+        took, times, answers = await burst(nc, bodies, in_flight)
+        accepted = sum(a["accepted"] for a in answers)
+        print(shown(f"submitted ({accepted} accepted)", took, times, jobs), flush=True)
+        took, times, answers = await burst(nc, bodies, in_flight)
+        repeats = sum("not stored again" in a.get("reason", "") for a in answers)
+        print(shown(f"the same again ({repeats} repeats)", took, times, jobs), flush=True)
+        looked = []
+        start = time.perf_counter()
+        for i in range(0, jobs, max(jobs // 50, 1)):
+            asked = time.perf_counter()
+            await nc.request(JOB, json.dumps({"id": f"api-{i}"}).encode(), timeout=60)
+            looked.append((time.perf_counter() - asked) * 1000)
+        print(shown("looked up one after another", time.perf_counter() - start, looked, len(looked)), flush=True)
 
 
 def main() -> None:

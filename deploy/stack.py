@@ -298,3 +298,25 @@ async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int]
         raise RuntimeError(f"run {run_id} failed: {ordered[-1].failure}")
     return RunReport(tuple(s.record for s in ordered if s.record is not None),
                      tuple(e for s in ordered for e in s.events))
+
+
+@contextlib.asynccontextmanager
+async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
+    """The secured embedded stack on simulated executors (zoo profiles), ready, and a connection
+    logged in as `user` with nats-py alone: what a benchmark of the user's side measures through."""
+    import nats
+
+    from deploy.nats import embedded_nats
+
+    arguments = service_arguments(cluster, None, True, None, 1, None)
+    with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
+        operator = await server.connect("users-view")
+        try:
+            await stack.wait_ready(operator)
+        finally:
+            await operator.close()
+        nc = await nats.connect(server.url, **server.options("user"))
+        try:
+            yield nc
+        finally:
+            await nc.close()
