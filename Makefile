@@ -6,11 +6,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install run test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml train/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
+	# The training library (its own package, what a job's image installs), then the scheduler on it.
+	$(PY) -m pip install --quiet -e ./train
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 

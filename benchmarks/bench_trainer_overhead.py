@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from deploy.nats import free_loopback_port
-from services.executor.trainer import AdaptiveTraining
+from goodput_train.trainer import AdaptiveTraining
 
 LOCAL_BATCH = 32
 

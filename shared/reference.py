@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.goodput import Observation
+from goodput_train.goodput import Observation
 
 DEFAULT_ENV = "GOODPUT_REFERENCE"
 

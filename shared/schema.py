@@ -9,13 +9,13 @@ from typing import Annotated, Any, Iterable
 
 import msgspec
 
-from shared.goodput import GoodputModel, Observation, ThroughputParams
+from goodput_train.goodput import GoodputModel, Observation, ThroughputParams
+# The messages a job prints for its executor are the training library's (written once, there).
+from goodput_train.protocol import (JobStats, NonNegativeFloat, PositiveFloat, PositiveInt, ProfilePoint,  # noqa: F401
+                                    ProfileRun)
 
 SCHEMA_VERSION = 1
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 MAX_ID = 128
 # Ids travel in subjects and KV keys: letters, digits, '-', '_' and single '.' between them (a key's
 # tokens), at most MAX_ID. The pattern ends in "nothing follows" rather than `$`, which would also
@@ -119,12 +119,6 @@ class Config(msgspec.Struct, frozen=True):
         return f"{self.gpu_type}:{self.nodes}x{self.gpus // self.nodes}"
 
 
-class ProfilePoint(msgspec.Struct, frozen=True):
-    """One measured step of one replica (one GPU, unless hybrid-parallel) at a per-replica batch size."""
-
-    local_bsz: PositiveInt
-    step_time: PositiveFloat      # seconds per optimizer step
-    sync_time: NonNegativeFloat = 0.0
 
 
 class Profile(msgspec.Struct, frozen=True):
@@ -300,31 +294,8 @@ class AdvanceReply(msgspec.Struct, frozen=True):
     failed: dict[str, str] = {}               # jobs that ended without finishing, and why
 
 
-class JobStats(msgspec.Struct, frozen=True):
-    """A training job -> its executor, every 30 s (configurable): what it measured. Its
-    observations feed the throughput fit, its gradient statistics the efficiency model."""
-
-    job_id: str
-    gpu_type: str
-    observations: tuple[Observation, ...]      # each configuration run, with its median step time
-    grad_sqr: float | None                     # |G|², None before the first usable step
-    grad_var: float | None                     # the variance of a gradient over M0 examples
-    epochs: NonNegativeFloat                   # statistical progress, in epochs at M0
-    steps: int
-    m: PositiveInt
-    s: int
-    skipped: int = 0                           # steps with a non-finite gradient, never learned from
 
 
-class ProfileRun(msgspec.Struct, frozen=True):
-    """A job's profiling run on one GPU (slot) -> the profiler: its step time at each per-GPU batch
-    that fitted, smallest first, and the first that ran out of memory (None: every one fitted)."""
-
-    points: tuple[ProfilePoint, ...]
-    init_batch: PositiveInt                    # the job's own M0 and largest total batch
-    max_batch: PositiveInt
-    out_of_memory: int | None = None
-    gpu_seconds: NonNegativeFloat = 0.0
 
 
 class Profiled(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from shared.goodput import RETUNE_THRESHOLD
+from goodput_train.goodput import RETUNE_THRESHOLD
 
 ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 

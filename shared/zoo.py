@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.goodput import ThroughputParams, fit_throughput, pgns, rmsle
+from goodput_train.goodput import ThroughputParams, fit_throughput, pgns, rmsle
 from shared.reference import ModelTrace
 
 ZOO_PATH = Path(__file__).with_name("zoo.json")

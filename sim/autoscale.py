@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from shared.cluster import Cluster, Node, Spots
-from shared.goodput import BatchLimits, GoodputModel, Observation, ThroughputParams, fit_throughput, throughput
+from goodput_train.goodput import BatchLimits, GoodputModel, Observation, ThroughputParams, fit_throughput, throughput
 from shared.reference import WorkloadJob
 from shared.schema import JobModels
 from shared.settings import SimSettings

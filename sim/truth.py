@@ -28,7 +28,7 @@ from functools import cached_property
 import numpy as np
 from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
 
-from shared.goodput import ThroughputParams, compute_time, efficiency, iteration_time, pgns
+from goodput_train.goodput import ThroughputParams, compute_time, efficiency, iteration_time, pgns
 from shared.reference import Measurements, ModelTrace
 from shared.zoo import ZooModel
 

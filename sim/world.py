@@ -19,7 +19,7 @@ from collections import defaultdict
 import msgspec
 
 from shared.cluster import Cluster, Config, Spots, replica_count
-from shared.goodput import BatchLimits, Observation, split_batch
+from goodput_train.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
 from sim.truth import ModelTruth

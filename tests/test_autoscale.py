@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from shared.goodput import GoodputModel
+from goodput_train.goodput import GoodputModel
 from sim import autoscale as auto
 from sim.run import job_sources
 from shared.settings import settings_for

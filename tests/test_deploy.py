@@ -418,7 +418,8 @@ def test_the_images_install_as_the_makefile_does(dockerfile):
     expected = pip_steps(makefile_install())
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     torch_pin = next(dep for dep in dependencies if dep.startswith("torch"))
-    assert expected == [["pip"], [torch_pin], ["-e", "."]], expected      # torch first and pinned, then the project
+    # torch first and pinned, then the training library, then the project on it
+    assert expected == [["pip"], [torch_pin], ["-e", "./train"], ["-e", "."]], expected
     assert pip_steps(dockerfile_runs(DEPLOY / "docker" / dockerfile)) == expected
     text = (DEPLOY / "docker" / dockerfile).read_text()
     assert re.search(r"^USER (?!root|0\b)\S+", text, re.M), "the image must not run as root"

@@ -13,7 +13,7 @@ from services.estimator.report import FITTED_TARGET, report_model
 from services.profiler.core import PROFILE_POINTS, model_profile, trace_profile
 from shared.cluster import Config, build_cluster, load_cluster
 from shared.table import goodput_table
-from shared.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
+from goodput_train.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
 from shared.reference import discover_models
 from shared.schema import JobModels
 from shared.zoo import ZOO_PATH, build_zoo, load_zoo
@@ -118,7 +118,7 @@ CONFIGS = [Config("a", 1, 1), Config("a", 1, 2), Config("a", 1, 4), Config("a", 
 def test_matrix_values_equal_single_model_optimisation():
     j = job("j", max_gpus_seen=4)
     table = goodput_table([j], CONFIGS)
-    from shared.goodput import BatchLimits
+    from goodput_train.goodput import BatchLimits
     for c, cfg in enumerate(CONFIGS):
         if table.valid[0, c]:
             lo, hi = j.local_limits[cfg.gpu_type]

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from services.executor import checkpoint
-from services.executor.data import ElasticOrder
+from goodput_train import checkpoint
+from goodput_train.data import ElasticOrder
 
 
 def run_steps(order: ElasticOrder, world: int, m: int, s: int, steps: int) -> list[list[int]]:
@@ -58,7 +58,7 @@ WRITER = """
 import sys, time
 from pathlib import Path
 import torch
-from services.executor import checkpoint
+from goodput_train import checkpoint
 
 class MidWrite:
     # Pickled in the middle of torch.save: says so, then dawdles (it loads back as a plain int).

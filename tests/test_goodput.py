@@ -1,4 +1,4 @@
-"""Properties of the Pollux throughput/efficiency model and its fit (shared/goodput.py)."""
+"""Properties of the Pollux throughput/efficiency model and its fit (train/goodput_train/goodput.py)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.goodput import (
+from goodput_train.goodput import (
     BatchLimits,
     FitError,
     GoodputModel,

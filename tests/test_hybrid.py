@@ -12,7 +12,7 @@ from services.placer.core import place, placement_violations
 from services.policy.base import make_policy
 from services.profiler.core import trace_profile
 from shared.cluster import Config, load_cluster
-from shared.goodput import BatchLimits, iteration_time
+from goodput_train.goodput import BatchLimits, iteration_time
 from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models
 from shared.zoo import load_zoo
 from sim.fairness import fair_share

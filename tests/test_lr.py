@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from services.executor.lr import RULES, LrScaling, default_rule
+from goodput_train.lr import RULES, LrScaling, default_rule
 
 
 @pytest.mark.parametrize("rule", RULES)

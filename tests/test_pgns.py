@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from services.executor.pgns import NoiseSample, NoiseScale, from_consecutive, from_replicas, squared_norm
-from shared.goodput import pgns
+from goodput_train.pgns import NoiseSample, NoiseScale, from_consecutive, from_replicas, squared_norm
+from goodput_train.goodput import pgns
 
 DIM, NOISE, STEPS = 40, 1.0, 600
 TOLERANCE = 0.15

@@ -18,7 +18,7 @@ import pytest
 from services.policy.base import Decision, JobView, RoundState, make_policy
 from services.policy.fifo import FifoPolicy
 from services.policy.rigid import requested_throughput_matrix
-from shared.goodput import split_batch
+from goodput_train.goodput import split_batch
 from services.policy.gavel import GavelPolicy, max_min_fair, priority_order, proportional_throughput
 from services.policy.tiresias import TiresiasPolicy
 from shared.cluster import Cluster, Config, build_cluster, load_cluster

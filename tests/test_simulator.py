@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from shared.goodput import efficiency, iteration_time, pgns
+from goodput_train.goodput import efficiency, iteration_time, pgns
 from shared.reference import WorkloadJob, discover_models
 from shared.zoo import load_zoo
 from sim.run import job_sources, simulate

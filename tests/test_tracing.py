@@ -531,7 +531,7 @@ class _MemoryKV:
 async def test_estimator_spans_name_the_job(traced):
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
-    from shared.goodput import Observation
+    from goodput_train.goodput import Observation
     from shared.schema import JobProfiles, ModelsRequest, Observed, Profile, ProfilePoint
     from shared.cluster import load_cluster
 

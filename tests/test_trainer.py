@@ -1,6 +1,7 @@
 """The training library on real PyTorch training: adapts its batch, trains data-parallel over gloo,
 stops on SIGTERM with a checkpoint and resumes at another world size."""
 
+import base64
 import json
 import os
 import signal
@@ -8,14 +9,15 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from deploy.nats import free_loopback_port
-from services.executor.protocol import OUTCOME_PREFIX
-from services.executor.trainer import AdaptiveTraining
+from goodput_train.protocol import OUTCOME_PREFIX, REPORT_ENV, STATS_PREFIX, JobStats
+from goodput_train.trainer import AdaptiveTraining
 
 JOB = [sys.executable, "-m", "examples.jobs.mlp_blobs"]
 EXAMPLES = {"cnn_shapes": 0.95, "tiny_lm": 0.75}      # each example job's metric target
@@ -27,6 +29,11 @@ def outcome(stdout: str) -> dict:
     last = stdout.strip().splitlines()[-1]
     assert last.startswith(OUTCOME_PREFIX), last
     return json.loads(last[len(OUTCOME_PREFIX):])
+
+
+def report(line: str) -> JobStats:
+    """A stats line (rank 0's, every GOODPUT_REPORT_S) as the executor reads it."""
+    return msgspec.msgpack.decode(base64.b64decode(line.strip()[len(STATS_PREFIX):]), type=JobStats)
 
 
 def run_job(*args, env=None, timeout=300) -> dict:
@@ -57,16 +64,23 @@ def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     port = free_loopback_port()
     workers = [subprocess.Popen([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
                                 env={**ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), REPORT_ENV: "0.1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for rank in range(2)]
-    time.sleep(12)                                      # both running (gloo up, training)
+    # Both training: rank 0 reports steps taken, which needs rank 1 in every all-reduce.
+    first = []
+    while not first:
+        line = workers[0].stdout.readline()
+        assert line, f"rank 0 ended before training: {workers[0].communicate()[1][-3000:]}"
+        if line.startswith(STATS_PREFIX) and report(line).steps > 0:
+            first.append(line)
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
     outputs = [worker.communicate(timeout=120) for worker in workers]
     for worker, (out, err) in zip(workers, outputs):
         assert worker.returncode == 0, err[-3000:]
     stopped = [outcome(out) for out, _ in outputs]
+    assert stopped[0]["steps"] >= report(first[0]).steps
     assert all(s["stopped"] for s in stopped) and stopped[0]["steps"] == stopped[1]["steps"] > 0
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["placement"] == [2, 1] and saved["steps"] == stopped[0]["steps"]
@@ -110,10 +124,6 @@ def test_the_default_rule_follows_the_optimizer_and_noise_is_measured(optimizer_
 
 
 def test_stats_are_reported_as_the_bus_carries_them(monkeypatch):
-    import msgspec
-
-    from shared.schema import JobStats
-
     monkeypatch.setenv("GOODPUT_JOB_ID", "tiny-1")
     reports = []
     training = tiny_training(report=reports.append, report_every_s=0.0)
@@ -155,3 +165,16 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
     epochs = saved["progress"] / 8192                   # progress in examples; mlp_blobs trains on 8192
     resumed = run_job("--epochs", str(epochs + 1), "--checkpoint", str(checkpoint))
     assert resumed["world"] == 1 and resumed["steps"] > saved["steps"]
+
+
+def test_the_library_stands_alone_and_its_protocol_needs_no_pytorch():
+    """A job's image installs ./train only: the library imports nothing of the scheduler, and the
+    services read its protocol and goodput model without importing PyTorch."""
+    check = ("import sys, goodput_train.trainer, goodput_train.checkpoint; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'shared', 'services', 'sim', 'cli', 'deploy', 'examples', 'nats', 'cvxpy', 'yaml', 'opentelemetry'}))")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd="/", timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+    protocol = subprocess.run([sys.executable, "-c", "import sys, goodput_train.protocol, goodput_train.goodput; "
+                               "print('torch' in sys.modules)"], capture_output=True, text=True, cwd="/", timeout=120)
+    assert protocol.stdout.strip() == "False", protocol.stderr[-2000:]

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from services.executor.protocol import OUTCOME_PREFIX
-from services.executor.trainer import AdaptiveTraining
+from goodput_train.protocol import OUTCOME_PREFIX
+from goodput_train import AdaptiveTraining
 
 
 def job_arguments(description: str, epochs: float, argv: list[str] | None = None,

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from examples.jobs.common import job_arguments, train
-from services.executor.trainer import AdaptiveTraining
+from goodput_train import AdaptiveTraining
 
 GOODPUT_JOB = True          # a job: the executors may run this module (a helper module may not)
 

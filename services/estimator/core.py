@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 
-from shared.goodput import (
+from goodput_train.goodput import (
     Observation,
     ThroughputParams,
     compute_time,

@@ -17,7 +17,7 @@ import numpy as np
 
 from services.estimator.core import type_models
 from services.profiler.core import trace_profile
-from shared.goodput import ThroughputParams, fit_throughput, iteration_time
+from goodput_train.goodput import ThroughputParams, fit_throughput, iteration_time
 from shared.reference import Measurements, ModelTrace
 
 FITTED_TARGET = 0.10      # median error of a fitted model with multi-GPU data (Pollux: <= 10%)

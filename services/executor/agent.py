@@ -27,12 +27,12 @@ from nats import micro
 
 from services.executor import endpoints
 from services.executor.local import JOBS_PACKAGE, LocalExecutors
-from services.executor.protocol import REPORT_EVERY_S
+from goodput_train.protocol import REPORT_EVERY_S
 from services.runner import positive_float
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots, load_cluster
-from shared.goodput import Observation
+from goodput_train.goodput import Observation
 from shared.schema import (
     CANCELLED,
     Ack,

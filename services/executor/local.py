@@ -38,7 +38,7 @@ from typing import IO
 import msgspec
 
 from deploy.nats import free_loopback_port
-from services.executor.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX,
+from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX,
                                         REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
 from shared.cluster import Cluster, Spots
 from shared.schema import CANCELLED, JobStats

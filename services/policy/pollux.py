@@ -14,7 +14,7 @@ with c = nodes / GPUs of the cluster (their "dominant share x nodes"; it sets th
 against EPSILON = 1e-3, which keeps the mean finite for p < 0 when a job has no GPUs (speedup 0)).
 p = -1 (their default) leans hard towards giving every job something; p = 1 is utilitarian.
 
-GOODPUT_j(A_j) is the job's best goodput over batch sizes (`shared.goodput.optimize_batch`) on
+GOODPUT_j(A_j) is the job's best goodput over batch sizes (`goodput_train.goodput.optimize_batch`) on
 K = sum_n A_jn GPUs, on one node or several (only "several" matters to the throughput model).
 It is looked up, never computed, during the search: per round, one vectorised `optimize_batch`
 fills a table over (job, GPU type, K, one node / several), divided by the fair-share goodput, so

@@ -5,7 +5,7 @@ Choice of GPU type: among the types with room for the whole request, the one whe
 estimated throughput at its requested size is highest (`fastest_type`); ties go to the type listed
 first in the cluster. The estimate is the job's throughput model on that type at its requested GPU
 count and batch, the batch split across accumulation steps to respect the type's largest per-GPU
-batch (`shared.goodput.split_batch`), on the fewest nodes that can hold the request (what packing
+batch (`goodput_train.goodput.split_batch`), on the fewest nodes that can hold the request (what packing
 gives on an empty cluster). A type the job has no model for, or with fewer GPUs in total than the
 request, can never run it.
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from services.policy.base import JobView
 from shared.cluster import Cluster
-from shared.goodput import ThroughputParams, split_batch, throughput
+from goodput_train.goodput import ThroughputParams, split_batch, throughput
 
 
 def requested_throughput_matrix(jobs: Sequence[JobView], cluster: Cluster) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from shared.cluster import Cluster
-from shared.goodput import ThroughputParams, compute_time, iteration_time
+from goodput_train.goodput import ThroughputParams, compute_time, iteration_time
 from shared.hardware import described, hardware_name, types_named
 from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
 from shared.schema import JobSpec, Profile, ProfilePoint

@@ -1,6 +1,6 @@
 """The real profiler (Sia §3.3): a submitted job's own script, run on one GPU (a CPU slot here) of a
 type, times a few steps at ~10 batch sizes and finds the largest that fits memory
-(`services.executor.profiling`); here that run is started and its result made a bootstrap profile.
+(`goodput_train.profiling`); here that run is started and its result made a bootstrap profile.
 
 Every way it can go wrong ends in a `ProfilingFailed` with the reason the job is refused for: the
 script raised, it printed no profile, it ran too long, or no batch size fits the GPU's memory.
@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.executor.local import job_module, last_error, torchrun_env, worker
-from services.executor.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
 from shared.schema import Profile, ProfileRun
 
 PROFILE_TIMEOUT_S = 300.0
@@ -93,7 +93,7 @@ def _profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, 
             except (ValueError, msgspec.DecodeError) as error:
                 raise ProfilingFailed(f"its profiling run printed an unreadable profile: {error}") from None
     raise ProfilingFailed(f"its script printed no profile on {gpu_type}: it must train through "
-                          "AdaptiveTraining.run (services.executor.trainer)")
+                          "AdaptiveTraining.run (goodput_train.trainer)")
 
 
 def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun,

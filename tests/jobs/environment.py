@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from services.executor.protocol import OUTCOME_PREFIX
+from goodput_train.protocol import OUTCOME_PREFIX
 
 GOODPUT_JOB = True
 

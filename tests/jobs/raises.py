@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from services.executor.protocol import PROFILE_ENV
+from goodput_train.protocol import PROFILE_ENV
 from tests.jobs.small import run_small
 
 GOODPUT_JOB = True

@@ -4,7 +4,7 @@ import torch
 from torch.utils.data import Dataset
 
 from examples.jobs.common import job_arguments, train
-from services.executor.trainer import AdaptiveTraining
+from goodput_train import AdaptiveTraining
 
 
 def run_small(model: torch.nn.Module, data: Dataset, loss_of) -> None:

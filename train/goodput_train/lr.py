@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.goodput import efficiency, pgns
+from goodput_train.goodput import efficiency, pgns
 
 RULES = ("adascale", "sqrt", "linear", "legw")
 

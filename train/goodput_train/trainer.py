@@ -4,7 +4,7 @@
     training.run(lambda model, batch: loss_fn(model(batch[0]), batch[1]))
 
 (`run` is the loop below, with a clean stop on SIGTERM, and the profiling run when the profiler
-started the script: `services.executor.profiling`.)
+started the script: `profile`.)
 
     while not training.done():
         for inputs, targets in training.micro_batches():
@@ -21,7 +21,7 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
   accumulation steps', else two consecutive steps' gradients; in Adam's preconditioned metric;
 - scales the learning rate by its rule (`lr`) and counts statistical progress in M0-examples;
 - measures the step's time, and every `retune_every` steps fits the throughput model to what it
-  measured (shared.goodput.fit_throughput) and re-picks (m, s) for the most goodput (rank 0
+  measured (goodput_train.goodput.fit_throughput) and re-picks (m, s) for the most goodput (rank 0
   decides and broadcasts, so every rank runs the same batch);
 - every `report_every_s` (30 s) hands `report` a `JobStats`: the configurations it ran with their
   step times, its gradient statistics and its statistical progress (rank 0 only).
@@ -39,6 +39,7 @@ import base64
 import math
 import os
 import signal
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -51,14 +52,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from services.executor import checkpoint, profiling
-from services.executor.data import ElasticOrder
-from services.executor.lr import LrScaling, default_rule
-from services.executor.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV,
-                                        PROFILE_PREFIX, REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
-from services.executor.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
-from shared.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
-from shared.schema import JobStats
+from goodput_train import checkpoint, profiling
+from goodput_train.data import ElasticOrder
+from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
+from goodput_train.lr import LrScaling, default_rule
+from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX,
+                                    REPORT_ENV, REPORT_EVERY_S, SLOT_MEMORY_ENV, STATS_PREFIX, JobStats,
+                                    ProfilePoint, ProfileRun)
+from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
 CHECKPOINT_EVERY_S = 300.0     # a periodic checkpoint: what a crash can lose at most
@@ -183,7 +184,7 @@ class AdaptiveTraining:
         (checkpointed), or "stopped" (SIGTERM: checkpointed, to be resumed); or, started by the
         profiler, profile instead and print the result for it: "profiled"."""
         if os.environ.get(PROFILE_ENV):
-            _print_line(PROFILE_PREFIX, profiling.profile(self, loss_of))
+            _print_line(PROFILE_PREFIX, self.profile(loss_of))
             return "profiled"
         try:
             while not self.done():
@@ -192,6 +193,38 @@ class AdaptiveTraining:
             return "stopped"
         self.save()
         return "done"
+
+    def profile(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor], points: int = profiling.PROFILE_POINTS,
+                steps: int = profiling.PROFILE_STEPS, budget_s: float = profiling.PROFILE_BUDGET_S) -> ProfileRun:
+        """The profiling run: time `steps` optimizer steps (one replica, no accumulation) at each
+        batch size from the job's smallest to its largest per-GPU batch, until one runs out of
+        memory or the budget is spent."""
+        if self.placement.world != 1:
+            raise ValueError(f"a profiling run takes one GPU, not {self.placement.world}")
+        if os.environ.get(SLOT_MEMORY_ENV):
+            profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
+        self.adaptive, self.report = False, None       # the batch is ours to choose; nothing to report
+        measured, out_of_memory, spent = [], None, 0.0
+        for m in profiling.batch_sizes(self.limits.min_local, self.limits.max_local, points):
+            self.m, self.s = m, 0
+            try:
+                times = []
+                for _ in range(steps + 1):
+                    start = time.perf_counter()
+                    self.train_step(loss_of)
+                    times.append(time.perf_counter() - start)
+            except Exception as error:  # noqa: BLE001 - only an out-of-memory is a data point
+                if not profiling.is_out_of_memory(error):
+                    raise
+                out_of_memory = m
+                self.optimizer.zero_grad(set_to_none=True)
+                profiling.release_memory()
+                break
+            spent += sum(times)
+            measured.append(ProfilePoint(m, statistics.median(times[1:])))
+            if spent > budget_s:
+                break
+        return ProfileRun(tuple(measured), self.limits.init_batch, self.limits.max_batch, out_of_memory, spent)
 
     def train_step(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
         for batch in self.micro_batches():

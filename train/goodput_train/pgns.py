@@ -14,7 +14,7 @@ optimisers every norm is taken in the preconditioner's metric, |v|²_P = Σ p_i 
 A single step's estimate is very noisy (its |G|² can come out negative); `NoiseScale` averages them
 exponentially, with bias correction, and skips any that is not finite. It reports in the bus's
 convention (`JobFacts.grad_sqr`, `grad_var`): |G|² and the variance of a gradient over M0
-examples, tr(Σ)/M0, so that φ = M0·var/sqr = tr(Σ)/|G|² (shared.goodput.pgns).
+examples, tr(Σ)/M0, so that φ = M0·var/sqr = tr(Σ)/|G|² (goodput_train.goodput.pgns).
 """
 
 from __future__ import annotations

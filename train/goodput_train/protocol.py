@@ -1,0 +1,66 @@
+"""What the executor (and the profiler) and a job's processes tell each other, besides torchrun's
+environment: the variables they set for the job, the lines the job prints for them, and the
+messages in those lines. It imports neither PyTorch nor the bus: the services read it, and
+`shared.schema` takes these messages from here (they are written once)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from goodput_train.goodput import Observation
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+JOB_ENV = "GOODPUT_JOB_ID"
+GPU_TYPE_ENV = "GOODPUT_GPU_TYPE"
+REPORT_ENV = "GOODPUT_REPORT_S"          # seconds: print JobStats that often
+REPORT_EVERY_S = 30.0                    # the default for that
+ADAPTIVE_ENV = "GOODPUT_ADAPTIVE"        # "0": keep the batch (a rigid job, or a policy that does not adapt)
+CHECKPOINT_ENV = "GOODPUT_CHECKPOINT_S"   # seconds between periodic checkpoints (the executor's choice)
+PROFILE_ENV = "GOODPUT_PROFILE"          # set: profile instead of training (goodput_train.profiling)
+SLOT_MEMORY_ENV = "GOODPUT_SLOT_MEMORY_MB"   # a CPU slot's memory, for the profiling run
+
+# Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
+STATS_PREFIX = "goodput-stats "          # JobStats, from rank 0
+PROFILE_PREFIX = "goodput-profile "      # ProfileRun
+OUTCOME_PREFIX = "goodput-outcome "      # then JSON: how the run ended ({"stopped": true} on SIGTERM)
+
+
+class ProfilePoint(msgspec.Struct, frozen=True):
+    """One measured step of one replica (one GPU, unless hybrid-parallel) at a per-replica batch size."""
+
+    local_bsz: PositiveInt
+    step_time: PositiveFloat      # seconds per optimizer step
+    sync_time: NonNegativeFloat = 0.0
+
+
+class JobStats(msgspec.Struct, frozen=True):
+    """A training job -> its executor, every 30 s (configurable): what it measured. Its
+    observations feed the throughput fit, its gradient statistics the efficiency model."""
+
+    job_id: str
+    gpu_type: str
+    observations: tuple[Observation, ...]      # each configuration run, with its median step time
+    grad_sqr: float | None                     # |G|², None before the first usable step
+    grad_var: float | None                     # the variance of a gradient over M0 examples
+    epochs: NonNegativeFloat                   # statistical progress, in epochs at M0
+    steps: int
+    m: PositiveInt
+    s: int
+    skipped: int = 0                           # steps with a non-finite gradient, never learned from
+
+
+class ProfileRun(msgspec.Struct, frozen=True):
+    """A job's profiling run on one GPU (slot) -> the profiler: its step time at each per-GPU batch
+    that fitted, smallest first, and the first that ran out of memory (None: every one fitted)."""
+
+    points: tuple[ProfilePoint, ...]
+    init_batch: PositiveInt                    # the job's own M0 and largest total batch
+    max_batch: PositiveInt
+    out_of_memory: int | None = None
+    gpu_seconds: NonNegativeFloat = 0.0
