@@ -39,4 +39,6 @@ def load(path: str | Path) -> dict[str, Any] | None:
     path = Path(path)
     if not path.exists():
         return None
-    return torch.load(path, weights_only=True)     # plain tensors and numbers: no pickled code runs
+    # Plain tensors and numbers (no pickled code runs), onto the CPU: a GPU job may resume on another
+    # node, or a CPU one; loading into the model puts them on its device.
+    return torch.load(path, weights_only=True, map_location="cpu")

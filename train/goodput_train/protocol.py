@@ -23,7 +23,14 @@ REPORT_EVERY_S = 30.0                    # the default for that
 ADAPTIVE_ENV = "GOODPUT_ADAPTIVE"        # "0": keep the batch (a rigid job, or a policy that does not adapt)
 CHECKPOINT_ENV = "GOODPUT_CHECKPOINT_S"   # seconds between periodic checkpoints (the executor's choice)
 PROFILE_ENV = "GOODPUT_PROFILE"          # set: profile instead of training (goodput_train.profiling)
-SLOT_MEMORY_ENV = "GOODPUT_SLOT_MEMORY_MB"   # a CPU slot's memory, for the profiling run
+SLOT_MEMORY_ENV = "GOODPUT_SLOT_MEMORY_MB"
+# "1": the worker's stdin is its executor's lifeline. Its end (the node agent died) makes the job
+# checkpoint and stop at the next step, so no worker outlives the agent that started it.
+LIFELINE_ENV = "GOODPUT_LIFELINE"
+# Seconds a collective may wait for a peer (gloo's timeout, NCCL's watchdog): a lost peer fails the
+# step within this, and the job restarts from its checkpoint instead of hanging (torch's default: 30 min).
+COLLECTIVE_TIMEOUT_ENV = "GOODPUT_COLLECTIVE_TIMEOUT_S"
+COLLECTIVE_TIMEOUT_S = 60.0   # a CPU slot's memory, for the profiling run
 
 # Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
 STATS_PREFIX = "goodput-stats "          # JobStats, from rank 0

@@ -40,9 +40,12 @@ import math
 import os
 import signal
 import statistics
+import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,9 +59,9 @@ from goodput_train import checkpoint, profiling
 from goodput_train.data import ElasticOrder
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
-from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, PROFILE_ENV, PROFILE_PREFIX,
-                                    REPORT_ENV, REPORT_EVERY_S, SLOT_MEMORY_ENV, STATS_PREFIX, JobStats,
-                                    ProfilePoint, ProfileRun)
+from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S,
+                                    GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV, PROFILE_ENV, PROFILE_PREFIX, REPORT_ENV,
+                                    REPORT_EVERY_S, SLOT_MEMORY_ENV, STATS_PREFIX, JobStats, ProfilePoint, ProfileRun)
 from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
 
 RETUNE_EVERY = 20          # steps between re-fits of the throughput model
@@ -113,7 +116,7 @@ def _local_norms_hook(state: _LocalNorms, bucket):
     buffer = bucket.buffer()
     if not bucket.is_last():
         return dist.all_reduce(buffer.div_(state.world), async_op=True).get_future().then(lambda f: f.value()[0])
-    extra = torch.tensor([state.total, *map(float, state.requests())], dtype=buffer.dtype)
+    extra = torch.tensor([state.total, *map(float, state.requests())], dtype=buffer.dtype, device=buffer.device)
     combined = torch.cat([buffer.div_(state.world), extra / state.world])
     state.total = 0.0
 
@@ -144,6 +147,9 @@ class AdaptiveTraining:
                  report: Callable[[JobStats], None] | None = None, report_every_s: float = REPORT_EVERY_S,
                  checkpoint_every_s: float | None = CHECKPOINT_EVERY_S):
         self.placement = Placement.from_env()
+        # A GPU per worker where there are GPUs (the executor makes one visible to each), else the CPU.
+        self.device = (torch.device("cuda", self.placement.local_rank % torch.cuda.device_count())
+                       if torch.cuda.is_available() else torch.device("cpu"))
         self.dataset, self.collate = dataset, collate
         self.optimizer = optimizer
         self.limits = BatchLimits(init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch))
@@ -166,7 +172,7 @@ class AdaptiveTraining:
         self.steps = 0
         self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.m, self.s = self._initial_batch()
-        self.model, self._norms = self._distribute(model)
+        self.model, self._norms = self._distribute(model.to(self.device))
         self._previous: list[torch.Tensor] | None = None      # the last gradient (differenced estimator)
         self._micro = 0                                       # micro-batches done in this step
         self._micro_norms: list[float] = []                   # and their own gradients' squared norms
@@ -175,6 +181,8 @@ class AdaptiveTraining:
         self._stop = False
         self._order_before = self.order.state_dict()
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if os.environ.get(LIFELINE_ENV) == "1":
+            threading.Thread(target=self._watch_lifeline, daemon=True).start()
         self._resume()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -239,9 +247,10 @@ class AdaptiveTraining:
         p = self.placement
         for indices in self.order.step(p.rank, p.world, self.m, self.s):
             if isinstance(self.dataset, TensorDataset):          # tensors in memory: one gather each
-                yield tuple(tensor[indices] for tensor in self.dataset.tensors)
+                batch = tuple(tensor[indices] for tensor in self.dataset.tensors)
             else:
-                yield self.collate([self.dataset[int(i)] for i in indices])
+                batch = self.collate([self.dataset[int(i)] for i in indices])
+            yield _to(batch, self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward through one micro-batch: averaged over the step's micro-batches; replicas
@@ -325,7 +334,7 @@ class AdaptiveTraining:
 
     def retune(self) -> None:
         """Re-pick (m, s) for the most goodput on this placement (rank 0 decides for all)."""
-        choice = torch.tensor([self.m, self.s])
+        choice = torch.tensor([self.m, self.s], device=self.device)
         if self.placement.rank == 0:
             stats = self.noise.stats()
             try:
@@ -333,7 +342,7 @@ class AdaptiveTraining:
                                      self.limits.init_batch)
                 _, m, s = model.retune(self.placement.nodes, self.placement.world, self.limits, (self.m, self.s))
                 if m > 0:
-                    choice = torch.tensor([m, s])
+                    choice = torch.tensor([m, s], device=self.device)
             except FitError:
                 pass
         if self.placement.world > 1:
@@ -422,8 +431,14 @@ class AdaptiveTraining:
         if self.placement.world == 1:
             return model, None
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        ddp = DistributedDataParallel(model)
+            # A bounded wait for peers: a lost one fails the step (the job restarts from its
+            # checkpoint) rather than hanging for torch's 30 minutes.
+            timeout = timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S)))
+            if self.device.type == "cuda":
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         norms = _LocalNorms(self._preconditioner, lambda: (self._stop, self._save_due()), self.placement.world)
         ddp.register_comm_hook(norms, _local_norms_hook)
         return ddp, norms
@@ -482,4 +497,22 @@ class AdaptiveTraining:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop = True
+
+    def _watch_lifeline(self) -> None:
+        """Wait for stdin's end: the executor that started this worker is gone; stop, checkpointed."""
+        sys.stdin.buffer.read()
+        self._stop = True
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """A micro-batch on the training device (tensors moved; anything else as it is)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to(value, device) for key, value in batch.items()}
+    return batch
 
