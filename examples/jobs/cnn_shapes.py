@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def accuracy() -> float:
         with torch.no_grad():
-            return float((model(test.tensors[0]).argmax(dim=1) == test.tensors[1]).float().mean())
+            predicted = model(test.tensors[0].to(training.device)).argmax(dim=1).cpu()
+            return float((predicted == test.tensors[1]).float().mean())
 
     return train(training, lambda net, batch: nn.functional.cross_entropy(net(batch[0]), batch[1]), accuracy)
 

@@ -28,10 +28,10 @@ def blobs(n: int, seed: int) -> TensorDataset:
     return TensorDataset(centres[labels] + torch.randn(n, FEATURES, generator=generator), labels)
 
 
-def accuracy(model: nn.Module, data: TensorDataset) -> float:
+def accuracy(model: nn.Module, data: TensorDataset, device: torch.device) -> float:
     inputs, labels = data.tensors
     with torch.no_grad():
-        return float((model(inputs).argmax(dim=1) == labels).float().mean())
+        return float((model(inputs.to(device)).argmax(dim=1).cpu() == labels).float().mean())
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     training = AdaptiveTraining(model, optimizer, data, init_batch=32, max_batch=args.max_batch, max_local=256,
                                 target_epochs=args.epochs, checkpoint_path=args.checkpoint)
     loss_fn = nn.CrossEntropyLoss()
-    return train(training, lambda net, batch: loss_fn(net(batch[0]), batch[1]), lambda: accuracy(model, test))
+    return train(training, lambda net, batch: loss_fn(net(batch[0]), batch[1]),
+                 lambda: accuracy(model, test, training.device))
 
 
 if __name__ == "__main__":

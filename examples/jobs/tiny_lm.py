@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     def next_char_accuracy() -> float:
         with torch.no_grad():
-            return float((model(test.tensors[0]).argmax(-1) == test.tensors[1]).float().mean())
+            predicted = model(test.tensors[0].to(training.device)).argmax(-1).cpu()
+            return float((predicted == test.tensors[1]).float().mean())
 
     def loss_of(net, batch):
         logits = net(batch[0])
