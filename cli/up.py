@@ -16,10 +16,12 @@ The data folder is kept: started again on it, `goodput up` goes on with every jo
 (the start-up replay is not run again); --fresh starts from an empty store. One `goodput up` holds
 a data folder at a time, and a taken port is refused before anything starts.
 
-With `--executors local` the jobs are real: the example jobs (or --jobs YAML files) are submitted,
-profiled on one CPU slot, and trained on this machine's slots (the `local` cluster: 4 slots) as
-the scheduler allocates them, each change of allocation printed; --once stops when every job has
-ended and writes each job's outcome (time, restarts, batches, its metric) to --out.
+With `--executors local` the jobs are real: a node agent per node runs on this machine (--nodes,
+each its own node of --slots CPU slots; one node of 4 by default: the `local` cluster), the example
+jobs (or --jobs YAML files) are submitted, profiled on one slot through an agent, and trained on
+the nodes as the scheduler allocates them — a job may span nodes, its workers finding each other
+over loopback — each change of allocation printed; --once stops when every job has ended and
+writes each job's outcome (time, restarts, batches, its metric, its placements) to --out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 from cli.submit import add_connection_arguments
-from services.executor.local import JOBS_PACKAGE
+from services.executor.processes import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import credentials
 from shared.schema import CANCELLED, JOB_STATES
@@ -79,6 +81,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--jobs-package", default=JOBS_PACKAGE,
                     help="local: the package whose modules jobs may run (default: %(default)s)")
     up.add_argument("--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
+    up.add_argument("--nodes", type=int, default=1,
+                    help="local: node agents to run on this machine, each its own node of CPU slots (default: %(default)s)")
+    up.add_argument("--slots", type=int, help="local: CPU slots per node (default: 4 on one node; on more, this "
+                                              "machine's cores shared out, 1 to 4 each: a slot is a core)")
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="jobs known to a running goodput, and its live run")
@@ -93,7 +99,12 @@ def _up(args: argparse.Namespace) -> int:
     from deploy.nats import embedded_nats, port_in_use
 
     local = args.executors == "local"
-    args.cluster = args.cluster or ("local" if local else "sia-hetero-64")
+    if args.nodes < 1 or (args.slots is not None and args.slots < 1):
+        raise ValueError("--nodes and --slots must be at least 1")
+    if not local and (args.nodes != 1 or args.slots is not None):
+        raise ValueError("--nodes and --slots are for real jobs (--executors local)")
+    if local and args.cluster and (args.nodes != 1 or args.slots is not None):
+        raise ValueError("--cluster names the nodes to run agents for: it takes no --nodes or --slots")
     args.round = args.round or ROUND_S[args.executors]
     if args.round <= 0 or args.speed <= 0 or args.policy_replicas < 1 or args.estimator_replicas < 1:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
@@ -101,6 +112,7 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
     data.mkdir(parents=True, exist_ok=True)
+    args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
     with _holding(data):
         if port_in_use(args.port):
             raise ValueError(f"port {args.port} on 127.0.0.1 is taken (another goodput up, or another server?); "
@@ -119,6 +131,18 @@ def _up(args: argparse.Namespace) -> int:
             pass
     print("goodput is down")
     return 0
+
+
+def _local_cluster(data: Path, nodes: int, slots: int | None) -> str:
+    """The cluster of `--nodes` agents on this machine: the `local` preset (one node of 4 slots), or
+    a file of N nodes named cpu-0, cpu-1, ... of `slots` each (by default the cores shared out)."""
+    slots = slots or (4 if nodes == 1 else max(1, min(4, (os.cpu_count() or 1) // nodes)))
+    if (nodes, slots) == (1, 4):
+        return "local"
+    path = data / "work" / f"local-{nodes}x{slots}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"name: local-{nodes}x{slots}\nnodes:\n  - {{gpu_type: cpu, count: {nodes}, gpus_per_node: {slots}}}\n")
+    return str(path)
 
 
 @contextlib.contextmanager
@@ -159,8 +183,8 @@ async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
 
 async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
     from deploy.live_run import describe, live_request
-    from deploy.stack import (ensure_run, live_run_exists, local_service_arguments, records_once_ended,
-                              running_services, service_arguments)
+    from deploy.stack import (ensure_run, live_run_exists, local_node_arguments, local_service_arguments,
+                              records_once_ended, running_services, service_arguments)
     from shared.subjects import LIVE_RUN
     from sim.simulator import FEEDBACK_ITERATIONS
 
@@ -169,15 +193,17 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
         # Jobs report what they measured twice a round: the estimator learns a new allocation in one.
         arguments = local_service_arguments(args.cluster, data / "work", args.round / 2, args.slot_memory,
                                             args.jobs_package)
+        agents = local_node_arguments(args.cluster, data / "work", args.jobs_package)
         specs = [_job(path) for path in args.jobs]     # a bad file is refused here, before anything starts
     else:
+        agents = {}
         arguments = service_arguments(args.cluster, args.reference, args.reference is None, None,
                                       FEEDBACK_ITERATIONS, None)
     # Real jobs are short: the policy re-decides every round.
     live = live_request(LIVE_RUN, args.policy, args.cluster, args.round, args.speed,
                         {"round_s": args.round} if local else None)
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
-    with running_services(nats, arguments, data, replicas) as stack:
+    with running_services(nats, arguments, data, replicas, agents=agents) as stack:
         bus = await nats.connect("goodput-up")
         try:
             await stack.wait_ready(bus)
@@ -273,14 +299,17 @@ def _report_local(args: argparse.Namespace, records) -> None:
 
     jobs = [{"name": r.name, "application": r.application, "submit_s": r.submit_s, "finish_s": r.finish_s,
              "jct_s": None if r.finish_s is None else r.finish_s - r.submit_s, "restarts": r.restarts,
-             "gpu_seconds": r.gpu_seconds, "batches": list(r.batches), "metric": r.metric, "failure": r.failure}
+             "gpu_seconds": r.gpu_seconds, "batches": list(r.batches), "metric": r.metric, "failure": r.failure,
+             # where its workers ran, from when: each placement a list of [node, GPUs]
+             "placements": [{"at_s": p.at_s, "nodes": [list(spot) for spot in p.spots]} for p in r.placements]}
             for r in records]
     lines = [f"{len(jobs)} real jobs with {args.policy} on {args.cluster}:"]
     for job in jobs:
         outcome = (f"finished in {job['jct_s']:.0f} s, metric {job['metric']:.3f}" if job["failure"] is None
                    else f"failed: {job['failure']}")
+        nodes = sorted({node for p in job["placements"] for node, _ in p["nodes"]})
         lines.append(f"  {job['name']:<14} {outcome}; restarts {job['restarts']}, "
-                     f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}")
+                     f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}, on {', '.join(nodes) or 'no node'}")
     write_results(rounded({"executors": "local", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
                   args.out, "\n".join(lines))
 

@@ -20,12 +20,14 @@ from shared import storage, subjects
 from deploy.nats import EmbeddedNats
 from deploy.setup import provision_now
 from shared.bus import Bus, RevisionConflict
+from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.reference import WorkloadJob
 from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, JobsQuery, PolicyStatus, RunCheckpoint, RunReport,
                            RunRequest, RunStep)
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
+NODE_PREFIX = "node-"          # a node agent's instance name: node-<its node>
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 RUN_IDLE_TIMEOUT_S = 600.0      # no round logged for this long: the run is stuck
@@ -97,7 +99,8 @@ class Stack:
 
 
 def service_of(instance: str) -> str:
-    return instance.split("-")[0]
+    """`policy-2` -> `policy`; a node agent `node-<name>` -> `node` (the micro service it answers as)."""
+    return subjects.NODE_SERVICE if instance.startswith(NODE_PREFIX) else instance.split("-")[0]
 
 
 def instance_names(service: str, replicas: int) -> list[str]:
@@ -129,19 +132,23 @@ def module_of(service: str, arguments: Sequence[str]) -> str:
 
 @contextmanager
 def running_services(server: str | EmbeddedNats, arguments: Mapping[str, Sequence[str]], logs: Path,
-                     replicas: Mapping[str, int] | None = None,
-                     lease_ttl_s: float = storage.LEASE_TTL_S) -> Iterator[Stack]:
+                     replicas: Mapping[str, int] | None = None, lease_ttl_s: float = storage.LEASE_TTL_S,
+                     agents: Mapping[str, Sequence[str]] | None = None) -> Iterator[Stack]:
     """Set up the storage (as the operator), then start `python -m services.<name> --server URL
-    <arguments>` for each service, `replicas[name]` times (once by default), each logged in as its
-    role on a secured embedded server; stop them all after."""
+    <arguments>` for each service, `replicas[name]` times (once by default), and each node agent of
+    `agents` (instance -> its `services.executor` options), each logged in as its role on a secured
+    embedded server; stop them all after."""
     nats = server if isinstance(server, EmbeddedNats) else EmbeddedNats(server, None)
     provision_now(nats.url, lease_ttl_s, **nats.options("operator"))
     # Whatever credentials this process holds are not the services' (each has its role's).
     inherited = {key: value for key, value in os.environ.items() if not key.startswith(CREDENTIALS_ENV_PREFIX)}
     instances = {instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}
-    stack = Stack({instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", nats.url,
-                              *arguments.get(name, ())] for instance, name in instances.items()}, logs,
-                  {instance: {**inherited, **nats.env(name)} for instance, name in instances.items()})
+    commands = {instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", nats.url,
+                           *arguments.get(name, ())] for instance, name in instances.items()}
+    commands.update({instance: [sys.executable, "-m", "services.executor", "--server", nats.url, *options]
+                     for instance, options in (agents or {}).items()})
+    roles = {**instances, **{instance: "executor" for instance in agents or {}}}    # agents log in as executors
+    stack = Stack(commands, logs, {instance: {**inherited, **nats.env(role)} for instance, role in roles.items()})
     try:
         for instance in stack.commands:
             (logs / f"{instance}.log").unlink(missing_ok=True)
@@ -179,18 +186,27 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
 
 def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, slot_memory_mb: float | None = None,
                             jobs_package: str | None = None) -> dict[str, list[str]]:
-    """Each service's options for real jobs on this machine's slots (`--executors local`)."""
+    """Each service's options for real jobs on this machine (`--executors local`): the executor
+    drives node agents (`local_node_arguments`), whose nodes must be the cluster's."""
     memory = ["--slot-memory", str(slot_memory_mb)] if slot_memory_mb is not None else []
     package = ["--jobs-package", jobs_package] if jobs_package else []
     return {
-        "profiler": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "profiles"), *memory,
-                     *package],
+        "profiler": ["--cluster", cluster, "--executors", "local", *memory],
         "estimator": ["--cluster", cluster],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, "--executors", "local", "--workdir", str(workdir / "jobs"),
+        "executor": ["--cluster", cluster, "--executors", "local", "--checkpoints", str(workdir / "checkpoints"),
                      "--report-every", str(report_every_s), *package],
     }
+
+
+def local_node_arguments(cluster: str, workdir: Path, jobs_package: str | None = None) -> dict[str, list[str]]:
+    """One node agent per machine of the cluster, on this one: `node-<name>` -> its options (each its
+    own CPU slots, work folder and process tree; the checkpoints folder is the executor's)."""
+    package = ["--jobs-package", jobs_package] if jobs_package else []
+    return {f"{NODE_PREFIX}{name}": ["--executors", "local", "--node", name, "--gpus", str(node.gpus),
+                                     "--gpu-type", node.gpu_type, "--workdir", str(workdir / f"node-{name}"), *package]
+            for name, node in real_nodes(load_cluster(cluster)).items()}
 
 
 async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,

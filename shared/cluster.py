@@ -13,6 +13,7 @@ exact for every node.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -22,7 +23,8 @@ import yaml
 
 from shared.schema import Config, Node, Spots
 
-__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster", "replica_count"]
+__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster", "power_of_two_parts",
+           "real_node", "real_nodes", "replica_count"]
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,24 @@ def replica_count(gpus_per_node: Iterable[int], group: int) -> int:
     return 0 if any(g % group for g in gpus_per_node) else sum(gpus_per_node) // group
 
 
-def _power_of_two_parts(gpus: int) -> list[int]:
+def power_of_two_parts(gpus: int) -> list[int]:
     """6 -> [4, 2]: the binary digits of the GPU count, largest first."""
     return [1 << b for b in range(gpus.bit_length() - 1, -1, -1) if gpus >> b & 1]
+
+
+def real_node(name: str) -> str:
+    """The machine a (possibly virtual) node is part of: `cpu-0-v1` -> `cpu-0`."""
+    return re.sub(r"-v\d+$", "", name)
+
+
+def real_nodes(cluster: Cluster) -> dict[str, Node]:
+    """The cluster's machines: its virtual nodes put back together, by name."""
+    machines: dict[str, Node] = {}
+    for node in cluster.nodes:
+        name = real_node(node.name)
+        gpus = machines[name].gpus if name in machines else 0
+        machines[name] = Node(name, node.gpu_type, gpus + node.gpus)
+    return machines
 
 
 def build_cluster(name: str, groups: list[dict]) -> Cluster:
@@ -105,7 +122,7 @@ def build_cluster(name: str, groups: list[dict]) -> Cluster:
         first = per_type.get(gpu_type, 0)
         per_type[gpu_type] = first + count
         for n in range(first, first + count):
-            parts = _power_of_two_parts(per_node)
+            parts = power_of_two_parts(per_node)
             for v, gpus in enumerate(parts):
                 suffix = f"-v{v}" if len(parts) > 1 else ""
                 nodes.append(Node(f"{gpu_type}-{n}{suffix}", gpu_type, gpus))

@@ -82,6 +82,11 @@ def _durable(stream: str, consumer: str) -> tuple[str, ...]:
             f"$JS.ACK.{stream}.{consumer}.>")
 
 
+def _nodes() -> tuple[str, ...]:
+    """Read (and, an agent, renew) the node agents' membership: keys listed through an ordered consumer."""
+    return (*_kv(subjects.NODES_BUCKET), *_follow(f"KV_{subjects.NODES_BUCKET}"))
+
+
 def _provision() -> tuple[str, ...]:
     """Create every stream, bucket and durable consumer of the plan, or bring it to the plan."""
     streams = [*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values())]
@@ -132,7 +137,7 @@ ROLES: dict[str, Permissions] = {
         publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, subjects.SUBMIT, subjects.CANCEL,
                  subjects.RECORDS, _info(JOBS),
                  *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
-                 *_kv(subjects.JOB_OWNERS_BUCKET)),
+                 *_kv(subjects.JOB_OWNERS_BUCKET), *_nodes(), subjects.node_subject("*", "profile")),
         subscribe=subjects.API_SUBJECTS,
     ),
     "estimator": _service(
@@ -140,14 +145,18 @@ ROLES: dict[str, Permissions] = {
         publish=_kv(subjects.ESTIMATES_BUCKET),
         subscribe=(subjects.PROFILES, subjects.OBSERVE, subjects.MODELS, subjects.ESTIMATOR_STATUS),
     ),
+    # The executors, and the node agents of real ones (they share this role): the executor service
+    # drives the agents' workers, each agent renews its node in KV and answers for it.
     "executor": _service(
         "executor",
         publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
+                 subjects.NODE_SUBJECTS, *_nodes(), *_kv(subjects.DRAINED_BUCKET),
+                 *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
                  _info(JOBS),
                  *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
                  *_dead_letters(subjects.EXECUTOR_CONSUMER), *_dead_letters(subjects.NODE_AGENT_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
-                   subjects.EXECUTOR_STATUS),
+                   subjects.EXECUTOR_STATUS, subjects.EXECUTOR_DRAIN, subjects.NODE_SUBJECTS),
     ),
     "policy": _service(
         "policy",
@@ -162,7 +171,7 @@ ROLES: dict[str, Permissions] = {
     # follows their logs and the submissions, asks the services how they are.
     "operator": _client("operator", publish=(
         *_provision(), subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM),
-        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API, *subjects.API_SUBJECTS)),
+        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API, *subjects.API_SUBJECTS, subjects.EXECUTOR_DRAIN)),
     "user": _client("user", publish=(
         subjects.SUBMIT, *subjects.API_SUBJECTS, "$JS.API.INFO", _info(JOBS), *STATUS_SUBJECTS, *SERVICE_API)),
 }

@@ -211,6 +211,7 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     allocations: dict[str, Config]
     previous: dict[str, Spots] = {}
     groups: dict[str, int] = {}
+    nodes: tuple[Node, ...] | None = None      # the round's nodes, when they are not the placer's own cluster
 
 
 class PlacementResult(msgspec.Struct, frozen=True):
@@ -287,6 +288,9 @@ class LiveJobsRequest(msgspec.Struct, frozen=True):
 
 class LiveJobs(msgspec.Struct, frozen=True):
     jobs: tuple[str, ...]                       # in arrival order
+    # Real executors: the nodes their agents serve now (live, not drained), the cluster this round
+    # schedules. None: the executors' cluster is the fixed one the services were started with.
+    nodes: tuple[Node, ...] | None = None
 
 
 class AdvanceReply(msgspec.Struct, frozen=True):
@@ -370,11 +374,105 @@ class NodeJob(msgspec.Struct):
     estimate_revision: int = 0
     reported: tuple[tuple[int, int, int, int], ...] = ()    # configurations (nodes, GPUs, m, s) the estimator has
     placement: Spots = ()                          # where its workers ran when this was saved
+    placements: tuple[Placed, ...] = ()            # every placement its workers were started on
+    generation: int = 0                            # its workers' starts so far (a node ignores an older order)
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()   # the nodes its workers run on, and their ranks
     restarts: int = 0
     crashes: int = 0
     stats: JobStats | None = None
     metric: float | None = None                    # its own measure of success, once finished
     batches: tuple[int, ...] = ()                  # the total batches it trained at, once finished
+
+
+# ---- node agents (one per node; the executor service drives them) ------------------------------
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """A node agent -> KV (`NODES_BUCKET`, renewed every NODE_HEARTBEAT_S): its node, alive. The
+    entry lapses NODE_TTL_S after the agent's last renewal: the node is lost."""
+
+    name: str
+    gpu_type: str
+    gpus: PositiveInt
+    address: str                               # where its workers listen (rank 0's rendezvous)
+    agent: str = ""                            # this agent's instance (a restarted agent is another)
+
+
+class StartWorkers(msgspec.Struct, frozen=True):
+    """Executor -> a node agent: start a job's workers for one generation (a placement), ranks
+    `ranks` of `world`. Without `master_addr` this node hosts rank 0: its agent picks the
+    rendezvous port and answers it (`Rendezvous`), and the other nodes are told it."""
+
+    job_id: str
+    application: str
+    generation: int                            # one per start of the job's workers: a stale order is ignored
+    ranks: tuple[int, ...]
+    world: PositiveInt
+    nodes: PositiveInt
+    gpu_type: str
+    checkpoint: str                            # the checkpoint file, on storage every node reads
+    env: dict[str, str] = {}                   # the executor's settings for the job (report, checkpoint period)
+    master_addr: str = ""
+    master_port: int = 0
+
+
+class Rendezvous(msgspec.Struct, frozen=True):
+    address: str
+    port: int
+
+
+class StopWorkers(msgspec.Struct, frozen=True):
+    """Executor -> a node agent: stop a job's workers (SIGTERM: they checkpoint), killing them
+    after `grace_s`; `kill`: at once (a peer was lost, nothing to save)."""
+
+    job_id: str
+    grace_s: float = 60.0
+    kill: bool = False
+
+
+class WorkersReport(msgspec.Struct, frozen=True):
+    """A node agent's word on a job's workers there: the generation, each local rank's exit code
+    (None: running), and the latest report and outcome lines they printed."""
+
+    job_id: str
+    generation: int
+    ranks: tuple[int, ...]
+    codes: tuple[int | None, ...]
+    stats: str = ""
+    outcome: str = ""
+    error: str = ""                            # the last line a crashed worker wrote to stderr
+
+
+class NodeReport(msgspec.Struct, frozen=True):
+    node: str
+    jobs: tuple[WorkersReport, ...]
+
+
+class ProfileRequest(msgspec.Struct, frozen=True):
+    """Profiler -> a node agent of the type: run the job's script in profiling mode on one GPU."""
+
+    job_id: str
+    application: str
+    slot_memory_mb: float | None = None
+    timeout_s: PositiveFloat = 300.0
+
+
+class ProfileAnswer(msgspec.Struct, frozen=True):
+    run: ProfileRun | None = None
+    failure: str = ""                          # why the run gave no profile (the job is refused for it)
+
+
+class DrainRequest(msgspec.Struct, frozen=True):
+    """Operator -> executor: move every job off `node` and place nothing new there (`undo`: use it again)."""
+
+    node: str
+    undo: bool = False
+
+
+class DrainAnswer(msgspec.Struct, frozen=True):
+    node: str
+    drained: bool
+    jobs: tuple[str, ...] = ()                 # the jobs there now, which the next round moves
+    known: bool = True                         # whether an agent serves the node now
 
 
 class Observed(msgspec.Struct, frozen=True):
@@ -418,6 +516,14 @@ class JobRecord(msgspec.Struct, frozen=True):
     state: str = ""                               # its place in the lifecycle: one of JOB_STATES
     gpu_type: str | None = None                   # while running: the type of its GPUs
     batch: int | None = None                      # while running: its total batch
+    placements: tuple[Placed, ...] = ()           # a real job's placements over time, each from its start
+
+
+class Placed(msgspec.Struct, frozen=True, array_like=True):
+    """A placement a real job's workers were started on, and when (on the run's clock)."""
+
+    at_s: float
+    spots: tuple[tuple[str, int], ...]
 
 
 class Count(msgspec.Struct, frozen=True):

@@ -90,6 +90,8 @@ BUCKETS = {b.name: b for b in (
     Bucket(subjects.EXECUTOR_BUCKET, 1 * GIB),
     Bucket(subjects.NODE_JOBS_BUCKET, 512 * MIB),
     Bucket(subjects.JOB_OWNERS_BUCKET, 128 * MIB),
+    Bucket(subjects.NODES_BUCKET, 16 * MIB, ttl_s=subjects.NODE_TTL_S),     # an agent that stops renewing is lost
+    Bucket(subjects.DRAINED_BUCKET, 16 * MIB),
 )}
 
 CONSUMERS = {c.name: c for c in (

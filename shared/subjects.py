@@ -65,6 +65,23 @@ ADVANCE = f"{PREFIX}.executor.advance"      # AdvanceRequest -> AdvanceReply (si
 LIVE_JOBS = f"{PREFIX}.executor.live"      # LiveJobsRequest -> LiveJobs (simulated executors, live clock)
 RECORDS = f"{PREFIX}.executor.records"      # Ack -> JobRecords (simulated executors)
 EXECUTOR_STATUS = f"{PREFIX}.executor.status"   # Ack -> Count
+EXECUTOR_DRAIN = f"{PREFIX}.executor.drain"     # DrainRequest -> DrainAnswer (operator)
+# The node agents of real executors, one per node: the executor service starts, stops and polls
+# the workers on each (`node_subject`), and a profiler asks one of a type for a profiling run.
+NODE_SERVICE = "node"
+NODE_ENDPOINTS = ("start", "stop", "poll", "profile")
+NODE_SUBJECTS = f"{PREFIX}.node.*.*"
+NODES_BUCKET = "goodput_nodes"              # KV: node name -> NodeInfo, renewed by its agent; lapses when lost
+NODE_TTL_S = 10.0
+NODE_HEARTBEAT_S = 2.0
+DRAINED_BUCKET = "goodput_drained"          # KV: node name -> DrainRequest, while it is drained
+
+
+def node_subject(node: str, endpoint: str) -> str:
+    """A node agent's endpoint (one of NODE_ENDPOINTS)."""
+    return f"{PREFIX}.node.{node}.{endpoint}"
+
+
 ESTIMATOR_SERVICE = "estimator"
 MODELS = f"{PREFIX}.estimator.models"       # ModelsRequest -> ModelsReply
 OBSERVE = f"{PREFIX}.estimator.observe"     # Observed -> Ack

@@ -25,7 +25,7 @@ from services.estimator.core import Estimator
 from services.placer.core import place
 from services.policy.base import Policy
 from services.policy.rounds import Arrival, RoundLoop, Wiring
-from shared.cluster import Cluster, Config, Spots
+from shared.cluster import Cluster, Config, Node, Spots
 from shared.reference import WorkloadJob
 from shared.schema import (
     AdvanceReply,
@@ -73,8 +73,8 @@ class DirectWiring:
         return ModelsReply(tuple(self.estimator.models(facts)))
 
     async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int]) -> PlacementResult:
-        return place(self.cluster, allocations, previous, groups)
+                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult:
+        return place(self.cluster if nodes is None else Cluster(self.cluster.name, nodes), allocations, previous, groups)
 
     async def apply(self, request: ApplyRequest) -> None:
         self.executors.apply(request)

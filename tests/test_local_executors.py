@@ -7,11 +7,20 @@ import time
 import msgspec
 import pytest
 
-from services.executor.local import LocalExecutors, job_module
+from services.executor.local import InProcessNodes, LocalExecutors
+from services.executor.node import NodeWorkers
+from services.executor.processes import job_module
 from shared.cluster import Cluster
-from shared.schema import Node, NodeJob
+from shared.schema import Node, NodeInfo, NodeJob
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
+
+
+def local_executors(folder, jobs_package="examples.jobs", **options) -> LocalExecutors:
+    """Real workers on one node of two CPU slots, its agent's part in this process (no bus)."""
+    node = NodeWorkers(NodeInfo("local-0", "cpu", 2, "127.0.0.1"), folder, jobs_package) if folder else None
+    return LocalExecutors(InProcessNodes({"local-0": node} if node else {}), folder, SLOTS,
+                          jobs_package=jobs_package, **options)
 
 
 def wait_for(condition, executors, timeout_s=120):
@@ -25,7 +34,7 @@ def wait_for(condition, executors, timeout_s=120):
 
 
 def test_a_job_moved_to_two_slots_resumes_there_and_reaches_its_target(tmp_path):
-    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors = local_executors(tmp_path, report_every_s=0.2)
     executors.add("lm-1", "tiny_lm")
     job = executors.jobs["lm-1"]
     try:
@@ -46,13 +55,13 @@ def test_a_job_moved_to_two_slots_resumes_there_and_reaches_its_target(tmp_path)
 def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
     """kill -9 of one of a job's two workers: the other (waiting for it in a collective) is taken
     down too, and the job starts again from its checkpoint."""
-    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors = local_executors(tmp_path, report_every_s=0.2)
     executors.add("cnn-1", "cnn_shapes")
     job = executors.jobs["cnn-1"]
     try:
         executors.apply({"cnn-1": (("local-0", 2),)})
         wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)
-        job.workers[1].kill()                                            # kill -9 mid-training
+        executors.nodes.workers["local-0"].jobs["cnn-1"].processes[1].kill()     # kill -9 mid-training
         wait_for(lambda finished: "cnn-1" in finished, executors)
     finally:
         executors.stop_all()
@@ -60,7 +69,7 @@ def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
 
 
 def test_only_example_jobs_may_run():
-    executors = LocalExecutors(SLOTS, None)
+    executors = local_executors(None)
     with pytest.raises(ValueError, match="no job"):
         executors.add("x", "os")
     with pytest.raises(ValueError, match="no job"):
@@ -73,7 +82,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
     with pytest.raises(ValueError, match=r"no job 'common' in examples.jobs: examples.jobs.common does not declare "
                                          r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
                                          r"tiny_lm\)"):
-        LocalExecutors(SLOTS, None).add("c", "common")
+        local_executors(None).add("c", "common")
     with pytest.raises(ValueError, match=r"its jobs: environment, huge, quick, raises\)"):
         job_module("small", "tests.jobs")                     # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
@@ -96,19 +105,19 @@ def given_environment(log) -> dict[str, str]:
 def test_workers_and_profiling_runs_get_a_minimal_environment_never_the_agents_credentials(tmp_path, monkeypatch):
     """Real worker processes, started with NATS credentials and tokens in the agent's environment:
     they see none of them, only what a job needs (the device settings among it) and their place."""
-    from services.profiler.measure import ProfilingFailed, profiling_run
+    from shared.schema import ProfileRequest
 
     for name, value in {**CREDENTIALS, "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "WARN"}.items():
         monkeypatch.setenv(name, value)
-    executors = LocalExecutors(SLOTS, tmp_path, jobs_package="tests.jobs")
+    executors = local_executors(tmp_path, "tests.jobs")
     executors.add("env-1", "environment")
     try:
         executors.apply({"env-1": (("local-0", 2),)})
         wait_for(lambda finished: "env-1" in finished, executors, timeout_s=60)
     finally:
         executors.stop_all()
-    with pytest.raises(ProfilingFailed, match="printed no profile"):
-        profiling_run("env-2", "environment", "cpu", tmp_path, "tests.jobs", slot_memory_mb=64)
+    answer = executors.nodes.workers["local-0"].profile(ProfileRequest("env-2", "environment", slot_memory_mb=64))
+    assert answer.run is None and "printed no profile" in answer.failure
     workers = [given_environment(tmp_path / f"env-1.rank{rank}.log") for rank in (0, 1)]
     profiling = given_environment(tmp_path / "env-2.profile-cpu.log")
     for env in (*workers, profiling):
@@ -124,10 +133,10 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     """Submissions, then the profiler's word on each; a refused malformed submission (never read)
     is a failed job all the same; a rejection reusing a profiled job's id is ignored. A new agent
     given the saved jobs answers the same, restarts only what was running, and nothing twice."""
-    from services.executor.agent import NodeAgent
+    from services.executor.real import RealExecutors
     from shared.schema import JobSpec, Profiled, Rejected
 
-    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    agent = RealExecutors(local_executors(tmp_path))
     for sequence, job_id in enumerate(("lm", "refused", "done"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
     agent.submitted(JobSpec("lm", "cnn_shapes"), 4)                    # another body under a held id: not taken
@@ -140,17 +149,20 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     agent.rejected(Rejected("goodput.jobs.submit", "malformed submission", "done"))
     assert agent.jobs["lm"].spec.application == "tiny_lm"
     assert agent.arrive(10.0) == ["done", "lm"]
-    agent.executors.jobs["lm"].placement = (("local-0", 1),)           # as if running (no processes here)
+    lm = agent.executors.jobs["lm"]
+    lm.placement = (("local-0", 1),)                                   # as if running (no processes here)
     agent.executors.jobs["done"].result = {"stopped": False, "metric": 0.9, "batches": [16, 32]}
     assert agent.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)
+    lm.parts, lm.running = (("local-0", (0,)),), True                  # its workers there, as KV keeps it
     failures = {r.name: r.failure for r in agent.records() if r.failure}
     assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
     facts = agent.facts(12.0, ["lm"]).facts[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
 
-    successor = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    successor = RealExecutors(local_executors(tmp_path))
     for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):   # as KV keeps them
         successor.restore(job)
+    successor.executors.stop_leftovers()              # what was running on the nodes stops; it starts again
     records = {r.name: r for r in successor.records()}
     assert {name: r.failure for name, r in records.items() if r.failure} == failures
     assert (records["done"].finish_s, records["done"].restarts, records["done"].metric) == (
@@ -166,10 +178,10 @@ def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(
     cancelled job, queued or still being profiled, never starts and leaves the rounds."""
     import time
 
-    from services.executor.agent import NodeAgent
+    from services.executor.real import RealExecutors
     from shared.schema import CANCELLED, Cancel, JobSpec, Profiled
 
-    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    agent = RealExecutors(local_executors(tmp_path))
     for sequence, job_id in enumerate(("lm", "queued", "profiling"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
     agent.jobs["lm"].submitted_at = time.time() - 40.0           # submitted 40 s ago, profiled since
@@ -192,10 +204,10 @@ def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(
 def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_path):
     """The clock asks a round again when its reply was lost: the job that finished in it is
     reported again (else the run would never learn of it), its slot-seconds are counted once."""
-    from services.executor.agent import NodeAgent
+    from services.executor.real import RealExecutors
     from shared.schema import JobSpec, Profiled
 
-    agent = NodeAgent(LocalExecutors(SLOTS, tmp_path))
+    agent = RealExecutors(local_executors(tmp_path))
     agent.submitted(JobSpec("lm", "tiny_lm"), 1)
     agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.arrive(0.0)
@@ -212,7 +224,7 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
 
 def test_a_job_told_not_to_adapt_keeps_its_batch(tmp_path):
     """Under a policy that does not adapt batches (or for a rigid job) the workers keep theirs."""
-    executors = LocalExecutors(SLOTS, tmp_path, report_every_s=0.2)
+    executors = local_executors(tmp_path, report_every_s=0.2)
     executors.add("cnn-1", "cnn_shapes")
     job = executors.jobs["cnn-1"]
     job.adaptive = False

@@ -1,5 +1,5 @@
 """The executors' side of the round as endpoints, the same whoever plays the jobs: the simulated
-executors (`sim.executor`) or the node agent over real ones (`services.executor.agent`)."""
+executors (`sim.executor`) or the executor over real ones (`services.executor.real`)."""
 
 from __future__ import annotations
 

@@ -1,129 +1,108 @@
-"""Real jobs on this machine: each GPU of a placement is a CPU slot running one worker process of
-the job (a module of the allowed jobs package, `python -m examples.jobs.<application>` by default),
-data-parallel over gloo.
+"""Real jobs over the node agents: the executor service's side of `--executors local`.
 
-`LocalExecutors` is the node agent's core, without the bus: it starts a job's workers for a
-placement (torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; and
-GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE), stops them with SIGTERM when the placement
-changes (the library checkpoints and exits) and starts them again on the new one (the library
-resumes from the checkpoint at the new world size), collects the `JobStats` the workers print,
-and notices when a job finishes, or crashes (restarted from its last checkpoint; after
-`max_crashes` it fails, with the last line its workers wrote to stderr).
+`LocalExecutors` keeps each job's workers where the rounds place it. A placement is a list of
+(node, GPUs); each node's agent (`services.executor.node`) starts its share of the ranks, in
+placement order, for one generation of the job: the node of rank 0 picks the rendezvous port and
+the others are told it (torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT; GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE). A changed placement stops the
+workers everywhere (SIGTERM: the library checkpoints, every rank at the same step) and starts them
+on the new one (the library resumes from the checkpoint at the new world size); checkpoints are
+files every node reads (`--checkpoints`).
 
-Only a module that declares itself a job (`GOODPUT_JOB = True` at its top level, read from its
-source, never run here) may be started: the package's helpers are not jobs. A worker gets a minimal
-environment (`worker_env`), never the agent's: its NATS credentials stay with the agent.
+It collects the `JobStats` the workers print and notices when a job finishes — every worker has
+exited and one printed its outcome — or crashes: a worker that exits with an error, on any node,
+takes the job's others down everywhere (they would wait for it in a collective, at most the
+library's collective timeout) and the job restarts from its last checkpoint; after `max_crashes`
+it fails, with the last line its worker wrote to stderr. Workers that stopped unasked (their agent
+went away: the lifeline) restart without a crash counted. A node that is lost takes its jobs'
+workers with it: those jobs stop everywhere and the next round places them again.
+
+It is blocking code (the executor service runs it in a thread); `Nodes` is how it reaches the
+agents: over the bus (`BusNodes`), or `NodeWorkers` in this process (`InProcessNodes`).
 """
 
 from __future__ import annotations
 
-import ast
+import asyncio
 import base64
-import contextlib
-import importlib.util
 import json
 import logging
-import os
-import pkgutil
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import Mapping, Protocol
 
 import msgspec
+import nats.errors
+from nats.micro.request import ServiceError
 
-from deploy.nats import free_loopback_port
-from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX,
-                                        REPORT_ENV, REPORT_EVERY_S, STATS_PREFIX)
+from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, COLLECTIVE_TIMEOUT_ENV, OUTCOME_PREFIX, REPORT_ENV,
+                                    REPORT_EVERY_S, STATS_PREFIX)
+from services.executor.node import NodeWorkers
+from services.executor.processes import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
+from shared import subjects
+from shared.bus import Bus
 from shared.cluster import Cluster, Spots
-from shared.schema import CANCELLED, JobStats
+from shared.schema import CANCELLED, Ack, JobStats, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 
-JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
-JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
-STOP_TIMEOUT_S = 60.0
 MAX_CRASHES = 3
-ROOT = Path(__file__).resolve().parents[2]
-# What a worker inherits from the agent: what Python, PyTorch and the devices need, nothing else
-# (the agent's NATS credentials, tokens and TLS keys are not a job's).
-WORKER_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
-                              "VIRTUAL_ENV", "LD_LIBRARY_PATH"})
-WORKER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "TORCH_")
-NEVER_TO_WORKERS = "GOODPUT_NATS_"
+LOST_GRACE_S = 5.0          # a lost node's peers: this long to stop (they may be stuck waiting for it)
 log = logging.getLogger(__name__)
 
 
-def declares_job(path: str | Path | None) -> bool:
-    """Whether a module's source says `GOODPUT_JOB = True` at its top level (parsed, not run)."""
-    try:
-        tree = ast.parse(Path(path).read_bytes())
-    except (TypeError, OSError, SyntaxError, ValueError):    # no source (built-in, compiled), or not Python
-        return False
-    return any(isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is True
-               and any(isinstance(target, ast.Name) and target.id == JOB_MARKER for target in node.targets)
-               for node in tree.body)
+class NodeGone(Exception):
+    """A node's agent did not answer (lost, or stopping)."""
 
 
-def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
-    """The modules of `package` that declare themselves jobs."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except ModuleNotFoundError:
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    return sorted(info.name for info in pkgutil.iter_modules(spec.submodule_search_locations)
-                  if not info.ispkg and declares_job(info.module_finder.find_spec(info.name).origin))
+class Nodes(Protocol):
+    def start(self, node: str, order: StartWorkers) -> Rendezvous: ...
+    def stop(self, node: str, request: StopWorkers) -> WorkersReport: ...
+    def poll(self, node: str) -> NodeReport: ...
 
 
-def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
-    """The module a job's `application` names; ValueError unless it is one of `package`'s declared jobs."""
-    module = f"{package}.{application}"
-    try:
-        spec = importlib.util.find_spec(module) if application.isidentifier() else None
-    except ModuleNotFoundError:               # the package itself is not there
-        spec = None
-    if spec is not None and spec.submodule_search_locations is None and declares_job(spec.origin):
-        return module
-    why = (f"{module} does not declare itself a job (`{JOB_MARKER} = True`)" if spec is not None
-           else "a submission names its code by one of the package's jobs; it may not carry a command or a path")
-    jobs = ", ".join(declared_jobs(package)) or "none"
-    raise ValueError(f"no job {application!r} in {package}: {why} (its jobs: {jobs})")
+class InProcessNodes:
+    """Node agents' workers in this process (no bus): `NodeWorkers` by node name."""
+
+    def __init__(self, workers: Mapping[str, NodeWorkers]):
+        self.workers = dict(workers)
+
+    def _node(self, node: str) -> NodeWorkers:
+        if node not in self.workers:
+            raise NodeGone(node)
+        return self.workers[node]
+
+    def start(self, node: str, order: StartWorkers) -> Rendezvous:
+        return self._node(node).start(order)
+
+    def stop(self, node: str, request: StopWorkers) -> WorkersReport:
+        return self._node(node).stop(request)
+
+    def poll(self, node: str) -> NodeReport:
+        return self._node(node).poll()
 
 
-def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dict[str, str]:
-    """A worker's whole environment: the allowed part of the agent's (`parent`, default ours), one
-    thread (a CPU slot is one core), then `env`; never a NATS credential."""
-    parent = os.environ if parent is None else parent
-    allowed = {name: value for name, value in parent.items()
-               if name in WORKER_ENV_NAMES or name.startswith(WORKER_ENV_PREFIXES)}
-    return {name: value for name, value in {**allowed, "OMP_NUM_THREADS": "1", **env}.items()
-            if not name.startswith(NEVER_TO_WORKERS)}
+class BusNodes:
+    """The node agents over NATS, from the executor's worker thread (its calls wait for the answer)."""
 
+    def __init__(self, bus: Bus, loop: asyncio.AbstractEventLoop, timeout_s: float = 10.0):
+        self.bus, self.loop, self.timeout_s = bus, loop, timeout_s
 
-def worker(module: str, arguments: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
-    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`. It
-    finds the jobs package from ROOT, its working directory (`-m` puts that first on sys.path), or
-    from PYTHONPATH."""
-    return subprocess.Popen([sys.executable, "-m", module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
-                            stderr=log, text=True, errors="replace", cwd=ROOT)
+    def _call(self, node: str, endpoint: str, message, reply_type, timeout_s: float):
+        request = self.bus.request(subjects.node_subject(node, endpoint), message, reply_type, timeout=timeout_s)
+        try:
+            return asyncio.run_coroutine_threadsafe(request, self.loop).result(timeout_s + 5)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as error:
+            raise NodeGone(f"node {node} did not answer {endpoint}: {type(error).__name__}") from None
+        except ServiceError as error:
+            raise ValueError(error.description) from None
 
+    def start(self, node: str, order: StartWorkers) -> Rendezvous:
+        return self._call(node, "start", order, Rendezvous, self.timeout_s + STOP_TIMEOUT_S)
 
-def torchrun_env(rank: int, world: int, nodes: int, port: int, job_id: str, gpu_type: str) -> dict[str, str]:
-    """A worker's place in its job, as torchrun gives it, and what goodput adds."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "GOODPUT_NODES": str(nodes), JOB_ENV: job_id, GPU_TYPE_ENV: gpu_type}
+    def stop(self, node: str, request: StopWorkers) -> WorkersReport:
+        return self._call(node, "stop", request, WorkersReport, self.timeout_s + request.grace_s)
 
-
-def last_error(log: Path) -> str:
-    """The last line a worker wrote to stderr (a traceback's ends with the exception)."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] \
-        if log.exists() else []
-    return lines[-1] if lines else "no error output"
+    def poll(self, node: str) -> NodeReport:
+        return self._call(node, "poll", Ack(), NodeReport, self.timeout_s)
 
 
 @dataclass
@@ -131,9 +110,9 @@ class LocalJob:
     job_id: str
     application: str
     placement: Spots = ()
-    workers: list[subprocess.Popen] = field(default_factory=list)
-    readers: list[threading.Thread] = field(default_factory=list)     # one per worker: its stdout
-    lines: queue.Queue = field(default_factory=queue.Queue)
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()   # the nodes its workers run on now, and their ranks
+    generation: int = 0                  # one per start of its workers (a node ignores an older order)
+    running: bool = False                # its workers of this generation were started, not yet seen ended
     stats: JobStats | None = None
     result: dict | None = None           # its outcome line, once it has finished
     restarts: int = 0
@@ -143,21 +122,29 @@ class LocalJob:
     heard: bool = False                  # its workers have reported since they were last started
     adaptive: bool = True                # its workers re-tune their batch (else they keep it)
 
-    @property
-    def running(self) -> bool:
-        return bool(self.workers)
+
+def node_parts(spots: Spots, real: Mapping[str, str]) -> list[tuple[str, int]]:
+    """A placement on the cluster's (possibly virtual) nodes as GPUs per real node, in placement order."""
+    parts: dict[str, int] = {}
+    for node, gpus in spots:
+        parts[real.get(node, node)] = parts.get(real.get(node, node), 0) + gpus
+    return list(parts.items())
 
 
 class LocalExecutors:
-    def __init__(self, cluster: Cluster, workdir: Path, max_crashes: int = MAX_CRASHES,
+    def __init__(self, nodes: Nodes, checkpoints: Path, cluster: Cluster | None = None,
+                 real: Mapping[str, str] | None = None, max_crashes: int = MAX_CRASHES,
                  report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE,
-                 checkpoint_every_s: float | None = None):
-        self.cluster = cluster
-        self.workdir = workdir
+                 checkpoint_every_s: float | None = None, collective_timeout_s: float | None = None):
+        self.nodes = nodes
+        self.checkpoints = checkpoints
+        self.cluster = cluster or Cluster("none", ())
+        self.real = dict(real or {})                 # a virtual node's real one (a node split in powers of two)
         self.max_crashes = max_crashes
         self.report_every_s = report_every_s
         self.jobs_package = jobs_package
         self.checkpoint_every_s = checkpoint_every_s      # None: each job's own (the library's 5 min)
+        self.collective_timeout_s = collective_timeout_s  # None: the library's (60 s)
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False                 # stopping for good: a worker that exits is not restarted
 
@@ -168,59 +155,94 @@ class LocalExecutors:
             raise ValueError(f"job {job_id}: {error}") from None
         self.jobs.setdefault(job_id, LocalJob(job_id, application))
 
-    def apply(self, placements: dict[str, Spots]) -> None:
-        """Give each job its placement: a changed one stops its workers (they checkpoint) and
-        starts them again on the new slots."""
+    def apply(self, placements: Mapping[str, Spots]) -> None:
+        """Give each job its placement: every changed one stops its workers first (they checkpoint,
+        and free their GPUs), then each starts again on its new nodes."""
         if self.closing:
             return
-        for job in self.jobs.values():
-            spots = tuple(placements.get(job.job_id, ()))
-            if spots == job.placement or job.result is not None or job.failure:
-                continue
+        changed = [job for job in self.jobs.values() if tuple(placements.get(job.job_id, ())) != job.placement
+                   and job.result is None and not job.failure]
+        for job in changed:
             if job.running:
                 self._stop(job)
-                if job.result is not None:          # it finished as it was being stopped
-                    continue
-                job.restarts += 1
-            job.placement = spots
-            if spots:
-                self._start(job)
+                if job.result is None:               # else it finished as it was being stopped
+                    job.restarts += 1
+        for job in changed:
+            if job.result is None:
+                job.placement = tuple(placements.get(job.job_id, ()))
+                if job.placement:
+                    self._start(job)
 
     def poll(self) -> list[str]:
         """Take the workers' reports; the jobs that finished since the last poll (also one that
-        finished just as it was being stopped). A worker that crashed takes the others of its job
-        down (they would wait for it in a collective) and the job restarts from its checkpoint."""
-        for job in self.jobs.values():
-            self._read(job)
-            codes = [w.poll() for w in job.workers]
-            crashed = any(code not in (None, 0) for code in codes)
-            if not job.running or (None in codes and not crashed):
+        finished just as it was being stopped)."""
+        running = [job for job in self.jobs.values() if job.running]
+        reports: dict[str, dict[str, WorkersReport]] = {}
+        for node in {node for job in running for node, _ in job.parts}:
+            try:
+                reports[node] = {report.job_id: report for report in self.nodes.poll(node).jobs}
+            except NodeGone:
+                reports[node] = None            # unknown this time: its jobs wait for the membership's word
+        for job in running:
+            if any(reports[node] is None for node, _ in job.parts):
                 continue
-            for worker in job.workers:
-                if worker.poll() is None:
-                    worker.kill()
-                    worker.wait()
-            self._end(job)
-            job.workers, job.readers = [], []
-            if crashed and job.result is None and not self.closing:
+            mine = [reports[node].get(job.job_id) for node, _ in job.parts]
+            current = [r for r in mine if r is not None and r.generation == job.generation]
+            for report in current:
+                self._take(job, report)
+            codes = [code for report in current for code in report.codes]
+            crashed = next((r for r in current if any(c not in (None, 0) for c in r.codes)), None)
+            if crashed is None and len(current) == len(mine) and None in codes:
+                continue                                  # running
+            self._stop(job, kill=crashed is not None or len(current) < len(mine))
+            if job.result is not None or self.closing:
+                continue
+            if crashed is not None:
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
-                    rank = next(rank for rank, code in enumerate(codes) if code not in (None, 0))   # the first to crash
-                    job.failure = (f"its workers crashed {job.crashes} times (exit code {codes[rank]} on rank {rank}); "
-                                   f"the last error: {last_error(self._log(job, rank))}")
-                else:
-                    self._start(job)                  # from its last checkpoint
-        finished = [job for job in self.jobs.values() if job.result is not None and not job.announced]
+                    rank, code = next((rank, code) for rank, code in zip(crashed.ranks, crashed.codes)
+                                      if code not in (None, 0))
+                    job.failure = (f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
+                                   f"the last error: {crashed.error or 'no error output'}")
+                    job.placement = ()
+                    continue
+            else:        # stopped unasked (an agent went away, or restarted and stopped what it found)
+                job.restarts += 1
+            self._start(job)                              # from its last checkpoint
+        finished = [job for job in self.jobs.values() if job.result is not None and not job.running
+                    and not job.announced]
         for job in finished:
             job.announced = True
         return [job.job_id for job in finished]
 
+    def lose(self, nodes: set[str], grace_s: float = LOST_GRACE_S) -> list[str]:
+        """Nodes lost (or drained): each job with workers there stops everywhere (its workers on
+        the other nodes checkpoint if they still can) and waits for the next round's placement.
+        The jobs it stopped."""
+        hit = [job for job in self.jobs.values() if job.running and any(node in nodes for node, _ in job.parts)]
+        for job in hit:
+            self._stop(job, grace_s=grace_s, skip=nodes)
+            if job.result is None:
+                job.placement = ()
+                job.restarts += 1
+        return [job.job_id for job in hit]
+
     def cancel(self, job_id: str) -> None:
-        """Stop a job for good, as its user asked: its workers checkpoint and stop; it gives up its slots."""
+        """Stop a job for good, as its user asked: its workers checkpoint and stop; it gives up its GPUs."""
         job = self.jobs[job_id]
         if job.running:
             self._stop(job)
         job.failure, job.placement = CANCELLED, ()
+
+    def stop_leftovers(self) -> None:
+        """After the executor restarted: the workers its predecessor left running on the nodes
+        (restored jobs marked running) checkpoint and stop; the next apply starts them again."""
+        for job in self.jobs.values():
+            if job.running:
+                self._stop(job)
+                if job.result is None:
+                    job.restarts += 1
+                    job.placement = ()
 
     def stop_all(self) -> None:
         self.closing = True
@@ -231,103 +253,67 @@ class LocalExecutors:
     # ---- workers --------------------------------------------------------------------------
 
     def _start(self, job: LocalJob) -> None:
-        world = sum(g for _, g in job.placement)
-        gpu_type = self.cluster.placement_type(job.placement)
-        port = free_loopback_port()
-        module = job_module(job.application, self.jobs_package)
-        arguments = ["--checkpoint", str(self._checkpoint(job))]
+        """Start the job's workers on its placement, rank 0's node first (it answers the rendezvous)."""
+        parts = node_parts(job.placement, self.real)
+        world = sum(gpus for _, gpus in parts)
+        gpu_type = self.cluster.placement_type(job.placement) or ""
+        job.generation += 1
         job.heard = False
-        for rank in range(world):
-            env = {**torchrun_env(rank, world, len(job.placement), port, job.job_id, gpu_type or ""),
-                   REPORT_ENV: str(self.report_every_s), ADAPTIVE_ENV: str(int(job.adaptive))}
-            if self.checkpoint_every_s is not None:
-                env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
-            with open(self._log(job, rank), "w") as log:
-                process = worker(module, arguments, env, log)
-            reader = threading.Thread(target=_forward, args=(process, job.lines), daemon=True)
-            reader.start()
-            job.workers.append(process)
-            job.readers.append(reader)
-            self._pids(job).write_text(" ".join(str(w.pid) for w in job.workers))    # at once: we may die next
+        env = {REPORT_ENV: str(self.report_every_s), ADAPTIVE_ENV: str(int(job.adaptive))}
+        if self.checkpoint_every_s is not None:
+            env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
+        if self.collective_timeout_s is not None:
+            env[COLLECTIVE_TIMEOUT_ENV] = str(self.collective_timeout_s)
+        started, first, rendezvous = [], 0, None
+        job.parts, job.running = (), True
+        try:
+            for node, gpus in parts:
+                ranks = tuple(range(first, first + gpus))
+                first += gpus
+                order = StartWorkers(job.job_id, job.application, job.generation, ranks, world, len(parts), gpu_type,
+                                     str(self._checkpoint(job)), env,
+                                     *((rendezvous.address, rendezvous.port) if rendezvous else ()))
+                answer = self.nodes.start(node, order)
+                rendezvous = rendezvous or answer
+                started.append((node, ranks))
+                job.parts = tuple(started)
+        except (NodeGone, ValueError) as error:
+            log.warning("job %s could not start on %s: %s", job.job_id, job.placement, error)
+            self._stop(job, kill=True)
+            job.placement = ()
+            if isinstance(error, ValueError):         # the job's own trouble (its code gone), not a node's
+                job.crashes += 1
+                if job.crashes >= self.max_crashes:
+                    job.failure = f"its workers could not start {job.crashes} times: {error}"
+
+    def _stop(self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S,
+              skip: set[str] = frozenset()) -> None:
+        """Stop its workers on every node they run on (not `skip`: lost), and read their last word."""
+        for node, _ in job.parts:
+            if node in skip:
+                continue
+            try:
+                report = self.nodes.stop(node, StopWorkers(job.job_id, grace_s, kill))
+            except NodeGone as error:
+                log.warning("job %s: %s", job.job_id, error)
+                continue
+            if report.generation == job.generation:
+                self._take(job, report)
+        job.parts, job.running = (), False
+
+    def _take(self, job: LocalJob, report: WorkersReport) -> None:
+        """What a node's workers of the job printed: its latest stats, its outcome."""
+        try:
+            if report.stats:
+                stats = msgspec.msgpack.decode(base64.b64decode(report.stats[len(STATS_PREFIX):]), type=JobStats)
+                if stats != job.stats:
+                    job.stats, job.heard = stats, True
+            if report.outcome:
+                outcome = json.loads(report.outcome[len(OUTCOME_PREFIX):])
+                if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
+                    job.result = outcome
+        except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
+            log.warning("job %s: unreadable report: %s", job.job_id, error)
 
     def _checkpoint(self, job: LocalJob) -> Path:
-        return self.workdir / f"{job.job_id}.pt"
-
-    def _pids(self, job: LocalJob) -> Path:
-        """Its workers' process ids, while they run: an agent that died leaves them for the next."""
-        return self.workdir / f"{job.job_id}.pids"
-
-    def stop_leftovers(self) -> None:
-        """Workers an agent before this one left running (it was killed): each told to stop — it
-        checkpoints — and waited for. A process id is taken for a worker of ours only while its
-        command line ends with the job's own checkpoint argument (ids are reused)."""
-        leftovers = []
-        for pids in self.workdir.glob("*.pids"):
-            mark = f"--checkpoint\0{self.workdir / pids.stem}.pt\0".encode()
-            for pid in (int(p) for p in pids.read_text().split() if p.isdigit() and int(p) != os.getpid()):
-                try:
-                    if Path(f"/proc/{pid}/cmdline").read_bytes().endswith(mark):
-                        os.kill(pid, signal.SIGTERM)
-                        leftovers.append(pid)
-                except (FileNotFoundError, ProcessLookupError):
-                    pass                                     # gone already
-            pids.unlink()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(_alive(pid) for pid in leftovers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in leftovers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    def _log(self, job: LocalJob, rank: int) -> Path:
-        return self.workdir / f"{job.job_id}.rank{rank}.log"
-
-    def _stop(self, job: LocalJob) -> None:
-        for worker in job.workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in job.workers:
-            try:
-                worker.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-        self._end(job)
-        job.workers, job.readers = [], []
-
-    def _end(self, job: LocalJob) -> None:
-        """After the workers exited: every line they wrote, read."""
-        for reader in job.readers:
-            reader.join(timeout=STOP_TIMEOUT_S)
-        self._read(job)
-        self._pids(job).unlink(missing_ok=True)
-
-    def _read(self, job: LocalJob) -> None:
-        while True:
-            try:
-                line = job.lines.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if line.startswith(STATS_PREFIX):
-                    job.stats = msgspec.msgpack.decode(base64.b64decode(line[len(STATS_PREFIX):]), type=JobStats)
-                    job.heard = True
-                elif line.startswith(OUTCOME_PREFIX):
-                    outcome = json.loads(line[len(OUTCOME_PREFIX):])
-                    if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
-                        job.result = outcome
-            except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
-                log.warning("job %s: unreadable report %r: %s", job.job_id, line[:80], error)
-
-
-def _alive(pid: int) -> bool:
-    """Whether the process runs (a zombie, exited and not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _forward(worker: subprocess.Popen, lines: queue.Queue) -> None:
-    """A worker's stdout, line by line (rank 0 reports; every rank prints its outcome)."""
-    for line in worker.stdout:
-        lines.put(line.strip())
+        return self.checkpoints / f"{job.job_id}.pt"

@@ -11,7 +11,7 @@ from services.placer.core import place
 from services.runner import new_service
 from shared import subjects
 from shared.bus import Bus
-from shared.cluster import load_cluster
+from shared.cluster import Cluster, load_cluster
 from shared.schema import PlacementResult, PlaceRequest
 
 
@@ -32,7 +32,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
 
     def on_place(request: PlaceRequest) -> PlacementResult:
-        result = place(cluster, request.allocations, request.previous, request.groups)
+        # A live round on real executors names its nodes (the agents serving now); else the placer's own.
+        nodes = cluster if request.nodes is None else Cluster(cluster.name, request.nodes)
+        result = place(nodes, request.allocations, request.previous, request.groups)
         trace.get_current_span().set_attributes(placement_attributes(request, result))
         return result
 

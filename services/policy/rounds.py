@@ -32,7 +32,7 @@ from opentelemetry.context import Context
 
 from services.policy.base import (Decision, HybridRefused, Policy, Prediction, RoundState, decision_from_placements,
                                   job_view, restore_policy, snapshot_policy)
-from shared.cluster import Cluster, Config, Spots
+from shared.cluster import Cluster, Config, Node, Spots
 from shared.schema import (
     CANCELLED,
     AdvanceReply,
@@ -66,7 +66,7 @@ class Wiring(Protocol):
     async def models(self, facts: list[JobFacts]) -> ModelsReply: ...              # estimator
 
     async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int]) -> PlacementResult: ...
+                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult: ...
 
     async def apply(self, request: ApplyRequest) -> None: ...                      # executors
 
@@ -89,6 +89,10 @@ class LiveFeed(Protocol):
     async def wait(self, now: float) -> None: ...            # until the round at `now` is due
 
     async def jobs(self, now: float) -> list[str]: ...      # the live jobs not finished, arrived by `now`
+
+    # The nodes the executors serve now (real ones: their live agents), set by `jobs`; None: the
+    # executors' cluster is the fixed one the loop was given.
+    nodes: tuple[Node, ...] | None
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class RoundLoop:
         self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
+        self.dynamic = False          # the cluster is the executors' live nodes (the placer is told them)
 
     async def run(self, progress: Callable[[float, int, int], None] | None = None, clock: RunClock | None = None,
                   journal: Journal | None = None, live: LiveFeed | None = None) -> RunClock:
@@ -137,7 +142,8 @@ class RoundLoop:
             if live:
                 await live.wait(clock.now_s)
                 clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
-                if not clock.active:             # idle: the next round, on the wall clock
+                self._serve_nodes(live.nodes, clock.now_s)
+                if not clock.active or not self.cluster.nodes:     # idle (or no node): the next round, on the wall clock
                     clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
                     if journal:                  # kept, so a resumed run's clock is never behind its jobs
                         await journal.idled(clock)
@@ -194,6 +200,20 @@ class RoundLoop:
                 progress(clock.now_s, clock.done, total)
         return clock
 
+    def _serve_nodes(self, nodes: tuple[Node, ...] | None, now: float) -> None:
+        """A live round on the nodes the executors serve now: joined ones are used, lost ones not."""
+        if nodes is None or nodes == self.cluster.nodes:
+            return
+        before = {n.name for n in self.cluster.nodes}
+        after = {n.name for n in nodes}
+        joined, gone = sorted(after - before), sorted(before - after)
+        self.events.extend([*(f"{now:.0f}s: node {name} joined" for name in joined),
+                            *(f"{now:.0f}s: node {name} is gone" for name in gone)])
+        if not nodes:
+            self.events.append(f"{now:.0f}s: no node is served: jobs wait for a node agent")
+        self.cluster = Cluster(self.cluster.name, nodes)
+        self.dynamic = True
+
     async def _decide(self, now: float, active: list[str], decisions: int, round_number: int) -> DecidedRound:
         """The round's decision: facts, models, the policy, then the placer unless the policy placed."""
         start = time.perf_counter()
@@ -225,7 +245,8 @@ class RoundLoop:
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
             placed = await self.wiring.place(decisions + 1, decision.allocations, previous,
-                                             hybrid_groups(decision.allocations, [v.models for v in views]))
+                                             hybrid_groups(decision.allocations, [v.models for v in views]),
+                                             self.cluster.nodes if self.dynamic else None)
             placements, evicted = placed.placements, tuple(placed.evicted)
             events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:

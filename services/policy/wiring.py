@@ -16,7 +16,7 @@ import nats.errors
 
 from shared import subjects
 from shared.bus import Bus
-from shared.cluster import Config, Spots
+from shared.cluster import Config, Node, Spots
 from shared.schema import (
     Ack,
     AdvanceReply,
@@ -68,8 +68,8 @@ class BusWiring:
         return await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
 
     async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int]) -> PlacementResult:
-        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous, groups),
+                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult:
+        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous, groups, nodes),
                                    PlacementResult)
 
     async def apply(self, request: ApplyRequest) -> None:
@@ -78,9 +78,9 @@ class BusWiring:
     async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply:
         return await self._request(subjects.ADVANCE, AdvanceRequest(now, step, tuple(jobs)), AdvanceReply)
 
-    async def live_jobs(self, now: float) -> list[str]:
-        """The live jobs not finished (those submitted since the last round arrive now)."""
-        return list((await self._request(subjects.LIVE_JOBS, LiveJobsRequest(now), LiveJobs)).jobs)
+    async def live_jobs(self, now: float) -> LiveJobs:
+        """The live jobs not finished (those submitted since the last round arrive now), and the nodes."""
+        return await self._request(subjects.LIVE_JOBS, LiveJobsRequest(now), LiveJobs)
 
 
 class LiveFeed:
@@ -92,10 +92,13 @@ class LiveFeed:
         self.wiring = wiring
         self.speed = speed
         self.origin = (time.monotonic(), now)
+        self.nodes: tuple[Node, ...] | None = None
 
     async def wait(self, now: float) -> None:
         wall, virtual = self.origin
         await asyncio.sleep(max(0.0, wall + (now - virtual) / self.speed - time.monotonic()))
 
     async def jobs(self, now: float) -> list[str]:
-        return await self.wiring.live_jobs(now)
+        live = await self.wiring.live_jobs(now)
+        self.nodes = live.nodes
+        return list(live.jobs)

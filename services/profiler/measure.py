@@ -1,26 +1,30 @@
-"""The real profiler (Sia §3.3): a submitted job's own script, run on one GPU (a CPU slot here) of a
-type, times a few steps at ~10 batch sizes and finds the largest that fits memory
-(`goodput_train.profiling`); here that run is started and its result made a bootstrap profile.
+"""The real profiler (Sia §3.3): a submitted job's own script, run on one GPU (a CPU slot standing
+in for one) of a type, times a few steps at ~10 batch sizes and finds the largest that fits memory
+(`AdaptiveTraining.profile`). The run happens on a node of that type, through its agent
+(`services.executor.node`): the profiler measures where the job would train, never on its own
+machine. Its result becomes the job's bootstrap profile.
 
 Every way it can go wrong ends in a `ProfilingFailed` with the reason the job is refused for: the
-script raised, it printed no profile, it ran too long, or no batch size fits the GPU's memory.
+script raised, it printed no profile, it ran too long, no batch size fits the GPU's memory, or no
+node of the type was served for NODE_WAIT_S. A node that goes away mid-run is not the job's
+fault: `NodeUnavailable`, and the submission is tried again.
 """
 
 from __future__ import annotations
 
-import base64
-import subprocess
-from pathlib import Path
+import asyncio
+import random
 
-import msgspec
+import nats.errors
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from services.executor.local import job_module, last_error, torchrun_env, worker
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
-from shared.schema import Profile, ProfileRun
+from shared import subjects
+from shared.bus import Bus, TypedKV
+from shared.schema import NodeInfo, Profile, ProfileAnswer, ProfileRequest, ProfileRun
 
 PROFILE_TIMEOUT_S = 300.0
+NODE_WAIT_S = 120.0          # how long a job waits for a node of a type to profile on before it is refused
 TRACER_NAME = "goodput.profiler"
 
 
@@ -28,21 +32,50 @@ class ProfilingFailed(Exception):
     """The job cannot run here; the message says why."""
 
 
-def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
-                  slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
-                  running: set[subprocess.Popen] | None = None,
-                  tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
-    """Run the job's script in profiling mode on one slot of `gpu_type`; what it measured. The
-    process is in `running` while it runs (for whoever must stop it). The run is a `profiler.run`
-    span (a child of the current one: asyncio.to_thread carries the context) with what it measured
-    or why it failed."""
+class NodeUnavailable(RuntimeError):
+    """The node profiling the job went away: the job is profiled again, elsewhere."""
+
+
+async def node_of_type(members: TypedKV[NodeInfo], gpu_type: str, wait_s: float = NODE_WAIT_S) -> str:
+    """A live node of `gpu_type` (any, at random: profiling runs spread over them), waiting for one
+    to be served for up to `wait_s`."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        nodes = []
+        for key in await members.keys():
+            entry = await members.get(key)
+            if entry is not None and entry.value.gpu_type == gpu_type:
+                nodes.append(key)
+        if nodes:
+            return random.choice(nodes)
+        if asyncio.get_running_loop().time() > deadline:
+            raise ProfilingFailed(f"no node of type {gpu_type} has been served for {wait_s:.0f} s to profile it on")
+        await asyncio.sleep(1.0)
+
+
+async def profiling_run(bus: Bus, members: TypedKV[NodeInfo], job_id: str, application: str, gpu_type: str,
+                        slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
+                        node_wait_s: float = NODE_WAIT_S,
+                        tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
+    """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
+    The run is a `profiler.run` span with what it measured or why it failed."""
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span("profiler.run", record_exception=False, set_status_on_exception=False,
                                       attributes={"job.id": job_id, "job.application": application,
                                                   "gpu.type": gpu_type, "timeout_s": timeout_s}) as span:
         try:
-            run = _profiling_run(job_id, application, gpu_type, workdir, jobs_package, slot_memory_mb, timeout_s,
-                                 running)
+            node = await node_of_type(members, gpu_type, node_wait_s)
+            span.set_attribute("node", node)
+            try:
+                answer = await bus.request(subjects.node_subject(node, "profile"),
+                                           ProfileRequest(job_id, application, slot_memory_mb, timeout_s),
+                                           ProfileAnswer, timeout=timeout_s + 30)
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
+                raise NodeUnavailable(f"node {node} did not finish profiling {job_id}: {type(error).__name__}") \
+                    from None
+            if answer.run is None:
+                raise ProfilingFailed(answer.failure)
+            run = answer.run
         except ProfilingFailed as error:
             span.set_attributes({"outcome": "failed", "reason": str(error)})
             span.set_status(Status(StatusCode.ERROR, str(error)))
@@ -59,41 +92,6 @@ def profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, j
         if run.out_of_memory is not None:
             span.set_attribute("out_of_memory.batch", run.out_of_memory)
         return run
-
-
-def _profiling_run(job_id: str, application: str, gpu_type: str, workdir: Path, jobs_package: str,
-                   slot_memory_mb: float | None, timeout_s: float, running: set[subprocess.Popen] | None) -> ProfileRun:
-    running = set() if running is None else running
-    try:
-        module = job_module(application, jobs_package)
-    except ValueError as error:
-        raise ProfilingFailed(str(error)) from None
-    env = {**torchrun_env(0, 1, 1, 0, job_id, gpu_type), PROFILE_ENV: "1"}
-    if slot_memory_mb is not None:
-        env[SLOT_MEMORY_ENV] = str(slot_memory_mb)
-    log_path = workdir / f"{job_id}.profile-{gpu_type}.log"
-    with open(log_path, "w") as log:
-        process = worker(module, [], env, log)
-        running.add(process)
-        try:
-            out, _ = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise ProfilingFailed(f"its profiling run on {gpu_type} took longer than {timeout_s:.0f} s") from None
-        finally:
-            running.discard(process)
-    if process.returncode != 0:
-        raise ProfilingFailed(f"its script failed while profiling on {gpu_type} (exit code {process.returncode}): "
-                              f"{last_error(log_path)}")
-    for line in out.splitlines():
-        if line.startswith(PROFILE_PREFIX):
-            try:
-                return msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX):]), type=ProfileRun)
-            except (ValueError, msgspec.DecodeError) as error:
-                raise ProfilingFailed(f"its profiling run printed an unreadable profile: {error}") from None
-    raise ProfilingFailed(f"its script printed no profile on {gpu_type}: it must train through "
-                          "AdaptiveTraining.run (goodput_train.trainer)")
 
 
 def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun,

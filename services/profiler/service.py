@@ -7,7 +7,7 @@ acknowledged once the profiler's verdict is stored in the jobs stream, exactly o
 malformed, an unknown application or GPU type, more GPUs than the cluster has, a submit time on a
 live submission, a profiling run that failed). Only accepted jobs ever run. On a simulated cluster
 the profiles are trace-backed (`services.profiler.core`); with `--executors local` the job's own
-script is run on one slot of each GPU type (`services.profiler.measure`).
+script is run on one GPU of each type, by the agent of a node of that type (`services.profiler.measure`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import subprocess
-import tempfile
-from pathlib import Path
 
 from nats import micro
 
-from services.executor.local import JOBS_PACKAGE
 from services.profiler import api
 from services.profiler.core import id_taken, malformed_reason, named_types, profile_source, submission_problem
 from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
@@ -29,7 +25,7 @@ from services.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
-from shared.schema import JobOwner, JobProfiles, JobSpec, Profiled, Stored, readable_id, rejection, spec_digest
+from shared.schema import JobOwner, JobProfiles, NodeInfo, JobSpec, Profiled, Stored, readable_id, rejection, spec_digest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,27 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", help="reference folder the profiles are read from")
     parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo")
     parser.add_argument("--executors", choices=["simulated", "local"], default="simulated",
-                        help="local: profile each job by running its script on one slot of each GPU type")
-    parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
-                        help="local: the package whose modules jobs may run (default: %(default)s)")
+                        help="local: profile each job by running its script on one GPU of each type, on a node of "
+                             "that type (through its agent)")
     parser.add_argument("--slot-memory", type=positive_float,
                         help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)")
-    parser.add_argument("--workdir", help="local: where profiling runs write their logs (default: a temporary folder)")
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
     local = args.executors == "local"
     source = None if local else profile_source(args.reference, args.zoo)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="goodput-profiles-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    running: set[subprocess.Popen] = set()     # profiling runs in progress: stopped with the service
+    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo) if local else None
     stopping = asyncio.Event()
 
     async def stop_runs() -> None:
         stopping.set()
-        for process in list(running):
-            process.kill()
 
     bus.on_close(stop_runs)
 
@@ -107,8 +97,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         for gpu_type in types:
             if stopping.is_set():
                 raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
-            run = await asyncio.to_thread(profiling_run, spec.id, spec.application, gpu_type, workdir,
-                                          args.jobs_package, args.slot_memory, running=running)
+            run = await profiling_run(bus, members, spec.id, spec.application, gpu_type, args.slot_memory)
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run

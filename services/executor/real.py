@@ -1,15 +1,18 @@
-"""The node agent: the executor service over real training processes (`--executors local`).
+"""The executor service over real training processes (`--executors local`), on the node agents.
 
 It answers the round's requests as the simulated executors do — facts, apply, advance, live,
-records — for jobs that really train (`LocalExecutors`: a worker process per GPU, here per CPU
-slot). The clock is the live run's, paced by the wall clock: a job arrives at the first live round
+records — for jobs that really train (`LocalExecutors`: a worker process per GPU, or per CPU slot,
+started by the agent of each node a placement touches: `services.executor.node`). The cluster
+it schedules is the live nodes: each round, the agents whose membership entry has not lapsed,
+less the drained ones (`goodput drain`), checked against `--cluster` when one is given. A node
+lost or drained stops its jobs' workers, and the round places them again. The clock is the live run's, paced by the wall clock: a job arrives at the first live round
 after the profiler has measured it (`Profiled`); a placement is applied by restarting its workers
 at the new world size (they checkpoint first); each round reports the configurations the jobs ran,
 with their measured step times, to the estimator, and the jobs that finished or failed since the
 last. A job the profiler refused is kept as failed, with the profiler's reason. Every job is kept
 in KV (`NodeJob`), so an agent started again (kill -9, an upgrade) goes on with them.
 
-`NodeAgent` is the bookkeeping, without the bus; `start` is the service around it.
+`RealExecutors` is the bookkeeping, without the bus; `start` is the service around it.
 """
 
 from __future__ import annotations
@@ -20,18 +23,20 @@ import logging
 import math
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import msgspec
 from nats import micro
 
-from services.executor import endpoints
-from services.executor.local import JOBS_PACKAGE, LocalExecutors
 from goodput_train.protocol import REPORT_EVERY_S
+from services.executor import endpoints, node
+from services.executor.local import BusNodes, LocalExecutors
+from services.executor.processes import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import storage, subjects
-from shared.bus import Bus
-from shared.cluster import Cluster, Spots, load_cluster
+from shared.bus import Bus, TypedKV
+from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_nodes
 from goodput_train.goodput import Observation
 from shared.schema import (
     CANCELLED,
@@ -41,13 +46,17 @@ from shared.schema import (
     AdvanceRequest,
     ApplyRequest,
     Cancel,
+    DrainAnswer,
+    DrainRequest,
     JobFacts,
     JobRecord,
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
+    NodeInfo,
     NodeJob,
     Observed,
+    Placed,
     Profiled,
     Rejected,
     verdict_for,
@@ -58,13 +67,17 @@ UNREADABLE = "unreadable"   # the application of a job whose submission could no
 log = logging.getLogger(__name__)
 
 
-class NodeAgent:
-    """The real jobs of this node (`NodeJob`s beside `LocalExecutors`' processes), on the run's
-    clock: its time is the last request's, plus the wall clock since."""
+class RealExecutors:
+    """The real jobs (`NodeJob`s beside `LocalExecutors`' workers), on the run's clock: its time is
+    the last request's, plus the wall clock since."""
 
-    def __init__(self, executors: LocalExecutors):
+    def __init__(self, executors: LocalExecutors, spec: Cluster | None = None):
         self.executors = executors
+        self.spec = spec                            # the cluster the live nodes must belong to, if any
         self.jobs: dict[str, NodeJob] = {}
+        self.members: dict[str, NodeInfo] = {}      # the live nodes, as the last round saw them
+        self.drained: set[str] = set()
+        self._misfits: set[str] = set()             # nodes told off once for not being in `spec`
         self.latest_s = -math.inf                   # the newest round applied or run: an older one is stale
         self._clock = (0.0, time.monotonic())
 
@@ -90,6 +103,7 @@ class NodeAgent:
             if local is not None:
                 job.placement, job.restarts, job.crashes, job.stats = (local.placement, local.restarts, local.crashes,
                                                                        local.stats)
+                job.generation, job.parts = local.generation, local.parts
                 if local.result is not None:
                     job.metric, job.batches = local.result.get("metric"), tuple(local.result.get("batches", ()))
         return list(self.jobs.values())
@@ -104,13 +118,15 @@ class NodeAgent:
             job.failure = job.failure or str(error)
             return
         local = self.executors.jobs[job.spec.id]
-        local.crashes, local.stats, local.failure = job.crashes, job.stats, job.failure
+        local.crashes, local.stats, local.failure, local.generation = job.crashes, job.stats, job.failure, job.generation
         if job.finish_s is not None or job.failure is not None:
             local.restarts, local.placement = job.restarts, job.placement      # as it ended
             if job.finish_s is not None:
                 local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
         else:
-            local.restarts = job.restarts + bool(job.placement)               # its workers start again
+            # Its workers (still on their nodes, if the agents live) are stopped: they start again.
+            local.restarts, local.placement, local.parts = job.restarts, job.placement, job.parts
+            local.running = bool(job.parts)                 # until `stop_leftovers`
 
     # ---- what the other services tell it ----------------------------------------------------
 
@@ -166,6 +182,42 @@ class NodeAgent:
                         message.job_id, message.reason)
         else:
             job.failure = message.reason
+
+    # ---- the nodes --------------------------------------------------------------------------
+
+    def serve_nodes(self, members: dict[str, NodeInfo], drained: set[str]) -> tuple[Node, ...]:
+        """The round's nodes: the live members, less the drained ones and those `spec` does not
+        know. A job with workers on a node that is not among them (lost, drained) stops
+        everywhere (blocking) and waits for this round's placement."""
+        usable = {name: info for name, info in members.items() if name not in drained and self._in_spec(info)}
+        for name in set(usable) - set(self.members):
+            log.info("node %s joined: %d %s", name, usable[name].gpus, usable[name].gpu_type)
+        for name in set(self.members) - set(usable):
+            log.warning("node %s %s", name, "drained" if name in drained else "lost")
+        gone = {node for local in self.executors.jobs.values() for node, _ in local.parts} - set(usable)
+        if gone:
+            stopped = self.executors.lose(gone)
+            if stopped:
+                log.warning("jobs %s stopped: their nodes %s are gone; they are placed again", ", ".join(stopped),
+                            ", ".join(sorted(gone)))
+        self.members, self.drained = usable, set(drained)
+        nodes, real = cluster_nodes(usable.values())
+        self.executors.cluster, self.executors.real = Cluster("live", nodes), real
+        return nodes
+
+    def _in_spec(self, info: NodeInfo) -> bool:
+        if self.spec is None:
+            return True
+        machine = real_nodes(self.spec).get(info.name)
+        fits = machine is not None and (machine.gpus, machine.gpu_type) == (info.gpus, info.gpu_type)
+        if not fits and info.name not in self._misfits:
+            self._misfits.add(info.name)
+            log.warning("node %s (%d %s) is not in cluster %s as it says: not used", info.name, info.gpus,
+                        info.gpu_type, self.spec.name)
+        return fits
+
+    def jobs_on(self, node: str) -> list[str]:
+        return sorted(name for name, local in self.executors.jobs.items() if any(n == node for n, _ in local.parts))
 
     # ---- the round ----------------------------------------------------------------------------
 
@@ -235,6 +287,11 @@ class NodeAgent:
             else:
                 job.idle_since_s = now
         self.executors.apply(placements)
+        for name, job in self.jobs.items():
+            local = self.executors.jobs.get(name)
+            spots = tuple((node, len(ranks)) for node, ranks in local.parts) if local is not None else ()
+            if spots and (not job.placements or job.placements[-1].spots != spots):
+                job.placements += (Placed(now, spots),)
 
     def poll(self) -> bool:
         """Look at the workers: a job that finished or failed is timed now, on the run's clock.
@@ -309,14 +366,28 @@ class NodeAgent:
                                      job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches,
                                      state=state, gpu_type=self.cluster.placement_type(job.placement),
                                      batch=stats.m * (stats.s + 1) * sum(g for _, g in job.placement)
-                                     if stats and job.placement else None))
+                                     if stats and job.placement else None, placements=job.placements))
         return records
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
-EVENTS = {subjects.SUBMIT: (NodeAgent.submitted, JobSpec), subjects.REPLAY_SUBMIT: (NodeAgent.submitted, JobSpec),
-          subjects.PROFILED: (NodeAgent.profiled, Profiled), subjects.REJECTED: (NodeAgent.rejected, Rejected),
-          subjects.CANCEL: (NodeAgent.cancelled, Cancel)}
+EVENTS = {subjects.SUBMIT: (RealExecutors.submitted, JobSpec), subjects.REPLAY_SUBMIT: (RealExecutors.submitted, JobSpec),
+          subjects.PROFILED: (RealExecutors.profiled, Profiled), subjects.REJECTED: (RealExecutors.rejected, Rejected),
+          subjects.CANCEL: (RealExecutors.cancelled, Cancel)}
+
+
+def cluster_nodes(members) -> tuple[tuple[Node, ...], dict[str, str]]:
+    """The nodes the policy sees for live members (by type, then name): a node whose GPU count is no
+    power of two is split into virtual nodes that are (6 -> `<name>-v0` of 4, `<name>-v1` of 2),
+    as a cluster file's are; and each virtual node's real one."""
+    nodes, real = [], {}
+    for info in sorted(members, key=lambda info: (info.gpu_type, info.name)):
+        parts = power_of_two_parts(info.gpus)
+        for v, gpus in enumerate(parts):
+            name = f"{info.name}-v{v}" if len(parts) > 1 else info.name
+            nodes.append(Node(name, info.gpu_type, gpus))
+            real[name] = info.name
+    return tuple(nodes), real
 
 
 def _key(observation: Observation) -> tuple[int, int, int, int]:
@@ -324,27 +395,64 @@ def _key(observation: Observation) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="local", help="cluster preset or YAML/JSON file (default: %(default)s)")
     parser.add_argument("--executors", choices=["local"], default="local",
-                        help="real jobs on this machine's slots (simulated executors: python -m sim.executor)")
+                        help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m sim.executor)")
+    parser.add_argument("--node", help="serve this node as its agent (its workers), not the executor service")
+    parser.add_argument("--cluster", help="the cluster the nodes must belong to: a preset or YAML/JSON file "
+                                          "(default: any node an agent serves)")
     parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
-                        help="local: the package whose modules jobs may run (default: %(default)s)")
-    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "goodput-node"),
-                        help="local: checkpoints and worker logs; a restarted agent must find them (default: %(default)s)")
+                        help="the package whose modules jobs may run (default: %(default)s)")
+    parser.add_argument("--workdir", help="worker logs (a node agent) or nothing (the executor); a restarted agent "
+                                          "must find its own (default: a folder under the system's temporary one)")
+    parser.add_argument("--checkpoints", default=f"file://{Path(tempfile.gettempdir()) / 'goodput-checkpoints'}",
+                        help="where jobs checkpoint, a folder every node reads and writes: file:///shared/dir "
+                             "or a path (default: %(default)s)")
     parser.add_argument("--checkpoint-every", type=positive_float,
-                        help="local: seconds between a job's periodic checkpoints (default: the job's own, 300)")
+                        help="seconds between a job's periodic checkpoints (default: the job's own, 300)")
     parser.add_argument("--report-every", type=positive_float, default=REPORT_EVERY_S,
-                        help="local: seconds between a job's reports of what it measured (default: %(default)s)")
+                        help="seconds between a job's reports of what it measured (default: %(default)s)")
+    parser.add_argument("--collective-timeout", type=positive_float,
+                        help="seconds a job's collective waits for a lost peer (default: the library's, 60)")
+    node.add_arguments(parser)
+
+
+def checkpoint_folder(url: str) -> Path:
+    """The folder a checkpoint URL names: `file:///a/b` or a plain path (other schemes are refused)."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("", "file") or (parsed.scheme == "file" and parsed.netloc not in ("", "localhost")):
+        raise ValueError(f"--checkpoints {url!r}: checkpoints go to a folder every node reads (file:///path "
+                         "or a path, e.g. a ReadWriteMany volume); no other storage is supported yet")
+    return Path(urllib.parse.unquote(parsed.path) if parsed.scheme else url)
+
+
+async def live_members(members: TypedKV[NodeInfo], drained: TypedKV[DrainRequest]) -> tuple[dict[str, NodeInfo], set[str]]:
+    """The nodes whose agents renewed their entry within its time to live, and the drained ones."""
+    infos = {}
+    for key in await members.keys():
+        entry = await members.get(key)
+        if entry is not None:
+            infos[key] = entry.value
+    return infos, set(await drained.keys())
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    agent = NodeAgent(LocalExecutors(load_cluster(args.cluster), workdir, report_every_s=args.report_every,
-                                     jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every))
-    # Every job is in KV, written before a request is answered: a restarted agent goes on with them,
-    # once the workers its predecessor left have checkpointed and stopped.
+    if args.node:
+        return await node.start(bus, args)
+    try:
+        checkpoints = checkpoint_folder(args.checkpoints)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    executors = LocalExecutors(BusNodes(bus, loop), checkpoints, report_every_s=args.report_every,
+                               jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every,
+                               collective_timeout_s=args.collective_timeout)
+    agent = RealExecutors(executors, load_cluster(args.cluster) if args.cluster else None)
+    # Every job is in KV, written before a request is answered: a restarted executor goes on with
+    # them, once the workers its predecessor left have checkpointed and stopped.
     states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
+    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
+    drained = await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest)
     kept = [entry.value for key in await states.keys() if (entry := await states.get(key)) is not None]
     for job in sorted(kept, key=lambda job: job.seen):       # in the order they came
         agent.restore(job)
@@ -389,11 +497,22 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return reply
 
     async def on_live(request: LiveJobsRequest) -> LiveJobs:
+        """A round begins: its nodes (the live ones; jobs on lost or drained ones stop), its jobs."""
+        live_nodes = await live_members(members, drained)
         async with turn:
             agent.tick(request.now_s)
+            nodes = await asyncio.to_thread(agent.serve_nodes, *live_nodes)
             live = agent.arrive(request.now_s)
             await save()
-        return LiveJobs(tuple(live))
+        return LiveJobs(tuple(live), nodes)
+
+    async def on_drain(request: DrainRequest) -> DrainAnswer:
+        if request.undo:
+            await drained.delete(request.node)
+        else:
+            await drained.put(request.node, request)
+        known = request.node in (await live_members(members, drained))[0]
+        return DrainAnswer(request.node, not request.undo, tuple(agent.jobs_on(request.node)), known)
 
     async def watch() -> None:
         while True:
@@ -410,7 +529,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:                  # no request half done; then no worker is started again
             await asyncio.to_thread(agent.executors.stop_all)
 
-    loop = asyncio.get_running_loop()
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     consumer = await storage.open_consumer(bus, subjects.NODE_AGENT_CONSUMER, msgspec.Raw,
                                            span_name="executor.job-event",
@@ -419,8 +537,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 
-    return await endpoints.serve_round(
-        bus, f"real jobs on {agent.cluster.total_gpus} local slots", facts=agent.facts, apply=on_apply,
+    service = await endpoints.serve_round(
+        bus, "real jobs on the node agents", facts=agent.facts, apply=on_apply,
         advance=on_advance, live=on_live, records=agent.records,
         count=lambda prefix: sum(1 for name, job in agent.jobs.items()
                                  if name.startswith(prefix) and (job.profiled is not None or job.failure)))
+    await bus.add_endpoint(service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, on_drain, parts=False)
+    return service

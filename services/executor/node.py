@@ -1,0 +1,302 @@
+"""A node agent: the workers of one node (`python -m services.executor --executors local --node NAME`).
+
+It serves only its node: its GPUs (CUDA devices, one per worker; CPU slots standing in for them
+where there are none) and their type. It registers the node in KV (`NodeInfo`, renewed every
+NODE_HEARTBEAT_S; the entry lapses NODE_TTL_S after the last renewal, and the node is lost) and
+answers the executor service, which decides what runs where:
+
+- `start`: a job's workers for one generation (its ranks on this node). The node that hosts rank 0
+  picks the rendezvous port on its address and answers it; the executor tells the job's other
+  nodes. Nothing of the rendezvous outlives the generation: a restart gets a new one.
+- `stop`: SIGTERM (the library checkpoints at the next step, with every rank), killed after the
+  grace; or killed at once when a peer was lost.
+- `poll`: each job's workers here: exit codes, and the latest report and outcome lines.
+- `profile`: a profiling run of a job's script on one GPU of this node (the profiler's, Sia §3.3).
+
+`NodeWorkers` is the node's processes, without the bus; `start` is the service around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import logging
+import re
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from nats import micro
+
+from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
+from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, free_port, job_module, last_error,
+                                         stop_leftovers, torchrun_env, worker)
+from services.runner import new_service
+from shared import storage, subjects
+from shared.bus import Bus
+from shared.schema import (Ack, NodeInfo, NodeReport, ProfileAnswer, ProfileRequest, ProfileRun, Rendezvous, StartWorkers,
+                           StopWorkers, WorkersReport)
+
+NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")     # a subject token and a KV key
+CPU_SLOTS = 4                                         # a node without CUDA: this many CPU slots, by default
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Workers:
+    """One generation of a job's workers on this node."""
+
+    order: StartWorkers
+    rendezvous: Rendezvous
+    devices: tuple[str, ...]
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    readers: list[threading.Thread] = field(default_factory=list)
+    stats: str = ""                       # the latest report line (rank 0's, where it is here)
+    outcome: str = ""                     # the outcome line of this node's first rank
+
+    @property
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.processes)
+
+
+class NodeWorkers:
+    def __init__(self, info: NodeInfo, workdir: Path, jobs_package: str = JOBS_PACKAGE, devices: tuple[str, ...] = ()):
+        self.info = info
+        self.workdir = workdir
+        self.jobs_package = jobs_package
+        self.devices = devices                  # CUDA device ids, one per GPU; none: CPU slots
+        self.jobs: dict[str, Workers] = {}
+        self.profiling: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()            # the table of jobs; a stop waits outside it
+        self.closing = False
+
+    # ---- the executor's orders ----------------------------------------------------------------
+
+    def start(self, order: StartWorkers) -> Rendezvous:
+        """Start a job's workers for a generation (the same order again: the same answer)."""
+        module = job_module(order.application, self.jobs_package)        # ValueError: refused with the reason
+        with self.lock:
+            current = self.jobs.get(order.job_id)
+        if current is not None:
+            if current.order.generation == order.generation:
+                return current.rendezvous
+            if current.order.generation > order.generation:
+                raise ValueError(f"job {order.job_id}: generation {order.generation} is older than the "
+                                 f"{current.order.generation} running here")
+            self._stop(current, STOP_TIMEOUT_S, kill=False)
+        with self.lock:
+            if self.closing:
+                raise ValueError(f"node {self.info.name} is stopping")
+            devices = self._free(order)
+            address, port = ((order.master_addr, order.master_port) if order.master_addr
+                             else (self.info.address, free_port(self.info.address)))
+            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices)
+            self._file(order.job_id, "checkpoint").write_text(order.checkpoint)
+            for local, rank in enumerate(order.ranks):
+                env = {**torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
+                       **order.env}
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices[local]
+                with open(self.log_path(order.job_id, rank), "w") as log_file:
+                    process = worker(module, ["--checkpoint", order.checkpoint], env, log_file, lifeline=True)
+                workers.processes.append(process)
+                reader = threading.Thread(target=_forward, args=(process, workers, local == 0), daemon=True)
+                reader.start()
+                workers.readers.append(reader)
+                self._file(order.job_id, "pids").write_text(" ".join(str(p.pid) for p in workers.processes))
+        return workers.rendezvous
+
+    def stop(self, request: StopWorkers) -> WorkersReport:
+        """Stop a job's workers here (blocking), and forget them: what they reported last."""
+        with self.lock:
+            workers = self.jobs.pop(request.job_id, None)
+        if workers is None:
+            return WorkersReport(request.job_id, -1, (), ())
+        self._stop(workers, request.grace_s, request.kill)
+        return self._report(workers)
+
+    def poll(self) -> NodeReport:
+        with self.lock:
+            jobs = list(self.jobs.values())
+        return NodeReport(self.info.name, tuple(self._report(w) for w in jobs))
+
+    def profile(self, request: ProfileRequest) -> ProfileAnswer:
+        """Run the job's script in profiling mode on one GPU of this node; what it measured, or why not."""
+        try:
+            module = job_module(request.application, self.jobs_package)
+        except ValueError as error:
+            return ProfileAnswer(failure=str(error))
+        env = {**torchrun_env(0, 1, 1, 0, request.job_id, self.info.gpu_type), PROFILE_ENV: "1"}
+        if request.slot_memory_mb is not None:
+            env[SLOT_MEMORY_ENV] = str(request.slot_memory_mb)
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]     # the last: starts take the first free ones
+        log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
+        gpu_type = self.info.gpu_type
+        with open(log_path, "w") as log_file:
+            process = worker(module, [], env, log_file)
+            self.profiling.add(process)
+            try:
+                out, _ = process.communicate(timeout=request.timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+                return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than "
+                                             f"{request.timeout_s:.0f} s")
+            finally:
+                self.profiling.discard(process)
+        if process.returncode != 0:
+            return ProfileAnswer(failure=f"its script failed while profiling on {gpu_type} (exit code "
+                                         f"{process.returncode}): {last_error(log_path)}")
+        for line in out.splitlines():
+            if line.startswith(PROFILE_PREFIX):
+                try:
+                    return ProfileAnswer(msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX):]),
+                                                                type=ProfileRun))
+                except (ValueError, msgspec.DecodeError) as error:
+                    return ProfileAnswer(failure=f"its profiling run printed an unreadable profile: {error}")
+        return ProfileAnswer(failure=f"its script printed no profile on {gpu_type}: it must train through "
+                                     "AdaptiveTraining.run (goodput_train)")
+
+    def stop_all(self) -> None:
+        """Stopping for good: every job's workers checkpoint and stop; profiling runs end."""
+        with self.lock:
+            self.closing = True
+            jobs, self.jobs = list(self.jobs.values()), {}
+        for process in list(self.profiling):
+            process.kill()
+        for workers in jobs:
+            self._stop(workers, STOP_TIMEOUT_S, kill=False)
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def _free(self, order: StartWorkers) -> tuple[str, ...]:
+        """The devices the new workers take (CPU slots: none), or ValueError when the node has too few free."""
+        busy = [w for w in self.jobs.values() if w.order.job_id != order.job_id and w.running]
+        free = self.info.gpus - sum(len(w.order.ranks) for w in busy)
+        if len(order.ranks) > free:
+            raise ValueError(f"node {self.info.name} has {free} free of its {self.info.gpus} GPUs, not "
+                             f"the {len(order.ranks)} job {order.job_id} asks for")
+        taken = {device for w in busy for device in w.devices}
+        return tuple(d for d in self.devices if d not in taken)[:len(order.ranks)] if self.devices else ()
+
+    def _stop(self, workers: Workers, grace_s: float, kill: bool) -> None:
+        for process in workers.processes:
+            if process.poll() is None:
+                process.kill() if kill else process.terminate()
+        deadline = time.monotonic() + grace_s
+        for process in workers.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for reader in workers.readers:
+            reader.join(timeout=STOP_TIMEOUT_S)
+        for process in workers.processes:
+            if process.stdin:
+                process.stdin.close()
+        self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
+
+    def _report(self, workers: Workers) -> WorkersReport:
+        codes = tuple(p.poll() for p in workers.processes)
+        crashed = next((rank for rank, code in zip(workers.order.ranks, codes) if code not in (None, 0)), None)
+        error = last_error(self.log_path(workers.order.job_id, crashed)) if crashed is not None else ""
+        if crashed is not None or None not in codes:
+            self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
+        return WorkersReport(workers.order.job_id, workers.order.generation, workers.order.ranks, codes,
+                             workers.stats, workers.outcome, error)
+
+    def log_path(self, job_id: str, rank: int) -> Path:
+        return self.workdir / f"{job_id}.rank{rank}.log"
+
+    def _file(self, job_id: str, kind: str) -> Path:
+        """`<job>.pids`: its workers' process ids while they run (an agent that died leaves them for
+        the next: `stop_leftovers`); `<job>.checkpoint`: the checkpoint argument that marks them."""
+        return self.workdir / f"{job_id}.{kind}"
+
+
+def _forward(process: subprocess.Popen, workers: Workers, first: bool) -> None:
+    """A worker's stdout, line by line: the latest report (rank 0 prints them), the first rank's outcome."""
+    for line in process.stdout:
+        line = line.strip()
+        if line.startswith(STATS_PREFIX):
+            workers.stats = line
+        elif line.startswith(OUTCOME_PREFIX) and (first or not workers.outcome):
+            workers.outcome = line
+
+
+# ---- the service ---------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, help=f"node: its GPUs (default: its CUDA devices, else {CPU_SLOTS} CPU slots)")
+    parser.add_argument("--gpu-type", help="node: its GPU type, as the cluster names it (default: the CUDA device's "
+                                           "name, else cpu)")
+    parser.add_argument("--address", default="127.0.0.1",
+                        help="node: the address its workers listen on for their peers on other nodes "
+                             "(a pod IP; default: %(default)s)")
+
+
+def detected_gpus() -> tuple[str, tuple[str, ...]]:
+    """This machine's CUDA devices: their type (the device's name, as a key) and ids; none: ('cpu', ())."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+            return name, tuple(str(i) for i in range(torch.cuda.device_count()))
+    except ImportError:
+        pass
+    return "cpu", ()
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    if not NODE_NAME.match(args.node):
+        raise SystemExit(f"--node {args.node!r}: a node name is 1-64 letters, digits, '-' or '_'")
+    detected_type, devices = await asyncio.to_thread(detected_gpus)
+    gpus = args.gpus or len(devices) or CPU_SLOTS
+    if devices and gpus > len(devices):
+        raise SystemExit(f"--gpus {gpus}: this machine has {len(devices)} CUDA devices")
+    info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12])
+    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
+    workdir.mkdir(parents=True, exist_ok=True)
+    node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus])
+    await asyncio.to_thread(stop_leftovers, workdir)        # what a killed agent before this one left
+    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
+
+    async def heartbeat() -> None:
+        while True:
+            try:
+                await members.put(info.name, info)
+            except Exception:  # noqa: BLE001 - NATS away for a moment: renew next time (the entry lapses first)
+                log.exception("renewing node %s failed", info.name)
+            await asyncio.sleep(subjects.NODE_HEARTBEAT_S)
+
+    async def leave() -> None:
+        beating.cancel()
+        await asyncio.to_thread(node.stop_all)
+        try:
+            await members.delete(info.name)           # gone now, not in NODE_TTL_S
+        except Exception:  # noqa: BLE001 - it lapses on its own
+            log.warning("could not remove node %s from the members; it lapses in %.0f s", info.name,
+                        subjects.NODE_TTL_S)
+
+    service = new_service(bus, subjects.NODE_SERVICE, f"node {info.name}: {gpus} {info.gpu_type}",
+                          {"node": info.name, "gpu_type": info.gpu_type, "gpus": str(gpus)})
+    handlers = {"start": (StartWorkers, node.start), "stop": (StopWorkers, node.stop),
+                "poll": (Ack, lambda _: node.poll()), "profile": (ProfileRequest, node.profile)}
+    for endpoint in subjects.NODE_ENDPOINTS:
+        kind, handle = handlers[endpoint]
+        await bus.add_endpoint(service, endpoint, subjects.node_subject(info.name, endpoint), kind,
+                               lambda request, handle=handle: asyncio.to_thread(handle, request),
+                               span_name=f"node.{endpoint}", concurrency=8)
+    await members.put(info.name, info)
+    beating = asyncio.get_running_loop().create_task(heartbeat())
+    bus.on_close(leave)
+    log.info("node %s: %d %s, workers on %s, work in %s", info.name, gpus, info.gpu_type, info.address, workdir)
+    return service
