@@ -220,6 +220,7 @@ class AdaptiveTraining:
                 for _ in range(steps + 1):
                     start = time.perf_counter()
                     self.train_step(loss_of)
+                    self._synchronize()
                     times.append(time.perf_counter() - start)
             except Exception as error:  # noqa: BLE001 - only an out-of-memory is a data point
                 if not profiling.is_out_of_memory(error):
@@ -293,6 +294,7 @@ class AdaptiveTraining:
         self.optimizer.zero_grad(set_to_none=False)
         self.progress += self.lr.progress(batch, sqr, var)
         self.steps += 1
+        self._synchronize()
         self._time(time.perf_counter() - self._started)
         if self.adaptive and self.steps % self.retune_every == 0:
             self.retune()
@@ -352,6 +354,11 @@ class AdaptiveTraining:
     def _initial_batch(self) -> tuple[int, int]:
         m, s = split_batch(self.limits.init_batch, self.placement.world, self.limits.max_local)
         return max(m, self.limits.min_local), s
+
+    def _synchronize(self) -> None:
+        """A step is timed once the GPU has done it (its kernels run after the Python that queued them)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _time(self, seconds: float) -> None:
         """Each rank keeps its own step times; rank 0's are the ones fitted (it decides)."""
