@@ -4,10 +4,11 @@ probe and live-run modules they run.
 No Docker engine and no Kubernetes cluster are at hand, so this checks what can be checked without
 them: kustomize (kubectl's) builds every kustomization, every object passes the Kubernetes JSON
 schemas (strict: an unknown field fails), the objects agree with each other and with the code (service
-names, replicas, the cluster spec, the NATS URL and Secret), the compose file passes the compose
-spec's schema, the Dockerfiles install as the Makefile does, the NATS configuration forms a 3-node
-JetStream cluster with authentication (its addresses moved to loopback), and the probe tells a
-serving service from a missing one.
+names, replicas, the cluster spec, the NATS URL and Secret; in the GPU overlay, the node agents'
+node name, address, GPUs and checkpoint volume), the compose file passes the compose spec's schema,
+the Dockerfiles install as the Makefile does, the NATS configuration forms a 3-node JetStream cluster
+with authentication (its addresses moved to loopback), and the probe tells a serving service from a
+missing one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +101,32 @@ def containers(workload: dict) -> list[dict]:
 
 def env_of(container: dict) -> dict[str, dict]:
     return {e["name"]: e for e in container.get("env", [])}
+
+
+def option(container: dict, name: str) -> str | None:
+    """The value after `name` in the container's args, or None."""
+    args = container.get("args", [])
+    return args[args.index(name) + 1] if name in args else None
+
+
+def env_entry(container: dict, value: str) -> dict:
+    """The env entry an argument `$(NAME)` names (Kubernetes expands it from the container's env)."""
+    match = re.fullmatch(r"\$\((\w+)\)", value or "")
+    assert match, f"{value!r} is not a $(VAR) reference"
+    return env_of(container)[match.group(1)]
+
+
+def is_node_agent(workload: dict) -> bool:
+    """A node agent's pods (`python -m services.executor --node NAME`), not a service's."""
+    return option(containers(workload)[0], "--node") is not None
+
+
+def mount_of(workload: dict, claim: str) -> str:
+    """Where the first container mounts the PersistentVolumeClaim `claim`."""
+    pod = workload["spec"]["template"]["spec"]
+    names = {v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim", {}).get("claimName") == claim}
+    [path] = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] in names]
+    return path
 
 
 def service_workloads(name: str) -> dict[str, list[dict]]:
@@ -222,6 +250,11 @@ def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
             assert role_problems(workload, service) == [], workload["metadata"]["name"]
             assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://jaeger:4318"
             assert env[REPLICAS_ENV]["value"] == str(objects(build, "StatefulSet")["nats"]["spec"]["replicas"])
+            if is_node_agent(workload):
+                # deploy.probe pings a service by name: it cannot tell this pod's agent from another
+                # node's, and the executor service's answer would restart the agents while it is away.
+                assert not {"livenessProbe", "readinessProbe"} & set(container), workload["metadata"]["name"]
+                continue
             probe = ["python", "-m", "deploy.probe", SERVICE_NAMES[service]]
             assert container["livenessProbe"]["exec"]["command"] == probe
             # The policy is ready only while its live run is not stalled.
@@ -236,6 +269,11 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
         for workload in found:
             container = containers(workload)[0]
             args = container["args"]
+            if option(container, "--executors") == "local" and service == "executor":
+                # The real executor's nodes are the live agents, named by Kubernetes: --cluster would
+                # keep only agents named as the spec's nodes (aws-0 ...). The agents take none.
+                assert "--cluster" not in args, workload["metadata"]["name"]
+                continue
             cluster_file = Path(args[args.index("--cluster") + 1])
             mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(cluster_file.parent))
             volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
@@ -322,24 +360,79 @@ def check_nats_conf(conf: str, workdir: Path, env: dict[str, str] | None = None)
                           env={**(env or {}), "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=30)
 
 
-def test_gpu_executors_are_daemonsets_on_their_gpu_type_that_take_every_gpu_of_a_node():
+@pytest.mark.parametrize("build", BUILDS)
+def test_no_workloads_selector_takes_another_workloads_pods(build):
+    """The executor's Deployment and the agents' DaemonSets (and every other pair) select apart."""
+    workloads = [o for o in built(build) if o["kind"] in WORKLOADS and o["kind"] != "Job"]
+    for owner in workloads:
+        selector = owner["spec"]["selector"]["matchLabels"]
+        for other in workloads:
+            if other is not owner:
+                labels = other["spec"]["template"]["metadata"]["labels"]
+                assert not selector.items() <= labels.items(), (
+                    f"{owner['kind']}/{owner['metadata']['name']} selects the pods of {other['metadata']['name']}")
+
+
+def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_the_pod_ip():
     cluster = load_cluster(str(K8S / "base" / "cluster.yaml"))
     per_node = {node.gpu_type: node.gpus for node in cluster.nodes}
+    executor = objects("gpu", "Deployment")["executor"]
+    checkpoints = urllib.parse.urlparse(option(containers(executor)[0], "--checkpoints"))
+    assert checkpoints.scheme == "file"
     daemonsets = objects("gpu", "DaemonSet")
     covered = set()
     for name, daemonset in daemonsets.items():
+        assert is_node_agent(daemonset), name
         pod = daemonset["spec"]["template"]["spec"]
         gpu_type = pod["nodeSelector"]["goodput.io/gpu-type"]
         assert gpu_type in per_node, f"{name} runs on {gpu_type!r}, a type the cluster spec does not have"
         container = pod["containers"][0]
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == per_node[gpu_type], name
         assert container["image"].startswith("goodput-executor:")
+        env = env_of(container)
+        assert env["GOODPUT_SERVICE"]["value"] == "executor" and "GOODPUT_EXECUTORS" not in env
+        assert option(container, "--executors") == "local"
+        # --node: the Kubernetes node's name; --address: the pod's IP (rank 0's rendezvous for its peers)
+        node, address = (env_entry(container, option(container, o))["valueFrom"] for o in ("--node", "--address"))
+        assert node == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert address == {"fieldRef": {"fieldPath": "status.podIP"}}
+        # --gpu-type: the pod's own type label, the one its nodeSelector asks of the node
+        label = env_entry(container, option(container, "--gpu-type"))["valueFrom"]["fieldRef"]["fieldPath"]
+        match = re.fullmatch(r"metadata\.labels\['([\w./-]+)'\]", label)
+        assert match, label
+        key = match.group(1)
+        assert daemonset["spec"]["template"]["metadata"]["labels"][key] == gpu_type == pod["nodeSelector"][key], name
+        assert daemonset["spec"]["selector"]["matchLabels"][key] == gpu_type, name
+        # every GPU of a node, as the device plugin gives them (the agent takes the CUDA devices it sees)
+        gpus = {kind: amounts["nvidia.com/gpu"] for kind, amounts in container["resources"].items()}
+        assert gpus == {"requests": per_node[gpu_type], "limits": per_node[gpu_type]}, name
+        assert option(container, "--gpus") is None, "the agent counts the CUDA devices it is given"
+        # the checkpoints where the executor names them: the same claim, at the same path
+        assert mount_of(daemonset, "checkpoints") == mount_of(executor, "checkpoints") == checkpoints.path, name
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
         covered.add(gpu_type)
-    assert covered == set(per_node), "every GPU type of the cluster spec needs its executors"
-    assert "executor" not in objects("gpu", "Deployment")
-    simulated = objects("default", "Deployment")["executor"]     # it plays the whole cluster: exactly one
-    assert simulated["spec"]["replicas"] == 1 and simulated["spec"]["strategy"]["type"] == "Recreate"
+    assert covered == set(per_node), "every GPU type of the cluster spec needs its node agents"
     assert not objects("default", "DaemonSet")
+
+
+def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_claim():
+    executor = objects("gpu", "Deployment")["executor"]
+    container = containers(executor)[0]
+    assert executor["spec"]["replicas"] == 1 and executor["spec"]["strategy"]["type"] == "Recreate"
+    assert option(container, "--executors") == "local" and option(container, "--node") is None
+    assert "GOODPUT_EXECUTORS" not in env_of(container)           # services.executor, not sim.executor
+    assert re.fullmatch(r"file:///\S+", option(container, "--checkpoints"))
+    [claim] = objects("gpu", "PersistentVolumeClaim").values()
+    assert claim["metadata"]["name"] == "checkpoints"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every node reads and writes the checkpoints"
+    assert "storageClassName" not in claim["spec"]                # the operator's: a class with RWX
+    assert mount_of(executor, "checkpoints") == urllib.parse.urlparse(option(container, "--checkpoints")).path
+    assert option(containers(objects("gpu", "Deployment")["profiler"])[0], "--executors") == "local"
+    # The default build: the simulated executor plays the whole cluster, exactly one; the zoo's profiles.
+    simulated = objects("default", "Deployment")["executor"]
+    assert simulated["spec"]["replicas"] == 1 and simulated["spec"]["strategy"]["type"] == "Recreate"
+    assert env_of(containers(simulated)[0])["GOODPUT_EXECUTORS"]["value"] == "simulated"
+    assert option(containers(objects("default", "Deployment")["profiler"])[0], "--executors") is None
+    assert not objects("default", "PersistentVolumeClaim")
 
 
 # ---- compose -------------------------------------------------------------------------------------
