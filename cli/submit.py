@@ -31,12 +31,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     cancel.add_argument("id", help="the job's id")
     add_connection_arguments(cancel)
     cancel.set_defaults(func=_cancel)
+    drain = sub.add_parser("drain", help="the operator's: move every job off a node and place nothing new there")
+    drain.add_argument("node", help="the node's name, as its agent serves it (--node)")
+    drain.add_argument("--undo", action="store_true", help="use the node again")
+    add_connection_arguments(drain, role="operator")
+    drain.set_defaults(func=_drain)
 
 
-def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+def add_connection_arguments(parser: argparse.ArgumentParser, role: str = "user") -> None:
     """--server and the credentials of a user's command: from the environment, else from the default
-    data folder's user.env (a `goodput up` on this machine)."""
-    environ = credentials.user_environment()
+    data folder's user.env (a `goodput up` on this machine); the operator's command logs in as the
+    operator there (its password file under the data folder's secrets)."""
+    environ = credentials.user_environment(role=role)
     parser.add_argument("--server", default=environ.get(SERVER_ENV, DEFAULT_SERVER),
                         help=f"NATS URL (default: ${SERVER_ENV}, else {credentials.DEFAULT_DATA / credentials.USER_ENV}'s, "
                              f"else {DEFAULT_SERVER})")
@@ -87,26 +93,29 @@ async def submit(spec, server: str, **options) -> bool:
         await bus.close()
 
 
-async def ask(server: str, subject: str, request, answer_type, **options):
-    """One request to the user API, as a one-shot client; its answer."""
+API_UNANSWERED = "no user API answers at {server} (the profiler serves it): is the stack up? `--stream` stores a " \
+                 "submission without it"
+
+
+async def ask(server: str, subject: str, request, answer_type, unanswered: str = API_UNANSWERED, **options):
+    """One request to the user API (or the operator's), as a one-shot client; its answer."""
     from shared.bus import Bus
 
     bus = await Bus.connect(server, "goodput-cli", allow_reconnect=False, max_reconnect_attempts=1, **options)
     try:
         return await bus.request(subject, request, answer_type, timeout=30)
     except nats.errors.NoRespondersError:
-        raise ValueError(f"no user API answers at {credentials.redact(server)} (the profiler serves it): is the "
-                         "stack up? `--stream` stores a submission without it") from None
+        raise ValueError(unanswered.format(server=credentials.redact(server))) from None
     finally:
         await bus.close()
 
 
-def _call(args: argparse.Namespace, subject: str, request, answer_type):
+def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswered: str = API_UNANSWERED):
     from nats.micro.request import ServiceError
 
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        return asyncio.run(ask(args.server, subject, request, answer_type, **options))
+        return asyncio.run(ask(args.server, subject, request, answer_type, unanswered, **options))
     except ServiceError as error:                 # the API refused the request: its reason
         raise ValueError(error.description) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
@@ -134,6 +143,28 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}")
     for note in answer.notes:
         print(f"  note: {note}")
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    from shared import subjects
+    from shared.schema import DrainAnswer, DrainRequest
+
+    try:
+        answer = _call(args, subjects.EXECUTOR_DRAIN, DrainRequest(args.node, args.undo), DrainAnswer,
+                       "no executor drains nodes at {server}: draining is for real executors (`goodput up "
+                       "--executors local`)")
+    except ValueError as error:
+        if "cannot reach" in str(error):          # a user's login may not ask: no answer comes
+            raise ValueError(f"{error}; draining takes the operator's login (--nats-user operator, its "
+                             "password file under the data folder's secrets)") from None
+        raise
+    where = "" if answer.known else " (no agent serves it now)"
+    if args.undo:
+        print(f"node {args.node}{where}: used again from the next round")
+    else:
+        moving = f"; its jobs move in the next round: {', '.join(answer.jobs)}" if answer.jobs else ""
+        print(f"node {args.node}{where}: drained, nothing new is placed there{moving}")
     return 0
 
 

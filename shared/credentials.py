@@ -195,9 +195,11 @@ def write_user_env(data: Path, url: str, password_file: Path | None) -> Path:
     return path
 
 
-def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA) -> dict[str, str]:
+def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA,
+                     role: str = "user") -> dict[str, str]:
     """The environment, plus DATA/user.env's settings when no GOODPUT_NATS_* variable is set: a user's
-    command on the machine of a `goodput up` with the default data folder finds it and logs in."""
+    command on the machine of a `goodput up` with the default data folder finds it and logs in.
+    Another `role` (the operator) logs in with its own password file beside the user's."""
     environ = dict(os.environ if environ is None else environ)
     file = data / USER_ENV
     if any(key.startswith(ENV_PREFIX) for key in environ) or not file.is_file():
@@ -206,4 +208,7 @@ def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFA
         key, sep, value = line.partition("=")
         if sep and not key.startswith("#") and key.startswith(ENV_PREFIX):
             environ[key.strip()] = value.strip()
+    if role != "user" and f"{ENV_PREFIX}PASSWORD_FILE" in environ:
+        environ[f"{ENV_PREFIX}USER"] = role
+        environ[f"{ENV_PREFIX}PASSWORD_FILE"] = str(Path(environ[f"{ENV_PREFIX}PASSWORD_FILE"]).with_name(role))
     return environ

@@ -234,3 +234,30 @@ def test_a_job_told_not_to_adapt_keeps_its_batch(tmp_path):
     finally:
         executors.stop_all()
     assert job.result["batches"] == [32] and job.result["metric"] >= 0.95
+
+
+def test_the_rounds_nodes_are_the_live_ones_less_the_drained_and_a_gone_nodes_jobs_stop(tmp_path):
+    """Each round's cluster is the agents alive now: a node of 6 GPUs is split as a cluster file's
+    are (4 + 2), a node not in the given cluster is not used, a drained one is left out, and a job
+    whose workers ran on a node that is gone stops and waits for the round's placement."""
+    from services.executor.real import RealExecutors
+    from shared.cluster import build_cluster
+
+    spec = build_cluster("two", [{"gpu_type": "cpu", "count": 2, "gpus_per_node": 2},
+                                 {"gpu_type": "big", "count": 1, "gpus_per_node": 6}])
+    real = RealExecutors(local_executors(tmp_path), spec)
+    members = {"cpu-0": NodeInfo("cpu-0", "cpu", 2, "10.0.0.1"), "cpu-1": NodeInfo("cpu-1", "cpu", 2, "10.0.0.2"),
+               "big-0": NodeInfo("big-0", "big", 6, "10.0.0.3"), "stray": NodeInfo("stray", "cpu", 8, "10.0.0.4"),
+               "cpu-9": NodeInfo("cpu-9", "cpu", 4, "10.0.0.5")}           # named in no cluster, or not as it says
+    nodes = real.serve_nodes(members, set())
+    assert [(n.name, n.gpu_type, n.gpus) for n in nodes] == [
+        ("big-0-v0", "big", 4), ("big-0-v1", "big", 2), ("cpu-0", "cpu", 2), ("cpu-1", "cpu", 2)]
+    assert real.executors.real["big-0-v1"] == "big-0"
+    real.executors.add("lm", "tiny_lm")
+    lm = real.executors.jobs["lm"]                        # as if its workers ran on cpu-1 (no processes here)
+    lm.placement, lm.parts, lm.running = (("cpu-1", 2),), (("cpu-1", (0, 1)),), True
+    assert real.jobs_on("cpu-1") == ["lm"]
+    nodes = real.serve_nodes(members, {"cpu-1"})          # drained (or lost: the same to its jobs)
+    assert "cpu-1" not in {n.name for n in nodes}
+    assert (lm.placement, lm.running, lm.restarts, lm.failure) == ((), False, 1, None)
+    assert {n.name for n in real.serve_nodes(members, set())} >= {"cpu-0", "cpu-1"}     # drained no more

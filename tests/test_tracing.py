@@ -317,10 +317,11 @@ class _OneRoundWiring:
                                  for f in facts if f.job_id not in self.unmodelled),
                            {job: "the estimator has no profile of it yet" for job in self.unmodelled})
 
-    async def place(self, round, allocations, previous, groups):
+    async def place(self, round, allocations, previous, groups, nodes=None):
         from services.placer.core import place
         from shared.schema import PlacementResult
 
+        assert nodes is None                           # a fixed cluster: the placer's own
         placed = place(self.cluster, {j: c for j, c in allocations.items() if j not in self.evict}, previous, groups)
         return PlacementResult(placed.placements, placed.restarts, tuple(self.evict))
 
@@ -559,25 +560,41 @@ async def test_estimator_spans_name_the_job(traced):
     assert (goodput["jobs"], goodput["jobs.modelled"], goodput["jobs.held"]) == (2, 1, 1)
 
 
-async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, monkeypatch):
+async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, connect_bus, name_prefix):
+    """Real profiling runs, through a node agent served in this process: one refused (no such job),
+    one measured."""
+    import argparse
+
+    from services.executor import node
     from services.profiler import measure
-    from shared.schema import ProfilePoint, ProfileRun
+    from shared import storage, subjects
+    from shared.schema import NodeInfo
 
     provider, exporter = traced
-    with provider.get_tracer("test").start_as_current_span("profiler.consume"):   # the thread gets the context
+    bus = await connect_bus("profiler", tracer_provider=provider)
+    await storage.provision(bus)
+    gpu_type = f"{name_prefix}-gpu"                  # a type only this test's node has (the server is shared)
+    agent = await node.start(bus, argparse.Namespace(node=f"{name_prefix}-n", gpus=1, gpu_type=gpu_type,
+                                                     address="127.0.0.1", workdir=str(tmp_path),
+                                                     jobs_package="tests.jobs"))
+    await agent.start()
+    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
+    with provider.get_tracer("test").start_as_current_span("profiler.consume"):
         with pytest.raises(measure.ProfilingFailed):
-            await asyncio.to_thread(measure.profiling_run, "p-1", "no_such_job", "aws", tmp_path, "tests.jobs",
-                                    tracer_provider=provider)
-    run = ProfileRun((ProfilePoint(8, 0.1), ProfilePoint(16, 0.15)), 8, 256, out_of_memory=32, gpu_seconds=1.5)
-    monkeypatch.setattr(measure, "_profiling_run", lambda *args: run)
-    assert measure.profiling_run("p-2", "quick", "rtx", tmp_path, "tests.jobs", tracer_provider=provider) is run
+            await measure.profiling_run(bus, members, "p-1", "no_such_job", gpu_type, tracer_provider=provider)
+        run = await measure.profiling_run(bus, members, "p-2", "quick", gpu_type, tracer_provider=provider)
+    assert run.points and run.init_batch > 0
+    await agent.stop()
 
     spans = exporter.get_finished_spans()
     failed, measured = [s for s in spans if s.name == "profiler.run"]
     assert_child_of(failed, next(s for s in spans if s.name == "profiler.consume"))
     assert (failed.attributes["job.id"], failed.attributes["gpu.type"], failed.attributes["outcome"]) == \
-        ("p-1", "aws", "failed")
+        ("p-1", gpu_type, "failed")
     assert "no job 'no_such_job'" in failed.attributes["reason"] and not failed.status.is_ok
     assert (measured.attributes["job.id"], measured.attributes["job.application"]) == ("p-2", "quick")
-    assert tuple(measured.attributes["batch_sizes"]) == (8, 16) and measured.attributes["out_of_memory.batch"] == 32
-    assert measured.attributes["outcome"] == "measured"
+    assert tuple(measured.attributes["batch_sizes"]) == tuple(p.local_bsz for p in run.points)
+    assert measured.attributes["outcome"] == "measured" and measured.attributes["node"] == f"{name_prefix}-n"
+    # The agent's side of each run is a span of its own, under the profiler's.
+    served = [s for s in spans if s.name == "node.profile"]
+    assert len(served) == 2 and {s.parent.span_id for s in served} == {failed.context.span_id, measured.context.span_id}

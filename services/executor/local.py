@@ -215,13 +215,15 @@ class LocalExecutors:
             job.announced = True
         return [job.job_id for job in finished]
 
-    def lose(self, nodes: set[str], grace_s: float = LOST_GRACE_S) -> list[str]:
-        """Nodes lost (or drained): each job with workers there stops everywhere (its workers on
-        the other nodes checkpoint if they still can) and waits for the next round's placement.
-        The jobs it stopped."""
+    def lose(self, nodes: set[str], lost: set[str] = frozenset()) -> list[str]:
+        """Nodes gone from the round (drained, or `lost`: their agents are dead): each job with
+        workers there stops everywhere and waits for the round's placement. On a drained node they
+        checkpoint as on any stop; a lost node's are not asked, and their peers elsewhere get
+        LOST_GRACE_S (they may be stuck waiting for them). The jobs it stopped."""
         hit = [job for job in self.jobs.values() if job.running and any(node in nodes for node, _ in job.parts)]
         for job in hit:
-            self._stop(job, grace_s=grace_s, skip=nodes)
+            touches_lost = any(node in lost for node, _ in job.parts)
+            self._stop(job, grace_s=LOST_GRACE_S if touches_lost else STOP_TIMEOUT_S, skip=lost)
             if job.result is None:
                 job.placement = ()
                 job.restarts += 1

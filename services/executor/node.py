@@ -171,6 +171,10 @@ class NodeWorkers:
             jobs, self.jobs = list(self.jobs.values()), {}
         for process in list(self.profiling):
             process.kill()
+        for workers in jobs:                    # every job told at once: their checkpoints overlap
+            for process in workers.processes:
+                if process.poll() is None:
+                    process.terminate()
         for workers in jobs:
             self._stop(workers, STOP_TIMEOUT_S, kill=False)
 

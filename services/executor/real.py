@@ -196,7 +196,7 @@ class RealExecutors:
             log.warning("node %s %s", name, "drained" if name in drained else "lost")
         gone = {node for local in self.executors.jobs.values() for node, _ in local.parts} - set(usable)
         if gone:
-            stopped = self.executors.lose(gone)
+            stopped = self.executors.lose(gone, lost=gone - set(members))
             if stopped:
                 log.warning("jobs %s stopped: their nodes %s are gone; they are placed again", ", ".join(stopped),
                             ", ".join(sorted(gone)))

@@ -506,8 +506,12 @@ class AdaptiveTraining:
         self._stop = True
 
     def _watch_lifeline(self) -> None:
-        """Wait for stdin's end: the executor that started this worker is gone; stop, checkpointed."""
-        sys.stdin.buffer.read()
+        """Wait for stdin's end: the executor that started this worker is gone; stop, checkpointed.
+        (The file descriptor itself: a daemon thread blocked in sys.stdin's buffer would hold its
+        lock at exit, and the interpreter would abort.)"""
+        fd = sys.stdin.fileno()
+        while os.read(fd, 4096):
+            pass
         self._stop = True
 
 
