@@ -1,5 +1,8 @@
-"""Real jobs on CPU slots: a placement change checkpoints the job and restarts it at the new world
-size, it re-tunes its batch and reaches its target; a crashed worker restarts from its checkpoint."""
+"""Real jobs on CPU slots, the executor's side and one node's workers in this process: a crashed
+worker restarts its job from its checkpoint, a job told not to adapt keeps its batch, only declared
+jobs run, workers never see the agent's credentials; the executor's bookkeeping across restarts,
+rounds asked again, cancels and the round's nodes. (A job moved between nodes and across two of
+them, with agents as processes: tests/test_multinode.py.)"""
 
 import json
 import time
@@ -31,25 +34,6 @@ def wait_for(condition, executors, timeout_s=120):
         finished += executors.poll()
         time.sleep(0.1)
     return finished
-
-
-def test_a_job_moved_to_two_slots_resumes_there_and_reaches_its_target(tmp_path):
-    executors = local_executors(tmp_path, report_every_s=0.2)
-    executors.add("lm-1", "tiny_lm")
-    job = executors.jobs["lm-1"]
-    try:
-        executors.apply({"lm-1": (("local-0", 1),)})
-        wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)      # training on one slot
-        epochs_on_one = job.stats.epochs
-        executors.apply({"lm-1": (("local-0", 2),)})                                      # the scheduler doubles it
-        wait_for(lambda finished: "lm-1" in finished, executors)
-    finally:
-        executors.stop_all()
-    assert job.restarts == 1 and job.failure is None
-    assert job.result["world"] == 2 and job.result["metric"] >= 0.75
-    assert epochs_on_one < 3.0 <= job.stats.epochs                    # it went on from where it stopped
-    assert {o.gpus for o in job.stats.observations} == {1, 2}        # it measured both, in one model's data
-    assert (tmp_path / "lm-1.pt").exists()
 
 
 def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):

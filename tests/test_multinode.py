@@ -146,6 +146,7 @@ async def test_a_job_moves_spans_two_nodes_survives_a_lost_one_and_finishes_wher
     await asyncio.to_thread(executors.apply, {"lm": ((a, 1), (c, 1))})
     await until(lambda: _finished(poll, "lm"), "the job finished", timeout_s=300)
     assert job.result["metric"] >= TINY_LM_TARGET and job.result["world"] == 2 and job.crashes == 0
+    assert {(o.nodes, o.gpus) for o in job.stats.observations} == {(1, 1), (2, 2)}    # both, in one model's data
     assert workers_of(checkpoint) == ""
 
 
