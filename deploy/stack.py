@@ -185,9 +185,10 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
 
 
 def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, slot_memory_mb: float | None = None,
-                            jobs_package: str | None = None) -> dict[str, list[str]]:
+                            jobs_package: str | None = None, checkpoints: str | None = None) -> dict[str, list[str]]:
     """Each service's options for real jobs on this machine (`--executors local`): the executor
-    drives node agents (`local_node_arguments`), whose nodes must be the cluster's."""
+    drives node agents (`local_node_arguments`), whose nodes must be the cluster's; `checkpoints`
+    (default: a folder under `workdir`) as the executor's --checkpoints."""
     memory = ["--slot-memory", str(slot_memory_mb)] if slot_memory_mb is not None else []
     package = ["--jobs-package", jobs_package] if jobs_package else []
     return {
@@ -195,7 +196,8 @@ def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, 
         "estimator": ["--cluster", cluster],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, "--executors", "local", "--checkpoints", str(workdir / "checkpoints"),
+        "executor": ["--cluster", cluster, "--executors", "local", "--checkpoints",
+                     checkpoints or str(workdir / "checkpoints"),
                      "--report-every", str(report_every_s), *package],
     }
 

@@ -87,9 +87,18 @@ def _nodes() -> tuple[str, ...]:
     return (*_kv(subjects.NODES_BUCKET), *_follow(f"KV_{subjects.NODES_BUCKET}"))
 
 
+def _objects(store: str) -> tuple[str, ...]:
+    """Copy objects in and out of an object store (nats-py: chunks and meta on `$O.<store>.>`, the
+    meta read by direct get, a read through an ordered consumer, old chunks purged)."""
+    stream = f"OBJ_{store}"
+    return (_info(stream), f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.PURGE.{stream}", f"$O.{store}.>", *_follow(stream))
+
+
 def _provision() -> tuple[str, ...]:
     """Create every stream, bucket and durable consumer of the plan, or bring it to the plan."""
-    streams = [*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values())]
+    streams = [*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values()),
+               *(f"OBJ_{store}" for store in storage.OBJECT_STORES)]
     made = tuple(f"$JS.API.STREAM.{op}.{name}" for name in streams for op in ("CREATE", "UPDATE", "INFO"))
     api = "$JS.API.CONSUMER"
     return made + tuple(subject for c in storage.CONSUMERS.values() for subject in (
@@ -150,7 +159,7 @@ ROLES: dict[str, Permissions] = {
     "executor": _service(
         "executor",
         publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
-                 subjects.NODE_SUBJECTS, *_nodes(), *_kv(subjects.DRAINED_BUCKET),
+                 subjects.NODE_SUBJECTS, *_nodes(), *_kv(subjects.DRAINED_BUCKET), *_objects(subjects.CHECKPOINTS_STORE),
                  *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
                  _info(JOBS),
                  *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),

@@ -409,10 +409,13 @@ class StartWorkers(msgspec.Struct, frozen=True):
     world: PositiveInt
     nodes: PositiveInt
     gpu_type: str
-    checkpoint: str                            # the checkpoint file, on storage every node reads
+    checkpoint: str                            # the checkpoint file, in a folder every node reads ("": `store`)
     env: dict[str, str] = {}                   # the executor's settings for the job (report, checkpoint period)
     master_addr: str = ""
     master_port: int = 0
+    # The checkpoint's object in the checkpoints store (no shared folder): the agent copies it in
+    # before the workers start and, where rank 0 runs, out whenever the workers save a new one.
+    store: str = ""
 
 
 class Rendezvous(msgspec.Struct, frozen=True):

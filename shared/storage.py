@@ -94,6 +94,10 @@ BUCKETS = {b.name: b for b in (
     Bucket(subjects.DRAINED_BUCKET, 16 * MIB),
 )}
 
+# Object stores: name -> max bytes. The checkpoints of jobs on clusters with no shared folder
+# (`--checkpoints jetstream:`): enough for small models; larger ones belong on a shared volume.
+OBJECT_STORES = {subjects.CHECKPOINTS_STORE: 1 * GIB}
+
 CONSUMERS = {c.name: c for c in (
     Durable(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS),
     Durable(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, (subjects.JOBS_EVENTS,)),
@@ -103,7 +107,8 @@ CONSUMERS = {c.name: c for c in (
 
 def total_bytes() -> int:
     """The most the plan's streams and buckets may hold together."""
-    return sum(s.limits.get("max_bytes", 0) for s in STREAMS.values()) + sum(b.max_bytes for b in BUCKETS.values())
+    return (sum(s.limits.get("max_bytes", 0) for s in STREAMS.values()) + sum(b.max_bytes for b in BUCKETS.values())
+            + sum(OBJECT_STORES.values()))
 
 
 def _bucket_limits(bucket: Bucket, ttl_s: float | None) -> dict[str, Any]:
@@ -120,6 +125,9 @@ async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
         await _patiently(lambda s=stream: bus.ensure_stream(s.name, s.subjects, **s.limits))
     for bucket in BUCKETS.values():
         await _patiently(lambda b=bucket: _provision_bucket(bus, b, lease_ttl_s))
+    for name, max_bytes in OBJECT_STORES.items():
+        await _patiently(lambda n=name, m=max_bytes: bus.js.create_object_store(
+            n, config=api.ObjectStoreConfig(bucket=n, max_bytes=m, replicas=bus.replicas)))
     for durable in CONSUMERS.values():
         await _patiently(lambda d=durable: bus.js.add_consumer(d.stream, _consumer_config(d)))
 

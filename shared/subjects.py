@@ -75,6 +75,9 @@ NODES_BUCKET = "goodput_nodes"              # KV: node name -> NodeInfo, renewed
 NODE_TTL_S = 10.0
 NODE_HEARTBEAT_S = 2.0
 DRAINED_BUCKET = "goodput_drained"          # KV: node name -> DrainRequest, while it is drained
+# Jobs' checkpoints for clusters without a folder every node shares (`--checkpoints jetstream:`):
+# JetStream's object store, an object per job, which the node agents copy in and out.
+CHECKPOINTS_STORE = "goodput_checkpoints"
 
 
 def node_subject(node: str, endpoint: str) -> str:

@@ -8,7 +8,8 @@ checkpoints, restarts at its new world size and re-tunes its batch, and every jo
 target. Then the bad inputs: a script that breaks, a job too big for a slot, a job naming no code
 there is, a submission with an unknown field — each ends failed with its reason, the others
 unaffected. And the executor killed -9 mid-training: its successor takes the jobs back from KV,
-the workers it left on the node checkpoint and stop, and every job still reaches its target.
+the workers it left on the node checkpoint and stop (their checkpoints in JetStream's object store,
+as on a cluster without a shared folder), and every job still reaches its target.
 """
 
 import asyncio
@@ -100,7 +101,7 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
 
 
 async def _executor_killed(folder):
-    async with _live_stack(folder) as (bus, stack, _):
+    async with _live_stack(folder, checkpoints="jetstream:") as (bus, stack, _):     # no folder shared
         await _submit(bus, {"tiny-lm": "tiny_lm", "cnn-shapes": "cnn_shapes"})
         for _ in range(240):                     # both training
             records = (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs

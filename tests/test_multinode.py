@@ -4,11 +4,13 @@ the executor's side (`LocalExecutors` over `BusNodes`) in the test, on a real NA
 
 One job's life: trained on one node, moved to another (it resumes where it stopped), spread over
 two at once, one of them lost (its agent killed -9: the job stops everywhere, no worker is left),
-then finished on the remaining node and one that joined meanwhile. And a worker hung in a
-collective: its job is restarted in bounded time, not left hanging.
+then finished on the remaining node and one that joined meanwhile. A worker hung in a collective:
+its job is restarted in bounded time, not left hanging. And checkpoints without a shared folder,
+through JetStream's object store.
 """
 
 import asyncio
+import io
 import os
 import signal
 import subprocess
@@ -196,3 +198,31 @@ async def _finished(poll, name: str) -> bool:
 async def _poll_then(poll, check) -> bool:
     await poll()
     return check()
+
+
+async def test_without_a_shared_folder_a_job_resumes_on_another_node_from_jetstreams_object_store(cluster, tmp_path,
+                                                                                                  connect_bus):
+    """`--checkpoints jetstream:`: each agent keeps its own copy; the one of rank 0's node copies
+    each new checkpoint to the store, the next node copies it in before the job starts there."""
+    agents, executors, nodes, poll = cluster
+    a, b = agents.name("a"), agents.name("b")
+    executors.checkpoints = None                 # no folder the nodes share
+    agents.start("a")
+    agents.start("b")
+    await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
+    name = f"{a}-lm"                             # a job id of this test's own: the store is the session's
+    executors.add(name, "tiny_lm")
+    job = executors.jobs[name]
+    await asyncio.to_thread(executors.apply, {name: ((a, 1),)})
+    await until(lambda: _stepped_past(poll, job, 9), "training on node a")
+    await asyncio.to_thread(executors.apply, {})
+    bus = await connect_bus("reader")
+    stored = torch.load(io.BytesIO((await (await bus.js.object_store(subjects.CHECKPOINTS_STORE)).get(
+        f"{name}.pt")).data), weights_only=True)
+    assert stored["steps"] == job.stats.steps > 9          # the checkpoint it stopped with, in the store
+    epochs = job.stats.epochs
+    await asyncio.to_thread(executors.apply, {name: ((b, 1),)})
+    await until(lambda: _stepped_past(poll, job, stored["steps"]), "training again on node b")
+    assert job.stats.epochs > epochs and (tmp_path / "b" / "checkpoints" / f"{name}.pt").exists()
+    await asyncio.to_thread(executors.apply, {})
+    assert not (tmp_path / "checkpoints").exists()         # nothing went through a shared folder

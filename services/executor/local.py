@@ -7,7 +7,8 @@ the others are told it (torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MA
 MASTER_PORT; GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE). A changed placement stops the
 workers everywhere (SIGTERM: the library checkpoints, every rank at the same step) and starts them
 on the new one (the library resumes from the checkpoint at the new world size); checkpoints are
-files every node reads (`--checkpoints`).
+files in a folder every node reads (`--checkpoints`), or objects in JetStream's object store that
+the agents copy in and out (`--checkpoints jetstream:`).
 
 It collects the `JobStats` the workers print and notices when a job finishes — every worker has
 exited and one printed its outcome — or crashes: a worker that exits with an error, on any node,
@@ -132,12 +133,12 @@ def node_parts(spots: Spots, real: Mapping[str, str]) -> list[tuple[str, int]]:
 
 
 class LocalExecutors:
-    def __init__(self, nodes: Nodes, checkpoints: Path, cluster: Cluster | None = None,
+    def __init__(self, nodes: Nodes, checkpoints: Path | None, cluster: Cluster | None = None,
                  real: Mapping[str, str] | None = None, max_crashes: int = MAX_CRASHES,
                  report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE,
                  checkpoint_every_s: float | None = None, collective_timeout_s: float | None = None):
         self.nodes = nodes
-        self.checkpoints = checkpoints
+        self.checkpoints = checkpoints              # a folder every node reads; None: the checkpoints store
         self.cluster = cluster or Cluster("none", ())
         self.real = dict(real or {})                 # a virtual node's real one (a node split in powers of two)
         self.max_crashes = max_crashes
@@ -273,8 +274,9 @@ class LocalExecutors:
                 ranks = tuple(range(first, first + gpus))
                 first += gpus
                 order = StartWorkers(job.job_id, job.application, job.generation, ranks, world, len(parts), gpu_type,
-                                     str(self._checkpoint(job)), env,
-                                     *((rendezvous.address, rendezvous.port) if rendezvous else ()))
+                                     "" if self.checkpoints is None else str(self.checkpoints / f"{job.job_id}.pt"),
+                                     env, *((rendezvous.address, rendezvous.port) if rendezvous else ()),
+                                     store=f"{job.job_id}.pt" if self.checkpoints is None else "")
                 answer = self.nodes.start(node, order)
                 rendezvous = rendezvous or answer
                 started.append((node, ranks))
@@ -317,5 +319,3 @@ class LocalExecutors:
         except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
             log.warning("job %s: unreadable report: %s", job.job_id, error)
 
-    def _checkpoint(self, job: LocalJob) -> Path:
-        return self.checkpoints / f"{job.job_id}.pt"

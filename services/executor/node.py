@@ -13,6 +13,10 @@ answers the executor service, which decides what runs where:
 - `poll`: each job's workers here: exit codes, and the latest report and outcome lines.
 - `profile`: a profiling run of a job's script on one GPU of this node (the profiler's, Sia §3.3).
 
+Checkpoints are files in a folder every node shares, or, without one (`--checkpoints jetstream:`
+on the executor), objects in JetStream's object store: the agent copies a job's in before its
+workers start, and out from the node of rank 0 whenever they saved a new one and when they stop.
+
 `NodeWorkers` is the node's processes, without the bus; `start` is the service around it.
 """
 
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import base64
 import logging
+import os
 import re
 import subprocess
 import tempfile
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import nats.js.errors
 from nats import micro
 
 from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
@@ -45,7 +51,49 @@ from shared.schema import (Ack, NodeInfo, NodeReport, ProfileAnswer, ProfileRequ
 
 NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")     # a subject token and a KV key
 CPU_SLOTS = 4                                         # a node without CUDA: this many CPU slots, by default
+COPY_EVERY_S = 1.0              # how often new checkpoints are copied to the store (no shared folder)
+COPY_TIMEOUT_S = 300.0
 log = logging.getLogger(__name__)
+
+
+class StoredCheckpoints:
+    """The checkpoints store (JetStream's object store) from the agent's threads: a job's
+    checkpoint copied in before its workers start, and out whenever they saved a new one."""
+
+    def __init__(self, bus: Bus, loop: asyncio.AbstractEventLoop):
+        self.bus, self.loop = bus, loop
+        self._store = None
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(COPY_TIMEOUT_S)
+
+    async def _opened(self):
+        if self._store is None:
+            self._store = await self.bus.js.object_store(subjects.CHECKPOINTS_STORE)
+        return self._store
+
+    def fetch(self, name: str, path: Path) -> bool:
+        """The stored checkpoint into `path` (atomically); False, and no file there, if it has none."""
+        async def fetch() -> bytes | None:
+            try:
+                return (await (await self._opened()).get(name)).data
+            except nats.js.errors.ObjectNotFoundError:
+                return None
+        data = self._run(fetch())
+        if data is None:
+            path.unlink(missing_ok=True)            # a copy of an older job under the id is not this one's
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.fetched")
+        partial.write_bytes(data)
+        os.replace(partial, path)
+        return True
+
+    def push(self, name: str, path: Path) -> None:
+        data = path.read_bytes()                    # the library renames a whole checkpoint into place
+        async def push() -> None:
+            await (await self._opened()).put(name, data)
+        self._run(push())
 
 
 @dataclass
@@ -55,10 +103,12 @@ class Workers:
     order: StartWorkers
     rendezvous: Rendezvous
     devices: tuple[str, ...]
+    checkpoint: Path
     processes: list[subprocess.Popen] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
     stats: str = ""                       # the latest report line (rank 0's, where it is here)
     outcome: str = ""                     # the outcome line of this node's first rank
+    pushed: float | None = None           # the modification time of the checkpoint last copied to the store
 
     @property
     def running(self) -> bool:
@@ -66,11 +116,13 @@ class Workers:
 
 
 class NodeWorkers:
-    def __init__(self, info: NodeInfo, workdir: Path, jobs_package: str = JOBS_PACKAGE, devices: tuple[str, ...] = ()):
+    def __init__(self, info: NodeInfo, workdir: Path, jobs_package: str = JOBS_PACKAGE, devices: tuple[str, ...] = (),
+                 store: StoredCheckpoints | None = None):
         self.info = info
         self.workdir = workdir
         self.jobs_package = jobs_package
         self.devices = devices                  # CUDA device ids, one per GPU; none: CPU slots
+        self.store = store                      # where jobs' checkpoints are kept when no folder is shared
         self.jobs: dict[str, Workers] = {}
         self.profiling: set[subprocess.Popen] = set()
         self.lock = threading.Lock()            # the table of jobs; a stop waits outside it
@@ -90,21 +142,27 @@ class NodeWorkers:
                 raise ValueError(f"job {order.job_id}: generation {order.generation} is older than the "
                                  f"{current.order.generation} running here")
             self._stop(current, STOP_TIMEOUT_S, kill=False)
+        checkpoint = Path(order.checkpoint)
+        if order.store:                           # no shared folder: this node's copy of the stored one
+            if self.store is None:
+                raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
+            checkpoint = self.workdir / "checkpoints" / order.store
+            self.store.fetch(order.store, checkpoint)
         with self.lock:
             if self.closing:
                 raise ValueError(f"node {self.info.name} is stopping")
             devices = self._free(order)
             address, port = ((order.master_addr, order.master_port) if order.master_addr
                              else (self.info.address, free_port(self.info.address)))
-            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices)
-            self._file(order.job_id, "checkpoint").write_text(order.checkpoint)
+            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices, checkpoint)
+            self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
                 env = {**torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
                        **order.env}
                 if devices:
                     env["CUDA_VISIBLE_DEVICES"] = devices[local]
                 with open(self.log_path(order.job_id, rank), "w") as log_file:
-                    process = worker(module, ["--checkpoint", order.checkpoint], env, log_file, lifeline=True)
+                    process = worker(module, ["--checkpoint", str(checkpoint)], env, log_file, lifeline=True)
                 workers.processes.append(process)
                 reader = threading.Thread(target=_forward, args=(process, workers, local == 0), daemon=True)
                 reader.start()
@@ -164,6 +222,27 @@ class NodeWorkers:
         return ProfileAnswer(failure=f"its script printed no profile on {gpu_type}: it must train through "
                                      "AdaptiveTraining.run (goodput_train)")
 
+    def sync(self) -> None:
+        """Copy each new checkpoint of a job whose rank 0 runs here to the store (rank 0 writes them)."""
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for workers in jobs:
+            self._push(workers)
+
+    def _push(self, workers: Workers) -> None:
+        if not workers.order.store or 0 not in workers.order.ranks or self.store is None:
+            return
+        try:
+            saved = workers.checkpoint.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if saved != workers.pushed:
+            try:
+                self.store.push(workers.order.store, workers.checkpoint)
+                workers.pushed = saved
+            except Exception:  # noqa: BLE001 - the store full or away: kept here, copied again next time
+                log.exception("job %s: its checkpoint could not be copied to the store", workers.order.job_id)
+
     def stop_all(self) -> None:
         """Stopping for good: every job's workers checkpoint and stop; profiling runs end."""
         with self.lock:
@@ -207,6 +286,7 @@ class NodeWorkers:
             if process.stdin:
                 process.stdin.close()
         self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
+        self._push(workers)                       # the checkpoint it stopped with, before anyone starts it elsewhere
 
     def _report(self, workers: Workers) -> WorkersReport:
         codes = tuple(p.poll() for p in workers.processes)
@@ -269,7 +349,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12])
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
     workdir.mkdir(parents=True, exist_ok=True)
-    node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus])
+    node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus],
+                       StoredCheckpoints(bus, asyncio.get_running_loop()))
     await asyncio.to_thread(stop_leftovers, workdir)        # what a killed agent before this one left
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
 
@@ -281,8 +362,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 log.exception("renewing node %s failed", info.name)
             await asyncio.sleep(subjects.NODE_HEARTBEAT_S)
 
+    async def copy_checkpoints() -> None:
+        while True:
+            await asyncio.sleep(COPY_EVERY_S)
+            await asyncio.to_thread(node.sync)
+
     async def leave() -> None:
         beating.cancel()
+        copying.cancel()
         await asyncio.to_thread(node.stop_all)
         try:
             await members.delete(info.name)           # gone now, not in NODE_TTL_S
@@ -301,6 +388,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                span_name=f"node.{endpoint}", concurrency=8)
     await members.put(info.name, info)
     beating = asyncio.get_running_loop().create_task(heartbeat())
+    copying = asyncio.get_running_loop().create_task(copy_checkpoints())
     bus.on_close(leave)
     log.info("node %s: %d %s, workers on %s, work in %s", info.name, gpus, info.gpu_type, info.address, workdir)
     return service

@@ -405,8 +405,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", help="worker logs (a node agent) or nothing (the executor); a restarted agent "
                                           "must find its own (default: a folder under the system's temporary one)")
     parser.add_argument("--checkpoints", default=f"file://{Path(tempfile.gettempdir()) / 'goodput-checkpoints'}",
-                        help="where jobs checkpoint, a folder every node reads and writes: file:///shared/dir "
-                             "or a path (default: %(default)s)")
+                        help="where jobs checkpoint: a folder every node reads and writes (file:///shared/dir or a "
+                             "path), or jetstream: for JetStream's object store, which the node agents copy "
+                             "checkpoints in and out of (default: %(default)s)")
     parser.add_argument("--checkpoint-every", type=positive_float,
                         help="seconds between a job's periodic checkpoints (default: the job's own, 300)")
     parser.add_argument("--report-every", type=positive_float, default=REPORT_EVERY_S,
@@ -416,12 +417,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node.add_arguments(parser)
 
 
-def checkpoint_folder(url: str) -> Path:
-    """The folder a checkpoint URL names: `file:///a/b` or a plain path (other schemes are refused)."""
+JETSTREAM_CHECKPOINTS = "jetstream:"
+
+
+def checkpoint_folder(url: str) -> Path | None:
+    """The folder a checkpoint URL names (`file:///a/b` or a plain path), or None for JetStream's
+    object store (`jetstream:`); ValueError for anything else."""
+    if url == JETSTREAM_CHECKPOINTS:
+        return None
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("", "file") or (parsed.scheme == "file" and parsed.netloc not in ("", "localhost")):
         raise ValueError(f"--checkpoints {url!r}: checkpoints go to a folder every node reads (file:///path "
-                         "or a path, e.g. a ReadWriteMany volume); no other storage is supported yet")
+                         f"or a path, e.g. a ReadWriteMany volume) or to JetStream's object store "
+                         f"({JETSTREAM_CHECKPOINTS})")
     return Path(urllib.parse.unquote(parsed.path) if parsed.scheme else url)
 
 
@@ -442,7 +450,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         checkpoints = checkpoint_folder(args.checkpoints)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    checkpoints.mkdir(parents=True, exist_ok=True)
+    if checkpoints is not None:
+        checkpoints.mkdir(parents=True, exist_ok=True)
     loop = asyncio.get_running_loop()
     executors = LocalExecutors(BusNodes(bus, loop), checkpoints, report_every_s=args.report_every,
                                jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every,
