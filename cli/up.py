@@ -338,13 +338,14 @@ async def _watch(bus, run_id: str) -> None:
 
 
 def _running(job: str, gpus: int, record) -> str:
-    """`job 2 x A100 (batch 512)`: a running job on a live round's line."""
+    """`job 2 x A100 (batch 512)`, `job 8 x A100 on 2 nodes`: a running job on a live round's line."""
     from shared.hardware import hardware_name
 
     kind = record.types.get(job)
     batch = record.batches.get(job)
+    nodes = record.nodes.get(job)
     return (f"{job} {gpus} x {hardware_name(kind)}" if kind else f"{job} {gpus} GPU{'s' * (gpus > 1)}") + \
-        (f" (batch {batch})" if batch else "")
+        (f" on {nodes} nodes" if nodes else "") + (f" (batch {batch})" if batch else "")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -375,7 +376,8 @@ def _status(args: argparse.Namespace) -> int:
     print(f"live run: {run['state']}" + (f" at round {run['round']}" if run.get("round") is not None else "")
           + (f" ({run['reason']})" if run["reason"] else "") + f"; policy leader: {run['leader'] or 'none'}")
     for j in jobs:
-        where = (f"{j['gpus']} {j['gpu_type']} on {', '.join(j['nodes'])}, batch {j['batch']}"
+        where = (f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
+                 f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
                  if j["state"] == "running" else j["reason"])
         print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
     return 0

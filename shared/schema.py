@@ -668,6 +668,7 @@ class RoundRecord(msgspec.Struct):
     gpus: dict[str, int]          # GPUs of each running job after the decision
     types: dict[str, str] = {}    # ... their GPU type
     batches: dict[str, int] = {}  # ... the total batch the policy planned, when it plans one
+    nodes: dict[str, int] = {}    # ... the nodes of each job spread over more than one
 
 
 class RunRequest(msgspec.Struct, frozen=True):

@@ -49,6 +49,7 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
     assert "finished" in run.stdout and " x CPU slot" in run.stdout   # the changes were shown as they came, by type
     spread = [job["name"] for job in jobs.values() for placed in job["placements"] if len(placed["nodes"]) == 2]
     assert spread, f"no job ran on both nodes at once: {[job['placements'] for job in jobs.values()]}"
+    assert " x CPU slot on 2 nodes" in run.stdout                    # and the live lines said so
     assert {node for job in jobs.values() for placed in job["placements"] for node, _ in placed["nodes"]} == \
         {"cpu-0", "cpu-1"}
 

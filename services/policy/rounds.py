@@ -262,8 +262,9 @@ class RoundLoop:
         gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots}
         types = {job: self.cluster.placement_type(placements[job]) or "mixed" for job in gpus}
         batches = {job: p.batch for job, p in decision.predictions.items() if job in gpus and p.batch is not None}
+        spread = {job: len(placements[job]) for job in gpus if len(placements[job]) > 1}
         record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus,
-                             types, batches)
+                             types, batches, spread)
         apply = ApplyRequest(now, placements, {v.job_id: v.models for v in views}, self.policy.adaptive_batch, failed)
         self._trace_decisions(round_number, active, known.facts, held, failed, decision, placements, evicted, kept)
         return DecidedRound(apply, record, tuple(events))
