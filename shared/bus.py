@@ -1136,19 +1136,30 @@ class TypedKV(Generic[T]):
         """Live keys (deleted ones excluded); [] for an empty bucket. Read from the bucket's stream:
         nats-py's watcher-based keys() can end early under load and report none, and a service
         restoring its state from KV must see every key."""
-        prefix = f"$KV.{self.bucket}."
-        info = await self._bus.js.stream_info(self._stream, subjects_filter=f"{prefix}>")
         live = []
-        for subject in sorted(info.state.subjects or {}):
-            key = subject[len(prefix):]
-            if key.startswith(f"{PARTS}."):
-                continue
+        for key in await self._stored_keys():
             try:                                 # present and not deleted; its value is not decoded here
                 await self._store.get(key)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
                 continue
             live.append(key)
         return live
+
+    async def values(self) -> dict[str, T]:
+        """Every live key's value, each read once (as `keys`, then `get`, would read it twice)."""
+        values = {}
+        for key in await self._stored_keys():
+            entry = await self.get(key)
+            if entry is not None:
+                values[key] = entry.value
+        return values
+
+    async def _stored_keys(self) -> list[str]:
+        """The keys the bucket's stream holds a message for (deleted ones too), in order."""
+        prefix = f"$KV.{self.bucket}."
+        info = await self._bus.js.stream_info(self._stream, subjects_filter=f"{prefix}>")
+        keys = (subject[len(prefix):] for subject in sorted(info.state.subjects or {}))
+        return [key for key in keys if not key.startswith(f"{PARTS}.")]
 
 
 async def _assemble(headers: dict[str, str] | None, first: bytes,

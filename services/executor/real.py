@@ -435,12 +435,7 @@ def checkpoint_folder(url: str) -> Path | None:
 
 async def live_members(members: TypedKV[NodeInfo], drained: TypedKV[DrainRequest]) -> tuple[dict[str, NodeInfo], set[str]]:
     """The nodes whose agents renewed their entry within its time to live, and the drained ones."""
-    infos = {}
-    for key in await members.keys():
-        entry = await members.get(key)
-        if entry is not None:
-            infos[key] = entry.value
-    return infos, set(await drained.keys())
+    return await members.values(), set(await drained.keys())
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
@@ -462,8 +457,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     drained = await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest)
-    kept = [entry.value for key in await states.keys() if (entry := await states.get(key)) is not None]
-    for job in sorted(kept, key=lambda job: job.seen):       # in the order they came
+    for job in sorted((await states.values()).values(), key=lambda job: job.seen):       # in the order they came
         agent.restore(job)
     await asyncio.to_thread(agent.executors.stop_leftovers)
     turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
@@ -516,6 +510,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return LiveJobs(tuple(live), nodes)
 
     async def on_drain(request: DrainRequest) -> DrainAnswer:
+        if not node.NODE_NAME.match(request.node):
+            raise ValueError(f"{request.node[:100]!r} is no node name: 1-64 letters, digits, '-' or '_'")
         if request.undo:
             await drained.delete(request.node)
         else:

@@ -41,11 +41,7 @@ async def node_of_type(members: TypedKV[NodeInfo], gpu_type: str, wait_s: float 
     to be served for up to `wait_s`."""
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
-        nodes = []
-        for key in await members.keys():
-            entry = await members.get(key)
-            if entry is not None and entry.value.gpu_type == gpu_type:
-                nodes.append(key)
+        nodes = [name for name, info in (await members.values()).items() if info.gpu_type == gpu_type]
         if nodes:
             return random.choice(nodes)
         if asyncio.get_running_loop().time() > deadline:
