@@ -23,9 +23,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/goodput up --once --out out/up.json
 
-# The slowest tests are listed at the end: what to look at when the suite grows past its 15 minutes.
+# Two workers, a test file each at a time (most tests wait on processes and the bus, not on a core);
+# the slowest tests are listed at the end: what to look at when the suite grows past its 15 minutes.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py

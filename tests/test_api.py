@@ -11,7 +11,13 @@ import hashlib
 import json
 import subprocess
 
+import math
+import uuid
+
 import nats
+from services.profiler import api
+from shared import storage, subjects
+from shared.schema import JobOwner, JobRecord, JobRecords, JobSpec, JobsQuery, SubmitAnswer
 from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
 from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
 
@@ -137,3 +143,29 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
         assert [j["id"] for j in document["jobs"]] == listed          # in the order they came, as before
     finally:
         again.kill()
+
+
+async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(connect_bus):
+    """The executors read a stored submission only once it is profiled; until then they still show
+    the refusal of a bad body sent under the same id before. The API answers for the corrected one."""
+    await storage.provision(await connect_bus("operator"))
+    bus = await connect_bus()
+    job_id = f"corrected-{uuid.uuid4().hex[:8]}"
+    refused = JobRecord(job_id, "cifar10", math.nan, None, 0, 0.0, None, state="rejected",
+                        failure="malformed submission: Expected `int`, got `str` - at `$.requested_gpus`")
+    # The executors' record endpoint, standing still at that moment (no executor runs here).
+    await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords((refused,)))
+    owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
+    await api.start(bus, owners, lambda spec: None)
+    spec = JobSpec(job_id, "cifar10", requested_gpus=4)
+
+    stored = await bus.request(subjects.API_SUBMIT, spec, SubmitAnswer)
+    assert stored.accepted and stored.state == "profiling", stored
+    again = await bus.request(subjects.API_SUBMIT, spec, SubmitAnswer)
+    assert again.accepted and "not stored again" in again.reason, again
+    nc = await nats.connect(bus.nc.connected_url.geturl())
+    try:
+        status, _ = await ask(nc, f"{API}.job", {"id": job_id})
+    finally:
+        await nc.close()
+    assert status["state"] == "profiling", status

@@ -144,8 +144,12 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
     async def status_of(job_id: str) -> JobStatus | None:
         trace.get_current_span().set_attribute("job.id", job_id)
         found = next((j for j in await statuses(job_id) if j.id == job_id), None)
-        if found is None and await owners.get(job_id) is not None:    # stored, not yet read by the executors
-            return JobStatus(job_id, "profiling")
+        if found is None or found.state == "rejected":
+            held = await owners.get(job_id)
+            # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
+            # refused stored submission gives the id up): the corrected one is profiling.
+            if held is not None and (found is None or not held.value.marking):
+                return JobStatus(job_id, "profiling")
         return found
 
     async def refuse(data: bytes, reason: str, job_id: str | None) -> SubmitAnswer:
