@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import subprocess
-
 import math
+import subprocess
 import uuid
 
 import nats
