@@ -16,7 +16,7 @@ import uuid
 import nats
 from services.profiler import api
 from shared import storage, subjects
-from shared.schema import JobOwner, JobRecord, JobRecords, JobSpec, JobsQuery, SubmitAnswer
+from shared.schema import JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, SubmitAnswer
 from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
 from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
 
@@ -162,9 +162,5 @@ async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(c
     assert stored.accepted and stored.state == "profiling", stored
     again = await bus.request(subjects.API_SUBMIT, spec, SubmitAnswer)
     assert again.accepted and "not stored again" in again.reason, again
-    nc = await nats.connect(bus.nc.connected_url.geturl())
-    try:
-        status, _ = await ask(nc, f"{API}.job", {"id": job_id})
-    finally:
-        await nc.close()
-    assert status["state"] == "profiling", status
+    status = await bus.request(subjects.API_JOB, JobRequest(job_id), JobStatus)
+    assert status.state == "profiling", status
