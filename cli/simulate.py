@@ -36,6 +36,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
     parser.add_argument("--interference", type=float, default=0.0, metavar="F",
                         help="distributed jobs sharing a node train F slower (0-0.5; default: %(default)s)")
+    parser.add_argument("--profile-request", action="store_true",
+                        help="the profiler also measures each job at its requested GPUs and batch on every type "
+                             "before it starts, at no cost (the throughput matrix Gavel assumes)")
     parser.add_argument("--no-fairness", dest="fairness", action="store_false",
                         help="skip finish-time fairness (it simulates each distinct job alone on its fair share)")
     parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
@@ -106,7 +109,8 @@ def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: 
     result = simulate(workload, args.cluster, policy, calibration=args.calibration,
                       policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
                       sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress, bus=bus, fairness=args.fairness, interference=args.interference)
+                      progress=progress, bus=bus, fairness=args.fairness, interference=args.interference,
+                      profile_request=args.profile_request)
     result["policy_spec"] = spec
     return result
 
@@ -135,8 +139,9 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     title = result.get("policy_spec", result["policy"])
+    profiled = ", profiled at the request" if result.get("profiled_at_request") else ""
     print(f"{title} on {result['cluster']}, workload {result['workload']} "
-          f"({result['calibration']} calibration, truth: {result['truth']})")
+          f"({result['calibration']} calibration, truth: {result['truth']}{profiled})")
     print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, "
           f"took {took:.1f} s")
     print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
@@ -223,7 +228,8 @@ def _compare_title(results: dict) -> str:
     sets = ", ".join(f"{Path(r['workloads']).name} ({r['files']})" for r in
                      {r["workloads"]: r for r in results["table"]}.values())
     clusters = ", ".join(sorted({r["cluster"] for r in results["runs"]}))
-    return f"{sets} on {clusters}"
+    profiled = ", profiled at the request" if any(r.get("profiled_at_request") for r in results["runs"]) else ""
+    return f"{sets} on {clusters}{profiled}"
 
 
 def plot_table(rows: list[dict], path: str, title: str | None = None) -> None:

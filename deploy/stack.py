@@ -169,18 +169,19 @@ async def _count(bus: Bus, subject: str, prefix: str = "") -> int:
 
 def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
                       feedback_iterations: int, restart_delay_s: float | None,
-                      interference: float = 0.0) -> dict[str, list[str]]:
+                      interference: float = 0.0, profile_request: bool = False) -> dict[str, list[str]]:
     """Each service's options for a simulated cluster (its jobs' truth, its calibration)."""
     truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo else [])
     calib = ["--calibration", calibration] if calibration else []
     delay = ["--restart-delay", str(restart_delay_s)] if restart_delay_s is not None else []
+    profiled = ["--profile-request"] if profile_request else []
     return {
         "profiler": ["--cluster", cluster, *truth],
         "estimator": ["--cluster", cluster, *calib],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
         "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations), *delay,
-                     "--interference", str(interference)],
+                     *profiled, "--interference", str(interference)],
     }
 
 

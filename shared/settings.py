@@ -30,6 +30,7 @@ class SimSettings:
     retune_threshold: float = RETUNE_THRESHOLD
     horizon_s: float = 14 * 24 * 3600.0      # give up on jobs still running after this long
     interference: float = 0.0                # distributed jobs sharing a node train this much slower
+    profile_request: bool = False            # each job also measured at its request on every type (Gavel's matrix)
 
     def restart_delay(self, model: str) -> float:
         return self.restart_delay_s.get(model, self.default_restart_delay_s)
@@ -76,12 +77,13 @@ def settings_for(name: str | None, cluster: str) -> SimSettings:
 
 def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
                         round_s: float | None = None, horizon_s: float | None = None,
-                        interference: float = 0.0) -> SimSettings:
+                        interference: float = 0.0, profile_request: bool = False) -> SimSettings:
     """The calibration's settings with the run's overrides: every restart delay, the round, the
-    horizon, the slowdown of distributed jobs sharing a node."""
+    horizon, the slowdown of distributed jobs sharing a node, whether each job is also profiled at
+    its request on every type."""
     if not 0.0 <= interference < 1.0:
         raise ValueError(f"interference is a slowdown fraction in [0, 1), got {interference}")
-    settings = replace(settings_for(calibration, cluster), interference=interference)
+    settings = replace(settings_for(calibration, cluster), interference=interference, profile_request=profile_request)
     if restart_delay_s is not None:
         settings = replace(settings, restart_delay_s={}, default_restart_delay_s=restart_delay_s)
     if round_s is not None:

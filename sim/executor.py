@@ -41,7 +41,7 @@ from shared.schema import (
     verdict_for,
 )
 from sim.run import add_world_arguments, world_of
-from sim.world import SubmittedJob
+from sim.world import SubmittedJob, as_workload_job, request_observations
 
 log = logging.getLogger(__name__)
 UNNAMED = "_rejected"       # KV keys of refusals kept apart from any job (no job id starts with _): by their sequence
@@ -137,6 +137,19 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
               subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected),
               subjects.CANCEL: (on_cancel, Cancel)}
 
+    async def measured_at_request(verdict: Profiled) -> int:
+        """With --profile-request: the job's measurements at its request, to the estimator before
+        the job is known here, so that its first round has them (as direct wiring adds them); the
+        estimator's last revision, or 0."""
+        entry = submitted.get(verdict.job_id)
+        truth = sources.truths.get(entry.spec.application) if entry and entry.spec else None
+        if truth is None or entry.job is not None or not executors.settings.profile_request:
+            return 0
+        revision = 0
+        for gpu_type, observation in request_observations(as_workload_job(entry.spec, truth), truth, executors.cluster):
+            revision = max(revision, await endpoints.report(bus, Observed(verdict.job_id, gpu_type, observation)))
+        return revision
+
     async def on_event(message: msgspec.Raw, delivery) -> None:
         take, kind = events[delivery.subject]
         try:
@@ -144,7 +157,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         except msgspec.DecodeError:
             return                 # a malformed submission: the profiler's rejection of it follows
         async with turn:
+            revision = await measured_at_request(event) if kind is Profiled else 0
             changed = take(event, delivery.stream_sequence, delivery.traceparent)
+            if revision and changed in executors.jobs:
+                executors.jobs[changed].estimate_revision = revision
             await save([changed] if changed is not None else [])
 
     def facts(now: float, names) -> FactsReply:

@@ -59,11 +59,14 @@ def add_world_arguments(parser) -> None:
     parser.add_argument("--restart-delay", type=float, help="every job's checkpoint-restart delay, seconds")
     parser.add_argument("--interference", type=float, default=0.0,
                         help="distributed jobs sharing a node train this fraction slower")
+    parser.add_argument("--profile-request", action="store_true",
+                        help="profile each job at its request on every type too (Gavel's throughput matrix)")
 
 
 def world_of(args) -> tuple[SimulatedExecutors, JobSources]:
     """The simulated executors and the jobs' truth that `add_world_arguments`' options describe."""
-    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay, interference=args.interference)
+    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay, interference=args.interference,
+                                   profile_request=args.profile_request)
     executors = SimulatedExecutors(load_cluster(args.cluster), settings, args.feedback_iterations)
     return executors, job_sources(args.reference, args.zoo)
 
@@ -80,18 +83,20 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
              progress: bool | Progress = False, bus: str = "direct", fairness: bool = True,
-             interference: float = 0.0) -> dict:
+             interference: float = 0.0, profile_request: bool = False) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
     `progress` True reports on stderr as the run goes (`progress_reporter`), or is a callback
     (simulated time, jobs done, jobs in all);
     `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
-    `interference` slows distributed jobs that share a node by that fraction."""
+    `interference` slows distributed jobs that share a node by that fraction; `profile_request`
+    measures each job at its request on every type before it starts (`sim.world.request_observations`)."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
     spec = load_cluster(cluster)
-    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s, interference)
+    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s, interference,
+                                   profile_request)
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
@@ -170,7 +175,7 @@ async def _run_over_nats(jobs, cluster, policy, policy_options, settings, refere
     from deploy.stack import replay, running_services, service_arguments
 
     arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
-                                  restart_delay_s, interference)
+                                  restart_delay_s, interference, settings.profile_request)
     with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
         with running_services(nats, arguments, Path(folder)) as stack:
             bus = await nats.connect("goodput-simulate")
@@ -256,6 +261,7 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
         "calibration": sim.settings.name,
         "round_s": sim.settings.round_s,
         "truth": origin,
+        "profiled_at_request": sim.settings.profile_request,
         "feedback_iterations": sim.feedback_iterations,
         "jobs": jobs,
         "jobs_finished": len(done),

@@ -40,7 +40,7 @@ from shared.schema import (
 )
 from shared.settings import SimSettings
 from sim.truth import ModelTruth
-from sim.world import SimulatedExecutors, SimulatedJob
+from sim.world import SimulatedExecutors, SimulatedJob, request_observations
 
 FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
 log = logging.getLogger(__name__)
@@ -59,8 +59,12 @@ class DirectWiring:
         self.executors = SimulatedExecutors(cluster, settings, feedback_iterations)
         self.estimator = Estimator(settings.max_local)
         for spec in workload:
-            usable = self.executors.add(spec, truths[spec.application])
+            truth = truths[spec.application]
+            usable = self.executors.add(spec, truth)
             self.estimator.add(spec.name, {t: profiles(spec.application, t) for t in usable})
+            if settings.profile_request:
+                for gpu_type, observation in request_observations(spec, truth, cluster):
+                    self.estimator.observe(spec.name, gpu_type, observation)
 
     @property
     def jobs(self) -> dict[str, SimulatedJob]:

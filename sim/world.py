@@ -202,6 +202,36 @@ class SubmittedJob(msgspec.Struct):
                          failure=CANCELLED if self.cancelled else self.rejected, state=state)
 
 
+def as_workload_job(spec: JobSpec, truth: ModelTruth) -> WorkloadJob:
+    """A submission as the simulated cluster runs it: its request, the batch M0 per GPU unless it
+    names one; one without submit_s arrives when a live round first sees it (time inf until then)."""
+    batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
+    return WorkloadJob(spec.id, math.inf if spec.submit_s is None else spec.submit_s, spec.application,
+                       spec.requested_gpus, batch)
+
+
+def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster) -> list[tuple[str, Observation]]:
+    """What profiling a job at its request measures on each GPU type of the cluster it runs on
+    (Gavel's profiled throughput matrix; `SimSettings.profile_request`): its requested GPUs and batch
+    on the fewest nodes of the type that hold them, the batch split into accumulation steps that fit
+    the type's largest per-GPU batch (as the rigid policies run it). Nothing for a one-GPU request
+    (its profile has it), on a type with fewer GPUs than the request, or for a hybrid-parallel job."""
+    gpus = spec.num_replicas
+    if gpus < 2 or truth.group_gpus:
+        return []
+    measured = []
+    for gpu_type in cluster.gpu_types:
+        if gpu_type not in truth.types or cluster.capacity(gpu_type) < gpus:
+            continue
+        per_node = cluster.gpus_per_node(gpu_type)
+        nodes = math.ceil(gpus / per_node)
+        m, s = split_batch(spec.batch_size, gpus, truth.local_limits[gpu_type][1])
+        t_iter, t_compute = truth.types[gpu_type].iteration_time([per_node] * (nodes - 1) + [gpus - per_node * (nodes - 1)],
+                                                                 m, s)
+        measured.append((gpu_type, Observation(nodes, gpus, m, s, t_iter, t_compute)))
+    return measured
+
+
 class SimulatedExecutors:
     """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order."""
 
@@ -227,14 +257,11 @@ class SimulatedExecutors:
         return usable
 
     def submit(self, spec: JobSpec, truth: ModelTruth) -> list[str]:
-        """A submission the profiler accepted, as `add` takes it: its request (the batch defaults to
-        M0 per GPU), `rigid` as a real job reports it; one without submit_s is live (it arrives at
-        the live round that first sees it)."""
-        live = spec.submit_s is None
-        batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
-        usable = self.add(WorkloadJob(spec.id, math.inf if live else spec.submit_s, spec.application,
-                                      spec.requested_gpus, batch), truth, rigid=spec.rigid)
-        self.jobs[spec.id].live = live
+        """A submission the profiler accepted, as `add` takes it (`as_workload_job`), `rigid` as a
+        real job reports it; one without submit_s is live (it arrives at the live round that first
+        sees it)."""
+        usable = self.add(as_workload_job(spec, truth), truth, rigid=spec.rigid)
+        self.jobs[spec.id].live = spec.submit_s is None
         self.jobs[spec.id].min_gpus = spec.min_gpus
         return usable
 

@@ -24,6 +24,22 @@ def test_nats_wiring_reproduces_the_direct_schedule():
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
 
 
+def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
+    """The simulated executors report each job's measurements at its request before it joins a
+    round, as direct wiring gives them to the estimator at the start (reference truth: there the
+    1-GPU profiles alone mislead gavel's matrix, so the measurements change the schedule)."""
+    workload = [WorkloadJob("cifar10-0", 0, "cifar10", 8, 1024), WorkloadJob("bert-1", 30, "bert", 4, 48),
+                WorkloadJob("deepspeech2-2", 200, "deepspeech2", 8, 160), WorkloadJob("yolov3-3", 400, "yolov3", 8, 64)]
+    learned = simulate(workload, "sia-hetero-64", "gavel", fairness=False)
+    direct = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True)
+    over_nats = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, bus="nats")
+    assert direct["truth"].startswith("reference:") and direct["jobs_unfinished"] == 0
+    assert direct["profiled_at_request"] and over_nats["profiled_at_request"] and not learned["profiled_at_request"]
+    assert [j["jct_s"] for j in direct["jobs"]] != [j["jct_s"] for j in learned["jobs"]]
+    assert over_nats["jobs"] == direct["jobs"]
+    assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
+
+
 async def test_one_trace_per_round_across_the_services(monkeypatch):
     """The services export to a real OTLP/HTTP receiver: a round's spans share its trace."""
     import asyncio

@@ -177,3 +177,29 @@ def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
     fixed, free = estimator.models([rigid, adaptive])
     assert (fixed.fixed_gpus, fixed.min_gpus, fixed.fixed_batch) == (4, 4, 512)
     assert (free.fixed_gpus, free.fixed_batch, free.min_gpus) == (None, None, 2)      # its floor, to the policy
+
+
+def test_profiling_at_the_request_gives_the_estimator_the_matrix_gavel_assumes():
+    """--profile-request: the estimator's model of a job at its requested GPUs and batch on each
+    type is what the job measures there; from the 1-GPU profiles alone it is far off."""
+    from shared.cluster import load_cluster
+    from shared.settings import simulation_settings
+    from sim.simulator import DirectWiring
+    from sim.world import request_observations
+
+    sources, cluster = job_sources(), load_cluster("sia-hetero-64")
+    assert sources.origin.startswith("reference:")
+    spec = WorkloadJob("ds2", 0.0, "deepspeech2", 8, 160)
+    measured = request_observations(spec, sources.truths["deepspeech2"], cluster)
+    assert sorted(t for t, _ in measured) == sorted(cluster.gpu_types)
+    assert all(o.nodes == -(-8 // cluster.gpus_per_node(t)) and o.gpus == 8 and o.m * (o.s + 1) * 8 >= 160
+               for t, o in measured)
+    errors = {}
+    for profiled in (False, True):
+        settings = simulation_settings(None, "sia-hetero-64", profile_request=profiled)
+        wiring = DirectWiring([spec], cluster, settings, sources.truths, sources.profile, 1)
+        params = wiring.estimator.models(wiring.executors.facts(0.0, ["ds2"]))[0].params
+        errors[profiled] = [abs(float(iteration_time(params[t], o.nodes, o.gpus, o.m, o.s)) / o.t_iter - 1)
+                            for t, o in measured]
+    assert max(errors[False]) > 0.2
+    assert max(errors[True]) < 0.02
