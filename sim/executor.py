@@ -142,11 +142,13 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         the job is known here, so that its first round has them (as direct wiring adds them); the
         estimator's last revision, or 0."""
         entry = submitted.get(verdict.job_id)
-        truth = sources.truths.get(entry.spec.application) if entry and entry.spec else None
-        if truth is None or entry.job is not None or not executors.settings.profile_request:
+        if (not executors.settings.profile_request or entry is None or entry.spec is None or entry.job is not None
+                or entry.rejected is not None or entry.cancelled):
             return 0
+        truth = sources.truths.get(entry.spec.application)
+        measured = request_observations(as_workload_job(entry.spec, truth), truth, executors.cluster) if truth else []
         revision = 0
-        for gpu_type, observation in request_observations(as_workload_job(entry.spec, truth), truth, executors.cluster):
+        for gpu_type, observation in measured:
             revision = max(revision, await endpoints.report(bus, Observed(verdict.job_id, gpu_type, observation)))
         return revision
 

@@ -225,9 +225,9 @@ def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster)
             continue
         per_node = cluster.gpus_per_node(gpu_type)
         nodes = math.ceil(gpus / per_node)
+        placement = [per_node] * (nodes - 1) + [gpus - per_node * (nodes - 1)]
         m, s = split_batch(spec.batch_size, gpus, truth.local_limits[gpu_type][1])
-        t_iter, t_compute = truth.types[gpu_type].iteration_time([per_node] * (nodes - 1) + [gpus - per_node * (nodes - 1)],
-                                                                 m, s)
+        t_iter, t_compute = truth.types[gpu_type].iteration_time(placement, m, s)
         measured.append((gpu_type, Observation(nodes, gpus, m, s, t_iter, t_compute)))
     return measured
 
