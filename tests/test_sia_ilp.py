@@ -7,6 +7,7 @@ reach the same optimal value (not necessarily the same argmax: ties are possible
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -219,6 +220,30 @@ def test_locked_jobs_over_capacity_keep_the_previous_allocation(caplog):
     assert sol.fallback and sol.status.startswith("infeasible")
     assert sol.choice.tolist() == [0, 0]
     assert "previous allocation" in caplog.text
+
+
+def test_must_run_jobs_all_run_even_if_a_pinned_job_has_to_make_room():
+    # Job 0 holds all 4 GPUs and has restarted so often that its restart factor is 0 (floored): under
+    # Sia's lam, shrinking it for job 1 costs far more than job 1 gains, so job 1 waits. With both
+    # must-run, job 0 shrinks to 3 (not left out, which would cost only lam with job 1 alone marked).
+    goodput = [[1.0, 2.0, 3.0, 4.0], [1.0, 1.1, 1.2, 1.3]]
+    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 3, 4], capacity=[4], current=[3, -1],
+                 restart=[0.0, 1.0])
+    waits = solve(problem(goodput, **shape))
+    assert waits.choice.tolist() == [3, -1]
+    pr = dataclasses.replace(problem(goodput, **shape), must_run=np.array([True, True]))
+    starts = solve(pr)
+    assert starts.choice.tolist() == [2, 0] and starts.status == "optimal"
+    assert_consistent(pr, starts)
+    assert objective(pr, [3, -1]) > objective(pr, starts.choice) == pytest.approx(reference_objective(pr, [2, 0], -0.5))
+    both = solve(pr, p=0.5)                                   # maximisation: both run too
+    assert (both.choice >= 0).all() and both.status == "optimal"
+    # A must-run job that cannot fit anywhere is still left out, and the rest is solved as before.
+    full = dataclasses.replace(problem([[1.0, 2.0], [np.nan, np.nan]], config_type=[0, 0], config_gpus=[1, 2],
+                                       capacity=[2]), must_run=np.array([True, True]))
+    assert solve(full).choice.tolist() == [1, -1]
+    with pytest.raises(ValueError, match="must_run"):
+        dataclasses.replace(problem(goodput, **shape), must_run=np.array([0, 1]))
 
 
 # --- p < 0 allocates every job when capacity allows ---------------------------------------------

@@ -67,3 +67,20 @@ def test_goodput_lets_a_new_job_start_on_what_it_asked_for_and_then_doubles_as_s
     assert goodput.allocate(round_state([ran])).allocations["ran"].gpus <= 4
     alone = job_view("one", "imagenet", CLUSTER, requested_gpus=1, progress=1e5)
     assert goodput.allocate(round_state([alone])).allocations["one"].gpus == 1          # asked for one: as sia
+
+
+def test_goodput_starts_a_waiting_job_on_a_full_cluster_where_sia_leaves_it_waiting():
+    """Four 1-GPU nodes held by a job that restarted so often that Sia's restart factor pins it: a
+    new one-GPU job waits under sia for as long as that lasts; under goodput it starts at once."""
+    cluster = load_cluster("pollux-homo-64")
+    cluster = type(cluster)("four", cluster.nodes[:1])
+    held = Config(cluster.nodes[0].gpu_type, 1, 4)
+    old = job_view("old", "imagenet", cluster, age_s=3000, restarts=12, restart_cost_s=250, current=held,
+                   placement=((cluster.nodes[0].name, 4),), requested_gpus=4, max_gpus_seen=4, progress=1e5)
+    new = job_view("new", "ncf", cluster, age_s=0, requested_gpus=1)
+    state = round_state([old, new], cluster)
+    assert "new" not in make_policy("sia").allocate(state).allocations
+    decided = make_policy("goodput").allocate(state).allocations
+    assert decided["new"].gpus >= 1 and decided["old"].gpus <= 3
+    placed = place(cluster, decided, {"old": old.placement}, {})
+    assert not placed.evicted

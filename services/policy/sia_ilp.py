@@ -6,8 +6,11 @@ The model (Sia, SOSP '23, §3.3, as coded in the public artifact; DESIGN §4):
     r_ij = restart_factor_i            for every j except the job's current one,
            1                           for j == current_i (keeping it costs no restart)
 
-    p < 0:  minimise  sum_ij X_ij * A_ij + lam * (J - sum_ij X_ij)
-    p > 0:  maximise  sum_ij X_ij * A_ij - lam * (J - sum_ij X_ij)
+    p < 0:  minimise  sum_ij X_ij * A_ij + sum_i lam_i * (1 - sum_j X_ij)
+    p > 0:  maximise  sum_ij X_ij * A_ij - sum_i lam_i * (1 - sum_j X_ij)
+
+    lam_i = lam, or for a job marked `must_run` (not Sia's: the `goodput` policy's)
+            MUST_RUN_FACTOR * (max_ij A_ij + lam), more than moving any one job can cost
 
     subject to   X binary;  sum_j X_ij <= 1 (at most one configuration a job);
                  sum_{i, j: type(j) = t} X_ij * gpus_j <= capacity_t for every GPU type t;
@@ -85,6 +88,9 @@ DEFAULT_LAMBDA = 1.1
 DEFAULT_SOLVER = "HIGHS"
 DEFAULT_TIME_LIMIT_S = 5.0
 RESTART_FACTOR_FLOOR = 1e-3
+# Leaving out a `must_run` job costs this many times more than any one entry's value: it runs when
+# moving one other job makes room for it, even one that the restart factor all but pins.
+MUST_RUN_FACTOR = 2.0
 VALUE_CLIP = 3000.0
 VALUE_SIGNIFICANT_DIGITS = 6
 MIP_REL_GAP = 1e-7
@@ -126,6 +132,8 @@ class IlpProblem:
     config_type: (C,) int, GPU-type index in [0, T) of each configuration.
     config_gpus: (C,) int >= 1, GPUs used by each configuration.
     capacity: (T,) int >= 0, GPUs of each type.
+    must_run: (J,) bool or None (none), jobs to allocate whenever moving one other job makes room:
+        leaving one out costs more than any entry's value, not lam.
     """
 
     goodput: np.ndarray
@@ -136,6 +144,7 @@ class IlpProblem:
     config_type: np.ndarray
     config_gpus: np.ndarray
     capacity: np.ndarray
+    must_run: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         goodput = np.asarray(self.goodput, dtype=float)
@@ -148,6 +157,8 @@ class IlpProblem:
         if restart.shape != (J,):
             raise ValueError(f"restart_factor has shape {restart.shape}, expected ({J},) (one per job)")
         locked = _bool_array("locked", self.locked, (J,))
+        must_run = (np.zeros(J, dtype=bool) if self.must_run is None
+                    else _bool_array("must_run", self.must_run, (J,)))
         config_type = _int_array("config_type", self.config_type, (C,))
         config_gpus = _int_array("config_gpus", self.config_gpus, (C,))
         capacity = _int_array("capacity", self.capacity, None)
@@ -180,7 +191,7 @@ class IlpProblem:
 
         for name, value in (("goodput", goodput), ("valid", valid), ("current", current),
                             ("restart_factor", restart), ("locked", locked), ("config_type", config_type),
-                            ("config_gpus", config_gpus), ("capacity", capacity)):
+                            ("config_gpus", config_gpus), ("capacity", capacity), ("must_run", must_run)):
             object.__setattr__(self, name, value)
 
     @property
@@ -280,12 +291,24 @@ def objective(problem: IlpProblem, choice: np.ndarray, p: float = DEFAULT_P, lam
     A = value_matrix(problem, p)
     on = np.flatnonzero(choice >= 0)
     total = float(np.sum(A[on, choice[on]]))
-    unallocated = problem.jobs - on.size
-    return total + lam * unallocated if p < 0 else total - lam * unallocated
+    left_out = float(np.sum(np.where(choice < 0, _left_out_costs(problem, A, lam), 0.0)))
+    return total + left_out if p < 0 else total - left_out
 
 
-def _cost_matrix(A: np.ndarray, p: float, lam: float) -> np.ndarray:
-    """Per-entry cost in minimisation form; the constant lam*J (or -lam*J) is dropped."""
+def _left_out_costs(problem: IlpProblem, A: np.ndarray, lam: float) -> np.ndarray:
+    """(J,) lam_i: what leaving each job out costs; for a `must_run` job more than any entry of the
+    value matrix `A` is worth."""
+    if not problem.must_run.any():
+        return np.full(problem.jobs, lam)
+    top = float(np.nanmax(A)) if np.isfinite(A).any() else 0.0
+    return np.where(problem.must_run, MUST_RUN_FACTOR * (top + abs(lam)), lam)
+
+
+def _cost_matrix(A: np.ndarray, p: float, lam) -> np.ndarray:
+    """Per-entry cost in minimisation form (`lam` a scalar or a (J,) lam_i); the constant sum_i lam_i
+    (or its negative) is dropped."""
+    lam = np.asarray(lam, dtype=float)
+    lam = lam[:, None] if lam.ndim == 1 else lam
     return A - lam if p < 0 else -(A + lam)
 
 
@@ -588,7 +611,8 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
         return _fallback(problem, f"infeasible: locked jobs need {problem.capacity[t] - free[t]} GPUs of "
                          f"type {t}, capacity {problem.capacity[t]}", start)
 
-    cost = _cost_matrix(value_matrix(problem, p), p, lam)
+    values = value_matrix(problem, p)
+    cost = _cost_matrix(values, p, _left_out_costs(problem, values, lam))
     keep = _candidates(problem, cost, free)
 
     # Exact shortcut: if every job's best entry fits together, that is the optimum (no solver).
