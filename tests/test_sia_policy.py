@@ -70,7 +70,7 @@ def test_goodput_lets_a_new_job_start_on_what_it_asked_for_and_then_doubles_as_s
 
 
 def test_goodput_starts_a_waiting_job_on_a_full_cluster_where_sia_leaves_it_waiting():
-    """Four 1-GPU nodes held by a job that restarted so often that Sia's restart factor pins it: a
+    """One node of 4 GPUs, all held by a job that restarted so often that Sia's restart factor pins it: a
     new one-GPU job waits under sia for as long as that lasts; under goodput it starts at once."""
     cluster = load_cluster("pollux-homo-64")
     cluster = type(cluster)("four", cluster.nodes[:1])
