@@ -17,6 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
+from cli.simulate import policy_spec
 from shared.reference import reference_root
 from sim.run import job_sources, simulate
 
@@ -36,6 +37,11 @@ def main() -> None:
     parser.add_argument("--scale-hours", type=float, default=1.0, help="simulated hours of the scale run")
     parser.add_argument("--policies", nargs="+", default=["sia", "goodput"], help="policies to measure, in turn")
     args = parser.parse_args()
+    for policy in args.policies:         # a bad name refused before minutes of runs
+        try:
+            policy_spec(policy)
+        except ValueError as error:
+            parser.error(str(error))
     root = reference_root(args.reference)
     workloads = Path(root) / "sia" / "sia-simulator" / "workloads"
     sources = job_sources(args.reference)
