@@ -246,6 +246,36 @@ def test_must_run_jobs_all_run_even_if_a_pinned_job_has_to_make_room():
         dataclasses.replace(problem(goodput, **shape), must_run=np.array([0, 1]))
 
 
+def test_a_shrink_floor_keeps_a_large_job_from_being_shrunk_for_a_small_gain():
+    # 12 GPUs: job 0 runs on 8 (normalised goodput 8.5; 8.0 on 4), job 1 on 4 (3.6; 7.7 on 8), both
+    # with restart factor 0.7. Sia prices job 0's shrink to 4 at (0.7 * 8) ** -0.5 - 8.5 ** -0.5 =
+    # 0.080, less than job 1 gains on 8 (0.096): it swaps them. Floored at c = 0.5, the shrink
+    # costs 8 ** -0.5 + 0.5 * (0.7 ** -0.5 - 1) - 8.5 ** -0.5 = 0.108, and both stay.
+    goodput = [[1.0, 2.0, 8.0, 8.5], [1.0, 1.9, 3.6, 7.7]]
+    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12], current=[3, 2],
+                 restart=[0.7, 0.7])
+    sia = problem(goodput, **shape)
+    assert solve(sia).choice.tolist() == [2, 3]
+    floored = dataclasses.replace(sia, shrink_floor=0.5)
+    kept = solve(floored)
+    assert kept.choice.tolist() == [3, 2] and kept.status == "optimal"
+    assert_consistent(floored, kept)
+    swap = 8.0 ** -0.5 + 0.5 * (0.7 ** -0.5 - 1) + (0.7 * 7.7) ** -0.5
+    assert objective(floored, [2, 3]) == pytest.approx(swap, rel=1e-5)
+    assert objective(floored, [3, 2]) == pytest.approx(8.5 ** -0.5 + 3.6 ** -0.5, rel=1e-5)
+    # Only shrinks are floored: a move to more goodput, a waiting job's cells and a job whose
+    # goodput is below c ** (1 / p) = 4 everywhere are priced as Sia prices them.
+    small = problem([[1.0, 2.0, 3.0, 3.5], [1.0, 1.9, 3.6, 7.7]], **shape)
+    grow = problem(goodput, config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12],
+                   current=[2, -1], restart=[0.7, 1.0])
+    for pr in (small, grow):
+        floor = value_matrix(dataclasses.replace(pr, shrink_floor=0.5))
+        assert np.array_equal(floor[1], value_matrix(pr)[1]) and floor[0, 3] == value_matrix(pr)[0, 3]
+    assert np.array_equal(value_matrix(dataclasses.replace(small, shrink_floor=0.5)), value_matrix(small))
+    with pytest.raises(ValueError, match="shrink_floor"):
+        dataclasses.replace(sia, shrink_floor=-1.0)
+
+
 # --- p < 0 allocates every job when capacity allows ---------------------------------------------
 
 def test_every_job_runs_when_the_cluster_fits_everyones_best():

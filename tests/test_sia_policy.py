@@ -69,6 +69,16 @@ def test_goodput_lets_a_new_job_start_on_what_it_asked_for_and_then_doubles_as_s
     assert goodput.allocate(round_state([alone])).allocations["one"].gpus == 1          # asked for one: as sia
 
 
+def test_goodput_prices_a_shrink_with_its_floor_and_sia_does_not():
+    """The round's ILP under goodput carries the shrink floor (its effect: tests/test_sia_ilp.py)."""
+    from services.policy.goodput import SHRINK_FLOOR
+    running = job_view("big", "imagenet", CLUSTER, current=Config("dgx-ext", 1, 8), requested_gpus=8,
+                       max_gpus_seen=8, progress=1e5)
+    state = round_state([running, job_view("small", "cifar10", CLUSTER)])
+    assert make_policy("goodput").problem(state).shrink_floor == SHRINK_FLOOR > 0
+    assert make_policy("sia").problem(state).shrink_floor == 0
+
+
 def test_goodput_starts_a_waiting_job_on_a_full_cluster_where_sia_leaves_it_waiting():
     """One node of 4 GPUs, all held by a job that restarted so often that Sia's restart factor pins it: a
     new one-GPU job waits under sia for as long as that lasts; under goodput it starts at once."""

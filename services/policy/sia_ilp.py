@@ -12,6 +12,12 @@ The model (Sia, SOSP '23, §3.3, as coded in the public artifact; DESIGN §4):
     lam_i = lam, or for a job marked `must_run` (not Sia's: the `goodput` policy's)
             MUST_RUN_FACTOR * (max_ij A_ij + lam), more than moving any one job can cost
 
+    With a `shrink_floor` c > 0 (not Sia's: the `goodput` policy's), a running job's cell of lower
+    goodput than its current one (a shrink) is priced G^p - max(G^p, c) * (1 - r^p) instead:
+    Sia's (r G)^p is G^p - G^p * (1 - r^p), so its price of a move shrinks with G^p and a job of
+    large normalised goodput is moved for next to nothing; with the floor, no shrink costs less
+    than it would a job of normalised goodput c^(1/p).
+
     subject to   X binary;  sum_j X_ij <= 1 (at most one configuration a job);
                  sum_{i, j: type(j) = t} X_ij * gpus_j <= capacity_t for every GPU type t;
                  X_ij = 0 where configuration j is not valid for job i;
@@ -134,6 +140,7 @@ class IlpProblem:
     capacity: (T,) int >= 0, GPUs of each type.
     must_run: (J,) bool or None (none), jobs to allocate whenever moving one other job makes room:
         leaving one out costs more than any entry's value, not lam.
+    shrink_floor: c >= 0, the least G^p a shrink's restart is priced at (0: Sia's price).
     """
 
     goodput: np.ndarray
@@ -145,6 +152,7 @@ class IlpProblem:
     config_gpus: np.ndarray
     capacity: np.ndarray
     must_run: np.ndarray | None = None
+    shrink_floor: float = 0.0
 
     def __post_init__(self) -> None:
         goodput = np.asarray(self.goodput, dtype=float)
@@ -179,6 +187,9 @@ class IlpProblem:
         if not (np.all(restart >= 0) and np.all(restart <= 1)):  # also catches NaN
             i = int(np.flatnonzero(~((restart >= 0) & (restart <= 1)))[0])
             raise ValueError(f"restart_factor[{i}] = {float(restart[i])!r} is not in [0, 1]")
+        shrink_floor = float(self.shrink_floor)
+        if not (np.isfinite(shrink_floor) and shrink_floor >= 0):
+            raise ValueError(f"shrink_floor = {self.shrink_floor!r} must be finite and >= 0")
         if (capacity < 0).any():
             t = int(np.flatnonzero(capacity < 0)[0])
             raise ValueError(f"capacity[{t}] = {capacity[t]} is negative")
@@ -191,7 +202,8 @@ class IlpProblem:
 
         for name, value in (("goodput", goodput), ("valid", valid), ("current", current),
                             ("restart_factor", restart), ("locked", locked), ("config_type", config_type),
-                            ("config_gpus", config_gpus), ("capacity", capacity), ("must_run", must_run)):
+                            ("config_gpus", config_gpus), ("capacity", capacity), ("must_run", must_run),
+                            ("shrink_floor", shrink_floor)):
             object.__setattr__(self, name, value)
 
     @property
@@ -262,7 +274,8 @@ def round_significant(a: np.ndarray, digits: int = VALUE_SIGNIFICANT_DIGITS) -> 
 
 
 def value_matrix(problem: IlpProblem, p: float = DEFAULT_P) -> np.ndarray:
-    """(J, C) values A_ij the solver uses: (r_ij G_ij) ** p, clipped and rounded; NaN where unusable.
+    """(J, C) values A_ij the solver uses: (r_ij G_ij) ** p (with a `shrink_floor`, a shrink's price
+    floored), clipped and rounded; NaN where unusable.
 
     Usable cells are the valid ones plus a pinned job's current cell when its goodput is finite > 0.
     """
@@ -278,8 +291,14 @@ def value_matrix(problem: IlpProblem, p: float = DEFAULT_P) -> np.ndarray:
     r = np.repeat(np.maximum(problem.restart_factor, RESTART_FACTOR_FLOOR)[:, None], C, axis=1)
     running = np.flatnonzero(problem.current >= 0)
     r[running, problem.current[running]] = 1.0
+    Gu = np.where(usable, G, 1.0)
     with np.errstate(all="ignore"):
-        A = np.power(r * np.where(usable, G, 1.0), p)
+        A = np.power(r * Gu, p)
+        if problem.shrink_floor > 0 and running.size:
+            base = np.power(Gu[running], p)
+            floored = base - np.maximum(base, problem.shrink_floor) * (1.0 - np.power(r[running], p))
+            shrink = Gu[running] < G[running, problem.current[running]][:, None]
+            A[running] = np.where(shrink, floored, A[running])
     A = round_significant(np.minimum(A, VALUE_CLIP))
     return np.where(usable, A, np.nan)
 
