@@ -204,18 +204,19 @@ def _compare(args: argparse.Namespace) -> int:
                 runs.append(r)
                 print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
             everything.extend(runs)
-            cells = {key: _mean([r[key] for r in runs]) for key, _, _ in METRICS}
+            cells = {key: _mean([r.get(key) for r in runs]) for key, _, _ in METRICS}   # no rho: --no-fairness
             policy_ms = [r["policy_runtime_ms"] for r in runs]
             rows.append({"workloads": name, "files": len(files), "policy": policy, **cells,
                          "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
                          "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
                          "unfinished": sum(r["jobs_unfinished"] for r in runs),
                          "took_s": float(np.mean([r["took_s"] for r in runs]))})
-    header = "| workloads | policy | " + " | ".join(label for _, label, _ in METRICS) + " | policy ms p50/p95 | run took |"
+    metrics = [m for m in METRICS if any(row[m[0]] is not None for row in rows)]   # columns some run measured
+    header = "| workloads | policy | " + " | ".join(label for _, label, _ in metrics) + " | policy ms p50/p95 | run took |"
     table = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
         cells = " | ".join("-" if row[key] is None else f"{row[key] / scale:.3f}" if key.endswith("_s")
-                           else f"{row[key]:.2f}" for key, _, scale in METRICS)
+                           else f"{row[key]:.2f}" for key, _, scale in metrics)
         table.append(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
                      f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
     write_results({"table": rows, "runs": everything}, args.out, "\n".join(table),

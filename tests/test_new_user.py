@@ -103,6 +103,17 @@ def test_compare_refuses_a_misspelt_option_before_any_run(tmp_path, capsys):
     assert "avg JCT" not in err                               # no run reported: refused first
 
 
+def test_compare_without_fairness_writes_its_table_without_the_rho_columns(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["compare", "--workloads", str(tiny_workload(tmp_path)), "--policies", "fifo", "--zoo",
+                 "--no-fairness", "--out", str(out)]) == 0
+    table = json.loads(out.read_text())["table"]
+    assert [row["policy"] for row in table] == ["fifo"] and table[0]["avg_jct_s"] > 0
+    assert table[0]["rho_max"] is None
+    printed = capsys.readouterr().out
+    assert "avg JCT h" in printed and "max rho" not in printed
+
+
 # 4. progress when stderr is not a terminal
 
 class FakeClock:
