@@ -69,6 +69,23 @@ def test_goodput_lets_a_new_job_start_on_what_it_asked_for_and_then_doubles_as_s
     assert goodput.allocate(round_state([alone])).allocations["one"].gpus == 1          # asked for one: as sia
 
 
+def test_goodput_never_stops_a_running_job_to_let_another_grow_while_every_job_fits():
+    """Two nodes of 4 GPUs: an ncf job on 1, a young deepspeech2 job (its restart still free, Sia's
+    rule) on the other 4. sia stops the ncf job, as leaving it out costs only lam - 1 = 0.1, to give
+    deepspeech2 both nodes; goodput keeps it running (mechanism 2, with no job waiting)."""
+    cluster = load_cluster("pollux-homo-64")
+    cluster = type(cluster)("eight", cluster.nodes[:2])
+    gpu_type, (a, b) = cluster.nodes[0].gpu_type, (n.name for n in cluster.nodes)
+    small = job_view("small", "ncf", cluster, age_s=60, current=Config(gpu_type, 1, 1), placement=((a, 1),),
+                     requested_gpus=1, max_gpus_seen=1, progress=1e3)
+    big = job_view("big", "deepspeech2", cluster, age_s=60, restart_cost_s=250, current=Config(gpu_type, 1, 4),
+                   placement=((b, 4),), requested_gpus=4, max_gpus_seen=4, progress=1e5)
+    state = round_state([small, big], cluster)
+    assert make_policy("sia").allocate(state).allocations == {"big": Config(gpu_type, 2, 8)}
+    kept = make_policy("goodput").allocate(state).allocations
+    assert kept["small"].gpus >= 1 and not place(cluster, kept, {"small": small.placement, "big": big.placement}).evicted
+
+
 def test_goodput_prices_a_shrink_with_its_floor_and_sia_does_not():
     """The round's ILP under goodput carries the shrink floor (its effect: tests/test_sia_ilp.py)."""
     from services.policy.goodput import SHRINK_FLOOR

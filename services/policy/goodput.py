@@ -6,13 +6,15 @@
    fraction of its goodput. The request is what a real scheduler has at submission; it is still a
    hint: the ILP gives the job anything from its minimum to that many, as the goodput matrix says,
    and the doubling rule holds from then on.
-2. No job waits while the cluster holds every job's smallest allocation. Sia leaves a waiting job
-   out whenever making room would cost a running job a restart worth more than lam - 1 = 0.1 of
-   the objective, so on a full cluster small jobs can wait for hours behind jobs the restart factor
-   pins (ncf jobs of a minute's work waited ~750 s on average on Pollux's workload-2). Then every
-   job is marked must-run (`sia_ilp.IlpProblem.must_run`): leaving one out costs more than moving
-   any one job. Marking only the waiting ones would let the ILP make room by leaving out the pinned
-   job instead (lam is cheaper than its move).
+2. No job waits, or is preempted, while the cluster holds every job's smallest allocation. Sia
+   leaves a job out whenever making room for it, or keeping it, would cost the others more than
+   lam - 1 = 0.1 of the objective, so on a full cluster small jobs can wait for hours behind jobs
+   the restart factor pins (ncf jobs of a minute's work waited ~750 s on average on Pollux's
+   workload-2), and a running one is stopped to let another grow (an ncf job 3 s from its end, to
+   take a deepspeech2 job from 4 GPUs to 8). Then every job is marked must-run
+   (`sia_ilp.IlpProblem.must_run`): leaving one out costs more than moving any one job. Marking
+   only the waiting ones would let the ILP make room by leaving out the pinned job instead (lam is
+   cheaper than its move).
 3. A shrink costs a large job what it costs a job of four GPUs' goodput. Sia prices a move of job i
    as its restart factor r_i applied to the goodput of the new cell, (r G)^p: at p = -0.5 the price
    G^p (r^p - 1) falls as the job's normalised goodput G grows, so a 24-GPU job is shrunk to give
@@ -47,11 +49,9 @@ class GoodputPolicy(SiaPolicy):
             if starts_at_request(view) else view for view in state.jobs)))
 
     def problem(self, state: RoundState) -> IlpProblem:
-        """Sia's ILP with shrinks floored; every job must-run when one waits and all their smallest
-        allocations fit."""
+        """Sia's ILP with shrinks floored; every job must-run when all their smallest allocations fit."""
         problem = dataclasses.replace(super().problem(state), shrink_floor=SHRINK_FLOOR)
-        waiting = any(view.current is None for view in state.jobs)
-        if waiting and sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus:
+        if sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus:
             problem = dataclasses.replace(problem, must_run=np.ones(problem.jobs, dtype=bool))
         return problem
 
