@@ -5,6 +5,7 @@ from sim.rounds import job_view, round_state
 
 from services.placer.core import place
 from services.policy.base import make_policy, restart_factor
+from services.policy.goodput import SHRINK_FLOOR
 from shared.cluster import Config, load_cluster
 
 CLUSTER = load_cluster("sia-hetero-64")
@@ -88,7 +89,6 @@ def test_goodput_never_stops_a_running_job_to_let_another_grow_while_every_job_f
 
 def test_goodput_prices_a_shrink_with_its_floor_and_sia_does_not():
     """The round's ILP under goodput carries the shrink floor (its effect: tests/test_sia_ilp.py)."""
-    from services.policy.goodput import SHRINK_FLOOR
     running = job_view("big", "imagenet", CLUSTER, current=Config("dgx-ext", 1, 8), requested_gpus=8,
                        max_gpus_seen=8, progress=1e5)
     state = round_state([running, job_view("small", "cifar10", CLUSTER)])

@@ -50,10 +50,9 @@ class GoodputPolicy(SiaPolicy):
 
     def problem(self, state: RoundState) -> IlpProblem:
         """Sia's ILP with shrinks floored; every job must-run when all their smallest allocations fit."""
-        problem = dataclasses.replace(super().problem(state), shrink_floor=SHRINK_FLOOR)
-        if sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus:
-            problem = dataclasses.replace(problem, must_run=np.ones(problem.jobs, dtype=bool))
-        return problem
+        fits = sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus
+        return dataclasses.replace(super().problem(state), shrink_floor=SHRINK_FLOOR,
+                                   must_run=np.ones(len(state.jobs), dtype=bool) if fits else None)
 
 
 def starts_at_request(view) -> bool:
