@@ -119,8 +119,7 @@ def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswer
     except ServiceError as error:                 # the API refused the request: its reason
         raise ValueError(error.description) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-        raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); "
-                         "is `goodput up` running?") from None
+        raise ValueError(credentials.unreachable(args.server, exc, options)) from None
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -133,8 +132,7 @@ def _submit(args: argparse.Namespace) -> int:
         try:
             stored = asyncio.run(submit(spec, args.server, **options))
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-            raise ValueError(f"cannot reach NATS at {credentials.redact(args.server)} ({exc or type(exc).__name__}); "
-                             "is `goodput up` running?") from None
+            raise ValueError(credentials.unreachable(args.server, exc, options)) from None
         print(f"{spec.id}: stored" if stored else f"{spec.id}: already submitted, not stored again")
         return 0
     answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer)

@@ -360,8 +360,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         records, policy = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
-        raise ValueError(f"cannot reach a running goodput at {credentials.redact(server)} ({exc or type(exc).__name__}); "
-                         "is `goodput up` running?") from None
+        raise ValueError(credentials.unreachable(server, exc, options)) from None
     jobs = [msgspec.to_builtins(status) for status in job_statuses(records.jobs)]
     if args.id is not None:
         jobs = [j for j in jobs if j["id"] == args.id]

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from shared.permissions import inbox_prefix
 
-__all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env"]
+__all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env", "unreachable"]
 
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
@@ -165,6 +165,19 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
     if context is not None:
         options["tls"] = context
     return options
+
+
+def unreachable(server: str, error: BaseException, options: Mapping[str, Any]) -> str:
+    """Why a command could not use the stack at `server` (its nats-py connect `options`), and what
+    to do: a refused login is told apart from a server that is not there."""
+    where = redact(server)
+    if "authorization violation" not in str(error).lower():
+        return f"cannot reach NATS at {where} ({error or type(error).__name__}); is `goodput up` running?"
+    if any(options.get(key) for key in ("user", "token", "user_credentials", "nkeys_seed")):
+        return (f"NATS at {where} refused the login (Authorization Violation): check the user and its password "
+                f"file (a `goodput up`'s are in DATA/{USER_ENV})")
+    return (f"NATS at {where} refused a client without a login: no {ENV_PREFIX}* variable is set and there is no "
+            f"{DEFAULT_DATA / USER_ENV}; for a `goodput up --data DATA`: set -a; . DATA/{USER_ENV}; set +a")
 
 
 def redact(servers: str) -> str:

@@ -245,6 +245,24 @@ async def _ignore(error: Exception) -> None:
     pass
 
 
+def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, tmp_path: Path, monkeypatch,
+                                                                   capsys) -> None:
+    from cli.main import main
+
+    for key in [k for k in os.environ if k.startswith(credentials.ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)                 # no out/stack/user.env here: the command has no login
+    assert main(["status", "--server", secured]) == 2
+    assert "refused a client without a login" in capsys.readouterr().err
+    wrong = tmp_path / "password"
+    wrong.write_text("notThePassword1\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("id: a\napplication: cifar10\n")
+    assert main(["submit", str(job), "--server", secured, "--nats-user", "user", "--nats-password-file", str(wrong)]) == 2
+    error = capsys.readouterr().err
+    assert "refused the login" in error and "notThePassword1" not in error
+
+
 def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tmp_path: Path) -> None:
     password_file = tmp_path / "placer.password"
     password_file.write_text(PASSWORDS["placer"] + "\n")
