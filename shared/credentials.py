@@ -129,6 +129,10 @@ def tls_context(credentials: Credentials) -> ssl.SSLContext | None:
     return context
 
 
+# The nats-py connect options `connect_options` logs in with, one per way to authenticate.
+LOGIN_OPTIONS = ("user", "token", "user_credentials", "nkeys_seed")
+
+
 def connect_options(credentials: Credentials | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """nats-py `connect` keyword arguments (pass them to `Bus.connect`) for these credentials;
     `credentials` None reads the GOODPUT_NATS_* environment. ValueError for a missing file or a
@@ -173,7 +177,8 @@ def unreachable(server: str, error: BaseException, options: Mapping[str, Any]) -
     where = redact(server)
     if "authorization violation" not in str(error).lower():
         return f"cannot reach NATS at {where} ({error or type(error).__name__}); is `goodput up` running?"
-    if any(options.get(key) for key in ("user", "token", "user_credentials", "nkeys_seed")):
+    in_url = any(urlsplit(url.strip()).username for url in server.split(","))
+    if in_url or any(options.get(key) for key in LOGIN_OPTIONS):
         return (f"NATS at {where} refused the login (Authorization Violation): check the user and its password "
                 f"file (a `goodput up`'s are in DATA/{USER_ENV})")
     return (f"NATS at {where} refused a client without a login: no {ENV_PREFIX}* variable is set and there is no "
