@@ -110,14 +110,16 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
         await bus.close()
 
 
-def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswered: str = API_UNANSWERED):
+def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswered: str = API_UNANSWERED,
+          refused: str = ""):
+    """The answer; ValueError with the API's reason (after `refused`) when it refuses the request."""
     from nats.micro.request import ServiceError
 
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
         return asyncio.run(ask(args.server, subject, request, answer_type, unanswered, **options))
     except ServiceError as error:                 # the API refused the request: its reason
-        raise ValueError(error.description) from None
+        raise ValueError(refused + error.description) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise ValueError(credentials.unreachable(args.server, exc, options)) from None
 
@@ -135,9 +137,10 @@ def _submit(args: argparse.Namespace) -> int:
             raise ValueError(credentials.unreachable(args.server, exc, options)) from None
         print(f"{spec.id}: stored" if stored else f"{spec.id}: already submitted, not stored again")
         return 0
-    answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer)
-    if not answer.accepted:
-        raise ValueError(f"job {spec.id} refused: {answer.reason}")
+    refused = f"job {spec.id} refused: "
+    answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer, refused=refused)
+    if not answer.accepted:                       # an API of before refusals were service errors
+        raise ValueError(refused + answer.reason)
     print(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}")
     for note in answer.notes:
         print(f"  note: {note}")

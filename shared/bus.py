@@ -87,6 +87,16 @@ class NotFound(LookupError):
     """A handler's answer that what the request names is not there (service error 404)."""
 
 
+class Refused(ValueError):
+    """A request refused with an answer (a handler's, or an endpoint's `on_invalid`'s): service error
+    `code` (400: the requester's fault), the reason in the error headers, and `answer` as the body,
+    so a client that reads headers and one that reads only the body both learn why."""
+
+    def __init__(self, reason: str, answer: Any, code: str = "400") -> None:
+        super().__init__(reason)
+        self.answer, self.code = answer, code
+
+
 # A KV create on an existing key, or an update/delete with a stale revision: someone else won.
 RevisionConflict = nats.js.errors.KeyWrongLastSequenceError
 
@@ -143,6 +153,15 @@ def is_json(data: bytes) -> bool:
     if first in (b"{", b""):
         return first == b"{"
     return first in b" \t\r\n" and memoryview(data)[:64].tobytes().lstrip(b" \t\r\n")[:1] == b"{"
+
+
+def explained(error: msgspec.DecodeError, data: bytes) -> msgspec.DecodeError:
+    """Why a body is no message, as its sender reads it in any language: one neither a JSON object
+    nor a msgpack map is told what a message is, not msgpack's detail ("Expected `object`, got `int`")."""
+    if is_json(data) or is_msgpack_message(data):
+        return error
+    return msgspec.DecodeError(f"a message is a JSON object (or a msgpack map); this body "
+                               f"{'is empty' if not data else f'begins {bytes(data[:24])!r}'}")
 
 
 def is_msgpack_message(data: bytes) -> bool:
@@ -516,15 +535,18 @@ class Bus:
             try:
                 message = self.decode(data, msg_type)
             except msgspec.DecodeError as decode_error:
-                error = decode_error
-                if not is_json(data) and not is_msgpack_message(data):     # say what a message is, not msgpack's detail
-                    error = msgspec.DecodeError(f"a message is a JSON object (or a msgpack map); this body "
-                                                f"{'is empty' if not data else f'begins {bytes(data[:24])!r}'}")
+                error = explained(decode_error, data)
                 _mark_invalid(span, error)
-                answer = await _settle(report_invalid(subject, data, error))
+                try:
+                    answer = await _settle(report_invalid(subject, data, error))
+                except Refused as refused:
+                    return _Outcome(refused.answer, str(refused), self._trace_headers(), refused.code)
                 return _Outcome(answer, f"invalid {msg_type.__name__}: {error}", self._trace_headers())
             try:
                 answer = await _settle(handler(message))
+            except Refused as error:      # refused, with an answer that says why
+                _mark_invalid(span, error)
+                return _Outcome(error.answer, str(error), self._trace_headers(), error.code)
             except ValueError as error:   # well formed, but it cannot be served: say why
                 _mark_invalid(span, error)
                 return _Outcome(None, str(error), self._trace_headers())
@@ -555,7 +577,8 @@ class Bus:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
         answered as a service error 400 with `on_invalid`'s answer (e.g. a Rejected) as its data,
-        one the handler refuses with ValueError as error 400 with that reason, and a handler that
+        one the handler refuses with ValueError as error 400 with that reason (a `Refused`, from the
+        handler or `on_invalid`: its code, and its answer as the body), and a handler that
         fails otherwise as error 500; `Bus.request` raises them as micro's ServiceError. A handler's
         NotFound is error 404. A JSON request refused without an answer gets `{"error", "code"}`
         as its body too, for clients that do not read headers. Replicas share `queue` (default: the
@@ -900,7 +923,7 @@ class PullConsumer(Generic[T]):
             try:
                 message = self._bus.decode(raw.data, self._msg_type)
             except msgspec.DecodeError as error:
-                await self._reject(raw, error)
+                await self._reject(raw, explained(error, raw.data))
                 continue
             deliveries.append(Delivery(message, raw, self._bus._tracer, self._span_name))
         return deliveries

@@ -74,27 +74,44 @@ class Rejected(msgspec.Struct, frozen=True):
     # The stream sequence of the submission refused; None when none could be read as one (malformed).
     # A verdict touches only the job of that very submission, never one another submission holds.
     submission: int | None = None
+    application: str | None = None            # the refused submission's, when it could be read
 
 
 MAX_RECORDED_PAYLOAD = 512
 
 
-def readable_id(data: bytes) -> str | None:
-    """The job id of a submission that is otherwise malformed, when one can be read: its rejection
-    is then the job's own (it ends failed, with the reason), not only a dead letter."""
+def readable_fields(data: bytes) -> dict[str, str]:
+    """The id and the application of a submission that is otherwise malformed (a typo'd field, a bad
+    value, too large), those that can be read: its refusal is then listed as the job's own."""
     from shared.bus import is_json
 
     try:
         document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)   # as the bus reads it
-        return msgspec.convert(document["id"], Identifier)
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError):
-        return None
+    except msgspec.DecodeError:
+        return {}
+    found = {}
+    for field in ("id", "application") if isinstance(document, dict) else ():
+        try:
+            found[field] = msgspec.convert(document[field], Identifier)
+        except (msgspec.ValidationError, KeyError):
+            pass
+    return found
+
+
+def readable_id(data: bytes) -> str | None:
+    """The job id of a submission that is otherwise malformed, when one can be read: its rejection
+    is then the job's own (it ends failed, with the reason), not only a dead letter."""
+    return readable_fields(data).get("id")
 
 
 def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None,
-              submission: int | None = None) -> Rejected:
+              submission: int | None = None, application: str | None = None) -> Rejected:
+    """The record of a refused submission; its application, unless given, read from `data` when it can be."""
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
-    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission)
+    if application is None and isinstance(data, bytes):
+        application = readable_fields(data).get("application")
+    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission,
+                    application=application)
 
 
 Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
@@ -395,6 +412,19 @@ class NodeInfo(msgspec.Struct, frozen=True):
     gpus: PositiveInt
     address: str                               # where its workers listen (rank 0's rendezvous)
     agent: str = ""                            # this agent's instance (a restarted agent is another)
+    applications: tuple[str, ...] = ()         # the jobs its agent may run (its jobs package's); () unsaid
+
+
+def node_applications(nodes: Iterable[NodeInfo]) -> dict[str, tuple[str, ...]] | None:
+    """Application -> the GPU types of the live nodes whose agents run it, as the profiler checks a
+    submission (`models` of submission_problem); None while no agent says what it runs."""
+    found: dict[str, list[str]] = {}
+    for node in nodes:
+        for application in node.applications:
+            found.setdefault(application, [])
+            if node.gpu_type not in found[application]:
+                found[application].append(node.gpu_type)
+    return {application: tuple(types) for application, types in found.items()} if found else None
 
 
 class StartWorkers(msgspec.Struct, frozen=True):
@@ -778,3 +808,23 @@ class EstimateRecord(msgspec.Struct, frozen=True):
     job_id: str
     profiles: tuple[Profile, ...]
     observations: dict[str, tuple[Observation, ...]]    # per GPU type, in the order they came
+
+
+# ---- the nodes of real executors (goodput.executor.nodes, `goodput nodes`) ------------------------
+
+NODE_STATES = ("alive", "lost", "drained")
+
+
+class NodeStatus(msgspec.Struct, frozen=True):
+    """A node as its operator sees it: its GPUs, and whether the rounds use it — alive, lost (its
+    agent's membership lapsed; known since the executor started) or drained (`goodput drain`)."""
+
+    name: str
+    gpu_type: str
+    gpus: int
+    state: str                                 # one of NODE_STATES
+    jobs: tuple[str, ...] = ()                 # the jobs whose workers run there now
+
+
+class NodeStatuses(msgspec.Struct, frozen=True):
+    nodes: tuple[NodeStatus, ...]

@@ -107,13 +107,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return spec.id
 
     def on_rejected(verdict: Rejected, sequence: int, _: str) -> str | None:
+        application = verdict.application or ""
         if verdict.job_id is None:               # unreadable: kept under its place in the stream
             key = f"{UNNAMED}.{sequence}"
-            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence)
+            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence, application=application)
             return key
         entry = submitted.get(verdict.job_id)
         if entry is None:                        # its submission was never read as one: refused under its id
-            submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence)
+            submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence,
+                                                     application=application)
             return verdict.job_id
         if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
             entry.rejected = verdict.reason
@@ -121,7 +123,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         # A verdict on another submission under a known id (a second body, a malformed message naming
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
         key = f"{UNNAMED}.{sequence}"
-        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence)
+        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence, application=application)
         return key
 
     def on_cancel(order: Cancel, _: int, __: str) -> str | None:

@@ -192,13 +192,14 @@ class SubmittedJob(msgspec.Struct):
     trace: str = ""                            # its submission's traceparent (else its verdict's)
     cancelled: bool = False                    # cancelled before the profiler's verdict: it never starts
     seen: int = 0                              # the stream sequence it was first read from: listed in that order
+    application: str = ""                      # a refused submission's, when it could be read (spec: None)
 
     def record(self) -> JobRecord:
         if self.job is not None:
             return self.job.record()
         spec = self.spec
         state = "cancelled" if self.cancelled else "rejected" if self.rejected else "profiling"
-        return JobRecord(self.job_id, spec.application if spec else "", math.nan, None, 0, 0.0, None,
+        return JobRecord(self.job_id, spec.application if spec else self.application, math.nan, None, 0, 0.0, None,
                          failure=CANCELLED if self.cancelled else self.rejected, state=state)
 
 

@@ -16,7 +16,10 @@ import uuid
 import nats
 from services.profiler import api
 from shared import storage, subjects
-from shared.schema import JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, SubmitAnswer
+from services.profiler.core import submission_problem
+from shared.cluster import load_cluster
+from shared.schema import (JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, NodeInfo,
+                           Rejected, SubmitAnswer, node_applications)
 from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
 from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
 
@@ -53,6 +56,7 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             ack = await nc.jetstream().publish(SUBMIT, body, headers={
                 "Nats-Msg-Id": f"json-1.{hashlib.sha256(body).hexdigest()[:16]}"})
             assert ack.seq > 0
+            await nc.jetstream().publish(SUBMIT, b"not json at all")       # listed as refused, "id": null
 
             # The answering path: a bad body is refused with the reason, and reserves nothing.
             bad, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "cifar10", "requested_gpus": "four"})
@@ -101,7 +105,14 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
                 answer = json.loads((await nc.request(f"{API}.submit", body, timeout=30)).data)
                 assert answer["accepted"] is False and word in answer["reason"], (body, answer)
             everything = json.loads((await nc.request(f"{API}.jobs", b"", timeout=30)).data)
-            assert everything["total"] >= 3 and len({j["id"] for j in everything["jobs"]}) == len(everything["jobs"])
+            named = [j["id"] for j in everything["jobs"] if j["id"] is not None]   # one row per id
+            assert everything["total"] >= 3 and len(set(named)) == len(named), named
+            # A refused body is listed with what could be read of it: the id and application of a typo'd
+            # one; a body that is no JSON object under "id": null, saying what a submission is.
+            listed = {j["id"]: j for j in everything["jobs"] if j["id"] is not None}
+            assert (listed["api-2"]["state"], listed["api-2"]["application"]) == ("rejected", "cifar10"), listed["api-2"]
+            assert any(j["id"] is None and "not json at all" in j["reason"] and "a message is a JSON object"
+                       in j["reason"] for j in everything["jobs"]), everything["jobs"]
             schemas, _ = await ask(nc, f"{API}.schemas", {})
             assert {"JobSpec", "SubmitAnswer", "JobStatus", "CancelAnswer"} <= set(schemas["$defs"])
             assert "requested_gpus" in schemas["$defs"]["JobSpec"]["properties"]
@@ -164,3 +175,79 @@ async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(c
     assert again.accepted and "not stored again" in again.reason, again
     status = await bus.request(subjects.API_JOB, JobRequest(job_id), JobStatus)
     assert status.state == "profiling", status
+
+
+async def serve_api(connect_bus, problem=lambda spec: None):
+    """The API on its own bus, the executors' records standing still (none here): the refusals it
+    records, as they pass on the jobs stream."""
+    await storage.provision(await connect_bus("operator"))
+    bus = await connect_bus()
+    await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
+    recorded: asyncio.Queue[Rejected] = asyncio.Queue()
+    await bus.subscribe(subjects.REJECTED, Rejected, recorded.put_nowait)
+    await api.start(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
+    return bus, recorded
+
+
+async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what_could_be_read(connect_bus,
+                                                                                                nats_server):
+    """Whatever is wrong with a body (not JSON, empty, too large, a typo'd field, a bad value), a
+    nats-py client gets the same: error 400 in the headers, the SubmitAnswer with the reason as the
+    body; the refusal is recorded with the id and application when they can be read."""
+    _, recorded = await serve_api(connect_bus)
+    tag = uuid.uuid4().hex[:8]
+    bodies = {
+        "not JSON": (b"hello there", None, None, "a message is a JSON object"),
+        "empty": (b"", None, None, "field `id`"),
+        "too large": (json.dumps({"id": f"big-{tag}", "application": "cifar10", "gpu_types": ["x" * 100_000]}).encode(),
+                      f"big-{tag}", "cifar10", "at most 64 KiB"),
+        "typo": (json.dumps({"id": f"typo-{tag}", "application": "cifar10", "requestd_gpus": 2}).encode(),
+                 f"typo-{tag}", "cifar10", "did you mean `requested_gpus`"),
+        "bad value": (json.dumps({"id": f"bad-{tag}", "application": "bert", "requested_gpus": "four"}).encode(),
+                      f"bad-{tag}", "bert", "$.requested_gpus"),
+    }
+    nc = await nats.connect(nats_server)
+    try:
+        for name, (body, job_id, application, words) in bodies.items():
+            reply = await nc.request(f"{API}.submit", body, timeout=30)
+            answer, headers = json.loads(reply.data), dict(reply.headers or {})
+            assert answer["accepted"] is False and answer["id"] == job_id and words in answer["reason"], (name, answer)
+            assert headers.get("Nats-Service-Error-Code") == "400", (name, headers)
+            assert headers.get("Nats-Service-Error") == answer["reason"], (name, headers)
+            refusal = await asyncio.wait_for(recorded.get(), 10)
+            assert (refusal.job_id, refusal.application, refusal.reason) == (job_id, application, answer["reason"])
+        good = await nc.request(f"{API}.submit", json.dumps({"id": f"good-{tag}", "application": "cifar10"}).encode(),
+                                timeout=30)
+        assert json.loads(good.data)["accepted"] and "Nats-Service-Error-Code" not in (good.headers or {}), good
+    finally:
+        await nc.close()
+
+
+async def test_an_unknown_application_is_refused_at_once_from_what_the_node_agents_run(connect_bus, nats_server):
+    """Real executors: the application is checked against the jobs the live agents say they run,
+    on the answer, as the reference profiles are on a simulated cluster; not accepted and then
+    refused by its profiling run."""
+    cluster = load_cluster("local")
+    await storage.provision(await connect_bus("operator"))
+    members = await storage.open_kv(await connect_bus("agent"), subjects.NODES_BUCKET, NodeInfo)
+    node = cluster.nodes[0]
+    await members.put(f"n-{uuid.uuid4().hex[:8]}", NodeInfo(node.name, node.gpu_type, node.gpus, "127.0.0.1",
+                                                             applications=("mlp_blobs", "tiny_lm")))
+
+    async def problem(spec: JobSpec) -> str | None:          # the profiler's check with real executors
+        return submission_problem(spec, cluster, node_applications((await members.values()).values()), live=True)
+
+    await serve_api(connect_bus, problem)
+    tag = uuid.uuid4().hex[:8]
+    nc = await nats.connect(nats_server)
+    try:
+        unknown = await nc.request(f"{API}.submit", json.dumps({"id": f"unk-{tag}", "application": "nosuchjob"}).encode(),
+                                   timeout=30)
+        answer = json.loads(unknown.data)
+        assert answer["accepted"] is False and "unknown application 'nosuchjob'" in answer["reason"], answer
+        assert "tiny_lm" in answer["reason"] and (unknown.headers or {}).get("Nats-Service-Error-Code") == "400"
+        known = json.loads((await nc.request(f"{API}.submit", json.dumps({"id": f"lm-{tag}", "application": "tiny_lm"})
+                                             .encode(), timeout=30)).data)
+        assert known["accepted"] is True, known
+    finally:
+        await nc.close()

@@ -1,10 +1,13 @@
 """Job submissions: validated at the door, stored in JetStream once per id, refused with a reason."""
 
+import asyncio
+
+import nats
 import pytest
 
 from cli.main import main
 from cli.submit import load_job, submit
-from services.profiler.core import submission_problem
+from services.profiler.core import malformed_reason, submission_problem
 from shared import storage, subjects
 from shared.cluster import load_cluster
 from shared.schema import JobSpec, Rejected, rejection, submission_msg_id
@@ -92,3 +95,27 @@ def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):
     job = write(tmp_path, "id: a\napplication: cifar10\n")
     assert main(["submit", str(job), "--server", "nats://127.0.0.1:1"]) == 2
     assert "cannot reach NATS" in capsys.readouterr().err
+
+
+async def test_a_body_that_is_no_json_object_on_the_stream_is_refused_saying_what_a_submission_is(
+        connect_bus, nats_server, name_prefix):
+    """A body published to the submissions stream by a client that is not ours (nats-py, raw bytes)
+    that is neither a JSON object nor msgpack: the reason the profiler records says what a
+    submission is, not msgpack's reading of it ("Expected `object`, got `int`")."""
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_SUBMISSIONS", f"{name_prefix}.submit"
+    await bus.ensure_stream(stream, [subject])
+    reasons: asyncio.Queue[str] = asyncio.Queue()
+    consumer = await bus.pull_consumer(stream, "profiler", subject, JobSpec,      # as the profiler reads the stream
+                                       on_invalid=lambda _, data, error: reasons.put_nowait(malformed_reason(error)))
+    nc = await nats.connect(nats_server)
+    try:
+        for body in (b"hello", b"[1, 2]", b"42"):
+            await nc.jetstream().publish(subject, body)
+    finally:
+        await nc.close()
+    assert await consumer.fetch(batch=3, timeout=5) == []
+    for body in ("hello", "[1, 2]", "42"):
+        reason = reasons.get_nowait()
+        assert "a message is a JSON object (or a msgpack map)" in reason and body in reason, reason
+        assert "Expected" not in reason, reason

@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from nats import micro
@@ -35,7 +36,7 @@ from opentelemetry import trace
 from services.profiler.core import id_taken, malformed_reason
 from services.runner import new_service
 from shared import subjects
-from shared.bus import Bus, NotFound, RevisionConflict, TypedKV
+from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV
 from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
@@ -52,7 +53,7 @@ from shared.schema import (
     JobStatus,
     SubmitAnswer,
     job_statuses,
-    readable_id,
+    readable_fields,
     rejection,
     spec_digest,
     submission_msg_id,
@@ -130,9 +131,13 @@ def notes(spec: JobSpec) -> tuple[str, ...]:
     return tuple(found)
 
 
-async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec], str | None]) -> micro.Service:
+Problem = Callable[[JobSpec], str | None | Awaitable[str | None]]
+
+
+async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> micro.Service:
     """Serve the API on `bus` (started, stopped with it). `problem(spec)`: why a well-formed live
-    submission cannot be scheduled on this cluster, or None (the profiler's own check)."""
+    submission cannot be scheduled on this cluster, or None (the profiler's own check; a coroutine
+    function when it asks, e.g. which applications the live node agents run)."""
 
     async def statuses(prefix: str = "") -> list[JobStatus]:
         try:
@@ -152,7 +157,11 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
                 return JobStatus(job_id, "profiling")
         return found
 
-    async def refuse(data: bytes, reason: str, job_id: str | None) -> SubmitAnswer:
+    async def refuse(data: bytes, reason: str, job_id: str | None = None) -> SubmitAnswer:
+        """Record the refusal as the profiler records one (listed, with what could be read of the
+        body: its id and application) and answer it."""
+        if job_id is None:
+            job_id = readable_fields(data).get("id")
         await bus.js_publish(subjects.REJECTED, rejection(subjects.API_SUBMIT, reason, data, job_id))
         return SubmitAnswer(False, job_id, "rejected", reason)
 
@@ -163,16 +172,30 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
         return SubmitAnswer(True, job_id, now.state if now else "profiling",
                             "the same submission was stored before: not stored again")
 
-    async def submit(raw: msgspec.Raw) -> SubmitAnswer:
-        data = bytes(raw)
+    async def answered(raw: msgspec.Raw) -> SubmitAnswer:
+        """`submit`'s answer; a refusal is service error 400 too, its answer the body (Refused)."""
+        answer = await submit(bytes(raw))
+        if not answer.accepted:
+            raise Refused(answer.reason, answer)
+        return answer
+
+    async def unreadable(_: str, data: bytes, error: Exception) -> None:
+        """A body that is no JSON object nor msgpack map: refused like any malformed one."""
+        answer = await refuse(data, malformed_reason(error))
+        raise Refused(answer.reason, answer)
+
+    async def submit(data: bytes) -> SubmitAnswer:
         if len(data) > MAX_SUBMISSION_BYTES:
-            return SubmitAnswer(False, None, "rejected", f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
+            return await refuse(data, f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is "
+                                      f"{len(data) / 1024:.0f} KiB")
         try:
             spec = bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
-            return await refuse(data, malformed_reason(error), readable_id(data))
+            return await refuse(data, malformed_reason(error))
         trace.get_current_span().set_attribute("job.id", spec.id)
         reason = problem(spec)
+        if inspect.isawaitable(reason):
+            reason = await reason
         if reason is not None:
             return await refuse(data, reason, spec.id)
         digest = spec_digest(spec)
@@ -245,11 +268,7 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Callable[[JobSpec]
         return CancelAnswer(True, request.id, now.state if now else "unknown",
                             "the order is stored; the executors end the job as they read it")
 
-    def unreadable(_: str, data: bytes, error: Exception) -> SubmitAnswer:
-        return SubmitAnswer(False, None, "rejected", f"malformed submission: the body is neither a JSON object nor "
-                                                     f"msgpack ({error})")
-
-    handlers = {"submit": submit, "job": job, "jobs": jobs, "cancel": cancel, "schemas": lambda _: schemas()}
+    handlers = {"submit": answered, "job": job, "jobs": jobs, "cancel": cancel, "schemas": lambda _: schemas()}
     request_types = {"submit": msgspec.Raw}          # decoded by `submit` itself, to answer a bad body
     service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")
     for endpoint in ENDPOINTS:
