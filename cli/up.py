@@ -39,7 +39,7 @@ from cli.submit import add_connection_arguments
 from services.executor.processes import JOBS_PACKAGE
 from services.runner import positive_float
 from shared import credentials
-from shared.schema import CANCELLED, JOB_STATES
+from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from sim.workload import BUILT_IN_WORKLOAD
 
 LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
@@ -93,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)')
     add_connection_arguments(status)
     status.set_defaults(func=_status)
+
+    nodes = sub.add_parser("nodes", help="the nodes of a running goodput with real jobs: GPUs, alive, lost or drained")
+    nodes.add_argument("--json", action="store_true", help='one JSON document: {"nodes": [...]}')
+    add_connection_arguments(nodes)
+    nodes.set_defaults(func=_nodes)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -205,6 +210,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
     with running_services(nats, arguments, data, replicas, agents=agents) as stack:
         bus = await nats.connect("goodput-up")
+        supervising = None
         try:
             await stack.wait_ready(bus)
             user_env = credentials.write_user_env(data, nats.url, nats.access and nats.access.password_file("user"))
@@ -213,6 +219,9 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                   f"{'; NO AUTHENTICATION (--insecure)' if nats.access is None else ''})")
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
+            # A node agent that dies is started again, as a node's own supervisor would; a service is told of.
+            supervising = asyncio.ensure_future(stack.supervise(lambda name: name in agents,
+                                                                lambda line: print(f"  {line}", flush=True)))
             if not local and args.workload != "none" and (args.once or not resumed):
                 if resumed and await live_run_exists(bus):
                     raise ValueError(f"{data} holds a live run, which the policy leader serves before any replay: "
@@ -239,6 +248,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                 finally:
                     watch.cancel()
         finally:
+            if supervising is not None:
+                supervising.cancel()
             await bus.close()
 
 
@@ -286,10 +297,28 @@ def _job(path: str):
 
 
 async def _submit_local(bus, specs) -> None:
-    from shared import subjects
-    from shared.schema import submission_msg_id
+    """Submit the jobs; one the executors know already (a restart on the same --data) is not
+    submitted again: its state is printed."""
+    import nats.errors
 
+    from shared import subjects
+    from shared.schema import JobRecords, JobsQuery, job_statuses, submission_msg_id
+
+    for _ in range(300):                  # the executor answers ping a moment before its endpoints
+        try:
+            records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=30)
+            break
+        except nats.errors.NoRespondersError:
+            await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError("the executor service does not answer goodput.executor.records")
+    known = {status.id: status for status in job_statuses(records.jobs)}
     for spec in specs:
+        status = known.get(spec.id)
+        if status is not None:
+            print(f"  {spec.id} ({spec.application}): submitted before, {status.state}"
+                  f"{': ' + status.reason if status.reason else ''}", flush=True)
+            continue
         await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec))
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
 
@@ -379,6 +408,31 @@ def _status(args: argparse.Namespace) -> int:
                  f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
                  if j["state"] == "running" else j["reason"])
         print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
+    return 0
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    import json
+
+    import msgspec
+
+    from cli.submit import _call
+    from shared import subjects
+    from shared.hardware import hardware_name
+    from shared.schema import Ack, NodeStatuses
+
+    answer = _call(args, subjects.EXECUTOR_NODES, Ack(), NodeStatuses,
+                   "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
+                   "local`)? Simulated executors have no node agents")
+    if args.json:
+        print(json.dumps({"nodes": msgspec.to_builtins(answer.nodes)}, indent=2))
+        return 0
+    counts = {state: sum(n.state == state for n in answer.nodes) for state in NODE_STATES}
+    print(f"{len(answer.nodes)} node{'s' * (len(answer.nodes) != 1)}: "
+          + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if answer.nodes else "no nodes")
+    for node in answer.nodes:
+        jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
+        print(f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}")
     return 0
 
 

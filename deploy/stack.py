@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,7 +31,11 @@ SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
 NODE_PREFIX = "node-"          # a node agent's instance name: node-<its node>
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
+WATCH_EVERY_S = 1.0             # how often `Stack.supervise` looks at its processes
+QUICK_EXIT_S = 30.0             # an instance that exits this soon after its start ...
+QUICK_EXITS = 3                 # ... this many times in a row is not started again
 RUN_IDLE_TIMEOUT_S = 600.0      # no round logged for this long: the run is stuck
+NOT_ENDED = ("queued", "profiling", "running")      # the states of JOB_STATES a job goes on from
 
 
 class Stack:
@@ -43,9 +48,12 @@ class Stack:
         self.logs = logs
         self.environments = dict(environments or {})     # instance -> its environment (None: ours)
         self.processes: dict[str, subprocess.Popen] = {}
+        self.started: dict[str, float] = {}                # instance -> when it was last started (monotonic)
+        self.stopping = False
 
     def start(self, name: str) -> None:
         """Start (or start again) one service instance; its log is appended to."""
+        self.started[name] = time.monotonic()
         with open(self.logs / f"{name}.log", "ab") as log:
             # A session of its own: Ctrl-C in a terminal reaches the driver only, which stops the
             # services before the NATS server they need to stop cleanly.
@@ -86,7 +94,32 @@ class Stack:
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")[-4000:]
 
+    async def supervise(self, restart: Callable[[str], bool], say: Callable[[str], None]) -> None:
+        """Until cancelled (or the stack stops): each instance that exits unasked is told of
+        (`say`, one line), and started again if `restart(name)` — unless it exited within
+        QUICK_EXIT_S of its start QUICK_EXITS times in a row (it would only fail again)."""
+        quick: dict[str, int] = {}
+        told: set[tuple[str, int]] = set()
+        while not self.stopping:
+            for name, process in list(self.processes.items()):
+                code = process.poll()
+                if code is None or self.stopping or (name, process.pid) in told:
+                    continue
+                told.add((name, process.pid))
+                quick[name] = quick.get(name, 0) + 1 if time.monotonic() - self.started[name] < QUICK_EXIT_S else 0
+                what = f"{name} (pid {process.pid}) exited: {exit_status(code)}; its log: {self.logs / (name + '.log')}"
+                if not restart(name):
+                    say(f"{what}; not restarted")
+                elif quick[name] >= QUICK_EXITS:
+                    say(f"{what}; it exited within {QUICK_EXIT_S:.0f} s of its start {quick[name]} times in a "
+                        "row: not restarted again")
+                else:
+                    self.start(name)
+                    say(f"{what}; restarted (pid {self.processes[name].pid})")
+            await asyncio.sleep(WATCH_EVERY_S)
+
     def stop(self) -> None:
+        self.stopping = True
         for process in self.processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -96,6 +129,14 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def exit_status(code: int) -> str:
+    """`exit code 1`, `killed by SIGKILL`: how a process ended, as its returncode says."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def service_of(instance: str) -> str:
@@ -284,11 +325,17 @@ async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0
     while True:
         with contextlib.suppress(nats.errors.NoRespondersError, nats.errors.TimeoutError):
             records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=30)).jobs}
-        if all(job in records and (records[job].finish_s is not None or records[job].failure) for job in job_ids):
+        if all(job in records and _ended(records[job]) for job in job_ids):
             return {job: records[job] for job in job_ids}
         if deadline is not None and asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"jobs not ended after {timeout_s:.0f} s: {records}")
         await asyncio.sleep(poll_s)
+
+
+def _ended(record: JobRecord) -> bool:
+    """Whether the job finished or ended without finishing (a job still being profiled has a reason,
+    what it waits for, and has not ended)."""
+    return record.finish_s is not None or (bool(record.failure) and record.state not in NOT_ENDED)
 
 
 async def follow_run_steps(bus: Bus, run_id: str, idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S,

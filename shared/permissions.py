@@ -135,7 +135,8 @@ def _client(name: str, publish: Iterable[str]) -> Permissions:
     return Permissions(publish=tuple(publish), subscribe=(f"{inbox_prefix(name)}.>",))
 
 
-STATUS_SUBJECTS = (subjects.RECORDS, subjects.EXECUTOR_STATUS, subjects.ESTIMATOR_STATUS, subjects.POLICY_STATUS)
+STATUS_SUBJECTS = (subjects.RECORDS, subjects.EXECUTOR_STATUS, subjects.ESTIMATOR_STATUS, subjects.POLICY_STATUS,
+                   subjects.EXECUTOR_NODES)
 JOBS = subjects.JOBS_STREAM
 
 ROLES: dict[str, Permissions] = {
@@ -165,7 +166,7 @@ ROLES: dict[str, Permissions] = {
                  *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
                  *_dead_letters(subjects.EXECUTOR_CONSUMER), *_dead_letters(subjects.NODE_AGENT_CONSUMER)),
         subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
-                   subjects.EXECUTOR_STATUS, subjects.EXECUTOR_DRAIN, subjects.NODE_SUBJECTS),
+                   subjects.EXECUTOR_STATUS, subjects.EXECUTOR_DRAIN, subjects.EXECUTOR_NODES, subjects.NODE_SUBJECTS),
     ),
     "policy": _service(
         "policy",

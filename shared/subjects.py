@@ -66,6 +66,7 @@ LIVE_JOBS = f"{PREFIX}.executor.live"      # LiveJobsRequest -> LiveJobs (simula
 RECORDS = f"{PREFIX}.executor.records"      # Ack -> JobRecords (simulated executors)
 EXECUTOR_STATUS = f"{PREFIX}.executor.status"   # Ack -> Count
 EXECUTOR_DRAIN = f"{PREFIX}.executor.drain"     # DrainRequest -> DrainAnswer (operator)
+EXECUTOR_NODES = f"{PREFIX}.executor.nodes"     # Ack -> NodeStatuses (real executors: each node, alive or not)
 # The node agents of real executors, one per node: the executor service starts, stops and polls
 # the workers on each (`node_subject`), and a profiler asks one of a type for a profiling run.
 NODE_SERVICE = "node"

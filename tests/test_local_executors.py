@@ -245,3 +245,23 @@ def test_the_rounds_nodes_are_the_live_ones_less_the_drained_and_a_gone_nodes_jo
     assert "cpu-1" not in {n.name for n in nodes}
     assert (lm.placement, lm.running, lm.restarts, lm.failure) == ((), False, 1, None)
     assert {n.name for n in real.serve_nodes(members, set())} >= {"cpu-0", "cpu-1"}     # drained no more
+
+
+def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
+    """Its agent killed (kill -9): the pipes it read and held close; the worker stops on its
+    lifeline, checkpointed, and exits without a BrokenPipeError traceback in its log for the line
+    it could not print."""
+    from goodput_train.protocol import REPORT_ENV, STATS_PREFIX
+    from services.executor.processes import torchrun_env, worker
+
+    checkpoint = tmp_path / "quick-1.pt"
+    with open(tmp_path / "quick-1.rank0.log", "w") as log:
+        process = worker(job_module("quick", "tests.jobs"), ["--checkpoint", str(checkpoint)],
+                         {**torchrun_env(0, 1, 1, 0, "quick-1", "cpu"), REPORT_ENV: "0.2"}, log, lifeline=True)
+    assert process.stdout.readline().startswith(STATS_PREFIX)           # it trains
+    process.stdout.close()
+    process.stdin.close()
+    process.wait(timeout=120)
+    assert checkpoint.exists()
+    written = (tmp_path / "quick-1.rank0.log").read_text()
+    assert "BrokenPipeError" not in written and "Traceback" not in written, written

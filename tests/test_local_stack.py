@@ -17,16 +17,24 @@ import contextlib
 import json
 import math
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+import uuid
 
 import msgspec
 
 from deploy.nats import embedded_nats, free_loopback_port
 from deploy.stack import (create_run, local_node_arguments, local_service_arguments, records_once_ended,
                           running_services)
-from shared import subjects
+from shared import credentials, subjects
 from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, RunRequest
+from tests.jobs.profile_stalls import STALLING, marker as stalling_marker
+from tests.test_multinode import until
 
 TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job's own metric at its end
 
@@ -55,12 +63,12 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
 
 
 @contextlib.asynccontextmanager
-async def _live_stack(folder, **options):
-    """NATS, the five services and the node agent of the local cluster's slots (real jobs), a live
-    run of sia every 2 s; a bus to submit on."""
-    agents = local_node_arguments("local", folder / "work", options.get("jobs_package"))
+async def _live_stack(folder, cluster="local", **options):
+    """NATS, the five services and the node agents of the cluster's nodes (by default the local
+    one's slots; real jobs), a live run of sia every 2 s; a bus to submit on."""
+    agents = local_node_arguments(cluster, folder / "work", options.get("jobs_package"))
     with embedded_nats(folder) as nats:
-        with running_services(nats, local_service_arguments("local", folder / "work", 1.0, **options), folder,
+        with running_services(nats, local_service_arguments(cluster, folder / "work", 1.0, **options), folder,
                               agents=agents) as stack:
             bus = await nats.connect("test")
             try:
@@ -161,3 +169,126 @@ def test_a_real_job_cancelled_mid_training_checkpoints_stops_and_the_others_go_o
     assert drained.returncode == 0 and "node cpu-0: drained, nothing new is placed there" in drained.stdout, drained
     assert undone.returncode == 0 and "node cpu-0: used again" in undone.stdout, undone
     assert refused.returncode != 0 and "operator" in refused.stderr, refused
+
+
+async def _node_lost_while_profiling(folder):
+    two = folder / "two-nodes.yaml"
+    two.write_text("name: two\nnodes:\n  - {gpu_type: cpu, count: 2, gpus_per_node: 1}\n")
+    stalls = f"stalls-{uuid.uuid4().hex[:8]}"              # its first profiling run stalls (tests/jobs)
+    async with _live_stack(folder, str(two), jobs_package="tests.jobs") as (bus, stack, _):
+
+        async def record(name):
+            return {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}.get(name)
+
+        def stalled_on():
+            return next((log.parent.name.removeprefix("node-") for log in (folder / "work").glob(f"*/{stalls}.profile-*")
+                         if STALLING in log.read_text()), None)
+
+        await _submit(bus, {stalls: "profile_stalls"})
+        node = await until(stalled_on, "its first profiling run to stall")
+        waiting = await until(lambda: _reason_if(record(stalls), "profiling on node"), "its status to say where")
+        # Another job is profiled on the other node meanwhile, not behind it.
+        await _submit(bus, {"quick-1": "quick"})
+        await until(lambda: _state_if(record("quick-1"), ("queued", "running", "finished")),
+                    "the other job's verdict while the first one's run stalls", timeout_s=150)
+        assert (await record(stalls)).state == "profiling"
+        killed = time.monotonic()
+        stack.kill(f"node-{node}")                                 # kill -9 of the agent running it
+        await until(lambda: _state_if(record(stalls), ("queued", "running", "finished")),
+                    "its profile, measured again on the other node", timeout_s=150)
+        taken_s = time.monotonic() - killed
+        again = sorted(log.parent.name for log in (folder / "work").glob(f"*/{stalls}.profile-*"))
+        ended = await records_once_ended(bus, [stalls, "quick-1"], timeout_s=300)
+    with contextlib.suppress(FileNotFoundError):
+        stalling_marker(stalls).unlink()
+    return node, waiting, taken_s, again, ended
+
+
+async def _reason_if(record, begins: str):
+    record = await record
+    return record.failure if record is not None and (record.failure or "").startswith(begins) else None
+
+
+async def _state_if(record, states):
+    record = await record
+    return record is not None and record.state in states
+
+
+def test_a_node_lost_under_a_profiling_run_is_noticed_and_the_run_moves_without_holding_up_others(tmp_path):
+    """kill -9 of the node agent a profiling run is on: the profiler notices within the membership's
+    time to live (not the run's 300 s timeout) and runs it on the other node; a job submitted while
+    the run stalled was profiled meanwhile; the status said where the run was."""
+    node, waiting, taken_s, again, ended = asyncio.run(_node_lost_while_profiling(tmp_path))
+    assert waiting == f"profiling on node {node}"
+    assert taken_s < 3 * subjects.NODE_TTL_S, f"the lost node was noticed after {taken_s:.0f} s"
+    assert again == sorted(f"node-cpu-{i}" for i in range(2)), again     # the second run on the other node
+    for name, record in ended.items():
+        assert record.failure is None and record.finish_s is not None, record
+
+
+class Up:
+    """`goodput up --executors local` as a user runs it, its printed lines read as they come."""
+
+    def __init__(self, folder, *options):
+        self.folder, self.lines = folder, queue.Queue()
+        self.port = free_loopback_port()
+        self.process = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--round", "2",
+                                         "--port", str(self.port), "--data", str(folder), *options],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+
+    def line(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
+        """The next printed line that matches `pattern` (re.search)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s; printed: {self.seen}") from None
+            self.seen.append(line)
+            found = re.search(pattern, line)
+            if found:
+                return found
+
+    def command(self, *arguments) -> subprocess.CompletedProcess:
+        """A user's goodput command on this stack (its login from the data folder's user.env)."""
+        return subprocess.run([sys.executable, "-m", "cli.main", *arguments], capture_output=True, text=True,
+                              timeout=120, env=credentials.user_environment({}, data=self.folder) | dict(os.environ))
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGINT)
+        rest, _ = self.process.communicate(timeout=120)
+        return "".join(self.seen) + rest
+
+
+def test_a_dead_node_agent_is_told_of_and_restarted_nodes_are_listed_and_a_restart_reprints_no_submission(tmp_path):
+    job = tmp_path / "quick.yaml"
+    job.write_text("id: quick-1\napplication: quick\n")
+    options = ("--nodes", "2", "--jobs", str(job), "--jobs-package", "tests.jobs")
+    up = Up(tmp_path, *options)
+    try:
+        pid = int(up.line(r"node-cpu-1 +pid (\d+)").group(1))
+        up.line(r"submitted quick-1 \(quick\)")
+        os.kill(pid, signal.SIGKILL)
+        restarted = up.line(rf"node-cpu-1 \(pid {pid}\) exited: killed by SIGKILL; .*restarted \(pid (\d+)\)")
+        assert restarted
+        up.line(r"finished: quick-1", timeout_s=300)
+        listed = up.command("nodes", "--json", "--server", f"nats://127.0.0.1:{up.port}")
+        assert listed.returncode == 0, listed.stderr
+        nodes = {n["name"]: n for n in json.loads(listed.stdout)["nodes"]}
+        assert {name: (n["gpu_type"], n["gpus"], n["state"]) for name, n in nodes.items()} == \
+            {"cpu-0": ("cpu", 1, "alive"), "cpu-1": ("cpu", 1, "alive")}, nodes
+        table = up.command("nodes", "--server", f"nats://127.0.0.1:{up.port}")
+        assert table.returncode == 0 and "2 nodes: 2 alive" in table.stdout, table
+    finally:
+        first = up.stop()
+    assert first.count("submitted quick-1") == 1, first
+    again = Up(tmp_path, *options)                  # the same --data: the job is known, and finished
+    try:
+        again.line(r"quick-1 \(quick\): submitted before, finished")
+    finally:
+        second = again.stop()
+    assert "submitted quick-1" not in second, second
+    logs = "".join(log.read_text(errors="replace") for log in (tmp_path / "work").rglob("*.log"))
+    assert "BrokenPipeError" not in logs, logs[-3000:]

@@ -26,6 +26,7 @@ from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
 
 JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
 JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
+JOB_MAIN = "services.executor.job_main"  # what runs a job's module in a worker
 STOP_TIMEOUT_S = 60.0
 ROOT = Path(__file__).resolve().parents[2]
 # What a worker inherits from the agent: what Python, PyTorch and the devices need, nothing else
@@ -87,10 +88,11 @@ def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dic
 def worker(module: str, arguments: list[str], env: dict[str, str], log: IO, lifeline: bool = False) -> subprocess.Popen:
     """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`; with
     `lifeline`, its stdin held by us (the library stops when it ends). It finds the jobs package
-    from ROOT, its working directory (`-m` puts that first on sys.path), or from PYTHONPATH."""
+    from ROOT, its working directory (`-m` puts that first on sys.path), or from PYTHONPATH; run
+    through `job_main`, it exits quietly once we are gone."""
     if lifeline:
         env = {**env, LIFELINE_ENV: "1"}
-    return subprocess.Popen([sys.executable, "-m", module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", JOB_MAIN, module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
                             stderr=log, stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL, text=True,
                             errors="replace", cwd=ROOT)
 

@@ -55,8 +55,11 @@ from shared.schema import (
     LiveJobsRequest,
     NodeInfo,
     NodeJob,
+    NodeStatus,
+    NodeStatuses,
     Observed,
     Placed,
+    ProfileRequest,
     Profiled,
     Rejected,
     verdict_for,
@@ -77,6 +80,9 @@ class RealExecutors:
         self.jobs: dict[str, NodeJob] = {}
         self.members: dict[str, NodeInfo] = {}      # the live nodes, as the last round saw them
         self.drained: set[str] = set()
+        self.lost: set[str] = set()                 # nodes that left unasked (their agents' membership lapsed)
+        self.seen: dict[str, NodeInfo] = {}         # every node served since this executor started
+        self.profiling: dict[str, str] = {}         # job -> the node the profiler last asked to profile it
         self._misfits: set[str] = set()             # nodes told off once for not being in `spec`
         self.latest_s = -math.inf                   # the newest round applied or run: an older one is stale
         self._clock = (0.0, time.monotonic())
@@ -146,6 +152,7 @@ class RealExecutors:
             job.failure = str(error)
 
     def profiled(self, message: Profiled, _: int = 0, trace: str = "") -> None:
+        self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", message.job_id)
@@ -157,6 +164,20 @@ class RealExecutors:
             job.failure = "profiled without a run of its own: real jobs need the profiler with --executors local"
         else:
             job.profiled, job.trace = message, job.trace or trace
+
+    def profile_asked(self, job_id: str, node: str) -> None:
+        """The profiler asked `node` for a run of the job (what its status says while it is profiled)."""
+        self.profiling[job_id] = node
+
+    def waiting_for(self, job: NodeJob) -> str:
+        """What a job being profiled waits for, as far as the executor sees it."""
+        node = self.profiling.get(job.spec.id)
+        if node is None:
+            return "waiting for its profiling run (its script on one GPU of each type it may use)"
+        if node in self.lost:
+            return (f"profiling: node {node} was lost during its run; the profiler runs it again on another node "
+                    "of its type")
+        return f"profiling on node {node}"
 
     def cancelled(self, message: Cancel, _: int = 0, __: str = "") -> None:
         """Its user's order: a job not yet ended ends cancelled; its workers checkpoint and stop now
@@ -171,6 +192,7 @@ class RealExecutors:
     def rejected(self, message: Rejected, sequence: int = 0, _: str = "") -> None:
         if message.job_id is None:
             return
+        self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:            # its submission could not be read (malformed): kept as failed all the same
             self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason,
@@ -190,10 +212,12 @@ class RealExecutors:
         know. A job with workers on a node that is not among them (lost, drained) stops
         everywhere (blocking) and waits for this round's placement."""
         usable = {name: info for name, info in members.items() if name not in drained and self._in_spec(info)}
+        self.seen.update(members)
         for name in set(usable) - set(self.members):
             log.info("node %s joined: %d %s", name, usable[name].gpus, usable[name].gpu_type)
         for name in set(self.members) - set(usable):
             log.warning("node %s %s", name, "drained" if name in drained else "lost")
+        self.lost = (self.lost | (set(self.members) - set(members))) - set(members)
         gone = {node for local in self.executors.jobs.values() for node, _ in local.parts} - set(usable)
         if gone:
             stopped = self.executors.lose(gone, lost=gone - set(members))
@@ -215,6 +239,16 @@ class RealExecutors:
             log.warning("node %s (%d %s) is not in cluster %s as it says: not used", info.name, info.gpus,
                         info.gpu_type, self.spec.name)
         return fits
+
+    def node_statuses(self, members: dict[str, NodeInfo], drained: set[str]) -> NodeStatuses:
+        """Every node: the live ones (alive or drained), and those seen since this executor started
+        that are gone (lost), by name."""
+        self.seen.update(members)
+        return NodeStatuses(tuple(
+            NodeStatus(name, info.gpu_type, info.gpus,
+                       "lost" if name not in members else "drained" if name in drained else "alive",
+                       tuple(self.jobs_on(name)))
+            for name, info in sorted(self.seen.items())))
 
     def jobs_on(self, node: str) -> list[str]:
         return sorted(name for name, local in self.executors.jobs.items() if any(n == node for n, _ in local.parts))
@@ -362,8 +396,10 @@ class RealExecutors:
                      else "profiling" if job.profiled is None
                      else "running" if job.placement else "queued")
             stats = job.stats
+            # Not ended: its failure is None; while it is profiled, the record's reason says what it waits for.
+            reason = self.waiting_for(job) if state == "profiling" else job.failure
             records.append(JobRecord(job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
-                                     job.gpu_seconds, None, job.placement, job.failure, job.metric, job.batches,
+                                     job.gpu_seconds, None, job.placement, reason, job.metric, job.batches,
                                      state=state, gpu_type=self.cluster.placement_type(job.placement),
                                      batch=stats.m * (stats.s + 1) * sum(g for _, g in job.placement)
                                      if stats and job.placement else None, placements=job.placements))
@@ -534,6 +570,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:                  # no request half done; then no worker is started again
             await asyncio.to_thread(agent.executors.stop_all)
 
+    # Where the profiler runs each job (its requests to the agents, read as they pass): its status says so.
+    before, after = subjects.node_subject("\0", "profile").split("\0")
+
+    async def on_profile_request(request: ProfileRequest, raw) -> None:
+        agent.profile_asked(request.job_id, raw.subject[len(before):-len(after)])
+
+    await bus.subscribe(subjects.node_subject("*", "profile"), ProfileRequest, on_profile_request, with_raw=True,
+                        span_name="executor.profile-seen")
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     consumer = await storage.open_consumer(bus, subjects.NODE_AGENT_CONSUMER, msgspec.Raw,
                                            span_name="executor.job-event",
@@ -548,4 +592,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         count=lambda prefix: sum(1 for name, job in agent.jobs.items()
                                  if name.startswith(prefix) and (job.profiled is not None or job.failure)))
     await bus.add_endpoint(service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, on_drain, parts=False)
+
+    async def on_nodes(_: Ack) -> NodeStatuses:
+        return agent.node_statuses(*await live_members(members, drained))
+
+    await bus.add_endpoint(service, "nodes", subjects.EXECUTOR_NODES, Ack, on_nodes, parts=False)
     return service

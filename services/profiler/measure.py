@@ -7,12 +7,22 @@ machine. Its result becomes the job's bootstrap profile.
 Every way it can go wrong ends in a `ProfilingFailed` with the reason the job is refused for: the
 script raised, it printed no profile, it ran too long, no batch size fits the GPU's memory, or no
 node of the type was served for NODE_WAIT_S. A node that goes away mid-run is not the job's
-fault: `NodeUnavailable`, and the submission is tried again.
+fault: the run is watched through the node's membership (the KV entry its agent renews, as the
+executor reads it), and once the entry lapses or another agent serves the node the run is given
+up and started again on a live node of the type — within the membership's time to live, not the
+run's timeout. With no such node for LOST_NODE_WAIT_S after a loss, or MAX_NODE_LOSSES lost in
+one run, the job is refused saying so.
+
+`NodeTurns` gives each profiling run a node of its own: runs of several submissions at once go to
+different nodes (a second run on a node's one GPU would distort both measurements), and one run
+waits only for a node of its type, never behind another job's run elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import random
 
 import nats.errors
@@ -25,7 +35,10 @@ from shared.schema import NodeInfo, Profile, ProfileAnswer, ProfileRequest, Prof
 
 PROFILE_TIMEOUT_S = 300.0
 NODE_WAIT_S = 120.0          # how long a job waits for a node of a type to profile on before it is refused
+LOST_NODE_WAIT_S = subjects.NODE_TTL_S   # after its node was lost: how long it waits for another of the type
+MAX_NODE_LOSSES = 3          # nodes lost under one job's run on a type before it is refused
 TRACER_NAME = "goodput.profiler"
+log = logging.getLogger(__name__)
 
 
 class ProfilingFailed(Exception):
@@ -33,42 +46,93 @@ class ProfilingFailed(Exception):
 
 
 class NodeUnavailable(RuntimeError):
-    """The node profiling the job went away: the job is profiled again, elsewhere."""
+    """The node profiling the job went away (its membership lapsed, or another agent serves it)."""
 
 
-async def node_of_type(members: TypedKV[NodeInfo], gpu_type: str, wait_s: float = NODE_WAIT_S) -> str:
-    """A live node of `gpu_type` (any, at random: profiling runs spread over them), waiting for one
-    to be served for up to `wait_s`."""
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while True:
-        nodes = [name for name, info in (await members.values()).items() if info.gpu_type == gpu_type]
-        if nodes:
-            return random.choice(nodes)
-        if asyncio.get_running_loop().time() > deadline:
-            raise ProfilingFailed(f"no node of type {gpu_type} has been served for {wait_s:.0f} s to profile it on")
-        await asyncio.sleep(1.0)
+class NodeTurns:
+    """The live nodes (the membership KV), each lent to one profiling run at a time."""
+
+    def __init__(self, members: TypedKV[NodeInfo]):
+        self.members = members
+        self.busy: set[str] = set()
+        self._freed = asyncio.Condition()
+
+    async def take(self, gpu_type: str, wait_s: float = NODE_WAIT_S, after: str = "") -> NodeInfo:
+        """A live node of `gpu_type` that profiles nothing now (at random among them), taken until
+        `give_back`. Nodes of the type busy with other runs are waited for as long as they take; no
+        node of the type served at all, for `wait_s`: ProfilingFailed (`after`: what happened before,
+        for its reason)."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            nodes = [info for info in (await self.members.values()).values() if info.gpu_type == gpu_type]
+            idle = [info for info in nodes if info.name not in self.busy]
+            if idle:
+                info = random.choice(idle)
+                self.busy.add(info.name)
+                return info
+            if nodes:
+                deadline = asyncio.get_running_loop().time() + wait_s     # served, only busy
+            elif asyncio.get_running_loop().time() > deadline:
+                raise ProfilingFailed(f"{after}no node of type {gpu_type} has been served for {wait_s:.0f} s to "
+                                      "profile it on")
+            async with self._freed:          # a run ends, or a second passes (a node joins)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), 1.0)
+
+    async def give_back(self, node: str) -> None:
+        self.busy.discard(node)
+        async with self._freed:
+            self._freed.notify_all()
+
+    async def lost(self, info: NodeInfo) -> None:
+        """Once the node's membership lapses or another agent serves it: NodeUnavailable. Read as
+        often as its agent renews it."""
+        while True:
+            await asyncio.sleep(subjects.NODE_HEARTBEAT_S)
+            try:
+                entry = await self.members.get(info.name)
+            except Exception as error:  # noqa: BLE001 - NATS away for a moment: the run goes on; read again
+                log.warning("reading node %s's membership failed: %s", info.name, error)
+                continue
+            if entry is None:
+                raise NodeUnavailable(f"node {info.name} was lost (its agent stopped renewing its membership)")
+            if entry.value.agent != info.agent:
+                raise NodeUnavailable(f"node {info.name}'s agent was restarted (the run died with the old one)")
 
 
-async def profiling_run(bus: Bus, members: TypedKV[NodeInfo], job_id: str, application: str, gpu_type: str,
-                        slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
+async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id: str, application: str,
+                        gpu_type: str, slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
                         node_wait_s: float = NODE_WAIT_S,
                         tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
-    The run is a `profiler.run` span with what it measured or why it failed."""
+    A node lost under the run: it starts again on another of the type (`members`: the nodes'
+    turns, shared by the runs of one profiler, or the membership alone). The run is a
+    `profiler.run` span with what it measured or why it failed."""
+    turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span("profiler.run", record_exception=False, set_status_on_exception=False,
                                       attributes={"job.id": job_id, "job.application": application,
                                                   "gpu.type": gpu_type, "timeout_s": timeout_s}) as span:
         try:
-            node = await node_of_type(members, gpu_type, node_wait_s)
-            span.set_attribute("node", node)
-            try:
-                answer = await bus.request(subjects.node_subject(node, "profile"),
-                                           ProfileRequest(job_id, application, slot_memory_mb, timeout_s),
-                                           ProfileAnswer, timeout=timeout_s + 30)
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as error:
-                raise NodeUnavailable(f"node {node} did not finish profiling {job_id}: {type(error).__name__}") \
-                    from None
+            lost: dict[str, str] = {}          # node -> how it was lost
+            while True:
+                after = f"{'; '.join(lost.values())}; then " if lost else ""
+                info = await turns.take(gpu_type, LOST_NODE_WAIT_S if lost else node_wait_s, after)
+                span.set_attribute("node", info.name)
+                try:
+                    answer = await _run_on(bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb,
+                                                                            timeout_s))
+                    break
+                except NodeUnavailable as error:
+                    lost[info.name] = str(error)
+                    span.set_attribute("nodes.lost", list(lost))
+                    log.warning("job %s: %s during its profiling run; %s", job_id, error,
+                                "refused" if len(lost) >= MAX_NODE_LOSSES else "run again on a live node")
+                    if len(lost) >= MAX_NODE_LOSSES:
+                        raise ProfilingFailed(f"{len(lost)} nodes of type {gpu_type} were lost under its profiling "
+                                              f"run: {'; '.join(lost.values())}") from None
+                finally:
+                    await turns.give_back(info.name)
             if answer.run is None:
                 raise ProfilingFailed(answer.failure)
             run = answer.run
@@ -88,6 +152,29 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo], job_id: str, appli
         if run.out_of_memory is not None:
             span.set_attribute("out_of_memory.batch", run.out_of_memory)
         return run
+
+
+async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRequest) -> ProfileAnswer:
+    """The node's answer to the request, or NodeUnavailable as soon as the node is gone."""
+    asked = asyncio.ensure_future(bus.request(subjects.node_subject(info.name, "profile"), request, ProfileAnswer,
+                                              timeout=request.timeout_s + 30))
+    watching = asyncio.ensure_future(turns.lost(info))
+    try:
+        await asyncio.wait((asked, watching), return_when=asyncio.FIRST_COMPLETED)
+        if not asked.done():
+            watching.result()                  # raises NodeUnavailable
+        try:
+            return asked.result()
+        except nats.errors.NoRespondersError:
+            await watching                     # its agent is gone: lost once its membership lapses
+            raise
+        except nats.errors.TimeoutError:
+            raise NodeUnavailable(f"node {info.name} did not finish profiling {request.job_id} in "
+                                  f"{request.timeout_s + 30:.0f} s") from None
+    finally:
+        for task in (asked, watching):
+            task.cancel()
+        await asyncio.gather(asked, watching, return_exceptions=True)
 
 
 def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun,

@@ -20,12 +20,14 @@ from nats import micro
 
 from services.profiler import api
 from services.profiler.core import id_taken, malformed_reason, named_types, profile_source, submission_problem
-from services.profiler.measure import ProfilingFailed, measured_profile, profiling_run
+from services.profiler.measure import NodeTurns, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
 from shared.schema import JobOwner, JobProfiles, NodeInfo, JobSpec, Profiled, Stored, readable_id, rejection, spec_digest
+
+PROFILING_RUNS = 4          # real runs: submissions profiled at once (each holds one node of a type at a time)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +45,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
     local = args.executors == "local"
     source = None if local else profile_source(args.reference, args.zoo)
-    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo) if local else None
+    turns = NodeTurns(await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)) if local else None
     stopping = asyncio.Event()
 
     async def stop_runs() -> None:
@@ -97,7 +99,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         for gpu_type in types:
             if stopping.is_set():
                 raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
-            run = await profiling_run(bus, members, spec.id, spec.application, gpu_type, args.slot_memory)
+            run = await profiling_run(bus, turns, spec.id, spec.application, gpu_type, args.slot_memory)
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
@@ -142,9 +144,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                                                                   live=True))
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
-    # says so to the server), not handed to another replica.
-    consumer = await storage.open_consumer(bus, subjects.PROFILER_CONSUMER, JobSpec, span_name="profiler.bootstrap",
-                                           on_invalid=on_malformed,
-                                           dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER))
-    asyncio.get_running_loop().create_task(consumer.consume(on_submission, with_delivery=True, on_dead=on_dead))
+    # says so to the server), not handed to another replica. Real runs: PROFILING_RUNS
+    # submissions at once, one at a time each (none waits behind another's run on another node).
+    for _ in range(PROFILING_RUNS if local else 1):
+        consumer = await storage.open_consumer(bus, subjects.PROFILER_CONSUMER, JobSpec, span_name="profiler.bootstrap",
+                                               on_invalid=on_malformed,
+                                               dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER))
+        asyncio.get_running_loop().create_task(consumer.consume(on_submission, with_delivery=True, on_dead=on_dead,
+                                                                **({"batch": 1} if local else {})))
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

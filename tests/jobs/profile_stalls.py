@@ -1,0 +1,32 @@
+"""A job whose first profiling run stalls until its node agent dies (the profiler has to notice the
+node is lost and run it again on another); every other run is the quick job's. The stall says so on
+stderr (the agent's profiling log), and a marker under the temporary folder, named after the job,
+says it happened."""
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from goodput_train.protocol import JOB_ENV, PROFILE_ENV
+
+from examples.jobs.mlp_blobs import main
+
+GOODPUT_JOB = True
+STALLING = "stalling until the agent dies"
+
+
+def marker(job_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"goodput-stalled-{job_id}"
+
+
+if __name__ == "__main__":
+    if os.environ.get(PROFILE_ENV) and not marker(os.environ[JOB_ENV]).exists():
+        marker(os.environ[JOB_ENV]).touch()
+        print(STALLING, file=sys.stderr, flush=True)
+        agent = os.getppid()
+        while os.getppid() == agent:
+            time.sleep(0.2)
+        sys.exit(1)
+    main(["--epochs", "2", *sys.argv[1:]])
