@@ -432,7 +432,7 @@ def _nodes(args: argparse.Namespace) -> int:
           + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if answer.nodes else "no nodes")
     for node in answer.nodes:
         jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
-        print(f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}")
+        print(f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}".rstrip())
     return 0
 
 
