@@ -16,10 +16,10 @@ import uuid
 import nats
 from services.profiler import api
 from shared import storage, subjects
-from services.profiler.core import submission_problem
+from services.profiler.core import agents_models, submission_problem
 from shared.cluster import load_cluster
 from shared.schema import (JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, NodeInfo,
-                           Rejected, SubmitAnswer, node_applications)
+                           Rejected, SubmitAnswer)
 from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
 from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
 
@@ -235,7 +235,8 @@ async def test_an_unknown_application_is_refused_at_once_from_what_the_node_agen
                                                              applications=("mlp_blobs", "tiny_lm")))
 
     async def problem(spec: JobSpec) -> str | None:          # the profiler's check with real executors
-        return submission_problem(spec, cluster, node_applications((await members.values()).values()), live=True)
+        return submission_problem(spec, cluster, agents_models((await members.values()).values(), cluster.gpu_types),
+                                  live=True)
 
     await serve_api(connect_bus, problem)
     tag = uuid.uuid4().hex[:8]

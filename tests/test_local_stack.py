@@ -31,8 +31,8 @@ import msgspec
 from deploy.nats import embedded_nats, free_loopback_port
 from deploy.stack import (create_run, local_node_arguments, local_service_arguments, records_once_ended,
                           running_services)
-from shared import credentials, subjects
-from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, RunRequest
+from shared import credentials, storage, subjects
+from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, NodeInfo, RunRequest
 from tests.jobs.profile_stalls import STALLING, marker as stalling_marker
 from tests.test_multinode import until
 
@@ -107,6 +107,52 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     assert "no job 'nosuchjob' in tests.jobs" in records["no-code"].failure, records["no-code"]
     assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
     assert len(alive) == 6, f"a service died: only {alive} still run"
+
+
+async def _user_refusals(folder):
+    """A user's nats-py client on the live local stack: an unknown application, then bodies refused
+    on the durable subject; the answers, and the refusals as goodput.api.jobs lists them."""
+    import nats
+
+    async with _live_stack(folder, jobs_package="tests.jobs") as (bus, _, server):
+        reader = await server.connect("test-members", role="profiler")        # the membership, as the API reads it
+        members = await storage.open_kv(reader, subjects.NODES_BUCKET, NodeInfo)
+        await until(lambda: _all_say(members), "every node agent to say which jobs it runs")
+        await reader.close()
+        nc = await nats.connect(server.url, **server.options("user"))
+        try:
+            asked = time.monotonic()
+            reply = await nc.request(subjects.API_SUBMIT, json.dumps({"id": "x", "application": "nosuchjob"}).encode(),
+                                     timeout=30)
+            answered_s = time.monotonic() - asked
+            unknown = (json.loads(reply.data), dict(reply.headers or {}), answered_s)
+        finally:
+            await nc.close()
+        status = await until(lambda: _listed(bus, "x"), "the refusal to be listed")
+        return unknown, status
+
+
+async def _listed(bus, job_id):
+    """goodput.api.job's answer on `job_id`, as a user's client reads it; None while no job has the id."""
+    reply = await bus.nc.request(subjects.API_JOB, json.dumps({"id": job_id}).encode(), timeout=30)
+    return None if (reply.headers or {}).get("Nats-Service-Error-Code") == "404" else json.loads(reply.data)
+
+
+async def _all_say(members):
+    nodes = (await members.values()).values()
+    return bool(nodes) and all(node.applications for node in nodes)
+
+
+def test_a_user_is_refused_an_unknown_application_at_once_from_what_the_node_agents_run(tmp_path):
+    """`{"id": "x", "application": "nosuchjob"}` on goodput.api.submit: error 400 with the known
+    jobs, not `accepted: true, state: profiling` and a refusal by its profiling run later."""
+    (answer, headers, answered_s), status = asyncio.run(_user_refusals(tmp_path))
+    assert answer["accepted"] is False and answer["state"] == "rejected", answer
+    assert answer["reason"].startswith("unknown application 'nosuchjob'"), answer
+    assert "(known: " in answer["reason"] and "quick" in answer["reason"], answer       # tests.jobs's
+    assert headers.get("Nats-Service-Error-Code") == "400", headers
+    assert answered_s < 10, answered_s
+    assert status["state"] == "rejected" and status["reason"] == answer["reason"], status
 
 
 async def _executor_killed(folder):

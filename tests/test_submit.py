@@ -7,10 +7,10 @@ import pytest
 
 from cli.main import main
 from cli.submit import load_job, submit
-from services.profiler.core import malformed_reason, submission_problem
+from services.profiler.core import agents_models, malformed_reason, submission_problem
 from shared import storage, subjects
 from shared.cluster import load_cluster
-from shared.schema import JobSpec, Rejected, rejection, submission_msg_id
+from shared.schema import JobSpec, NodeInfo, Rejected, rejection, submission_msg_id
 
 
 def write(tmp_path, text, name="job.yaml"):
@@ -56,6 +56,22 @@ def test_submission_problems_name_what_is_unknown():
     assert problem(JobSpec("e", "cifar10", gpu_types=("T4", "rtx-2080-ti"))) is None
     assert "RTX 2080 Ti (rtx)" in problem(JobSpec("f", "cifar10", gpu_types=("H100",)))
     assert problem(JobSpec("c", "cifar10", gpu_types=("aws",))) is None
+
+
+def test_with_real_executors_the_applications_are_those_the_live_node_agents_run():
+    """An application no live agent runs is unknown; a type whose agents are away for a moment is
+    left to the job's profiling run (not refused); no agent says: the profiling run decides."""
+    cluster = load_cluster("sia-hetero-64")
+    nodes = [NodeInfo("a-0", "aws", 4, "10.0.0.1", applications=("tiny_lm", "mlp_blobs")),
+             NodeInfo("d-0", "dgx-ext", 8, "10.0.0.2", applications=("tiny_lm",))]
+    models = agents_models(nodes, cluster.gpu_types)
+    unknown = submission_problem(JobSpec("a", "nosuchjob"), cluster, models, live=True)
+    assert unknown.startswith("unknown application 'nosuchjob'") and "(known: mlp_blobs, tiny_lm)" in unknown
+    assert submission_problem(JobSpec("b", "tiny_lm"), cluster, models, live=True) is None
+    assert submission_problem(JobSpec("c", "mlp_blobs", gpu_types=("rtx",)), cluster, models, live=True) is None
+    assert "no profile on GPU type(s) A100 (dgx-ext)" in submission_problem(
+        JobSpec("d", "mlp_blobs", gpu_types=("dgx-ext",)), cluster, models, live=True)
+    assert agents_models([NodeInfo("a-0", "aws", 4, "10.0.0.1")], cluster.gpu_types) is None
 
 
 def test_a_request_larger_than_the_cluster_is_refused_naming_its_size():

@@ -41,8 +41,8 @@ import nats.js.errors
 from nats import micro
 
 from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
-from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, free_port, job_module, last_error,
-                                         stop_leftovers, torchrun_env, worker)
+from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, free_port, job_module,
+                                         last_error, stop_leftovers, torchrun_env, worker)
 from services.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus
@@ -346,7 +346,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     gpus = args.gpus or len(devices) or CPU_SLOTS
     if devices and gpus > len(devices):
         raise SystemExit(f"--gpus {gpus}: this machine has {len(devices)} CUDA devices")
-    info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12])
+    # It says which jobs it runs (its jobs package's): the API refuses an unknown application at once.
+    jobs = tuple(await asyncio.to_thread(declared_jobs, args.jobs_package))
+    info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12],
+                    applications=jobs)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
     workdir.mkdir(parents=True, exist_ok=True)
     node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus],

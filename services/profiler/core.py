@@ -18,7 +18,7 @@ from shared.cluster import Cluster
 from goodput_train.goodput import ThroughputParams, compute_time, iteration_time
 from shared.hardware import described, hardware_name, types_named
 from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
-from shared.schema import JobSpec, Profile, ProfilePoint
+from shared.schema import JobSpec, NodeInfo, Profile, ProfilePoint, node_applications
 from shared.zoo import load_zoo
 
 PROFILE_POINTS = 10     # batch sizes per GPU type
@@ -180,6 +180,19 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
         return (f"requested_gpus {spec.requested_gpus} is more than cluster {cluster.name}'s "
                 f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})")
     return None
+
+
+def agents_models(nodes: Iterable[NodeInfo], gpu_types: Iterable[str]) -> dict[str, tuple[str, ...]] | None:
+    """`models` for `submission_problem` with real executors: each application the live node agents
+    say they run, on the types of those agents' nodes and on every type of `gpu_types` no live agent
+    speaks for (its nodes may be away for a moment: the job's profiling run waits for them). None
+    while no agent says what it runs: the profiling run decides then."""
+    nodes = list(nodes)
+    said = node_applications(nodes)
+    if said is None:
+        return None
+    unsaid = tuple(t for t in gpu_types if not any(n.gpu_type == t and n.applications for n in nodes))
+    return {application: types + tuple(t for t in unsaid if t not in types) for application, types in said.items()}
 
 
 def named_types(spec: JobSpec, cluster: Cluster) -> tuple[list[str], list[str]]:

@@ -19,7 +19,8 @@ import contextlib
 from nats import micro
 
 from services.profiler import api
-from services.profiler.core import id_taken, malformed_reason, named_types, profile_source, submission_problem
+from services.profiler.core import (agents_models, id_taken, malformed_reason, named_types, profile_source,
+                                    submission_problem)
 from services.profiler.measure import NodeTurns, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
 from shared import storage, subjects
@@ -140,8 +141,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
                                        f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery)
 
-    await api.start(bus, owners, lambda spec: submission_problem(spec, cluster, None if local else source.types,
-                                                                  live=True))
+    async def problem(spec: JobSpec) -> str | None:
+        """Why the API refuses a live submission at once: with real executors, an application no live
+        node agent runs is unknown (from what they say; none says: its profiling run decides)."""
+        models = (agents_models((await turns.members.values()).values(), cluster.gpu_types) if local
+                  else source.types)
+        return submission_problem(spec, cluster, models, live=True)
+
+    await api.start(bus, owners, problem)
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
     # says so to the server), not handed to another replica. Real runs: PROFILING_RUNS
