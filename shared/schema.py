@@ -399,6 +399,21 @@ class NodeJob(msgspec.Struct):
     stats: JobStats | None = None
     metric: float | None = None                    # its own measure of success, once finished
     batches: tuple[int, ...] = ()                  # the total batches it trained at, once finished
+    unnamed: bool = False                          # a refusal whose id could not be read (its spec: a stand-in)
+
+    @property
+    def key(self) -> str:
+        """Where it is kept (KV) and listed from: its id; a refusal without one, its place in the stream."""
+        return unnamed_key(self.seen) if self.unnamed else self.spec.id
+
+
+UNNAMED = "_rejected"       # keys of refusals kept apart from any job (no job id starts with _): by their sequence
+
+
+def unnamed_key(sequence: int) -> str:
+    """The key (executors' KV, their records) of a refusal kept apart from any job: a body whose id
+    could not be read, or another body under an id a job holds."""
+    return f"{UNNAMED}.{sequence}"
 
 
 # ---- node agents (one per node; the executor service drives them) ------------------------------

@@ -38,13 +38,13 @@ from shared.schema import (
     Observed,
     Profiled,
     Rejected,
+    unnamed_key,
     verdict_for,
 )
 from sim.run import add_world_arguments, world_of
 from sim.world import SubmittedJob, as_workload_job, request_observations
 
 log = logging.getLogger(__name__)
-UNNAMED = "_rejected"       # KV keys of refusals kept apart from any job (no job id starts with _): by their sequence
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     def on_rejected(verdict: Rejected, sequence: int, _: str) -> str | None:
         application = verdict.application or ""
         if verdict.job_id is None:               # unreadable: kept under its place in the stream
-            key = f"{UNNAMED}.{sequence}"
+            key = unnamed_key(sequence)
             submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence, application=application)
             return key
         entry = submitted.get(verdict.job_id)
@@ -122,7 +122,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             return verdict.job_id
         # A verdict on another submission under a known id (a second body, a malformed message naming
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
-        key = f"{UNNAMED}.{sequence}"
+        key = unnamed_key(sequence)
         submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence, application=application)
         return key
 

@@ -67,7 +67,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
                                          r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
                                          r"tiny_lm\)"):
         local_executors(None).add("c", "common")
-    with pytest.raises(ValueError, match=r"its jobs: environment, huge, quick, raises\)"):
+    with pytest.raises(ValueError, match=r"its jobs: environment, huge, profile_stalls, quick, raises\)"):
         job_module("small", "tests.jobs")                     # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
         job_module("x", "no_such_package")
@@ -155,6 +155,30 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     assert successor.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)   # the same round asked again
     assert successor.jobs["lm"].gpu_seconds == 3.0
     assert successor.arrive(13.0) == ["lm"]
+
+
+def test_every_refusal_is_listed_with_what_could_be_read_of_it_across_a_restart(tmp_path):
+    """A body whose id could not be read is listed all the same (`"id": null`), each on its own; a
+    readable refusal with its application, not "unreadable"; a successor lists them the same."""
+    from services.executor.real import RealExecutors
+    from shared.schema import Rejected, job_statuses
+
+    agent = RealExecutors(local_executors(None))
+    agent.rejected(Rejected("goodput.jobs.submit", "a message is a JSON object", payload="hello"), 5)
+    agent.rejected(Rejected("goodput.jobs.submit", "a message is a JSON object", payload="[1]"), 6)
+    agent.rejected(Rejected("goodput.api.submit", "unknown application 'nosuchjob'", "x", application="nosuchjob"), 7)
+    agent.rejected(Rejected("goodput.jobs.submit", "malformed: `$.requested_gpus`", "typo", application="tiny_lm"), 8)
+    expected = [(None, "rejected", "a message is a JSON object", "unreadable")] * 2 + [
+        ("x", "rejected", "unknown application 'nosuchjob'", "nosuchjob"),
+        ("typo", "rejected", "malformed: `$.requested_gpus`", "tiny_lm")]
+    listed = [(s.id, s.state, s.reason, s.application) for s in job_statuses(agent.records())]
+    assert listed == expected
+
+    successor = RealExecutors(local_executors(None))
+    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):   # as KV keeps them
+        successor.restore(job)
+    assert [(s.id, s.state, s.reason, s.application) for s in job_statuses(successor.records())] == expected
+    assert sorted(job.key for job in successor.saved()) == ["_rejected.5", "_rejected.6", "typo", "x"]
 
 
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):

@@ -126,10 +126,19 @@ async def _user_refusals(folder):
                                      timeout=30)
             answered_s = time.monotonic() - asked
             unknown = (json.loads(reply.data), dict(reply.headers or {}), answered_s)
+            await nc.publish(subjects.SUBMIT, b"hello there")             # fire-and-forget: no JSON object
+            await nc.flush()
         finally:
             await nc.close()
         status = await until(lambda: _listed(bus, "x"), "the refusal to be listed")
-        return unknown, status
+        unnamed = await until(lambda: _unnamed(bus), "the unreadable body to be listed")
+        return unknown, status, unnamed
+
+
+async def _unnamed(bus):
+    """The refusals goodput.api.jobs lists with `"id": null`."""
+    reply = await bus.nc.request(subjects.API_JOBS, b'{"state": "rejected"}', timeout=30)
+    return [job for job in json.loads(reply.data)["jobs"] if job["id"] is None]
 
 
 async def _listed(bus, job_id):
@@ -143,16 +152,21 @@ async def _all_say(members):
     return bool(nodes) and all(node.applications for node in nodes)
 
 
-def test_a_user_is_refused_an_unknown_application_at_once_from_what_the_node_agents_run(tmp_path):
+def test_a_user_is_refused_an_unknown_application_at_once_and_every_refusal_is_listed(tmp_path):
     """`{"id": "x", "application": "nosuchjob"}` on goodput.api.submit: error 400 with the known
-    jobs, not `accepted: true, state: profiling` and a refusal by its profiling run later."""
-    (answer, headers, answered_s), status = asyncio.run(_user_refusals(tmp_path))
+    jobs, not `accepted: true, state: profiling` and a refusal by its profiling run later; listed
+    with its application. A body that is no JSON object on goodput.jobs.submit: listed too."""
+    (answer, headers, answered_s), status, unnamed = asyncio.run(_user_refusals(tmp_path))
     assert answer["accepted"] is False and answer["state"] == "rejected", answer
     assert answer["reason"].startswith("unknown application 'nosuchjob'"), answer
     assert "(known: " in answer["reason"] and "quick" in answer["reason"], answer       # tests.jobs's
     assert headers.get("Nats-Service-Error-Code") == "400", headers
     assert answered_s < 10, answered_s
     assert status["state"] == "rejected" and status["reason"] == answer["reason"], status
+    assert status["application"] == "nosuchjob", status                  # what could be read, not "unreadable"
+    # A body that is no JSON object, on the durable subject: listed, `"id": null`, saying why.
+    [listed] = unnamed
+    assert listed["reason"].startswith("malformed submission: a message is a JSON object"), listed
 
 
 async def _executor_killed(folder):

@@ -62,6 +62,7 @@ from shared.schema import (
     ProfileRequest,
     Profiled,
     Rejected,
+    unnamed_key,
     verdict_for,
 )
 
@@ -117,7 +118,9 @@ class RealExecutors:
     def restore(self, job: NodeJob) -> None:
         """Take a job back after a restart. Its workers stopped with the old agent; the next apply
         starts them again from their checkpoint (a restart)."""
-        self.jobs[job.spec.id] = job
+        self.jobs[job.key] = job
+        if job.unnamed:                              # a refusal listed on its own: nothing ever runs
+            return
         try:
             self.executors.add(job.spec.id, job.spec.application)
         except ValueError as error:                  # refused on submission, or its code is gone since
@@ -190,12 +193,17 @@ class RealExecutors:
         job.failure, job.cancelled = CANCELLED, True
 
     def rejected(self, message: Rejected, sequence: int = 0, _: str = "") -> None:
-        if message.job_id is None:
+        """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
+        (rejected, with its application when it could be read) when no job was read from it."""
+        application = message.application or UNREADABLE
+        if message.job_id is None:  # its id could not be read either: listed under its place in the stream
+            self.jobs[unnamed_key(sequence)] = NodeJob(JobSpec(UNREADABLE, application), failure=message.reason,
+                                                      seen=sequence, unnamed=True)
             return
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:            # its submission could not be read (malformed): kept as failed all the same
-            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, UNREADABLE), failure=message.reason,
+            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, application), failure=message.reason,
                                                 seen=sequence)
         elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
             # A verdict on another submission (a second body under the id, a malformed message naming it):
@@ -398,7 +406,7 @@ class RealExecutors:
             stats = job.stats
             # Not ended: its failure is None; while it is profiled, the record's reason says what it waits for.
             reason = self.waiting_for(job) if state == "profiling" else job.failure
-            records.append(JobRecord(job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
+            records.append(JobRecord("" if job.unnamed else job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
                                      job.gpu_seconds, None, job.placement, reason, job.metric, job.batches,
                                      state=state, gpu_type=self.cluster.placement_type(job.placement),
                                      batch=stats.m * (stats.s + 1) * sum(g for _, g in job.placement)
@@ -503,9 +511,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def save() -> None:
         for job in agent.saved():
             state = msgspec.msgpack.encode(job)
-            if kept.get(job.spec.id) != state:
-                await states.put(job.spec.id, job)
-                kept[job.spec.id] = state
+            if kept.get(job.key) != state:
+                await states.put(job.key, job)
+                kept[job.key] = state
 
     async def on_event(message: msgspec.Raw, delivery) -> None:
         """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
