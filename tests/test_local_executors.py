@@ -4,6 +4,7 @@ jobs run, workers never see the agent's credentials; the executor's bookkeeping 
 rounds asked again, cancels and the round's nodes. (A job moved between nodes and across two of
 them, with agents as processes: tests/test_multinode.py.)"""
 
+import base64
 import json
 import time
 
@@ -14,7 +15,8 @@ from services.executor.local import InProcessNodes, LocalExecutors
 from services.executor.node import NodeWorkers
 from services.executor.processes import job_module
 from shared.cluster import Cluster
-from shared.schema import Node, NodeInfo, NodeJob
+from goodput_train.protocol import STATS_PREFIX, JobStats
+from shared.schema import Node, NodeInfo, NodeJob, NodeReport, Rendezvous, StartWorkers, WorkersReport
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
 
@@ -179,6 +181,58 @@ def test_every_refusal_is_listed_with_what_could_be_read_of_it_across_a_restart(
         successor.restore(job)
     assert [(s.id, s.state, s.reason, s.application) for s in job_statuses(successor.records())] == expected
     assert sorted(job.key for job in successor.saved()) == ["_rejected.5", "_rejected.6", "typo", "x"]
+
+
+class ReportingNodes:
+    """Node agents that start nothing: each job's workers run and report `stats[job]`, as the
+    executor's order numbered them (their generation)."""
+
+    def __init__(self):
+        self.orders: dict[tuple[str, str], StartWorkers] = {}
+        self.stats: dict[str, JobStats] = {}
+
+    def start(self, node, order):
+        self.orders[node, order.job_id] = order
+        return Rendezvous("127.0.0.1", 29500)
+
+    def _report(self, node, job_id):
+        order = self.orders[node, job_id]
+        stats = self.stats.get(job_id)
+        line = STATS_PREFIX + base64.b64encode(msgspec.msgpack.encode(stats)).decode() if stats else ""
+        return WorkersReport(job_id, order.generation, order.ranks, (None,) * len(order.ranks), stats=line)
+
+    def stop(self, node, request):
+        return self._report(node, request.job_id)
+
+    def poll(self, node):
+        return NodeReport(node, tuple(self._report(n, job) for n, job in self.orders if n == node))
+
+
+def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
+    """The batch a job trains at: null until its workers of this run report, then their per-GPU
+    batch and accumulation times this run's replicas; once it grows, null again until the new
+    run reports, never the last run's batch with the new GPUs."""
+    from services.executor.real import RealExecutors
+    from shared.schema import JobSpec, Profiled
+
+    nodes = ReportingNodes()
+    agent = RealExecutors(LocalExecutors(nodes, tmp_path, Cluster("local-4", (Node("local-0", "cpu", 4),))))
+    agent.submitted(JobSpec("lm", "tiny_lm"), 1)
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
+    agent.arrive(0.0)
+
+    def batch():
+        agent.poll()
+        return next(r.batch for r in agent.records() if r.name == "lm")
+
+    agent.apply(0.0, {"lm": (("local-0", 1),)})
+    assert batch() is None                                      # not reported yet
+    nodes.stats["lm"] = JobStats("lm", "cpu", (), None, None, 0.1, 10, m=32, s=1)
+    assert batch() == 32 * 2 * 1
+    agent.apply(3.0, {"lm": (("local-0", 4),)})                 # it grows: its workers restart on 4
+    assert batch() is None                                      # the report it has is the 1-GPU run's
+    nodes.stats["lm"] = JobStats("lm", "cpu", (), None, None, 0.2, 20, m=24, s=0)
+    assert batch() == 24 * 1 * 4
 
 
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):

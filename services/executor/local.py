@@ -123,6 +123,13 @@ class LocalJob:
     heard: bool = False                  # its workers have reported since they were last started
     adaptive: bool = True                # its workers re-tune their batch (else they keep it)
 
+    def batch(self) -> int | None:
+        """The total batch its running workers train at, from a report of this run of theirs and its
+        replicas (None until they report: the last run's word is not theirs, e.g. before it grew)."""
+        if not (self.running and self.heard and self.stats):
+            return None
+        return self.stats.m * (self.stats.s + 1) * sum(len(ranks) for _, ranks in self.parts)
+
 
 def node_parts(spots: Spots, real: Mapping[str, str]) -> list[tuple[str, int]]:
     """A placement on the cluster's (possibly virtual) nodes as GPUs per real node, in placement order."""

@@ -403,14 +403,13 @@ class RealExecutors:
                      else ("failed" if job.profiled is not None else "rejected") if job.failure
                      else "profiling" if job.profiled is None
                      else "running" if job.placement else "queued")
-            stats = job.stats
+            local = self.executors.jobs.get(job.key)
             # Not ended: its failure is None; while it is profiled, the record's reason says what it waits for.
             reason = self.waiting_for(job) if state == "profiling" else job.failure
-            records.append(JobRecord("" if job.unnamed else job.spec.id, job.spec.application, submit, job.finish_s, job.restarts,
-                                     job.gpu_seconds, None, job.placement, reason, job.metric, job.batches,
+            records.append(JobRecord("" if job.unnamed else job.spec.id, job.spec.application, submit, job.finish_s,
+                                     job.restarts, job.gpu_seconds, None, job.placement, reason, job.metric, job.batches,
                                      state=state, gpu_type=self.cluster.placement_type(job.placement),
-                                     batch=stats.m * (stats.s + 1) * sum(g for _, g in job.placement)
-                                     if stats and job.placement else None, placements=job.placements))
+                                     batch=local.batch() if local else None, placements=job.placements))
         return records
 
 
