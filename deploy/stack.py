@@ -35,7 +35,6 @@ WATCH_EVERY_S = 1.0             # how often `Stack.supervise` looks at its proce
 QUICK_EXIT_S = 30.0             # an instance that exits this soon after its start ...
 QUICK_EXITS = 3                 # ... this many times in a row is not started again
 RUN_IDLE_TIMEOUT_S = 600.0      # no round logged for this long: the run is stuck
-NOT_ENDED = ("queued", "profiling", "running")      # the states of JOB_STATES a job goes on from
 
 
 class Stack:
@@ -333,9 +332,9 @@ async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0
 
 
 def _ended(record: JobRecord) -> bool:
-    """Whether the job finished or ended without finishing (a job still being profiled has a reason,
-    what it waits for, and has not ended)."""
-    return record.finish_s is not None or (bool(record.failure) and record.state not in NOT_ENDED)
+    """Whether the job finished or ended without finishing (a failure; a job not ended has none: what
+    it waits for is its `reason`)."""
+    return record.finish_s is not None or bool(record.failure)
 
 
 async def follow_run_steps(bus: Bus, run_id: str, idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S,

@@ -565,6 +565,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     gpu_type: str | None = None                   # while running: the type of its GPUs
     batch: int | None = None                      # while running: its total batch
     placements: tuple[Placed, ...] = ()           # a real job's placements over time, each from its start
+    reason: str | None = None                     # a job not ended: what it waits for (where it is profiled)
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
@@ -596,7 +597,8 @@ class JobStatus(msgspec.Struct, frozen=True):
 
     id: str | None                            # None: a refused submission whose id could not be read
     state: str                                # one of JOB_STATES
-    reason: str = ""                          # why it ended without finishing, or was refused
+    reason: str = ""                          # why it ended without finishing, or was refused; while
+                                              # profiling, where it is profiled or what it waits for
     application: str | None = None
     gpu_type: str | None = None               # while running: its GPUs' hardware (T4, A100, ...)
     gpu_alias: str | None = None              # ... and their type's key in the cluster (aws, dgx-ext, ...)
@@ -619,7 +621,7 @@ def job_status(record: JobRecord) -> JobStatus:
     submitted = record.submit_s if record.submit_s is not None and math.isfinite(record.submit_s) else None
     running = record.state == "running"
     return JobStatus(
-        record.name or None, record.state, record.failure or "", record.application or None,
+        record.name or None, record.state, record.failure or record.reason or "", record.application or None,
         record.gpu_type and hardware_name(record.gpu_type), record.gpu_type,
         sum(g for _, g in record.placement) if running else 0,
         tuple(node for node, _ in record.placement) if running else (), record.batch, submitted, record.finish_s,

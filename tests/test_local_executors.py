@@ -235,6 +235,29 @@ def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
     assert batch() == 24 * 1 * 4
 
 
+def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure():
+    """While it is profiled, a job's reason says what it waits for and where its run is; its failure
+    stays None (it has not failed) until its refusal, which is its failure."""
+    from services.executor.real import RealExecutors
+    from shared.schema import JobSpec, Rejected, job_status
+
+    agent = RealExecutors(local_executors(None))
+    agent.submitted(JobSpec("lm", "tiny_lm"), 1)
+
+    def seen():
+        [record] = agent.records()
+        return record.state, record.failure, record.reason, job_status(record).reason
+
+    assert seen() == ("profiling", None, "waiting for its profiling run (its script on one GPU of each type it may use)",
+                      "waiting for its profiling run (its script on one GPU of each type it may use)")
+    agent.profile_asked("lm", "cpu-1")
+    assert seen() == ("profiling", None, "profiling on node cpu-1", "profiling on node cpu-1")
+    agent.lost.add("cpu-1")
+    assert seen()[:2] == ("profiling", None) and seen()[3].startswith("profiling: node cpu-1 was lost during its run")
+    agent.rejected(Rejected("goodput.jobs.submit", "job lm cannot run: it raised", "lm", submission=1))
+    assert seen() == ("rejected", "job lm cannot run: it raised", None, "job lm cannot run: it raised")
+
+
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):
     """A real job's time counts its profiling and wait (the run's clock is the wall clock's); a
     cancelled job, queued or still being profiled, never starts and leaves the rounds."""

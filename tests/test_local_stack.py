@@ -265,8 +265,12 @@ async def _node_lost_while_profiling(folder):
 
 
 async def _reason_if(record, begins: str):
+    """The record's reason, once it begins so; a job being profiled has no failure."""
     record = await record
-    return record.failure if record is not None and (record.failure or "").startswith(begins) else None
+    if record is None or not (record.reason or "").startswith(begins):
+        return None
+    assert record.failure is None, record
+    return record.reason
 
 
 async def _state_if(record, states):

@@ -404,12 +404,11 @@ class RealExecutors:
                      else "profiling" if job.profiled is None
                      else "running" if job.placement else "queued")
             local = self.executors.jobs.get(job.key)
-            # Not ended: its failure is None; while it is profiled, the record's reason says what it waits for.
-            reason = self.waiting_for(job) if state == "profiling" else job.failure
             records.append(JobRecord("" if job.unnamed else job.spec.id, job.spec.application, submit, job.finish_s,
-                                     job.restarts, job.gpu_seconds, None, job.placement, reason, job.metric, job.batches,
-                                     state=state, gpu_type=self.cluster.placement_type(job.placement),
-                                     batch=local.batch() if local else None, placements=job.placements))
+                                     job.restarts, job.gpu_seconds, None, job.placement, job.failure, job.metric,
+                                     job.batches, state=state, gpu_type=self.cluster.placement_type(job.placement),
+                                     batch=local.batch() if local else None, placements=job.placements,
+                                     reason=self.waiting_for(job) if state == "profiling" else None))
         return records
 
 
