@@ -86,6 +86,14 @@ def node_subject(node: str, endpoint: str) -> str:
     return f"{PREFIX}.node.{node}.{endpoint}"
 
 
+def node_of_subject(subject: str, endpoint: str) -> str | None:
+    """The node a `node_subject(node, endpoint)` names; None for any other subject."""
+    before, after = node_subject("\0", endpoint).split("\0")
+    if not (subject.startswith(before) and subject.endswith(after)) or len(subject) <= len(before) + len(after):
+        return None
+    return subject[len(before):-len(after)]
+
+
 ESTIMATOR_SERVICE = "estimator"
 MODELS = f"{PREFIX}.estimator.models"       # ModelsRequest -> ModelsReply
 OBSERVE = f"{PREFIX}.estimator.observe"     # Observed -> Ack

@@ -577,10 +577,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await asyncio.to_thread(agent.executors.stop_all)
 
     # Where the profiler runs each job (its requests to the agents, read as they pass): its status says so.
-    before, after = subjects.node_subject("\0", "profile").split("\0")
-
     async def on_profile_request(request: ProfileRequest, raw) -> None:
-        agent.profile_asked(request.job_id, raw.subject[len(before):-len(after)])
+        node = subjects.node_of_subject(raw.subject, "profile")
+        if node is not None:
+            agent.profile_asked(request.job_id, node)
 
     await bus.subscribe(subjects.node_subject("*", "profile"), ProfileRequest, on_profile_request, with_raw=True,
                         span_name="executor.profile-seen")
