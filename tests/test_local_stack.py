@@ -3,9 +3,8 @@ standing in for GPUs.
 
 `goodput up --executors local --nodes 2 --once` submits the three example jobs together to two
 node agents; the real profiler measures each on one slot through an agent, the scheduler allocates
-and re-allocates slots as jobs arrive and finish, jobs span both nodes, every moved job
-checkpoints, restarts at its new world size and re-tunes its batch, and every job reaches its
-target. Then the bad inputs: a script that breaks, a job too big for a slot, a job naming no code
+and re-allocates slots as jobs arrive and finish on both nodes, every job re-tunes its batch as it
+trains and reaches its target. A rigid job of two slots spans both nodes. Then the bad inputs: a script that breaks, a job too big for a slot, a job naming no code
 there is, a submission with an unknown field — each ends failed with its reason, the others
 unaffected. And the executor killed -9 mid-training: its successor takes the jobs back from KV,
 the workers it left on the node checkpoint and stop (their checkpoints in JetStream's object store,
@@ -41,8 +40,9 @@ TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job
 
 def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_path):
     out = tmp_path / "up.json"
-    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--nodes", "2", "--once",
-                          "--round", "3", "--port", str(free_loopback_port()), "--data", str(tmp_path), "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--nodes", "2", "--slots", "1",
+                          "--once", "--round", "3", "--port", str(free_loopback_port()), "--data", str(tmp_path),
+                          "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     jobs = {job["name"]: job for job in json.loads(out.read_text())["jobs"]}
@@ -50,14 +50,11 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
     for name, job in jobs.items():
         assert job["failure"] is None and job["finish_s"] is not None, job
         assert job["metric"] >= TARGETS[name], job
-    moved = [job for job in jobs.values() if job["restarts"] >= 1]
-    assert moved, f"the scheduler changed no job's allocation mid-training: {jobs}"
-    # A moved job resumed at its new world size and re-tuned: it trained at more than one total batch.
-    assert any(len(job["batches"]) > 1 for job in moved), jobs
+    # Each re-tuned its batch as it trained. Whether a job moved or spread depends on how long each
+    # took on this machine: test_multinode moves and spreads one at will, and below a rigid 2-slot
+    # job must span both nodes.
+    assert all(len(job["batches"]) > 1 for job in jobs.values()), jobs
     assert "finished" in run.stdout and " x CPU slot" in run.stdout   # the changes were shown as they came, by type
-    spread = [job["name"] for job in jobs.values() for placed in job["placements"] if len(placed["nodes"]) == 2]
-    assert spread, f"no job ran on both nodes at once: {[job['placements'] for job in jobs.values()]}"
-    assert " x CPU slot on 2 nodes" in run.stdout                    # and the live lines said so
     assert {node for job in jobs.values() for placed in job["placements"] for node, _ in placed["nodes"]} == \
         {"cpu-0", "cpu-1"}
 
@@ -326,10 +323,11 @@ class Up:
         return "".join(self.seen) + rest
 
 
-def test_a_dead_node_agent_is_told_of_and_restarted_nodes_are_listed_and_a_restart_reprints_no_submission(tmp_path):
+def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_listed_and_a_restart_reprints_nothing(
+        tmp_path):
     job = tmp_path / "quick.yaml"
-    job.write_text("id: quick-1\napplication: quick\n")
-    options = ("--nodes", "2", "--jobs", str(job), "--jobs-package", "tests.jobs")
+    job.write_text("id: quick-1\napplication: quick\nrigid: true\nrequested_gpus: 2\n")   # one slot per node
+    options = ("--nodes", "2", "--slots", "1", "--jobs", str(job), "--jobs-package", "tests.jobs")
     up = Up(tmp_path, *options)
     try:
         pid = int(up.line(r"node-cpu-1 +pid (\d+)").group(1))
@@ -337,6 +335,7 @@ def test_a_dead_node_agent_is_told_of_and_restarted_nodes_are_listed_and_a_resta
         os.kill(pid, signal.SIGKILL)
         restarted = up.line(rf"node-cpu-1 \(pid {pid}\) exited: killed by SIGKILL; .*restarted \(pid (\d+)\)")
         assert restarted
+        up.line(r"quick-1 2 x CPU slot on 2 nodes", timeout_s=300)      # once both agents are back
         up.line(r"finished: quick-1", timeout_s=300)
         listed = up.command("nodes", "--json", "--server", f"nats://127.0.0.1:{up.port}")
         assert listed.returncode == 0, listed.stderr
