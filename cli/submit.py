@@ -75,9 +75,7 @@ async def submit(spec, server: str, **options) -> bool:
     from shared.schema import submission_msg_id
     from shared.storage import MAX_SUBMISSION_BYTES
 
-    # A one-shot client: fail when the server is not there, rather than retry forever (nats-py reads
-    # max_reconnect_attempts=0 as "no limit" while choosing a server; 1 gives up after one try).
-    bus = await Bus.connect(server, "goodput-submit", allow_reconnect=False, max_reconnect_attempts=1, **options)
+    bus = await Bus.connect_once(server, "goodput-submit", **options)
     try:
         if len(bus.encode(spec)) > MAX_SUBMISSION_BYTES:
             raise ValueError(f"job {spec.id}: a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
@@ -101,7 +99,7 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
     """One request to the user API (or the operator's), as a one-shot client; its answer."""
     from shared.bus import Bus
 
-    bus = await Bus.connect(server, "goodput-cli", allow_reconnect=False, max_reconnect_attempts=1, **options)
+    bus = await Bus.connect_once(server, "goodput-cli", **options)
     try:
         return await bus.request(subject, request, answer_type, timeout=30)
     except nats.errors.NoRespondersError:

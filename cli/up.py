@@ -456,7 +456,7 @@ async def _query(server: str, **options):
     from shared.bus import Bus
     from shared.schema import Ack, JobRecords, JobsQuery, PolicyStatus
 
-    bus = await Bus.connect(server, "goodput-status", allow_reconnect=False, max_reconnect_attempts=1, **options)
+    bus = await Bus.connect_once(server, "goodput-status", **options)
     try:
         records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)
         try:

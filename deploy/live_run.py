@@ -55,8 +55,7 @@ async def create_live_run(server: str, request: RunRequest, wait_s: float,
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         try:
-            bus = await Bus.connect(server, "goodput-live-run", allow_reconnect=False, max_reconnect_attempts=1,
-                                    **connect_options())     # the $GOODPUT_NATS_* credentials
+            bus = await Bus.connect_once(server, "goodput-live-run", **connect_options())     # the $GOODPUT_NATS_* credentials
             break
         except Exception as error:  # noqa: BLE001 - NATS may still be starting: try again until the deadline
             if asyncio.get_running_loop().time() > deadline:

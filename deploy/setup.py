@@ -19,7 +19,7 @@ from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
 
 
 async def provision(server: str, lease_ttl_s: float = storage.LEASE_TTL_S, **options: Any) -> None:
-    bus = await Bus.connect(server, "goodput-setup", allow_reconnect=False, max_reconnect_attempts=1, **options)
+    bus = await Bus.connect_once(server, "goodput-setup", **options)
     try:
         await storage.provision(bus, lease_ttl_s)
     finally:

@@ -309,6 +309,15 @@ class Bus:
         nc = await nats.connect(servers, name=name, **options)
         return cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid, replicas=replicas)
 
+    @classmethod
+    async def connect_once(cls, servers: str | list[str], name: str, **options: Any) -> Bus:
+        """A one-shot client's connection (a command): it fails when the server is not there rather
+        than retry forever (nats-py reads max_reconnect_attempts=0 as "no limit" while choosing a
+        server; 1 gives up after one try), and a refusal is the caller's error to explain, not
+        also a warning of nats-py's on stderr."""
+        return await cls.connect(servers, name, allow_reconnect=False, max_reconnect_attempts=1,
+                                 error_cb=_log_quietly, **options)
+
     async def close(self) -> None:
         """Drain (finish handlers in flight, flush what was published), then close."""
         if self.nc.is_closed:
@@ -1206,6 +1215,10 @@ def _mark_failed(span: trace.Span, error: Exception) -> None:
 
 async def _log_error(error: Exception) -> None:
     log.warning("NATS: %s", error)
+
+
+async def _log_quietly(error: Exception) -> None:
+    log.debug("NATS: %s", error)
 
 
 def _log_event(text: str) -> Callable[[], Awaitable[None]]:

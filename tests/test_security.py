@@ -4,6 +4,7 @@ credentials from shared/credentials.py, refusals asserted as the server reports 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 import subprocess
@@ -237,17 +238,14 @@ async def test_a_service_cannot_write_another_services_bucket(secured: str) -> N
 
 async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> None:
     with pytest.raises(nats.errors.Error, match="(?i)authorization violation"):
-        await Bus.connect(secured, "test-intruder", user="user", password="notThePassword1",
-                          allow_reconnect=False, max_reconnect_attempts=1, error_cb=_ignore)
-
-
-async def _ignore(error: Exception) -> None:
-    pass
+        await Bus.connect_once(secured, "test-intruder", user="user", password="notThePassword1")
 
 
 def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, tmp_path: Path, monkeypatch,
-                                                                   capsys) -> None:
+                                                                   capsys, caplog) -> None:
     from cli.main import main
+
+    caplog.set_level(logging.WARNING)
 
     for key in [k for k in os.environ if k.startswith(credentials.ENV_PREFIX)]:
         monkeypatch.delenv(key)
@@ -261,6 +259,8 @@ def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, 
     assert main(["submit", str(job), "--server", secured, "--nats-user", "user", "--nats-password-file", str(wrong)]) == 2
     error = capsys.readouterr().err
     assert "refused the login" in error and "notThePassword1" not in error
+    # The command's own line is the whole story: no warning of nats-py's before it.
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
 def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tmp_path: Path) -> None:
@@ -398,7 +398,7 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
             await bus.close()
         logs = {name: stack.log(name) for name in stack.processes}
         with pytest.raises(nats.errors.Error, match="(?i)authorization"):     # and no one gets in without a login
-            await Bus.connect(server.url, "anonymous", allow_reconnect=False, max_reconnect_attempts=1, error_cb=_ignore)
+            await Bus.connect_once(server.url, "anonymous")
     assert len(records.jobs) == 4 and all(r.finish_s is not None for r in records.jobs)
     assert (tmp_path / "secrets" / "policy").stat().st_mode & 0o777 == 0o600
     for name, log in logs.items():
@@ -430,7 +430,7 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
     with nats_from_binary(tmp_path / "nats", config=config + permissions.render_server_config(PASSWORDS)) as url:
         trusted = credentials.connect_options(
             credentials.Credentials(user="user", password_file=str(password_file), tls_ca=cert), environ={})
-        bus = await Bus.connect(url, "test-tls", allow_reconnect=False, max_reconnect_attempts=1, **trusted)
+        bus = await Bus.connect_once(url, "test-tls", **trusted)
         try:
             assert bus.nc.is_connected
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
@@ -442,8 +442,7 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
                                                 environ={})
         untrusted["tls"] = ssl.create_default_context()          # the system CAs: not this server's
         with pytest.raises(Exception, match="(?i)certificate verify failed"):
-            await Bus.connect(url, "test-untrusted", allow_reconnect=False, max_reconnect_attempts=1,
-                              error_cb=_ignore, **untrusted)
+            await Bus.connect_once(url, "test-untrusted", **untrusted)
 
 
 async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reason(tmp_path: Path) -> None:
