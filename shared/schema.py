@@ -598,7 +598,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     id: str | None                            # None: a refused submission whose id could not be read
     state: str                                # one of JOB_STATES
     reason: str = ""                          # why it ended without finishing, or was refused; while
-                                              # profiling, where it is profiled or what it waits for
+                                              # profiling or queued, where it is profiled or what it waits for
     application: str | None = None
     gpu_type: str | None = None               # while running: its GPUs' hardware (T4, A100, ...)
     gpu_alias: str | None = None              # ... and their type's key in the cluster (aws, dgx-ext, ...)

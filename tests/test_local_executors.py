@@ -258,6 +258,24 @@ def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure
     assert seen() == ("rejected", "job lm cannot run: it raised", None, "job lm cannot run: it raised")
 
 
+def test_a_queued_jobs_status_says_it_waits_for_gpus_behind_those_submitted_before_it():
+    from services.executor.real import RealExecutors
+    from shared.schema import JobSpec, Profiled
+
+    agent = RealExecutors(local_executors(None))
+    for sequence, job_id in enumerate(("a", "b", "c", "d"), start=1):
+        agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
+        if job_id != "c":                                       # c is still being profiled
+            agent.profiled(Profiled(job_id, 16, 256, submission=sequence))
+    agent.arrive(0.0)
+    reasons = {r.name: (r.state, r.reason) for r in agent.records()}
+    assert reasons == {"a": ("queued", "waiting for GPUs: the last round gave it none"),
+                       "b": ("queued", "waiting for GPUs: the last round gave it none; 1 queued job submitted before it"),
+                       "c": ("profiling", "waiting for its profiling run (its script on one GPU of each type it may use)"),
+                       "d": ("queued", "waiting for GPUs: the last round gave it none; 2 queued jobs submitted "
+                                       "before it")}, reasons
+
+
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):
     """A real job's time counts its profiling and wait (the run's clock is the wall clock's); a
     cancelled job, queued or still being profiled, never starts and leaves the rounds."""

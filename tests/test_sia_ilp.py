@@ -276,6 +276,24 @@ def test_a_shrink_floor_keeps_a_large_job_from_being_shrunk_for_a_small_gain():
         dataclasses.replace(sia, shrink_floor=-1.0)
 
 
+def test_of_equal_waiting_jobs_the_longest_waiting_start_and_a_better_one_still_goes_first():
+    # Six equal jobs want one GPU each; two GPUs. Whichever two the solver picks, with `waited` the
+    # two that waited longest start: first come, first served, at the same objective.
+    equal = problem(np.ones((6, 1)), config_type=[0], config_gpus=[1], capacity=[2])
+    waited = np.array([5.0, 60.0, 1.0, 30.0, 120.0, 0.5])
+    for p in (-0.5, 0.5):
+        pr = dataclasses.replace(equal, waited=waited)
+        sol = solve(pr, p=p)
+        assert sorted(np.flatnonzero(sol.choice >= 0).tolist()) == [1, 4], sol
+        assert objective(pr, sol.choice, p) == pytest.approx(objective(pr, solve(equal, p=p).choice, p))
+        assert_consistent(pr, sol)
+    # A job worth more on the GPU still starts before an older one: the order only breaks ties.
+    better = problem([[1.0], [1.0], [2.0]], config_type=[0], config_gpus=[1], capacity=[1])
+    assert solve(dataclasses.replace(better, waited=np.array([600.0, 300.0, 1.0]))).choice.tolist() == [-1, -1, 0]
+    with pytest.raises(ValueError, match="waited"):
+        dataclasses.replace(equal, waited=np.ones(5))
+
+
 # --- p < 0 allocates every job when capacity allows ---------------------------------------------
 
 def test_every_job_runs_when_the_cluster_fits_everyones_best():

@@ -111,3 +111,15 @@ def test_goodput_starts_a_waiting_job_on_a_full_cluster_where_sia_leaves_it_wait
     assert decided["new"].gpus >= 1 and decided["old"].gpus <= 3
     placed = place(cluster, decided, {"old": old.placement}, {})
     assert not placed.evicted
+
+
+@pytest.mark.parametrize("policy", ["sia", "goodput"])
+def test_of_equal_new_jobs_on_a_full_cluster_the_first_submitted_start(policy):
+    """Six alike cifar10 jobs for four GPUs: those submitted first start (the solver's pick among
+    equals would be arbitrary; it was newest first)."""
+    cluster = load_cluster("examples/clusters/one-node-4xT4.yaml")
+    submitted = [50.0, 10.0, 40.0, 0.0, 30.0, 20.0]
+    jobs = [job_view(f"c{i}", "cifar10", cluster, submit_s=s, age_s=3600.0 - s) for i, s in enumerate(submitted)]
+    started = make_policy(policy).allocate(round_state(jobs, cluster)).allocations
+    first = sorted(range(6), key=lambda i: submitted[i])[:len(started)]
+    assert set(started) == {f"c{i}" for i in first} and 2 <= len(started) < 6, started

@@ -395,7 +395,7 @@ class RealExecutors:
         job.estimate_revision = max(job.estimate_revision, revision)
 
     def records(self) -> list[JobRecord]:
-        records = []
+        records, queued = [], 0          # queued jobs so far, in submission order: those ahead of the next
         for job in self.saved():
             # Its time is from its submission (profiling and the wait included); refused before it arrived: none.
             submit = next((t for t in (job.submitted_s, job.arrival_s) if t is not None), math.nan)
@@ -408,8 +408,17 @@ class RealExecutors:
                                      job.restarts, job.gpu_seconds, None, job.placement, job.failure, job.metric,
                                      job.batches, state=state, gpu_type=self.cluster.placement_type(job.placement),
                                      batch=local.batch() if local else None, placements=job.placements,
-                                     reason=self.waiting_for(job) if state == "profiling" else None))
+                                     reason=self.waiting_for(job) if state == "profiling"
+                                     else _queued_reason(queued) if state == "queued" else None))
+            queued += state == "queued"
         return records
+
+
+def _queued_reason(ahead: int) -> str:
+    """What a queued job waits for: GPUs, behind the queued jobs submitted before it (of equal
+    worth to the policy, the longest-waiting start first)."""
+    return "waiting for GPUs: the last round gave it none" + (f"; {ahead} queued job{'s' * (ahead != 1)} submitted "
+                                                              "before it" if ahead else "")
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.

@@ -49,6 +49,8 @@ class SiaPolicy:
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),
             capacity=np.array([state.cluster.capacity(t) for t in types], dtype=int),
+            waited=np.array([0.0 if v.current is not None else
+                             state.now_s - (v.submit_s if v.idle_since_s is None else v.idle_since_s) for v in jobs]),
         )
 
     def allocate(self, state: RoundState) -> Decision:

@@ -27,6 +27,10 @@ With p = -0.5 and lam = 1.1 a job's own term favours running it (A <= 1 < 1.1 on
 configuration and on any configuration when r = 1), but lam does not guarantee that every job runs
 under contention: a job left out frees GPUs whose value to another job can exceed the 0.1 margin.
 
+Of two waiting jobs whose entries are worth the same, the one that waited longer starts (`waited`;
+not Sia's): the solver picks among equals arbitrarily, and a burst of equal jobs on a full cluster
+then ran newest first.
+
 Numerics, and where this departs from the artifact:
 - The artifact rounds A to 2 decimals and clips it at 3000. For p = -0.5, A lies in (0, 1] for
   un-discounted entries, so 2 decimals keep one or two significant digits: a step of 0.01 at
@@ -141,6 +145,9 @@ class IlpProblem:
     must_run: (J,) bool or None (none), jobs to allocate whenever moving one other job makes room:
         leaving one out costs more than any entry's value, not lam.
     shrink_floor: c >= 0, the least G^p a shrink's restart is priced at (0: Sia's price).
+    waited: (J,) float or None, seconds each job not running has waited: of two waiting jobs whose
+        entries are worth the same, the one that waited longer starts (the solver's choice between
+        equals is arbitrary; a queue of equal jobs should be first come, first served).
     """
 
     goodput: np.ndarray
@@ -153,6 +160,7 @@ class IlpProblem:
     capacity: np.ndarray
     must_run: np.ndarray | None = None
     shrink_floor: float = 0.0
+    waited: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         goodput = np.asarray(self.goodput, dtype=float)
@@ -187,6 +195,9 @@ class IlpProblem:
         if not (np.all(restart >= 0) and np.all(restart <= 1)):  # also catches NaN
             i = int(np.flatnonzero(~((restart >= 0) & (restart <= 1)))[0])
             raise ValueError(f"restart_factor[{i}] = {float(restart[i])!r} is not in [0, 1]")
+        waited = None if self.waited is None else np.asarray(self.waited, dtype=float)
+        if waited is not None and (waited.shape != (J,) or not np.isfinite(waited).all()):
+            raise ValueError(f"waited must be ({J},) finite seconds, one per job, got {self.waited!r}")
         shrink_floor = float(self.shrink_floor)
         if not (np.isfinite(shrink_floor) and shrink_floor >= 0):
             raise ValueError(f"shrink_floor = {self.shrink_floor!r} must be finite and >= 0")
@@ -203,7 +214,7 @@ class IlpProblem:
         for name, value in (("goodput", goodput), ("valid", valid), ("current", current),
                             ("restart_factor", restart), ("locked", locked), ("config_type", config_type),
                             ("config_gpus", config_gpus), ("capacity", capacity), ("must_run", must_run),
-                            ("shrink_floor", shrink_floor)):
+                            ("shrink_floor", shrink_floor), ("waited", waited)):
             object.__setattr__(self, name, value)
 
     @property
@@ -598,6 +609,25 @@ def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
     return chosen
 
 
+def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.ndarray) -> np.ndarray:
+    """`choice` with each waiting job that was left out given the cell of a job that waited less
+    and starts now, wherever that costs no more (so the objective is no worse): among equals, the
+    longest-waiting jobs start."""
+    if problem.waited is None:
+        return choice
+    choice = choice.copy()
+    waiting = problem.current < 0
+    left_out = sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: -problem.waited[i])
+    for k in left_out:
+        starting = np.flatnonzero(waiting & (choice >= 0) & (problem.waited < problem.waited[k]))
+        cells = choice[starting]
+        equal = starting[problem.valid[k, cells] & (cost[k, cells] <= cost[starting, cells])]
+        if equal.size:
+            j = equal[np.argmin(problem.waited[equal])]
+            choice[k], choice[j] = choice[j], -1
+    return choice
+
+
 def _fallback(problem: IlpProblem, status: str, start: float, exc_info: bool = False) -> IlpSolution:
     log.warning("sia ILP: keeping the previous allocation of %d jobs (%s)", problem.jobs, status,
                 exc_info=exc_info)
@@ -641,7 +671,8 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
     use = np.bincount(problem.config_type[pick[has]], weights=problem.config_gpus[pick[has]], minlength=T)
     if np.all(use <= free):
         choice[has] = pick[has]
-        return IlpSolution(choice, "optimal", False, (time.perf_counter() - start) * 1e3)
+        return IlpSolution(_first_come_first_served(problem, cost, choice), "optimal", False,
+                           (time.perf_counter() - start) * 1e3)
 
     job, config = np.nonzero(keep)
     m = _Reduced(job, config, cost[job, config], problem.config_gpus[config].astype(float),
@@ -660,4 +691,5 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
     used = np.bincount(problem.config_type[choice[on]], weights=problem.config_gpus[choice[on]], minlength=T)
     if np.any(used > problem.capacity):
         return _fallback(problem, f"solver_error: {solver}'s allocation exceeds capacity", start)
-    return IlpSolution(choice, "optimal", False, (time.perf_counter() - start) * 1e3)
+    return IlpSolution(_first_come_first_served(problem, cost, choice), "optimal", False,
+                       (time.perf_counter() - start) * 1e3)
