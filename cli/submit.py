@@ -100,11 +100,19 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
     from shared.bus import Bus
 
     bus = await Bus.connect_once(server, "goodput-cli", **options)
+    answer = asyncio.ensure_future(bus.request(subject, request, answer_type, timeout=30))
+    refused = asyncio.ensure_future(bus.refused.wait())     # its login may not send it: no answer will come
     try:
-        return await bus.request(subject, request, answer_type, timeout=30)
+        await asyncio.wait({answer, refused}, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():
+            raise ValueError(f"NATS at {credentials.redact(server)} refused this login's request on {subject} "
+                             f"({next(e for e in reversed(bus.refusals) if 'permissions' in str(e).lower())})")
+        return answer.result()
     except nats.errors.NoRespondersError:
         raise ValueError(unanswered.format(server=credentials.redact(server))) from None
     finally:
+        for task in (answer, refused):
+            task.cancel()
         await bus.close()
 
 
@@ -154,8 +162,8 @@ def _drain(args: argparse.Namespace) -> int:
                        "no executor drains nodes at {server}: draining is for real executors (`goodput up "
                        "--executors local`)")
     except ValueError as error:
-        if "cannot reach" in str(error):          # a user's login may not ask: no answer comes
-            raise ValueError(f"{error}; draining takes the operator's login (--nats-user operator, its "
+        if "refused this login" in str(error):    # a user's login may not ask
+            raise ValueError(f"{error}: draining takes the operator's login (--nats-user operator, its "
                              "password file under the data folder's secrets)") from None
         raise
     where = "" if answer.known else " (no agent serves it now)"

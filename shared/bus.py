@@ -117,6 +117,7 @@ MAX_ASSEMBLIES = 2           # requests in parts one requester may have coming i
 MAX_ASSEMBLIES_IN_ALL = 16   # ... and all requesters together, on one connection
 INBOX = "_INBOX"             # what every reply subject begins with (nats-py's default, or _INBOX_<role>)
 MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
+MAX_REFUSALS_KEPT = 8       # a one-shot client keeps this many of the server's refusals (Bus.refusals)
 # Durable consumers: deliveries of one message before it is dead-lettered, and the redelivery delays.
 MAX_DELIVER = 5
 REDELIVER_AFTER_S = 1.0      # doubled at each redelivery, up to REDELIVER_MAX_S
@@ -261,6 +262,9 @@ class Bus:
             raise ValueError(f"JetStream replicas must be at least 1, got {replicas}")
         self.nc = nc
         self.replicas = replicas
+        # A one-shot client's (connect_once): what the server refused it, and set at a permissions violation.
+        self.refusals: list[Exception] = []
+        self.refused = asyncio.Event()
         self.js: JetStreamContext = nc.jetstream()
         # None means the process's provider (shared.tracing.setup_tracing); tests pass their own.
         self._tracer = trace.get_tracer(_TRACER_NAME, tracer_provider=tracer_provider)
@@ -314,9 +318,23 @@ class Bus:
         """A one-shot client's connection (a command): it fails when the server is not there rather
         than retry forever (nats-py reads max_reconnect_attempts=0 as "no limit" while choosing a
         server; 1 gives up after one try), and a refusal is the caller's error to explain, not
-        also a warning of nats-py's on stderr."""
-        return await cls.connect(servers, name, allow_reconnect=False, max_reconnect_attempts=1,
-                                 error_cb=_log_quietly, **options)
+        also a warning of nats-py's on stderr. What the server refuses it later (a subject its login
+        may not publish to: the request then goes unanswered) is kept in `refusals`, for the
+        caller's error to name."""
+        refusals: list[Exception] = []
+        refused = asyncio.Event()
+
+        async def remember(error: Exception) -> None:
+            log.debug("NATS: %s", error)
+            if len(refusals) < MAX_REFUSALS_KEPT or "permissions violation" in str(error).lower():
+                refusals.append(error)
+            if "permissions violation" in str(error).lower():
+                refused.set()
+
+        bus = await cls.connect(servers, name, allow_reconnect=False, max_reconnect_attempts=1, error_cb=remember,
+                                **options)
+        bus.refusals, bus.refused = refusals, refused
+        return bus
 
     async def close(self) -> None:
         """Drain (finish handlers in flight, flush what was published), then close."""
@@ -1215,10 +1233,6 @@ def _mark_failed(span: trace.Span, error: Exception) -> None:
 
 async def _log_error(error: Exception) -> None:
     log.warning("NATS: %s", error)
-
-
-async def _log_quietly(error: Exception) -> None:
-    log.debug("NATS: %s", error)
 
 
 def _log_event(text: str) -> Callable[[], Awaitable[None]]:

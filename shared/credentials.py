@@ -175,10 +175,13 @@ def unreachable(server: str, error: BaseException, options: Mapping[str, Any]) -
     """Why a command could not use the stack at `server` (its nats-py connect `options`), and what
     to do: a refused login is told apart from a server that is not there."""
     where = redact(server)
-    if "authorization violation" not in str(error).lower():
-        return f"cannot reach NATS at {where} ({error or type(error).__name__}); is `goodput up` running?"
     in_url = any(urlsplit(url.strip()).username for url in server.split(","))
-    if in_url or any(options.get(key) for key in LOGIN_OPTIONS):
+    login = in_url or any(options.get(key) for key in LOGIN_OPTIONS)
+    if "authorization violation" not in str(error).lower():
+        elsewhere = "" if login else (f" (one started with --data DATA serves the URL in DATA/{USER_ENV}: "
+                                      f"set -a; . DATA/{USER_ENV}; set +a)")
+        return f"cannot reach NATS at {where} ({error or type(error).__name__}); is `goodput up` running?{elsewhere}"
+    if login:
         return (f"NATS at {where} refused the login (Authorization Violation): check the user and its password "
                 f"file (a `goodput up`'s are in DATA/{USER_ENV})")
     return (f"NATS at {where} refused a client without a login: no {ENV_PREFIX}* variable is set and there is no "

@@ -2,6 +2,7 @@
 the direct wiring gives, job for job."""
 
 import contextlib
+import os
 
 import pytest
 
@@ -88,11 +89,15 @@ def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     assert (tmp_path / "stack" / "policy.log").exists()
 
 
-def test_status_without_a_stack_is_a_clear_error(capsys):
+def test_status_without_a_stack_is_a_clear_error(capsys, monkeypatch, tmp_path):
     from cli.main import main
 
+    for key in [k for k in os.environ if k.startswith("GOODPUT_NATS_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)              # no out/stack/user.env: no login, so where to find one is said
     assert main(["status", "--server", "nats://127.0.0.1:1"]) == 2
-    assert "is `goodput up` running?" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "is `goodput up` running?" in error and ". DATA/user.env" in error, error
 
 
 async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_server, connect_bus, tmp_path):

@@ -263,6 +263,23 @@ def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, 
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
+def test_a_user_asking_for_the_operators_drain_is_told_at_once_its_login_may_not(secured: str, tmp_path: Path,
+                                                                                  monkeypatch, capsys) -> None:
+    """The server refuses the publish, so no answer would ever come: the command says so when the
+    refusal arrives (not after its 30 s timeout, as "cannot reach NATS")."""
+    from cli.main import main
+
+    for key in [k for k in os.environ if k.startswith(credentials.ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)                 # no out/stack here: the login is the one given
+    password = tmp_path / "user.password"
+    password.write_text(PASSWORDS["user"] + "\n")
+    assert main(["drain", "cpu-0", "--server", secured, "--nats-user", "user", "--nats-password-file", str(password)]) == 2
+    error = capsys.readouterr().err
+    assert f"refused this login's request on {subjects.EXECUTOR_DRAIN}" in error and "permissions violation" in error
+    assert "operator's login" in error and "cannot reach" not in error, error
+
+
 def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tmp_path: Path) -> None:
     password_file = tmp_path / "placer.password"
     password_file.write_text(PASSWORDS["placer"] + "\n")
