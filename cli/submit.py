@@ -1,4 +1,4 @@
-"""`goodput submit JOB.yaml` — submit a job through the user API and print its answer;
+"""`goodput submit JOB.yaml...` — submit jobs through the user API and print each answer;
 `goodput cancel ID` — cancel one. `--stream` stores the submission in JetStream without waiting
 for an answer (durable, fire-and-forget: taken even while the profiler is down)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 
 import msgspec
@@ -18,9 +19,10 @@ from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("submit", help="submit a job (YAML or JSON JobSpec) to a running goodput")
-    parser.add_argument("job", help="job file: id, application, and optionally requested_gpus, requested_batch, "
-                                    "min_gpus, rigid, strong_scaling, gpu_types")
+    parser = sub.add_parser("submit", help="submit jobs (YAML or JSON JobSpecs) to a running goodput")
+    parser.add_argument("jobs", nargs="+", metavar="JOB",
+                        help="job files, each submitted in turn: id, application, and optionally requested_gpus, "
+                             "requested_batch, min_gpus, rigid, strong_scaling, gpu_types")
     parser.add_argument("--stream", action="store_true",
                         help="store it in the submissions stream and return without the API's answer "
                              "(`goodput status ID` shows the verdict)")
@@ -131,10 +133,27 @@ def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswer
 
 
 def _submit(args: argparse.Namespace) -> int:
+    """Each file in turn; one refused (or unreadable) is said on stderr and the others still go: exit
+    status 2 if any was not accepted."""
+    if len(args.jobs) == 1:
+        return _submit_one(args, args.jobs[0])
+    refused = 0
+    for path in args.jobs:
+        try:
+            _submit_one(args, path)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"goodput submit: error: {error}", file=sys.stderr)
+            refused += 1
+    if refused:
+        print(f"goodput submit: {refused} of {len(args.jobs)} jobs not submitted", file=sys.stderr)
+    return 2 if refused else 0
+
+
+def _submit_one(args: argparse.Namespace, path: str) -> int:
     from shared import subjects
     from shared.schema import SubmitAnswer
 
-    spec = load_job(args.job)
+    spec = load_job(path)
     if args.stream:
         options = credentials.connect_options(credentials.from_args(args))
         try:

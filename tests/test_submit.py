@@ -1,6 +1,7 @@
 """Job submissions: validated at the door, stored in JetStream once per id, refused with a reason."""
 
 import asyncio
+import os
 
 import nats
 import pytest
@@ -111,6 +112,23 @@ def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):
     job = write(tmp_path, "id: a\napplication: cifar10\n")
     assert main(["submit", str(job), "--server", "nats://127.0.0.1:1"]) == 2
     assert "cannot reach NATS" in capsys.readouterr().err
+
+
+def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys, nats_server, monkeypatch):
+    """`goodput submit a.yaml b.yaml c.yaml`: one bad file is said, the others go still; exit 2."""
+    from deploy.setup import provision_now
+
+    for key in [k for k in os.environ if k.startswith("GOODPUT_NATS_")]:
+        monkeypatch.delenv(key)
+    provision_now(nats_server)
+    files = [write(tmp_path, f"id: multi-{n}\napplication: cifar10\n", f"{n}.yaml") for n in "ab"]
+    bad = write(tmp_path, "id: multi-c\napplication: cifar10\ngpus: 4\n", "c.yaml")
+    assert main(["submit", str(files[0]), str(bad), str(files[1]), "--stream", "--server", nats_server]) == 2
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["multi-a: stored", "multi-b: stored"], out
+    assert "c.yaml" in err and "unknown field `gpus`" in err and "1 of 3 jobs not submitted" in err, err
+    assert main(["submit", *map(str, files), "--stream", "--server", nats_server]) == 0     # the same again: repeats
+    assert capsys.readouterr().out.splitlines() == [f"multi-{n}: already submitted, not stored again" for n in "ab"]
 
 
 async def test_a_body_that_is_no_json_object_on_the_stream_is_refused_saying_what_a_submission_is(
