@@ -148,7 +148,7 @@ ROLES: dict[str, Permissions] = {
                  subjects.RECORDS, _info(JOBS),
                  *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
                  *_kv(subjects.JOB_OWNERS_BUCKET), *_nodes(), subjects.node_subject("*", "profile")),
-        subscribe=subjects.API_SUBJECTS,
+        subscribe=(*subjects.API_SUBJECTS, subjects.CANCEL),     # cancel orders: a cancelled job is not profiled
     ),
     "estimator": _service(
         "estimator",

@@ -244,10 +244,17 @@ async def _node_lost_while_profiling(folder):
         await _submit(bus, {stalls: "profile_stalls"})
         node = await until(stalled_on, "its first profiling run to stall")
         waiting = await until(lambda: _reason_if(record(stalls), "profiling on node"), "its status to say where")
-        # Another job is profiled on the other node meanwhile, not behind it.
+        # Another job is profiled on the other node meanwhile, not behind it. A third, submitted
+        # while both nodes are busy, is cancelled as it waits: its run never starts.
         await _submit(bus, {"quick-1": "quick"})
+        await until(lambda: _reason_if(record("quick-1"), "profiling on node"), "the other job's run to start")
+        await _submit(bus, {"doomed": "quick"})
+        await until(lambda: _state_if(record("doomed"), ("profiling",)), "the third job to be known")
+        cancel = await bus.request(subjects.API_CANCEL, JobRequest("doomed"), CancelAnswer, timeout=60)
         await until(lambda: _state_if(record("quick-1"), ("queued", "running", "finished")),
                     "the other job's verdict while the first one's run stalls", timeout_s=150)
+        await until(lambda: "job doomed was cancelled before its profiling run" in
+                    (stack.logs / "profiler.log").read_text(errors="replace"), "the cancelled job's turn on a node")
         assert (await record(stalls)).state == "profiling"
         killed = time.monotonic()
         stack.kill(f"node-{node}")                                 # kill -9 of the agent running it
@@ -255,10 +262,11 @@ async def _node_lost_while_profiling(folder):
                     "its profile, measured again on the other node", timeout_s=150)
         taken_s = time.monotonic() - killed
         again = sorted(log.parent.name for log in (folder / "work").glob(f"*/{stalls}.profile-*"))
-        ended = await records_once_ended(bus, [stalls, "quick-1"], timeout_s=300)
+        ended = await records_once_ended(bus, [stalls, "quick-1", "doomed"], timeout_s=300)
+        doomed_runs = list((folder / "work").glob("*/doomed.profile-*"))
     with contextlib.suppress(FileNotFoundError):
         stalling_marker(stalls).unlink()
-    return node, waiting, taken_s, again, ended
+    return node, waiting, taken_s, again, ended, (cancel, doomed_runs)
 
 
 async def _reason_if(record, begins: str):
@@ -278,11 +286,14 @@ async def _state_if(record, states):
 def test_a_node_lost_under_a_profiling_run_is_noticed_and_the_run_moves_without_holding_up_others(tmp_path):
     """kill -9 of the node agent a profiling run is on: the profiler notices within the membership's
     time to live (not the run's 300 s timeout) and runs it on the other node; a job submitted while
-    the run stalled was profiled meanwhile; the status said where the run was."""
-    node, waiting, taken_s, again, ended = asyncio.run(_node_lost_while_profiling(tmp_path))
+    the run stalled was profiled meanwhile; the status said where the run was. A job cancelled while
+    it waited for a node is never run there."""
+    node, waiting, taken_s, again, ended, (cancel, doomed_runs) = asyncio.run(_node_lost_while_profiling(tmp_path))
     assert waiting == f"profiling on node {node}"
     assert taken_s < 3 * subjects.NODE_TTL_S, f"the lost node was noticed after {taken_s:.0f} s"
     assert again == sorted(f"node-cpu-{i}" for i in range(2)), again     # the second run on the other node
+    doomed = ended.pop("doomed")
+    assert cancel.cancelled and doomed.state == "cancelled" and doomed_runs == [], (cancel, doomed, doomed_runs)
     for name, record in ended.items():
         assert record.failure is None and record.finish_s is not None, record
 

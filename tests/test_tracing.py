@@ -562,7 +562,7 @@ async def test_estimator_spans_name_the_job(traced):
 
 async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, connect_bus, name_prefix):
     """Real profiling runs, through a node agent served in this process: one refused (no such job),
-    one measured."""
+    one measured, and one of a job cancelled before its turn, which never reaches the agent."""
     import argparse
 
     from services.executor import node
@@ -583,11 +583,15 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
         with pytest.raises(measure.ProfilingFailed):
             await measure.profiling_run(bus, members, "p-1", "no_such_job", gpu_type, tracer_provider=provider)
         run = await measure.profiling_run(bus, members, "p-2", "quick", gpu_type, tracer_provider=provider)
+        with pytest.raises(measure.ProfilingCancelled):
+            await measure.profiling_run(bus, members, "p-3", "quick", gpu_type, cancelled=lambda: True,
+                                        tracer_provider=provider)
     assert run.points and run.init_batch > 0
     await agent.stop()
 
     spans = exporter.get_finished_spans()
-    failed, measured = [s for s in spans if s.name == "profiler.run"]
+    failed, measured, cancelled = [s for s in spans if s.name == "profiler.run"]
+    assert (cancelled.attributes["job.id"], cancelled.attributes["outcome"]) == ("p-3", "cancelled")
     assert_child_of(failed, next(s for s in spans if s.name == "profiler.consume"))
     assert (failed.attributes["job.id"], failed.attributes["gpu.type"], failed.attributes["outcome"]) == \
         ("p-1", gpu_type, "failed")

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Callable
 
 import nats.errors
 from opentelemetry import trace
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 
 class ProfilingFailed(Exception):
     """The job cannot run here; the message says why."""
+
+
+class ProfilingCancelled(Exception):
+    """Its user cancelled the job: no run of it starts (one under way runs to its end)."""
 
 
 class NodeUnavailable(RuntimeError):
@@ -102,11 +107,12 @@ class NodeTurns:
 
 async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id: str, application: str,
                         gpu_type: str, slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
-                        node_wait_s: float = NODE_WAIT_S,
+                        node_wait_s: float = NODE_WAIT_S, cancelled: Callable[[], bool] = lambda: False,
                         tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
-    turns, shared by the runs of one profiler, or the membership alone). The run is a
+    turns, shared by the runs of one profiler, or the membership alone). A job `cancelled()` once
+    its turn on a node comes: ProfilingCancelled, and the node goes to the next run. The run is a
     `profiler.run` span with what it measured or why it failed."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
@@ -120,6 +126,8 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
                 info = await turns.take(gpu_type, LOST_NODE_WAIT_S if lost else node_wait_s, after)
                 span.set_attribute("node", info.name)
                 try:
+                    if cancelled():
+                        raise ProfilingCancelled(f"job {job_id} was cancelled before its profiling run on {gpu_type}")
                     answer = await _run_on(bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb,
                                                                             timeout_s))
                     break
@@ -136,6 +144,9 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
             if answer.run is None:
                 raise ProfilingFailed(answer.failure)
             run = answer.run
+        except ProfilingCancelled as error:
+            span.set_attributes({"outcome": "cancelled", "reason": str(error)})
+            raise
         except ProfilingFailed as error:
             span.set_attributes({"outcome": "failed", "reason": str(error)})
             span.set_status(Status(StatusCode.ERROR, str(error)))

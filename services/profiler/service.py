@@ -15,20 +15,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 
 from nats import micro
 
 from services.profiler import api
 from services.profiler.core import (agents_models, id_taken, malformed_reason, named_types, profile_source,
                                     submission_problem)
-from services.profiler.measure import NodeTurns, ProfilingFailed, measured_profile, profiling_run
+from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFailed, measured_profile, profiling_run
 from services.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
-from shared.schema import JobOwner, JobProfiles, NodeInfo, JobSpec, Profiled, Stored, readable_id, rejection, spec_digest
+from shared.schema import (Cancel, JobOwner, JobProfiles, JobSpec, NodeInfo, Profiled, Stored, readable_id, rejection,
+                           spec_digest)
+
+log = logging.getLogger(__name__)
 
 PROFILING_RUNS = 4          # real runs: submissions profiled at once (each holds one node of a type at a time)
+CANCELS_KEPT = 10_000       # cancel orders remembered, newest, so that a cancelled job's runs never start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,13 +99,26 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             with contextlib.suppress(RevisionConflict):
                 await owners.delete(spec.id, held.revision)
 
+    # Cancel orders as they pass (every replica sees each): a cancelled job's profiling runs do not
+    # start, and its slots go to the next job's. Its end is the cancel; the executors ignore a verdict.
+    cancels: dict[str, None] = {}
+
+    async def on_cancel(order: Cancel) -> None:
+        cancels[order.job_id] = None
+        while len(cancels) > CANCELS_KEPT:
+            del cancels[next(iter(cancels))]
+
+    if local:
+        await bus.subscribe(subjects.CANCEL, Cancel, on_cancel, span_name="profiler.cancel-seen")
+
     async def measure(spec: JobSpec, types: list[str]) -> tuple:
         """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
         profiles, run = [], None
         for gpu_type in types:
             if stopping.is_set():
                 raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
-            run = await profiling_run(bus, turns, spec.id, spec.application, gpu_type, args.slot_memory)
+            run = await profiling_run(bus, turns, spec.id, spec.application, gpu_type, args.slot_memory,
+                                      cancelled=lambda: spec.id in cancels)
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
@@ -122,6 +140,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             types = [t for t in cluster.gpu_types if not named or t in named]
             try:
                 profiles, run = await measure(spec, types)
+            except ProfilingCancelled as cancelled:
+                log.info("%s", cancelled)
+                return
             except ProfilingFailed as error:
                 if stopping.is_set():            # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
