@@ -116,12 +116,13 @@ def _up(args: argparse.Namespace) -> int:
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
+    if not data.exists() and port_in_use(args.port):      # refused before a new folder is made
+        raise ValueError(_port_taken(args.port))
     data.mkdir(parents=True, exist_ok=True)
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
     with _holding(data):
         if port_in_use(args.port):
-            raise ValueError(f"port {args.port} on 127.0.0.1 is taken (another goodput up, or another server?); "
-                             "choose another with --port")
+            raise ValueError(_port_taken(args.port))
         if args.fresh:                   # the explicit wipe: an empty cluster, real jobs from scratch
             for folder in ("jetstream", "work"):
                 shutil.rmtree(data / folder, ignore_errors=True)
@@ -136,6 +137,11 @@ def _up(args: argparse.Namespace) -> int:
             pass
     print("goodput is down")
     return 0
+
+
+def _port_taken(port: int) -> str:
+    return (f"port {port} on 127.0.0.1 is taken (another goodput up, or another server?); choose another with "
+            "--port")
 
 
 def _local_cluster(data: Path, nodes: int, slots: int | None) -> str:

@@ -188,6 +188,7 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
         refused = subprocess.run([*GOODPUT, "up", "--workload", "none", *other], cwd=ROOT, capture_output=True,
                                  text=True, timeout=60)
         assert refused.returncode == 2 and ("in use" in refused.stderr or "taken" in refused.stderr), refused.stderr
+    assert not (data.parent / "other").exists()              # the one refused for its port made no folder
 
     stopped_in = up.interrupt()
     assert up.process.returncode == 0 and stopped_in < 30, stopped_in
