@@ -101,7 +101,8 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             missing, headers = await ask(nc, f"{API}.cancel", {"id": "no-such-job"})
             assert headers.get("Nats-Service-Error-Code") == "404", (missing, headers)
             # Whatever the body, the answer is JSON: not an object, or empty (every field its default).
-            for body, word in ((b'"hello"', "JSON object"), (b"[1, 2]", "JSON object"), (b"", "field `id`")):
+            for body, word in ((b'"hello"', "JSON object"), (b"[1, 2]", "JSON object"),
+                               (b"", "field `id`; a submission names at least its id and application")):
                 answer = json.loads((await nc.request(f"{API}.submit", body, timeout=30)).data)
                 assert answer["accepted"] is False and word in answer["reason"], (body, answer)
             everything = json.loads((await nc.request(f"{API}.jobs", b"", timeout=30)).data)

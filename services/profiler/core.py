@@ -114,6 +114,8 @@ def profile_source(reference: str | None = None, use_zoo: bool = False) -> Profi
 
 ID_RULES = ("a job id is 1 to 128 letters, digits, '_', '-' and single '.' between them, beginning with a letter "
             "or digit")
+SMALLEST_SUBMISSION = ('a submission names at least its id and application: {"id": "my-job-1", "application": '
+                       '"cifar10"} (an empty body is the empty object)')
 SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
                     "a model or job module the cluster knows")
 
@@ -143,7 +145,8 @@ def malformed_reason(error: Exception) -> str:
         near = difflib.get_close_matches(unknown.group(1)[:64], fields, n=1)
         hint = (f"; did you mean `{near[0]}`?" if near else "") + f" (the fields: {', '.join(fields)})"
     rules = (f"; {SUBMISSION_RULES}" if unknown or "`$.application`" in text
-             else f"; {ID_RULES}" if "`$.id`" in text else "")
+             else f"; {ID_RULES}" if "`$.id`" in text
+             else f"; {SMALLEST_SUBMISSION}" if "missing required field" in text else "")
     return f"malformed submission: {text}{hint}{rules}"
 
 
