@@ -15,7 +15,7 @@ import nats.js.errors
 import yaml
 
 from shared import credentials
-from shared.bus import DEFAULT_SERVER, SERVER_ENV
+from shared.bus import DEFAULT_SERVER, SERVER_ENV, from_builtins
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +61,7 @@ def load_job(path: str | Path):
     except yaml.YAMLError as exc:
         raise ValueError(f"{path} is not valid YAML: {exc}") from None
     try:
-        return msgspec.convert(document, JobSpec, strict=False)     # as the bus decodes: 2.0 is 2
+        return from_builtins(document, JobSpec)       # as the bus reads JSON: 2.0 is 2, "2" is no number
     except msgspec.ValidationError as exc:
         from services.profiler.core import malformed_reason
 

@@ -10,8 +10,9 @@ module settles them once, and stays generic over message types (the Structs live
   JSON, on every subject (`is_json`: a message is always an object, and no msgpack message begins
   with `{`), and a request in JSON (or in nothing msgpack: an empty body, `"hello"`) is answered
   in JSON, so any client (`nats req`, Go, TypeScript) needs no msgpack. An empty request is the
-  empty object. Decoding is lax (msgspec's `strict=False`): an integral float is an int, since
-  JSON-minded clients cannot tell 2 from 2.0.
+  empty object. JSON is read as its published schema says (`from_builtins`): an integral float is
+  an int, since JSON-minded clients cannot tell 2 from 2.0, but a string is no number and 1 is no
+  boolean. msgpack (our services' own) is decoded with msgspec's `strict=False`.
 - A durable consumer never dies silently: a fetch that fails is tried again (with backoff); a
   message whose handler fails is redelivered with growing delays, and on its last delivery
   (`max_deliver`) it is dead-lettered once, with the reason, and never delivered again.
@@ -154,6 +155,22 @@ def is_json(data: bytes) -> bool:
     if first in (b"{", b""):
         return first == b"{"
     return first in b" \t\r\n" and memoryview(data)[:64].tobytes().lstrip(b" \t\r\n")[:1] == b"{"
+
+
+def from_builtins(document: Any, msg_type: type[T]) -> T:
+    """A message from a JSON or YAML document, as its schema says: integral floats are ints (2.0 is
+    2), and nothing else is coerced ("2" is no number, 1 no boolean); ValidationError with the field."""
+    return msgspec.convert(_integral_floats_as_ints(document), msg_type, strict=True)
+
+
+def _integral_floats_as_ints(document: Any) -> Any:
+    if isinstance(document, float) and document.is_integer():
+        return int(document)
+    if isinstance(document, dict):
+        return {key: _integral_floats_as_ints(value) for key, value in document.items()}
+    if isinstance(document, list):
+        return [_integral_floats_as_ints(value) for value in document]
+    return document
 
 
 def explained(error: msgspec.DecodeError, data: bytes) -> msgspec.DecodeError:
@@ -384,8 +401,13 @@ class Bus:
         decoder = self._decoders.get(key)
         if decoder is None:
             kind = msgspec.json.Decoder if key[1] else msgspec.msgpack.Decoder
-            decoder = self._decoders[key] = kind(msg_type, strict=False)
-        return decoder.decode(data)
+            decoder = self._decoders[key] = kind(msg_type, strict=key[1])
+        try:
+            return decoder.decode(data)
+        except msgspec.ValidationError:
+            if not key[1]:
+                raise
+            return from_builtins(msgspec.json.decode(data), msg_type)      # 2.0 for an int: read again
 
     @property
     def part_size(self) -> int:

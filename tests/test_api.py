@@ -206,6 +206,11 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
                  f"typo-{tag}", "cifar10", "did you mean `requested_gpus`"),
         "bad value": (json.dumps({"id": f"bad-{tag}", "application": "bert", "requested_gpus": "four"}).encode(),
                       f"bad-{tag}", "bert", "$.requested_gpus"),
+        # As the published schema says: a number in a string is no number, 1 is no boolean.
+        "number as text": (json.dumps({"id": f"text-{tag}", "application": "bert", "requested_gpus": "2"}).encode(),
+                           f"text-{tag}", "bert", "Expected `int`, got `str` - at `$.requested_gpus`"),
+        "1 for true": (json.dumps({"id": f"flag-{tag}", "application": "bert", "rigid": 1}).encode(),
+                       f"flag-{tag}", "bert", "Expected `bool`, got `int` - at `$.rigid`"),
     }
     nc = await nats.connect(nats_server)
     try:
@@ -220,6 +225,9 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
         good = await nc.request(f"{API}.submit", json.dumps({"id": f"good-{tag}", "application": "cifar10"}).encode(),
                                 timeout=30)
         assert json.loads(good.data)["accepted"] and "Nats-Service-Error-Code" not in (good.headers or {}), good
+        whole = await nc.request(f"{API}.submit", b'{"id": "whole-%s", "application": "cifar10", "requested_gpus": 2.0}'
+                                 % tag.encode(), timeout=30)                  # 2.0 is 2 to a JSON client
+        assert json.loads(whole.data)["accepted"], whole.data
     finally:
         await nc.close()
 

@@ -34,6 +34,8 @@ def test_a_job_file_becomes_a_jobspec(tmp_path):
     ("application: cifar10\n", "missing required field `id`"),
     ("id: a\napplication: bert\nstrong_scaling: true\n", "needs requested_batch"),
     ("id: [unclosed\n", "not valid YAML"),
+    ("id: a\napplication: cifar10\nrequested_gpus: \"4\"\n", "Expected `int`, got `str`"),   # as the schema says
+    ("id: a\napplication: cifar10\nrigid: 1\n", "Expected `bool`, got `int`"),
 ])
 def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):
     with pytest.raises(ValueError, match=None) as error:
