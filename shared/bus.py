@@ -343,9 +343,10 @@ class Bus:
 
         async def remember(error: Exception) -> None:
             log.debug("NATS: %s", error)
-            if len(refusals) < MAX_REFUSALS_KEPT or "permissions violation" in str(error).lower():
+            denied = "permissions violation" in str(error).lower()
+            if denied or len(refusals) < MAX_REFUSALS_KEPT:
                 refusals.append(error)
-            if "permissions violation" in str(error).lower():
+            if denied:
                 refused.set()
 
         bus = await cls.connect(servers, name, allow_reconnect=False, max_reconnect_attempts=1, error_cb=remember,
