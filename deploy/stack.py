@@ -19,6 +19,7 @@ import nats.errors
 
 from shared import storage, subjects
 from deploy.nats import EmbeddedNats
+from services.runner import PARENT_ENV
 from deploy.setup import provision_now
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
@@ -188,7 +189,9 @@ def running_services(server: str | EmbeddedNats, arguments: Mapping[str, Sequenc
     commands.update({instance: [sys.executable, "-m", "services.executor", "--server", nats.url, *options]
                      for instance, options in (agents or {}).items()})
     roles = {**instances, **{instance: "executor" for instance in agents or {}}}    # agents log in as executors
-    stack = Stack(commands, logs, {instance: {**inherited, **nats.env(role)} for instance, role in roles.items()})
+    # Each stops when this process is gone, killed -9 included: no service outlives its stack.
+    stack = Stack(commands, logs, {instance: {**inherited, **nats.env(role), PARENT_ENV: str(os.getpid())}
+                                   for instance, role in roles.items()})
     try:
         for instance in stack.commands:
             (logs / f"{instance}.log").unlink(missing_ok=True)

@@ -20,6 +20,10 @@ from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
 from shared.tracing import setup_tracing
 
+# The pid of the process that started this service and whose end stops it (`goodput up` sets it).
+PARENT_ENV = "GOODPUT_PARENT_PID"
+PARENT_POLL_S = 1.0
+
 VERSION = "0.1.0"
 log = logging.getLogger(__name__)
 
@@ -66,13 +70,16 @@ def service_main(name: str, start: Start, add_arguments: Callable[[argparse.Argu
 
 
 async def serve(name: str, start: Start, args: argparse.Namespace, **options: Any) -> None:
-    """Serve until SIGTERM or SIGINT, then stop taking requests, finish the ones in hand and leave.
-    `options` are nats-py connect options: the credentials and TLS of `shared.credentials`."""
+    """Serve until SIGTERM or SIGINT, then stop taking requests, finish the ones in hand and leave;
+    a service started by `goodput up` (`PARENT_ENV`) also stops once that process is gone, even
+    killed -9. `options` are nats-py connect options: the credentials and TLS of `shared.credentials`."""
     bus = await Bus.connect(args.server, f"goodput-{name}", **options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if os.environ.get(PARENT_ENV, "").isdigit():
+        loop.create_task(_stop_without_parent(int(os.environ[PARENT_ENV]), stop))
     service = await start(bus, args)
     await service.start()
     log.info("%s %s ready on %s", name, VERSION, args.server)
@@ -80,3 +87,11 @@ async def serve(name: str, start: Start, args: argparse.Namespace, **options: An
     log.info("%s stopping", name)
     await service.stop()
     await bus.close()
+
+
+async def _stop_without_parent(parent: int, stop: asyncio.Event) -> None:
+    """Set `stop` once the process that started this one is gone (this one is then another's child)."""
+    while os.getppid() == parent:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("the process that started this service (pid %d) is gone: stopping", parent)
+    stop.set()

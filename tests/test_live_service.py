@@ -291,3 +291,31 @@ def test_a_user_cannot_act_through_a_service_and_the_stack_goes_on(tmp_path):
     for service in ("executor", "estimator", "policy"):
         assert "which is not an inbox; dropped" in logs[f"{service}.log"], logs[f"{service}.log"]
     assert not [name for name, text in logs.items() if "Traceback" in text], logs
+
+
+def test_goodput_up_killed_its_services_stop_by_themselves(tmp_path):
+    """kill -9 of `goodput up` gives it no chance to stop its services: each sees it is gone and
+    stops on its own (none is left running, holding the port's stack for no one)."""
+    port, data = free_loopback_port(), tmp_path / "data"
+    up = Up(port, data)
+    try:
+        up.wait_serving()
+        started = _pids(f"--server nats://127.0.0.1:{port}")
+        assert len(started) >= 5, started                 # the five services
+        up.process.kill()
+        up.process.wait()
+        deadline = time.monotonic() + 60
+        while _pids(f"--server nats://127.0.0.1:{port}"):
+            assert time.monotonic() < deadline, f"still running: {_pids(f'--server nats://127.0.0.1:{port}')}"
+            time.sleep(0.2)
+    finally:
+        up.kill()
+        for pid in _pids(str(data / "jetstream")):         # its NATS server, which has no such watch
+            os.kill(pid, signal.SIGTERM)
+    logs = "".join(path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log")
+    assert logs.count("is gone: stopping") >= 5 and "Traceback" not in logs, logs[-3000:]
+
+
+def _pids(pattern: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split() if int(pid) != os.getpid()]

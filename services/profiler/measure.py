@@ -99,6 +99,12 @@ class NodeTurns:
             except Exception as error:  # noqa: BLE001 - NATS away for a moment: the run goes on; read again
                 log.warning("reading node %s's membership failed: %s", info.name, error)
                 continue
+            finally:
+                # Cancelled as the read came back, Python 3.11's asyncio.wait_for (in nats-py's request)
+                # may return the entry and drop the cancel: the watch must end all the same, or the
+                # run that waits for it to end waits for ever.
+                if asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError
             if entry is None:
                 raise NodeUnavailable(f"node {info.name} was lost (its agent stopped renewing its membership)")
             if entry.value.agent != info.agent:

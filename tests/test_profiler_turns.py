@@ -1,0 +1,40 @@
+"""The real profiler's watch on the node a run is on (services/profiler/measure.NodeTurns)."""
+
+import asyncio
+from types import SimpleNamespace
+
+from services.profiler import measure
+from shared.schema import NodeInfo
+
+NODE = NodeInfo("cpu-0", "cpu", 1, "127.0.0.1", agent="a-1")
+
+
+class SwallowingMembers:
+    """The membership as nats-py reads it under Python 3.11: a read cancelled just as its answer
+    came back returns the answer and drops the cancel (asyncio.wait_for's known race)."""
+
+    def __init__(self):
+        self.reading = asyncio.Event()
+        self.reads = 0
+
+    async def get(self, name):
+        self.reads += 1
+        self.reading.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass                                        # swallowed, as wait_for may
+        return SimpleNamespace(value=NODE)
+
+
+async def test_a_watch_cancelled_while_it_reads_the_membership_ends_even_if_the_read_drops_the_cancel(monkeypatch):
+    """The run's answer came, so the watch is cancelled; had the cancel been lost in the read, the
+    watch would go on for ever and the run (which waits for it to end) with it: a job stuck in
+    `profiling` on a node long idle."""
+    monkeypatch.setattr(measure.subjects, "NODE_HEARTBEAT_S", 0.01)
+    members = SwallowingMembers()
+    watch = asyncio.ensure_future(measure.NodeTurns(members).lost(NODE))
+    await members.reading.wait()
+    watch.cancel()
+    await asyncio.wait({watch}, timeout=60)
+    assert watch.cancelled() and members.reads == 1, (watch, members.reads)
