@@ -4,9 +4,9 @@ standing in for GPUs.
 `goodput up --executors local --nodes 2 --once` submits the three example jobs together to two
 node agents; the real profiler measures each on one slot through an agent, the scheduler allocates
 and re-allocates slots as jobs arrive and finish on both nodes, every job re-tunes its batch as it
-trains and reaches its target. A rigid job of two slots spans both nodes. Then the bad inputs: a script that breaks, a job too big for a slot, a job naming no code
-there is, a submission with an unknown field — each ends failed with its reason, the others
-unaffected. And the executor killed -9 mid-training: its successor takes the jobs back from KV,
+trains and reaches its target. A rigid job of two slots spans both nodes. Then the bad inputs: a
+script that breaks, a job too big for a slot, a job naming no code there is, a submission with an
+unknown field — each ends failed with its reason, the others unaffected. And the executor killed -9 mid-training: its successor takes the jobs back from KV,
 the workers it left on the node checkpoint and stop (their checkpoints in JetStream's object store,
 as on a cluster without a shared folder), and every job still reaches its target.
 """
