@@ -101,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.nats import embedded_nats, port_in_use
+    from deploy.nats import embedded_nats, port_in_use, stop_orphan_server
 
     local = args.executors == "local"
     if args.nodes < 1 or (args.slots is not None and args.slots < 1):
@@ -121,6 +121,9 @@ def _up(args: argparse.Namespace) -> int:
     data.mkdir(parents=True, exist_ok=True)
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
     with _holding(data):
+        orphan = stop_orphan_server(data)
+        if orphan is not None:
+            print(f"stopped the NATS server (pid {orphan}) that a killed goodput up left serving {data}", flush=True)
         if port_in_use(args.port):
             raise ValueError(_port_taken(args.port))
         if args.fresh:                   # the explicit wipe: an empty cluster, real jobs from scratch

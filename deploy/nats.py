@@ -17,6 +17,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 SERVER_START_TIMEOUT_S = 10.0
+PID_FILE = "nats-server.pid"    # under the server's folder while it serves: a killed owner's server is found
 SECRETS = "secrets"             # under the data folder: one password file per role
 SYNC_INTERVAL = "2m"            # nats-server's default fsync period
 
@@ -106,6 +108,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
             stderr=subprocess.STDOUT,
             start_new_session=True,      # Ctrl-C reaches its owner, which stops it last
         )
+    (workdir / PID_FILE).write_text(str(process.pid))
     try:
         wait_until_accepting(process, port, log_path)
         yield f"nats://127.0.0.1:{port}"
@@ -116,6 +119,41 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        (workdir / PID_FILE).unlink(missing_ok=True)
+
+
+def stop_orphan_server(workdir: Path) -> int | None:
+    """The pid of a nats-server that a killed owner left serving `workdir`'s store, now stopped;
+    None if there is none. Only for a caller that holds the folder (no live owner has it). Reads
+    /proc (Linux): elsewhere, None."""
+    path = workdir / PID_FILE
+    try:
+        pid = int(path.read_text())
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except (OSError, ValueError):
+        path.unlink(missing_ok=True)
+        return None
+    store = arguments[arguments.index("-sd") + 1] if "-sd" in arguments[:-1] else None
+    if store is None or Path(cwd, store).resolve() != (workdir / "jetstream").resolve():
+        path.unlink(missing_ok=True)           # the pid is another process's now
+        return None
+    os.kill(pid, signal.SIGTERM)               # it flushes JetStream and leaves
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(pid):
+        os.kill(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+    return pid
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)

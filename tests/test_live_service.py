@@ -293,9 +293,11 @@ def test_a_user_cannot_act_through_a_service_and_the_stack_goes_on(tmp_path):
     assert not [name for name, text in logs.items() if "Traceback" in text], logs
 
 
-def test_goodput_up_killed_its_services_stop_by_themselves(tmp_path):
+def test_goodput_up_killed_its_services_stop_by_themselves_and_the_next_one_takes_over(tmp_path):
     """kill -9 of `goodput up` gives it no chance to stop its services: each sees it is gone and
-    stops on its own (none is left running, holding the port's stack for no one)."""
+    stops on its own (none is left running, holding the port's stack for no one). Its NATS server,
+    which has no such watch, is stopped by the next `goodput up` on the folder, which then serves on
+    the same port."""
     port, data = free_loopback_port(), tmp_path / "data"
     up = Up(port, data)
     try:
@@ -308,12 +310,17 @@ def test_goodput_up_killed_its_services_stop_by_themselves(tmp_path):
         while _pids(f"--server nats://127.0.0.1:{port}"):
             assert time.monotonic() < deadline, f"still running: {_pids(f'--server nats://127.0.0.1:{port}')}"
             time.sleep(0.2)
+        orphan = _pids(str(data / "jetstream"))
+        assert len(orphan) == 1, orphan
+        logs = "".join(path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log")
+        assert logs.count("is gone: stopping") >= 5 and "Traceback" not in logs, logs[-3000:]
+        up = Up(port, data)
+        up.wait_serving()
+        assert f"stopped the NATS server (pid {orphan[0]})" in up.log.read_text(), up.log.read_text()
     finally:
         up.kill()
-        for pid in _pids(str(data / "jetstream")):         # its NATS server, which has no such watch
+        for pid in _pids(str(data / "jetstream")):         # on a failure: nothing left behind
             os.kill(pid, signal.SIGTERM)
-    logs = "".join(path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log")
-    assert logs.count("is gone: stopping") >= 5 and "Traceback" not in logs, logs[-3000:]
 
 
 def _pids(pattern: str) -> list[int]:
