@@ -9,6 +9,7 @@ Neither available is an error, never a skip: a bus test that silently does not r
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -60,6 +61,15 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     with nats_from_binary(tmp_path_factory.mktemp("nats")) as url:
         yield url
+
+
+@pytest.fixture
+def no_login(monkeypatch) -> None:
+    """No GOODPUT_NATS_* variable: a command finds its login only where a user's would be."""
+    from shared.credentials import ENV_PREFIX
+
+    for key in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(key)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 the direct wiring gives, job for job."""
 
 import contextlib
-import os
 
 import pytest
 
@@ -89,11 +88,9 @@ def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     assert (tmp_path / "stack" / "policy.log").exists()
 
 
-def test_status_without_a_stack_is_a_clear_error(capsys, monkeypatch, tmp_path):
+def test_status_without_a_stack_is_a_clear_error(capsys, monkeypatch, tmp_path, no_login):
     from cli.main import main
 
-    for key in [k for k in os.environ if k.startswith("GOODPUT_NATS_")]:
-        monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)              # no out/stack/user.env: no login, so where to find one is said
     assert main(["status", "--server", "nats://127.0.0.1:1"]) == 2
     error = capsys.readouterr().err

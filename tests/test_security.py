@@ -242,13 +242,10 @@ async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> Non
 
 
 def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, tmp_path: Path, monkeypatch,
-                                                                   capsys, caplog) -> None:
+                                                                   capsys, caplog, no_login) -> None:
     from cli.main import main
 
     caplog.set_level(logging.WARNING)
-
-    for key in [k for k in os.environ if k.startswith(credentials.ENV_PREFIX)]:
-        monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)                 # no out/stack/user.env here: the command has no login
     assert main(["status", "--server", secured]) == 2
     assert "refused a client without a login" in capsys.readouterr().err
@@ -264,13 +261,11 @@ def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, 
 
 
 def test_a_user_asking_for_the_operators_drain_is_told_at_once_its_login_may_not(secured: str, tmp_path: Path,
-                                                                                  monkeypatch, capsys) -> None:
+                                                                                  monkeypatch, capsys, no_login) -> None:
     """The server refuses the publish, so no answer would ever come: the command says so when the
     refusal arrives (not after its 30 s timeout, as "cannot reach NATS")."""
     from cli.main import main
 
-    for key in [k for k in os.environ if k.startswith(credentials.ENV_PREFIX)]:
-        monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)                 # no out/stack here: the login is the one given
     password = tmp_path / "user.password"
     password.write_text(PASSWORDS["user"] + "\n")

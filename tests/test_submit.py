@@ -1,7 +1,6 @@
 """Job submissions: validated at the door, stored in JetStream once per id, refused with a reason."""
 
 import asyncio
-import os
 
 import nats
 import pytest
@@ -116,12 +115,10 @@ def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):
     assert "cannot reach NATS" in capsys.readouterr().err
 
 
-def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys, nats_server, monkeypatch):
+def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys, nats_server, no_login):
     """`goodput submit a.yaml b.yaml c.yaml`: one bad file is said, the others go still; exit 2."""
     from deploy.setup import provision_now
 
-    for key in [k for k in os.environ if k.startswith("GOODPUT_NATS_")]:
-        monkeypatch.delenv(key)
     provision_now(nats_server)
     files = [write(tmp_path, f"id: multi-{n}\napplication: cifar10\n", f"{n}.yaml") for n in "ab"]
     bad = write(tmp_path, "id: multi-c\napplication: cifar10\ngpus: 4\n", "c.yaml")

@@ -617,14 +617,17 @@ def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.n
         return choice
     choice = choice.copy()
     waiting = problem.current < 0
-    left_out = sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: -problem.waited[i])
-    for k in left_out:
-        starting = np.flatnonzero(waiting & (choice >= 0) & (problem.waited < problem.waited[k]))
-        cells = choice[starting]
-        equal = starting[problem.valid[k, cells] & (cost[k, cells] <= cost[starting, cells])]
+    starting = np.flatnonzero(waiting & (choice >= 0))
+    # Oldest first: a job given a cell here waited longer than every one still to come, so it is
+    # never taken back, and only the jobs that gave theirs up leave `starting`.
+    for k in sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: -problem.waited[i]):
+        younger = starting[problem.waited[starting] < problem.waited[k]]
+        cells = choice[younger]
+        equal = younger[problem.valid[k, cells] & (cost[k, cells] <= cost[younger, cells])]
         if equal.size:
             j = equal[np.argmin(problem.waited[equal])]
             choice[k], choice[j] = choice[j], -1
+            starting = starting[starting != j]
     return choice
 
 
