@@ -51,7 +51,7 @@ async def submit_burst(server, jobs: int) -> float:
     try:
         js = nc.jetstream()
         started = time.perf_counter()
-        acks = [js.publish_async(subjects.SUBMIT, msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
+        acks = [js.publish_async(subjects.submit("user"), msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
                                  headers={"Nats-Msg-Id": f"burst-{i}"}) for i in range(jobs)]
         await asyncio.gather(*acks)
         return time.perf_counter() - started

@@ -9,7 +9,7 @@ import os
 import sys
 
 # Subcommand modules under cli/, in help order.
-COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up", "chaos"]
+COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up", "login", "chaos"]
 
 
 class _Version(argparse.Action):

@@ -69,25 +69,27 @@ def load_job(path: str | Path):
 
 
 async def submit(spec, server: str, **options) -> bool:
-    """Publish the spec to the submissions stream; True if stored, False if the same body was stored
-    before (a corrected body under the same id is stored: the profiler then decides who holds the id).
-    `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`."""
+    """Publish the spec to the login's own intake subject; True if stored, False if the same body was
+    stored there before. The gate then judges it as the API would (`goodput status ID` shows its
+    verdict). `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`: their
+    user is the login (none: the operator's, on an insecure stack)."""
     from shared import subjects
     from shared.bus import Bus
     from shared.schema import submission_msg_id
-    from shared.storage import MAX_SUBMISSION_BYTES
+    from shared.storage import MAX_INTAKE_BYTES
 
     bus = await Bus.connect_once(server, "goodput-submit", **options)
     try:
-        if len(bus.encode(spec)) > MAX_SUBMISSION_BYTES:
-            raise ValueError(f"job {spec.id}: a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB")
+        if len(bus.encode(spec)) > MAX_INTAKE_BYTES:
+            raise ValueError(f"job {spec.id}: a submission stored with --stream is at most {MAX_INTAKE_BYTES // 1024} KiB")
         try:
-            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
+            ack = await bus.js_publish(subjects.submit(options.get("user") or subjects.OPERATOR), spec,
+                                       msg_id=submission_msg_id(spec), timeout=10)
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            raise ValueError(f"no submissions stream at {credentials.redact(server)}: the operator sets it up "
+            raise ValueError(f"no intake stream at {credentials.redact(server)}: the operator sets it up "
                              "(`goodput up` does at start)") from None
-        except nats.js.errors.APIError as error:       # e.g. the stream is full: it refuses, drops nothing
-            raise ValueError(f"the submissions stream refused job {spec.id}: {error.description}") from None
+        except nats.js.errors.APIError as error:       # e.g. this login's backlog is full: it refuses, drops nothing
+            raise ValueError(f"the intake stream refused job {spec.id}: {error.description}") from None
         return not ack.duplicate
     finally:
         await bus.close()
@@ -160,7 +162,8 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
             stored = asyncio.run(submit(spec, args.server, **options))
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise ValueError(credentials.unreachable(args.server, exc, options)) from None
-        print(f"{spec.id}: stored" if stored else f"{spec.id}: already submitted, not stored again")
+        print(f"{spec.id}: stored; the gate judges it next (`goodput status {spec.id}`)" if stored
+              else f"{spec.id}: already submitted, not stored again")
         return 0
     refused = f"job {spec.id} refused: "
     answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer, refused=refused)

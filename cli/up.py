@@ -101,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.nats import embedded_nats, port_in_use, stop_orphan_server
+    from deploy.nats import port_in_use
+    from shared.files import private_files
 
     local = args.executors == "local"
     if args.nodes < 1 or (args.slots is not None and args.slots < 1):
@@ -118,7 +119,18 @@ def _up(args: argparse.Namespace) -> int:
     data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
     if not data.exists() and port_in_use(args.port):      # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
-    data.mkdir(parents=True, exist_ok=True)
+    data.parent.mkdir(parents=True, exist_ok=True)   # the folders above DATA are made as before
+    with private_files():     # what this process and its children write: logs, work, checkpoints
+        return _up_on(args, data)
+
+
+def _up_on(args: argparse.Namespace, data: Path) -> int:
+    """`goodput up` on its data folder, made private with what an earlier version left there."""
+    from deploy.nats import embedded_nats, port_in_use, stop_orphan_server
+    from shared.files import make_private
+
+    local = args.executors == "local"
+    make_private(data)
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
     with _holding(data):
         orphan = stop_orphan_server(data)
@@ -328,7 +340,7 @@ async def _submit_local(bus, specs) -> None:
             print(f"  {spec.id} ({spec.application}): submitted before, {status.state}"
                   f"{': ' + status.reason if status.reason else ''}", flush=True)
             continue
-        await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec))
+        await bus.js_publish(subjects.stored(subjects.OPERATOR), spec, msg_id=submission_msg_id(spec))
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
 
 
@@ -391,19 +403,17 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from shared.schema import job_statuses
-
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
     try:
-        records, policy = asyncio.run(_query(server, **options))
+        statuses, policy = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(credentials.unreachable(server, exc, options)) from None
-    jobs = [msgspec.to_builtins(status) for status in job_statuses(records.jobs)]
+    jobs = [msgspec.to_builtins(status) for status in statuses]
     if args.id is not None:
         jobs = [j for j in jobs if j["id"] == args.id]
         if not jobs:
-            raise ValueError(f"no job {args.id!r} is known to the executors")
+            raise ValueError(f"no job {args.id!r} of this login's is known to the executors")
     run = run_document(policy)
     if args.json:
         print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
@@ -459,19 +469,25 @@ def run_document(policy) -> dict:
 
 
 async def _query(server: str, **options):
+    """The login's jobs (every job, for the operator), page by page through the user API, and the
+    policy's status."""
     import nats.errors
 
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import Ack, JobRecords, JobsQuery, PolicyStatus
+    from shared.schema import MAX_PAGE, Ack, JobsPage, JobsRequest, PolicyStatus
 
     bus = await Bus.connect_once(server, "goodput-status", **options)
     try:
-        records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)
+        statuses, offset = [], 0
+        while offset is not None:
+            page = await bus.request(subjects.API_JOBS, JobsRequest(offset=offset, limit=MAX_PAGE), JobsPage, timeout=10)
+            statuses += page.jobs
+            offset = page.next_offset
         try:
             policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             policy = None                   # the jobs are still worth showing
-        return records, policy
+        return statuses, policy
     finally:
         await bus.close()

@@ -209,11 +209,11 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
         for data in invalid_payloads(message_type, examples):
             answers[await _answer(trial.bus, subject, data)] += 1
     for data in invalid_payloads(JobSpec, examples):
-        await trial.bus.js.publish(subjects.SUBMIT, data)
-    genuine = [(s, d) for s, d in seen if s not in subjects.SUBMISSIONS][-REPEATED:]
+        await trial.bus.js.publish(subjects.stored(subjects.OPERATOR), data)
+    genuine = [(s, d) for s, d in seen if not subjects.is_submission(s)][-REPEATED:]
     for subject, data in genuine + genuine[::-1]:
         await _answer(trial.bus, subject, data)
-    for subject, data in [(s, d) for s, d in seen if s in subjects.SUBMISSIONS] * 2:
+    for subject, data in [(s, d) for s, d in seen if subjects.is_submission(s)] * 2:
         await trial.bus.js.publish(subject, data)          # without the id: stored again, not de-duplicated
     trial.notes.append(f"{sum(answers.values())} invalid requests on {len(REQUESTS)} subjects answered "
                        + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items()))

@@ -3,17 +3,21 @@
 `goodput up`, the benchmarks and the tests (when no Docker engine answers) all start it this way:
 bound to loopback on a free port, JetStream data in a folder of the caller's, no monitoring port.
 
-`embedded_nats` is the secured one `goodput up` runs: one NATS user per role with its permissions
-(shared/permissions.py), each role's password made at first start in `<folder>/secrets/<role>`
-(readable by its owner only) and kept for the next; anonymous clients are refused. The JetStream
-store is bounded by the storage plan's limits (shared/storage.py). Data is written to the OS at
-once and fsynced every SYNC_INTERVAL (nats-server's default): a killed process loses nothing, a
-power cut at most that much; `sync_always` fsyncs every write.
+`embedded_nats` is the secured one `goodput up` runs: the services' account, one NATS user per role
+with its permissions, and the logins' account (shared/permissions.py). Each role's password, and the
+default login `user`'s, is made at first start in `<folder>/secrets/<role>` (readable by its owner
+only) and kept for the next; the logins the operator adds are `<folder>/logins/<name>.env`
+(`add_login`), taken in without a restart: the accounts are rendered into `<folder>/auth.conf`,
+which the server reads again on SIGHUP (`reload`). Anonymous clients are refused. The JetStream
+store is bounded by the storage plan's limits (shared/storage.py). Data is written to the OS at once
+and fsynced every SYNC_INTERVAL (nats-server's default): a killed process loses nothing, a power
+cut at most that much; `sync_always` fsyncs every write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -30,7 +34,9 @@ from typing import Any
 SERVER_START_TIMEOUT_S = 10.0
 PID_FILE = "nats-server.pid"    # under the server's folder while it serves: a killed owner's server is found
 SECRETS = "secrets"             # under the data folder: one password file per role
-SYNC_INTERVAL = "2m"            # nats-server's default fsync period
+LOGINS = "logins"               # under the data folder: one file per login the operator added, NAME.env
+AUTH_CONF = "auth.conf"         # under the data folder: the accounts, included by nats.conf, reloaded on SIGHUP
+SYNC_INTERVAL = '"2m"'          # nats-server's default fsync period (quoted: a duration, not a number)
 
 
 def nats_server_binary() -> Path:
@@ -122,10 +128,9 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
         (workdir / PID_FILE).unlink(missing_ok=True)
 
 
-def stop_orphan_server(workdir: Path) -> int | None:
-    """The pid of a nats-server that a killed owner left serving `workdir`'s store, now stopped;
-    None if there is none. Only for a caller that holds the folder (no live owner has it). Reads
-    /proc (Linux): elsewhere, None."""
+def serving_pid(workdir: Path) -> int | None:
+    """The pid of the nats-server serving `workdir`'s store (its pid file, checked against /proc:
+    Linux), or None; a pid file naming another process is removed."""
     path = workdir / PID_FILE
     try:
         pid = int(path.read_text())
@@ -138,6 +143,17 @@ def stop_orphan_server(workdir: Path) -> int | None:
     if store is None or Path(cwd, store).resolve() != (workdir / "jetstream").resolve():
         path.unlink(missing_ok=True)           # the pid is another process's now
         return None
+    return pid
+
+
+def stop_orphan_server(workdir: Path) -> int | None:
+    """The pid of a nats-server that a killed owner left serving `workdir`'s store, now stopped;
+    None if there is none. Only for a caller that holds the folder (no live owner has it). Reads
+    /proc (Linux): elsewhere, None."""
+    pid = serving_pid(workdir)
+    if pid is None:
+        return None
+    path = workdir / PID_FILE
     os.kill(pid, signal.SIGTERM)               # it flushes JetStream and leaves
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while _running(pid) and time.monotonic() < deadline:
@@ -158,21 +174,26 @@ def _running(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class Access:
-    """How each role logs in to a secured server: its user name and its password file."""
+    """How each role and login logs in to a secured server: the roles' (and the default login's)
+    password files in `folder`, the added logins' files beside it (`logins_folder`)."""
 
     folder: Path
 
     @classmethod
     def kept_in(cls, folder: Path) -> Access:
-        """Each role's password from `folder`, made there (mode 0600) the first time."""
-        from shared.permissions import ROLES, write_private
+        """Each role's password, and the default login's, from `folder`, made there (mode 0600) the first time."""
+        from shared.permissions import DEFAULT_LOGIN, ROLES, write_private
 
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(folder, 0o700)
-        for role in ROLES:
+        for role in (*ROLES, DEFAULT_LOGIN):
             if not (folder / role).is_file():
                 write_private(folder / role, secrets.token_urlsafe(24))
         return cls(folder)
+
+    @property
+    def logins_folder(self) -> Path:
+        return self.folder.parent / LOGINS
 
     def password_file(self, role: str) -> Path:
         return self.folder / role
@@ -181,10 +202,47 @@ class Access:
         """The environment a process of this role connects with (shared/credentials.py)."""
         return {"GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(self.password_file(role).resolve())}
 
-    def server_config(self) -> str:
-        from shared.permissions import ROLES, passwords_from, render_authorization
+    def logins(self) -> dict[str, str]:
+        """Every login's password: the default one's, and each added login's file."""
+        from shared.credentials import PASSWORD_ENV, read_env
+        from shared.permissions import DEFAULT_LOGIN
 
-        return render_authorization(passwords_from(ROLES, self.folder, environ={}))
+        logins = {DEFAULT_LOGIN: self.password_file(DEFAULT_LOGIN).read_text().strip()}
+        for file in sorted(self.logins_folder.glob("*.env")):
+            logins[file.name.removesuffix(".env")] = read_env(file).get(PASSWORD_ENV, "")
+        return logins
+
+    def add_login(self, name: str, url: str) -> Path:
+        """A new login: its file in `logins_folder` (0600, whole in itself: the URL, the login, its
+        password). ValueError for a name that cannot be one, or one taken."""
+        from shared.credentials import write_login_env
+        from shared.permissions import DEFAULT_LOGIN, login_problem
+
+        problem = login_problem(name)
+        if problem is not None:
+            raise ValueError(problem)
+        path = self.logins_folder / f"{name}.env"
+        if name == DEFAULT_LOGIN or path.exists():
+            raise ValueError(f"login {name!r} exists already ({DEFAULT_LOGIN!r} is `goodput up`'s own)")
+        self.logins_folder.mkdir(mode=0o700, exist_ok=True)
+        return write_login_env(path, url, name, secrets.token_urlsafe(24))
+
+    def remove_login(self, name: str) -> None:
+        """Forget a login the operator added (ValueError for one there is not)."""
+        from shared.permissions import DEFAULT_LOGIN
+
+        path = self.logins_folder / f"{name}.env"
+        if name == DEFAULT_LOGIN:
+            raise ValueError(f"{DEFAULT_LOGIN!r} is `goodput up`'s own login (DATA/user.env); it stays")
+        if "/" in name or not path.is_file():
+            raise ValueError(f"no login {name!r}; the logins are {', '.join(self.logins())}")
+        path.unlink()
+
+    def accounts(self) -> str:
+        """The accounts block of the server's configuration, every role and login in it."""
+        from shared.permissions import ROLES, passwords_from, render_accounts
+
+        return render_accounts(passwords_from(ROLES, self.folder, environ={}), self.logins())
 
 
 @dataclass(frozen=True)
@@ -210,7 +268,8 @@ class EmbeddedNats:
 
 
 def server_config(access: Access | None, sync_always: bool = False) -> str:
-    """The embedded server's configuration: message size, the store's bound and its sync, the users."""
+    """The embedded server's configuration: message size, the store's bound and its sync, and (with
+    `access`) the accounts, included from AUTH_CONF beside it (`write_accounts`)."""
     from shared.permissions import MAX_PAYLOAD_BYTES
     from shared.storage import GIB, total_bytes
 
@@ -218,7 +277,28 @@ def server_config(access: Access | None, sync_always: bool = False) -> str:
     lines = [f"max_payload: {MAX_PAYLOAD_BYTES}",
              f"jetstream {{ max_file_store: {store_gib}GB, max_memory_store: 256MB, "
              f"sync_interval: {'always' if sync_always else SYNC_INTERVAL} }}"]
-    return "\n".join(lines) + "\n" + (access.server_config() if access is not None else "")
+    if access is not None:
+        lines.append(f"include {json.dumps(AUTH_CONF)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_accounts(workdir: Path, access: Access) -> None:
+    """The accounts, every role and login, into workdir's AUTH_CONF (0600: it holds passwords)."""
+    from shared.permissions import write_private
+
+    write_private(workdir / AUTH_CONF, access.accounts())
+
+
+def reload(workdir: Path, access: Access) -> bool:
+    """Render the accounts again and have the server serving `workdir` read them (SIGHUP): a login
+    added is taken in, one removed is disconnected, and no one else notices. False: no server
+    serves the folder now (the next start reads them)."""
+    write_accounts(workdir, access)
+    pid = serving_pid(workdir)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGHUP)
+    return True
 
 
 @contextlib.contextmanager
@@ -227,5 +307,7 @@ def embedded_nats(workdir: Path, port: int | None = None, secure: bool = True,
     """The embedded server on `workdir` (its store, its log and, when `secure`, the roles' passwords
     in workdir/secrets) until the block ends."""
     access = Access.kept_in(workdir / SECRETS) if secure else None
+    if access is not None:
+        write_accounts(workdir, access)
     with nats_from_binary(workdir, port, server_config(access, sync_always)) as url:
         yield EmbeddedNats(url, access)

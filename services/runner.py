@@ -18,6 +18,7 @@ from nats import micro
 
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
+from shared.files import private_umask
 from shared.tracing import setup_tracing
 
 # The pid of the process that started this service and whose end stops it (`goodput up` sets it).
@@ -61,6 +62,7 @@ def service_main(name: str, start: Start, add_arguments: Callable[[argparse.Argu
         options = credentials.connect_options(credentials.from_args(args))
     except ValueError as error:
         parser.error(str(error))   # exits 2 with the reason, before anything starts
+    private_umask()       # what the service writes, and the jobs a node agent starts, is its owner's only
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     provider = setup_tracing(f"goodput-{name}")
     try:

@@ -32,9 +32,15 @@ module settles them once, and stays generic over message types (the Structs live
   A request in parts is put together beside the endpoint's other requests, never in their way:
   within ASSEMBLY_TIMEOUT_S, at most MAX_ASSEMBLIES per requester at a time; an endpoint that takes
   no parts (`parts=False`: the status endpoints) refuses one at once.
-- Replies go only to inboxes (`_INBOX…`): a request whose reply subject is anything else (a
+- Replies go only to inboxes (`_INBOX…`, or `_R_.…`, where the server maps the reply of a request
+  that came through an account's import): a request whose reply subject is anything else (a
   JetStream API subject, a KV key) is dropped and logged, so no one can make a service publish
   where the requester may not.
+- Who sent a request is the server's word, never the message's: a request that came through an
+  import shared with the requester's info carries the server's `Nats-Request-Info` (its account and
+  user), which an endpoint's handler reads as `requester()`. Every such requester is held to
+  `RequesterLimits` on every endpoint (a rate, and requests in hand at once), answered 429 beyond
+  them before anything is decoded, so no one login holds the endpoint from the others.
 - Connections reconnect forever (`max_reconnect_attempts=-1`), so a service outlives a restart of
   the server; pass `max_reconnect_attempts=0` to fail fast instead (a command-line client).
 """
@@ -43,9 +49,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import inspect
 import logging
+import time
+from contextvars import ContextVar
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -63,6 +72,7 @@ from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
+from shared.nesting import check_nesting
 from shared.tracing import extract_trace_context, inject_trace_context
 
 __all__ = [
@@ -73,6 +83,8 @@ __all__ = [
     "KVEntry",
     "NotFound",
     "PullConsumer",
+    "Requester",
+    "RequesterLimits",
     "RevisionConflict",
     "TypedKV",
 ]
@@ -117,6 +129,9 @@ ASSEMBLY_TIMEOUT_S = 30.0    # the most a whole request in parts may take to com
 MAX_ASSEMBLIES = 2           # requests in parts one requester may have coming in at a time
 MAX_ASSEMBLIES_IN_ALL = 16   # ... and all requesters together, on one connection
 INBOX = "_INBOX"             # what every reply subject begins with (nats-py's default, or _INBOX_<role>)
+RESPONSE = "_R_"             # ... or, for a request that came through an import, the server's mapping of it
+REQUEST_INFO_HEADER = "Nats-Request-Info"    # the server's word of who sent a request through an import
+TOO_MANY = "429"
 MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
 MAX_REFUSALS_KEPT = 8       # a one-shot client keeps this many of the server's refusals (Bus.refusals)
 # Durable consumers: deliveries of one message before it is dead-lettered, and the redelivery delays.
@@ -195,10 +210,78 @@ def answers_in_json(data: bytes) -> bool:
 
 
 def is_inbox(reply: str) -> bool:
-    """Whether a reply subject is an inbox (`_INBOX.…`, `_INBOX_<role>.…`), the only place a
-    service answers: never a JetStream API subject or a KV key a requester names."""
+    """Whether a reply subject is an inbox (`_INBOX.…`, `_INBOX_<role>.…`, the server's `_R_.…`), the
+    only place a service answers: never a JetStream API subject or a KV key a requester names."""
     first, dot, rest = reply.partition(".")
-    return first.startswith(INBOX) and bool(dot and rest)
+    return (first.startswith(INBOX) or first == RESPONSE) and bool(dot and rest)
+
+
+@dataclass(frozen=True)
+class Requester:
+    """Who sent a request, as the server says: its account and user."""
+
+    account: str
+    user: str
+
+
+_current_requester: ContextVar[Requester | None] = ContextVar("requester", default=None)
+
+
+def requester() -> Requester | None:
+    """Who sent the request being handled, as the server says (one that came through an import of
+    another account); None for a request from within the service's own account, or on a server
+    without accounts."""
+    return _current_requester.get()
+
+
+def requester_of(headers: dict[str, str] | None) -> Requester | None:
+    info = (headers or {}).get(REQUEST_INFO_HEADER)
+    if info is None:
+        return None
+    try:
+        document = json.loads(info)
+        return Requester(str(document["acc"]), str(document.get("user", "")))
+    except (ValueError, KeyError, TypeError):      # only a client of the service's own account writes it itself
+        return Requester("", "")
+
+
+@dataclass(frozen=True)
+class RequesterLimits:
+    """What each requester the server names may ask of one endpoint's replica (see `Bus.add_endpoint`)."""
+
+    rate_per_s: float = 100.0    # requests a second (a token bucket) ...
+    burst: int = 500             # ... this many at once after a quiet while
+    in_flight: int = 16          # requests in hand at once
+
+
+class _Admission:
+    """Each requester's token bucket and requests in hand, for one endpoint."""
+
+    def __init__(self, limits: RequesterLimits) -> None:
+        self.limits = limits
+        self.tokens: dict[Requester, tuple[float, float]] = {}     # requester -> (tokens, when)
+        self.in_hand: dict[Requester, int] = {}
+
+    def refusal(self, who: Requester) -> str | None:
+        """Why `who`'s request is refused now, or None (then it is counted in hand: `done` when answered)."""
+        if self.in_hand.get(who, 0) >= self.limits.in_flight:
+            return (f"over your limit: at most {self.limits.in_flight} requests in hand at once; wait for their "
+                    "answers")
+        now = time.monotonic()
+        tokens, then = self.tokens.get(who, (float(self.limits.burst), now))
+        tokens = min(float(self.limits.burst), tokens + (now - then) * self.limits.rate_per_s)
+        if tokens < 1.0:
+            self.tokens[who] = (tokens, now)
+            return (f"over your limit: at most {self.limits.rate_per_s:g} requests a second ({self.limits.burst} "
+                    f"at once); try again in {(1.0 - tokens) / self.limits.rate_per_s:.2f} s")
+        self.tokens[who] = (tokens - 1.0, now)
+        self.in_hand[who] = self.in_hand.get(who, 0) + 1
+        return None
+
+    def done(self, who: Requester) -> None:
+        self.in_hand[who] -= 1
+        if not self.in_hand[who]:
+            del self.in_hand[who]
 
 
 def _requester(reply: str) -> str:
@@ -397,8 +480,11 @@ class Bus:
 
     def decode(self, data: bytes, msg_type: type[T]) -> T:
         """Decode (msgpack, or JSON when the body is a JSON object) and validate; raises
-        msgspec.ValidationError / DecodeError with a reason."""
+        msgspec.ValidationError / DecodeError with a reason. A body nested deeper than MAX_DEPTH is
+        a DecodeError before it is read (`check_nesting`): no message nests that deep, and reading
+        one would recurse."""
         key = (msg_type, is_json(data))
+        check_nesting(data, key[1])
         decoder = self._decoders.get(key)
         if decoder is None:
             kind = msgspec.json.Decoder if key[1] else msgspec.msgpack.Decoder
@@ -623,6 +709,7 @@ class Bus:
         parts: bool = True,
         metadata: dict[str, str] | None = None,
         concurrency: int = 1,
+        limits: RequesterLimits = RequesterLimits(),
     ) -> None:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
@@ -636,30 +723,47 @@ class Bus:
         parts is refused at once. `metadata`: the endpoint's, in $SRV.INFO. `concurrency`: how many
         requests are served at once (1: one after another, in the order they came; more, for a
         handler that mostly waits on other services: each in a task, the next one waiting while
-        that many are in hand)."""
+        that many are in hand). `limits`: what each requester the server names (`requester()`) may
+        ask of this replica; beyond them a request is answered error 429 with why, undecoded."""
         span = span_name or f"{subject} receive"
         report_invalid = on_invalid or self._on_invalid
         gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
+        admission = _Admission(limits)
 
         async def on_request(request: micro.Request) -> None:
             reply = request._msg.reply
             if not reply:
                 return
+            who = requester_of(request.headers)
+            if who is not None and is_inbox(reply):
+                refusal = admission.refusal(who)
+                if refusal is not None:
+                    await request.respond_error(TOO_MANY, refusal)
+                    return
             served = self._receive(request.subject, request.headers, reply, parts,
-                                   lambda headers, data: serve(request, reply, headers, data), request.data,
+                                   lambda headers, data: serve(request, reply, headers, data, who), request.data,
                                    lambda reason: request.respond_error("400", reason))
-            if served is None:
-                return
-            if gate is None:
-                await served
+            if served is None or gate is None:
+                if served is not None:
+                    await served
+                if who is not None and is_inbox(reply):
+                    admission.done(who)          # answered (or in parts: held to MAX_ASSEMBLIES instead)
                 return
             await gate.acquire()
             task = asyncio.ensure_future(served)
             self._background.add(task)
-            task.add_done_callback(lambda done: (self._background.discard(done), gate.release()))
+
+            def finished(done: asyncio.Future) -> None:
+                self._background.discard(done)
+                gate.release()
+                if who is not None:
+                    admission.done(who)
+
+            task.add_done_callback(finished)
 
         async def serve(request: micro.Request, reply: str, request_headers: dict[str, str] | None,
-                        data: bytes) -> None:
+                        data: bytes, who: Requester | None) -> None:
+            _current_requester.set(who)
             # An empty request is the empty object: every field its default (`nats req SUBJECT ''`).
             outcome = await self._handle(request.subject, request_headers, data or b"{}", msg_type, handler, span,
                                          SpanKind.SERVER, {"messaging.destination.name": request.subject},

@@ -19,9 +19,11 @@ password, from the environment), never from the command line, where `ps` would s
 
 A file that is named but missing or empty is a ValueError naming the option and the path.
 
-`goodput up` writes DATA/user.env (`write_user_env`): the URL and the `user` role's login. The
-user's commands (`goodput submit`, `status`) read the default data folder's by themselves
-(`user_environment`) when no GOODPUT_NATS_* variable is set.
+`goodput up` writes DATA/user.env (`write_user_env`): the URL and the default login, `user`; `goodput
+login add NAME` writes DATA/logins/NAME.env (`write_login_env`), a login's file to hand to its
+person. The user's commands (`goodput submit`, `status`, `cancel`) read the login file that
+$GOODPUT_LOGIN names, else the default data folder's user.env, by themselves (`user_environment`),
+when no GOODPUT_NATS_* variable is set.
 Credentials in the URL (nats://USER:PASSWORD@HOST:4222) still connect, but their replies use
 nats-py's default inbox: against the per-role permissions, give --nats-inbox-prefix _INBOX_<USER> too.
 """
@@ -44,6 +46,7 @@ __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
 USER_ENV = "user.env"                   # in `goodput up`'s data folder
+LOGIN_ENV = "GOODPUT_LOGIN"             # a login's file (DATA/user.env, DATA/logins/NAME.env) for every command
 DEFAULT_DATA = Path("out/stack")        # `goodput up`'s default data folder
 
 # field -> (option, environment variable, help)
@@ -138,6 +141,10 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
     `credentials` None reads the GOODPUT_NATS_* environment. ValueError for a missing file or a
     combination that cannot work."""
     environ = os.environ if environ is None else environ
+    named = environ.get(LOGIN_ENV)
+    if named and not Path(named).expanduser().is_file():
+        raise ValueError(f"${LOGIN_ENV} names {named}, which is not a file (a login's file: DATA/{USER_ENV}, or "
+                         f"DATA/logins/NAME.env that `goodput login add NAME` wrote)")
     credentials = from_env(environ) if credentials is None else credentials
     options: dict[str, Any] = {}
     methods = [name for name, given in (("user", credentials.user), ("token", credentials.token_file),
@@ -152,6 +159,8 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
             options["password"] = _secret("password_file", credentials.password_file)
         elif environ.get(PASSWORD_ENV):
             options["password"] = environ[PASSWORD_ENV]
+        elif named and read_env(Path(named).expanduser()).get(PASSWORD_ENV):     # a login's file holds it
+            options["password"] = read_env(Path(named).expanduser())[PASSWORD_ENV]
         else:
             raise ValueError(f"--nats-user {credentials.user} needs a password: --nats-password-file "
                              f"or ${PASSWORD_ENV}")
@@ -204,31 +213,55 @@ def redact(servers: str) -> str:
 
 def write_user_env(data: Path, url: str, password_file: Path | None) -> Path:
     """DATA/user.env: how a user's client reaches this stack (no password in it: the file's path)."""
-    from shared.permissions import inbox_prefix, write_private
+    from shared.permissions import DEFAULT_LOGIN, inbox_prefix, write_private
 
     lines = ["# Written by `goodput up`: how a user reaches this goodput. In a shell: set -a; . THIS_FILE; set +a",
-             f"# Other NATS clients: user \"user\", the password in the file below, inbox prefix {inbox_prefix('user')}",
+             f"# Other NATS clients: user \"{DEFAULT_LOGIN}\", the password in the file below, inbox prefix "
+             f"{inbox_prefix(DEFAULT_LOGIN)}",
              f"GOODPUT_NATS_URL={url}"]
     if password_file is not None:
-        lines += ["GOODPUT_NATS_USER=user", f"GOODPUT_NATS_PASSWORD_FILE={password_file.resolve()}"]
+        lines += [f"GOODPUT_NATS_USER={DEFAULT_LOGIN}", f"GOODPUT_NATS_PASSWORD_FILE={password_file.resolve()}"]
     path = data / USER_ENV
     write_private(path, "\n".join(lines) + "\n")
     return path
 
 
-def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA,
-                     role: str = "user") -> dict[str, str]:
-    """The environment, plus DATA/user.env's settings when no GOODPUT_NATS_* variable is set: a user's
-    command on the machine of a `goodput up` with the default data folder finds it and logs in.
-    Another `role` (the operator) logs in with its own password file beside the user's."""
-    environ = dict(os.environ if environ is None else environ)
-    file = data / USER_ENV
-    if any(key.startswith(ENV_PREFIX) for key in environ) or not file.is_file():
-        return environ
+def write_login_env(path: Path, url: str, login: str, password: str) -> Path:
+    """A login's file (0600), whole in itself: the URL, the login and its password."""
+    from shared.permissions import inbox_prefix, write_private
+
+    write_private(path, "\n".join([
+        f"# Written by `goodput login add {login}`: {login}'s login to this goodput. For goodput's commands: "
+        f"export {LOGIN_ENV}=THIS_FILE; in a shell: set -a; . THIS_FILE; set +a",
+        f"# Other NATS clients: user \"{login}\", the password below, inbox prefix {inbox_prefix(login)}",
+        f"GOODPUT_NATS_URL={url}", f"GOODPUT_NATS_USER={login}", f"{PASSWORD_ENV}={password}"]) + "\n")
+    return path
+
+
+def read_env(file: Path) -> dict[str, str]:
+    """The GOODPUT_NATS_* settings of a login's file."""
+    settings = {}
     for line in file.read_text().splitlines():
         key, sep, value = line.partition("=")
-        if sep and not key.startswith("#") and key.startswith(ENV_PREFIX):
-            environ[key.strip()] = value.strip()
+        if sep and not key.startswith("#") and key.strip().startswith(ENV_PREFIX):
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA,
+                     role: str = "user") -> dict[str, str]:
+    """The environment, plus a login file's settings when no GOODPUT_NATS_* variable is set: the file
+    $GOODPUT_LOGIN names, else DATA/user.env, so a user's command on
+    the machine of a `goodput up` with the default data folder finds it and logs in. Another `role`
+    (the operator) logs in with its own password file beside the user's."""
+    environ = dict(os.environ if environ is None else environ)
+    if any(key.startswith(ENV_PREFIX) for key in environ):
+        return environ
+    named = environ.get(LOGIN_ENV)
+    file = Path(named).expanduser() if named else data / USER_ENV
+    if not file.is_file():                # a $GOODPUT_LOGIN that names no file: connect_options says so
+        return environ
+    environ.update(read_env(file))
     if role != "user" and f"{ENV_PREFIX}PASSWORD_FILE" in environ:
         environ[f"{ENV_PREFIX}USER"] = role
         environ[f"{ENV_PREFIX}PASSWORD_FILE"] = str(Path(environ[f"{ENV_PREFIX}PASSWORD_FILE"]).with_name(role))

@@ -1,34 +1,41 @@
 """Who may publish and subscribe to what: one table, next to the subjects, rendered into nats-server's
-`authorization { users = [...] }` block.
+`accounts { ... }` block.
 
-Each role is one NATS user: the five services, `operator` (who drives replays and live runs) and
-`user` (whoever runs `goodput submit` and `goodput status`). The rules, beyond each role's own subjects:
+Two accounts, and the server keeps them apart:
 
-- Replies (requests, JetStream acks, KV and consumer replies) come back on the role's own inboxes,
-  `_INBOX_<role>.>`: a client connects with that inbox prefix (shared/credentials.py sets it from
-  the user name), so no role can subscribe to another's replies. A service answers by publishing
-  to the roles' inboxes, and nowhere else: nats-server's `allow_responses` is not used, since it
-  lets a responder publish to whatever reply subject a request names (`$JS.API.STREAM.DELETE.…`,
-  a KV key), past the responder's own allow list; and a service drops a request whose
-  reply is not an inbox before handling it (shared/bus.py).
+- `GOODPUT` (SERVICE_ACCOUNT): the five services and `operator` (who sets up the storage and drives
+  replays and live runs), each one NATS user, named after its role, with its own subjects. All of
+  JetStream is here.
+- `LOGINS` (LOGINS_ACCOUNT): one NATS user per person or team (a login: `user`, made by `goodput
+  up`, and those the operator adds), each with its own inboxes. A login reaches the services only
+  through what GOODPUT exports (`EXPORTS`: the user API, the policy's status, the service discovery,
+  its own intake subject), imported with `share: true`, so every request carries the server's word
+  of who sent it (the `Nats-Request-Info` header: the account and the user, set by the server over
+  whatever the client wrote). The answer travels on the server's response mapping (`_R_.…` in
+  GOODPUT, back to the requester's reply subject in LOGINS): whatever reply subject a login names,
+  nothing a service answers can land in a stream, a KV key or another service, since those are all
+  in GOODPUT, where no login publishes. That holds for every responder, `$SRV.PING|INFO|STATS` of
+  `nats.micro` included, without any handler checking.
+
+Within GOODPUT the rules, beyond each role's own subjects:
+
+- Replies come back on the role's own inboxes, `_INBOX_<role>.>` (shared/credentials.py sets the
+  prefix from the user name), and on `_R_.>` for the logins' requests. nats-server's
+  `allow_responses` is not used: it lets a responder publish to whatever reply subject a request
+  names, past the responder's allow list.
 - Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
   plan, deploy/setup.py). The services read a stream's info, pull from and acknowledge their own
   durable consumer, and read and write their own buckets (a KV write is a publish on
   `$KV.<bucket>.<key>`); a reader of a stream's log creates ordered consumers on that stream only
   (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
   `STATS`, `nats.micro`) and may ping themselves (their readiness probe).
-- Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a user
-  cannot.
-- A user may publish a submission (`SUBMIT`, stored by JetStream: the JetStream publish is a plain
-  publish whose ack comes back on an inbox), use the user API (`goodput.api.*`: submit, look up,
-  list, cancel; the profiler serves it and stores what it takes), read the submissions stream's
-  info, and read status (request the status subjects, ping and discover services). A user cannot
-  create, change or delete anything in JetStream.
+- Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a login cannot.
 
-What stays coarse: replicas of one role share its inboxes, and every `user` shares the user role's;
-a service may publish to any role's inbox (a reply no one waits for is dropped by its receiver).
+A login may publish its own submissions (`goodput.jobs.submit.<login>`, stored in the intake stream,
+whose ack comes back on its inbox), use the user API (`goodput.api.*`), read the policy's status and
+discover the services; it subscribes to its own inboxes only, so no login reads another's answers.
 
-Passwords never live here or in the repository: `render_authorization` takes them as a mapping, and
+Passwords never live here or in the repository: the renderers take them as mappings, and
 `passwords_from` reads them from files or the environment.
 """
 
@@ -44,13 +51,22 @@ from pathlib import Path
 
 from shared import storage, subjects
 
-__all__ = ["ROLES", "Permissions", "inbox_prefix", "passwords_from", "render_authorization", "render_server_config"]
+__all__ = ["ROLES", "Permissions", "inbox_prefix", "login_problem", "passwords_from", "render_accounts",
+           "render_server_config"]
 
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024          # nats-server's max_payload: the largest message it accepts
 SERVICES = ("placer", "profiler", "estimator", "executor", "policy")
-CLIENTS = ("operator", "user")
+SERVICE_ACCOUNT = "GOODPUT"
+LOGINS_ACCOUNT = "LOGINS"
+DEFAULT_LOGIN = "user"                   # the login `goodput up` makes; `goodput login add` makes more
+RESPONSES = "_R_.>"                      # where the server maps the reply of a request that came through an import
+# What GOODPUT lets the logins ask (each a service export, imported into LOGINS with share: true).
+EXPORTS = (*subjects.API_SUBJECTS, subjects.POLICY_STATUS, f"{subjects.SUBMIT}.*")
+DISCOVERY = "$SRV.>"                     # exported with streamed responses: every service answers a ping
 PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"   # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
+# A login's name: a NATS user and a subject token, so no dots or wildcards; never a role's name.
+LOGIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 def inbox_prefix(role: str) -> str:
@@ -125,28 +141,33 @@ def _dead_letters(consumer: str) -> tuple[str, ...]:
 
 
 def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
-    """A service: answers on the roles' inboxes only (the replies to what they asked)."""
-    replies = tuple(f"{inbox_prefix(role)}.>" for role in (*SERVICES, *CLIENTS))
-    return Permissions(publish=(f"$SRV.PING.{name}", *replies, *publish),
+    """A service: answers on the roles' inboxes and the logins' response mapping only."""
+    replies = tuple(f"{inbox_prefix(role)}.>" for role in (*SERVICES, subjects.OPERATOR))
+    return Permissions(publish=(f"$SRV.PING.{name}", *replies, RESPONSES, *publish),
                        subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe))
 
 
-def _client(name: str, publish: Iterable[str]) -> Permissions:
-    return Permissions(publish=tuple(publish), subscribe=(f"{inbox_prefix(name)}.>",))
+def login_permissions(login: str) -> Permissions:
+    """A login, in LOGINS: what GOODPUT exports, its own intake subject, its own inboxes."""
+    return Permissions(publish=(*subjects.API_SUBJECTS, subjects.POLICY_STATUS, *SERVICE_API, subjects.submit(login)),
+                       subscribe=(f"{inbox_prefix(login)}.>",))
 
 
 STATUS_SUBJECTS = (subjects.RECORDS, subjects.EXECUTOR_STATUS, subjects.ESTIMATOR_STATUS, subjects.POLICY_STATUS,
                    subjects.EXECUTOR_NODES)
 JOBS = subjects.JOBS_STREAM
+INTAKE = subjects.INTAKE_STREAM
 
 ROLES: dict[str, Permissions] = {
     "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
     "profiler": _service(
         "profiler",
-        # It serves the user API too: it stores valid submissions and cancel orders, asks for the records.
-        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, subjects.SUBMIT, subjects.CANCEL,
-                 subjects.RECORDS, _info(JOBS),
+        # It serves the user API too, and judges the logins' own submissions as it: it stores valid
+        # submissions, refusals and cancel orders, asks for the records.
+        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, f"{subjects.STORED}.*",
+                 f"{subjects.REFUSED}.*", subjects.CANCEL, subjects.RECORDS, _info(JOBS), _info(INTAKE),
                  *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
+                 *_durable(INTAKE, subjects.INTAKE_CONSUMER), *_dead_letters(subjects.INTAKE_CONSUMER),
                  *_kv(subjects.JOB_OWNERS_BUCKET), *_nodes(), subjects.node_subject("*", "profile")),
         subscribe=(*subjects.API_SUBJECTS, subjects.CANCEL),     # cancel orders: a cancelled job is not profiled
     ),
@@ -179,11 +200,11 @@ ROLES: dict[str, Permissions] = {
     # Whoever sets up the storage and drives replays and live runs (`goodput up`, deploy/setup.py,
     # deploy/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
     # follows their logs and the submissions, asks the services how they are.
-    "operator": _client("operator", publish=(
-        *_provision(), subjects.SUBMIT, subjects.REPLAY_SUBMIT, *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM),
-        *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS, *SERVICE_API, *subjects.API_SUBJECTS, subjects.EXECUTOR_DRAIN)),
-    "user": _client("user", publish=(
-        subjects.SUBMIT, *subjects.API_SUBJECTS, "$JS.API.INFO", _info(JOBS), *STATUS_SUBJECTS, *SERVICE_API)),
+    subjects.OPERATOR: Permissions(publish=(
+        *_provision(), subjects.stored(subjects.OPERATOR), subjects.submit(subjects.OPERATOR), subjects.REPLAY_SUBMIT,
+        *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM), *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS,
+        *SERVICE_API, *subjects.API_SUBJECTS, subjects.EXECUTOR_DRAIN),
+        subscribe=(f"{inbox_prefix(subjects.OPERATOR)}.>",)),
 }
 
 # Letters, digits and a few marks: safe inside a quoted nats-server config string, and no $VAR.
@@ -213,30 +234,58 @@ def _quoted(items: Iterable[str]) -> str:
     return "[" + ", ".join(json.dumps(item) for item in items) + "]"
 
 
-def render_authorization(passwords: Mapping[str, str], roles: Mapping[str, Permissions] = ROLES) -> str:
-    """nats-server's `authorization { users = [...] }` block: one user per role in `passwords`, named
-    after the role, with that role's permissions."""
-    lines = ["authorization {", "  users = ["]
+def login_problem(name: str) -> str | None:
+    """Why `name` cannot be a login, or None."""
+    if not LOGIN_NAME.match(name):
+        return (f"a login is 1 to 32 lower-case letters, digits, '_' and '-', starting with a letter or digit "
+                f"(it is a NATS user and a subject token); {name!r} is not")
+    if name in ROLES:
+        return f"{name!r} is a role of the services' own; choose another name"
+    return None
+
+
+def _user(name: str, password: str, permissions: Permissions) -> list[str]:
+    if not _PASSWORD.match(password):
+        raise ValueError(f"the password of NATS user {name!r} must be at least 8 characters of letters, "
+                         "digits and _.~+=/-")
+    return [f"      {{user: {json.dumps(name)}, password: {json.dumps(password)}, permissions: {{",
+            f"        publish: {{allow: {_quoted(permissions.publish)}}}",
+            f"        subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
+            "      }}"]
+
+
+def render_accounts(passwords: Mapping[str, str], logins: Mapping[str, str],
+                    roles: Mapping[str, Permissions] = ROLES) -> str:
+    """nats-server's `accounts { ... }` block: SERVICE_ACCOUNT with a user per role in `passwords`
+    (with JetStream, exporting EXPORTS and the discovery), LOGINS_ACCOUNT with a user per login in
+    `logins` (importing them, the requester's info shared)."""
+    lines = ["accounts {", f"  {SERVICE_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
     for role, password in passwords.items():
         if role not in roles:
             raise ValueError(f"unknown NATS role {role!r}; the roles are {', '.join(roles)}")
-        if not _PASSWORD.match(password):
-            raise ValueError(f"the password of NATS role {role!r} must be at least 8 characters of letters, "
-                             "digits and _.~+=/-")
-        permissions = roles[role]
-        lines += [
-            f"    {{user: {json.dumps(role)}, password: {json.dumps(password)}, permissions: {{",
-            f"      publish: {{allow: {_quoted(permissions.publish)}}}",
-            f"      subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
-        ]
-        lines.append("    }}")
-    lines += ["  ]", "}"]
+        lines += _user(role, password, roles[role])
+    lines += ["    ]", "    exports: ["]
+    lines += [f"      {{service: {json.dumps(subject)}}}" for subject in EXPORTS]
+    lines += [f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}", "    ]", "  }",
+              f"  {LOGINS_ACCOUNT} {{", "    users: ["]
+    for login, password in logins.items():
+        problem = login_problem(login)
+        if problem is not None:
+            raise ValueError(problem)
+        lines += _user(login, password, login_permissions(login))
+    lines += ["    ]", "    imports: ["]
+    # Every import shares the requester's info, so no request from a login reaches a service
+    # without the server's word of who sent it (a header a login wrote itself is replaced).
+    lines += [f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
+              for subject in (*EXPORTS, DISCOVERY)]
+    lines += ["    ]", "  }", "}"]
     return "\n".join(lines) + "\n"
 
 
-def render_server_config(passwords: Mapping[str, str], max_payload: int = MAX_PAYLOAD_BYTES) -> str:
-    """The security part of a nats-server config: the message size limit and the users."""
-    return f"max_payload: {max_payload}\n" + render_authorization(passwords)
+def render_server_config(passwords: Mapping[str, str], logins: Mapping[str, str],
+                         max_payload: int = MAX_PAYLOAD_BYTES) -> str:
+    """The security part of a nats-server config: the message size limit and the accounts."""
+    return f"max_payload: {max_payload}\n" + render_accounts(passwords, logins)
 
 
 def write_private(path: str | Path, text: str) -> None:
@@ -246,21 +295,34 @@ def write_private(path: str | Path, text: str) -> None:
         file.write(text)
 
 
+def logins_from(directory: str | Path | None) -> dict[str, str]:
+    """Each login's password: the files of `directory`, one per login, named after it."""
+    if directory is None:
+        return {}
+    return {file.name: file.read_text().strip() for file in sorted(Path(directory).iterdir())
+            if file.is_file() and not file.name.startswith(".")}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m shared.permissions [--passwords DIR] [--out FILE]`: the config block (passwords from
-    $GOODPUT_NATS_PASSWORD_<ROLE> or DIR/<role>), to include from nats-server's configuration."""
+    """`python -m shared.permissions [--passwords DIR] [--logins DIR] [--out FILE]`: the config block
+    (each role's password from $GOODPUT_NATS_PASSWORD_<ROLE> or DIR/<role>; each login's from a file
+    of the logins' folder named after it, the default login `user` from DIR/user when there is
+    one), to include from nats-server's configuration."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m shared.permissions", description=main.__doc__)
     parser.add_argument("--passwords", help="folder with one file per role, named after it, holding its password")
+    parser.add_argument("--logins", help="folder with one file per login, named after it, holding its password")
     parser.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to render (default: all)")
     parser.add_argument("--max-payload", type=int, default=MAX_PAYLOAD_BYTES, help="largest message in bytes")
     parser.add_argument("--out", help="write the block to this file, readable by its owner only (default: stdout)")
     args = parser.parse_args(argv)
     try:
         passwords = passwords_from([role for role in args.roles.split(",") if role], args.passwords)
-        config = render_server_config(passwords, args.max_payload)
-    except ValueError as error:
+        default = Path(args.passwords or ".") / DEFAULT_LOGIN
+        logins = {DEFAULT_LOGIN: default.read_text().strip()} if args.passwords and default.is_file() else {}
+        config = render_server_config(passwords, {**logins, **logins_from(args.logins)}, args.max_payload)
+    except (ValueError, OSError) as error:
         parser.error(str(error))
     if args.out:
         write_private(args.out, config)

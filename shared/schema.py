@@ -84,9 +84,11 @@ def readable_fields(data: bytes) -> dict[str, str]:
     """The id and the application of a submission that is otherwise malformed (a typo'd field, a bad
     value, too large), those that can be read: its refusal is then listed as the job's own."""
     from shared.bus import is_json
+    from shared.nesting import check_nesting
 
     try:
-        document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)   # as the bus reads it
+        check_nesting(data, is_json(data))           # as the bus reads it: one nested too deep is not read
+        document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)
     except msgspec.DecodeError:
         return {}
     found = {}
@@ -349,12 +351,19 @@ class JobOwner(msgspec.Struct, frozen=True):
 
     submission: int                           # its stream sequence (0: being stored by the API)
     digest: str                               # of its JobSpec: the same job sent again is a repeat
-    subject: str                              # where it came (a user's submit, an operator's replay)
+    subject: str                              # where it came (a login's stored submission, an operator's replay)
     since: float = 0.0                        # a mark's time: one older than MARK_TTL_S is void
 
     @property
     def marking(self) -> bool:
         return self.submission == 0
+
+    @property
+    def login(self) -> str:
+        """The login whose job it is ("": the operator's replay)."""
+        from shared.subjects import of_login
+
+        return of_login(self.subject)[1]
 
 
 MARK_TTL_S = 30.0         # a mark whose API replica died before it stored the submission stops holding the id
@@ -376,6 +385,7 @@ class NodeJob(msgspec.Struct):
     seen: int = 0                                  # ... of what it was first read from: listed in that order
     trace: str = ""                                # its submission's traceparent (else its verdict's)
     cancelled: bool = False                        # its user cancelled it (its failure says so)
+    owner: str = ""                                # the login that submitted it ("": the operator's)
     submitted_at: float = 0.0                      # when it was read here, wall-clock (epoch) seconds
     arrival_s: float | None = None                 # on the run's clock: when it entered the rounds, profiled
     submitted_s: float | None = None               # ... and when it was submitted, on the same clock
@@ -566,6 +576,7 @@ class JobRecord(msgspec.Struct, frozen=True):
     batch: int | None = None                      # while running: its total batch
     placements: tuple[Placed, ...] = ()           # a real job's placements over time, each from its start
     reason: str | None = None                     # a job not ended: what it waits for (where it is profiled)
+    owner: str = ""                               # the login that submitted it ("": the operator's)
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
@@ -629,18 +640,35 @@ def job_status(record: JobRecord) -> JobStatus:
         record.restarts, round(record.gpu_seconds, 3))
 
 
-def job_statuses(records: Iterable[JobRecord]) -> list[JobStatus]:
-    """What a user sees of the jobs, in the records' order: one row per id, the job the id belongs
-    to (the executors also keep refusals of other bodies sent under a taken id: those are left out);
-    refusals whose id could not be read, each."""
-    rows: dict[object, JobStatus] = {}
+def job_rows(records: Iterable[JobRecord]) -> list[JobRecord]:
+    """The records a user sees, in their order: one per id, the job the id belongs to (the executors
+    also keep refusals of other bodies sent under a taken id: those are left out); refusals whose id
+    could not be read, each."""
+    rows: dict[object, JobRecord] = {}
     for n, record in enumerate(records):
-        status = job_status(record)
-        key = status.id if status.id is not None else n
+        key = record.name or n
         held = rows.get(key)
-        if held is None or (held.state == "rejected" and status.state != "rejected"):
-            rows[key] = status
+        if held is None or (held.state == "rejected" and record.state != "rejected"):
+            rows[key] = record
     return list(rows.values())
+
+
+def job_statuses(records: Iterable[JobRecord]) -> list[JobStatus]:
+    """What a user sees of the jobs (`job_rows`), as statuses."""
+    return [job_status(record) for record in job_rows(records)]
+
+
+def select(records: Iterable[JobRecord], query: JobsQuery) -> JobRecords:
+    """What the executors answer a query with: the records of its owner's jobs whose id begins with
+    its prefix; with a state, an application or a limit, one page of the rows a user sees
+    (`job_rows`) and how many match in all."""
+    chosen = [r for r in records if r.name.startswith(query.prefix) and query.owner in (None, r.owner)]
+    if query.limit is None and query.state is None and query.application is None:
+        return JobRecords(tuple(chosen))
+    rows = [r for r in job_rows(chosen) if query.state in (None, r.state)
+            and query.application in (None, r.application)]
+    end = query.offset + (len(rows) if query.limit is None else query.limit)
+    return JobRecords(tuple(rows[query.offset:end]), len(rows))
 
 
 # ---- the user API (goodput.api.*): what a client in any language sends and gets ------------------
@@ -651,7 +679,7 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: Identifier
 
 
-MAX_PAGE = 1000
+MAX_PAGE = 500
 
 
 class JobsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -694,14 +722,22 @@ class CancelAnswer(msgspec.Struct, frozen=True):
 
 
 class JobsQuery(msgspec.Struct, frozen=True):
-    """-> executors: their jobs (JobRecords) or how many have the profiler's verdict (Count), of those
-    whose id begins with `prefix` (all: ""). An `Ack` reads as the query for all."""
+    """-> executors: their jobs (JobRecords, `select`) or how many have the profiler's verdict
+    (Count), of those whose id begins with `prefix` (all: ""); `owner`: only that login's (None:
+    every login's); `state`, `application`, `offset` and `limit`: one page of those. An `Ack`
+    reads as the query for all."""
 
     prefix: str = ""
+    owner: str | None = None
+    state: str | None = None
+    application: str | None = None
+    offset: int = 0
+    limit: int | None = None
 
 
 class JobRecords(msgspec.Struct, frozen=True):
     jobs: tuple[JobRecord, ...]
+    total: int | None = None                  # a page's: the jobs that match, in all pages
 
 
 class RoundRecord(msgspec.Struct):

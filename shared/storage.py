@@ -7,9 +7,17 @@ deploy.setup` as a one-shot in the manifests). A service opens what it uses (`op
 this plan, so no service (and no user) may create a stream with a configuration of its own.
 
 Limits, so one user cannot fill the disk: each stream and bucket has max bytes (and an age where
-old entries may go); the submissions stream refuses new messages when full rather than dropping
-stored ones, and any message over MAX_SUBMISSION_BYTES. The sum of the limits (`total_bytes`) is
-what the JetStream store must hold.
+old entries may go); the jobs stream refuses new messages when full rather than dropping stored
+ones, and any message over MAX_SUBMISSION_BYTES. The sum of the limits (`total_bytes`) is what the
+JetStream store must hold.
+
+So that no one login fills or stalls what all share (`LOGIN_LIMITS`): what a login publishes itself
+waits in the intake stream, at most LoginLimits.backlog messages of it at once (JetStream refuses
+the next: "maximum messages per subject exceeded"); in the jobs stream a login keeps at most
+`submissions` valid submissions and `refusals` records of refused bodies (counted by JetStream,
+under the login's subjects: they leave as they age out), and all logins together at most
+USERS_SHARE of the stream, so there is always room for the profiler's verdicts. How fast a login
+may ask is the bus's (`shared.bus.RequesterLimits`, on every endpoint).
 """
 
 from __future__ import annotations
@@ -32,9 +40,23 @@ log = logging.getLogger(__name__)
 KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
 DAY_S = 24 * 3600.0
 MAX_SUBMISSION_BYTES = 64 * KIB      # a JobSpec is a few hundred bytes; anything this large is not one
+MAX_INTAKE_BYTES = 16 * KIB          # ... and one a login stores itself, raw, at most this
 LEASE_TTL_S = 5.0                    # the policy lease: a dead leader is replaced within this
 SETUP_HINT = ("the operator creates it: `goodput up` does at start, a deployment runs `python -m deploy.setup` "
               "(the setup job in the manifests)")
+
+
+@dataclass(frozen=True)
+class LoginLimits:
+    """What one login may keep and ask, so that it never fills or stalls what every login shares."""
+
+    submissions: int = 20_000    # valid submissions kept in the jobs stream (its 30 days); ~1 KiB each at most
+    refusals: int = 1_000        # records of its refused bodies kept there (beyond: answered, not recorded)
+    backlog: int = 5_000         # its own submissions waiting in the intake stream (each at most MAX_INTAKE_BYTES)
+
+
+LOGIN_LIMITS = LoginLimits()
+USERS_SHARE = 0.75               # of the jobs stream: what logins' records may fill; the rest is the verdicts'
 
 
 class StorageMismatch(RuntimeError):
@@ -69,7 +91,13 @@ class Durable:
 
 
 STREAMS = {s.name: s for s in (
-    # Submissions and verdicts: refused when full, never dropped; a submission is at most 64 KiB.
+    # What logins publish themselves, until the gate has judged it (then deleted: a work queue); a
+    # login's backlog is bounded, the stream refusing its next message rather than another's.
+    Stream(subjects.INTAKE_STREAM, subjects.INTAKE_SUBJECTS,
+           {"retention": api.RetentionPolicy.WORK_QUEUE, "duplicate_window": 600.0, "max_bytes": 512 * MIB,
+            "max_age": 7 * DAY_S, "max_msg_size": MAX_INTAKE_BYTES, "discard": api.DiscardPolicy.NEW,
+            "max_msgs_per_subject": LOGIN_LIMITS.backlog, "discard_new_per_subject": True}),
+    # Stored submissions and verdicts: refused when full, never dropped; a message is at most 64 KiB.
     Stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
            {"duplicate_window": subjects.DEDUP_WINDOW_S, "max_bytes": 1 * GIB, "max_age": 30 * DAY_S,
             "max_msg_size": MAX_SUBMISSION_BYTES, "discard": api.DiscardPolicy.NEW}),
@@ -99,6 +127,7 @@ BUCKETS = {b.name: b for b in (
 OBJECT_STORES = {subjects.CHECKPOINTS_STORE: 1 * GIB}
 
 CONSUMERS = {c.name: c for c in (
+    Durable(subjects.INTAKE_STREAM, subjects.INTAKE_CONSUMER, subjects.INTAKE_SUBJECTS),
     Durable(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS),
     Durable(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, (subjects.JOBS_EVENTS,)),
     Durable(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, (subjects.JOBS_EVENTS,)),

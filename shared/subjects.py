@@ -7,21 +7,63 @@ from __future__ import annotations
 
 PREFIX = "goodput"
 
-# Submissions: users publish JobSpecs here; the JOBS stream stores each one before it is acknowledged,
-# de-duplicated on the job id (Nats-Msg-Id) within DEDUP_WINDOW_S.
+# What the server lets a login publish, of submissions: its own `goodput.jobs.submit.<login>`, durable and
+# fire-and-forget. Each waits in the intake stream (a login's backlog there bounded) until the gate (the
+# profiler, as for the API's submit) judges it; only a valid one is stored in the jobs stream.
 SUBMIT = f"{PREFIX}.jobs.submit"
+INTAKE_STREAM = "GOODPUT_INTAKE"
+INTAKE_SUBJECTS = (f"{SUBMIT}.*",)
+INTAKE_CONSUMER = "intake"
+# The jobs stream: a login's valid submissions as the gate stored them (`stored(login)`), de-duplicated
+# on the job id and body (Nats-Msg-Id) within DEDUP_WINDOW_S, and the API's record of each body it
+# refused (`refused(login)`, nothing else stored). The login is the subject's last token: what a login
+# keeps there is what JetStream counts under its subjects.
+STORED = f"{PREFIX}.jobs.stored"
+REFUSED = f"{PREFIX}.jobs.refused"
 # A replayed workload's submissions (`goodput simulate --bus nats`, `goodput up`'s start-up replay):
 # they carry their submit time on the run's clock, which a live submission may not.
 REPLAY_SUBMIT = f"{PREFIX}.jobs.replay"
-SUBMISSIONS = (SUBMIT, REPLAY_SUBMIT)
+SUBMISSIONS = (f"{STORED}.*", REPLAY_SUBMIT)
 # The profiler's verdict on each submission, exactly one: refused (the Rejected record, with the
 # reason), or accepted (`Profiled`: its profiles are with the estimator, the executors may run it).
 REJECTED = f"{PREFIX}.jobs.rejected"
 PROFILED = f"{PREFIX}.jobs.profiled"
-# A user's order to stop a job (`Cancel`, from the API): the executors end it as cancelled.
+# An order to stop a job (`Cancel`, from the API, its owner's): the executors end it as cancelled.
 CANCEL = f"{PREFIX}.jobs.cancel"
 JOBS_STREAM = "GOODPUT_JOBS"
-JOBS_STREAM_SUBJECTS = (SUBMIT, REPLAY_SUBMIT, REJECTED, PROFILED, CANCEL)
+JOBS_STREAM_SUBJECTS = (f"{STORED}.*", REPLAY_SUBMIT, REJECTED, f"{REFUSED}.*", PROFILED, CANCEL)
+# Who submits without a login the server knows (the operator, a service; every client of an
+# insecure stack): not one of the logins, which may not take the name.
+OPERATOR = "operator"
+
+
+def submit(login: str) -> str:
+    """Where `login` publishes a submission itself (the intake stream)."""
+    return f"{SUBMIT}.{login}"
+
+
+def stored(login: str) -> str:
+    """Where the gate stores a valid submission of `login`'s."""
+    return f"{STORED}.{login}"
+
+
+def refused(login: str) -> str:
+    """Where the API records a body of `login`'s it refused."""
+    return f"{REFUSED}.{login}"
+
+
+def is_submission(subject: str) -> bool:
+    """Whether a subject of the jobs stream is a submission's (a login's stored one, a replay's)."""
+    return subject == REPLAY_SUBMIT or of_login(subject)[0] == STORED
+
+
+def of_login(subject: str) -> tuple[str, str]:
+    """(the subject without its login, the login) for a login's subject (`stored`, `refused`,
+    `submit`); (subject, "") for any other."""
+    base, _, login = subject.rpartition(".")
+    return (base, login) if base in (STORED, REFUSED, SUBMIT) else (subject, "")
+
+
 DEDUP_WINDOW_S = 24 * 3600.0
 
 # The profiler's durable consumer of submissions (replicas share it: each submission goes to one).

@@ -77,15 +77,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await states.put(name, entry)
             dirty.discard(name)
 
-    def on_submitted(spec: JobSpec, sequence: int, trace: str) -> str | None:
+    def on_submitted(spec: JobSpec, sequence: int, trace: str, owner: str) -> str | None:
         known = submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
             return None                          # another submission holds the id (a refused one gives it up)
         submitted.pop(spec.id, None)             # a refusal it replaces: listed where this one came
-        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace, seen=sequence)
+        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace, seen=sequence, owner=owner)
         return spec.id
 
-    def on_profiled(verdict: Profiled, _: int, trace: str) -> str | None:
+    def on_profiled(verdict: Profiled, _: int, trace: str, __: str) -> str | None:
         entry = submitted.get(verdict.job_id)
         if entry is None or entry.spec is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
@@ -106,16 +106,18 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             executors.jobs[spec.id].trace = entry.trace or trace
         return spec.id
 
-    def on_rejected(verdict: Rejected, sequence: int, _: str) -> str | None:
+    def on_rejected(verdict: Rejected, sequence: int, _: str, owner: str) -> str | None:
         application = verdict.application or ""
+        owner = owner or subjects.of_login(verdict.subject)[1]      # the API's record, or the submission judged
         if verdict.job_id is None:               # unreadable: kept under its place in the stream
             key = unnamed_key(sequence)
-            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence, application=application)
+            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence, application=application,
+                                          owner=owner)
             return key
         entry = submitted.get(verdict.job_id)
         if entry is None:                        # its submission was never read as one: refused under its id
             submitted[verdict.job_id] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence,
-                                                     application=application)
+                                                     application=application, owner=owner)
             return verdict.job_id
         if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
             entry.rejected = verdict.reason
@@ -123,10 +125,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         # A verdict on another submission under a known id (a second body, a malformed message naming
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
         key = unnamed_key(sequence)
-        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence, application=application)
+        submitted[key] = SubmittedJob(verdict.job_id, None, verdict.reason, seen=sequence, application=application,
+                                      owner=owner)
         return key
 
-    def on_cancel(order: Cancel, _: int, __: str) -> str | None:
+    def on_cancel(order: Cancel, _: int, __: str, ___: str) -> str | None:
         entry = submitted.get(order.job_id)
         if entry is None or entry.rejected is not None or entry.cancelled:
             return None
@@ -135,9 +138,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             return order.job_id
         return order.job_id if executors.cancel(order.job_id) else None
 
-    events = {subjects.SUBMIT: (on_submitted, JobSpec), subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
+    events = {subjects.STORED: (on_submitted, JobSpec), subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
               subjects.PROFILED: (on_profiled, Profiled), subjects.REJECTED: (on_rejected, Rejected),
-              subjects.CANCEL: (on_cancel, Cancel)}
+              subjects.REFUSED: (on_rejected, Rejected), subjects.CANCEL: (on_cancel, Cancel)}
 
     async def measured_at_request(verdict: Profiled) -> int:
         """With --profile-request: the job's measurements at its request, to the estimator before
@@ -155,14 +158,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return revision
 
     async def on_event(message: msgspec.Raw, delivery) -> None:
-        take, kind = events[delivery.subject]
+        subject, owner = subjects.of_login(delivery.subject)
+        take, kind = events[subject]
         try:
             event = bus.decode(message, kind)
         except msgspec.DecodeError:
             return                 # a malformed submission: the profiler's rejection of it follows
         async with turn:
             revision = await measured_at_request(event) if kind is Profiled else 0
-            changed = take(event, delivery.stream_sequence, delivery.traceparent)
+            changed = take(event, delivery.stream_sequence, delivery.traceparent, owner)
             if revision and changed in executors.jobs:
                 executors.jobs[changed].estimate_revision = revision
             await save([changed] if changed is not None else [])

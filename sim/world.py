@@ -193,14 +193,15 @@ class SubmittedJob(msgspec.Struct):
     cancelled: bool = False                    # cancelled before the profiler's verdict: it never starts
     seen: int = 0                              # the stream sequence it was first read from: listed in that order
     application: str = ""                      # a refused submission's, when it could be read (spec: None)
+    owner: str = ""                            # the login that submitted it ("": the operator's)
 
     def record(self) -> JobRecord:
         if self.job is not None:
-            return self.job.record()
+            return msgspec.structs.replace(self.job.record(), owner=self.owner)
         spec = self.spec
         state = "cancelled" if self.cancelled else "rejected" if self.rejected else "profiling"
         return JobRecord(self.job_id, spec.application if spec else self.application, math.nan, None, 0, 0.0, None,
-                         failure=CANCELLED if self.cancelled else self.rejected, state=state)
+                         failure=CANCELLED if self.cancelled else self.rejected, state=state, owner=self.owner)
 
 
 def as_workload_job(spec: JobSpec, truth: ModelTruth) -> WorkloadJob:

@@ -69,7 +69,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
                                          r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
                                          r"tiny_lm\)"):
         local_executors(None).add("c", "common")
-    with pytest.raises(ValueError, match=r"its jobs: environment, huge, profile_stalls, quick, raises\)"):
+    with pytest.raises(ValueError, match=r"its jobs: environment, huge, profile_stalls, quick, raises, writes\)"):
         job_module("small", "tests.jobs")                     # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
         job_module("x", "no_such_package")

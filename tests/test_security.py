@@ -25,14 +25,17 @@ from shared.bus import Bus
 from shared.schema import ApplyRequest, JobSpec, PlaceRequest
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate(permissions.ROLES)}
+PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permissions.ROLES, "user", "bob"))}
+LOGINS = ("user", "bob")
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a nats-server (JetStream on) with one user per role and its permissions."""
     workdir = tmp_path_factory.mktemp("secured-nats")
-    with nats_from_binary(workdir, config=permissions.render_server_config(PASSWORDS)) as url:
+    roles = {role: password for role, password in PASSWORDS.items() if role not in LOGINS}
+    logins = {login: PASSWORDS[login] for login in LOGINS}
+    with nats_from_binary(workdir, config=permissions.render_server_config(roles, logins)) as url:
         provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
         yield url
 
@@ -107,11 +110,11 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
     assert await submit(spec, secured, **as_user)
     assert not await submit(spec, secured, **as_user)   # de-duplicated
-    reader = await connect(secured, "profiler")     # as the profiler reads it: its durable consumer
+    reader = await connect(secured, "profiler")     # as the gate reads it: its durable consumer of the intake
     try:
-        info = await reader.js.stream_info(subjects.JOBS_STREAM)
-        assert info.state.messages == 1
-        consumer = await storage.open_consumer(reader, subjects.PROFILER_CONSUMER, JobSpec)
+        info = await reader.js.stream_info(subjects.INTAKE_STREAM, subjects_filter=">")
+        assert info.state.subjects == {subjects.submit("user"): 1}      # under the login's own subject
+        consumer = await storage.open_consumer(reader, subjects.INTAKE_CONSUMER, JobSpec)
         [delivery] = await consumer.fetch(1, timeout=2)
         assert delivery.message == spec
         await delivery.ack()
@@ -135,8 +138,8 @@ async def test_message_over_the_size_limit_is_refused(secured: str) -> None:
     try:
         assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES      # the server's max_payload, told at connect
         with pytest.raises(nats.errors.MaxPayloadError, match="maximum payload exceeded"):
-            await user.nc.publish(subjects.SUBMIT, b"x" * (permissions.MAX_PAYLOAD_BYTES + 1))
-        await user.nc.publish(subjects.SUBMIT, b"x" * 16)                 # the connection carries on
+            await user.nc.publish(subjects.submit("user"), b"x" * (permissions.MAX_PAYLOAD_BYTES + 1))
+        await user.nc.publish(subjects.submit("user"), b"x" * 16)          # the connection carries on
         await user.flush()
     finally:
         await user.close()
@@ -353,9 +356,12 @@ def test_permission_table() -> None:
         if role != "policy":
             assert not allocations & set(allowed.publish), role
             assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
-    user = permissions.ROLES["user"]
+    user = permissions.login_permissions("user")
     assert set(user.subscribe) == {"_INBOX_user.>"}
-    assert subjects.SUBMIT in user.publish
+    assert subjects.submit("user") in user.publish and subjects.submit("bob") not in user.publish
+    assert not [s for s in user.publish if s.startswith(("$JS", "$KV", "_INBOX", "_R_"))]
+    assert permissions.login_problem("user") is None and permissions.login_problem("operator")
+    assert permissions.login_problem("a.b") and permissions.login_problem("*") and permissions.login_problem("Bob")
     for role, allowed in permissions.ROLES.items():
         # Only the operator makes or changes streams, buckets and consumers; a user publishes to no inbox.
         changes = [s for s in allowed.publish if s.startswith(("$JS.API.STREAM.CREATE", "$JS.API.STREAM.UPDATE",
@@ -371,13 +377,16 @@ def test_permission_table() -> None:
 
 def test_rendered_config_is_valid_for_nats_server(tmp_path: Path) -> None:
     config = tmp_path / "nats.conf"
-    config.write_text("jetstream {}\n" + permissions.render_server_config(PASSWORDS))
+    roles = {role: PASSWORDS[role] for role in permissions.ROLES}
+    config.write_text("jetstream {}\n" + permissions.render_server_config(roles, {"user": PASSWORDS["user"]}))
     check = subprocess.run([str(nats_server_binary()), "-t", "-c", str(config)], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     with pytest.raises(ValueError, match="at least 8"):
-        permissions.render_authorization({"user": 'bad"quote'})
+        permissions.render_accounts({"placer": 'bad"quote'}, {})
     with pytest.raises(ValueError, match="unknown NATS role"):
-        permissions.render_authorization({"admin": "longenough1"})
+        permissions.render_accounts({"admin": "longenough1"}, {})
+    with pytest.raises(ValueError, match="role of the services"):
+        permissions.render_accounts({}, {"placer": "longenough1"})
 
 
 def test_passwords_from_files_and_environment(tmp_path: Path) -> None:
@@ -422,10 +431,11 @@ def test_render_from_the_command_line(tmp_path: Path) -> None:
         (tmp_path / role).write_text(PASSWORDS[role])
     env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
     result = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path),
-                             "--roles", "placer,user"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                             "--roles", "placer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("max_payload: 1048576\nauthorization {")
+    assert result.stdout.startswith("max_payload: 1048576\naccounts {")
     assert f'{{user: "placer", password: "{PASSWORDS["placer"]}"' in result.stdout
+    assert f'{{user: "user", password: "{PASSWORDS["user"]}"' in result.stdout       # the default login
     missing = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path)], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "GOODPUT_NATS_PASSWORD_PROFILER" in missing.stderr

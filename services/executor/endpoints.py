@@ -22,12 +22,12 @@ from shared.schema import (
     FactsReply,
     FactsRequest,
     JobRecord,
-    JobRecords,
     JobsQuery,
     LiveJobs,
     LiveJobsRequest,
     Observed,
     Stored,
+    select,
 )
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ async def serve_round(bus: Bus, description: str, *, facts: Callable[[float, tup
                            span_name="executor.advance")
     await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, live)
     await bus.add_endpoint(service, "records", subjects.RECORDS, JobsQuery,
-                           lambda query: JobRecords(tuple(r for r in records() if r.name.startswith(query.prefix))),
+                           lambda query: select(records(), query),
                            parts=False)
     await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, JobsQuery, lambda query: Count(count(query.prefix)),
                            parts=False)

@@ -46,6 +46,7 @@ from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, declared_
 from services.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus
+from shared.files import make_private
 from shared.schema import (Ack, NodeInfo, NodeReport, ProfileAnswer, ProfileRequest, ProfileRun, Rendezvous, StartWorkers,
                            StopWorkers, WorkersReport)
 
@@ -351,7 +352,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12],
                     applications=jobs)
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
-    workdir.mkdir(parents=True, exist_ok=True)
+    make_private(workdir)           # with the logs and checkpoint copies an agent before this one left
     node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus],
                        StoredCheckpoints(bus, asyncio.get_running_loop()))
     await asyncio.to_thread(stop_leftovers, workdir)        # what a killed agent before this one left

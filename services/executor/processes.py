@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
+from shared.files import PRIVATE_UMASK
 
 JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
 JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
@@ -89,12 +90,13 @@ def worker(module: str, arguments: list[str], env: dict[str, str], log: IO, life
     """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`; with
     `lifeline`, its stdin held by us (the library stops when it ends). It finds the jobs package
     from ROOT, its working directory (`-m` puts that first on sys.path), or from PYTHONPATH; run
-    through `job_main`, it exits quietly once we are gone."""
+    through `job_main`, it exits quietly once we are gone. What it writes (its checkpoints, any file of
+    its own code) is its owner's only, whatever the umask of the process that starts it."""
     if lifeline:
         env = {**env, LIFELINE_ENV: "1"}
     return subprocess.Popen([sys.executable, "-m", JOB_MAIN, module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
                             stderr=log, stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL, text=True,
-                            errors="replace", cwd=ROOT)
+                            errors="replace", cwd=ROOT, umask=PRIVATE_UMASK)
 
 
 def torchrun_env(rank: int, world: int, nodes: int, port: int, job_id: str, gpu_type: str, local_rank: int | None = None,

@@ -141,20 +141,20 @@ class RealExecutors:
 
     # They come in the stream's order: a job's submission before its Profiled or Rejected.
 
-    def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "") -> None:
+    def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "", owner: str = "") -> None:
         known = self.jobs.get(spec.id)
         if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
             return                                   # another submission holds the id (a refused one gives it up)
         self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
         self.jobs.pop(spec.id, None)                     # ... listed where this one came
         job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, seen=sequence, trace=trace,
-                                           submitted_at=time.time())
+                                           submitted_at=time.time(), owner=owner)
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
             job.failure = str(error)
 
-    def profiled(self, message: Profiled, _: int = 0, trace: str = "") -> None:
+    def profiled(self, message: Profiled, _: int = 0, trace: str = "", __: str = "") -> None:
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:
@@ -182,7 +182,7 @@ class RealExecutors:
                     "of its type")
         return f"profiling on node {node}"
 
-    def cancelled(self, message: Cancel, _: int = 0, __: str = "") -> None:
+    def cancelled(self, message: Cancel, _: int = 0, __: str = "", ___: str = "") -> None:
         """Its user's order: a job not yet ended ends cancelled; its workers checkpoint and stop now
         (blocking), and the next round hears it ended, so its GPUs go back."""
         job = self.jobs.get(message.job_id)
@@ -192,19 +192,20 @@ class RealExecutors:
             self.executors.cancel(message.job_id)
         job.failure, job.cancelled = CANCELLED, True
 
-    def rejected(self, message: Rejected, sequence: int = 0, _: str = "") -> None:
+    def rejected(self, message: Rejected, sequence: int = 0, _: str = "", owner: str = "") -> None:
         """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
         (rejected, with its application when it could be read) when no job was read from it."""
         application = message.application or UNREADABLE
+        owner = owner or subjects.of_login(message.subject)[1]      # the API's record, or the submission judged
         if message.job_id is None:  # its id could not be read either: listed under its place in the stream
             self.jobs[unnamed_key(sequence)] = NodeJob(JobSpec(UNREADABLE, application), failure=message.reason,
-                                                      seen=sequence, unnamed=True)
+                                                      seen=sequence, unnamed=True, owner=owner)
             return
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:            # its submission could not be read (malformed): kept as failed all the same
             self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, application), failure=message.reason,
-                                                seen=sequence)
+                                                seen=sequence, owner=owner)
         elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
             # A verdict on another submission (a second body under the id, a malformed message naming it):
             # the job the id belongs to is untouched; the refusal is on the stream, for its sender.
@@ -409,7 +410,7 @@ class RealExecutors:
                                      job.batches, state=state, gpu_type=self.cluster.placement_type(job.placement),
                                      batch=local.batch() if local else None, placements=job.placements,
                                      reason=self.waiting_for(job) if state == "profiling"
-                                     else _queued_reason(queued) if state == "queued" else None))
+                                     else _queued_reason(queued) if state == "queued" else None, owner=job.owner))
             queued += state == "queued"
         return records
 
@@ -422,9 +423,9 @@ def _queued_reason(ahead: int) -> str:
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
-EVENTS = {subjects.SUBMIT: (RealExecutors.submitted, JobSpec), subjects.REPLAY_SUBMIT: (RealExecutors.submitted, JobSpec),
+EVENTS = {subjects.STORED: (RealExecutors.submitted, JobSpec), subjects.REPLAY_SUBMIT: (RealExecutors.submitted, JobSpec),
           subjects.PROFILED: (RealExecutors.profiled, Profiled), subjects.REJECTED: (RealExecutors.rejected, Rejected),
-          subjects.CANCEL: (RealExecutors.cancelled, Cancel)}
+          subjects.REFUSED: (RealExecutors.rejected, Rejected), subjects.CANCEL: (RealExecutors.cancelled, Cancel)}
 
 
 def cluster_nodes(members) -> tuple[tuple[Node, ...], dict[str, str]]:
@@ -496,7 +497,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         checkpoints = checkpoint_folder(args.checkpoints)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    if checkpoints is not None:
+    if checkpoints is not None:      # made private (the umask) if new; an operator's own folder keeps its mode
         checkpoints.mkdir(parents=True, exist_ok=True)
     loop = asyncio.get_running_loop()
     executors = LocalExecutors(BusNodes(bus, loop), checkpoints, report_every_s=args.report_every,
@@ -524,13 +525,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def on_event(message: msgspec.Raw, delivery) -> None:
         """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
-        take, kind = EVENTS[delivery.raw.subject]
+        subject, owner = subjects.of_login(delivery.raw.subject)
+        take, kind = EVENTS[subject]
         try:
             event = bus.decode(message, kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return                 # a malformed submission: the profiler records it, with the reason
         async with turn:                 # in a thread: a cancel waits for its workers to checkpoint
-            await asyncio.to_thread(take, agent, event, delivery.stream_sequence, delivery.traceparent)
+            await asyncio.to_thread(take, agent, event, delivery.stream_sequence, delivery.traceparent, owner)
             await save()
 
     async def on_apply(request: ApplyRequest) -> Ack:

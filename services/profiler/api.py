@@ -3,20 +3,28 @@ request, in the request's encoding (JSON or msgpack), so a client in any languag
 client. The profiler's replicas serve it (one queue group): it is the gate of submissions, and
 validates one as the profiler would before anything is stored.
 
-- `submit`: a JobSpec -> SubmitAnswer. Only a valid submission is stored (in the jobs stream, as if
-  published to goodput.jobs.submit) under the Nats-Msg-Id `<id>.<digest of the body>`: a refused
-  body reserves nothing, so the corrected one is taken under the same id; the same body again is a
+Every request is a login's (`login()`: the server's word, `shared.bus.requester`; a request from
+within the services' own account is the operator's), and a job is the login's that submitted it:
+another login looks it up, lists it or cancels it in vain ("not found"); the operator sees all.
+
+- `submit`: a JobSpec -> SubmitAnswer. Only a valid submission is stored (in the jobs stream, on
+  the login's own subject) under the Nats-Msg-Id `<id>.<digest of the body>`: a refused body
+  reserves nothing, so the corrected one is taken under the same id; the same body again is a
   repeat. The id goes to the first valid submission stored: the API marks the id while it stores
   (so of two bodies racing here, the second is refused at once, storing nothing), and a body
-  stored first through the JetStream subject takes the id over from the mark (the profiler reads
-  the stream in order, as the executors do); that answer says so. The profiler's verdict follows
-  (a real profiling run may still refuse it; `job` says so).
-- `job`: {"id"} -> its JobStatus (404 when no job has that id); `jobs`: filters and paging.
+  stored first by another replica takes the id over from the mark (the profiler reads the stream
+  in order, as the executors do); that answer says so. The profiler's verdict follows (a real
+  profiling run may still refuse it; `job` says so). A login's own submissions on the intake
+  stream are judged by the same `submit` (`Gate.judge`).
+- `job`: {"id"} -> its JobStatus (404 when the login has no job of that id); `jobs`: filters and
+  paging (a page at most MAX_PAGE jobs and PAGE_BYTES, asked of the executors as a page).
 - `cancel`: {"id"} -> CancelAnswer: the order goes to the jobs stream, the executors end the job.
 - `schemas`: every request's and answer's JSON Schema (generated from the Structs).
 
-Refusals are recorded as the profiler records them (a Rejected on the jobs stream), so `job` shows
-why a submission was refused.
+What a login keeps is bounded (`shared.storage.LoginLimits`, counted by JetStream under its
+subjects: `Kept`): beyond its submissions a submit is refused "over your limit"; a refusal is
+recorded (so `job` shows why) while the login keeps fewer than its refusals' bound, and answered
+all the same beyond it.
 """
 
 from __future__ import annotations
@@ -25,18 +33,20 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import logging
 import time
 from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any, Awaitable, Callable
 
 import msgspec
-from nats import micro
 from opentelemetry import trace
 
 from services.profiler.core import id_taken, malformed_reason
 from services.runner import new_service
-from shared import subjects
-from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV
+from shared import storage, subjects
+from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, requester
+from shared.permissions import LOGINS_ACCOUNT
 from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
@@ -52,13 +62,16 @@ from shared.schema import (
     JobsRequest,
     JobStatus,
     SubmitAnswer,
+    job_status,
     job_statuses,
     readable_fields,
     rejection,
     spec_digest,
     submission_msg_id,
 )
-from shared.storage import MAX_SUBMISSION_BYTES
+from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, USERS_SHARE, LoginLimits
+
+log = logging.getLogger(__name__)
 
 ENDED = ("finished", "failed", "rejected")
 ENCODING = "JSON or msgpack; answered in the request's encoding"
@@ -108,16 +121,6 @@ def schemas() -> dict[str, Any]:
                                       "description": e.description} for e in ENDPOINTS}}
 
 
-def page(jobs: list[JobStatus], request: JobsRequest) -> JobsPage:
-    """The page `request` asks for of `jobs` (in submission order)."""
-    if request.state is not None and request.state not in JOB_STATES:
-        raise ValueError(f"unknown state {request.state!r}: one of {', '.join(JOB_STATES)}")
-    chosen = [j for j in jobs if (request.state is None or j.state == request.state)
-              and (request.application is None or j.application == request.application)]
-    end = request.offset + request.limit
-    return JobsPage(tuple(chosen[request.offset:end]), len(chosen), end if end < len(chosen) else None)
-
-
 def notes(spec: JobSpec) -> tuple[str, ...]:
     """What a submitter may not expect of an accepted job."""
     found = []
@@ -132,154 +135,295 @@ def notes(spec: JobSpec) -> tuple[str, ...]:
 
 
 Problem = Callable[[JobSpec], str | None | Awaitable[str | None]]
+PAGE_BYTES = 256 * 1024       # a page of `jobs` is cut short (its next_offset says where to go on) past this
+KEPT_TTL_S = 1.0              # how long JetStream's count of a login's records is taken as it is
 
 
-async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> micro.Service:
-    """Serve the API on `bus` (started, stopped with it). `problem(spec)`: why a well-formed live
-    submission cannot be scheduled on this cluster, or None (the profiler's own check; a coroutine
-    function when it asks, e.g. which applications the live node agents run)."""
+def login() -> str:
+    """Whose request is being handled: the login the server names, or the operator."""
+    who = requester()
+    return who.user if who is not None and who.account == LOGINS_ACCOUNT else subjects.OPERATOR
 
-    async def statuses(prefix: str = "") -> list[JobStatus]:
+
+class Kept:
+    """What each login keeps in the jobs stream, as JetStream counts it under the login's subjects
+    (asked at most every KEPT_TTL_S a login, and counted on here meanwhile), and how full the stream
+    is. `room` holds a place while a record is being stored, so that requests in hand at once cannot
+    pass a bound together."""
+
+    def __init__(self, bus: Bus, limits: LoginLimits = LOGIN_LIMITS) -> None:
+        self.bus, self.limits = bus, limits
+        self.counts: dict[str, tuple[float, dict[str, int]]] = {}
+        self.added: dict[tuple[str, str], int] = {}       # (login, subject) -> stored here, ever
+        self.pending: dict[tuple[str, str], int] = {}     # ... being stored now
+        self.fullness: tuple[float, float] = (-KEPT_TTL_S, 0.0)
+
+    async def of(self, who: str) -> dict[str, int]:
+        """Subject (STORED, REFUSED) -> how many the login keeps."""
+        now = time.monotonic()
+        when, counts = self.counts.get(who, (-KEPT_TTL_S, {}))
+        if now - when >= KEPT_TTL_S:
+            before = {subject: self.added.get((who, subject), 0) for subject in (subjects.STORED, subjects.REFUSED)}
+            info = await self.bus.js.stream_info(subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.{who}")
+            fresh = {subjects.of_login(subject)[0]: n for subject, n in (info.state.subjects or {}).items()}
+            # Those stored here while JetStream was asked may be in its count or not: taken as not.
+            counts = {subject: fresh.get(subject, 0) + self.added.get((who, subject), 0) - n
+                      for subject, n in before.items()}
+            self.counts[who] = (now, counts)
+        return counts
+
+    async def full(self) -> float:
+        """How full the jobs stream is (0 to 1)."""
+        now = time.monotonic()
+        if now - self.fullness[0] >= KEPT_TTL_S:
+            info = await self.bus.js.stream_info(subjects.JOBS_STREAM)
+            self.fullness = (now, info.state.bytes / max(1, info.config.max_bytes or 1))
+        return self.fullness[1]
+
+    @contextlib.asynccontextmanager
+    async def room(self, who: str, subject: str) -> AsyncIterator[Room]:
+        """A place for one more record of `who`'s on `subject` (STORED, REFUSED), held until the block
+        ends; `Room.refusal` says why there is none (the operator always has one). The block says
+        `Room.stored()` once the record is stored."""
+        counts, fullness = await self.of(who), await self.full()
+        place = Room(self._refusal(who, subject, counts.get(subject, 0), fullness))
+        key = (who, subject)
+        if place.refusal is None:
+            self.pending[key] = self.pending.get(key, 0) + 1
         try:
-            records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=RECORDS_TIMEOUT_S)
+            yield place
+        finally:
+            if place.refusal is None:
+                self.pending[key] -= 1
+            if place.kept:
+                self.added[key] = self.added.get(key, 0) + 1
+                if who in self.counts:
+                    self.counts[who][1][subject] = self.counts[who][1].get(subject, 0) + 1
+
+    def _refusal(self, who: str, subject: str, count: int, fullness: float) -> str | None:
+        if who == subjects.OPERATOR:
+            return None
+        limit = self.limits.submissions if subject == subjects.STORED else self.limits.refusals
+        what = "submissions" if subject == subjects.STORED else "records of refused submissions"
+        if count + self.pending.get((who, subject), 0) >= limit:
+            return (f"over your limit: login {who} keeps {limit:,} {what} in the jobs stream at most (they leave "
+                    "as they age out, after 30 days); the operator may raise it")
+        if fullness >= USERS_SHARE:
+            return (f"the jobs stream is {fullness:.0%} full: the rest is kept for the scheduler's verdicts; "
+                    "ask the operator")
+        return None
+
+
+@dataclass
+class Room:
+    refusal: str | None
+    kept: bool = False
+
+    def stored(self) -> None:
+        self.kept = True
+
+
+class Gate:
+    """The API's handlers, each a method; `login` the requester's, as the server says."""
+
+    def __init__(self, bus: Bus, owners: TypedKV[JobOwner], problem: Problem, kept: Kept | None = None) -> None:
+        self.bus, self.owners, self.problem = bus, owners, problem
+        self.kept = kept or Kept(bus)
+
+    async def records(self, query: JobsQuery) -> JobRecords:
+        try:
+            return await self.bus.request(subjects.RECORDS, query, JobRecords, timeout=RECORDS_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - no executor answers: the caller is told so
             raise ValueError(f"the executors do not answer ({type(error).__name__}); try again") from None
-        return job_statuses(records.jobs)
 
-    async def status_of(job_id: str) -> JobStatus | None:
+    async def status_of(self, job_id: str, who: str) -> JobStatus | None:
+        """The job `job_id` of `who`'s (any login's, for the operator); None when there is none."""
         trace.get_current_span().set_attribute("job.id", job_id)
-        found = next((j for j in await statuses(job_id) if j.id == job_id), None)
+        everyone = who == subjects.OPERATOR
+        records = await self.records(JobsQuery(job_id, owner=None if everyone else who))
+        found = next((j for j in job_statuses(records.jobs) if j.id == job_id), None)
         if found is None or found.state == "rejected":
-            held = await owners.get(job_id)
+            held = await self.owners.get(job_id)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
             # refused stored submission gives the id up): the corrected one is profiling.
-            if held is not None and (found is None or not held.value.marking):
+            if (held is not None and (everyone or held.value.login == who)
+                    and (found is None or not held.value.marking)):
                 return JobStatus(job_id, "profiling")
         return found
 
-    async def refuse(data: bytes, reason: str, job_id: str | None = None) -> SubmitAnswer:
-        """Record the refusal as the profiler records one (listed, with what could be read of the
-        body: its id and application) and answer it."""
+    async def refuse(self, data: bytes, reason: str, who: str, job_id: str | None = None) -> SubmitAnswer:
+        """Record the refusal as the profiler records one (listed for its login, with what could be read
+        of the body: its id and application), while the login keeps fewer than its bound; answer it."""
         if job_id is None:
             job_id = readable_fields(data).get("id")
-        await bus.js_publish(subjects.REJECTED, rejection(subjects.API_SUBMIT, reason, data, job_id))
+        async with self.kept.room(who, subjects.REFUSED) as room:
+            if room.refusal is not None:
+                return SubmitAnswer(False, job_id, "rejected", reason,
+                                    notes=(f"this refusal is not recorded: {room.refusal}",))
+            await self.bus.js_publish(subjects.refused(who), rejection(subjects.API_SUBMIT, reason, data, job_id))
+            room.stored()
         return SubmitAnswer(False, job_id, "rejected", reason)
 
-    async def repeat(job_id: str) -> SubmitAnswer:
-        now = await status_of(job_id)
+    async def repeat(self, job_id: str, who: str) -> SubmitAnswer:
+        now = await self.status_of(job_id, who)
         if now is not None and now.state == "rejected":     # within JetStream's day, the same body refused before
             return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
         return SubmitAnswer(True, job_id, now.state if now else "profiling",
                             "the same submission was stored before: not stored again")
 
-    async def answered(raw: msgspec.Raw) -> SubmitAnswer:
+    async def answered(self, raw: msgspec.Raw) -> SubmitAnswer:
         """`submit`'s answer; a refusal is service error 400 too, its answer the body (Refused)."""
-        answer = await submit(bytes(raw))
+        answer = await self.submit(bytes(raw), login())
         if not answer.accepted:
             raise Refused(answer.reason, answer)
         return answer
 
-    async def unreadable(_: str, data: bytes, error: Exception) -> None:
-        """A body that is no JSON object nor msgpack map: refused like any malformed one."""
-        answer = await refuse(data, malformed_reason(error))
-        raise Refused(answer.reason, answer)
-
-    async def submit(data: bytes) -> SubmitAnswer:
+    async def submit(self, data: bytes, who: str) -> SubmitAnswer:
+        """Judge a body of `who`'s: refused with the reason, or stored on its subject and accepted."""
         if len(data) > MAX_SUBMISSION_BYTES:
-            return await refuse(data, f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is "
-                                      f"{len(data) / 1024:.0f} KiB")
+            return await self.refuse(data, f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is "
+                                           f"{len(data) / 1024:.0f} KiB", who)
         try:
-            spec = bus.decode(data, JobSpec)
+            spec = self.bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
-            return await refuse(data, malformed_reason(error))
+            return await self.refuse(data, malformed_reason(error), who)
         trace.get_current_span().set_attribute("job.id", spec.id)
-        reason = problem(spec)
+        reason = self.problem(spec)
         if inspect.isawaitable(reason):
             reason = await reason
         if reason is not None:
-            return await refuse(data, reason, spec.id)
+            return await self.refuse(data, reason, who, spec.id)
+        async with self.kept.room(who, subjects.STORED) as room:
+            if room.refusal is not None:
+                return await self.refuse(data, room.refusal, who, spec.id)
+            return await self.store(spec, who, room)
+
+    async def store(self, spec: JobSpec, who: str, room: Room) -> SubmitAnswer:
+        """Store a valid submission of `who`'s, unless its id is held: its answer."""
         digest = spec_digest(spec)
-        mark = await claim(spec.id, digest)
+        mark = await self.claim(spec.id, digest, who)
         if isinstance(mark, SubmitAnswer):
             return mark
         try:
-            ack = await bus.js_publish(subjects.SUBMIT, spec, msg_id=submission_msg_id(spec), timeout=10)
+            ack = await self.bus.js_publish(subjects.stored(who), spec, msg_id=submission_msg_id(spec), timeout=10)
         except BaseException:
             with contextlib.suppress(Exception):      # not stored: the id is free again
-                await owners.delete(spec.id, mark)
+                await self.owners.delete(spec.id, mark)
             raise
         if ack.duplicate:                             # stored before, and then refused (else it would hold the id)
             with contextlib.suppress(RevisionConflict):
-                await owners.delete(spec.id, mark)
-            return await repeat(spec.id)
+                await self.owners.delete(spec.id, mark)
+            return await self.repeat(spec.id, who)
+        room.stored()
         try:              # the mark becomes this submission's claim, unless one stored before took the id
-            await owners.update(spec.id, JobOwner(ack.seq, digest, subjects.SUBMIT), mark)
+            await self.owners.update(spec.id, JobOwner(ack.seq, digest, subjects.stored(who)), mark)
         except RevisionConflict:
-            held = await owners.get(spec.id)
+            held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
                 return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))    # the profiler refuses it
         return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
 
-    async def claim(job_id: str, digest: str) -> int | SubmitAnswer:
+    async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer:
         """Mark the id as being stored (the mark's revision), or the answer when it is held: a
-        repeat of the same body, or another body's."""
-        mark = JobOwner(0, digest, subjects.SUBMIT, since=time.time())
+        repeat of the same body of the same login's, or another's."""
+        mark = JobOwner(0, digest, subjects.stored(who), since=time.time())
         for _ in range(3):
             try:
-                return await owners.create(job_id, mark)
+                return await self.owners.create(job_id, mark)
             except RevisionConflict:
-                held = await owners.get(job_id)
+                held = await self.owners.get(job_id)
             if held is None:
                 continue
             if held.value.marking and time.time() - held.value.since > MARK_TTL_S:    # its replica died
                 with contextlib.suppress(RevisionConflict):
-                    return await owners.update(job_id, mark, held.revision)
+                    return await self.owners.update(job_id, mark, held.revision)
                 continue
-            if held.value.digest == digest:
-                return await repeat(job_id)
+            if held.value.digest == digest and held.value.login == who:
+                return await self.repeat(job_id, who)
             return SubmitAnswer(False, job_id, "rejected", id_taken(job_id))
         raise RuntimeError(f"job {job_id}: its id changes hands too fast to claim")
 
-    async def job(request: JobRequest) -> JobStatus:
-        found = await status_of(request.id)
+    async def unreadable(self, _: str, data: bytes, error: Exception) -> None:
+        """A body that is no JSON object nor msgpack map: refused like any malformed one."""
+        answer = await self.refuse(data, malformed_reason(error), login())
+        raise Refused(answer.reason, answer)
+
+    async def job(self, request: JobRequest) -> JobStatus:
+        found = await self.status_of(request.id, login())
         if found is None:
-            raise NotFound(f"no job {request.id!r}: none was submitted under this id")
+            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
         return found
 
-    async def jobs(request: JobsRequest) -> JobsPage:
-        return page(await statuses(request.prefix), request)
+    async def jobs(self, request: JobsRequest) -> JobsPage:
+        if request.state is not None and request.state not in JOB_STATES:
+            raise ValueError(f"unknown state {request.state!r}: one of {', '.join(JOB_STATES)}")
+        who = login()
+        page = await self.records(JobsQuery(request.prefix, None if who == subjects.OPERATOR else who, request.state,
+                                            request.application, request.offset, request.limit))
+        return cut(tuple(job_status(r) for r in page.jobs), request.offset, page.total or 0, self.bus.encode)
 
-    async def cancel(request: JobRequest) -> CancelAnswer:
-        now = await status_of(request.id)
+    async def cancel(self, request: JobRequest) -> CancelAnswer:
+        who = login()
+        now = await self.status_of(request.id, who)
         if now is None:
-            raise NotFound(f"no job {request.id!r}: none was submitted under this id")
+            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
         if now.state == "cancelled":
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
         if now.state in ENDED:
             return CancelAnswer(False, request.id, now.state, f"job {request.id} has ended ({now.state}): "
                                                                "nothing to cancel")
-        await bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
+        await self.bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
         deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
         while now is not None and now.state != "cancelled" and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(CANCEL_POLL_S)
-            now = await status_of(request.id)
+            now = await self.status_of(request.id, who)
         if now is not None and now.state == "cancelled":
             return CancelAnswer(True, request.id, now.state)
         return CancelAnswer(True, request.id, now.state if now else "unknown",
                             "the order is stored; the executors end the job as they read it")
 
-    handlers = {"submit": answered, "job": job, "jobs": jobs, "cancel": cancel, "schemas": lambda _: schemas()}
+    async def judge(self, data: msgspec.Raw, delivery) -> None:
+        """A login's own submission from the intake stream, judged as `submit` judges one."""
+        who = subjects.of_login(delivery.subject)[1]
+        answer = await self.submit(bytes(data), who)
+        if not answer.accepted:
+            log.info("%s's submission %s from the intake stream refused: %s", who, answer.id, answer.reason)
+
+
+def cut(jobs: tuple[JobStatus, ...], offset: int, total: int, encode: Callable[[Any], bytes]) -> JobsPage:
+    """The page of `jobs` (from `offset`, of `total`), cut short to PAGE_BYTES."""
+    size, kept = 0, 0
+    for job in jobs:
+        size += len(encode(job))
+        if size > PAGE_BYTES and kept:
+            break
+        kept += 1
+    end = offset + kept
+    return JobsPage(jobs[:kept], total, end if end < total else None)
+
+
+async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
+    """Serve the API on `bus` (started, stopped with it), and judge the logins' own submissions from
+    the intake stream. `problem(spec)`: why a well-formed live submission cannot be scheduled on this
+    cluster, or None (the profiler's own check; a coroutine function when it asks, e.g. which
+    applications the live node agents run)."""
+    gate = Gate(bus, owners, problem)
+    handlers = {"submit": gate.answered, "job": gate.job, "jobs": gate.jobs, "cancel": gate.cancel,
+                "schemas": lambda _: schemas()}
     request_types = {"submit": msgspec.Raw}          # decoded by `submit` itself, to answer a bad body
     service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")
     for endpoint in ENDPOINTS:
         await bus.add_endpoint(service, endpoint.name, endpoint.subject,
                                request_types.get(endpoint.name, endpoint.request), handlers[endpoint.name],
                                span_name=f"api.{endpoint.name}", metadata=endpoint.metadata,
-                               on_invalid=unreadable if endpoint.name == "submit" else None,
+                               on_invalid=gate.unreadable if endpoint.name == "submit" else None,
                                concurrency=CONCURRENCY)
     await service.start()
     bus.on_close(service.stop)
-    return service
+    intake = await storage.open_consumer(bus, subjects.INTAKE_CONSUMER, msgspec.Raw, span_name="api.intake",
+                                         dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER))
+    asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
+    return gate
 
 
 # ---- docs/api.md's generated part ---------------------------------------------------------------

@@ -85,7 +85,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                     return None
                 except RevisionConflict:
                     continue
-            if held.value.digest == mine.digest:
+            if held.value.digest == mine.digest and held.value.login == mine.login:
                 return "repeat"
             return id_taken(spec.id)
         raise RuntimeError(f"job {spec.id}: its id changes hands too fast to claim")
@@ -131,7 +131,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             await reject(spec, taken, delivery, release=False)
             return
         problem = submission_problem(spec, cluster, None if local else source.types,
-                                     live=delivery.subject == subjects.SUBMIT)
+                                     live=subjects.of_login(delivery.subject)[0] == subjects.STORED)
         if problem is not None:
             await reject(spec, problem, delivery)
             return

@@ -1,0 +1,58 @@
+"""What goodput writes at run time is its owner's only: files 0600, folders 0700.
+
+Logs (the services', the NATS server's, each job's), node work folders, jobs' output and checkpoints
+may hold data and code of the jobs, so no other account of the machine may read them. Each of
+goodput's processes (every service and node agent, and `goodput up` while it runs: `private_files`)
+sets the umask PRIVATE_UMASK: all it creates from then on, and all the processes it starts create
+(the NATS server, the jobs' workers, whatever a job's own code writes), is private without each call
+saying so. A umask does not reach what exists already (made by an earlier version, or under another
+umask): `make_private` tightens a folder and everything in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+PRIVATE_UMASK = 0o077        # no bit for the group or others: files 0600, folders 0700
+PRIVATE_FOLDER = 0o700
+
+
+def private_umask() -> int:
+    """From now on, this process and every process it starts create private files and folders;
+    the umask before."""
+    return os.umask(PRIVATE_UMASK)
+
+
+@contextlib.contextmanager
+def private_files() -> Iterator[None]:
+    """`private_umask` until the block ends (the umask is the process's: one caller in a process
+    that does more, a test's, gets its own back)."""
+    previous = private_umask()
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def make_private(folder: Path) -> Path:
+    """`folder` (made if missing, as the umask makes the folders above it) and everything in it
+    readable by its owner only: each folder 0700, each file without its group and other bits.
+    Symbolic links are not followed; what vanishes meanwhile (a running server's file) is passed by."""
+    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    os.chmod(folder, PRIVATE_FOLDER)
+    for root, folders, files in os.walk(folder):
+        for name in folders + files:
+            path = os.path.join(root, name)
+            try:
+                mode = os.lstat(path).st_mode
+                if stat.S_ISDIR(mode):
+                    os.chmod(path, PRIVATE_FOLDER)
+                elif stat.S_ISREG(mode) and stat.S_IMODE(mode) & PRIVATE_UMASK:
+                    os.chmod(path, stat.S_IMODE(mode) & ~PRIVATE_UMASK)
+            except FileNotFoundError:
+                pass
+    return folder
