@@ -1,7 +1,8 @@
-"""What a user's login can make the status endpoints suffer, on the embedded stack (secured, as
-`goodput up` runs it): the latency of `goodput.executor.status` alone, then right after six
-requests that claim to come in 256 parts (which once held the endpoint 5 s each), then after
-requests whose replies name the JetStream API (dropped unhandled).
+"""What one login can make another suffer, on the embedded stack (secured, as `goodput up` runs
+it): the latency of another login's `goodput.api.submit` alone, while the first floods the API with
+60 KiB submissions as fast as one connection publishes them, while it has 300 pages of
+`goodput.api.jobs` (limit 500) in flight, and after it pointed every service's `$SRV` answer at the
+jobs stream and the runs bucket. Both logins are clients with nats-py alone.
 
     .venv/bin/python benchmarks/bench_abuse.py
 """
@@ -9,44 +10,92 @@ requests whose replies name the JetStream API (dropped unhandled).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import json
 import tempfile
 import time
 from pathlib import Path
 
-import msgspec
+import nats
 import numpy as np
 
+from deploy.nats import SECRETS, Access, reload
 from deploy.stack import users_view
 from shared import subjects
 
 ASKS = 20
+numbers = itertools.count()
 
 
 async def latencies(nc) -> list[float]:
-    """Milliseconds of ASKS status requests, one after another."""
+    """Milliseconds of ASKS submissions (each a new job), one after another, each accepted."""
     times = []
     for _ in range(ASKS):
+        job = {"id": f"bob-{next(numbers)}", "application": "cifar10"}
         started = time.perf_counter()
-        await nc.request(subjects.EXECUTOR_STATUS, msgspec.msgpack.encode({}), timeout=60)
+        answer = json.loads((await nc.request(subjects.API_SUBMIT, json.dumps(job).encode(), timeout=60)).data)
         times.append((time.perf_counter() - started) * 1000)
+        assert answer["accepted"], answer
     return times
 
 
 def shown(name: str, times: list[float]) -> str:
     p50, p95 = np.percentile(times, [50, 95])
-    return f"{name:<44} p50 {p50:6.1f} ms  p95 {p95:6.1f} ms  max {max(times):6.1f} ms"
+    return f"{name:<52} p50 {p50:7.1f} ms  p95 {p95:7.1f} ms  max {max(times):7.1f} ms"
+
+
+async def while_running(attack, nc) -> list[float]:
+    """The other login's latencies while `attack()` runs (started a second before)."""
+    task = asyncio.ensure_future(attack())
+    await asyncio.sleep(1.0)
+    try:
+        return await latencies(nc)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def run(folder: Path) -> None:
-    async with users_view(folder) as nc:          # the user's login, nats-py alone
-        print(shown("alone", await latencies(nc)), flush=True)
-        for _ in range(6):
-            await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=nc.new_inbox(),
-                             headers={"Goodput-Chunk": "0/256"})
-        print(shown("after 6 requests 'in 256 parts'", await latencies(nc)), flush=True)
-        for _ in range(600):
-            await nc.publish(subjects.EXECUTOR_STATUS, b"\x80", reply=f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}")
-        print(shown("after 600 requests answered onto $JS.API", await latencies(nc)), flush=True)
+    async with users_view(folder) as user:                  # the `user` login, nats-py alone
+        access = Access(folder / SECRETS)
+        path = access.add_login("bob", user.connected_url.geturl())
+        reload(folder, access)
+        env = dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+        await asyncio.sleep(0.5)
+        bob = await nats.connect(env["GOODPUT_NATS_URL"], user="bob", password=env["GOODPUT_NATS_PASSWORD"],
+                                 inbox_prefix="_INBOX_bob")
+        try:
+            print(shown("bob alone", await latencies(bob)), flush=True)
+            body = json.dumps({"id": "flood", "application": "cifar10", "pad": " " * 60_000}).encode()
+            inbox = user.new_inbox()
+            await user.subscribe(inbox, cb=_ignore)
+
+            async def flood() -> None:
+                while True:
+                    for _ in range(50):
+                        await user.publish(subjects.API_SUBMIT, body, reply=inbox)
+                    await asyncio.sleep(0)
+
+            print(shown("bob while user floods 60 KiB submissions", await while_running(flood, bob)), flush=True)
+
+            async def pages() -> None:
+                await asyncio.gather(*(user.request(subjects.API_JOBS, b'{"limit": 500}', timeout=120)
+                                       for _ in range(300)), return_exceptions=True)
+
+            print(shown("bob while user has 300 pages of 500 in flight", await while_running(pages, bob)), flush=True)
+            for verb in ("PING", "INFO", "STATS"):
+                for target in ("$JS.API.STREAM.DELETE.GOODPUT_JOBS", "$KV.goodput_runs.live"):
+                    for _ in range(100):
+                        await user.publish(f"$SRV.{verb}", b"", reply=target)
+            print(shown("bob after 600 $SRV requests answered onto storage", await latencies(bob)), flush=True)
+        finally:
+            await bob.close()
+
+
+async def _ignore(_msg) -> None:
+    return None
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ from nats.js.kv import KeyValue
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 
-from shared.nesting import check_nesting
+from shared.nesting import check_json, too_deep
 from shared.tracing import extract_trace_context, inject_trace_context
 
 __all__ = [
@@ -480,21 +480,22 @@ class Bus:
 
     def decode(self, data: bytes, msg_type: type[T]) -> T:
         """Decode (msgpack, or JSON when the body is a JSON object) and validate; raises
-        msgspec.ValidationError / DecodeError with a reason. A body nested deeper than MAX_DEPTH is
-        a DecodeError before it is read (`check_nesting`): no message nests that deep, and reading
-        one would recurse."""
+        msgspec.ValidationError / DecodeError with a reason. A body nested too deep is a DecodeError
+        that says so (shared/nesting.py): JSON before it is read, msgpack where reading it recurses."""
         key = (msg_type, is_json(data))
-        check_nesting(data, key[1])
+        if key[1]:
+            check_json(data)
         decoder = self._decoders.get(key)
         if decoder is None:
             kind = msgspec.json.Decoder if key[1] else msgspec.msgpack.Decoder
             decoder = self._decoders[key] = kind(msg_type, strict=key[1])
-        try:
-            return decoder.decode(data)
-        except msgspec.ValidationError:
-            if not key[1]:
-                raise
-            return from_builtins(msgspec.json.decode(data), msg_type)      # 2.0 for an int: read again
+        with too_deep():
+            try:
+                return decoder.decode(data)
+            except msgspec.ValidationError:
+                if not key[1]:
+                    raise
+                return from_builtins(msgspec.json.decode(data), msg_type)      # 2.0 for an int: read again
 
     @property
     def part_size(self) -> int:

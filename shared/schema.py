@@ -84,11 +84,13 @@ def readable_fields(data: bytes) -> dict[str, str]:
     """The id and the application of a submission that is otherwise malformed (a typo'd field, a bad
     value, too large), those that can be read: its refusal is then listed as the job's own."""
     from shared.bus import is_json
-    from shared.nesting import check_nesting
+    from shared.nesting import check_json, too_deep
 
     try:
-        check_nesting(data, is_json(data))           # as the bus reads it: one nested too deep is not read
-        document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)
+        with too_deep():                             # as the bus reads it: one nested too deep is not read
+            if is_json(data):
+                check_json(data)
+            document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)
     except msgspec.DecodeError:
         return {}
     found = {}

@@ -23,7 +23,7 @@ from shared.schema import (JobOwner, JobRecord, JobRecords, JobRequest, JobSpec,
 from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
 from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
 
-SUBMIT = "goodput.jobs.submit"                   # the subjects as the docs write them
+SUBMIT = "goodput.jobs.submit.user"              # the subjects as the docs write them: the login's own
 API = "goodput.api"
 
 
@@ -185,7 +185,7 @@ async def serve_api(connect_bus, problem=lambda spec: None):
     bus = await connect_bus()
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
     recorded: asyncio.Queue[Rejected] = asyncio.Queue()
-    await bus.subscribe(subjects.REJECTED, Rejected, recorded.put_nowait)
+    await bus.subscribe(f"{subjects.REFUSED}.*", Rejected, recorded.put_nowait)       # each login's refusals
     await api.start(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
     return bus, recorded
 
@@ -211,6 +211,8 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
                            f"text-{tag}", "bert", "Expected `int`, got `str` - at `$.requested_gpus`"),
         "1 for true": (json.dumps({"id": f"flag-{tag}", "application": "bert", "rigid": 1}).encode(),
                        f"flag-{tag}", "bert", "Expected `bool`, got `int` - at `$.rigid`"),
+        # Nested 20,000 deep: refused before it is read, so nothing of it is.
+        "nested deep": (b'{"id": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", None, None, "nests at most 64 levels deep"),
     }
     nc = await nats.connect(nats_server)
     try:

@@ -457,3 +457,64 @@ async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consume
     assert tries == [1, 2] and buried.empty()
     assert bus.decode(stored.data, Ping) == Ping(1) and "poison" in stored.headers[DEAD_REASON_HEADER]
     assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+# ---- bodies nested too deep ----------------------------------------------------------------------
+
+DEEP = 20_000
+DEEP_BODIES = {                          # a Ping with a field nested DEEP levels: none reaches a handler
+    "JSON list": b'{"n": 1, "text": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    "JSON object": b'{"n": 1, "extra": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}",
+    "msgpack list": b"\x82\xa1n\x01\xa5extra" + b"\x91" * DEEP + b"\xc0",
+}
+BRACKETS = "[[[[" * 40 + "{{{{" * 40 + "]]]]" + '"\\[{'          # in a string they are no nesting
+
+
+async def test_a_body_nested_too_deep_is_answered_400_with_the_reason_and_one_with_brackets_in_a_string_is_served(
+        connect_bus, name_prefix):
+    """A body nested deeper than MAX_DEPTH, JSON or msgpack, is refused at once with the reason, by
+    an endpoint that serves one request at a time and one that serves several; a string full of
+    brackets is no nesting."""
+    server, client = await connect_bus("server"), await connect_bus("client")
+    subject, handled = await _echo_endpoint(server, name_prefix)
+    service = await micro.add_service(server.nc, name=f"{name_prefix}_many", version="0.1.0")
+    await server.add_endpoint(service, "echo", f"{name_prefix}.many", Ping, lambda ping: Pong(ping.n), concurrency=4)
+    for target in (subject, f"{name_prefix}.many"):
+        for name, body in DEEP_BODIES.items():
+            reply = await client.nc.request(target, body, timeout=TIMEOUT_S)
+            headers = reply.headers or {}
+            assert headers.get("Nats-Service-Error-Code") == "400", (target, name, headers)
+            assert "nests at most 64 levels deep" in headers.get("Nats-Service-Error", ""), (target, name, headers)
+
+    for body in (msgspec.json.encode(Ping(5, BRACKETS)), client.encode(Ping(6, BRACKETS)),
+                 client.encode(Ping(7, "—" * 200))):           # in UTF-8, 0x80 and 0x94: msgpack map and array bytes
+        reply = await client.nc.request(subject, body, timeout=TIMEOUT_S)
+        assert "Nats-Service-Error-Code" not in (reply.headers or {}), reply.headers
+    assert handled == [Ping(5, BRACKETS), Ping(6, BRACKETS), Ping(7, "—" * 200)]
+
+
+async def test_a_stored_body_nested_too_deep_is_invalid_and_terminated(connect_bus, name_prefix):
+    """A JetStream consumer hands a body nested too deep to on_invalid, with the reason, and
+    terminates it (never redelivered); the message behind it is handled."""
+    invalid: asyncio.Queue = asyncio.Queue()
+    bus = await connect_bus(on_invalid=lambda subject, data, error: invalid.put_nowait(error))
+    stream, subject = f"{name_prefix}_DEEP", f"{name_prefix}.deep"
+    await bus.ensure_stream(stream, [subject])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, ack_wait=1)
+    for body in DEEP_BODIES.values():
+        await bus.js.publish(subject, body)
+    await bus.js_publish(subject, Ping(1))
+    handled: asyncio.Queue = asyncio.Queue()
+
+    task = asyncio.create_task(consumer.consume(handled.put, timeout=0.5))
+    try:
+        errors = [await next_item(invalid) for _ in DEEP_BODIES]
+        assert await next_item(handled) == Ping(1)
+        await asyncio.sleep(0.3)
+    finally:
+        task.cancel()
+    assert all(isinstance(error, msgspec.DecodeError) and "nests at most 64 levels deep" in str(error)
+               for error in errors), errors
+    info = await bus.js.consumer_info(stream, "worker")
+    assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0
+    assert invalid.empty() and handled.empty()

@@ -32,21 +32,22 @@ async def live_stack(tmp_path, **request):
 async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
     async with live_stack(tmp_path) as (nats, stack, bus):
         started = time.monotonic()
-        await bus.js_publish(subjects.SUBMIT, JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
+        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
         steps, late_submitted = [], False
         async for step in follow_run_steps(bus, subjects.LIVE_RUN, idle_timeout_s=60):
             steps.append(step)
             if not late_submitted and step.record and "ncf-live" in step.record.gpus:
                 # A second job, submitted while the first runs, joins at a later round.
-                await bus.js_publish(subjects.SUBMIT, JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live")
+                await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live")
                 late_submitted = True
             finished = {job for s in steps for job in s.finished}
             if finished >= {"ncf-live", "cifar10-live"}:
                 break
         wall_s = time.monotonic() - started
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
-        assert await asyncio.to_thread(main, ["status", "--server", nats.url, "--nats-user", "user",
-                                                      "--nats-password-file", str(nats.access.password_file("user"))]) == 0
+        # The operator's jobs, as the operator sees them (the login `user` has none of its own here).
+        assert await asyncio.to_thread(main, ["status", "--server", nats.url, "--nats-user", "operator",
+                                              "--nats-password-file", str(nats.access.password_file("operator"))]) == 0
         status = capsys.readouterr().out
     assert records["ncf-live"].finish_s is not None and records["cifar10-live"].finish_s is not None
     assert "2 jobs: 2 finished" in status and "ncf-live" in status and "cifar10-live" in status
@@ -65,7 +66,7 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
     from shared.schema import PolicyStatus
 
     async with live_stack(tmp_path, request_timeout_s=1.0) as (nats, stack, bus):
-        await bus.js_publish(subjects.SUBMIT, JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
+        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
         while await _state(bus, "imagenet-live") != "running":
             await asyncio.sleep(0.1)
         stack.kill("estimator")

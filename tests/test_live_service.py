@@ -22,7 +22,7 @@ from deploy.nats import free_loopback_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GOODPUT = [sys.executable, "-m", "cli.main"]
-SUBMIT = "goodput.jobs.submit"           # the documented subject, written here as a user writes it
+SUBMIT = "goodput.jobs.submit.user"      # the documented subject, the login's own, as a user writes it
 BURST = 300
 # Each bad submission and a word its rejection must say.
 BAD = {

@@ -78,14 +78,14 @@ async def _live_stack(folder, cluster="local", **options):
 
 async def _submit(bus, jobs: dict[str, str]) -> None:
     for job_id, application in jobs.items():
-        await bus.js_publish(subjects.SUBMIT, JobSpec(job_id, application), msg_id=job_id)
+        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec(job_id, application), msg_id=job_id)
 
 
 async def _bad_inputs(folder):
     async with _live_stack(folder, slot_memory_mb=64, jobs_package="tests.jobs") as (bus, stack, _):
         await _submit(bus, {"breaks": "raises", "too-big": "huge", "no-code": "nosuchjob", "good": "quick"})
         unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
-        await bus.nc.publish(subjects.SUBMIT, msgspec.msgpack.encode(unknown_field))
+        await bus.nc.publish(subjects.stored(subjects.OPERATOR), msgspec.msgpack.encode(unknown_field))
         await records_once_ended(bus, ["breaks", "too-big", "no-code", "good", "typo"], timeout_s=300)
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
         alive = [name for name, process in stack.processes.items() if process.poll() is None]
@@ -123,7 +123,7 @@ async def _user_refusals(folder):
                                      timeout=30)
             answered_s = time.monotonic() - asked
             unknown = (json.loads(reply.data), dict(reply.headers or {}), answered_s)
-            await nc.publish(subjects.SUBMIT, b"hello there")             # fire-and-forget: no JSON object
+            await nc.publish(subjects.submit("user"), b"hello there")     # fire-and-forget: no JSON object
             await nc.flush()
         finally:
             await nc.close()
@@ -152,7 +152,7 @@ async def _all_say(members):
 def test_a_user_is_refused_an_unknown_application_at_once_and_every_refusal_is_listed(tmp_path):
     """`{"id": "x", "application": "nosuchjob"}` on goodput.api.submit: error 400 with the known
     jobs, not `accepted: true, state: profiling` and a refusal by its profiling run later; listed
-    with its application. A body that is no JSON object on goodput.jobs.submit: listed too."""
+    with its application. A body that is no JSON object on goodput.jobs.submit.user: listed too."""
     (answer, headers, answered_s), status, unnamed = asyncio.run(_user_refusals(tmp_path))
     assert answer["accepted"] is False and answer["state"] == "rejected", answer
     assert answer["reason"].startswith("unknown application 'nosuchjob'"), answer

@@ -29,13 +29,17 @@ PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permi
 LOGINS = ("user", "bob")
 
 
+def server_config() -> str:
+    """Every role in the services' account, and the logins in theirs."""
+    return permissions.render_server_config({role: PASSWORDS[role] for role in permissions.ROLES},
+                                            {login: PASSWORDS[login] for login in LOGINS})
+
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a nats-server (JetStream on) with one user per role and its permissions."""
     workdir = tmp_path_factory.mktemp("secured-nats")
-    roles = {role: password for role, password in PASSWORDS.items() if role not in LOGINS}
-    logins = {login: PASSWORDS[login] for login in LOGINS}
-    with nats_from_binary(workdir, config=permissions.render_server_config(roles, logins)) as url:
+    with nats_from_binary(workdir, config=server_config()) as url:
         provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
         yield url
 
@@ -449,7 +453,7 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
     password_file.write_text(PASSWORDS["user"])
     config = f"tls {{\n  cert_file: {cert!r}\n  key_file: {key!r}\n}}\n".replace("'", '"')
     (tmp_path / "nats").mkdir()
-    with nats_from_binary(tmp_path / "nats", config=config + permissions.render_server_config(PASSWORDS)) as url:
+    with nats_from_binary(tmp_path / "nats", config=config + server_config()) as url:
         trusted = credentials.connect_options(
             credentials.Credentials(user="user", password_file=str(password_file), tls_ca=cert), environ={})
         bus = await Bus.connect_once(url, "test-tls", **trusted)
@@ -485,7 +489,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
         commands[service] = [sys.executable, "-m", f"services.{service}", *arguments[service],
                              "--nats-user", service, "--nats-password-file", str(password_file)]
     (tmp_path / "nats").mkdir()
-    with nats_from_binary(tmp_path / "nats", config=permissions.render_server_config(PASSWORDS)) as url:
+    with nats_from_binary(tmp_path / "nats", config=server_config()) as url:
         provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
         stack = Stack({name: [*command, "--server", url] for name, command in commands.items()}, tmp_path)
         for name in commands:
@@ -494,18 +498,19 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
         try:
             await asyncio.wait_for(stack.wait_ready(operator), 60)
             for payload in bad.values():
-                await user.js_publish(subjects.SUBMIT, payload, msg_id=payload["id"])
-            await user.js_publish(subjects.SUBMIT, JobSpec(id="good-after", application="cifar10"), msg_id="good-after")
+                await user.js_publish(subjects.submit("user"), payload, msg_id=payload["id"])
+            await user.js_publish(subjects.submit("user"), JobSpec(id="good-after", application="cifar10"),
+                                  msg_id="good-after")
             rejected: list[Rejected] = []
-            async for record in operator.follow(subjects.REJECTED, Rejected, idle_timeout=30):
+            async for record in operator.follow(subjects.refused("user"), Rejected, idle_timeout=30):
                 rejected.append(record)
                 if len(rejected) == len(bad):
                     break
             for _ in range(100):                      # the good one is profiled: its estimate is stored
-                if (await user.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1:
+                if (await operator.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1:
                     break
                 await asyncio.sleep(0.1)
-            assert (await user.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1
+            assert (await operator.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1
             logs = {name: stack.log(name) for name in commands}      # before the stop, which logs its own
         finally:
             await user.close()
@@ -513,7 +518,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
             stack.stop()
     reasons = {next(job for job in bad if job in r.payload): r for r in rejected}
     assert set(reasons) == set(bad), rejected
-    assert all(r.subject == subjects.SUBMIT for r in rejected)
+    assert all(r.subject == subjects.submit("user") for r in rejected)      # where it came
     assert "unknown field `command`" in reasons["bad-command"].reason
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason
@@ -521,32 +526,36 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     assert "Traceback" not in logs["profiler"], logs["profiler"]
 
 
-async def test_a_service_cannot_answer_outside_the_inboxes(secured: str) -> None:
+async def test_a_logins_reply_subject_never_reaches_the_services_account(secured: str) -> None:
     """The server's own guard, for a responder that answers whatever reply a request names (as
-    nats.micro's $SRV handlers do): a user's status request with its reply set to the JetStream API
-    makes the service's answer a permissions violation, and the stream stays."""
+    nats.micro's $SRV handlers do): a login's ping with its reply set to the JetStream API reaches
+    the service with the server's response mapping as its reply, and the answer goes back to the
+    logins' account: the stream stays, and the responder was never refused."""
     executor_errors: list[Exception] = []
     executor = await connect(secured, "executor", executor_errors)
+    replies: list[str] = []
 
     async def answer_anything(msg) -> None:
+        replies.append(msg.reply)
         await msg.respond(b"{}")
 
-    await executor.nc.subscribe(subjects.EXECUTOR_STATUS, cb=answer_anything)
+    await executor.nc.subscribe("$SRV.PING.trap", cb=answer_anything)
     await executor.flush()
     user, operator = await connect(secured, "user"), await connect(secured, "operator")
     try:
         before = await operator.js.stream_info(subjects.JOBS_STREAM)
         evil = f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}"
-        await user.nc.publish(subjects.EXECUTOR_STATUS, b"", reply=evil)
+        await user.nc.publish("$SRV.PING.trap", b"", reply=evil)
         await user.flush()
-        while not any(evil.lower() in str(error).lower() for error in executor_errors):
-            await asyncio.sleep(0.02)                 # the server's -ERR to the responder
+        while not replies:
+            await asyncio.sleep(0.02)
+        await executor.flush()
         after = await operator.js.stream_info(subjects.JOBS_STREAM)
         assert after.config.name == before.config.name and after.state.first_seq == before.state.first_seq
     finally:
         for bus in (user, operator, executor):
             await bus.close()
-    assert_violation(executor_errors, evil)
+    assert replies[0].startswith("_R_.") and not executor_errors, (replies, executor_errors)
 
 
 async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_changes_nothing(tmp_path: Path) -> None:
@@ -562,14 +571,14 @@ async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_
         user = await Bus.connect(server.url, "test-user", **server.options("user"))
         try:
             await stack.wait_ready(operator)
-            first = JobSpec(id="mine", application="cifar10")
-            await user.js_publish(subjects.SUBMIT, first)
-            await user.js_publish(subjects.SUBMIT, {"id": "mine", "application": "cifar10", "command": "rm -rf /"})
-            await user.js_publish(subjects.SUBMIT, JobSpec(id="mine", application="ncf", requested_gpus=2))
-            await user.js_publish(subjects.SUBMIT, first)          # no Nats-Msg-Id: not de-duplicated by the stream
-            await user.js_publish(subjects.SUBMIT, JobSpec(id="after", application="cifar10"))
+            first, mine = JobSpec(id="mine", application="cifar10"), subjects.submit("user")
+            await user.js_publish(mine, first)
+            await user.js_publish(mine, {"id": "mine", "application": "cifar10", "command": "rm -rf /"})
+            await user.js_publish(mine, JobSpec(id="mine", application="ncf", requested_gpus=2))
+            await user.js_publish(mine, first)          # no Nats-Msg-Id: not de-duplicated by the stream
+            await user.js_publish(mine, JobSpec(id="after", application="cifar10"))
             while True:
-                records = (await user.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)).jobs
+                records = (await operator.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)).jobs
                 if any(r.name == "after" and r.state == "queued" for r in records):
                     break
                 await asyncio.sleep(0.05)
@@ -583,18 +592,18 @@ async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_
     assert len(reasons) == 2 and "already exists" in reasons[0] and "unknown field `command`" in reasons[1], reasons
 
 
-async def test_a_submission_over_64_kib_is_refused_by_the_stream_and_by_goodput_submit(secured: str) -> None:
+async def test_a_submission_over_its_bound_is_refused_by_the_intake_stream_and_by_goodput_submit(secured: str) -> None:
     from cli.submit import submit
 
     user = await connect(secured, "user")
     try:
         with pytest.raises(nats.js.errors.APIError, match="(?i)message size exceeds"):
-            await user.nc.jetstream().publish(subjects.SUBMIT, b"\x81" + b"x" * storage.MAX_SUBMISSION_BYTES)
+            await user.nc.jetstream().publish(subjects.submit("user"), b"\x81" + b"x" * storage.MAX_INTAKE_BYTES)
     finally:
         await user.close()
     as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
-    huge = JobSpec(id="huge-spec", application="cifar10", gpu_types=tuple(f"t{i}" * 1200 for i in range(32)))
-    with pytest.raises(ValueError, match="at most 64 KiB"):
+    huge = JobSpec(id="huge-spec", application="cifar10", gpu_types=tuple(f"t{i}" * 300 for i in range(32)))
+    with pytest.raises(ValueError, match="at most 16 KiB"):
         await submit(huge, secured, **as_user)
 
 

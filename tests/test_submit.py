@@ -102,10 +102,10 @@ async def test_submissions_are_stored_once_per_body(nats_server, connect_bus):
     # A corrected body under the id is stored (the profiler then gives the id to the first valid one).
     assert await submit(JobSpec("dup-test-1", "cifar10", requested_gpus=2), nats_server) is True
     bus = await connect_bus()
-    info = await bus.js.stream_info(subjects.JOBS_STREAM)
-    stored = [await bus.js.get_msg(subjects.JOBS_STREAM, seq) for seq in range(1, info.state.last_seq + 1)]
-    # Other tests share the server's stream (and store malformed submissions on purpose): count by id.
-    ids = [(m.headers or {}).get("Nats-Msg-Id") for m in stored if m.subject == subjects.SUBMIT]
+    info = await bus.js.stream_info(subjects.INTAKE_STREAM)
+    stored = [await bus.js.get_msg(subjects.INTAKE_STREAM, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+    # Other tests share the server's stream: count by id, on the intake subject of a client with no login's.
+    ids = [(m.headers or {}).get("Nats-Msg-Id") for m in stored if m.subject == subjects.submit(subjects.OPERATOR)]
     assert ids.count(submission_msg_id(spec)) == 1 and len([i for i in ids if i and i.startswith("dup-test-1.")]) == 2
 
 
@@ -124,7 +124,8 @@ def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys
     bad = write(tmp_path, "id: multi-c\napplication: cifar10\ngpus: 4\n", "c.yaml")
     assert main(["submit", str(files[0]), str(bad), str(files[1]), "--stream", "--server", nats_server]) == 2
     out, err = capsys.readouterr()
-    assert out.splitlines() == ["multi-a: stored", "multi-b: stored"], out
+    assert out.splitlines() == [f"multi-{n}: stored; the gate judges it next (`goodput status multi-{n}`)"
+                                for n in "ab"], out
     assert "c.yaml" in err and "unknown field `gpus`" in err and "1 of 3 jobs not submitted" in err, err
     assert main(["submit", *map(str, files), "--stream", "--server", nats_server]) == 0     # the same again: repeats
     assert capsys.readouterr().out.splitlines() == [f"multi-{n}: already submitted, not stored again" for n in "ab"]

@@ -45,7 +45,7 @@ from opentelemetry import trace
 from services.profiler.core import id_taken, malformed_reason
 from services.runner import new_service
 from shared import storage, subjects
-from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, requester
+from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.permissions import LOGINS_ACCOUNT
 from shared.schema import (
     JOB_STATES,
@@ -251,16 +251,18 @@ class Gate:
                 return JobStatus(job_id, "profiling")
         return found
 
-    async def refuse(self, data: bytes, reason: str, who: str, job_id: str | None = None) -> SubmitAnswer:
+    async def refuse(self, data: bytes, reason: str, who: str, job_id: str | None = None,
+                     came: str = subjects.API_SUBMIT) -> SubmitAnswer:
         """Record the refusal as the profiler records one (listed for its login, with what could be read
-        of the body: its id and application), while the login keeps fewer than its bound; answer it."""
+        of the body: its id and application, and where it `came`), while the login keeps fewer than
+        its bound; answer it."""
         if job_id is None:
             job_id = readable_fields(data).get("id")
         async with self.kept.room(who, subjects.REFUSED) as room:
             if room.refusal is not None:
                 return SubmitAnswer(False, job_id, "rejected", reason,
                                     notes=(f"this refusal is not recorded: {room.refusal}",))
-            await self.bus.js_publish(subjects.refused(who), rejection(subjects.API_SUBMIT, reason, data, job_id))
+            await self.bus.js_publish(subjects.refused(who), rejection(came, reason, data, job_id))
             room.stored()
         return SubmitAnswer(False, job_id, "rejected", reason)
 
@@ -278,30 +280,34 @@ class Gate:
             raise Refused(answer.reason, answer)
         return answer
 
-    async def submit(self, data: bytes, who: str) -> SubmitAnswer:
-        """Judge a body of `who`'s: refused with the reason, or stored on its subject and accepted."""
+    async def submit(self, data: bytes, who: str, came: str = subjects.API_SUBMIT) -> SubmitAnswer:
+        """Judge a body of `who`'s (that `came` on that subject): refused with the reason, or stored on
+        its login's subject and accepted."""
         if len(data) > MAX_SUBMISSION_BYTES:
             return await self.refuse(data, f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is "
-                                           f"{len(data) / 1024:.0f} KiB", who)
+                                           f"{len(data) / 1024:.0f} KiB", who, came=came)
         try:
             spec = self.bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
-            return await self.refuse(data, malformed_reason(error), who)
+            return await self.refuse(data, malformed_reason(explained(error, data)), who, came=came)
         trace.get_current_span().set_attribute("job.id", spec.id)
         reason = self.problem(spec)
         if inspect.isawaitable(reason):
             reason = await reason
         if reason is not None:
-            return await self.refuse(data, reason, who, spec.id)
+            return await self.refuse(data, reason, who, spec.id, came)
         async with self.kept.room(who, subjects.STORED) as room:
             if room.refusal is not None:
-                return await self.refuse(data, room.refusal, who, spec.id)
-            return await self.store(spec, who, room)
+                return await self.refuse(data, room.refusal, who, spec.id, came)
+            return await self.store(spec, who, room, data, came)
 
-    async def store(self, spec: JobSpec, who: str, room: Room) -> SubmitAnswer:
-        """Store a valid submission of `who`'s, unless its id is held: its answer."""
+    async def store(self, spec: JobSpec, who: str, room: Room, data: bytes, came: str) -> SubmitAnswer:
+        """Store a valid submission of `who`'s (`data`, that `came` on that subject), unless its id is
+        held: its answer (a repeat's, or the refusal, recorded)."""
         digest = spec_digest(spec)
         mark = await self.claim(spec.id, digest, who)
+        if mark is None:
+            return await self.refuse(data, id_taken(spec.id), who, spec.id, came)
         if isinstance(mark, SubmitAnswer):
             return mark
         try:
@@ -323,9 +329,9 @@ class Gate:
                 return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))    # the profiler refuses it
         return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
 
-    async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer:
-        """Mark the id as being stored (the mark's revision), or the answer when it is held: a
-        repeat of the same body of the same login's, or another's."""
+    async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer | None:
+        """Mark the id as being stored (the mark's revision), or, when it is held, a repeat's answer
+        (the same body of the same login's), or None (another body's)."""
         mark = JobOwner(0, digest, subjects.stored(who), since=time.time())
         for _ in range(3):
             try:
@@ -340,7 +346,7 @@ class Gate:
                 continue
             if held.value.digest == digest and held.value.login == who:
                 return await self.repeat(job_id, who)
-            return SubmitAnswer(False, job_id, "rejected", id_taken(job_id))
+            return None
         raise RuntimeError(f"job {job_id}: its id changes hands too fast to claim")
 
     async def unreadable(self, _: str, data: bytes, error: Exception) -> None:
@@ -385,9 +391,13 @@ class Gate:
     async def judge(self, data: msgspec.Raw, delivery) -> None:
         """A login's own submission from the intake stream, judged as `submit` judges one."""
         who = subjects.of_login(delivery.subject)[1]
-        answer = await self.submit(bytes(data), who)
+        answer = await self.submit(bytes(data), who, delivery.subject)
         if not answer.accepted:
             log.info("%s's submission %s from the intake stream refused: %s", who, answer.id, answer.reason)
+
+    async def unjudgeable(self, subject: str, data: bytes, error: Exception) -> None:
+        """A body on the intake stream that is not even msgpack or JSON: refused, recorded for its login."""
+        await self.refuse(data, malformed_reason(error), subjects.of_login(subject)[1], came=subject)
 
 
 def cut(jobs: tuple[JobStatus, ...], offset: int, total: int, encode: Callable[[Any], bytes]) -> JobsPage:
@@ -421,6 +431,7 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
     await service.start()
     bus.on_close(service.stop)
     intake = await storage.open_consumer(bus, subjects.INTAKE_CONSUMER, msgspec.Raw, span_name="api.intake",
+                                         on_invalid=gate.unjudgeable,
                                          dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER))
     asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
     return gate
