@@ -17,11 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import nats
 import numpy as np
 
-from deploy.nats import SECRETS, Access, reload
-from deploy.stack import users_view
+from deploy.stack import another_login, users_view
 from shared import subjects
 
 ASKS = 20
@@ -59,13 +57,7 @@ async def while_running(attack, nc) -> list[float]:
 
 async def run(folder: Path) -> None:
     async with users_view(folder) as user:                  # the `user` login, nats-py alone
-        access = Access(folder / SECRETS)
-        path = access.add_login("bob", user.connected_url.geturl())
-        reload(folder, access)
-        env = dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
-        await asyncio.sleep(0.5)
-        bob = await nats.connect(env["GOODPUT_NATS_URL"], user="bob", password=env["GOODPUT_NATS_PASSWORD"],
-                                 inbox_prefix="_INBOX_bob")
+        bob = await another_login(folder, "bob", user.connected_url.geturl())
         try:
             print(shown("bob alone", await latencies(bob)), flush=True)
             body = json.dumps({"id": "flood", "application": "cifar10", "pad": " " * 60_000}).encode()

@@ -1,9 +1,10 @@
-"""The user API under a burst, on the embedded stack (secured, as `goodput up` runs it), asked as a
-user with nats-py alone and JSON bodies: `--jobs` submissions to `goodput.api.submit`, `--in-flight`
-at a time, each answered once it is stored (or refused); then one `goodput.api.job` after another,
-and the same bodies submitted again (each a repeat, nothing stored).
+"""The user API under a burst, on the embedded stack (secured, as `goodput up` runs it), asked by
+`--logins` logins at once, each with nats-py alone and JSON bodies: `--jobs` submissions in all to
+`goodput.api.submit`, `--in-flight` at a time (shared out: a login may have 16 in hand), each answered
+once it is stored (or refused); then the same bodies submitted again (each a repeat, nothing
+stored), then one `goodput.api.job` after another.
 
-    .venv/bin/python benchmarks/bench_api.py [--jobs 1000] [--in-flight 64]
+    .venv/bin/python benchmarks/bench_api.py [--jobs 1000] [--in-flight 64] [--logins 4]
 """
 
 from __future__ import annotations
@@ -17,25 +18,27 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.stack import users_view
+from deploy.stack import another_login, users_view
 
 SUBMIT, JOB = "goodput.api.submit", "goodput.api.job"       # as a client in another language writes them
 
 
-async def burst(nc, bodies: list[bytes], in_flight: int) -> tuple[float, list[float], list[dict]]:
-    """(seconds, each answer's milliseconds, the answers) for every body, `in_flight` at a time."""
-    gate = asyncio.Semaphore(in_flight)
+async def burst(logins: list, bodies: list[bytes], in_flight: int) -> tuple[float, list[float], list[dict]]:
+    """(seconds, each answer's milliseconds, the answers) for every body, `in_flight` at a time,
+    shared out over the logins' connections (body i from login i mod their number)."""
+    gates = [asyncio.Semaphore(max(1, in_flight // len(logins))) for _ in logins]
     times: list[float] = []
 
-    async def one(body: bytes) -> dict:
-        async with gate:
+    async def one(i: int, body: bytes) -> dict:
+        nc = logins[i % len(logins)]
+        async with gates[i % len(logins)]:
             started = time.perf_counter()
             answer = json.loads((await nc.request(SUBMIT, body, timeout=120)).data)
             times.append((time.perf_counter() - started) * 1000)
             return answer
 
     start = time.perf_counter()
-    answers = await asyncio.gather(*(one(b) for b in bodies))
+    answers = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
     return time.perf_counter() - start, times, answers
 
 
@@ -45,14 +48,16 @@ def shown(name: str, took: float, times: list[float], count: int) -> str:
             f"p95 {p95:6.1f} ms, max {max(times):6.1f} ms")
 
 
-async def run(folder: Path, jobs: int, in_flight: int) -> None:
-    async with users_view(folder) as nc:          # the user's login, nats-py alone
+async def run(folder: Path, jobs: int, in_flight: int, logins: int) -> None:
+    async with users_view(folder) as nc:          # the user's login, nats-py alone; and more logins
+        url = nc.connected_url.geturl()
+        connections = [nc, *[await another_login(folder, f"team-{n}", url) for n in range(1, logins)]]
         bodies = [json.dumps({"id": f"api-{i}", "application": "cifar10", "requested_gpus": 1 + i % 4}).encode()
                   for i in range(jobs)]
-        took, times, answers = await burst(nc, bodies, in_flight)
+        took, times, answers = await burst(connections, bodies, in_flight)
         accepted = sum(a["accepted"] for a in answers)
         print(shown(f"submitted ({accepted} accepted)", took, times, jobs), flush=True)
-        took, times, answers = await burst(nc, bodies, in_flight)
+        took, times, answers = await burst(connections, bodies, in_flight)
         repeats = sum("not stored again" in a.get("reason", "") for a in answers)
         print(shown(f"the same again ({repeats} repeats)", took, times, jobs), flush=True)
         looked = []
@@ -68,9 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--logins", type=int, default=4, help="logins submitting at once (each holds at most 16 in hand)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        asyncio.run(run(Path(folder), args.jobs, args.in_flight))
+        asyncio.run(run(Path(folder), args.jobs, args.in_flight, args.logins))
 
 
 if __name__ == "__main__":

@@ -94,9 +94,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_connection_arguments(status)
     status.set_defaults(func=_status)
 
-    nodes = sub.add_parser("nodes", help="the nodes of a running goodput with real jobs: GPUs, alive, lost or drained")
+    nodes = sub.add_parser("nodes", help="the operator's: the nodes of a running goodput with real jobs (GPUs, alive, "
+                                         "lost or drained, and every login's jobs on them)")
     nodes.add_argument("--json", action="store_true", help='one JSON document: {"nodes": [...]}')
-    add_connection_arguments(nodes)
+    add_connection_arguments(nodes, role="operator")
     nodes.set_defaults(func=_nodes)
 
 
@@ -440,9 +441,15 @@ def _nodes(args: argparse.Namespace) -> int:
     from shared.hardware import hardware_name
     from shared.schema import Ack, NodeStatuses
 
-    answer = _call(args, subjects.EXECUTOR_NODES, Ack(), NodeStatuses,
-                   "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
-                   "local`)? Simulated executors have no node agents")
+    try:
+        answer = _call(args, subjects.EXECUTOR_NODES, Ack(), NodeStatuses,
+                       "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
+                       "local`)? Simulated executors have no node agents")
+    except ValueError as error:
+        if "refused this login" in str(error):    # a login sees only its own jobs: not the nodes'
+            raise ValueError(f"{error}: listing nodes takes the operator's login (--nats-user operator, its "
+                             "password file under the data folder's secrets)") from None
+        raise
     if args.json:
         print(json.dumps({"nodes": msgspec.to_builtins(answer.nodes)}, indent=2))
         return 0

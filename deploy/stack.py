@@ -368,6 +368,26 @@ async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int]
                      tuple(e for s in ordered for e in s.events))
 
 
+async def another_login(folder: Path, name: str, url: str):
+    """A login added to the embedded stack on `folder` while it serves (as `goodput login add` does),
+    connected with nats-py alone once the server has taken it."""
+    import nats
+
+    from deploy.nats import SECRETS, Access, reload
+    from shared.credentials import PASSWORD_ENV, read_env
+
+    access = Access(folder / SECRETS)
+    settings = read_env(access.add_login(name, url))
+    reload(folder, access)
+    for _ in range(100):
+        try:
+            return await nats.connect(url, user=name, password=settings[PASSWORD_ENV], inbox_prefix=f"_INBOX_{name}",
+                                      allow_reconnect=False)
+        except Exception:  # noqa: BLE001 - refused until the server has read its accounts again
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the server did not take the login {name}")
+
+
 @contextlib.asynccontextmanager
 async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
     """The secured embedded stack on simulated executors (zoo profiles), ready, and a connection

@@ -54,8 +54,8 @@ import os
 import inspect
 import logging
 import time
-from contextvars import ContextVar
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -235,6 +235,7 @@ def requester() -> Requester | None:
 
 
 def requester_of(headers: dict[str, str] | None) -> Requester | None:
+    """The requester a request's `Nats-Request-Info` names (None: it has none)."""
     info = (headers or {}).get(REQUEST_INFO_HEADER)
     if info is None:
         return None

@@ -59,7 +59,8 @@ SERVICE_NAMES = {"profiler": subjects.PROFILER_SERVICE, "estimator": subjects.ES
                  "policy": subjects.POLICY_SERVICE, "placer": subjects.PLACER_SERVICE,
                  "executor": subjects.EXECUTOR_SERVICE}
 PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"     # the shape docs/deploy.md makes: a letter, then hex
-PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(permissions.ROLES)}
+ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)     # every role, and the default login: one key each
+PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(ACCESS)}
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 
 
@@ -172,7 +173,8 @@ def role_problems(workload: dict, role: str) -> list[str]:
 def render_auth(config_dir: Path) -> None:
     """Put the rendered users where nats.conf includes them: ../nats-auth/auth.conf."""
     (config_dir.parent / "nats-auth").mkdir(exist_ok=True)
-    (config_dir.parent / "nats-auth" / "auth.conf").write_text(permissions.render_server_config(PASSWORDS))
+    (config_dir.parent / "nats-auth" / "auth.conf").write_text(permissions.render_server_config(
+        {role: PASSWORDS[role] for role in permissions.ROLES}, {permissions.DEFAULT_LOGIN: PASSWORDS[permissions.DEFAULT_LOGIN]}))
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
             assert password_mounts(workload) == {"nats-auth": {"*"}, "nats": set()}
         elif name != "jaeger":
             assert role_problems(workload, roles[name]) == [], f"{name}: {role_problems(workload, roles[name])}"
-    assert {roles[name] for name in workloads if name not in ("nats", "jaeger")} == set(permissions.ROLES) - {"user"}
+    assert {roles[name] for name in workloads if name not in ("nats", "jaeger")} == set(permissions.ROLES)
     assert not [o for o in built(build) if o["kind"] == "Secret"]
     for path in DEPLOY.rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".yml", ".conf"):
@@ -459,7 +461,7 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
     assert f"{volume}:{os.path.dirname(include)}:ro" in services["nats"]["volumes"]
     assert services["nats"]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
     assert auth["command"][auth["command"].index("--passwords") + 1] == "/run/secrets"
-    assert set(auth["secrets"]) == set(permissions.ROLES) == set(compose["secrets"])
+    assert set(auth["secrets"]) == set(ACCESS) == set(compose["secrets"])
     for role, secret in compose["secrets"].items():
         assert secret == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}    # none in the repo
     roles = {**{name: name for name in SERVICES}, "live-run": "operator"}

@@ -323,10 +323,12 @@ class Up:
             if found:
                 return found
 
-    def command(self, *arguments) -> subprocess.CompletedProcess:
-        """A user's goodput command on this stack (its login from the data folder's user.env)."""
+    def command(self, *arguments, role: str = "user") -> subprocess.CompletedProcess:
+        """A goodput command on this stack, logged in from the data folder's user.env (the user's; or
+        the operator's, beside it)."""
         return subprocess.run([sys.executable, "-m", "cli.main", *arguments], capture_output=True, text=True,
-                              timeout=120, env=credentials.user_environment({}, data=self.folder) | dict(os.environ))
+                              timeout=120, env=credentials.user_environment({}, data=self.folder, role=role)
+                              | dict(os.environ))
 
     def stop(self) -> str:
         self.process.send_signal(signal.SIGINT)
@@ -348,12 +350,12 @@ def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_li
         assert restarted
         up.line(r"quick-1 2 x CPU slot on 2 nodes", timeout_s=300)      # once both agents are back
         up.line(r"finished: quick-1", timeout_s=300)
-        listed = up.command("nodes", "--json", "--server", f"nats://127.0.0.1:{up.port}")
+        listed = up.command("nodes", "--json", "--server", f"nats://127.0.0.1:{up.port}", role="operator")
         assert listed.returncode == 0, listed.stderr
         nodes = {n["name"]: n for n in json.loads(listed.stdout)["nodes"]}
         assert {name: (n["gpu_type"], n["gpus"], n["state"]) for name, n in nodes.items()} == \
             {"cpu-0": ("cpu", 1, "alive"), "cpu-1": ("cpu", 1, "alive")}, nodes
-        table = up.command("nodes", "--server", f"nats://127.0.0.1:{up.port}")
+        table = up.command("nodes", "--server", f"nats://127.0.0.1:{up.port}", role="operator")
         assert table.returncode == 0 and "2 nodes: 2 alive" in table.stdout, table
     finally:
         first = up.stop()
