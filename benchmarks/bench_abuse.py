@@ -10,15 +10,17 @@ jobs stream and the runs bucket. Both logins are clients with nats-py alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import multiprocessing
 import json
 import tempfile
 import time
 from pathlib import Path
 
+import nats
 import numpy as np
 
+from deploy.nats import SECRETS
 from deploy.stack import another_login, users_view
 from shared import subjects
 
@@ -43,40 +45,49 @@ def shown(name: str, times: list[float]) -> str:
     return f"{name:<52} p50 {p50:7.1f} ms  p95 {p95:7.1f} ms  max {max(times):7.1f} ms"
 
 
-async def while_running(attack, nc) -> list[float]:
-    """The other login's latencies while `attack()` runs (started a second before)."""
-    task = asyncio.ensure_future(attack())
+async def while_running(attack: str, url: str, folder: Path, nc) -> list[float]:
+    """The other login's latencies while `attack` runs as `user`, in a process of its own (started a
+    second before, stopped after)."""
+    process = multiprocessing.Process(target=attacker, args=(attack, url, (folder / SECRETS / "user").read_text().strip()))
+    process.start()
     await asyncio.sleep(1.0)
     try:
         return await latencies(nc)
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        process.terminate()
+        process.join()
+
+
+def attacker(attack: str, url: str, password: str) -> None:
+    """As the login `user`, with nats-py alone: `flood` publishes 60 KiB submissions as fast as one
+    connection does; `pages` keeps 300 pages of 500 jobs in flight."""
+    async def run() -> None:
+        nc = await nats.connect(url, user="user", password=password, inbox_prefix="_INBOX_user")
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=_ignore)
+        body = json.dumps({"id": "flood", "application": "cifar10", "pad": " " * 60_000}).encode()
+        while True:
+            if attack == "flood":
+                for _ in range(50):
+                    await nc.publish(subjects.API_SUBMIT, body, reply=inbox)
+                await asyncio.sleep(0)
+            else:
+                await asyncio.gather(*(nc.request(subjects.API_JOBS, b'{"limit": 500}', timeout=120)
+                                       for _ in range(300)), return_exceptions=True)
+
+    asyncio.run(run())
 
 
 async def run(folder: Path) -> None:
     async with users_view(folder) as user:                  # the `user` login, nats-py alone
-        bob = await another_login(folder, "bob", user.connected_url.geturl())
+        url = user.connected_url.geturl()
+        bob = await another_login(folder, "bob", url)
         try:
             print(shown("bob alone", await latencies(bob)), flush=True)
-            body = json.dumps({"id": "flood", "application": "cifar10", "pad": " " * 60_000}).encode()
-            inbox = user.new_inbox()
-            await user.subscribe(inbox, cb=_ignore)
-
-            async def flood() -> None:
-                while True:
-                    for _ in range(50):
-                        await user.publish(subjects.API_SUBMIT, body, reply=inbox)
-                    await asyncio.sleep(0)
-
-            print(shown("bob while user floods 60 KiB submissions", await while_running(flood, bob)), flush=True)
-
-            async def pages() -> None:
-                await asyncio.gather(*(user.request(subjects.API_JOBS, b'{"limit": 500}', timeout=120)
-                                       for _ in range(300)), return_exceptions=True)
-
-            print(shown("bob while user has 300 pages of 500 in flight", await while_running(pages, bob)), flush=True)
+            print(shown("bob while user floods 60 KiB submissions", await while_running("flood", url, folder, bob)),
+                  flush=True)
+            print(shown("bob while user has 300 pages of 500 in flight", await while_running("pages", url, folder, bob)),
+                  flush=True)
             for verb in ("PING", "INFO", "STATS"):
                 for target in ("$JS.API.STREAM.DELETE.GOODPUT_JOBS", "$KV.goodput_runs.live"):
                     for _ in range(100):

@@ -376,13 +376,16 @@ async def another_login(folder: Path, name: str, url: str):
     from deploy.nats import SECRETS, Access, reload
     from shared.credentials import PASSWORD_ENV, read_env
 
+    async def quiet(_: Exception) -> None:      # the refusals before the server has taken the login
+        return None
+
     access = Access(folder / SECRETS)
     settings = read_env(access.add_login(name, url))
     reload(folder, access)
     for _ in range(100):
         try:
             return await nats.connect(url, user=name, password=settings[PASSWORD_ENV], inbox_prefix=f"_INBOX_{name}",
-                                      allow_reconnect=False)
+                                      allow_reconnect=False, error_cb=quiet)
         except Exception:  # noqa: BLE001 - refused until the server has read its accounts again
             await asyncio.sleep(0.1)
     raise RuntimeError(f"the server did not take the login {name}")
