@@ -6,9 +6,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.profiler.api import DOCS, ENDPOINTS, page, schemas, schemas_markdown
+from services.profiler.api import DOCS, ENDPOINTS, cut, schemas, schemas_markdown
 from services.profiler.core import malformed_reason
-from shared.schema import JobRecord, JobSpec, JobsRequest, JobStatus, job_statuses
+from shared.schema import JobRecord, JobSpec, JobsQuery, JobStatus, job_statuses, select
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,16 +26,20 @@ def test_every_endpoint_has_its_messages_schemas():
     assert set(document["$defs"]["JobSpec"]["required"]) == {"id", "application"}
 
 
-def test_a_page_filters_then_pages_in_order():
-    jobs = [JobStatus(f"j{i}", "finished" if i % 2 else "running", application="cifar10" if i < 6 else "bert")
-            for i in range(10)]
-    first = page(jobs, JobsRequest(state="finished", limit=2))
-    assert [j.id for j in first.jobs] == ["j1", "j3"] and first.total == 5 and first.next_offset == 2
-    last = page(jobs, JobsRequest(state="finished", offset=4, limit=2))
-    assert [j.id for j in last.jobs] == ["j9"] and last.next_offset is None
-    assert page(jobs, JobsRequest(application="bert")).total == 4
-    with pytest.raises(ValueError, match="one of queued"):
-        page(jobs, JobsRequest(state="done"))
+def test_a_page_is_one_logins_filtered_then_paged_in_order_and_cut_to_its_bytes():
+    records = [JobRecord(f"j{i}", "cifar10" if i < 6 else "bert", 0.0, None, 0, 0.0, None,
+                         state="finished" if i % 2 else "running", owner="alice" if i < 8 else "bob")
+               for i in range(10)]
+    first = select(records, JobsQuery(owner="alice", state="finished", limit=2))
+    assert [j.name for j in first.jobs] == ["j1", "j3"] and first.total == 4
+    last = select(records, JobsQuery(owner="alice", state="finished", offset=2, limit=2))
+    assert [j.name for j in last.jobs] == ["j5", "j7"]
+    assert select(records, JobsQuery(owner="bob")).jobs == tuple(records[8:])          # another login's: none of alice's
+    assert len(select(records, JobsQuery()).jobs) == 10                               # the operator's: every one
+    assert select(records, JobsQuery(application="bert", owner="alice")).total == 2
+    statuses = tuple(JobStatus(f"j{i}", "failed", reason="x" * 100_000) for i in range(5))
+    page = cut(statuses, 10, 15, msgspec.msgpack.encode)          # a page past PAGE_BYTES is cut short, and says so
+    assert len(page.jobs) == 2 and page.next_offset == 12 and page.total == 15, page.next_offset
 
 
 def test_a_job_is_listed_once_as_its_own_record_not_a_refusal_of_another_body_under_its_id():

@@ -94,8 +94,20 @@ async def point_replies(data: Path) -> None:
             for target in TARGETS:
                 await nc.publish(f"goodput.api.{endpoint}", b'{"id": "x"}', reply=target)   # no job: refused
         await nc.flush()
-        # Every service has had the tricks before it answers this (one connection, in order).
-        await nc.request("$SRV.PING", b"", timeout=10)
+        # Discovery as `nats micro ls` does it: one ping, every service's answer (after the tricks,
+        # each service's: one connection, in order).
+        seen: set[str] = set()
+        everyone = asyncio.Event()
+
+        async def answered(msg) -> None:
+            seen.add(json.loads(msg.data)["name"])
+            if seen >= set(SERVICES):
+                everyone.set()
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=answered)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        await asyncio.wait_for(everyone.wait(), 30)
     finally:
         await nc.close()
 

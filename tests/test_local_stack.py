@@ -175,19 +175,23 @@ async def _executor_killed(folder):
                 break
             await asyncio.sleep(0.5)
         await asyncio.sleep(3)
+        # Those still training when it dies (a fast one may have finished meanwhile, on a fast machine).
+        training = {r.name for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs if r.finish_s is None}
         stack.kill("executor")                   # kill -9: its workers are left behind on the node
         await asyncio.sleep(1)
         stack.start("executor")
         records = await records_once_ended(bus, ["tiny-lm", "cnn-shapes"], timeout_s=300)
-        return records, stack.log("executor")
+        return records, training, stack.log("executor")
 
 
 def test_the_executor_killed_mid_training_its_successor_finishes_the_jobs(tmp_path):
-    records, log = asyncio.run(_executor_killed(tmp_path))
+    records, training, log = asyncio.run(_executor_killed(tmp_path))
     assert log.count("ready on") == 2                                   # it really started again
     for name, record in records.items():
         assert record.failure is None and record.metric >= TARGETS[name], record
-        assert record.restarts >= 1, record                  # started again from its checkpoint
+    # One still training when it died started again from its checkpoint (a job that reached its target
+    # in the moment between may end as it was: its node agent lives on).
+    assert any(records[name].restarts >= 1 for name in training), (training, records)
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "work")], capture_output=True, text=True).stdout
     assert leftover == "", f"workers left running: {leftover}"
 
