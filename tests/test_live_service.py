@@ -57,16 +57,20 @@ def command_env(data: Path | None) -> dict[str, str]:
     return {**env, **(user_env(data) if data is not None else {})}
 
 
-async def publish(data: Path, documents: list[dict]) -> None:
+async def publish(data: Path, documents: list[dict], in_flight: int = 64) -> None:
     """As users' clients would: msgpack bodies, and every third one JSON (as a Go or TypeScript client
-    writes it), Nats-Msg-Id = the id, all at once."""
+    writes it), Nats-Msg-Id = the id, `in_flight` awaiting their ack at a time."""
     nc = await nats.connect(**user_login(data))
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one(i: int, doc: dict) -> None:
+        async with gate:
+            await js.publish(SUBMIT, json.dumps(doc).encode() if i % 3 == 2 else msgspec.msgpack.encode(doc),
+                             headers={"Nats-Msg-Id": doc["id"]}, timeout=30)
+
     try:
         js = nc.jetstream()
-        acks = [js.publish_async(SUBMIT, json.dumps(doc).encode() if i % 3 == 2 else msgspec.msgpack.encode(doc),
-                                 headers={"Nats-Msg-Id": doc["id"]})
-                for i, doc in enumerate(documents)]
-        await asyncio.gather(*acks)
+        await asyncio.gather(*(one(i, doc) for i, doc in enumerate(documents)))
     finally:
         await nc.close()
 
