@@ -14,9 +14,7 @@ import asyncio
 from pathlib import Path
 
 from shared import credentials
-
-RELOAD_WAIT_S = 10.0
-
+from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("login", help="the operator's: add, remove and list the logins of a goodput up")
@@ -46,8 +44,8 @@ def _login(args: argparse.Namespace) -> int:
             print(name)
         return 0
     if args.action == "add":
-        url = credentials.read_env(args.data / credentials.USER_ENV).get("GOODPUT_NATS_URL", "nats://127.0.0.1:4222") \
-            if (args.data / credentials.USER_ENV).is_file() else "nats://127.0.0.1:4222"
+        user_env = args.data / credentials.USER_ENV           # where `goodput up` serves
+        url = (credentials.read_env(user_env) if user_env.is_file() else {}).get(SERVER_ENV, DEFAULT_SERVER)
         path = access.add_login(args.name, url)
         serving = reload(args.data, access)
         if serving:
@@ -63,18 +61,11 @@ def _login(args: argparse.Namespace) -> int:
 
 async def _logged_in(path: Path) -> None:
     """Wait until the server takes the new login (it reads its accounts again on the signal)."""
-    from shared.bus import Bus
+    from deploy.nats import taken
 
     environ = credentials.read_env(path)
-    options = credentials.connect_options(environ=environ)
-    deadline = asyncio.get_running_loop().time() + RELOAD_WAIT_S
-    while True:
-        try:
-            bus = await Bus.connect_once(environ["GOODPUT_NATS_URL"], "goodput-login", **options)
-        except Exception as error:  # noqa: BLE001 - refused until the server has read its accounts
-            if asyncio.get_running_loop().time() > deadline:
-                raise ValueError(f"the server did not take the new login within {RELOAD_WAIT_S:g} s ({error})") from None
-            await asyncio.sleep(0.1)
-            continue
-        await bus.close()
-        return
+    try:
+        connection = await taken(environ["GOODPUT_NATS_URL"], credentials.connect_options(environ=environ))
+    except RuntimeError as error:
+        raise ValueError(str(error)) from None
+    await connection.close()

@@ -122,15 +122,14 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError(_port_taken(args.port))
     data.parent.mkdir(parents=True, exist_ok=True)   # the folders above DATA are made as before
     with private_files():     # what this process and its children write: logs, work, checkpoints
-        return _up_on(args, data)
+        return _up_on(args, data, local)
 
 
-def _up_on(args: argparse.Namespace, data: Path) -> int:
+def _up_on(args: argparse.Namespace, data: Path, local: bool) -> int:
     """`goodput up` on its data folder, made private with what an earlier version left there."""
     from deploy.nats import embedded_nats, port_in_use, stop_orphan_server
     from shared.files import make_private
 
-    local = args.executors == "local"
     make_private(data)
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
     with _holding(data):

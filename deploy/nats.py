@@ -289,6 +289,29 @@ def write_accounts(workdir: Path, access: Access) -> None:
     write_private(workdir / AUTH_CONF, access.accounts())
 
 
+LOGIN_TAKEN_WAIT_S = 10.0
+
+
+async def taken(url: str, options: dict[str, Any]):
+    """A nats-py connection with `options` (a login's) as soon as the server takes the login (it
+    reads its accounts again on SIGHUP: until then it refuses it); RuntimeError after LOGIN_TAKEN_WAIT_S."""
+    import asyncio
+
+    import nats
+
+    async def quiet(_: Exception) -> None:       # the refusals until then
+        return None
+
+    deadline = time.monotonic() + LOGIN_TAKEN_WAIT_S
+    while True:
+        try:
+            return await nats.connect(url, allow_reconnect=False, error_cb=quiet, **options)
+        except Exception as error:  # noqa: BLE001 - refused until the server has read its accounts
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not take the login within {LOGIN_TAKEN_WAIT_S:g} s ({error})") from None
+            await asyncio.sleep(0.1)
+
+
 def reload(workdir: Path, access: Access) -> bool:
     """Render the accounts again and have the server serving `workdir` read them (SIGHUP): a login
     added is taken in, one removed is disconnected, and no one else notices. False: no server

@@ -371,24 +371,13 @@ async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int]
 async def another_login(folder: Path, name: str, url: str):
     """A login added to the embedded stack on `folder` while it serves (as `goodput login add` does),
     connected with nats-py alone once the server has taken it."""
-    import nats
-
-    from deploy.nats import SECRETS, Access, reload
-    from shared.credentials import PASSWORD_ENV, read_env
-
-    async def quiet(_: Exception) -> None:      # the refusals before the server has taken the login
-        return None
+    from deploy.nats import SECRETS, Access, reload, taken
+    from shared.credentials import connect_options, read_env
 
     access = Access(folder / SECRETS)
     settings = read_env(access.add_login(name, url))
     reload(folder, access)
-    for _ in range(100):
-        try:
-            return await nats.connect(url, user=name, password=settings[PASSWORD_ENV], inbox_prefix=f"_INBOX_{name}",
-                                      allow_reconnect=False, error_cb=quiet)
-        except Exception:  # noqa: BLE001 - refused until the server has read its accounts again
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"the server did not take the login {name}")
+    return await taken(url, connect_options(environ=settings))
 
 
 @contextlib.asynccontextmanager
