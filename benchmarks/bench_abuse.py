@@ -20,8 +20,8 @@ from pathlib import Path
 import nats
 import numpy as np
 
-from deploy.nats import SECRETS
-from deploy.stack import another_login, users_view
+from launcher.nats import SECRETS
+from launcher.stack import another_login, users_view
 from shared import subjects
 
 ASKS = 20

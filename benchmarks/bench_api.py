@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.stack import another_login, users_view
+from launcher.stack import another_login, users_view
 
 SUBMIT, JOB = "goodput.api.submit", "goodput.api.job"       # as a client in another language writes them
 

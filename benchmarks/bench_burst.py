@@ -28,12 +28,12 @@ import nats
 import numpy as np
 from bench_load import nats_server_pid, rss_mb
 
-from deploy.live_run import live_request
-from deploy.nats import embedded_nats
-from deploy.stack import ensure_run, follow_run_steps, running_services, service_arguments
+from launcher.live_run import live_request
+from launcher.nats import embedded_nats
+from launcher.stack import ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.schema import JobRecords, JobsQuery
-from sim.simulator import FEEDBACK_ITERATIONS
+from shared.settings import FEEDBACK_ITERATIONS
 
 CLUSTER = "sia-hetero-64"
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.nats import EmbeddedNats, embedded_nats
+from launcher.nats import EmbeddedNats, embedded_nats
 from shared.bus import Bus
 from shared import storage, subjects
 from shared.schema import JobSpec

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.nats import embedded_nats
-from deploy.stack import replay, running_services, service_arguments
+from launcher.nats import embedded_nats
+from launcher.stack import replay, running_services, service_arguments
 from shared.settings import settings_for
-from sim.simulator import FEEDBACK_ITERATIONS
+from shared.settings import FEEDBACK_ITERATIONS
 from sim.workload import generate_workload
 
 CLUSTER = "sia-hetero-2048"
@@ -48,7 +48,7 @@ def rss_mb(pid: int) -> dict[str, float]:
 
 
 def nats_server_pid() -> int:
-    """Our child nats-server (deploy.nats starts it without telling its pid)."""
+    """Our child nats-server (launcher.nats starts it without telling its pid)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             pid, rest = stat.read_text().split(" ", 1)

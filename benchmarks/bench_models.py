@@ -15,7 +15,7 @@ import numpy as np
 
 from services.estimator.core import profile_observations, type_models
 from shared.table import goodput_table
-from services.profiler.core import model_profile
+from shared.profiles import model_profile
 from shared.cluster import load_cluster
 from goodput_train.goodput import Observation, fit_throughput, iteration_time
 from shared.zoo import load_zoo

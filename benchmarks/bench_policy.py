@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from cli.simulate import policy_spec
+from policies.base import policy_spec
 from shared.reference import reference_root
 from sim.run import job_sources, simulate
 

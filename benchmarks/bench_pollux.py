@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from services.policy.base import Decision, JobView, RoundState
-from services.policy.pollux import PolluxPolicy
+from policies.base import Decision, JobView, RoundState
+from policies.pollux import PolluxPolicy
 from shared.cluster import Cluster, load_cluster
 from shared.zoo import load_zoo
 from sim.rounds import job_view, round_state

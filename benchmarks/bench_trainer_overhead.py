@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
-from deploy.nats import free_loopback_port
+from launcher.nats import free_loopback_port
 from goodput_train.trainer import AdaptiveTraining
 
 LOCAL_BATCH = 32

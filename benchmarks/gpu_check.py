@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
 from bench_trainer_overhead import images, library_steps, model as overhead_model
-from deploy.nats import free_loopback_port
+from launcher.nats import free_loopback_port
 from goodput_train import AdaptiveTraining
 from goodput_train.protocol import (GPU_TYPE_ENV, JOB_ENV, OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX,
                                     SLOT_MEMORY_ENV, ProfileRun)

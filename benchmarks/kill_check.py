@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.nats import embedded_nats
-from deploy.stack import replay, running_services, service_arguments
+from launcher.nats import embedded_nats
+from launcher.stack import replay, running_services, service_arguments
 from shared.reference import load_workload, reference_root
 from sim.run import job_sources, simulate
 from shared.settings import settings_for

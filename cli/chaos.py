@@ -1,4 +1,4 @@
-"""`goodput chaos` — the fault-injection suite (deploy/chaos.py, docs/chaos.md): the undisturbed
+"""`goodput chaos` — the fault-injection suite (chaos/suite.py, docs/chaos.md): the undisturbed
 replay over the embedded stack, then one replay per fault, and per fault whether any job was lost
 or duplicated, any node over-filled, and the average JCT against the undisturbed run's."""
 
@@ -10,7 +10,7 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from deploy.chaos import FAULTS
+    from chaos.suite import FAULTS
 
     chaos = sub.add_parser("chaos", help="inject faults into replays over the embedded stack; report what was lost",
                            description=__doc__,
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _chaos(args: argparse.Namespace) -> int:
     from cli.output import write_results
-    from deploy.chaos import run_suite, table, workload
+    from chaos.suite import run_suite, table, workload
 
     jobs = workload(args.quick, args.workload, args.jobs)
     start = time.perf_counter()

@@ -15,7 +15,7 @@ from cli.output import default_out, write_results
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from cli.simulate import _common
+    from cli.simulate import add_simulation_arguments
 
     parser = sub.add_parser("interference", help="avg JCT with interference avoidance on and off, per slowdown")
     parser.add_argument("--workloads", nargs="+", required=True, help="workload CSVs or folders of them")
@@ -26,12 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default=default_out("interference", "interference.json"),
                         help="results JSON, its folder created (default: %(default)s)")
     parser.add_argument("--plot", help="PNG: avg JCT per slowdown, avoidance on and off")
-    _common(parser)
+    add_simulation_arguments(parser)
     parser.set_defaults(func=_interference, cluster="pollux-homo-64", fairness=False)
 
 
 def _interference(args: argparse.Namespace) -> int:
-    from cli.simulate import _run, _workload_sets, policy_spec
+    from cli.simulate import run_spec, workload_sets
+    from policies.base import policy_spec
     from sim.run import job_sources
 
     name, options = policy_spec(args.policy)
@@ -40,7 +41,7 @@ def _interference(args: argparse.Namespace) -> int:
         raise ValueError(f"slowdowns are fractions in [0, 1), got {bad}")
     if name != "pollux":
         raise ValueError(f"policy {name!r} has no interference avoidance to turn off (pollux has)")
-    files = [f for group in _workload_sets(args.workloads).values() for f in group]
+    files = [f for group in workload_sets(args.workloads).values() for f in group]
     sources = job_sources(args.reference, args.zoo)
     avoid_off = f"{args.policy}{',' if options else ':'}avoid_interference=false"
     rows = []
@@ -50,7 +51,7 @@ def _interference(args: argparse.Namespace) -> int:
         row = {"slowdown": slowdown}
         for key, spec in (("avoid", args.policy), ("no_avoid", avoid_off)):
             start = time.perf_counter()
-            jcts = [_run(run_args, f, spec, sources, progress=False)["avg_jct_s"] for f in files]
+            jcts = [run_spec(run_args, f, spec, sources, progress=False)["avg_jct_s"] for f in files]
             row[key] = float(np.mean(jcts))
             print(f"  slowdown {slowdown:.0%}, {spec}: avg JCT {row[key]:.0f} s "
                   f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)

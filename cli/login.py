@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _login(args: argparse.Namespace) -> int:
-    from deploy.nats import SECRETS, Access, reload
+    from launcher.nats import SECRETS, Access, reload
 
     secrets = args.data / SECRETS
     if not secrets.is_dir():
@@ -61,7 +61,7 @@ def _login(args: argparse.Namespace) -> int:
 
 async def _logged_in(path: Path) -> None:
     """Wait until the server takes the new login (it reads its accounts again on the signal)."""
-    from deploy.nats import taken
+    from launcher.nats import taken
 
     environ = credentials.read_env(path)
     try:

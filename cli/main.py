@@ -13,14 +13,14 @@ COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "wor
 
 
 class _Version(argparse.Action):
-    """`goodput --version`: the version the services report (services.runner.VERSION, pyproject's),
+    """`goodput --version`: the version the services report (shared.runner.VERSION, pyproject's),
     looked up only when asked."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from services.runner import VERSION
+        from shared.runner import VERSION
 
         print(f"{parser.prog} {VERSION}")
         parser.exit()

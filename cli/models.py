@@ -32,7 +32,7 @@ def _pct(stats: dict | None, key: str) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from services.estimator.report import BOOTSTRAP_TARGET, FITTED_TARGET, report
+    from reports.models import BOOTSTRAP_TARGET, FITTED_TARGET, report
 
     root = reference_root(args.reference)
     reports = report(discover_models(root))

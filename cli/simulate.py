@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 
 from cli.output import default_out, write_results
-from services.policy.base import POLICIES, check_policy
-from services.policy.timeslice import DEFAULT_QUANTUM
+from policies.base import POLICIES, policy_spec
+from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
 from shared.settings import PRESETS
-from sim.simulator import FEEDBACK_ITERATIONS
+from shared.settings import FEEDBACK_ITERATIONS
 from sim.workload import BUILT_IN_WORKLOAD
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64",
                         help=f"preset ({', '.join(CLUSTERS)}) or a YAML/JSON cluster file (default: %(default)s)")
     parser.add_argument("--reference", help="reference folder for the jobs' true behaviour "
@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--out", default=default_out("simulate", "simulation.json"),
                      help="result JSON, its folder created (default: %(default)s)")
     sim.add_argument("--plot", help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF")
-    _common(sim)
+    add_simulation_arguments(sim)
     sim.set_defaults(func=_simulate)
 
     cmp = sub.add_parser("compare", help="several policies on several workload files; prints the table")
@@ -69,26 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("--out", default=default_out("compare", "compare.json"),
                      help="all results as JSON, its folder created (default: %(default)s)")
     cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
-    _common(cmp)
+    add_simulation_arguments(cmp)
     cmp.set_defaults(func=_compare)
-
-
-def policy_spec(spec: str) -> tuple[str, dict]:
-    """'gavel:objective=max_sum_throughput,round_s=60' -> ('gavel', {...}); values parsed as JSON when they can be.
-    ValueError naming the valid policies, or the policy's valid options, for a name it does not know."""
-    name, _, rest = spec.partition(":")
-    check_policy(name)
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    check_policy(name, options)
-    return name, options
 
 
 def _options(args: argparse.Namespace, policy: str) -> dict:
@@ -102,14 +84,16 @@ def _options(args: argparse.Namespace, policy: str) -> dict:
     return options
 
 
-def _run(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
-    bus = getattr(args, "bus", "direct")
+def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
     from sim.run import simulate
+    over = None
+    if getattr(args, "bus", "direct") == "nats":
+        from launcher.stack import replay_over_nats as over
     policy, options = policy_spec(spec)
     result = simulate(workload, args.cluster, policy, calibration=args.calibration,
                       policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
                       sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress, bus=bus, fairness=args.fairness, interference=args.interference,
+                      progress=progress, over=over, fairness=args.fairness, interference=args.interference,
                       profile_request=args.profile_request)
     result["policy_spec"] = spec
     return result
@@ -125,7 +109,7 @@ def _simulate(args: argparse.Namespace) -> int:
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
     # On a terminal a bar; in a log or a pipe a plain line every few seconds (sim.run.progress_reporter).
-    result = _run(args, args.workload, args.policy, sources, progress=True)
+    result = run_spec(args, args.workload, args.policy, sources, progress=True)
     took = time.perf_counter() - start
     report(result, took, args.out, args.plot)
     return 0
@@ -161,7 +145,7 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
         print(f"wrote {plot_path}")
 
 
-def _workload_sets(paths: list[str]) -> dict[str, list[str]]:
+def workload_sets(paths: list[str]) -> dict[str, list[str]]:
     sets: dict[str, list[str]] = {}
     for p in map(Path, paths):
         if p.is_dir():
@@ -189,7 +173,7 @@ def _mean(values: list) -> float | None:
 
 def _compare(args: argparse.Namespace) -> int:
     from sim.run import job_sources
-    sets = _workload_sets(args.workloads)
+    sets = workload_sets(args.workloads)
     sources = job_sources(args.reference, args.zoo)
     rows, everything = [], []
     for spec in args.policies:
@@ -199,7 +183,7 @@ def _compare(args: argparse.Namespace) -> int:
             runs = []
             for f in files:
                 start = time.perf_counter()
-                r = _run(args, f, policy, sources, progress=False)
+                r = run_spec(args, f, policy, sources, progress=False)
                 r["took_s"] = round(time.perf_counter() - start, 2)
                 runs.append(r)
                 print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)

@@ -63,7 +63,7 @@ def load_job(path: str | Path):
     try:
         return from_builtins(document, JobSpec)       # as the bus reads JSON: 2.0 is 2, "2" is no number
     except msgspec.ValidationError as exc:
-        from services.profiler.core import malformed_reason
+        from shared.submissions import malformed_reason
 
         raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}") from None
 
@@ -204,7 +204,7 @@ def _cancel(args: argparse.Namespace) -> int:
     try:
         request = msgspec.convert({"id": args.id}, JobRequest)
     except msgspec.ValidationError:
-        from services.profiler.core import ID_RULES
+        from shared.submissions import ID_RULES
 
         raise ValueError(f"{args.id!r} is not a job id: {ID_RULES}") from None
     answer = _call(args, subjects.API_CANCEL, request, CancelAnswer)

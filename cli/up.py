@@ -37,7 +37,7 @@ from pathlib import Path
 
 from cli.submit import add_connection_arguments
 from services.executor.processes import JOBS_PACKAGE
-from services.runner import positive_float
+from shared.runner import positive_float
 from shared import credentials
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from sim.workload import BUILT_IN_WORKLOAD
@@ -102,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deploy.nats import port_in_use
+    from launcher.nats import port_in_use
     from shared.files import private_files
 
     local = args.executors == "local"
@@ -127,7 +127,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _up_on(args: argparse.Namespace, data: Path, local: bool) -> int:
     """`goodput up` on its data folder, made private with what an earlier version left there."""
-    from deploy.nats import embedded_nats, port_in_use, stop_orphan_server
+    from launcher.nats import embedded_nats, port_in_use, stop_orphan_server
     from shared.files import make_private
 
     make_private(data)
@@ -208,11 +208,11 @@ async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
 
 
 async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
-    from deploy.live_run import describe, live_request
-    from deploy.stack import (ensure_run, live_run_exists, local_node_arguments, local_service_arguments,
+    from launcher.live_run import describe, live_request
+    from launcher.stack import (ensure_run, live_run_exists, local_node_arguments, local_service_arguments,
                               records_once_ended, running_services, service_arguments)
     from shared.subjects import LIVE_RUN
-    from sim.simulator import FEEDBACK_ITERATIONS
+    from shared.settings import FEEDBACK_ITERATIONS
 
     local = args.executors == "local"
     if local:
@@ -277,13 +277,13 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
 async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: dict) -> None:
     """Replay the workload through the services; print and write its results."""
     from cli.simulate import report
-    from deploy.stack import replay
-    from services.policy.base import make_policy
+    from launcher.stack import replay
+    from policies.base import make_policy
     from shared.cluster import load_cluster
     from shared.reference import load_workload
     from shared.settings import simulation_settings
     from sim.run import add_fairness, fairness_reporter, job_sources, progress_reporter, replay_results
-    from sim.simulator import FEEDBACK_ITERATIONS
+    from shared.settings import FEEDBACK_ITERATIONS
 
     jobs = load_workload(args.workload)
     settings = simulation_settings(None, args.cluster)
@@ -367,7 +367,7 @@ def _report_local(args: argparse.Namespace, records) -> None:
 async def _watch(bus, run_id: str) -> None:
     """Print each live decision that changes something (from now on: a resumed run's past is in
     `goodput status`), and each job that finishes or fails."""
-    from deploy.stack import follow_run_steps
+    from launcher.stack import follow_run_steps
 
     shown = None
     async for step in follow_run_steps(bus, run_id, idle_timeout_s=None, new_only=True):

@@ -3,7 +3,7 @@
 The readiness and liveness probes of the Kubernetes manifests, and the compose file's health checks,
 run this inside the service's container. It sends the NATS service API's ping, `$SRV.PING.<SERVICE>`,
 and exits 0 on the first answer from an instance of SERVICE. A service answers ping only once all its
-endpoints are registered (services/runner.py), so an answer means the service is serving.
+endpoints are registered (shared/runner.py), so an answer means the service is serving.
 Otherwise it says why on stderr and exits 1 (no instance answered) or 2 (NATS could not be reached).
 
 With `--ready` (the readiness probe) it also asks the policy how the live run goes

@@ -24,7 +24,7 @@ Within GOODPUT the rules, beyond each role's own subjects:
   `allow_responses` is not used: it lets a responder publish to whatever reply subject a request
   names, past the responder's allow list.
 - Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
-  plan, deploy/setup.py). The services read a stream's info, pull from and acknowledge their own
+  plan, launcher/setup.py). The services read a stream's info, pull from and acknowledge their own
   durable consumer, and read and write their own buckets (a KV write is a publish on
   `$KV.<bucket>.<key>`); a reader of a stream's log creates ordered consumers on that stream only
   (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
@@ -197,8 +197,8 @@ ROLES: dict[str, Permissions] = {
                  subjects.POLICY_STATUS),          # its readiness probe asks how the live run is
         subscribe=(subjects.POLICY_STATUS,),
     ),
-    # Whoever sets up the storage and drives replays and live runs (`goodput up`, deploy/setup.py,
-    # deploy/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
+    # Whoever sets up the storage and drives replays and live runs (`goodput up`, launcher/setup.py,
+    # launcher/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
     # follows their logs and the submissions, asks the services how they are.
     subjects.OPERATOR: Permissions(publish=(
         *_provision(), subjects.stored(subjects.OPERATOR), subjects.submit(subjects.OPERATOR), subjects.REPLAY_SUBMIT,

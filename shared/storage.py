@@ -2,7 +2,7 @@
 in one place.
 
 Only the operator creates or changes them (`provision`: `goodput up` at start, `python -m
-deploy.setup` as a one-shot in the manifests). A service opens what it uses (`open_stream`,
+launcher.setup` as a one-shot in the manifests). A service opens what it uses (`open_stream`,
 `open_kv`, `open_consumer`) and fails with a clear message when it is missing or differs from
 this plan, so no service (and no user) may create a stream with a configuration of its own.
 
@@ -42,7 +42,7 @@ DAY_S = 24 * 3600.0
 MAX_SUBMISSION_BYTES = 64 * KIB      # a JobSpec is a few hundred bytes; anything this large is not one
 MAX_INTAKE_BYTES = 16 * KIB          # ... and one a login stores itself, raw, at most this
 LEASE_TTL_S = 5.0                    # the policy lease: a dead leader is replaced within this
-SETUP_HINT = ("the operator creates it: `goodput up` does at start, a deployment runs `python -m deploy.setup` "
+SETUP_HINT = ("the operator creates it: `goodput up` does at start, a deployment runs `python -m launcher.setup` "
               "(the setup job in the manifests)")
 
 

@@ -21,7 +21,7 @@ The two policies differ in what they count as goodput:
   total batch, as scaling out with linear batch scaling does. E(n) = X(n) / (n X(1)) does not
   change with training progress, and neither does the size it picks.
 
-Both runs play the job's TRUE behaviour (`sim.truth.ModelTruth`) through `sim.world.SimulatedJob`,
+Both runs play the job's TRUE behaviour (`services.simulated.truth.ModelTruth`) through `services.simulated.world.SimulatedJob`,
 as the simulator does: `apply` pays the restart delay of a rescale and re-tunes (m, s) with the
 policy's model, `advance` trains epoch by epoch at the true goodput.
 """
@@ -37,8 +37,8 @@ from goodput_train.goodput import BatchLimits, GoodputModel, Observation, Throug
 from shared.reference import WorkloadJob
 from shared.schema import JobModels
 from shared.settings import SimSettings
-from sim.truth import ModelTruth
-from sim.world import SimulatedJob
+from services.simulated.truth import ModelTruth
+from services.simulated.world import SimulatedJob
 
 UPPER = 2 / 3          # scale up above this fraction of ideal goodput per node (Pollux §5.4.1)
 LOWER = 1 / 2          # ... to the size where it is about this fraction; scale down below it

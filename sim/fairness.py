@@ -19,12 +19,12 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from services.policy.base import Policy
+from policies.base import Policy
 from shared.cluster import Cluster, Node
 from shared.reference import WorkloadJob
 from shared.settings import SimSettings
 from sim.simulator import Simulator
-from sim.truth import ModelTruth
+from services.simulated.truth import ModelTruth
 
 
 def jobs_sharing(timeline: list[dict], start_s: float, end_s: float) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.policy.base import JobView, RoundState
+from policies.base import JobView, RoundState
 from shared.cluster import Cluster, Config, Spots, load_cluster
 from shared.schema import JobModels
 from shared.zoo import load_zoo

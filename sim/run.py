@@ -10,65 +10,20 @@ import asyncio
 import sys
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Awaitable, Callable, TextIO
 
 import numpy as np
 
-from services.policy.base import make_policy
-from services.profiler.core import profile_source
+from policies.base import make_policy
 from shared.cluster import load_cluster
-from shared.reference import WorkloadJob, discover_models, load_workload
+from shared.reference import WorkloadJob, load_workload
 from shared.schema import JobRecord
-from shared.zoo import load_zoo
 from sim.fairness import AloneRuns, finish_time_fairness
 from shared.settings import SimSettings, simulation_settings
-from sim.simulator import FEEDBACK_ITERATIONS, Simulator
-from sim.truth import ModelTruth, reference_truth, zoo_truth
-from sim.world import SimulatedExecutors
-
-
-@dataclass(frozen=True)
-class JobSources:
-    """True behaviour per model, and the 1-GPU profile a profiling run would measure per (model, type)."""
-
-    origin: str                                   # "reference:<folder>" or "zoo"
-    truths: dict[str, ModelTruth]
-    profile: Callable[[str, str], object]
-
-
-def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSources:
-    """The jobs' truth and their profiles, from one source: the reference profiles when the
-    reference folder is there, else the built-in model zoo."""
-    source = profile_source(reference, use_zoo)
-    if source.origin == "zoo":
-        truths = {name: zoo_truth(m) for name, m in load_zoo().items()}
-    else:
-        truths = {name: reference_truth(t) for name, t in discover_models(reference).items()}
-    return JobSources(source.origin, truths, source.profile)
-
-
-def add_world_arguments(parser) -> None:
-    """A simulated cluster's options, for the services that play it (executor, profiler, estimator)."""
-    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--reference", help="reference folder for the jobs' true behaviour")
-    parser.add_argument("--zoo", action="store_true", help="the built-in model zoo as the jobs' true behaviour")
-    parser.add_argument("--calibration", help="peer simulator calibration (default: the cluster's)")
-    parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS)
-    parser.add_argument("--restart-delay", type=float, help="every job's checkpoint-restart delay, seconds")
-    parser.add_argument("--interference", type=float, default=0.0,
-                        help="distributed jobs sharing a node train this fraction slower")
-    parser.add_argument("--profile-request", action="store_true",
-                        help="profile each job at its request on every type too (Gavel's throughput matrix)")
-
-
-def world_of(args) -> tuple[SimulatedExecutors, JobSources]:
-    """The simulated executors and the jobs' truth that `add_world_arguments`' options describe."""
-    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay, interference=args.interference,
-                                   profile_request=args.profile_request)
-    executors = SimulatedExecutors(load_cluster(args.cluster), settings, args.feedback_iterations)
-    return executors, job_sources(args.reference, args.zoo)
+from sim.simulator import Simulator
+from services.simulated.truth import JobSources, job_sources
+from shared.settings import FEEDBACK_ITERATIONS
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
@@ -82,7 +37,7 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
              use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
              feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
              restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool | Progress = False, bus: str = "direct", fairness: bool = True,
+             progress: bool | Progress = False, over: Replayer | None = None, fairness: bool = True,
              interference: float = 0.0, profile_request: bool = False) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
@@ -90,7 +45,9 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     (simulated time, jobs done, jobs in all);
     `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
     `interference` slows distributed jobs that share a node by that fraction; `profile_request`
-    measures each job at its request on every type before it starts (`sim.world.request_observations`)."""
+    measures each job at its request on every type before it starts (`services.simulated.world.request_observations`);
+    `over` replays the jobs through the services instead of the cores in this process
+    (`launcher.stack.replay_over_nats`: `goodput simulate --bus nats`)."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
     if not jobs:
         raise ValueError("the workload has no jobs")
@@ -101,8 +58,8 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
-    if bus == "nats":
-        report, records = asyncio.run(_run_over_nats(jobs, cluster, policy, policy_options or {}, settings,
+    if over is not None:
+        report, records = asyncio.run(over(jobs, cluster, policy, policy_options or {}, settings,
                                                      reference, use_zoo, calibration, feedback_iterations,
                                                      restart_delay_s, round_s, horizon_s, interference, sources.origin,
                                                      show))
@@ -166,28 +123,9 @@ def replay_results(jobs, cluster, policy, settings, feedback_iterations, report,
     return results(sim, workload, origin, list(records.jobs))
 
 
-async def _run_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
-                         feedback_iterations, restart_delay_s, round_s, horizon_s, interference, origin, progress):
-    """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
-    import tempfile
-
-    from deploy.nats import embedded_nats
-    from deploy.stack import replay, running_services, service_arguments
-
-    arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
-                                  restart_delay_s, interference, settings.profile_request)
-    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
-        with running_services(nats, arguments, Path(folder)) as stack:
-            bus = await nats.connect("goodput-simulate")
-            try:
-                await stack.wait_ready(bus)
-                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s,
-                                    progress=progress)
-            finally:
-                await bus.close()
-
-
 Progress = Callable[[float | None, int, int], None]     # (simulated time s or None, jobs done, jobs in all)
+# Replays a workload through the services (launcher.stack.replay_over_nats): (report, the executors' records).
+Replayer = Callable[..., Awaitable[tuple]]
 
 PROGRESS_EVERY_S = 5.0     # wall-clock seconds between two progress lines when stderr is no terminal
 

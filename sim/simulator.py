@@ -2,7 +2,7 @@
 
 The simulator is a driver of the scheduler's own round loop (`services.policy.rounds.RoundLoop`:
 the clock, the policy's decision grid, the metrics). What it adds is the world: the cluster state
-(each job's placement, progress and counters: `sim.world.SimulatedJob`, which plays the executors)
+(each job's placement, progress and counters: `services.simulated.world.SimulatedJob`, which plays the executors)
 and `DirectWiring`, which carries a round's messages as calls in this process, with the estimator's
 state as one `JobEstimate` per job. The policy service drives the same loop over NATS
 (docs/services.md), so both wirings give the same schedule. In a round every job whose placement
@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 from services.estimator.core import Estimator
 from services.placer.core import place
-from services.policy.base import Policy
+from policies.base import Policy
 from services.policy.rounds import Arrival, RoundLoop, Wiring
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.reference import WorkloadJob
@@ -38,11 +38,10 @@ from shared.schema import (
     Profile,
     RoundRecord,
 )
-from shared.settings import SimSettings
-from sim.truth import ModelTruth
-from sim.world import SimulatedExecutors, SimulatedJob, request_observations
+from shared.settings import FEEDBACK_ITERATIONS, SimSettings
+from services.simulated.truth import ModelTruth
+from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
 
-FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
 log = logging.getLogger(__name__)
 
 

@@ -12,7 +12,7 @@ without feedback. In the worked case every job has 4 iterations and k <= 4, so t
 
 Run-to-completion is round-robin with an unbounded quantum: one rule, `next_job` plus
 `visit_iterations`, drives both. The scheduler's `timeslice` policy applies the same rule at round
-boundaries, over jobs that arrive and leave (services/policy/timeslice.py).
+boundaries, over jobs that arrive and leave (policies/timeslice.py).
 
 Times are computed as (iterations run) * d + (switches made) * c rather than by accumulating
 floats, so every figure is the same closed form a hand calculation gives.

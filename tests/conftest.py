@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from deploy.nats import nats_from_binary
+from launcher.nats import nats_from_binary
 from shared.bus import Bus
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ import subprocess
 import uuid
 
 import nats
-from services.profiler import api
+from services.api import service as api
 from shared import storage, subjects
-from services.profiler.core import agents_models, submission_problem
+from shared.submissions import agents_models, submission_problem
 from shared.cluster import load_cluster
 from shared.schema import (JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, NodeInfo,
                            Rejected, SubmitAnswer)

@@ -6,15 +6,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from services.profiler.api import DOCS, ENDPOINTS, cut, schemas, schemas_markdown
-from services.profiler.core import malformed_reason
+from services.api.service import DOCS, ENDPOINTS, cut, schemas, schemas_markdown
+from shared.submissions import malformed_reason
 from shared.schema import JobRecord, JobSpec, JobsQuery, JobStatus, job_statuses, select
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_docs_api_md_holds_the_generated_schemas():
-    assert schemas_markdown() in (ROOT / DOCS).read_text(), "run: python -m services.profiler.api"
+    assert schemas_markdown() in (ROOT / DOCS).read_text(), "run: python -m services.api.service"
 
 
 def test_every_endpoint_has_its_messages_schemas():

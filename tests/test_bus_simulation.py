@@ -7,6 +7,7 @@ import pytest
 
 from shared import subjects
 from shared.reference import WorkloadJob
+from launcher.stack import replay_over_nats
 from sim.run import job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
@@ -17,7 +18,7 @@ WORKLOAD = [WorkloadJob("cifar10-0", 0, "cifar10", 2, 256), WorkloadJob("bert-1"
 
 def test_nats_wiring_reproduces_the_direct_schedule():
     direct = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO)
-    over_nats = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO, bus="nats")
+    over_nats = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
     assert direct["jobs_unfinished"] == 0
     assert over_nats["jobs"] == direct["jobs"]                  # same JCTs, restarts, GPU time, feedback
     assert over_nats["rounds"] == direct["rounds"]
@@ -32,7 +33,7 @@ def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
                 WorkloadJob("deepspeech2-2", 200, "deepspeech2", 8, 160), WorkloadJob("yolov3-3", 400, "yolov3", 8, 64)]
     learned = simulate(workload, "sia-hetero-64", "gavel", fairness=False)
     direct = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True)
-    over_nats = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, bus="nats")
+    over_nats = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, over=replay_over_nats)
     assert direct["truth"].startswith("reference:") and direct["jobs_unfinished"] == 0
     assert direct["profiled_at_request"] and over_nats["profiled_at_request"] and not learned["profiled_at_request"]
     assert [j["jct_s"] for j in direct["jobs"]] != [j["jct_s"] for j in learned["jobs"]]
@@ -58,7 +59,7 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
         waits = {name: asyncio.ensure_future(receiver.await_trace(lambda span, n=name: span.name == n))
                  for name in ("round",) + wanted}
         await asyncio.sleep(0)
-        await asyncio.to_thread(simulate, WORKLOAD[:2], "sia-hetero-64", "sia", sources=ZOO, bus="nats")
+        await asyncio.to_thread(simulate, WORKLOAD[:2], "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
         spans = dict(zip(waits, await asyncio.wait_for(asyncio.gather(*waits.values()), 20)))
     # The first span of each name belongs to the first round; all hang from that round's root span.
     root = spans["round"]
@@ -71,7 +72,7 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
 
 def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     from cli.main import main
-    from deploy.nats import free_loopback_port
+    from launcher.nats import free_loopback_port
 
     workload = tmp_path / "w.csv"
     workload.write_text("name,time,application,num_replicas,batch_size\ncifar10-0,0,cifar10,2,256\n"
@@ -102,7 +103,7 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
 
     import msgspec
 
-    from deploy.stack import running_services, service_arguments
+    from launcher.stack import running_services, service_arguments
     from shared import subjects
     from shared.schema import Ack, Count, JobSpec, Rejected
 
@@ -139,8 +140,8 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     Each job's (finish, restarts, GPU-seconds)."""
     import asyncio
 
-    from deploy.nats import embedded_nats
-    from deploy.stack import replay, running_services, service_arguments
+    from launcher.nats import embedded_nats
+    from launcher.stack import replay, running_services, service_arguments
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
@@ -263,8 +264,8 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
     jobs = _mixed(3)
     import asyncio
 
-    from deploy.nats import embedded_nats
-    from deploy.stack import replay, running_services, service_arguments
+    from launcher.nats import embedded_nats
+    from launcher.stack import replay, running_services, service_arguments
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
@@ -283,7 +284,7 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
 
 
 def test_the_setup_refuses_a_lease_that_never_expires():
-    from deploy.setup import main
+    from launcher.setup import main
 
     with pytest.raises(SystemExit):
         main(["--lease-ttl", "0"])
@@ -296,8 +297,8 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
 
     import nats.errors
 
-    from deploy.nats import embedded_nats
-    from deploy.stack import create_run, follow_run, replay_prefix, running_services, service_arguments
+    from launcher.nats import embedded_nats
+    from launcher.stack import create_run, follow_run, replay_prefix, running_services, service_arguments
     from shared.schema import Count, JobSpec, JobsQuery, RunRequest
 
     prefix = replay_prefix("rigid-run")

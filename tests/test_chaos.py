@@ -1,4 +1,4 @@
-"""The fault-injection suite (deploy/chaos.py): its faults on a small workload over the real stack,
+"""The fault-injection suite (chaos/suite.py): its faults on a small workload over the real stack,
 and the pieces that make them survivable (a failed solve keeps the previous allocation, a late
 apply cannot undo a newer round, invalid messages are refused)."""
 
@@ -9,7 +9,7 @@ import json
 import msgspec
 import pytest
 
-from deploy.chaos import FIELDS, REQUESTS, invalid_payloads, overfilled
+from chaos.suite import FIELDS, REQUESTS, invalid_payloads, overfilled
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import ApplyRequest, JobModels, JobSpec
@@ -52,7 +52,7 @@ def test_a_failed_solve_keeps_the_previous_allocation_for_that_round():
 
 
 def test_the_chaos_policy_refuses_an_unknown_failure():
-    from services.policy.base import make_policy
+    from policies.base import make_policy
 
     with pytest.raises(ValueError, match="how must be one of"):
         make_policy("chaos", how="explode")
@@ -62,7 +62,7 @@ def test_a_late_apply_does_not_undo_a_newer_round():
     """A deposed leader's apply, or one repeated on the bus, arrives after the next round ran."""
     from shared.settings import simulation_settings
     from sim.run import job_sources
-    from sim.world import SimulatedExecutors
+    from services.simulated.world import SimulatedExecutors
 
     cluster = load_cluster(CLUSTER)
     executors = SimulatedExecutors(cluster, simulation_settings(None, CLUSTER), 1)

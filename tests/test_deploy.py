@@ -37,10 +37,10 @@ import pytest
 import yaml
 from kubernetes_validate import utils as k8s_schema
 
-from deploy.live_run import create_live_run, live_request
-from deploy.nats import free_loopback_port, nats_server_binary
-from deploy.stack import SERVICES
-from services.runner import new_service
+from launcher.live_run import create_live_run, live_request
+from launcher.nats import free_loopback_port, nats_server_binary
+from launcher.stack import SERVICES
+from shared.runner import new_service
 from shared import permissions, storage, subjects
 from shared.bus import REPLICAS_ENV, SERVER_ENV, Bus
 from shared.cluster import load_cluster
@@ -421,7 +421,7 @@ def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_clai
     container = containers(executor)[0]
     assert executor["spec"]["replicas"] == 1 and executor["spec"]["strategy"]["type"] == "Recreate"
     assert option(container, "--executors") == "local" and option(container, "--node") is None
-    assert "GOODPUT_EXECUTORS" not in env_of(container)           # services.executor, not sim.executor
+    assert "GOODPUT_EXECUTORS" not in env_of(container)           # services.executor, not services.simulated
     assert re.fullmatch(r"file:///\S+", option(container, "--checkpoints"))
     [claim] = objects("gpu", "PersistentVolumeClaim").values()
     assert claim["metadata"]["name"] == "checkpoints"

@@ -1,5 +1,5 @@
 """Heterogeneous bootstrap and projection (services/estimator/core.py), the goodput matrix (shared/table.py),
-the trace-backed profiler (services/profiler/core.py), the cluster configuration set, the
+the trace-backed profiler (shared/profiles.py), the cluster configuration set, the
 models report and the model zoo."""
 
 import json
@@ -9,8 +9,8 @@ import pytest
 
 from cli.main import main
 from services.estimator.core import profile_observations, project, type_models
-from services.estimator.report import FITTED_TARGET, report_model
-from services.profiler.core import PROFILE_POINTS, model_profile, trace_profile
+from reports.models import FITTED_TARGET, report_model
+from shared.profiles import PROFILE_POINTS, model_profile, trace_profile
 from shared.cluster import Config, build_cluster, load_cluster
 from shared.table import goodput_table
 from goodput_train.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput

@@ -16,7 +16,7 @@ from pathlib import Path
 import nats.errors
 import pytest
 
-from deploy.nats import free_loopback_port
+from launcher.nats import free_loopback_port
 from shared import storage, subjects
 from shared.schema import Ack, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 from tests.test_multinode import until

@@ -9,18 +9,19 @@ import pytest
 
 from shared.table import goodput_table
 from services.placer.core import place, placement_violations
-from services.policy.base import make_policy
-from services.profiler.core import trace_profile
+from policies.base import make_policy
+from shared.profiles import trace_profile
 from shared.cluster import Config, load_cluster
 from goodput_train.goodput import BatchLimits, iteration_time
 from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models
 from shared.zoo import load_zoo
 from sim.fairness import fair_share
 from sim.rounds import job_models, job_view, round_state
+from launcher.stack import replay_over_nats
 from sim.run import job_sources, simulate
 from shared.settings import PRESETS
 from sim.simulator import DirectWiring, Simulator
-from sim.world import SimulatedJob
+from services.simulated.world import SimulatedJob
 
 ZOO = job_sources(use_zoo=True)
 CLUSTER = load_cluster("sia-hetero-64")
@@ -150,7 +151,7 @@ def test_sia_runs_a_mixed_workload_keeping_every_group_on_one_node():
 def test_the_services_over_nats_give_the_direct_schedule():
     workload = MIXED[:2]
     direct = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False)
-    over_nats = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False, bus="nats")
+    over_nats = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False, over=replay_over_nats)
     assert direct["jobs_unfinished"] == 0
     assert over_nats["jobs"] == direct["jobs"]
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]

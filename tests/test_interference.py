@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.policy.base import make_policy
+from policies.base import make_policy
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob
 from shared.settings import simulation_settings
@@ -52,7 +52,7 @@ def test_without_avoidance_distributed_jobs_do_share_nodes():
 
 
 def test_interfered_jobs_are_the_distributed_ones_sharing_a_node():
-    from sim.world import SimulatedExecutors
+    from services.simulated.world import SimulatedExecutors
 
     cluster = load_cluster("pollux-homo-64")
     executors = SimulatedExecutors(cluster, simulation_settings("pollux", "pollux-homo-64", interference=0.5), 1)
@@ -69,7 +69,7 @@ def test_interfered_jobs_are_the_distributed_ones_sharing_a_node():
 
 
 def test_a_slowdown_slows_training_by_that_fraction():
-    from sim.world import SimulatedJob
+    from services.simulated.world import SimulatedJob
 
     cluster = load_cluster("pollux-homo-64")
     truth = ZOO.truths["cifar10"]

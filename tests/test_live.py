@@ -5,8 +5,8 @@ import contextlib
 import time
 
 from cli.main import main
-from deploy.nats import embedded_nats
-from deploy.stack import create_run, follow_run_steps, running_services, service_arguments
+from launcher.nats import embedded_nats
+from launcher.stack import create_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 

@@ -18,7 +18,7 @@ import msgspec
 import nats
 import pytest
 
-from deploy.nats import free_loopback_port
+from launcher.nats import free_loopback_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GOODPUT = [sys.executable, "-m", "cli.main"]

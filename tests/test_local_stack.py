@@ -27,8 +27,8 @@ import uuid
 
 import msgspec
 
-from deploy.nats import embedded_nats, free_loopback_port
-from deploy.stack import (create_run, local_node_arguments, local_service_arguments, records_once_ended,
+from launcher.nats import embedded_nats, free_loopback_port
+from launcher.stack import (create_run, local_node_arguments, local_service_arguments, records_once_ended,
                           running_services)
 from shared import credentials, storage, subjects
 from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, NodeInfo, RunRequest

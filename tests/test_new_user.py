@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import build_parser, main
-from services.policy.base import POLICIES, make_policy, policy_options
+from policies.base import POLICIES, make_policy, policy_options
 from sim.workload import BUILT_IN_WORKLOAD
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def tiny_workload(folder: Path) -> Path:
 # 1. --version
 
 def test_version_prints_the_package_version_and_exits_0():
-    from services.runner import VERSION
+    from shared.runner import VERSION
 
     run = subprocess.run([sys.executable, "-m", "cli.main", "--version"], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
@@ -170,9 +170,9 @@ def test_simulate_reports_progress_on_a_stderr_that_is_no_terminal(tmp_path, mon
 
 
 async def test_replay_follows_the_run_with_a_progress_callback():
-    """`deploy.stack.replay(..., progress=...)` hands each step of the run's log to the callback
+    """`launcher.stack.replay(..., progress=...)` hands each step of the run's log to the callback
     (through follow_run); here the log is a stand-in bus's."""
-    from deploy.stack import follow_run
+    from launcher.stack import follow_run
     from shared.schema import RunStep
 
     steps = [RunStep(r, 60.0 * r, None, (), (), done, 3, over=done == 3) for r, done in enumerate((0, 1, 1, 3))]
@@ -213,11 +213,11 @@ def test_default_outputs_land_under_out(tmp_path, monkeypatch, capsys):
 
 def test_models_report_writes_under_out(tmp_path, monkeypatch, capsys):
     import cli.models
-    import services.estimator.report
+    import reports.models
 
     monkeypatch.setattr(cli.models, "reference_root", lambda path: tmp_path)
     monkeypatch.setattr(cli.models, "discover_models", lambda root: {})
-    monkeypatch.setattr(services.estimator.report, "report", lambda models: [])     # no fits: only where it writes
+    monkeypatch.setattr(reports.models, "report", lambda models: [])     # no fits: only where it writes
     monkeypatch.chdir(tmp_path)
     assert main(["models", "report"]) == 0
     assert json.loads((tmp_path / "out/models/models-report.json").read_text())["models"] == []

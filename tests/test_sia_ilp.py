@@ -1,4 +1,4 @@
-"""Sia's ILP core (services/policy/sia_ilp.py): known optima, brute force, constraints, fallbacks.
+"""Sia's ILP core (policies/sia_ilp.py): known optima, brute force, constraints, fallbacks.
 
 The brute force here is independent of the module: it enumerates every assignment of small
 instances and scores it with its own, unrounded, copy of Sia's objective; the ILP's answer must
@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.policy import sia_ilp
-from services.policy.sia_ilp import IlpProblem, IlpSolution, objective, solve, value_matrix
+from policies import sia_ilp
+from policies.sia_ilp import IlpProblem, IlpSolution, objective, solve, value_matrix
 
 LAM = 1.1
 
@@ -215,7 +215,7 @@ def test_locked_job_keeps_a_configuration_no_longer_valid():
 def test_locked_jobs_over_capacity_keep_the_previous_allocation(caplog):
     pr = problem([[1.0], [1.0]], config_type=[0], config_gpus=[1], capacity=[1], current=[0, 0],
                  locked=[True, True])
-    with caplog.at_level(logging.WARNING, logger="services.policy.sia_ilp"):
+    with caplog.at_level(logging.WARNING, logger="policies.sia_ilp"):
         sol = solve(pr)
     assert sol.fallback and sol.status.startswith("infeasible")
     assert sol.choice.tolist() == [0, 0]
@@ -428,7 +428,7 @@ def test_timeout_keeps_previous_allocation(large, monkeypatch, caplog):
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 0)
     pr = contended()
     assert not solve(pr).fallback
-    with caplog.at_level(logging.WARNING, logger="services.policy.sia_ilp"):
+    with caplog.at_level(logging.WARNING, logger="policies.sia_ilp"):
         sol = solve(pr, time_limit_s=1e-9)
     assert sol.fallback and sol.status.startswith("timeout"), sol.status
     assert np.array_equal(sol.choice, pr.current) and (sol.choice >= 0).sum() == 8
@@ -462,7 +462,7 @@ def test_solver_error_keeps_previous_allocation(error, monkeypatch, caplog):
 
     monkeypatch.setattr(cp.Problem, "solve", broken)
     pr = contended()
-    with caplog.at_level(logging.WARNING, logger="services.policy.sia_ilp"):
+    with caplog.at_level(logging.WARNING, logger="policies.sia_ilp"):
         sol = solve(pr)
     assert sol.fallback and sol.status.startswith("solver_error"), sol.status
     assert np.array_equal(sol.choice, pr.current)

@@ -4,8 +4,8 @@ import pytest
 from sim.rounds import job_view, round_state
 
 from services.placer.core import place
-from services.policy.base import make_policy, restart_factor
-from services.policy.goodput import SHRINK_FLOOR
+from policies.base import make_policy, restart_factor
+from policies.goodput import SHRINK_FLOOR
 from shared.cluster import Config, load_cluster
 
 CLUSTER = load_cluster("sia-hetero-64")

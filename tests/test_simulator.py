@@ -11,7 +11,7 @@ from shared.reference import WorkloadJob, discover_models
 from shared.zoo import load_zoo
 from sim.run import job_sources, simulate
 from shared.settings import PRESETS
-from sim.truth import canonical_placement, reference_truth
+from services.simulated.truth import canonical_placement, reference_truth
 
 ZOO = job_sources(use_zoo=True)
 
@@ -160,7 +160,7 @@ def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
     from shared.cluster import load_cluster
     from shared.schema import JobSpec
     from shared.settings import simulation_settings
-    from sim.world import SimulatedExecutors
+    from services.simulated.world import SimulatedExecutors
 
     executors = SimulatedExecutors(load_cluster("sia-hetero-64"), simulation_settings(None, "sia-hetero-64"), 1)
     truth = ZOO.truths["cifar10"]
@@ -185,7 +185,7 @@ def test_profiling_at_the_request_gives_the_estimator_the_matrix_gavel_assumes()
     from shared.cluster import load_cluster
     from shared.settings import simulation_settings
     from sim.simulator import DirectWiring
-    from sim.world import request_observations
+    from services.simulated.world import request_observations
 
     sources, cluster = job_sources(), load_cluster("sia-hetero-64")
     assert sources.origin.startswith("reference:")

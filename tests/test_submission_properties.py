@@ -8,7 +8,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.profiler.core import profile_source, submission_problem
+from shared.profiles import profile_source
+from shared.submissions import submission_problem
 from shared.bus import Bus
 from shared.cluster import load_cluster
 from shared.hardware import types_named

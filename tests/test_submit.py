@@ -7,7 +7,7 @@ import pytest
 
 from cli.main import main
 from cli.submit import load_job, submit
-from services.profiler.core import agents_models, malformed_reason, submission_problem
+from shared.submissions import agents_models, malformed_reason, submission_problem
 from shared import storage, subjects
 from shared.cluster import load_cluster
 from shared.schema import JobSpec, NodeInfo, Rejected, rejection, submission_msg_id
@@ -117,7 +117,7 @@ def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):
 
 def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys, nats_server, no_login):
     """`goodput submit a.yaml b.yaml c.yaml`: one bad file is said, the others go still; exit 2."""
-    from deploy.setup import provision_now
+    from launcher.setup import provision_now
 
     provision_now(nats_server)
     files = [write(tmp_path, f"id: multi-{n}\napplication: cifar10\n", f"{n}.yaml") for n in "ab"]

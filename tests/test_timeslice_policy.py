@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.policy.base import make_policy
+from policies.base import make_policy
 from shared.reference import WorkloadJob
 from sim.run import job_sources, simulate
 

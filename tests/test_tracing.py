@@ -343,7 +343,7 @@ class _FixedPolicy:
         self.allocations, self.error = allocations, error
 
     def allocate(self, state):
-        from services.policy.base import Decision
+        from policies.base import Decision
 
         if self.error is not None:
             raise self.error
@@ -455,7 +455,7 @@ def test_a_huge_round_records_the_jobs_left_where_they_were_last(traced, monkeyp
 
 
 def test_sia_decisions_carry_its_predicted_goodput_batch_and_restart_factor(traced):
-    from services.policy.sia import SiaPolicy
+    from policies.sia import SiaPolicy
     from shared.cluster import build_cluster
 
     provider, exporter = traced
@@ -480,7 +480,7 @@ def test_sia_decisions_carry_its_predicted_goodput_batch_and_restart_factor(trac
 
 
 def test_pollux_exposes_its_predicted_speedup_per_allocated_job():
-    from services.policy.pollux import PolluxPolicy
+    from policies.pollux import PolluxPolicy
     from sim.rounds import job_view, round_state
 
     state = round_state([job_view("c", "cifar10", _homo()), job_view("b", "bert", _homo())], _homo())

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from deploy.nats import free_loopback_port
+from launcher.nats import free_loopback_port
 from goodput_train.protocol import OUTCOME_PREFIX, REPORT_ENV, STATS_PREFIX, JobStats
 from goodput_train.trainer import AdaptiveTraining
 

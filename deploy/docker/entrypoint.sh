@@ -2,7 +2,7 @@
 # The images' entrypoint: GOODPUT_SERVICE=<name> runs that service with the container's arguments;
 # without it, the arguments are the command to run (e.g. `goodput submit job.yaml`).
 # GOODPUT_SERVICE=executor with GOODPUT_EXECUTORS=simulated runs the simulated executors
-# (`python -m sim.executor`: a whole simulated cluster on a virtual clock) instead of a node agent.
+# (`python -m services.simulated`: a whole simulated cluster on a virtual clock) instead of a node agent.
 set -e
 if [ -n "${GOODPUT_SERVICE:-}" ]; then
     case "$GOODPUT_SERVICE" in
@@ -11,7 +11,7 @@ if [ -n "${GOODPUT_SERVICE:-}" ]; then
            exit 64 ;;
     esac
     if [ "$GOODPUT_SERVICE" = executor ] && [ "${GOODPUT_EXECUTORS:-}" = simulated ]; then
-        exec python -m sim.executor "$@"
+        exec python -m services.simulated "$@"
     fi
     exec python -m "services.$GOODPUT_SERVICE" "$@"
 fi

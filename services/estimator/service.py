@@ -17,7 +17,7 @@ from nats import micro
 from opentelemetry import trace
 
 from services.estimator.core import Estimator
-from services.runner import new_service
+from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored

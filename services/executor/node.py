@@ -43,7 +43,7 @@ from nats import micro
 from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
 from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, free_port, job_module,
                                          last_error, stop_leftovers, torchrun_env, worker)
-from services.runner import new_service
+from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.files import make_private

@@ -30,10 +30,11 @@ import msgspec
 from nats import micro
 
 from goodput_train.protocol import REPORT_EVERY_S
-from services.executor import endpoints, node
+from services.executor import node
+from shared import executor_endpoints as endpoints
 from services.executor.local import BusNodes, LocalExecutors
 from services.executor.processes import JOBS_PACKAGE
-from services.runner import positive_float
+from shared.runner import positive_float
 from shared import storage, subjects
 from shared.bus import Bus, TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_nodes
@@ -448,7 +449,7 @@ def _key(observation: Observation) -> tuple[int, int, int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executors", choices=["local"], default="local",
-                        help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m sim.executor)")
+                        help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m services.simulated)")
     parser.add_argument("--node", help="serve this node as its agent (its workers), not the executor service")
     parser.add_argument("--cluster", help="the cluster the nodes must belong to: a preset or YAML/JSON file "
                                           "(default: any node an agent serves)")

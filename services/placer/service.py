@@ -8,7 +8,7 @@ from nats import micro
 from opentelemetry import trace
 
 from services.placer.core import place
-from services.runner import new_service
+from shared.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, load_cluster

@@ -1,4 +1,4 @@
 from services.policy.service import add_arguments, start
-from services.runner import service_main
+from shared.runner import service_main
 
 service_main("policy", start, add_arguments)

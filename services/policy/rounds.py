@@ -30,7 +30,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from services.policy.base import (Decision, HybridRefused, Policy, Prediction, RoundState, decision_from_placements,
+from policies.base import (Decision, HybridRefused, Policy, Prediction, RoundState, decision_from_placements,
                                   job_view, restore_policy, snapshot_policy)
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.schema import (

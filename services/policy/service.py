@@ -32,11 +32,11 @@ import msgspec
 import nats.errors
 from nats import micro
 
-from services.policy.base import make_policy
+from policies.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
 from services.policy.rounds import Arrival, RoundLoop
 from services.policy.wiring import RETRY_S, BusWiring, LiveFeed
-from services.runner import new_service
+from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # The lease's time to live is the operator's: the lease bucket's (shared.storage, deploy.setup --lease-ttl).
+    # The lease's time to live is the operator's: the lease bucket's (shared.storage, launcher.setup --lease-ttl).
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
 
 

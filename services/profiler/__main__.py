@@ -1,4 +1,4 @@
 from services.profiler.service import add_arguments, start
-from services.runner import service_main
+from shared.runner import service_main
 
 service_main("profiler", start, add_arguments)

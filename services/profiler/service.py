@@ -6,7 +6,7 @@ acknowledged once the profiler's verdict is stored in the jobs stream, exactly o
 `Profiled` (its profiles reached the estimator; the executors may run it) or `Rejected` (the reason:
 malformed, an unknown application or GPU type, more GPUs than the cluster has, a submit time on a
 live submission, a profiling run that failed). Only accepted jobs ever run. On a simulated cluster
-the profiles are trace-backed (`services.profiler.core`); with `--executors local` the job's own
+the profiles are trace-backed (`shared/profiles.py`); with `--executors local` the job's own
 script is run on one GPU of each type, by the agent of a node of that type (`services.profiler.measure`).
 """
 
@@ -19,11 +19,11 @@ import logging
 
 from nats import micro
 
-from services.profiler import api
-from services.profiler.core import (agents_models, id_taken, malformed_reason, named_types, profile_source,
-                                    submission_problem)
+from services.api import service as api
+from shared.profiles import profile_source
+from shared.submissions import agents_models, id_taken, malformed_reason, named_types, submission_problem
 from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFailed, measured_profile, profiling_run
-from services.runner import new_service, positive_float
+from shared.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.policy.base import Decision, Prediction, RoundState, restart_factor
-from services.policy.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
+from policies.base import Decision, Prediction, RoundState, restart_factor
+from policies.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
 from shared.settings import ROUND_S
 
 

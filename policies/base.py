@@ -12,6 +12,8 @@ evaluation switch between them with one string.
 
 from __future__ import annotations
 
+import json
+
 import difflib
 import importlib
 import inspect
@@ -159,14 +161,14 @@ def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = Fal
 
 # name -> "module:class"; modules are imported on first use.
 POLICIES: dict[str, str] = {
-    "sia": "services.policy.sia:SiaPolicy",
-    "goodput": "services.policy.goodput:GoodputPolicy",       # in progress: docs/policy.md
-    "pollux": "services.policy.pollux:PolluxPolicy",
-    "gavel": "services.policy.gavel:GavelPolicy",
-    "tiresias": "services.policy.tiresias:TiresiasPolicy",
-    "fifo": "services.policy.fifo:FifoPolicy",
-    "timeslice": "services.policy.timeslice:TimeslicePolicy",
-    "chaos": "services.policy.chaos:ChaosPolicy",      # fault injection only (docs/chaos.md)
+    "sia": "policies.sia:SiaPolicy",
+    "goodput": "policies.goodput:GoodputPolicy",       # in progress: docs/policy.md
+    "pollux": "policies.pollux:PolluxPolicy",
+    "gavel": "policies.gavel:GavelPolicy",
+    "tiresias": "policies.tiresias:TiresiasPolicy",
+    "fifo": "policies.fifo:FifoPolicy",
+    "timeslice": "policies.timeslice:TimeslicePolicy",
+    "chaos": "chaos.policy:ChaosPolicy",      # fault injection only (docs/chaos.md)
 }
 
 
@@ -252,3 +254,21 @@ def pack(cluster: Cluster, free: dict[str, int], gpu_type: str, gpus: int) -> Sp
     for name, take in spots:
         free[name] -= take
     return tuple(sorted(spots))
+
+
+def policy_spec(spec: str) -> tuple[str, dict]:
+    """'gavel:objective=max_sum_throughput,round_s=60' -> ('gavel', {...}); values parsed as JSON when they can be.
+    ValueError naming the valid policies, or the policy's valid options, for a name it does not know."""
+    name, _, rest = spec.partition(":")
+    check_policy(name)
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy option {item!r} in {spec!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    check_policy(name, options)
+    return name, options

@@ -57,8 +57,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from services.policy.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
-from services.policy.rigid import holds_request, requested_throughput_matrix
+from policies.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.rigid import holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ treated as waiting and re-placed at its request.
 
 from __future__ import annotations
 
-from services.policy.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
-from services.policy.rigid import arrival_order, fastest_type, holds_request, requested_throughput_matrix, type_room
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.rigid import arrival_order, fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 from shared.settings import ROUND_S
 

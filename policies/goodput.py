@@ -31,9 +31,9 @@ import dataclasses
 import msgspec
 import numpy as np
 
-from services.policy.base import Decision, RoundState
-from services.policy.sia import SiaPolicy
-from services.policy.sia_ilp import IlpProblem
+from policies.base import Decision, RoundState
+from policies.sia import SiaPolicy
+from policies.sia_ilp import IlpProblem
 
 # Mechanism 3: the least G^p a shrink is priced at, that of a job of normalised goodput 4 at p = -0.5
 # (0.25 and 1, the two measured beside it, did worse: docs/policy.md).

@@ -67,7 +67,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from services.policy.base import (Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid,
+from policies.base import (Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid,
                                  restart_factor)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels

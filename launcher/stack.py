@@ -18,9 +18,9 @@ import msgspec
 import nats.errors
 
 from shared import storage, subjects
-from deploy.nats import EmbeddedNats
-from services.runner import PARENT_ENV
-from deploy.setup import provision_now
+from launcher.nats import EmbeddedNats
+from shared.runner import PARENT_ENV
+from launcher.setup import provision_now
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
@@ -165,9 +165,9 @@ async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
 
 def module_of(service: str, arguments: Sequence[str]) -> str:
     """The module a service runs as: `services.<name>`, but the executors of a simulated cluster
-    (whose arguments do not ask for `--executors local`) are `sim.executor`."""
+    (whose arguments do not ask for `--executors local`) are `services.simulated`."""
     if service == "executor" and "--executors" not in arguments:
-        return "sim.executor"
+        return "services.simulated"
     return f"services.{service}"
 
 
@@ -371,7 +371,7 @@ async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int]
 async def another_login(folder: Path, name: str, url: str):
     """A login added to the embedded stack on `folder` while it serves (as `goodput login add` does),
     connected with nats-py alone once the server has taken it."""
-    from deploy.nats import SECRETS, Access, reload, taken
+    from launcher.nats import SECRETS, Access, reload, taken
     from shared.credentials import connect_options, read_env
 
     access = Access(folder / SECRETS)
@@ -386,7 +386,7 @@ async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
     logged in as `user` with nats-py alone: what a benchmark of the user's side measures through."""
     import nats
 
-    from deploy.nats import embedded_nats
+    from launcher.nats import embedded_nats
 
     arguments = service_arguments(cluster, None, True, None, 1, None)
     with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
@@ -400,3 +400,23 @@ async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
             yield nc
         finally:
             await nc.close()
+
+
+async def replay_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
+                         feedback_iterations, restart_delay_s, round_s, horizon_s, interference, origin, progress):
+    """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
+    import tempfile
+
+    from launcher.nats import embedded_nats
+
+    arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
+                                  restart_delay_s, interference, settings.profile_request)
+    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
+        with running_services(nats, arguments, Path(folder)) as stack:
+            bus = await nats.connect("goodput-simulate")
+            try:
+                await stack.wait_ready(bus)
+                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s,
+                                    progress=progress)
+            finally:
+                await bus.close()

@@ -25,8 +25,8 @@ mid checkpoint-restart is treated like any other running job (Pollux's simulator
 
 from __future__ import annotations
 
-from services.policy.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
-from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.rigid import fastest_type, holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 from shared.settings import ROUND_S
 

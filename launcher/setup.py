@@ -2,8 +2,8 @@
 (shared/storage.py), created or brought to the plan. No service may create them.
 
 `goodput up` and the embedded stacks run it before they start the services (`provision_now`); the
-manifests' and compose's `live-run` one-shot runs it first (deploy/live_run.py); `python -m
-deploy.setup` runs it alone, with the operator's credentials (shared/credentials.py).
+manifests' and compose's `live-run` one-shot runs it first (launcher/live_run.py); `python -m
+launcher.setup` runs it alone, with the operator's credentials (shared/credentials.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def provision_now(server: str, lease_ttl_s: float = storage.LEASE_TTL_S, **optio
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.setup", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m launcher.setup", description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
                         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
     parser.add_argument("--lease-ttl", type=float, default=storage.LEASE_TTL_S,

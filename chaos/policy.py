@@ -1,5 +1,5 @@
 """`chaos`: another policy whose solve fails in one round — for the fault-injection suite
-(deploy/chaos.py, docs/chaos.md) and its tests; not a scheduling choice.
+(chaos/suite.py, docs/chaos.md) and its tests; not a scheduling choice.
 
 `chaos` with options `policy="sia", fail_round=5, how="raise"` decides as sia except in the round at
 now = 5 × round_s: `raise` makes the solve raise at once; `timeout` makes it hang for `stall_s`
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from services.policy.base import Decision, RoundState, make_policy, restore_policy, snapshot_policy
+from policies.base import Decision, RoundState, make_policy, restore_policy, snapshot_policy
 
 HOW = ("raise", "timeout")
 DEFAULT_STALL_S = 5.0

@@ -1,7 +1,7 @@
-"""The simulated executors as the executor service: `python -m sim.executor` (what `goodput up`,
+"""The simulated executors as the executor service: `python -m services.simulated` (what `goodput up`,
 `goodput simulate --bus nats` and the manifests' simulated cluster run in place of node agents).
 
-The jobs of a simulated cluster run here on a virtual clock (`sim.world`). They come from the jobs
+The jobs of a simulated cluster run here on a virtual clock (`services.simulated.world`). They come from the jobs
 stream, read in order by one durable consumer: a submission, then the profiler's verdict on it. A
 job enters the rounds only once the profiler accepted it (`Profiled`: its profiles are with the
 estimator); one it refused is kept with the reason, so `goodput status` shows it. The service
@@ -21,8 +21,7 @@ import logging
 import msgspec
 from nats import micro
 
-from services.executor import endpoints
-from services.runner import service_main
+from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.schema import (
@@ -41,10 +40,34 @@ from shared.schema import (
     unnamed_key,
     verdict_for,
 )
-from sim.run import add_world_arguments, world_of
-from sim.world import SubmittedJob, as_workload_job, request_observations
+from services.simulated.truth import JobSources, job_sources
+from services.simulated.world import SimulatedExecutors, SubmittedJob, as_workload_job, request_observations
+from shared.cluster import load_cluster
+from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
 
 log = logging.getLogger(__name__)
+
+
+def add_world_arguments(parser) -> None:
+    """A simulated cluster's options, for the services that play it (executor, profiler, estimator)."""
+    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+    parser.add_argument("--reference", help="reference folder for the jobs' true behaviour")
+    parser.add_argument("--zoo", action="store_true", help="the built-in model zoo as the jobs' true behaviour")
+    parser.add_argument("--calibration", help="peer simulator calibration (default: the cluster's)")
+    parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS)
+    parser.add_argument("--restart-delay", type=float, help="every job's checkpoint-restart delay, seconds")
+    parser.add_argument("--interference", type=float, default=0.0,
+                        help="distributed jobs sharing a node train this fraction slower")
+    parser.add_argument("--profile-request", action="store_true",
+                        help="profile each job at its request on every type too (Gavel's throughput matrix)")
+
+
+def world_of(args) -> tuple[SimulatedExecutors, JobSources]:
+    """The simulated executors and the jobs' truth that `add_world_arguments`' options describe."""
+    settings = simulation_settings(args.calibration, args.cluster, args.restart_delay, interference=args.interference,
+                                   profile_request=args.profile_request)
+    executors = SimulatedExecutors(load_cluster(args.cluster), settings, args.feedback_iterations)
+    return executors, job_sources(args.reference, args.zoo)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +251,3 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         count=lambda prefix: sum(1 for e in submitted.values()
                                  if e.job_id.startswith(prefix) and (e.job is not None or e.rejected)))
 
-
-if __name__ == "__main__":
-    service_main("executor", start, add_arguments)

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from services.policy.base import JobView
+from policies.base import JobView
 from shared.cluster import Cluster
 from goodput_train.goodput import ThroughputParams, split_batch, throughput
 

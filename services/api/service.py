@@ -42,8 +42,8 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from opentelemetry import trace
 
-from services.profiler.core import id_taken, malformed_reason
-from services.runner import new_service
+from shared.submissions import id_taken, malformed_reason
+from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.permissions import LOGINS_ACCOUNT
@@ -440,7 +440,7 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
 # ---- docs/api.md's generated part ---------------------------------------------------------------
 
 DOCS = "docs/api.md"
-BEGIN, END = "<!-- schemas: begin (python -m services.profiler.api writes this part) -->", "<!-- schemas: end -->"
+BEGIN, END = "<!-- schemas: begin (python -m services.api.service writes this part) -->", "<!-- schemas: end -->"
 
 
 def schemas_markdown() -> str:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
 
 from goodput_train.goodput import ThroughputParams, compute_time, efficiency, iteration_time, pgns
-from shared.reference import Measurements, ModelTrace
-from shared.zoo import ZooModel
+from shared.profiles import profile_source
+from shared.reference import Measurements, ModelTrace, discover_models
+from shared.zoo import ZooModel, load_zoo
 
 
 def canonical_placement(gpus_per_node: list[int]) -> str:
@@ -176,3 +178,23 @@ def zoo_truth(model: ZooModel) -> ModelTruth:
         grad_var=np.asarray(model.grad_var, dtype=float)[None, :],
         group_gpus=dict(model.group_gpus),
     )
+
+
+@dataclass(frozen=True)
+class JobSources:
+    """True behaviour per model, and the 1-GPU profile a profiling run would measure per (model, type)."""
+
+    origin: str                                   # "reference:<folder>" or "zoo"
+    truths: dict[str, ModelTruth]
+    profile: Callable[[str, str], object]
+
+
+def job_sources(reference: str | None = None, use_zoo: bool = False) -> JobSources:
+    """The jobs' truth and their profiles, from one source: the reference profiles when the
+    reference folder is there, else the built-in model zoo."""
+    source = profile_source(reference, use_zoo)
+    if source.origin == "zoo":
+        truths = {name: zoo_truth(m) for name, m in load_zoo().items()}
+    else:
+        truths = {name: reference_truth(t) for name, t in discover_models(reference).items()}
+    return JobSources(source.origin, truths, source.profile)

@@ -1,9 +1,9 @@
-"""Hand a deployed stack its live run: `python -m deploy.live_run --policy sia --round 60`.
+"""Hand a deployed stack its live run: `python -m launcher.live_run --policy sia --round 60`.
 
 The policy leader schedules only the runs it finds in the KV bucket `goodput_runs`; `goodput up`
 creates its live run itself (cli/up.py). A deployed stack (Kubernetes, compose) has no such driver,
 so a one-shot job runs this as the operator: it sets up every stream, bucket and consumer (the
-services only open them: deploy/setup.py), then creates the live run — jobs submitted with
+services only open them: launcher/setup.py), then creates the live run — jobs submitted with
 `goodput submit` are scheduled a round every `--round` seconds with `--policy` — unless a run of that
 id exists already, which it leaves as it is (the job may run again at every `kubectl apply`).
 A live run never ends: its policy is the one it was created with.
@@ -32,8 +32,8 @@ def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, sp
     clock, each `round_s` x `speed` seconds of the cluster's clock (a simulated cluster may run
     faster than the wall clock). `option_defaults`: policy options unless the spec sets them.
     ValueError for an unknown policy or option."""
-    from cli.simulate import policy_spec as parse_policy
-    from services.policy.base import make_policy
+    from policies.base import policy_spec as parse_policy
+    from policies.base import make_policy
     from shared.settings import settings_for
 
     if round_s <= 0 or speed <= 0:
@@ -47,10 +47,10 @@ def live_request(run_id: str, policy_spec: str, cluster: str, round_s: float, sp
 
 async def create_live_run(server: str, request: RunRequest, wait_s: float,
                           lease_ttl_s: float = storage.LEASE_TTL_S) -> RunRequest | None:
-    """Set up the storage (the operator's part: deploy.setup), then create the run: None once
+    """Set up the storage (the operator's part: launcher.setup), then create the run: None once
     created, or the stored request of the run of that id that exists already. Keeps trying to reach
     NATS for `wait_s` seconds."""
-    from deploy.stack import ensure_run
+    from launcher.stack import ensure_run
 
     deadline = asyncio.get_running_loop().time() + wait_s
     while True:
@@ -71,7 +71,7 @@ async def create_live_run(server: str, request: RunRequest, wait_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.live_run",
+    parser = argparse.ArgumentParser(prog="python -m launcher.live_run",
                                      description="create the live run a deployed goodput schedules submitted jobs in")
     parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
                         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")

@@ -15,8 +15,8 @@ than a round, shorten the round (`--round-s`).
 
 from __future__ import annotations
 
-from services.policy.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
-from services.policy.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 from shared.settings import ROUND_S
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from services.estimator.core import type_models
-from services.profiler.core import trace_profile
+from shared.profiles import trace_profile
 from goodput_train.goodput import ThroughputParams, fit_throughput, iteration_time
 from shared.reference import Measurements, ModelTrace
 

@@ -1,5 +1,5 @@
 """The executors' side of the round as endpoints, the same whoever plays the jobs: the simulated
-executors (`sim.executor`) or the executor over real ones (`services.executor.real`)."""
+executors (`services.simulated`) or the executor over real ones (`services.executor.real`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Awaitable, Callable, Iterable
 import nats.errors
 from nats import micro
 
-from services.runner import new_service
+from shared.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.schema import (

@@ -22,7 +22,7 @@ from shared.cluster import Cluster, Config, Spots, replica_count
 from goodput_train.goodput import BatchLimits, Observation, split_batch
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
-from sim.truth import ModelTruth
+from services.simulated.truth import ModelTruth
 
 
 class SimulatedJob(msgspec.Struct):

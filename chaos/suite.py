@@ -32,8 +32,8 @@ import msgspec
 import nats.errors
 from nats import micro
 
-from deploy.nats import EmbeddedNats, free_loopback_port, nats_from_binary, server_config
-from deploy.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
+from launcher.nats import EmbeddedNats, free_loopback_port, nats_from_binary, server_config
+from launcher.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus, is_json
 from shared.cluster import Cluster, load_cluster

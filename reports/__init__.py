@@ -1,0 +1,1 @@
+"""Offline reports over the reference data."""

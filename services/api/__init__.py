@@ -1,0 +1,1 @@
+"""The user API: submit, look up, list and cancel jobs (`python -m services.api`)."""
