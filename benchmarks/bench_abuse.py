@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 import json
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -48,7 +48,9 @@ def shown(name: str, times: list[float]) -> str:
 async def while_running(attack: str, url: str, folder: Path, nc) -> list[float]:
     """The other login's latencies while `attack` runs as `user`, in a process of its own (started a
     second before, stopped after)."""
-    process = multiprocessing.Process(target=attacker, args=(attack, url, (folder / SECRETS / "user").read_text().strip()))
+    process = multiprocessing.Process(
+        target=attacker, args=(attack, url, (folder / SECRETS / "user").read_text().strip())
+    )
     process.start()
     await asyncio.sleep(1.0)
     try:
@@ -61,6 +63,7 @@ async def while_running(attack: str, url: str, folder: Path, nc) -> list[float]:
 def attacker(attack: str, url: str, password: str) -> None:
     """As the login `user`, with nats-py alone: `flood` publishes 60 KiB submissions as fast as one
     connection does; `pages` keeps 300 pages of 500 jobs in flight."""
+
     async def run() -> None:
         nc = await nats.connect(url, user="user", password=password, inbox_prefix="_INBOX_user")
         inbox = nc.new_inbox()
@@ -72,22 +75,28 @@ def attacker(attack: str, url: str, password: str) -> None:
                     await nc.publish(subjects.API_SUBMIT, body, reply=inbox)
                 await asyncio.sleep(0)
             else:
-                await asyncio.gather(*(nc.request(subjects.API_JOBS, b'{"limit": 500}', timeout=120)
-                                       for _ in range(300)), return_exceptions=True)
+                await asyncio.gather(
+                    *(nc.request(subjects.API_JOBS, b'{"limit": 500}', timeout=120) for _ in range(300)),
+                    return_exceptions=True,
+                )
 
     asyncio.run(run())
 
 
 async def run(folder: Path) -> None:
-    async with users_view(folder) as user:                  # the `user` login, nats-py alone
+    async with users_view(folder) as user:  # the `user` login, nats-py alone
         url = user.connected_url.geturl()
         bob = await another_login(folder, "bob", url)
         try:
             print(shown("bob alone", await latencies(bob)), flush=True)
-            print(shown("bob while user floods 60 KiB submissions", await while_running("flood", url, folder, bob)),
-                  flush=True)
-            print(shown("bob while user has 300 pages of 500 in flight", await while_running("pages", url, folder, bob)),
-                  flush=True)
+            print(
+                shown("bob while user floods 60 KiB submissions", await while_running("flood", url, folder, bob)),
+                flush=True,
+            )
+            print(
+                shown("bob while user has 300 pages of 500 in flight", await while_running("pages", url, folder, bob)),
+                flush=True,
+            )
             for verb in ("PING", "INFO", "STATS"):
                 for target in ("$JS.API.STREAM.DELETE.GOODPUT_JOBS", "$KV.goodput_runs.live"):
                     for _ in range(100):

@@ -20,7 +20,7 @@ import numpy as np
 
 from launcher.stack import another_login, users_view
 
-SUBMIT, JOB = "goodput.api.submit", "goodput.api.job"       # as a client in another language writes them
+SUBMIT, JOB = "goodput.api.submit", "goodput.api.job"  # as a client in another language writes them
 
 
 async def burst(logins: list, bodies: list[bytes], in_flight: int) -> tuple[float, list[float], list[dict]]:
@@ -44,16 +44,20 @@ async def burst(logins: list, bodies: list[bytes], in_flight: int) -> tuple[floa
 
 def shown(name: str, took: float, times: list[float], count: int) -> str:
     p50, p95 = np.percentile(times, [50, 95])
-    return (f"{name:<36} {count / took:7.0f} a second ({count} in {took:.2f} s); answer p50 {p50:6.1f} ms, "
-            f"p95 {p95:6.1f} ms, max {max(times):6.1f} ms")
+    return (
+        f"{name:<36} {count / took:7.0f} a second ({count} in {took:.2f} s); answer p50 {p50:6.1f} ms, "
+        f"p95 {p95:6.1f} ms, max {max(times):6.1f} ms"
+    )
 
 
 async def run(folder: Path, jobs: int, in_flight: int, logins: int) -> None:
-    async with users_view(folder) as nc:          # the user's login, nats-py alone; and more logins
+    async with users_view(folder) as nc:  # the user's login, nats-py alone; and more logins
         url = nc.connected_url.geturl()
         connections = [nc, *[await another_login(folder, f"team-{n}", url) for n in range(1, logins)]]
-        bodies = [json.dumps({"id": f"api-{i}", "application": "cifar10", "requested_gpus": 1 + i % 4}).encode()
-                  for i in range(jobs)]
+        bodies = [
+            json.dumps({"id": f"api-{i}", "application": "cifar10", "requested_gpus": 1 + i % 4}).encode()
+            for i in range(jobs)
+        ]
         took, times, answers = await burst(connections, bodies, in_flight)
         accepted = sum(a["accepted"] for a in answers)
         print(shown(f"submitted ({accepted} accepted)", took, times, jobs), flush=True)
@@ -73,7 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--in-flight", type=int, default=64)
-    parser.add_argument("--logins", type=int, default=4, help="logins submitting at once (each holds at most 16 in hand)")
+    parser.add_argument(
+        "--logins", type=int, default=4, help="logins submitting at once (each holds at most 16 in hand)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(run(Path(folder), args.jobs, args.in_flight, args.logins))

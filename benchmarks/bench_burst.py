@@ -51,8 +51,14 @@ async def submit_burst(server, jobs: int) -> float:
     try:
         js = nc.jetstream()
         started = time.perf_counter()
-        acks = [js.publish_async(subjects.submit("user"), msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
-                                 headers={"Nats-Msg-Id": f"burst-{i}"}) for i in range(jobs)]
+        acks = [
+            js.publish_async(
+                subjects.submit("user"),
+                msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
+                headers={"Nats-Msg-Id": f"burst-{i}"},
+            )
+            for i in range(jobs)
+        ]
         await asyncio.gather(*acks)
         return time.perf_counter() - started
     finally:
@@ -85,8 +91,9 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
                 if len(states) == args.jobs and all(s == "finished" for s in states):
                     break
                 if time.perf_counter() - started > args.timeout:
-                    raise SystemExit(f"not finished after {args.timeout:.0f} s: "
-                                     f"{ {s: states.count(s) for s in set(states)} }")
+                    raise SystemExit(
+                        f"not finished after {args.timeout:.0f} s: { {s: states.count(s) for s in set(states)} }"
+                    )
                 await asyncio.sleep(1.0)
             finished_s = time.perf_counter() - started
             following.cancel()
@@ -97,10 +104,14 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
     burst = [(t, s) for t, s in steps if t >= started]
     decide = [s.record.round_ms for _, s in burst if s.record is not None]
     gaps = np.diff([t for t, _ in burst]) * 1e3
-    print(f"every job profiled (verdict given) {profiled_s:.1f} s after the first submission; "
-          f"every job finished after {finished_s:.1f} s")
-    print(f"{len(burst)} rounds during the burst, one every {args.round:g} s of wall time "
-          f"({args.round * args.speed:g} s of the cluster's clock)")
+    print(
+        f"every job profiled (verdict given) {profiled_s:.1f} s after the first submission; "
+        f"every job finished after {finished_s:.1f} s"
+    )
+    print(
+        f"{len(burst)} rounds during the burst, one every {args.round:g} s of wall time "
+        f"({args.round * args.speed:g} s of the cluster's clock)"
+    )
     print(f"  deciding a round (p50 / p95 / max): {quantiles(decide)}")
     print(f"  between two rounds  (p50 / p95 / max): {quantiles(gaps)}  (period {args.round * 1e3:.0f} ms)")
     print("peak resident memory (VmHWM): " + ", ".join(f"{name} {mb:.0f} MiB" for name, mb in memory.items()))

@@ -29,15 +29,20 @@ def main() -> None:
     walls, runs = {}, {}
     for bus in ("direct", "nats"):
         start = time.perf_counter()
-        runs[bus] = simulate(workload, "sia-hetero-64", args.policy, sources=sources, bus=bus,
-                             fairness=False)   # the alone runs are the same work either way
+        runs[bus] = simulate(
+            workload, "sia-hetero-64", args.policy, sources=sources, bus=bus, fairness=False
+        )  # the alone runs are the same work either way
         walls[bus] = time.perf_counter() - start
     rounds = runs["direct"]["rounds"]
     same = runs["nats"]["jobs"] == runs["direct"]["jobs"]
-    print(f"{args.policy}, {len(runs['direct']['jobs'])} jobs, {rounds} rounds, sia-hetero-64: "
-          f"direct {walls['direct']:.1f} s, over NATS {walls['nats']:.1f} s (five services and the server started)")
-    print(f"bus overhead per round: {(walls['nats'] - walls['direct']) / rounds * 1e3:.1f} ms (target <= 20 ms); "
-          f"identical per-job schedule: {same}")
+    print(
+        f"{args.policy}, {len(runs['direct']['jobs'])} jobs, {rounds} rounds, sia-hetero-64: "
+        f"direct {walls['direct']:.1f} s, over NATS {walls['nats']:.1f} s (five services and the server started)"
+    )
+    print(
+        f"bus overhead per round: {(walls['nats'] - walls['direct']) / rounds * 1e3:.1f} ms (target <= 20 ms); "
+        f"identical per-job schedule: {same}"
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 from launcher.nats import EmbeddedNats, embedded_nats
-from shared.bus import Bus
 from shared import storage, subjects
+from shared.bus import Bus
 from shared.schema import JobSpec
 
 
@@ -39,17 +39,21 @@ async def publish_all(bus: Bus, specs: list[JobSpec], in_flight: int) -> tuple[f
 
 
 async def run(nats: EmbeddedNats, jobs: int, in_flight: int) -> None:
-    bus = await nats.connect("bench-ingest")       # as the operator: it reads the stream's state after
+    bus = await nats.connect("bench-ingest")  # as the operator: it reads the stream's state after
     try:
         await storage.provision(bus)
         specs = [JobSpec(f"job-{i}", "cifar10", requested_gpus=1 + i % 8) for i in range(jobs)]
         took, duplicates = await publish_all(bus, specs, in_flight)
-        print(f"stored {jobs} submissions in {took:.2f} s: {jobs / took:,.0f} submissions/s "
-              f"(target >= 5,000), {duplicates} reported as duplicates")
+        print(
+            f"stored {jobs} submissions in {took:.2f} s: {jobs / took:,.0f} submissions/s "
+            f"(target >= 5,000), {duplicates} reported as duplicates"
+        )
         took, duplicates = await publish_all(bus, specs, in_flight)
         stored = (await bus.js.stream_info(subjects.JOBS_STREAM)).state.messages
-        print(f"the same {jobs} again: {jobs / took:,.0f} submissions/s, {duplicates} refused as duplicates, "
-              f"{stored} stored in all")
+        print(
+            f"the same {jobs} again: {jobs / took:,.0f} submissions/s, {duplicates} refused as duplicates, "
+            f"{stored} stored in all"
+        )
     finally:
         await bus.close()
 

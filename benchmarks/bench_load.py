@@ -29,8 +29,7 @@ import numpy as np
 
 from launcher.nats import embedded_nats
 from launcher.stack import replay, running_services, service_arguments
-from shared.settings import settings_for
-from shared.settings import FEEDBACK_ITERATIONS
+from shared.settings import FEEDBACK_ITERATIONS, settings_for
 from sim.workload import generate_workload
 
 CLUSTER = "sia-hetero-2048"
@@ -90,26 +89,39 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
                 await stack.wait_ready(bus)
                 step_walls.append(time.perf_counter())
                 sample()
-                report, records = await replay(bus, stack, workload, policy, {}, calibration, ROUND_S,
-                                               horizon_s=(rounds - 1) * ROUND_S, request_timeout_s=120.0,
-                                               progress=progress)
+                report, records = await replay(
+                    bus,
+                    stack,
+                    workload,
+                    policy,
+                    {},
+                    calibration,
+                    ROUND_S,
+                    horizon_s=(rounds - 1) * ROUND_S,
+                    request_timeout_s=120.0,
+                    progress=progress,
+                )
             finally:
                 await bus.close()
             sample()
 
     decided = report.rounds
-    print(f"{policy}, {jobs} jobs queued at t=0 ({', '.join(sorted({j.application for j in workload}))}), {CLUSTER}: "
-          f"{len(decided)} rounds, {sum(r.running for r in decided[-1:])} jobs running after the last, "
-          f"{sum(r.finish_s is not None for r in records.jobs)} finished")
-    print(f"  until the first round was logged (the stack started, {jobs} jobs submitted and profiled, "
-          f"the first round): {step_walls[1] - start:.1f} s")
+    print(
+        f"{policy}, {jobs} jobs queued at t=0 ({', '.join(sorted({j.application for j in workload}))}), {CLUSTER}: "
+        f"{len(decided)} rounds, {sum(r.running for r in decided[-1:])} jobs running after the last, "
+        f"{sum(r.finish_s is not None for r in records.jobs)} finished"
+    )
+    print(
+        f"  until the first round was logged (the stack started, {jobs} jobs submitted and profiled, "
+        f"the first round): {step_walls[1] - start:.1f} s"
+    )
     print(f"  round period {ROUND_S:.0f} s; per round, ms:")
     print(f"    decide       {quantiles([r.round_ms for r in decided])}")
     print(f"    policy       {quantiles([r.policy_ms for r in decided])}")
     kept = [e for e in report.events if "previous allocation kept" in e]
     print(f"    solver fell back to the previous allocation (time limit, error) in {len(kept)} rounds")
     # Wall time between rounds logged: the first round's start is not seen, and the horizon's step is no round.
-    walls = np.diff(step_walls[1:1 + len(decided)]) * 1e3
+    walls = np.diff(step_walls[1 : 1 + len(decided)]) * 1e3
     if len(walls):
         print(f"    whole round  {quantiles(list(walls))}  (rounds 2..{len(decided)})")
     print("  resident memory, MiB: peak (VmHWM) / after the first round / at the end")
@@ -120,7 +132,9 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=10_000, help="jobs queued at t=0 (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=8, help="rounds of the virtual clock to run (default: %(default)s)")
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="rounds of the virtual clock to run (default: %(default)s)"
+    )
     parser.add_argument("--policy", default="sia")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -13,13 +13,13 @@ import time
 
 import numpy as np
 
-from services.estimator.core import profile_observations, type_models
-from shared.table import goodput_table
-from shared.profiles import model_profile
-from shared.cluster import load_cluster
 from goodput_train.goodput import Observation, fit_throughput, iteration_time
-from shared.zoo import load_zoo
+from services.estimator.core import profile_observations, type_models
+from shared.cluster import load_cluster
+from shared.profiles import model_profile
 from shared.schema import JobModels
+from shared.table import goodput_table
+from shared.zoo import load_zoo
 
 ADAPTIVE = ["bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"]
 
@@ -47,14 +47,19 @@ def jobs_for(cluster, count: int, explored: bool):
         types = {t: model.types[t] for t in cluster.gpu_types}
         profiles = {t: model_profile(z.params, model.name, t, z.min_local, z.max_local) for t, z in types.items()}
         sqr, var = model.stats_at(rng.uniform(0, model.total_progress))
-        jobs.append(JobModels(
-            job_id=f"{model.name}-{i}",
-            params={t: z.params for t, z in types.items()} if explored else type_models(profiles, {}),
-            local_limits={t: (z.min_local, z.max_local) for t, z in types.items()},
-            init_batch=model.init_batch, max_batch=model.max_batch, grad_sqr=sqr, grad_var=var,
-            # explored: every cell allowed (the worst case); else a mix of ages
-            max_gpus_seen=64 if explored else int(rng.choice([0, 1, 2, 4, 8, 16])),
-        ))
+        jobs.append(
+            JobModels(
+                job_id=f"{model.name}-{i}",
+                params={t: z.params for t, z in types.items()} if explored else type_models(profiles, {}),
+                local_limits={t: (z.min_local, z.max_local) for t, z in types.items()},
+                init_batch=model.init_batch,
+                max_batch=model.max_batch,
+                grad_sqr=sqr,
+                grad_var=var,
+                # explored: every cell allowed (the worst case); else a mix of ages
+                max_gpus_seen=64 if explored else int(rng.choice([0, 1, 2, 4, 8, 16])),
+            )
+        )
     return jobs
 
 
@@ -68,7 +73,7 @@ def main() -> None:
     print(f"goodput matrix, 160 jobs x {len(configs)} configurations of sia-hetero-64 (target <= 20 ms)")
     for label, explored in [("every cell allowed", True), ("mixed job ages", False)]:
         jobs = jobs_for(cluster, 160, explored)
-        goodput_table(jobs, configs)                     # warm-up
+        goodput_table(jobs, configs)  # warm-up
         print(f"  {label:<20} {summary(timed(lambda: goodput_table(jobs, configs), args.repeat))}")
 
     zoo = load_zoo()
@@ -76,11 +81,17 @@ def main() -> None:
     for name in ("cifar10", "imagenet", "bert"):
         z = zoo[name].types["aws"]
         profile = model_profile(z.params, name, "aws", z.min_local, z.max_local)
-        ran = [Observation(n, g, m, s, float(iteration_time(z.params, n, g, m, s)))
-               for n, g in [(1, 2), (1, 4), (2, 8), (4, 16)] for m in (z.min_local, z.max_local) for s in (0, 1)]
+        ran = [
+            Observation(n, g, m, s, float(iteration_time(z.params, n, g, m, s)))
+            for n, g in [(1, 2), (1, 4), (2, 8), (4, 16)]
+            for m in (z.min_local, z.max_local)
+            for s in (0, 1)
+        ]
         observations = profile_observations(profile) + ran
-        print(f"  {name:<9} {len(observations):3d} observations  "
-              f"{summary(timed(lambda: fit_throughput(observations), args.repeat))}")
+        print(
+            f"  {name:<9} {len(observations):3d} observations  "
+            f"{summary(timed(lambda: fit_throughput(observations), args.repeat))}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,14 @@ RESTART_PROB = 0.05
 
 def new_job(rng: np.random.Generator, cluster: Cluster, index: int, now_s: float) -> JobView:
     model = ADAPTIVE[int(rng.integers(len(ADAPTIVE)))]
-    return job_view(f"job-{index}", model, cluster, age_s=0.0, submit_s=now_s,
-                    progress=float(rng.uniform(0, 0.3)) * ZOO[model].total_progress)
+    return job_view(
+        f"job-{index}",
+        model,
+        cluster,
+        age_s=0.0,
+        submit_s=now_s,
+        progress=float(rng.uniform(0, 0.3)) * ZOO[model].total_progress,
+    )
 
 
 def next_state(rng: np.random.Generator, state: RoundState, decision: Decision, counter: list[int]) -> RoundState:
@@ -50,12 +56,22 @@ def next_state(rng: np.random.Generator, state: RoundState, decision: Decision, 
         current = decision.allocations.get(job.job_id)
         moved = bool(spots) and spots != job.placement
         progress = min(1.0, float(rng.uniform(0, 1)))
-        jobs.append(job_view(
-            job.job_id, job.model, state.cluster, age_s=job.age_s + 60.0, restarts=job.restarts + moved,
-            attained_gpu_s=job.attained_gpu_s + 60.0 * (current.gpus if current else 0), current=current,
-            placement=spots, mid_restart=bool(spots) and rng.random() < RESTART_PROB, submit_s=job.submit_s,
-            progress=progress * ZOO[job.model].total_progress,
-            max_gpus_seen=max(job.models.max_gpus_seen, current.gpus if current else 0)))
+        jobs.append(
+            job_view(
+                job.job_id,
+                job.model,
+                state.cluster,
+                age_s=job.age_s + 60.0,
+                restarts=job.restarts + moved,
+                attained_gpu_s=job.attained_gpu_s + 60.0 * (current.gpus if current else 0),
+                current=current,
+                placement=spots,
+                mid_restart=bool(spots) and rng.random() < RESTART_PROB,
+                submit_s=job.submit_s,
+                progress=progress * ZOO[job.model].total_progress,
+                max_gpus_seen=max(job.models.max_gpus_seen, current.gpus if current else 0),
+            )
+        )
     return round_state(jobs, state.cluster, now)
 
 
@@ -63,10 +79,18 @@ def bench(cluster_name: str, n_jobs: int, rounds: int, population: int, generati
     rng = np.random.default_rng(seed)
     cluster = load_cluster(cluster_name)
     # A warm cluster: jobs have run a while at a few GPUs, so their limits allow scaling.
-    jobs = [job_view(f"job-{i}", ADAPTIVE[int(rng.integers(len(ADAPTIVE)))], cluster,
-                     age_s=float(rng.uniform(600, 7200)), submit_s=float(-i * 60),
-                     attained_gpu_s=float(rng.uniform(0, 5e4)), max_gpus_seen=int(rng.choice([1, 2, 4, 8])))
-            for i in range(n_jobs)]
+    jobs = [
+        job_view(
+            f"job-{i}",
+            ADAPTIVE[int(rng.integers(len(ADAPTIVE)))],
+            cluster,
+            age_s=float(rng.uniform(600, 7200)),
+            submit_s=float(-i * 60),
+            attained_gpu_s=float(rng.uniform(0, 5e4)),
+            max_gpus_seen=int(rng.choice([1, 2, 4, 8])),
+        )
+        for i in range(n_jobs)
+    ]
     state = round_state(jobs, cluster)
     counter = [n_jobs]
     policy = PolluxPolicy(population=population, generations=generations, seed=seed)
@@ -88,8 +112,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"pollux policy, population {args.population} x {args.generations} generations, "
-          f"{args.rounds} rounds a chain")
+    print(f"pollux policy, population {args.population} x {args.generations} generations, {args.rounds} rounds a chain")
     for cluster in args.clusters:
         for n_jobs in args.jobs:
             times = bench(cluster, n_jobs, args.rounds, args.population, args.generations, args.seed)

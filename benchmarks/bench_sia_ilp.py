@@ -77,8 +77,7 @@ def random_round(rng: np.random.Generator, jobs: int, config_type, config_gpus, 
     age = rng.lognormal(np.log(3600), 1.0, size=jobs)
     restart_cost = rng.uniform(25, 250, size=jobs)
     restarts = rng.poisson(age / 3600)
-    restart = np.where(age < restart_cost, 1.0,
-                       np.maximum(age - restarts * restart_cost, 0) / (age + restart_cost))
+    restart = np.where(age < restart_cost, 1.0, np.maximum(age - restarts * restart_cost, 0) / (age + restart_cost))
     locked = (current >= 0) & (rng.random(jobs) < 0.03)
     return IlpProblem(goodput, valid, current, restart, locked, config_type, config_gpus, capacity)
 
@@ -97,9 +96,11 @@ def run(name: str, cluster: Cluster, jobs: tuple[int, int], count: int, seed: in
         statuses[result.status.split(":")[0]] = statuses.get(result.status.split(":")[0], 0) + 1
         allocated.append(float(np.mean(result.choice >= 0)))
         demand.append(problem.valid.sum(axis=1).mean())
-    print(f"{name}: {len(config_type)} configurations, {capacity.sum()} GPUs, {jobs[0]}-{jobs[1]} jobs, "
-          f"{count} rounds, ~{np.mean(demand):.0f} valid columns a job, "
-          f"jobs allocated {np.mean(allocated):.0%}, status {statuses}")
+    print(
+        f"{name}: {len(config_type)} configurations, {capacity.sum()} GPUs, {jobs[0]}-{jobs[1]} jobs, "
+        f"{count} rounds, ~{np.mean(demand):.0f} valid columns a job, "
+        f"jobs allocated {np.mean(allocated):.0%}, status {statuses}"
+    )
     for label, values in (("wall", times), ("cpu ", cpu)):
         q50, q95 = np.quantile(values, [0.5, 0.95])
         print(f"    {label} p50 {q50:8.1f} ms   p95 {q95:8.1f} ms   max {max(values):8.1f} ms")

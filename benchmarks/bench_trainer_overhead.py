@@ -24,17 +24,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import TensorDataset
 
-from launcher.nats import free_loopback_port
 from goodput_train.trainer import AdaptiveTraining
+from launcher.nats import free_loopback_port
 
 LOCAL_BATCH = 32
 
 
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 8 * 8, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
 
 
 def images(n: int = 4096) -> TensorDataset:
@@ -48,7 +57,7 @@ def plain_steps(ddp, optimizer, data, rank, world, steps, offset) -> list[float]
     for step in range(steps):
         start = time.perf_counter()
         at = ((offset + step) * world + rank) * LOCAL_BATCH % (len(data) - LOCAL_BATCH)
-        loss = nn.functional.cross_entropy(ddp(x[at:at + LOCAL_BATCH]), y[at:at + LOCAL_BATCH])
+        loss = nn.functional.cross_entropy(ddp(x[at : at + LOCAL_BATCH]), y[at : at + LOCAL_BATCH])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -68,8 +77,9 @@ def library_steps(training, steps) -> list[float]:
 
 
 def worker(rank: int, world: int, port: int, steps: int, rounds: int, out) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     data = images()
@@ -77,10 +87,15 @@ def worker(rank: int, world: int, port: int, steps: int, rounds: int, out) -> No
     plain = DistributedDataParallel(plain_model)
     plain_optimizer = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
     adaptive_model = model()
-    training = AdaptiveTraining(adaptive_model, torch.optim.SGD(adaptive_model.parameters(), lr=0.01, momentum=0.9),
-                                data, init_batch=LOCAL_BATCH * world, adaptive=False)
+    training = AdaptiveTraining(
+        adaptive_model,
+        torch.optim.SGD(adaptive_model.parameters(), lr=0.01, momentum=0.9),
+        data,
+        init_batch=LOCAL_BATCH * world,
+        adaptive=False,
+    )
     timings = {"ddp": [], "library": []}
-    plain_steps(plain, plain_optimizer, data, rank, world, 5, 0)       # warm up both
+    plain_steps(plain, plain_optimizer, data, rank, world, 5, 0)  # warm up both
     library_steps(training, 5)
     for step in range(rounds * steps):
         timings["ddp"] += plain_steps(plain, plain_optimizer, data, rank, world, 1, step)
@@ -99,8 +114,10 @@ def main() -> None:
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_loopback_port()
-    processes = [context.Process(target=worker, args=(rank, args.world, port, args.steps, args.rounds, queue))
-                 for rank in range(args.world)]
+    processes = [
+        context.Process(target=worker, args=(rank, args.world, port, args.steps, args.rounds, queue))
+        for rank in range(args.world)
+    ]
     for process in processes:
         process.start()
     timings = queue.get()
@@ -108,10 +125,12 @@ def main() -> None:
         process.join()
     ddp, library = (statistics.median(timings[k]) * 1e3 for k in ("ddp", "library"))
     paired = statistics.median(b / a for a, b in zip(timings["ddp"], timings["library"]))
-    print(f"CNN, {args.world} gloo replicas x {LOCAL_BATCH} images, {args.rounds * args.steps} steps each, "
-          f"alternating step by step: plain DDP {ddp:.1f} ms/step, library {library:.1f} ms/step, "
-          f"overhead {100 * (library / ddp - 1):+.1f}% (median of paired ratios {100 * (paired - 1):+.1f}%; "
-          f"target <= 5%)")
+    print(
+        f"CNN, {args.world} gloo replicas x {LOCAL_BATCH} images, {args.rounds * args.steps} steps each, "
+        f"alternating step by step: plain DDP {ddp:.1f} ms/step, library {library:.1f} ms/step, "
+        f"overhead {100 * (library / ddp - 1):+.1f}% (median of paired ratios {100 * (paired - 1):+.1f}%; "
+        f"target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

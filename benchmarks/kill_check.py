@@ -16,8 +16,8 @@ from pathlib import Path
 from launcher.nats import embedded_nats
 from launcher.stack import replay, running_services, service_arguments
 from shared.reference import load_workload, reference_root
-from sim.run import job_sources, simulate
 from shared.settings import settings_for
+from sim.run import job_sources, simulate
 
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:
@@ -29,8 +29,9 @@ async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -
             try:
                 await stack.wait_ready(bus)
                 start = time.perf_counter()
-                run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
-                                                   request_timeout_s=2.0))
+                run = asyncio.ensure_future(
+                    replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name, request_timeout_s=2.0)
+                )
                 await asyncio.sleep(after_s)
                 if run.done():
                     raise SystemExit(f"the replay ended before {after_s} s: kill sooner")
@@ -60,8 +61,10 @@ def main() -> None:
     expected = {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
     same = sum(outcome.get(name) == value for name, value in expected.items())
     finished = sum(r.finish_s is not None for r in records)
-    print(f"kill -9 {args.victim} at {args.after:g} s into a {len(jobs)}-job replay ({took:.1f} s): "
-          f"{finished}/{len(jobs)} jobs finished, each once; {same}/{len(jobs)} outcomes equal the direct run's")
+    print(
+        f"kill -9 {args.victim} at {args.after:g} s into a {len(jobs)}-job replay ({took:.1f} s): "
+        f"{finished}/{len(jobs)} jobs finished, each once; {same}/{len(jobs)} outcomes equal the direct run's"
+    )
 
 
 if __name__ == "__main__":

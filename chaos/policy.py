@@ -22,8 +22,9 @@ DEFAULT_STALL_S = 5.0
 class ChaosPolicy:
     name = "chaos"
 
-    def __init__(self, policy: str = "sia", fail_round: int = 1, how: str = "raise", stall_s: float | None = None,
-                 **options):
+    def __init__(
+        self, policy: str = "sia", fail_round: int = 1, how: str = "raise", stall_s: float | None = None, **options
+    ):
         if how not in HOW:
             raise ValueError(f"chaos: how must be one of {HOW}, got {how!r}")
         self.inner = make_policy(policy, **options)
@@ -35,7 +36,7 @@ class ChaosPolicy:
         if round(state.now_s / self.round_s) != self.fail_round:
             return self.inner.allocate(state)
         if self.how == "timeout":
-            time.sleep(self.stall_s)           # in the leader's solver thread, as a real solve would be
+            time.sleep(self.stall_s)  # in the leader's solver thread, as a real solve would be
             raise TimeoutError(f"chaos: the solve ran out of its {self.stall_s:g} s in round {self.fail_round}")
         raise RuntimeError(f"chaos: the solver failed in round {self.fail_round}")
 

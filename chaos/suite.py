@@ -64,18 +64,33 @@ QUICK_JOBS = 16
 LEASE_TTL_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
 JCT_TOLERANCE = 0.10
-SAMPLE_S = 0.2                 # how often the executors' placements are sampled
-WATCH_IDLE_S = 1.0             # a watch silent this long is started again (the server may have restarted)
-REPEATED = 200                 # the latest genuine requests that bad-messages sends again
+SAMPLE_S = 0.2  # how often the executors' placements are sampled
+WATCH_IDLE_S = 1.0  # a watch silent this long is started again (the server may have restarted)
+REPEATED = 200  # the latest genuine requests that bad-messages sends again
 RUN_TIMEOUT_S = 300.0
-FIELDS = ("fault", "jobs_submitted", "jobs_completed", "jobs_lost", "jobs_duplicated", "capacity_violations",
-          "avg_jct_ratio")
+FIELDS = (
+    "fault",
+    "jobs_submitted",
+    "jobs_completed",
+    "jobs_lost",
+    "jobs_duplicated",
+    "capacity_violations",
+    "avg_jct_ratio",
+)
 # What each request subject takes: the invalid messages are made from these types.
 REQUESTS: dict[str, type] = {
-    subjects.FACTS: FactsRequest, subjects.MODELS: ModelsRequest, subjects.PLACE: PlaceRequest,
-    subjects.APPLY: ApplyRequest, subjects.ADVANCE: AdvanceRequest, subjects.LIVE_JOBS: LiveJobsRequest,
-    subjects.OBSERVE: Observed, subjects.PROFILES: JobProfiles, subjects.RECORDS: JobsQuery,
-    subjects.EXECUTOR_STATUS: JobsQuery, subjects.ESTIMATOR_STATUS: Ack, subjects.POLICY_STATUS: Ack,
+    subjects.FACTS: FactsRequest,
+    subjects.MODELS: ModelsRequest,
+    subjects.PLACE: PlaceRequest,
+    subjects.APPLY: ApplyRequest,
+    subjects.ADVANCE: AdvanceRequest,
+    subjects.LIVE_JOBS: LiveJobsRequest,
+    subjects.OBSERVE: Observed,
+    subjects.PROFILES: JobProfiles,
+    subjects.RECORDS: JobsQuery,
+    subjects.EXECUTOR_STATUS: JobsQuery,
+    subjects.ESTIMATOR_STATUS: Ack,
+    subjects.POLICY_STATUS: Ack,
 }
 
 
@@ -105,9 +120,9 @@ class Trial:
     bus: Bus
     nats: Nats
     cluster: Cluster
-    steps: list[RunStep] = field(default_factory=list)      # the run's log as stored, repeats included
+    steps: list[RunStep] = field(default_factory=list)  # the run's log as stored, repeats included
     over: bool = False
-    killed: set[str] = field(default_factory=set)            # instances the fault stopped on purpose
+    killed: set[str] = field(default_factory=set)  # instances the fault stopped on purpose
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -132,6 +147,7 @@ class Trial:
 
 
 # ---- the faults: each disturbs a running replay once it has logged `at` rounds --------------------
+
 
 async def kill_restart(trial: Trial, at: int, service: str, away_s: float = 0.5) -> None:
     """kill -9 a service (the policy leader for "policy"), start it again `away_s` later."""
@@ -171,14 +187,16 @@ async def pause_leader(trial: Trial, at: int) -> None:
         await trial.at_round(trial.rounds + 1)
     finally:
         process.send_signal(signal.SIGCONT)
-    for _ in range(30):                          # it notices at its next renewal or checkpoint
+    for _ in range(30):  # it notices at its next renewal or checkpoint
         log = trial.stack.log(name)
         fenced = "stepping down" in log or "lost the lease" in log
         if fenced:
             break
         await asyncio.sleep(0.1)
-    trial.notes.append(f"{name} paused past its lease; " + ("it stepped down on waking" if fenced else
-                                                            "it did not report stepping down"))
+    trial.notes.append(
+        f"{name} paused past its lease; "
+        + ("it stepped down on waking" if fenced else "it did not report stepping down")
+    )
 
 
 async def drop_executor(trial: Trial, at: int) -> None:
@@ -200,7 +218,7 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
     await trial.at_round(at)
     for capture_ in captures:
         await capture_.unsubscribe()
-    if trial.over:                       # nothing left to disturb: the trial says so rather than wait on answers
+    if trial.over:  # nothing left to disturb: the trial says so rather than wait on answers
         trial.notes.append(f"the run ended before round {at}: no bad messages were sent")
         return
     trial.notes.append(f"at round {trial.rounds}:")
@@ -214,11 +232,13 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
     for subject, data in genuine + genuine[::-1]:
         await _answer(trial.bus, subject, data)
     for subject, data in [(s, d) for s, d in seen if subjects.is_submission(s)] * 2:
-        await trial.bus.js.publish(subject, data)          # without the id: stored again, not de-duplicated
-    trial.notes.append(f"{sum(answers.values())} invalid requests on {len(REQUESTS)} subjects answered "
-                       + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items()))
-                       + f"; {examples} invalid submissions; {len(genuine)} genuine requests sent twice more, "
-                       f"the second time in reverse order")
+        await trial.bus.js.publish(subject, data)  # without the id: stored again, not de-duplicated
+    trial.notes.append(
+        f"{sum(answers.values())} invalid requests on {len(REQUESTS)} subjects answered "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(answers.items()))
+        + f"; {examples} invalid submissions; {len(genuine)} genuine requests sent twice more, "
+        f"the second time in reverse order"
+    )
 
 
 def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
@@ -229,14 +249,23 @@ def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
     from hypothesis import strategies as st
 
     names = [f.encode_name for f in msgspec.structs.fields(message_type)] + ["unknown"]
-    value = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
-                         | st.binary(max_size=8), lambda inner: st.lists(inner, max_size=3), max_leaves=4)
+    value = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.binary(max_size=8),
+        lambda inner: st.lists(inner, max_size=3),
+        max_leaves=4,
+    )
     shaped = st.dictionaries(st.sampled_from(names), value, max_size=len(names)).map(msgspec.msgpack.encode)
     payloads: list[bytes] = []
 
     @hypothesis_seed(seed)
-    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=n, database=None, phases=[Phase.generate], deadline=None, suppress_health_check=list(HealthCheck)
+    )
     @given((shaped | st.binary(max_size=64)).filter(lambda data: not _decodes(data, message_type)))
     def collect(data: bytes) -> None:
         payloads.append(data)
@@ -246,7 +275,7 @@ def invalid_payloads(message_type: type, n: int, seed: int = 0) -> list[bytes]:
 
 
 def _decodes(data: bytes, message_type: type) -> bool:
-    body = data or b"{}"                      # as an endpoint takes an empty request: the empty object
+    body = data or b"{}"  # as an endpoint takes an empty request: the empty object
     try:
         (msgspec.json.decode if is_json(body) else msgspec.msgpack.decode)(body, type=message_type, strict=False)
     except (msgspec.DecodeError, ValueError, TypeError):
@@ -274,7 +303,7 @@ class Fault:
     name: str
     what: str
     disturb: Callable[[Trial, int], Awaitable[None]] | None = None
-    policy: Callable[[int], tuple[str, dict]] | None = None     # the policy, given the round to fail
+    policy: Callable[[int], tuple[str, dict]] | None = None  # the policy, given the round to fail
 
 
 def _kill(service: str) -> Fault:
@@ -296,6 +325,7 @@ BASELINE = Fault("baseline", "undisturbed")
 
 
 # ---- one replay, watched -------------------------------------------------------------------------
+
 
 @dataclass
 class Outcome:
@@ -330,16 +360,28 @@ async def run_trial(jobs: list[WorkloadJob], fault: Fault, fail_round: int, at: 
 async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict, at: int) -> Outcome:
     run_id = f"chaos-{uuid.uuid4().hex[:12]}"
     prefix = replay_prefix(run_id)
-    checked: dict[float, int] = {}        # decided round (its time) -> nodes over capacity
-    sampled = [0]                          # samples of the executors' placements over capacity
-    watchers = [asyncio.ensure_future(w) for w in (_follow(trial, run_id), _watch_decisions(trial, run_id, checked),
-                                                   _sample_executors(trial, sampled))]
+    checked: dict[float, int] = {}  # decided round (its time) -> nodes over capacity
+    sampled = [0]  # samples of the executors' placements over capacity
+    watchers = [
+        asyncio.ensure_future(w)
+        for w in (_follow(trial, run_id), _watch_decisions(trial, run_id, checked), _sample_executors(trial, sampled))
+    ]
     disturbance = asyncio.ensure_future(fault.disturb(trial, at)) if fault.disturb else None
     failure = ""
     try:
         _, records = await asyncio.wait_for(
-            replay(trial.bus, trial.stack, jobs, policy, options, settings_for(None, CLUSTER).name,
-                   request_timeout_s=REQUEST_TIMEOUT_S, run_id=run_id), RUN_TIMEOUT_S)
+            replay(
+                trial.bus,
+                trial.stack,
+                jobs,
+                policy,
+                options,
+                settings_for(None, CLUSTER).name,
+                request_timeout_s=REQUEST_TIMEOUT_S,
+                run_id=run_id,
+            ),
+            RUN_TIMEOUT_S,
+        )
         jobs_seen = list(records.jobs)
     except (RuntimeError, asyncio.TimeoutError) as error:
         failure = str(error).splitlines()[0] or type(error).__name__
@@ -349,20 +391,25 @@ async def _watched(trial: Trial, jobs, fault: Fault, policy: str, options: dict,
             await asyncio.wait_for(disturbance, RUN_TIMEOUT_S)
         except asyncio.TimeoutError:
             failure = failure or f"the fault's disturbance did not end within {RUN_TIMEOUT_S:.0f} s"
-    await asyncio.sleep(0.2)                # the log's last step reaches the follower
+    await asyncio.sleep(0.2)  # the log's last step reaches the follower
     for watcher in watchers:
         watcher.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
     # The replay's jobs have ids of its own (`<run>.<name>`): its log names them so.
-    trial.steps = [msgspec.structs.replace(s, finished=tuple(n.removeprefix(prefix) for n in s.finished))
-                   for s in trial.steps]
-    crashed = [name for name, process in trial.stack.processes.items()
-               if process.poll() is not None and name not in trial.killed]
+    trial.steps = [
+        msgspec.structs.replace(s, finished=tuple(n.removeprefix(prefix) for n in s.finished)) for s in trial.steps
+    ]
+    crashed = [
+        name
+        for name, process in trial.stack.processes.items()
+        if process.poll() is not None and name not in trial.killed
+    ]
     kept = sum("previous allocation kept" in e for s in {s.round: s for s in trial.steps}.values() for e in s.events)
     if kept:
         trial.notes.append(f"{kept} round(s) kept the previous allocation")
-    return Outcome(jobs_seen, trial.steps, sum(checked.values()) + sampled[0], len(checked), failure, crashed,
-                   trial.notes)
+    return Outcome(
+        jobs_seen, trial.steps, sum(checked.values()) + sampled[0], len(checked), failure, crashed, trial.notes
+    )
 
 
 async def _follow(trial: Trial, run_id: str) -> None:
@@ -389,7 +436,9 @@ async def _watch_decisions(trial: Trial, run_id: str, checked: dict[float, int])
             try:
                 while True:
                     entry = await watcher.updates(WATCH_IDLE_S)
-                    decided = trial.bus.decode(entry.value, RunCheckpoint).clock.decided if entry and entry.value else None
+                    decided = (
+                        trial.bus.decode(entry.value, RunCheckpoint).clock.decided if entry and entry.value else None
+                    )
                     if decided is not None:
                         checked[decided.apply.now_s] = overfilled(trial.cluster, decided.apply.placements)
             finally:
@@ -405,7 +454,7 @@ async def _sample_executors(trial: Trial, sampled: list[int]) -> None:
         try:
             records = await trial.bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=REQUEST_TIMEOUT_S)
         except (nats.errors.Error, micro.request.ServiceError):
-            continue                                 # the executors are down: nothing runs
+            continue  # the executors are down: nothing runs
         running = {r.name: r.placement for r in records.jobs if r.finish_s is None and r.placement}
         sampled[0] += overfilled(trial.cluster, running) > 0
 
@@ -424,6 +473,7 @@ def overfilled(cluster: Cluster, placements: Mapping[str, Spots]) -> int:
 
 # ---- the record of a fault -----------------------------------------------------------------------
 
+
 def avg_jct(records: list[JobRecord]) -> float | None:
     done = [r.finish_s - r.submit_s for r in records if r.finish_s is not None]
     return sum(done) / len(done) if done else None
@@ -432,7 +482,7 @@ def avg_jct(records: list[JobRecord]) -> float | None:
 def record(fault: Fault, jobs: list[WorkloadJob], outcome: Outcome, baseline: Outcome | None) -> dict[str, Any]:
     submitted = {j.name for j in jobs}
     records = [r for r in outcome.records if r.name in submitted]
-    by_round = {s.round: s for s in reversed(outcome.steps)}          # a round logged twice counts once
+    by_round = {s.round: s for s in reversed(outcome.steps)}  # a round logged twice counts once
     finished = Counter(name for step in by_round.values() for name in step.finished)
     completed = {r.name for r in records if r.finish_s is not None and finished[r.name] > 0}
     failed = len(submitted - completed) if outcome.failure else 0
@@ -456,9 +506,13 @@ def record(fault: Fault, jobs: list[WorkloadJob], outcome: Outcome, baseline: Ou
         "failure": outcome.failure,
         "notes": outcome.notes,
     }
-    row["ok"] = (row["jobs_lost"] == row["jobs_duplicated"] == row["capacity_violations"] == 0
-                 and not outcome.failure and not outcome.crashed and row["avg_jct_ratio"] is not None
-                 and abs(row["avg_jct_ratio"] - 1) <= JCT_TOLERANCE)
+    row["ok"] = (
+        row["jobs_lost"] == row["jobs_duplicated"] == row["capacity_violations"] == 0
+        and not outcome.failure
+        and not outcome.crashed
+        and row["avg_jct_ratio"] is not None
+        and abs(row["avg_jct_ratio"] - 1) <= JCT_TOLERANCE
+    )
     return row
 
 
@@ -468,22 +522,25 @@ def _result(r: JobRecord) -> tuple:
 
 # ---- the suite -----------------------------------------------------------------------------------
 
+
 def fault_names() -> list[str]:
     return [f.name for f in FAULTS]
 
 
 def workload(quick: bool, path: str | os.PathLike | None = None, jobs: int | None = None) -> list[WorkloadJob]:
     loaded = load_workload(path or WORKLOAD)
-    return loaded[:jobs or (QUICK_JOBS if quick else len(loaded))]
+    return loaded[: jobs or (QUICK_JOBS if quick else len(loaded))]
 
 
-async def run_suite(jobs: list[WorkloadJob], names: list[str] | None = None,
-                    progress: Callable[[dict], None] | None = None) -> list[dict]:
+async def run_suite(
+    jobs: list[WorkloadJob], names: list[str] | None = None, progress: Callable[[dict], None] | None = None
+) -> list[dict]:
     """The baseline, then each fault (all, or `names`): one record each, the baseline's first."""
     unknown = sorted(set(names or ()) - set(fault_names()))
     if unknown:
         raise ValueError(f"unknown faults {unknown}; choose from {', '.join(fault_names())}")
     with tempfile.TemporaryDirectory(prefix="goodput-chaos-") as folder:
+
         async def trial(fault: Fault, fail_round: int = 0, at: int = 0) -> Outcome:
             workdir = Path(folder) / fault.name
             workdir.mkdir()
@@ -511,8 +568,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         ratio = f"{r['avg_jct_ratio']:.3f}" if r["avg_jct_ratio"] is not None else "—"
-        cells = [r["fault"], r["jobs_submitted"], r["jobs_completed"], r["jobs_lost"], r["jobs_duplicated"],
-                 r["capacity_violations"], ratio, "yes" if r["ok"] else "NO"]
+        cells = [
+            r["fault"],
+            r["jobs_submitted"],
+            r["jobs_completed"],
+            r["jobs_lost"],
+            r["jobs_duplicated"],
+            r["capacity_violations"],
+            ratio,
+            "yes" if r["ok"] else "NO",
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
-

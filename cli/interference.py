@@ -19,12 +19,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser("interference", help="avg JCT with interference avoidance on and off, per slowdown")
     parser.add_argument("--workloads", nargs="+", required=True, help="workload CSVs or folders of them")
-    parser.add_argument("--policy", default="pollux", help="a policy with an avoid_interference option "
-                                                            "(default: %(default)s)")
-    parser.add_argument("--slowdowns", nargs="+", type=float, default=[0.0, 0.25, 0.5],
-                        help="slowdowns of distributed jobs sharing a node (default: %(default)s)")
-    parser.add_argument("--out", default=default_out("interference", "interference.json"),
-                        help="results JSON, its folder created (default: %(default)s)")
+    parser.add_argument(
+        "--policy", default="pollux", help="a policy with an avoid_interference option (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--slowdowns",
+        nargs="+",
+        type=float,
+        default=[0.0, 0.25, 0.5],
+        help="slowdowns of distributed jobs sharing a node (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        default=default_out("interference", "interference.json"),
+        help="results JSON, its folder created (default: %(default)s)",
+    )
     parser.add_argument("--plot", help="PNG: avg JCT per slowdown, avoidance on and off")
     add_simulation_arguments(parser)
     parser.set_defaults(func=_interference, cluster="pollux-homo-64", fairness=False)
@@ -37,7 +46,7 @@ def _interference(args: argparse.Namespace) -> int:
 
     name, options = policy_spec(args.policy)
     bad = [f for f in args.slowdowns if not 0.0 <= f < 1.0]
-    if bad:                                   # refused before hours of runs, not after the first
+    if bad:  # refused before hours of runs, not after the first
         raise ValueError(f"slowdowns are fractions in [0, 1), got {bad}")
     if name != "pollux":
         raise ValueError(f"policy {name!r} has no interference avoidance to turn off (pollux has)")
@@ -53,15 +62,26 @@ def _interference(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             jcts = [run_spec(run_args, f, spec, sources, progress=False)["avg_jct_s"] for f in files]
             row[key] = float(np.mean(jcts))
-            print(f"  slowdown {slowdown:.0%}, {spec}: avg JCT {row[key]:.0f} s "
-                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+            print(
+                f"  slowdown {slowdown:.0%}, {spec}: avg JCT {row[key]:.0f} s ({time.perf_counter() - start:.0f} s)",
+                file=sys.stderr,
+            )
         rows.append(row)
-    table = [f"| slowdown | avg JCT, avoidance on (s) | avg JCT, avoidance off (s) | off / on |   ({len(files)} workloads)",
-             "|---|---|---|---|"]
-    table += [f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | "
-              f"{row['no_avoid'] / row['avoid']:.2f} |" for row in rows]
-    write_results({"policy": args.policy, "cluster": args.cluster, "workloads": files, "rows": rows}, args.out,
-                  "\n".join(table), lambda results, path: _plot(results["rows"], path, _title(results)), args.plot)
+    table = [
+        f"| slowdown | avg JCT, avoidance on (s) | avg JCT, avoidance off (s) | off / on |   ({len(files)} workloads)",
+        "|---|---|---|---|",
+    ]
+    table += [
+        f"| {row['slowdown']:.0%} | {row['avoid']:.0f} | {row['no_avoid']:.0f} | {row['no_avoid'] / row['avoid']:.2f} |"
+        for row in rows
+    ]
+    write_results(
+        {"policy": args.policy, "cluster": args.cluster, "workloads": files, "rows": rows},
+        args.out,
+        "\n".join(table),
+        lambda results, path: _plot(results["rows"], path, _title(results)),
+        args.plot,
+    )
     return 0
 
 
@@ -74,6 +94,7 @@ def _title(results: dict) -> str:
 
 def _plot(rows: list[dict], path: str, title: str | None = None) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -16,18 +16,26 @@ from pathlib import Path
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV
 
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("login", help="the operator's: add, remove and list the logins of a goodput up")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for name, help_text in (("add", "make a login and its file, DATA/logins/NAME.env"),
-                            ("remove", "forget a login; its connections are closed")):
+    for name, help_text in (
+        ("add", "make a login and its file, DATA/logins/NAME.env"),
+        ("remove", "forget a login; its connections are closed"),
+    ):
         action = actions.add_parser(name, help=help_text)
         action.add_argument("name", help="the login: lower-case letters, digits, '_' and '-'")
-        action.add_argument("--data", type=Path, default=credentials.DEFAULT_DATA,
-                            help="goodput up's data folder (default: %(default)s)")
+        action.add_argument(
+            "--data",
+            type=Path,
+            default=credentials.DEFAULT_DATA,
+            help="goodput up's data folder (default: %(default)s)",
+        )
     listing = actions.add_parser("list", help="the logins")
-    listing.add_argument("--data", type=Path, default=credentials.DEFAULT_DATA,
-                         help="goodput up's data folder (default: %(default)s)")
+    listing.add_argument(
+        "--data", type=Path, default=credentials.DEFAULT_DATA, help="goodput up's data folder (default: %(default)s)"
+    )
     parser.set_defaults(func=_login)
 
 
@@ -36,22 +44,26 @@ def _login(args: argparse.Namespace) -> int:
 
     secrets = args.data / SECRETS
     if not secrets.is_dir():
-        raise ValueError(f"{args.data} is no secured goodput up's data folder (no {secrets}): start one with "
-                         f"`goodput up --data {args.data}` first")
+        raise ValueError(
+            f"{args.data} is no secured goodput up's data folder (no {secrets}): start one with "
+            f"`goodput up --data {args.data}` first"
+        )
     access = Access(secrets)
     if args.action == "list":
         for name in access.logins():
             print(name)
         return 0
     if args.action == "add":
-        user_env = args.data / credentials.USER_ENV           # where `goodput up` serves
+        user_env = args.data / credentials.USER_ENV  # where `goodput up` serves
         url = (credentials.read_env(user_env) if user_env.is_file() else {}).get(SERVER_ENV, DEFAULT_SERVER)
         path = access.add_login(args.name, url)
         serving = reload(args.data, access)
         if serving:
             asyncio.run(_logged_in(path))
-        print(f"login {args.name}: {path} (readable by you only; hand it to its person: "
-              f"export {credentials.LOGIN_ENV}={path})" + ("" if serving else "; taken in at the next goodput up"))
+        print(
+            f"login {args.name}: {path} (readable by you only; hand it to its person: "
+            f"export {credentials.LOGIN_ENV}={path})" + ("" if serving else "; taken in at the next goodput up")
+        )
     else:
         access.remove_login(args.name)
         serving = reload(args.data, access)

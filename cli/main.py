@@ -9,7 +9,18 @@ import os
 import sys
 
 # Subcommand modules under cli/, in help order.
-COMMANDS = ["models", "timeslice", "autoscale", "simulate", "interference", "workload", "submit", "up", "login", "chaos"]
+COMMANDS = [
+    "models",
+    "timeslice",
+    "autoscale",
+    "simulate",
+    "interference",
+    "workload",
+    "submit",
+    "up",
+    "login",
+    "chaos",
+]
 
 
 class _Version(argparse.Action):
@@ -45,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"goodput {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:            # `goodput status | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+    except BrokenPipeError:  # `goodput status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     except KeyboardInterrupt:
         print(f"goodput {args.command}: interrupted", file=sys.stderr)

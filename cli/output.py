@@ -28,8 +28,9 @@ def default_out(command: str, name: str) -> str:
     return str(OUT / command / name)
 
 
-def write_results(results: dict, out: str, report: str, plot: Callable[[dict, str], None] | None = None,
-                  plot_path: str | None = None) -> None:
+def write_results(
+    results: dict, out: str, report: str, plot: Callable[[dict, str], None] | None = None, plot_path: str | None = None
+) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")

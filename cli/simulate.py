@@ -14,60 +14,116 @@ from cli.output import default_out, write_results
 from policies.base import POLICIES, policy_spec
 from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
-from shared.settings import PRESETS
-from shared.settings import FEEDBACK_ITERATIONS
+from shared.settings import FEEDBACK_ITERATIONS, PRESETS
 from sim.workload import BUILT_IN_WORKLOAD
 
 
 def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="sia-hetero-64",
-                        help=f"preset ({', '.join(CLUSTERS)}) or a YAML/JSON cluster file (default: %(default)s)")
-    parser.add_argument("--reference", help="reference folder for the jobs' true behaviour "
-                                            "(default: $GOODPUT_REFERENCE, else ../shared/reference; the model zoo if absent)")
-    parser.add_argument("--zoo", action="store_true", help="use the built-in model zoo even when reference data is there")
-    parser.add_argument("--calibration", choices=sorted(PRESETS),
-                        help="peer simulator calibration (default: sia on sia-hetero-64, pollux on pollux-homo-64)")
+    parser.add_argument(
+        "--cluster",
+        default="sia-hetero-64",
+        help=f"preset ({', '.join(CLUSTERS)}) or a YAML/JSON cluster file (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--reference",
+        help="reference folder for the jobs' true behaviour "
+        "(default: $GOODPUT_REFERENCE, else ../shared/reference; the model zoo if absent)",
+    )
+    parser.add_argument(
+        "--zoo", action="store_true", help="use the built-in model zoo even when reference data is there"
+    )
+    parser.add_argument(
+        "--calibration",
+        choices=sorted(PRESETS),
+        help="peer simulator calibration (default: sia on sia-hetero-64, pollux on pollux-homo-64)",
+    )
     parser.add_argument("--p", type=float, help="fairness exponent of sia (default -0.5) or pollux (default -1)")
-    parser.add_argument("--feedback-iterations", type=int, default=FEEDBACK_ITERATIONS, metavar="K",
-                        help="record each job's time to its first K iterations (default: %(default)s)")
-    parser.add_argument("--quantum", type=int, help="timeslice: iterations a job runs before it yields "
-                                                    f"(default {DEFAULT_QUANTUM})")
-    parser.add_argument("--restart-delay", type=float, metavar="S",
-                        help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's")
-    parser.add_argument("--interference", type=float, default=0.0, metavar="F",
-                        help="distributed jobs sharing a node train F slower (0-0.5; default: %(default)s)")
-    parser.add_argument("--profile-request", action="store_true",
-                        help="the profiler also measures each job at its requested GPUs and batch on every type "
-                             "before it starts, at no cost (the throughput matrix Gavel assumes)")
-    parser.add_argument("--no-fairness", dest="fairness", action="store_false",
-                        help="skip finish-time fairness (it simulates each distinct job alone on its fair share)")
-    parser.add_argument("--round-s", type=float, help="the simulator's round in seconds (default 60); fifo, "
-                                                      "tiresias and timeslice decide every round")
+    parser.add_argument(
+        "--feedback-iterations",
+        type=int,
+        default=FEEDBACK_ITERATIONS,
+        metavar="K",
+        help="record each job's time to its first K iterations (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quantum", type=int, help=f"timeslice: iterations a job runs before it yields (default {DEFAULT_QUANTUM})"
+    )
+    parser.add_argument(
+        "--restart-delay",
+        type=float,
+        metavar="S",
+        help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's",
+    )
+    parser.add_argument(
+        "--interference",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="distributed jobs sharing a node train F slower (0-0.5; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--profile-request",
+        action="store_true",
+        help="the profiler also measures each job at its requested GPUs and batch on every type "
+        "before it starts, at no cost (the throughput matrix Gavel assumes)",
+    )
+    parser.add_argument(
+        "--no-fairness",
+        dest="fairness",
+        action="store_false",
+        help="skip finish-time fairness (it simulates each distinct job alone on its fair share)",
+    )
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        help="the simulator's round in seconds (default 60); fifo, tiresias and timeslice decide every round",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
-    sim.add_argument("--workload", default=str(BUILT_IN_WORKLOAD),
-                     help="workload CSV (name,time,application,num_replicas,batch_size; default: the built-in "
-                          f"40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})")
-    sim.add_argument("--policy", default="sia", metavar="NAME[:KEY=VALUE,...]",
-                     help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
-                          "(default: %(default)s)")
-    sim.add_argument("--bus", choices=["direct", "nats"], default="direct",
-                     help="direct: the cores in this process (default); nats: the five services over a NATS "
-                          "server of their own, on a virtual clock")
-    sim.add_argument("--out", default=default_out("simulate", "simulation.json"),
-                     help="result JSON, its folder created (default: %(default)s)")
+    sim.add_argument(
+        "--workload",
+        default=str(BUILT_IN_WORKLOAD),
+        help="workload CSV (name,time,application,num_replicas,batch_size; default: the built-in "
+        f"40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})",
+    )
+    sim.add_argument(
+        "--policy",
+        default="sia",
+        metavar="NAME[:KEY=VALUE,...]",
+        help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
+        "(default: %(default)s)",
+    )
+    sim.add_argument(
+        "--bus",
+        choices=["direct", "nats"],
+        default="direct",
+        help="direct: the cores in this process (default); nats: the five services over a NATS "
+        "server of their own, on a virtual clock",
+    )
+    sim.add_argument(
+        "--out",
+        default=default_out("simulate", "simulation.json"),
+        help="result JSON, its folder created (default: %(default)s)",
+    )
     sim.add_argument("--plot", help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF")
     add_simulation_arguments(sim)
     sim.set_defaults(func=_simulate)
 
     cmp = sub.add_parser("compare", help="several policies on several workload files; prints the table")
-    cmp.add_argument("--workloads", nargs="+", required=True,
-                     help="workload CSVs or folders of them (each folder is one set; cells are means over its files)")
+    cmp.add_argument(
+        "--workloads",
+        nargs="+",
+        required=True,
+        help="workload CSVs or folders of them (each folder is one set; cells are means over its files)",
+    )
     cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], metavar="NAME[:KEY=VALUE,...]")
-    cmp.add_argument("--out", default=default_out("compare", "compare.json"),
-                     help="all results as JSON, its folder created (default: %(default)s)")
+    cmp.add_argument(
+        "--out",
+        default=default_out("compare", "compare.json"),
+        help="all results as JSON, its folder created (default: %(default)s)",
+    )
     cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
     add_simulation_arguments(cmp)
     cmp.set_defaults(func=_compare)
@@ -80,21 +136,33 @@ def _options(args: argparse.Namespace, policy: str) -> dict:
     if policy == "timeslice" and args.quantum is not None:
         options["quantum"] = args.quantum
     if policy in ("fifo", "tiresias", "timeslice") and args.round_s is not None:
-        options["round_s"] = args.round_s        # sia and pollux keep 60 s, gavel its 360 s
+        options["round_s"] = args.round_s  # sia and pollux keep 60 s, gavel its 360 s
     return options
 
 
 def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
     from sim.run import simulate
+
     over = None
     if getattr(args, "bus", "direct") == "nats":
         from launcher.stack import replay_over_nats as over
     policy, options = policy_spec(spec)
-    result = simulate(workload, args.cluster, policy, calibration=args.calibration,
-                      policy_options=_options(args, policy) | options, feedback_iterations=args.feedback_iterations,
-                      sources=sources, restart_delay_s=args.restart_delay, round_s=args.round_s,
-                      progress=progress, over=over, fairness=args.fairness, interference=args.interference,
-                      profile_request=args.profile_request)
+    result = simulate(
+        workload,
+        args.cluster,
+        policy,
+        calibration=args.calibration,
+        policy_options=_options(args, policy) | options,
+        feedback_iterations=args.feedback_iterations,
+        sources=sources,
+        restart_delay_s=args.restart_delay,
+        round_s=args.round_s,
+        progress=progress,
+        over=over,
+        fairness=args.fairness,
+        interference=args.interference,
+        profile_request=args.profile_request,
+    )
     result["policy_spec"] = spec
     return result
 
@@ -105,7 +173,8 @@ def _hours(seconds) -> str:
 
 def _simulate(args: argparse.Namespace) -> int:
     from sim.run import job_sources
-    policy_spec(args.policy)                      # a bad name or option refused before the truth is loaded
+
+    policy_spec(args.policy)  # a bad name or option refused before the truth is loaded
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
     # On a terminal a bar; in a log or a pipe a plain line every few seconds (sim.run.progress_reporter).
@@ -124,18 +193,28 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
     path.write_text(json.dumps(result, indent=1))
     title = result.get("policy_spec", result["policy"])
     profiled = ", profiled at the request" if result.get("profiled_at_request") else ""
-    print(f"{title} on {result['cluster']}, workload {result['workload']} "
-          f"({result['calibration']} calibration, truth: {result['truth']}{profiled})")
-    print(f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, "
-          f"took {took:.1f} s")
-    print(f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
-          f"makespan {_hours(result['makespan_s'])} h")
-    print(f"  GPU-hours/job {result['gpu_hours_per_job']:.2f}   restarts/job {result['restarts_per_job']:.2f}   "
-          f"policy ms p50/p95/max {result['policy_runtime_ms']['p50']:.1f}/{result['policy_runtime_ms']['p95']:.1f}/"
-          f"{result['policy_runtime_ms']['max']:.1f}")
+    print(
+        f"{title} on {result['cluster']}, workload {result['workload']} "
+        f"({result['calibration']} calibration, truth: {result['truth']}{profiled})"
+    )
+    print(
+        f"  jobs {len(result['jobs'])} (unfinished {result['jobs_unfinished']}), rounds {result['rounds']}, "
+        f"took {took:.1f} s"
+    )
+    print(
+        f"  avg JCT {_hours(result['avg_jct_s'])} h   p99 JCT {_hours(result['p99_jct_s'])} h   "
+        f"makespan {_hours(result['makespan_s'])} h"
+    )
+    print(
+        f"  GPU-hours/job {result['gpu_hours_per_job']:.2f}   restarts/job {result['restarts_per_job']:.2f}   "
+        f"policy ms p50/p95/max {result['policy_runtime_ms']['p50']:.1f}/{result['policy_runtime_ms']['p95']:.1f}/"
+        f"{result['policy_runtime_ms']['max']:.1f}"
+    )
     if result.get("rho_max") is not None:
-        print(f"  finish-time fairness: max rho {result['rho_max']:.2f}, p99 {result['rho_p99']:.2f}, "
-              f"rho > 1 for {100 * result['rho_over_1']:.1f}% of jobs")
+        print(
+            f"  finish-time fairness: max rho {result['rho_max']:.2f}, p99 {result['rho_p99']:.2f}, "
+            f"rho > 1 for {100 * result['rho_over_1']:.1f}% of jobs"
+        )
     for event in result["events"][:10]:
         print(f"  event: {event}")
     print(f"wrote {path}")
@@ -160,9 +239,15 @@ def workload_sets(paths: list[str]) -> dict[str, list[str]]:
     return sets
 
 
-METRICS = [("avg_jct_s", "avg JCT h", 3600), ("p99_jct_s", "p99 JCT h", 3600), ("makespan_s", "makespan h", 3600),
-           ("gpu_hours_per_job", "GPU-h/job", 1), ("restarts_per_job", "restarts/job", 1),
-           ("rho_max", "max rho", 1), ("rho_over_1", "rho>1", 1)]
+METRICS = [
+    ("avg_jct_s", "avg JCT h", 3600),
+    ("p99_jct_s", "p99 JCT h", 3600),
+    ("makespan_s", "makespan h", 3600),
+    ("gpu_hours_per_job", "GPU-h/job", 1),
+    ("restarts_per_job", "restarts/job", 1),
+    ("rho_max", "max rho", 1),
+    ("rho_over_1", "rho>1", 1),
+]
 
 
 def _mean(values: list) -> float | None:
@@ -173,11 +258,12 @@ def _mean(values: list) -> float | None:
 
 def _compare(args: argparse.Namespace) -> int:
     from sim.run import job_sources
+
     sets = workload_sets(args.workloads)
     sources = job_sources(args.reference, args.zoo)
     rows, everything = [], []
     for spec in args.policies:
-        policy_spec(spec)                          # refuse a bad name before hours of runs
+        policy_spec(spec)  # refuse a bad name before hours of runs
     for name, files in sets.items():
         for policy in args.policies:
             runs = []
@@ -188,30 +274,49 @@ def _compare(args: argparse.Namespace) -> int:
                 runs.append(r)
                 print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
             everything.extend(runs)
-            cells = {key: _mean([r.get(key) for r in runs]) for key, _, _ in METRICS}   # no rho: --no-fairness
+            cells = {key: _mean([r.get(key) for r in runs]) for key, _, _ in METRICS}  # no rho: --no-fairness
             policy_ms = [r["policy_runtime_ms"] for r in runs]
-            rows.append({"workloads": name, "files": len(files), "policy": policy, **cells,
-                         "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
-                         "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
-                         "unfinished": sum(r["jobs_unfinished"] for r in runs),
-                         "took_s": float(np.mean([r["took_s"] for r in runs]))})
-    metrics = [m for m in METRICS if any(row[m[0]] is not None for row in rows)]   # columns some run measured
-    header = "| workloads | policy | " + " | ".join(label for _, label, _ in metrics) + " | policy ms p50/p95 | run took |"
+            rows.append(
+                {
+                    "workloads": name,
+                    "files": len(files),
+                    "policy": policy,
+                    **cells,
+                    "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
+                    "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
+                    "unfinished": sum(r["jobs_unfinished"] for r in runs),
+                    "took_s": float(np.mean([r["took_s"] for r in runs])),
+                }
+            )
+    metrics = [m for m in METRICS if any(row[m[0]] is not None for row in rows)]  # columns some run measured
+    header = (
+        "| workloads | policy | " + " | ".join(label for _, label, _ in metrics) + " | policy ms p50/p95 | run took |"
+    )
     table = [header, "|" + "---|" * (header.count("|") - 1)]
     for row in rows:
-        cells = " | ".join("-" if row[key] is None else f"{row[key] / scale:.3f}" if key.endswith("_s")
-                           else f"{row[key]:.2f}" for key, _, scale in metrics)
-        table.append(f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
-                     f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |")
-    write_results({"table": rows, "runs": everything}, args.out, "\n".join(table),
-                  lambda results, path: plot_table(results["table"], path, _compare_title(results)), args.plot)
+        cells = " | ".join(
+            "-" if row[key] is None else f"{row[key] / scale:.3f}" if key.endswith("_s") else f"{row[key]:.2f}"
+            for key, _, scale in metrics
+        )
+        table.append(
+            f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
+            f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |"
+        )
+    write_results(
+        {"table": rows, "runs": everything},
+        args.out,
+        "\n".join(table),
+        lambda results, path: plot_table(results["table"], path, _compare_title(results)),
+        args.plot,
+    )
     return 0
 
 
 def _compare_title(results: dict) -> str:
     """A comparison plot's title: the workload sets (files in each) and the cluster(s) they ran on."""
-    sets = ", ".join(f"{Path(r['workloads']).name} ({r['files']})" for r in
-                     {r["workloads"]: r for r in results["table"]}.values())
+    sets = ", ".join(
+        f"{Path(r['workloads']).name} ({r['files']})" for r in {r["workloads"]: r for r in results["table"]}.values()
+    )
     clusters = ", ".join(sorted({r["cluster"] for r in results["runs"]}))
     profiled = ", profiled at the request" if any(r.get("profiled_at_request") for r in results["runs"]) else ""
     return f"{sets} on {clusters}{profiled}"
@@ -221,6 +326,7 @@ def plot_table(rows: list[dict], path: str, title: str | None = None) -> None:
     """Grouped bars: one group per workload set, one bar per policy run on it; average and p99 JCT.
     `title` names the workloads and the cluster (default: the workload sets)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -236,12 +342,13 @@ def plot_table(rows: list[dict], path: str, title: str | None = None) -> None:
                 x = i + (k - (len(group) - 1) / 2) * width
                 first = row["policy"] not in labelled
                 labelled.add(row["policy"])
-                bar = ax.bar(x, row[key] / 3600, width, color=colours[row["policy"]],
-                             label=row["policy"] if first else None)
+                bar = ax.bar(
+                    x, row[key] / 3600, width, color=colours[row["policy"]], label=row["policy"] if first else None
+                )
                 ax.bar_label(bar, fmt="%.2f", fontsize=7)
         ax.set_xticks(range(len(sets)), [Path(s).name for s in sets])
         ax.set_ylabel(label)
-        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)          # room for the labels and the legend
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # room for the labels and the legend
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title or ", ".join(Path(s).name for s in sets))

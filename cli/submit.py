@@ -20,12 +20,19 @@ from shared.bus import DEFAULT_SERVER, SERVER_ENV, from_builtins
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("submit", help="submit jobs (YAML or JSON JobSpecs) to a running goodput")
-    parser.add_argument("jobs", nargs="+", metavar="JOB",
-                        help="job files, each submitted in turn: id, application, and optionally requested_gpus, "
-                             "requested_batch, min_gpus, rigid, strong_scaling, gpu_types")
-    parser.add_argument("--stream", action="store_true",
-                        help="store it in the submissions stream and return without the API's answer "
-                             "(`goodput status ID` shows the verdict)")
+    parser.add_argument(
+        "jobs",
+        nargs="+",
+        metavar="JOB",
+        help="job files, each submitted in turn: id, application, and optionally requested_gpus, "
+        "requested_batch, min_gpus, rigid, strong_scaling, gpu_types",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="store it in the submissions stream and return without the API's answer "
+        "(`goodput status ID` shows the verdict)",
+    )
     add_connection_arguments(parser)
     parser.set_defaults(func=_submit)
 
@@ -45,9 +52,12 @@ def add_connection_arguments(parser: argparse.ArgumentParser, role: str = "user"
     data folder's user.env (a `goodput up` on this machine); the operator's command logs in as the
     operator there (its password file under the data folder's secrets)."""
     environ = credentials.user_environment(role=role)
-    parser.add_argument("--server", default=environ.get(SERVER_ENV, DEFAULT_SERVER),
-                        help=f"NATS URL (default: ${SERVER_ENV}, else {credentials.DEFAULT_DATA / credentials.USER_ENV}'s, "
-                             f"else {DEFAULT_SERVER})")
+    parser.add_argument(
+        "--server",
+        default=environ.get(SERVER_ENV, DEFAULT_SERVER),
+        help=f"NATS URL (default: ${SERVER_ENV}, else {credentials.DEFAULT_DATA / credentials.USER_ENV}'s, "
+        f"else {DEFAULT_SERVER})",
+    )
     credentials.add_arguments(parser, environ)
 
 
@@ -61,7 +71,7 @@ def load_job(path: str | Path):
     except yaml.YAMLError as exc:
         raise ValueError(f"{path} is not valid YAML: {exc}") from None
     try:
-        return from_builtins(document, JobSpec)       # as the bus reads JSON: 2.0 is 2, "2" is no number
+        return from_builtins(document, JobSpec)  # as the bus reads JSON: 2.0 is 2, "2" is no number
     except msgspec.ValidationError as exc:
         from shared.submissions import malformed_reason
 
@@ -81,22 +91,32 @@ async def submit(spec, server: str, **options) -> bool:
     bus = await Bus.connect_once(server, "goodput-submit", **options)
     try:
         if len(bus.encode(spec)) > MAX_INTAKE_BYTES:
-            raise ValueError(f"job {spec.id}: a submission stored with --stream is at most {MAX_INTAKE_BYTES // 1024} KiB")
+            raise ValueError(
+                f"job {spec.id}: a submission stored with --stream is at most {MAX_INTAKE_BYTES // 1024} KiB"
+            )
         try:
-            ack = await bus.js_publish(subjects.submit(options.get("user") or subjects.OPERATOR), spec,
-                                       msg_id=submission_msg_id(spec), timeout=10)
+            ack = await bus.js_publish(
+                subjects.submit(options.get("user") or subjects.OPERATOR),
+                spec,
+                msg_id=submission_msg_id(spec),
+                timeout=10,
+            )
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            raise ValueError(f"no intake stream at {credentials.redact(server)}: the operator sets it up "
-                             "(`goodput up` does at start)") from None
-        except nats.js.errors.APIError as error:       # e.g. this login's backlog is full: it refuses, drops nothing
+            raise ValueError(
+                f"no intake stream at {credentials.redact(server)}: the operator sets it up "
+                "(`goodput up` does at start)"
+            ) from None
+        except nats.js.errors.APIError as error:  # e.g. this login's backlog is full: it refuses, drops nothing
             raise ValueError(f"the intake stream refused job {spec.id}: {error.description}") from None
         return not ack.duplicate
     finally:
         await bus.close()
 
 
-API_UNANSWERED = "no user API answers at {server} (the profiler serves it): is the stack up? `--stream` stores a " \
-                 "submission without it"
+API_UNANSWERED = (
+    "no user API answers at {server} (the profiler serves it): is the stack up? `--stream` stores a "
+    "submission without it"
+)
 
 
 async def ask(server: str, subject: str, request, answer_type, unanswered: str = API_UNANSWERED, **options):
@@ -105,12 +125,14 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
 
     bus = await Bus.connect_once(server, "goodput-cli", **options)
     answer = asyncio.ensure_future(bus.request(subject, request, answer_type, timeout=30))
-    refused = asyncio.ensure_future(bus.refused.wait())     # its login may not send it: no answer will come
+    refused = asyncio.ensure_future(bus.refused.wait())  # its login may not send it: no answer will come
     try:
         await asyncio.wait({answer, refused}, return_when=asyncio.FIRST_COMPLETED)
         if not answer.done():
-            raise ValueError(f"NATS at {credentials.redact(server)} refused this login's request on {subject} "
-                             f"({next(e for e in reversed(bus.refusals) if 'permissions' in str(e).lower())})")
+            raise ValueError(
+                f"NATS at {credentials.redact(server)} refused this login's request on {subject} "
+                f"({next(e for e in reversed(bus.refusals) if 'permissions' in str(e).lower())})"
+            )
         return answer.result()
     except nats.errors.NoRespondersError:
         raise ValueError(unanswered.format(server=credentials.redact(server))) from None
@@ -120,15 +142,16 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
         await bus.close()
 
 
-def _call(args: argparse.Namespace, subject: str, request, answer_type, unanswered: str = API_UNANSWERED,
-          refused: str = ""):
+def _call(
+    args: argparse.Namespace, subject: str, request, answer_type, unanswered: str = API_UNANSWERED, refused: str = ""
+):
     """The answer; ValueError with the API's reason (after `refused`) when it refuses the request."""
     from nats.micro.request import ServiceError
 
-    options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
+    options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
     try:
         return asyncio.run(ask(args.server, subject, request, answer_type, unanswered, **options))
-    except ServiceError as error:                 # the API refused the request: its reason
+    except ServiceError as error:  # the API refused the request: its reason
         raise ValueError(refused + error.description) from None
     except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
         raise ValueError(credentials.unreachable(args.server, exc, options)) from None
@@ -162,12 +185,15 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
             stored = asyncio.run(submit(spec, args.server, **options))
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise ValueError(credentials.unreachable(args.server, exc, options)) from None
-        print(f"{spec.id}: stored; the gate judges it next (`goodput status {spec.id}`)" if stored
-              else f"{spec.id}: already submitted, not stored again")
+        print(
+            f"{spec.id}: stored; the gate judges it next (`goodput status {spec.id}`)"
+            if stored
+            else f"{spec.id}: already submitted, not stored again"
+        )
         return 0
     refused = f"job {spec.id} refused: "
     answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer, refused=refused)
-    if not answer.accepted:                       # an API of before refusals were service errors
+    if not answer.accepted:  # an API of before refusals were service errors
         raise ValueError(refused + answer.reason)
     print(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}")
     for note in answer.notes:
@@ -180,13 +206,19 @@ def _drain(args: argparse.Namespace) -> int:
     from shared.schema import DrainAnswer, DrainRequest
 
     try:
-        answer = _call(args, subjects.EXECUTOR_DRAIN, DrainRequest(args.node, args.undo), DrainAnswer,
-                       "no executor drains nodes at {server}: draining is for real executors (`goodput up "
-                       "--executors local`)")
+        answer = _call(
+            args,
+            subjects.EXECUTOR_DRAIN,
+            DrainRequest(args.node, args.undo),
+            DrainAnswer,
+            "no executor drains nodes at {server}: draining is for real executors (`goodput up --executors local`)",
+        )
     except ValueError as error:
-        if "refused this login" in str(error):    # a user's login may not ask
-            raise ValueError(f"{error}: draining takes the operator's login (--nats-user operator, its "
-                             "password file under the data folder's secrets)") from None
+        if "refused this login" in str(error):  # a user's login may not ask
+            raise ValueError(
+                f"{error}: draining takes the operator's login (--nats-user operator, its "
+                "password file under the data folder's secrets)"
+            ) from None
         raise
     where = "" if answer.known else " (no agent serves it now)"
     if args.undo:

@@ -19,8 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "timeslice",
         help="simulate time-slicing for early feedback: worked case, sweep, optimal quanta",
     )
-    parser.add_argument("--out", default=default_out("timeslice", "results.json"),
-                        help="results file, its folder created (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=default_out("timeslice", "results.json"),
+        help="results file, its folder created (default: %(default)s)",
+    )
     parser.add_argument("--plot", help="also draw last feedback vs makespan into this PNG")
     parser.set_defaults(func=_run)
 
@@ -53,8 +56,9 @@ def build_results() -> dict:
     swept_keys = {_key(r) for r in swept}
 
     def record(r: ts.ScheduleResult) -> dict:
-        return schedule_record(r, [name for name, keys in (("worked", worked_keys), ("sweep", swept_keys))
-                                   if _key(r) in keys])
+        return schedule_record(
+            r, [name for name, keys in (("worked", worked_keys), ("sweep", swept_keys)) if _key(r) in keys]
+        )
 
     # Worked-case schedules outside the sweep first, then the sweep in its own order.
     schedules = [record(r) for r in worked if _key(r) not in swept_keys] + [record(r) for r in swept]
@@ -101,14 +105,19 @@ def _mean(x: float) -> str:
 
 def format_report(results: dict) -> str:
     w, wc = results["workload"], results["worked_case"]
-    head = (
-        f"{w['jobs']} jobs x {w['iterations']} iterations x {w['iteration_s']:g} s on one accelerator"
-    )
+    head = f"{w['jobs']} jobs x {w['iterations']} iterations x {w['iteration_s']:g} s on one accelerator"
     worked = _table(
         ["schedule", "first fb", "last fb", "mean fb", "makespan", "switches", "useful"],
         [
-            [_label(r), _s(r["first_feedback_s"]), _s(r["last_feedback_s"]), _mean(r["mean_feedback_s"]),
-             _s(r["makespan_s"]), str(r["switches"]), _s(r["useful_work_s"])]
+            [
+                _label(r),
+                _s(r["first_feedback_s"]),
+                _s(r["last_feedback_s"]),
+                _mean(r["mean_feedback_s"]),
+                _s(r["makespan_s"]),
+                str(r["switches"]),
+                _s(r["useful_work_s"]),
+            ]
             for r in wc["schedules"]
         ],
     )
@@ -116,9 +125,17 @@ def format_report(results: dict) -> str:
     sweep = _table(
         ["k", "switch s", "q", "first fb", "last fb", "mean fb", "makespan", "switches", "useful"],
         [
-            [str(r["threshold"]), f"{r['switch_cost_s']:g}", str(r["quantum"]), _s(r["first_feedback_s"]),
-             _s(r["last_feedback_s"]), _mean(r["mean_feedback_s"]), _s(r["makespan_s"]), str(r["switches"]),
-             _s(r["useful_work_s"])]
+            [
+                str(r["threshold"]),
+                f"{r['switch_cost_s']:g}",
+                str(r["quantum"]),
+                _s(r["first_feedback_s"]),
+                _s(r["last_feedback_s"]),
+                _mean(r["mean_feedback_s"]),
+                _s(r["makespan_s"]),
+                str(r["switches"]),
+                _s(r["useful_work_s"]),
+            ]
             for r in swept
         ],
     )
@@ -129,13 +146,15 @@ def format_report(results: dict) -> str:
             for o in results["optimal_quanta"]
         ],
     )
-    return "\n\n".join([
-        head,
-        f"Worked case (switch cost {wc['switch_cost_s']:g} s, feedback at iteration {wc['threshold']}; times in s)\n"
-        + worked,
-        f"Sweep: {len(swept)} round-robin schedules (k = feedback threshold in iterations; times in s)\n" + sweep,
-        "Quanta minimising last-feedback time (all ties listed)\n" + best,
-    ])
+    return "\n\n".join(
+        [
+            head,
+            f"Worked case (switch cost {wc['switch_cost_s']:g} s, feedback at iteration {wc['threshold']}; times in s)\n"
+            + worked,
+            f"Sweep: {len(swept)} round-robin schedules (k = feedback threshold in iterations; times in s)\n" + sweep,
+            "Quanta minimising last-feedback time (all ties listed)\n" + best,
+        ]
+    )
 
 
 def plot_feedback(results: dict, path: str | Path) -> None:
@@ -159,9 +178,16 @@ def plot_feedback(results: dict, path: str | Path) -> None:
         for i, q in enumerate(quanta):
             pts = sorted((r for r in rows if r["quantum"] == q), key=lambda r: r["switch_cost_s"])
             # Hollow markers shrinking with q, so coinciding schedules stay visible on top of each other.
-            ax.plot([r["makespan_s"] for r in pts], [r["last_feedback_s"] for r in pts],
-                    marker=markers[i % len(markers)], ms=12 - 2.5 * i, mfc="none", mew=1.6, lw=1.2,
-                    label=f"q = {q}")
+            ax.plot(
+                [r["makespan_s"] for r in pts],
+                [r["last_feedback_s"] for r in pts],
+                marker=markers[i % len(markers)],
+                ms=12 - 2.5 * i,
+                mfc="none",
+                mew=1.6,
+                lw=1.2,
+                label=f"q = {q}",
+            )
         ax.set_title(f"feedback at iteration {k}")
         ax.set_xlabel("makespan (s)")
         ax.set_ylabel("last feedback (s)")
@@ -169,8 +195,10 @@ def plot_feedback(results: dict, path: str | Path) -> None:
         ax.legend(fontsize=8, loc="upper left")
     w = results["workload"]
     costs = ", ".join(f"{c:g}" for c in results["sweep"]["switch_costs_s"])
-    fig.suptitle(f"Time-slicing {w['jobs']} jobs x {w['iterations']} iterations x {w['iteration_s']:g} s on one "
-                 f"accelerator; each line runs left to right over switch costs {costs} s")
+    fig.suptitle(
+        f"Time-slicing {w['jobs']} jobs x {w['iterations']} iterations x {w['iteration_s']:g} s on one "
+        f"accelerator; each line runs left to right over switch costs {costs} s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -37,65 +37,112 @@ from pathlib import Path
 
 from cli.submit import add_connection_arguments
 from services.executor.processes import JOBS_PACKAGE
-from shared.runner import positive_float
 from shared import credentials
+from shared.runner import positive_float
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from sim.workload import BUILT_IN_WORKLOAD
 
-LOCK_FILE = "goodput-up.lock"       # held by the `goodput up` serving from a data folder
-WATCH_JOBS = 8                      # jobs named on one line of the live output
+LOCK_FILE = "goodput-up.lock"  # held by the `goodput up` serving from a data folder
+WATCH_JOBS = 8  # jobs named on one line of the live output
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
 ROUND_S = {"simulated": 60.0, "local": 10.0}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start NATS and the five services; replay a workload through them")
-    up.add_argument("--executors", choices=sorted(ROUND_S), default="simulated",
-                    help="simulated jobs, or real ones on this machine's CPU slots (default: %(default)s)")
+    up.add_argument(
+        "--executors",
+        choices=sorted(ROUND_S),
+        default="simulated",
+        help="simulated jobs, or real ones on this machine's CPU slots (default: %(default)s)",
+    )
     up.add_argument("--cluster", help="cluster preset or YAML/JSON file (default: sia-hetero-64; local: local)")
-    up.add_argument("--workload", default=str(BUILT_IN_WORKLOAD),
-                    help="workload CSV to replay (default: the built-in 40-job workload); 'none' to replay nothing")
+    up.add_argument(
+        "--workload",
+        default=str(BUILT_IN_WORKLOAD),
+        help="workload CSV to replay (default: the built-in 40-job workload); 'none' to replay nothing",
+    )
     up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
     up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
     up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
-    up.add_argument("--data", help=f"JetStream data, secrets and service logs (default: {credentials.DEFAULT_DATA}; "
-                                   "with --once out/replay)")
-    up.add_argument("--insecure", action="store_true",
-                    help="no authentication: any local process may act as any service (for debugging only)")
-    up.add_argument("--sync-always", action="store_true",
-                    help="fsync every JetStream write (default: every 2 minutes; a killed process loses nothing "
-                         "either way, a power cut up to that much)")
+    up.add_argument(
+        "--data",
+        help=f"JetStream data, secrets and service logs (default: {credentials.DEFAULT_DATA}; with --once out/replay)",
+    )
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no authentication: any local process may act as any service (for debugging only)",
+    )
+    up.add_argument(
+        "--sync-always",
+        action="store_true",
+        help="fsync every JetStream write (default: every 2 minutes; a killed process loses nothing "
+        "either way, a power cut up to that much)",
+    )
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
-    up.add_argument("--fresh", action="store_true",
-                    help="start from an empty store: forget every job of the earlier starts on --data")
+    up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from an empty store: forget every job of the earlier starts on --data",
+    )
     up.add_argument("--round", type=float, help="live: wall-clock seconds between rounds (default: 60; local: 10)")
-    up.add_argument("--speed", type=float, default=1.0,
-                    help="live: simulated seconds per wall-clock second, to watch long jobs: a round is then "
-                         "round x speed seconds of the simulated cluster (default: %(default)s)")
-    up.add_argument("--policy-replicas", type=int, default=1,
-                    help="policy replicas: one leads, the others stand by (default: %(default)s)")
+    up.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="live: simulated seconds per wall-clock second, to watch long jobs: a round is then "
+        "round x speed seconds of the simulated cluster (default: %(default)s)",
+    )
+    up.add_argument(
+        "--policy-replicas",
+        type=int,
+        default=1,
+        help="policy replicas: one leads, the others stand by (default: %(default)s)",
+    )
     up.add_argument("--estimator-replicas", type=int, default=1, help="estimator replicas (default: %(default)s)")
-    up.add_argument("--jobs", nargs="+", default=[str(p) for p in EXAMPLE_JOBS],
-                    help="local: job YAML files to submit (default: the example jobs)")
-    up.add_argument("--jobs-package", default=JOBS_PACKAGE,
-                    help="local: the package whose modules jobs may run (default: %(default)s)")
-    up.add_argument("--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)")
-    up.add_argument("--nodes", type=int, default=1,
-                    help="local: node agents to run on this machine, each its own node of CPU slots (default: %(default)s)")
-    up.add_argument("--slots", type=int, help="local: CPU slots per node (default: 4 on one node; on more, this "
-                                              "machine's cores shared out, 1 to 4 each: a slot is a core)")
+    up.add_argument(
+        "--jobs",
+        nargs="+",
+        default=[str(p) for p in EXAMPLE_JOBS],
+        help="local: job YAML files to submit (default: the example jobs)",
+    )
+    up.add_argument(
+        "--jobs-package",
+        default=JOBS_PACKAGE,
+        help="local: the package whose modules jobs may run (default: %(default)s)",
+    )
+    up.add_argument(
+        "--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)"
+    )
+    up.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="local: node agents to run on this machine, each its own node of CPU slots (default: %(default)s)",
+    )
+    up.add_argument(
+        "--slots",
+        type=int,
+        help="local: CPU slots per node (default: 4 on one node; on more, this "
+        "machine's cores shared out, 1 to 4 each: a slot is a core)",
+    )
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="jobs known to a running goodput, and its live run")
     status.add_argument("id", nargs="?", help="show this job only")
-    status.add_argument("--json", action="store_true",
-                        help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)')
+    status.add_argument(
+        "--json", action="store_true", help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)'
+    )
     add_connection_arguments(status)
     status.set_defaults(func=_status)
 
-    nodes = sub.add_parser("nodes", help="the operator's: the nodes of a running goodput with real jobs (GPUs, alive, "
-                                         "lost or drained, and every login's jobs on them)")
+    nodes = sub.add_parser(
+        "nodes",
+        help="the operator's: the nodes of a running goodput with real jobs (GPUs, alive, "
+        "lost or drained, and every login's jobs on them)",
+    )
     nodes.add_argument("--json", action="store_true", help='one JSON document: {"nodes": [...]}')
     add_connection_arguments(nodes, role="operator")
     nodes.set_defaults(func=_nodes)
@@ -118,10 +165,10 @@ def _up(args: argparse.Namespace) -> int:
     if local and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
     data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
-    if not data.exists() and port_in_use(args.port):      # refused before a new folder is made
+    if not data.exists() and port_in_use(args.port):  # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
-    data.parent.mkdir(parents=True, exist_ok=True)   # the folders above DATA are made as before
-    with private_files():     # what this process and its children write: logs, work, checkpoints
+    data.parent.mkdir(parents=True, exist_ok=True)  # the folders above DATA are made as before
+    with private_files():  # what this process and its children write: logs, work, checkpoints
         return _up_on(args, data, local)
 
 
@@ -138,25 +185,27 @@ def _up_on(args: argparse.Namespace, data: Path, local: bool) -> int:
             print(f"stopped the NATS server (pid {orphan}) that a killed goodput up left serving {data}", flush=True)
         if port_in_use(args.port):
             raise ValueError(_port_taken(args.port))
-        if args.fresh:                   # the explicit wipe: an empty cluster, real jobs from scratch
+        if args.fresh:  # the explicit wipe: an empty cluster, real jobs from scratch
             for folder in ("jetstream", "work"):
                 shutil.rmtree(data / folder, ignore_errors=True)
         resumed = (data / "jetstream").is_dir()
         if args.insecure:
-            print("WARNING: --insecure: NATS runs without authentication; any process that reaches "
-                  f"127.0.0.1:{args.port} may act as any service (submit, place, delete every stream)", flush=True)
+            print(
+                "WARNING: --insecure: NATS runs without authentication; any process that reaches "
+                f"127.0.0.1:{args.port} may act as any service (submit, place, delete every stream)",
+                flush=True,
+            )
         try:
             with embedded_nats(data, args.port, secure=not args.insecure, sync_always=args.sync_always) as nats:
                 asyncio.run(_serve(args, nats, data, resumed))
-        except KeyboardInterrupt:        # Ctrl-C while NATS was starting: nothing was running yet
+        except KeyboardInterrupt:  # Ctrl-C while NATS was starting: nothing was running yet
             pass
     print("goodput is down")
     return 0
 
 
 def _port_taken(port: int) -> str:
-    return (f"port {port} on 127.0.0.1 is taken (another goodput up, or another server?); choose another with "
-            "--port")
+    return f"port {port} on 127.0.0.1 is taken (another goodput up, or another server?); choose another with --port"
 
 
 def _local_cluster(data: Path, nodes: int, slots: int | None) -> str:
@@ -167,7 +216,9 @@ def _local_cluster(data: Path, nodes: int, slots: int | None) -> str:
         return "local"
     path = data / "work" / f"local-{nodes}x{slots}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"name: local-{nodes}x{slots}\nnodes:\n  - {{gpu_type: cpu, count: {nodes}, gpus_per_node: {slots}}}\n")
+    path.write_text(
+        f"name: local-{nodes}x{slots}\nnodes:\n  - {{gpu_type: cpu, count: {nodes}, gpus_per_node: {slots}}}\n"
+    )
     return str(path)
 
 
@@ -183,8 +234,9 @@ def _holding(data: Path):
         lock.seek(0)
         holder = lock.read().strip() or "?"
         lock.close()
-        raise ValueError(f"data folder {data} is in use by another `goodput up` (pid {holder}); stop it, or "
-                         "choose another --data") from None
+        raise ValueError(
+            f"data folder {data} is in use by another `goodput up` (pid {holder}); stop it, or choose another --data"
+        ) from None
     lock.seek(0)
     lock.truncate()
     lock.write(str(os.getpid()))
@@ -209,25 +261,35 @@ async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
 
 async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
     from launcher.live_run import describe, live_request
-    from launcher.stack import (ensure_run, live_run_exists, local_node_arguments, local_service_arguments,
-                              records_once_ended, running_services, service_arguments)
-    from shared.subjects import LIVE_RUN
+    from launcher.stack import (
+        ensure_run,
+        live_run_exists,
+        local_node_arguments,
+        local_service_arguments,
+        records_once_ended,
+        running_services,
+        service_arguments,
+    )
     from shared.settings import FEEDBACK_ITERATIONS
+    from shared.subjects import LIVE_RUN
 
     local = args.executors == "local"
     if local:
         # Jobs report what they measured twice a round: the estimator learns a new allocation in one.
-        arguments = local_service_arguments(args.cluster, data / "work", args.round / 2, args.slot_memory,
-                                            args.jobs_package)
+        arguments = local_service_arguments(
+            args.cluster, data / "work", args.round / 2, args.slot_memory, args.jobs_package
+        )
         agents = local_node_arguments(args.cluster, data / "work", args.jobs_package)
-        specs = [_job(path) for path in args.jobs]     # a bad file is refused here, before anything starts
+        specs = [_job(path) for path in args.jobs]  # a bad file is refused here, before anything starts
     else:
         agents = {}
-        arguments = service_arguments(args.cluster, args.reference, args.reference is None, None,
-                                      FEEDBACK_ITERATIONS, None)
+        arguments = service_arguments(
+            args.cluster, args.reference, args.reference is None, None, FEEDBACK_ITERATIONS, None
+        )
     # Real jobs are short: the policy re-decides every round.
-    live = live_request(LIVE_RUN, args.policy, args.cluster, args.round, args.speed,
-                        {"round_s": args.round} if local else None)
+    live = live_request(
+        LIVE_RUN, args.policy, args.cluster, args.round, args.speed, {"round_s": args.round} if local else None
+    )
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
     with running_services(nats, arguments, data, replicas, agents=agents) as stack:
         bus = await nats.connect("goodput-up")
@@ -235,28 +297,39 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
         try:
             await stack.wait_ready(bus)
             user_env = credentials.write_user_env(data, nats.url, nats.access and nats.access.password_file("user"))
-            print(f"goodput is up: NATS at {nats.url} (JetStream data in {data}"
-                  f"{', kept from the last start: --fresh starts empty' if resumed else ''}"
-                  f"{'; NO AUTHENTICATION (--insecure)' if nats.access is None else ''})")
+            print(
+                f"goodput is up: NATS at {nats.url} (JetStream data in {data}"
+                f"{', kept from the last start: --fresh starts empty' if resumed else ''}"
+                f"{'; NO AUTHENTICATION (--insecure)' if nats.access is None else ''})"
+            )
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
             # A node agent that dies is started again, as a node's own supervisor would; a service is told of.
-            supervising = asyncio.ensure_future(stack.supervise(lambda name: name in agents,
-                                                                lambda line: print(f"  {line}", flush=True)))
+            supervising = asyncio.ensure_future(
+                stack.supervise(lambda name: name in agents, lambda line: print(f"  {line}", flush=True))
+            )
             if not local and args.workload != "none" and (args.once or not resumed):
                 if resumed and await live_run_exists(bus):
-                    raise ValueError(f"{data} holds a live run, which the policy leader serves before any replay: "
-                                     "replay on another --data, or start it empty with --fresh")
+                    raise ValueError(
+                        f"{data} holds a live run, which the policy leader serves before any replay: "
+                        "replay on another --data, or start it empty with --fresh"
+                    )
                 await _replay(args, bus, stack, live.policy, dict(live.policy_options))
             if local or not args.once:
                 existing = await ensure_run(bus, live)
-                if existing is not None and (existing.policy, existing.policy_options, existing.round_s) != \
-                        (live.policy, live.policy_options, live.round_s):
+                if existing is not None and (existing.policy, existing.policy_options, existing.round_s) != (
+                    live.policy,
+                    live.policy_options,
+                    live.round_s,
+                ):
                     print(f"the live run goes on as it was created ({describe(existing)}), not with {describe(live)}")
                 running = existing or live
                 print(_how_to_connect(data, user_env))
-                print(f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
-                      f"{describe(running)}; Ctrl-C stops everything", flush=True)
+                print(
+                    f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
+                    f"{describe(running)}; Ctrl-C stops everything",
+                    flush=True,
+                )
                 watch = asyncio.ensure_future(_watch(bus, LIVE_RUN))
                 try:
                     if local:
@@ -265,7 +338,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                         ended = await records_once_ended(bus, [spec.id for spec in specs], args.round)
                         _report_local(args, list(ended.values()))
                     else:
-                        await asyncio.Event().wait()            # until Ctrl-C
+                        await asyncio.Event().wait()  # until Ctrl-C
                 finally:
                     watch.cancel()
         finally:
@@ -281,31 +354,51 @@ async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: di
     from policies.base import make_policy
     from shared.cluster import load_cluster
     from shared.reference import load_workload
-    from shared.settings import simulation_settings
+    from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
     from sim.run import add_fairness, fairness_reporter, job_sources, progress_reporter, replay_results
-    from shared.settings import FEEDBACK_ITERATIONS
 
     jobs = load_workload(args.workload)
     settings = simulation_settings(None, args.cluster)
     print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
     start = time.perf_counter()
-    run, records = await replay(bus, stack, jobs, policy, options, settings.name,
-                                progress=progress_reporter(len(jobs), label="replay"))
+    run, records = await replay(
+        bus, stack, jobs, policy, options, settings.name, progress=progress_reporter(len(jobs), label="replay")
+    )
     origin = f"reference:{args.reference}" if args.reference else "zoo"
     cluster = load_cluster(args.cluster)
-    result = replay_results(jobs, cluster, make_policy(policy, **options), settings,
-                            FEEDBACK_ITERATIONS, run, records, args.workload, origin)
-    await asyncio.to_thread(add_fairness, result, jobs, cluster, policy, options, settings,
-                            job_sources(args.reference, args.reference is None), FEEDBACK_ITERATIONS,
-                            progress=fairness_reporter(result))
+    result = replay_results(
+        jobs,
+        cluster,
+        make_policy(policy, **options),
+        settings,
+        FEEDBACK_ITERATIONS,
+        run,
+        records,
+        args.workload,
+        origin,
+    )
+    await asyncio.to_thread(
+        add_fairness,
+        result,
+        jobs,
+        cluster,
+        policy,
+        options,
+        settings,
+        job_sources(args.reference, args.reference is None),
+        FEEDBACK_ITERATIONS,
+        progress=fairness_reporter(result),
+    )
     report(result, time.perf_counter() - start, args.out)
 
 
 def _how_to_connect(data: Path, user_env: Path) -> str:
     """How a user reaches this stack: its commands find the default data folder's user.env."""
     found = "" if data.resolve() == credentials.DEFAULT_DATA.resolve() else f"set -a; . {user_env}; set +a; then "
-    return (f"as a user ({user_env} holds the URL and login; other clients: its user, password file and "
-            f"inbox prefix): {found}`goodput submit JOB.yaml`, `goodput status`")
+    return (
+        f"as a user ({user_env} holds the URL and login; other clients: its user, password file and "
+        f"inbox prefix): {found}`goodput submit JOB.yaml`, `goodput status`"
+    )
 
 
 def _job(path: str):
@@ -325,7 +418,7 @@ async def _submit_local(bus, specs) -> None:
     from shared import subjects
     from shared.schema import JobRecords, JobsQuery, job_statuses, submission_msg_id
 
-    for _ in range(300):                  # the executor answers ping a moment before its endpoints
+    for _ in range(300):  # the executor answers ping a moment before its endpoints
         try:
             records = await bus.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=30)
             break
@@ -337,8 +430,11 @@ async def _submit_local(bus, specs) -> None:
     for spec in specs:
         status = known.get(spec.id)
         if status is not None:
-            print(f"  {spec.id} ({spec.application}): submitted before, {status.state}"
-                  f"{': ' + status.reason if status.reason else ''}", flush=True)
+            print(
+                f"  {spec.id} ({spec.application}): submitted before, {status.state}"
+                f"{': ' + status.reason if status.reason else ''}",
+                flush=True,
+            )
             continue
         await bus.js_publish(subjects.stored(subjects.OPERATOR), spec, msg_id=submission_msg_id(spec))
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
@@ -347,21 +443,40 @@ async def _submit_local(bus, specs) -> None:
 def _report_local(args: argparse.Namespace, records) -> None:
     from cli.output import rounded, write_results
 
-    jobs = [{"name": r.name, "application": r.application, "submit_s": r.submit_s, "finish_s": r.finish_s,
-             "jct_s": None if r.finish_s is None else r.finish_s - r.submit_s, "restarts": r.restarts,
-             "gpu_seconds": r.gpu_seconds, "batches": list(r.batches), "metric": r.metric, "failure": r.failure,
-             # where its workers ran, from when: each placement a list of [node, GPUs]
-             "placements": [{"at_s": p.at_s, "nodes": [list(spot) for spot in p.spots]} for p in r.placements]}
-            for r in records]
+    jobs = [
+        {
+            "name": r.name,
+            "application": r.application,
+            "submit_s": r.submit_s,
+            "finish_s": r.finish_s,
+            "jct_s": None if r.finish_s is None else r.finish_s - r.submit_s,
+            "restarts": r.restarts,
+            "gpu_seconds": r.gpu_seconds,
+            "batches": list(r.batches),
+            "metric": r.metric,
+            "failure": r.failure,
+            # where its workers ran, from when: each placement a list of [node, GPUs]
+            "placements": [{"at_s": p.at_s, "nodes": [list(spot) for spot in p.spots]} for p in r.placements],
+        }
+        for r in records
+    ]
     lines = [f"{len(jobs)} real jobs with {args.policy} on {args.cluster}:"]
     for job in jobs:
-        outcome = (f"finished in {job['jct_s']:.0f} s, metric {job['metric']:.3f}" if job["failure"] is None
-                   else f"failed: {job['failure']}")
+        outcome = (
+            f"finished in {job['jct_s']:.0f} s, metric {job['metric']:.3f}"
+            if job["failure"] is None
+            else f"failed: {job['failure']}"
+        )
         nodes = sorted({node for p in job["placements"] for node, _ in p["nodes"]})
-        lines.append(f"  {job['name']:<14} {outcome}; restarts {job['restarts']}, "
-                     f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}, on {', '.join(nodes) or 'no node'}")
-    write_results(rounded({"executors": "local", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
-                  args.out, "\n".join(lines))
+        lines.append(
+            f"  {job['name']:<14} {outcome}; restarts {job['restarts']}, "
+            f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}, on {', '.join(nodes) or 'no node'}"
+        )
+    write_results(
+        rounded({"executors": "local", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
+        args.out,
+        "\n".join(lines),
+    )
 
 
 async def _watch(bus, run_id: str) -> None:
@@ -376,8 +491,11 @@ async def _watch(bus, run_id: str) -> None:
             running = sorted(step.record.gpus.items())
             listed = "; ".join(_running(job, gpus, step.record) for job, gpus in running[:WATCH_JOBS])
             more = f" and {len(running) - WATCH_JOBS} more" if len(running) > WATCH_JOBS else ""
-            print(f"  t={step.now_s:>8.0f} s  {step.record.active} active, {step.record.running} running"
-                  f"{': ' + listed + more if running else ''}", flush=True)
+            print(
+                f"  t={step.now_s:>8.0f} s  {step.record.active} active, {step.record.running} running"
+                f"{': ' + listed + more if running else ''}",
+                flush=True,
+            )
         if step.finished:
             names = ", ".join(step.finished[:WATCH_JOBS])
             more = f" and {len(step.finished) - WATCH_JOBS} more" if len(step.finished) > WATCH_JOBS else ""
@@ -394,8 +512,11 @@ def _running(job: str, gpus: int, record) -> str:
     kind = record.types.get(job)
     batch = record.batches.get(job)
     nodes = record.nodes.get(job)
-    return (f"{job} {gpus} x {hardware_name(kind)}" if kind else f"{job} {gpus} GPU{'s' * (gpus > 1)}") + \
-        (f" on {nodes} nodes" if nodes else "") + (f" (batch {batch})" if batch else "")
+    return (
+        (f"{job} {gpus} x {hardware_name(kind)}" if kind else f"{job} {gpus} GPU{'s' * (gpus > 1)}")
+        + (f" on {nodes} nodes" if nodes else "")
+        + (f" (batch {batch})" if batch else "")
+    )
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -404,7 +525,7 @@ def _status(args: argparse.Namespace) -> int:
     import msgspec
 
     server = args.server
-    options = credentials.connect_options(credentials.from_args(args))   # ValueError: a missing file
+    options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
     try:
         statuses, policy = asyncio.run(_query(server, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
@@ -419,13 +540,24 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
         return 0
     counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
-    print(f"{len(jobs)} job{'s' * (len(jobs) != 1)}: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if jobs else "no jobs")
-    print(f"live run: {run['state']}" + (f" at round {run['round']}" if run.get("round") is not None else "")
-          + (f" ({run['reason']})" if run["reason"] else "") + f"; policy leader: {run['leader'] or 'none'}")
+    print(
+        f"{len(jobs)} job{'s' * (len(jobs) != 1)}: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+        if jobs
+        else "no jobs"
+    )
+    print(
+        f"live run: {run['state']}"
+        + (f" at round {run['round']}" if run.get("round") is not None else "")
+        + (f" ({run['reason']})" if run["reason"] else "")
+        + f"; policy leader: {run['leader'] or 'none'}"
+    )
     for j in jobs:
-        where = (f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
-                 f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
-                 if j["state"] == "running" else j["reason"])
+        where = (
+            f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
+            f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
+            if j["state"] == "running"
+            else j["reason"]
+        )
         print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
     return 0
 
@@ -441,20 +573,31 @@ def _nodes(args: argparse.Namespace) -> int:
     from shared.schema import Ack, NodeStatuses
 
     try:
-        answer = _call(args, subjects.EXECUTOR_NODES, Ack(), NodeStatuses,
-                       "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
-                       "local`)? Simulated executors have no node agents")
+        answer = _call(
+            args,
+            subjects.EXECUTOR_NODES,
+            Ack(),
+            NodeStatuses,
+            "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
+            "local`)? Simulated executors have no node agents",
+        )
     except ValueError as error:
-        if "refused this login" in str(error):    # a login sees only its own jobs: not the nodes'
-            raise ValueError(f"{error}: listing nodes takes the operator's login (--nats-user operator, its "
-                             "password file under the data folder's secrets)") from None
+        if "refused this login" in str(error):  # a login sees only its own jobs: not the nodes'
+            raise ValueError(
+                f"{error}: listing nodes takes the operator's login (--nats-user operator, its "
+                "password file under the data folder's secrets)"
+            ) from None
         raise
     if args.json:
         print(json.dumps({"nodes": msgspec.to_builtins(answer.nodes)}, indent=2))
         return 0
     counts = {state: sum(n.state == state for n in answer.nodes) for state in NODE_STATES}
-    print(f"{len(answer.nodes)} node{'s' * (len(answer.nodes) != 1)}: "
-          + ", ".join(f"{n} {state}" for state, n in counts.items() if n) if answer.nodes else "no nodes")
+    print(
+        f"{len(answer.nodes)} node{'s' * (len(answer.nodes) != 1)}: "
+        + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+        if answer.nodes
+        else "no nodes"
+    )
     for node in answer.nodes:
         jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
         print(f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}".rstrip())
@@ -464,14 +607,35 @@ def _nodes(args: argparse.Namespace) -> int:
 def run_document(policy) -> dict:
     """The live run (and the policy leader) as `goodput status --json` shows it."""
     if policy is None:
-        return {"id": None, "state": "unknown", "reason": "no policy replica answers", "round": None,
-                "now_s": None, "jobs": 0, "leader": None}
+        return {
+            "id": None,
+            "state": "unknown",
+            "reason": "no policy replica answers",
+            "round": None,
+            "now_s": None,
+            "jobs": 0,
+            "leader": None,
+        }
     run = policy.run
     if run is None:
-        return {"id": None, "state": "none", "reason": "no live run yet", "round": None, "now_s": None,
-                "jobs": 0, "leader": policy.leader}
-    return {"id": run.id, "state": run.state, "reason": run.reason, "round": run.round, "now_s": run.now_s,
-            "jobs": run.jobs, "leader": policy.leader}
+        return {
+            "id": None,
+            "state": "none",
+            "reason": "no live run yet",
+            "round": None,
+            "now_s": None,
+            "jobs": 0,
+            "leader": policy.leader,
+        }
+    return {
+        "id": run.id,
+        "state": run.state,
+        "reason": run.reason,
+        "round": run.round,
+        "now_s": run.now_s,
+        "jobs": run.jobs,
+        "leader": policy.leader,
+    }
 
 
 async def _query(server: str, **options):
@@ -487,13 +651,15 @@ async def _query(server: str, **options):
     try:
         statuses, offset = [], 0
         while offset is not None:
-            page = await bus.request(subjects.API_JOBS, JobsRequest(offset=offset, limit=MAX_PAGE), JobsPage, timeout=10)
+            page = await bus.request(
+                subjects.API_JOBS, JobsRequest(offset=offset, limit=MAX_PAGE), JobsPage, timeout=10
+            )
             statuses += page.jobs
             offset = page.next_offset
         try:
             policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            policy = None                   # the jobs are still worth showing
+            policy = None  # the jobs are still worth showing
         return statuses, policy
     finally:
         await bus.close()

@@ -12,8 +12,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--jobs", type=int, default=40, help="number of jobs (default: %(default)s)")
     parser.add_argument("--hours", type=float, default=2.0, help="arrival window in hours (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=default_out("workload", "workload.csv"),
-                        help="CSV to write, its folder created (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=default_out("workload", "workload.csv"),
+        help="CSV to write, its folder created (default: %(default)s)",
+    )
     parser.set_defaults(func=_generate)
 
 

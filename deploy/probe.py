@@ -34,7 +34,7 @@ import nats.errors
 
 from shared.credentials import connect_options, redact
 
-DEFAULT_SERVER = "nats://127.0.0.1:4222"       # as shared.bus: this module stays light, for a fast probe
+DEFAULT_SERVER = "nats://127.0.0.1:4222"  # as shared.bus: this module stays light, for a fast probe
 SERVER_ENV = "GOODPUT_NATS_URL"
 PING_RESPONSE = "io.nats.micro.v1.ping_response"
 EXIT_NO_ANSWER = 1
@@ -59,13 +59,21 @@ async def ping(service: str, server: str, timeout_s: float, ready: bool = False,
         errors.append(error)
 
     try:
-        nc = await nats.connect(server, name=f"goodput-probe-{service}", allow_reconnect=False,
-                                max_reconnect_attempts=1, reconnect_time_wait=0.1, connect_timeout=timeout_s,
-                                error_cb=remember, **options)
+        nc = await nats.connect(
+            server,
+            name=f"goodput-probe-{service}",
+            allow_reconnect=False,
+            max_reconnect_attempts=1,
+            reconnect_time_wait=0.1,
+            connect_timeout=timeout_s,
+            error_cb=remember,
+            **options,
+        )
     except Exception as error:  # noqa: BLE001 - every way of not connecting is the same answer
         reason = errors[0] if errors else error
-        raise ProbeFailed(f"cannot reach NATS at {redact(server)}: {reason or type(reason).__name__}",
-                          EXIT_NO_NATS) from None
+        raise ProbeFailed(
+            f"cannot reach NATS at {redact(server)}: {reason or type(reason).__name__}", EXIT_NO_NATS
+        ) from None
     try:
         answer = await _ping(nc, service, server, timeout_s)
         if ready and service == POLICY:
@@ -79,18 +87,23 @@ async def _ping(nc, service: str, server: str, timeout_s: float) -> dict:
     try:
         message = await nc.request(f"$SRV.PING.{service}", b"", timeout=timeout_s)
     except nats.errors.NoRespondersError:
-        raise ProbeFailed(f"no instance of service {service!r} is registered on NATS at {redact(server)}",
-                          EXIT_NO_ANSWER) from None
+        raise ProbeFailed(
+            f"no instance of service {service!r} is registered on NATS at {redact(server)}", EXIT_NO_ANSWER
+        ) from None
     except nats.errors.TimeoutError:
-        raise ProbeFailed(f"no instance of service {service!r} answered ping within {timeout_s:g} s "
-                          f"on NATS at {redact(server)}", EXIT_NO_ANSWER) from None
+        raise ProbeFailed(
+            f"no instance of service {service!r} answered ping within {timeout_s:g} s on NATS at {redact(server)}",
+            EXIT_NO_ANSWER,
+        ) from None
     try:
         answer = json.loads(message.data)
     except ValueError:
         answer = None
     if not isinstance(answer, dict) or answer.get("type") != PING_RESPONSE or answer.get("name") != service:
-        raise ProbeFailed(f"$SRV.PING.{service} was answered, but not by a service named {service!r}: "
-                          f"{message.data[:200]!r}", EXIT_NO_ANSWER)
+        raise ProbeFailed(
+            f"$SRV.PING.{service} was answered, but not by a service named {service!r}: {message.data[:200]!r}",
+            EXIT_NO_ANSWER,
+        )
     return answer
 
 
@@ -105,30 +118,41 @@ async def _check_live_run(nc, server: str, timeout_s: float) -> None:
         reply = await nc.request(POLICY_STATUS, msgspec.msgpack.encode({}), timeout=timeout_s)
         status = msgspec.msgpack.decode(reply.data, type=PolicyStatus)
     except (nats.errors.Error, msgspec.DecodeError) as error:
-        raise ProbeFailed(f"the policy answers ping but not {POLICY_STATUS} on NATS at {redact(server)}: "
-                          f"{error or type(error).__name__}", EXIT_NO_ANSWER) from None
+        raise ProbeFailed(
+            f"the policy answers ping but not {POLICY_STATUS} on NATS at {redact(server)}: "
+            f"{error or type(error).__name__}",
+            EXIT_NO_ANSWER,
+        ) from None
     if status.run is not None and status.run.state == "stalled":
-        raise ProbeFailed(f"the live run is stalled at round {status.run.round}: {status.run.reason}",
-                          EXIT_NO_ANSWER)
+        raise ProbeFailed(f"the live run is stalled at round {status.run.round}: {status.run.reason}", EXIT_NO_ANSWER)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.probe",
-                                     description="exit 0 when an instance of SERVICE answers the NATS service ping")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.probe", description="exit 0 when an instance of SERVICE answers the NATS service ping"
+    )
     parser.add_argument("service", help="service name: profiler, estimator, policy, placer or executor")
-    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
-                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
-    parser.add_argument("--timeout", type=float, default=2.0,
-                        help="seconds to connect, and again to wait for an answer (default: %(default)s)")
-    parser.add_argument("--ready", action="store_true",
-                        help="readiness: for the policy, also fail while its live run is stalled")
+    parser.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=2.0,
+        help="seconds to connect, and again to wait for an answer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ready", action="store_true", help="readiness: for the policy, also fail while its live run is stalled"
+    )
     args = parser.parse_args(argv)
     if not _NAME.match(args.service):
         parser.error(f"service name {args.service!r} may hold only letters, digits, '_' and '-'")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
     try:
-        options = connect_options()            # the $GOODPUT_NATS_* credentials, as the service's own
+        options = connect_options()  # the $GOODPUT_NATS_* credentials, as the service's own
         answer = asyncio.run(ping(args.service, args.server, args.timeout, args.ready, **options))
     except ValueError as error:
         print(f"probe: {error}", file=sys.stderr)

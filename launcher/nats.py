@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 SERVER_START_TIMEOUT_S = 10.0
-PID_FILE = "nats-server.pid"    # under the server's folder while it serves: a killed owner's server is found
-SECRETS = "secrets"             # under the data folder: one password file per role
-LOGINS = "logins"               # under the data folder: one file per login the operator added, NAME.env
-AUTH_CONF = "auth.conf"         # under the data folder: the accounts, included by nats.conf, reloaded on SIGHUP
-SYNC_INTERVAL = '"2m"'          # nats-server's default fsync period (quoted: a duration, not a number)
+PID_FILE = "nats-server.pid"  # under the server's folder while it serves: a killed owner's server is found
+SECRETS = "secrets"  # under the data folder: one password file per role
+LOGINS = "logins"  # under the data folder: one file per login the operator added, NAME.env
+AUTH_CONF = "auth.conf"  # under the data folder: the accounts, included by nats.conf, reloaded on SIGHUP
+SYNC_INTERVAL = '"2m"'  # nats-server's default fsync period (quoted: a duration, not a number)
 
 
 def nats_server_binary() -> Path:
@@ -62,7 +62,7 @@ def free_loopback_port() -> int:
 def port_in_use(port: int) -> bool:
     """Whether something listens on (or holds) `port` on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the server binds: TIME_WAIT is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is free
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -104,7 +104,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
     command = [str(binary), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
     if config is not None:
         config_path = workdir / "nats.conf"
-        config_path.touch(mode=0o600)    # it holds passwords: readable by this user only
+        config_path.touch(mode=0o600)  # it holds passwords: readable by this user only
         config_path.write_text(config)
         command += ["-c", str(config_path)]
     with log_path.open("wb") as server_log:
@@ -112,7 +112,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
             command,
             stdout=server_log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,      # Ctrl-C reaches its owner, which stops it last
+            start_new_session=True,  # Ctrl-C reaches its owner, which stops it last
         )
     (workdir / PID_FILE).write_text(str(process.pid))
     try:
@@ -141,7 +141,7 @@ def serving_pid(workdir: Path) -> int | None:
         return None
     store = arguments[arguments.index("-sd") + 1] if "-sd" in arguments[:-1] else None
     if store is None or Path(cwd, store).resolve() != (workdir / "jetstream").resolve():
-        path.unlink(missing_ok=True)           # the pid is another process's now
+        path.unlink(missing_ok=True)  # the pid is another process's now
         return None
     return pid
 
@@ -154,7 +154,7 @@ def stop_orphan_server(workdir: Path) -> int | None:
     if pid is None:
         return None
     path = workdir / PID_FILE
-    os.kill(pid, signal.SIGTERM)               # it flushes JetStream and leaves
+    os.kill(pid, signal.SIGTERM)  # it flushes JetStream and leaves
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -273,10 +273,12 @@ def server_config(access: Access | None, sync_always: bool = False) -> str:
     from shared.permissions import MAX_PAYLOAD_BYTES
     from shared.storage import GIB, total_bytes
 
-    store_gib = -(-total_bytes() // GIB) + 1          # the plan's limits, and room for the store's own files
-    lines = [f"max_payload: {MAX_PAYLOAD_BYTES}",
-             f"jetstream {{ max_file_store: {store_gib}GB, max_memory_store: 256MB, "
-             f"sync_interval: {'always' if sync_always else SYNC_INTERVAL} }}"]
+    store_gib = -(-total_bytes() // GIB) + 1  # the plan's limits, and room for the store's own files
+    lines = [
+        f"max_payload: {MAX_PAYLOAD_BYTES}",
+        f"jetstream {{ max_file_store: {store_gib}GB, max_memory_store: 256MB, "
+        f"sync_interval: {'always' if sync_always else SYNC_INTERVAL} }}",
+    ]
     if access is not None:
         lines.append(f"include {json.dumps(AUTH_CONF)}")
     return "\n".join(lines) + "\n"
@@ -299,7 +301,7 @@ async def taken(url: str, options: dict[str, Any]):
 
     import nats
 
-    async def quiet(_: Exception) -> None:       # the refusals until then
+    async def quiet(_: Exception) -> None:  # the refusals until then
         return None
 
     deadline = time.monotonic() + LOGIN_TAKEN_WAIT_S
@@ -308,7 +310,9 @@ async def taken(url: str, options: dict[str, Any]):
             return await nats.connect(url, allow_reconnect=False, error_cb=quiet, **options)
         except Exception as error:  # noqa: BLE001 - refused until the server has read its accounts
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not take the login within {LOGIN_TAKEN_WAIT_S:g} s ({error})") from None
+                raise RuntimeError(
+                    f"the server did not take the login within {LOGIN_TAKEN_WAIT_S:g} s ({error})"
+                ) from None
             await asyncio.sleep(0.1)
 
 
@@ -325,8 +329,9 @@ def reload(workdir: Path, access: Access) -> bool:
 
 
 @contextlib.contextmanager
-def embedded_nats(workdir: Path, port: int | None = None, secure: bool = True,
-                  sync_always: bool = False) -> Iterator[EmbeddedNats]:
+def embedded_nats(
+    workdir: Path, port: int | None = None, secure: bool = True, sync_always: bool = False
+) -> Iterator[EmbeddedNats]:
     """The embedded server on `workdir` (its store, its log and, when `secure`, the roles' passwords
     in workdir/secrets) until the block ends."""
     access = Access.kept_in(workdir / SECRETS) if secure else None

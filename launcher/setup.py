@@ -34,11 +34,17 @@ def provision_now(server: str, lease_ttl_s: float = storage.LEASE_TTL_S, **optio
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launcher.setup", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
-                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
-    parser.add_argument("--lease-ttl", type=float, default=storage.LEASE_TTL_S,
-                        help="seconds the policy leader's lease lasts unrenewed: a standby takes over within it "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=storage.LEASE_TTL_S,
+        help="seconds the policy leader's lease lasts unrenewed: a standby takes over within it (default: %(default)s)",
+    )
     credentials.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.lease_ttl <= 0:
@@ -48,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     asyncio.run(provision(args.server, args.lease_ttl, **options))
-    print(f"storage ready on {credentials.redact(args.server)}: {len(storage.STREAMS)} streams, "
-          f"{len(storage.BUCKETS)} KV buckets, {len(storage.CONSUMERS)} consumers, "
-          f"at most {storage.total_bytes() / storage.GIB:.1f} GiB")
+    print(
+        f"storage ready on {credentials.redact(args.server)}: {len(storage.STREAMS)} streams, "
+        f"{len(storage.BUCKETS)} KV buckets, {len(storage.CONSUMERS)} consumers, "
+        f"at most {storage.total_bytes() / storage.GIB:.1f} GiB"
+    )
     return 0
 
 

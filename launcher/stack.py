@@ -17,38 +17,50 @@ from pathlib import Path
 import msgspec
 import nats.errors
 
-from shared import storage, subjects
 from launcher.nats import EmbeddedNats
-from shared.runner import PARENT_ENV
 from launcher.setup import provision_now
+from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.reference import WorkloadJob
-from shared.schema import (Ack, Count, JobRecord, JobRecords, JobSpec, JobsQuery, PolicyStatus, RunCheckpoint, RunReport,
-                           RunRequest, RunStep)
+from shared.runner import PARENT_ENV
+from shared.schema import (
+    Ack,
+    Count,
+    JobRecord,
+    JobRecords,
+    JobSpec,
+    JobsQuery,
+    PolicyStatus,
+    RunCheckpoint,
+    RunReport,
+    RunRequest,
+    RunStep,
+)
 
 SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
-NODE_PREFIX = "node-"          # a node agent's instance name: node-<its node>
+NODE_PREFIX = "node-"  # a node agent's instance name: node-<its node>
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
-WATCH_EVERY_S = 1.0             # how often `Stack.supervise` looks at its processes
-QUICK_EXIT_S = 30.0             # an instance that exits this soon after its start ...
-QUICK_EXITS = 3                 # ... this many times in a row is not started again
-RUN_IDLE_TIMEOUT_S = 600.0      # no round logged for this long: the run is stuck
+WATCH_EVERY_S = 1.0  # how often `Stack.supervise` looks at its processes
+QUICK_EXIT_S = 30.0  # an instance that exits this soon after its start ...
+QUICK_EXITS = 3  # ... this many times in a row is not started again
+RUN_IDLE_TIMEOUT_S = 600.0  # no round logged for this long: the run is stuck
 
 
 class Stack:
     """Service processes by instance name: a service's first replica is named after it, the others
     `<service>-2`, `<service>-3` …"""
 
-    def __init__(self, commands: Mapping[str, list[str]], logs: Path,
-                 environments: Mapping[str, Mapping[str, str]] | None = None):
+    def __init__(
+        self, commands: Mapping[str, list[str]], logs: Path, environments: Mapping[str, Mapping[str, str]] | None = None
+    ):
         self.commands = dict(commands)
         self.logs = logs
-        self.environments = dict(environments or {})     # instance -> its environment (None: ours)
+        self.environments = dict(environments or {})  # instance -> its environment (None: ours)
         self.processes: dict[str, subprocess.Popen] = {}
-        self.started: dict[str, float] = {}                # instance -> when it was last started (monotonic)
+        self.started: dict[str, float] = {}  # instance -> when it was last started (monotonic)
         self.stopping = False
 
     def start(self, name: str) -> None:
@@ -57,8 +69,13 @@ class Stack:
         with open(self.logs / f"{name}.log", "ab") as log:
             # A session of its own: Ctrl-C in a terminal reaches the driver only, which stops the
             # services before the NATS server they need to stop cleanly.
-            self.processes[name] = subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT,
-                                                    start_new_session=True, env=self.environments.get(name))
+            self.processes[name] = subprocess.Popen(
+                self.commands[name],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.environments.get(name),
+            )
 
     def kill(self, name: str) -> None:
         """kill -9: the service gets no chance to clean up."""
@@ -111,8 +128,10 @@ class Stack:
                 if not restart(name):
                     say(f"{what}; not restarted")
                 elif quick[name] >= QUICK_EXITS:
-                    say(f"{what}; it exited within {QUICK_EXIT_S:.0f} s of its start {quick[name]} times in a "
-                        "row: not restarted again")
+                    say(
+                        f"{what}; it exited within {QUICK_EXIT_S:.0f} s of its start {quick[name]} times in a "
+                        "row: not restarted again"
+                    )
                 else:
                     self.start(name)
                     say(f"{what}; restarted (pid {self.processes[name].pid})")
@@ -157,7 +176,7 @@ async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
         answers = 0
         with contextlib.suppress(nats.errors.TimeoutError):
             while True:
-                answers += bool((await subscription.next_msg(timeout=wait_s)).data)   # not "no responders"
+                answers += bool((await subscription.next_msg(timeout=wait_s)).data)  # not "no responders"
         return answers
     finally:
         await subscription.unsubscribe()
@@ -172,9 +191,14 @@ def module_of(service: str, arguments: Sequence[str]) -> str:
 
 
 @contextmanager
-def running_services(server: str | EmbeddedNats, arguments: Mapping[str, Sequence[str]], logs: Path,
-                     replicas: Mapping[str, int] | None = None, lease_ttl_s: float = storage.LEASE_TTL_S,
-                     agents: Mapping[str, Sequence[str]] | None = None) -> Iterator[Stack]:
+def running_services(
+    server: str | EmbeddedNats,
+    arguments: Mapping[str, Sequence[str]],
+    logs: Path,
+    replicas: Mapping[str, int] | None = None,
+    lease_ttl_s: float = storage.LEASE_TTL_S,
+    agents: Mapping[str, Sequence[str]] | None = None,
+) -> Iterator[Stack]:
     """Set up the storage (as the operator), then start `python -m services.<name> --server URL
     <arguments>` for each service, `replicas[name]` times (once by default), and each node agent of
     `agents` (instance -> its `services.executor` options), each logged in as its role on a secured
@@ -183,15 +207,33 @@ def running_services(server: str | EmbeddedNats, arguments: Mapping[str, Sequenc
     provision_now(nats.url, lease_ttl_s, **nats.options("operator"))
     # Whatever credentials this process holds are not the services' (each has its role's).
     inherited = {key: value for key, value in os.environ.items() if not key.startswith(CREDENTIALS_ENV_PREFIX)}
-    instances = {instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))}
-    commands = {instance: [sys.executable, "-m", module_of(name, arguments.get(name, ())), "--server", nats.url,
-                           *arguments.get(name, ())] for instance, name in instances.items()}
-    commands.update({instance: [sys.executable, "-m", "services.executor", "--server", nats.url, *options]
-                     for instance, options in (agents or {}).items()})
-    roles = {**instances, **{instance: "executor" for instance in agents or {}}}    # agents log in as executors
+    instances = {
+        instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))
+    }
+    commands = {
+        instance: [
+            sys.executable,
+            "-m",
+            module_of(name, arguments.get(name, ())),
+            "--server",
+            nats.url,
+            *arguments.get(name, ()),
+        ]
+        for instance, name in instances.items()
+    }
+    commands.update(
+        {
+            instance: [sys.executable, "-m", "services.executor", "--server", nats.url, *options]
+            for instance, options in (agents or {}).items()
+        }
+    )
+    roles = {**instances, **{instance: "executor" for instance in agents or {}}}  # agents log in as executors
     # Each stops when this process is gone, killed -9 included: no service outlives its stack.
-    stack = Stack(commands, logs, {instance: {**inherited, **nats.env(role), PARENT_ENV: str(os.getpid())}
-                                   for instance, role in roles.items()})
+    stack = Stack(
+        commands,
+        logs,
+        {instance: {**inherited, **nats.env(role), PARENT_ENV: str(os.getpid())} for instance, role in roles.items()},
+    )
     try:
         for instance in stack.commands:
             (logs / f"{instance}.log").unlink(missing_ok=True)
@@ -210,9 +252,16 @@ async def _count(bus: Bus, subject: str, prefix: str = "") -> int:
         return -1
 
 
-def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibration: str | None,
-                      feedback_iterations: int, restart_delay_s: float | None,
-                      interference: float = 0.0, profile_request: bool = False) -> dict[str, list[str]]:
+def service_arguments(
+    cluster: str,
+    reference: str | None,
+    use_zoo: bool,
+    calibration: str | None,
+    feedback_iterations: int,
+    restart_delay_s: float | None,
+    interference: float = 0.0,
+    profile_request: bool = False,
+) -> dict[str, list[str]]:
     """Each service's options for a simulated cluster (its jobs' truth, its calibration)."""
     truth = (["--reference", reference] if reference else []) + (["--zoo"] if use_zoo else [])
     calib = ["--calibration", calibration] if calibration else []
@@ -223,13 +272,29 @@ def service_arguments(cluster: str, reference: str | None, use_zoo: bool, calibr
         "estimator": ["--cluster", cluster, *calib],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, *truth, *calib, "--feedback-iterations", str(feedback_iterations), *delay,
-                     *profiled, "--interference", str(interference)],
+        "executor": [
+            "--cluster",
+            cluster,
+            *truth,
+            *calib,
+            "--feedback-iterations",
+            str(feedback_iterations),
+            *delay,
+            *profiled,
+            "--interference",
+            str(interference),
+        ],
     }
 
 
-def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, slot_memory_mb: float | None = None,
-                            jobs_package: str | None = None, checkpoints: str | None = None) -> dict[str, list[str]]:
+def local_service_arguments(
+    cluster: str,
+    workdir: Path,
+    report_every_s: float,
+    slot_memory_mb: float | None = None,
+    jobs_package: str | None = None,
+    checkpoints: str | None = None,
+) -> dict[str, list[str]]:
     """Each service's options for real jobs on this machine (`--executors local`): the executor
     drives node agents (`local_node_arguments`), whose nodes must be the cluster's; `checkpoints`
     (default: a folder under `workdir`) as the executor's --checkpoints."""
@@ -240,9 +305,17 @@ def local_service_arguments(cluster: str, workdir: Path, report_every_s: float, 
         "estimator": ["--cluster", cluster],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
-        "executor": ["--cluster", cluster, "--executors", "local", "--checkpoints",
-                     checkpoints or str(workdir / "checkpoints"),
-                     "--report-every", str(report_every_s), *package],
+        "executor": [
+            "--cluster",
+            cluster,
+            "--executors",
+            "local",
+            "--checkpoints",
+            checkpoints or str(workdir / "checkpoints"),
+            "--report-every",
+            str(report_every_s),
+            *package,
+        ],
     }
 
 
@@ -250,15 +323,37 @@ def local_node_arguments(cluster: str, workdir: Path, jobs_package: str | None =
     """One node agent per machine of the cluster, on this one: `node-<name>` -> its options (each its
     own CPU slots, work folder and process tree; the checkpoints folder is the executor's)."""
     package = ["--jobs-package", jobs_package] if jobs_package else []
-    return {f"{NODE_PREFIX}{name}": ["--executors", "local", "--node", name, "--gpus", str(node.gpus),
-                                     "--gpu-type", node.gpu_type, "--workdir", str(workdir / f"node-{name}"), *package]
-            for name, node in real_nodes(load_cluster(cluster)).items()}
+    return {
+        f"{NODE_PREFIX}{name}": [
+            "--executors",
+            "local",
+            "--node",
+            name,
+            "--gpus",
+            str(node.gpus),
+            "--gpu-type",
+            node.gpu_type,
+            "--workdir",
+            str(workdir / f"node-{name}"),
+            *package,
+        ]
+        for name, node in real_nodes(load_cluster(cluster)).items()
+    }
 
 
-async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: str, policy_options: dict,
-                 calibration: str, round_s: float | None = None, horizon_s: float | None = None,
-                 request_timeout_s: float = 10.0, run_id: str | None = None,
-                 progress: Callable[[float, int, int], None] | None = None) -> tuple[RunReport, JobRecords]:
+async def replay(
+    bus: Bus,
+    stack: Stack,
+    jobs: Sequence[WorkloadJob],
+    policy: str,
+    policy_options: dict,
+    calibration: str,
+    round_s: float | None = None,
+    horizon_s: float | None = None,
+    request_timeout_s: float = 10.0,
+    run_id: str | None = None,
+    progress: Callable[[float, int, int], None] | None = None,
+) -> tuple[RunReport, JobRecords]:
     """Submit a workload through JetStream, wait for the profiler's verdict on every job, create
     the run for the policy leader and follow its log to the end (whichever replica leads, and
     however often leadership changes on the way). The jobs' ids are the run's own (`<run id>.<name>`),
@@ -267,21 +362,35 @@ async def replay(bus: Bus, stack: Stack, jobs: Sequence[WorkloadJob], policy: st
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
     prefix = replay_prefix(run_id)
     for job in jobs:
-        spec = JobSpec(prefix + job.name, job.application, requested_gpus=job.num_replicas,
-                       requested_batch=job.batch_size, submit_s=job.time)
+        spec = JobSpec(
+            prefix + job.name,
+            job.application,
+            requested_gpus=job.num_replicas,
+            requested_batch=job.batch_size,
+            submit_s=job.time,
+        )
         await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
     while await _count(bus, subjects.EXECUTOR_STATUS, prefix) < len(jobs):
         await asyncio.sleep(0.05)
-    request = RunRequest(run_id, policy, policy_options, calibration, tuple((prefix + j.name, j.time) for j in jobs),
-                         round_s, horizon_s, request_timeout_s)
+    request = RunRequest(
+        run_id,
+        policy,
+        policy_options,
+        calibration,
+        tuple((prefix + j.name, j.time) for j in jobs),
+        round_s,
+        horizon_s,
+        request_timeout_s,
+    )
     await create_run(bus, request)
     try:
         report = await follow_run(bus, run_id, progress)
     except Exception as error:  # noqa: BLE001 - say which service failed and why
         logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
         raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
-    rounds = tuple(msgspec.structs.replace(r, gpus={j.removeprefix(prefix): g for j, g in r.gpus.items()})
-                   for r in report.rounds)
+    rounds = tuple(
+        msgspec.structs.replace(r, gpus={j.removeprefix(prefix): g for j, g in r.gpus.items()}) for r in report.rounds
+    )
     return RunReport(rounds, tuple(e.replace(prefix, "") for e in report.events)), await replay_records(bus, prefix)
 
 
@@ -318,8 +427,9 @@ async def ensure_run(bus: Bus, request: RunRequest) -> RunRequest | None:
         return entry.value.request
 
 
-async def records_once_ended(bus: Bus, job_ids: Sequence[str], poll_s: float = 0.5,
-                             timeout_s: float | None = None) -> dict[str, JobRecord]:
+async def records_once_ended(
+    bus: Bus, job_ids: Sequence[str], poll_s: float = 0.5, timeout_s: float | None = None
+) -> dict[str, JobRecord]:
     """The executors' records once every one of these jobs has finished or failed (asked every
     `poll_s`; an executor restarting meanwhile is asked again). TimeoutError past `timeout_s`."""
     deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -340,8 +450,9 @@ def _ended(record: JobRecord) -> bool:
     return record.finish_s is not None or bool(record.failure)
 
 
-async def follow_run_steps(bus: Bus, run_id: str, idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S,
-                           new_only: bool = False) -> AsyncIterator[RunStep]:
+async def follow_run_steps(
+    bus: Bus, run_id: str, idle_timeout_s: float | None = RUN_IDLE_TIMEOUT_S, new_only: bool = False
+) -> AsyncIterator[RunStep]:
     """A run's steps as the leader logs them, from the first (`new_only`: from now on); a round
     repeated by a new leader once. `idle_timeout_s` None: wait for ever (a live run may idle)."""
     last = -1
@@ -351,8 +462,12 @@ async def follow_run_steps(bus: Bus, run_id: str, idle_timeout_s: float | None =
             yield step
 
 
-async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int], None] | None = None,
-                     idle_timeout_s: float = RUN_IDLE_TIMEOUT_S) -> RunReport:
+async def follow_run(
+    bus: Bus,
+    run_id: str,
+    progress: Callable[[float, int, int], None] | None = None,
+    idle_timeout_s: float = RUN_IDLE_TIMEOUT_S,
+) -> RunReport:
     """The run's report, folded from its log as the leader writes it.
     RuntimeError if the run failed; TimeoutError if no round is logged for `idle_timeout_s`."""
     ordered: list[RunStep] = []
@@ -364,8 +479,9 @@ async def follow_run(bus: Bus, run_id: str, progress: Callable[[float, int, int]
             break
     if ordered[-1].failure:
         raise RuntimeError(f"run {run_id} failed: {ordered[-1].failure}")
-    return RunReport(tuple(s.record for s in ordered if s.record is not None),
-                     tuple(e for s in ordered for e in s.events))
+    return RunReport(
+        tuple(s.record for s in ordered if s.record is not None), tuple(e for s in ordered for e in s.events)
+    )
 
 
 async def another_login(folder: Path, name: str, url: str):
@@ -402,21 +518,45 @@ async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
             await nc.close()
 
 
-async def replay_over_nats(jobs, cluster, policy, policy_options, settings, reference, use_zoo, calibration,
-                         feedback_iterations, restart_delay_s, round_s, horizon_s, interference, origin, progress):
+async def replay_over_nats(
+    jobs,
+    cluster,
+    policy,
+    policy_options,
+    settings,
+    reference,
+    use_zoo,
+    calibration,
+    feedback_iterations,
+    restart_delay_s,
+    round_s,
+    horizon_s,
+    interference,
+    origin,
+    progress,
+):
     """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
     import tempfile
 
     from launcher.nats import embedded_nats
 
-    arguments = service_arguments(cluster, reference, use_zoo or origin == "zoo", calibration, feedback_iterations,
-                                  restart_delay_s, interference, settings.profile_request)
+    arguments = service_arguments(
+        cluster,
+        reference,
+        use_zoo or origin == "zoo",
+        calibration,
+        feedback_iterations,
+        restart_delay_s,
+        interference,
+        settings.profile_request,
+    )
     with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
         with running_services(nats, arguments, Path(folder)) as stack:
             bus = await nats.connect("goodput-simulate")
             try:
                 await stack.wait_ready(bus)
-                return await replay(bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s,
-                                    progress=progress)
+                return await replay(
+                    bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s, progress=progress
+                )
             finally:
                 await bus.close()

@@ -12,11 +12,10 @@ evaluation switch between them with one string.
 
 from __future__ import annotations
 
-import json
-
 import difflib
 import importlib
 import inspect
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Mapping, Protocol
@@ -33,34 +32,47 @@ class JobView:
     """What a policy may know of one active (submitted, unfinished) job this round."""
 
     job_id: str
-    model: str                       # application name
+    model: str  # application name
     submit_s: float
-    age_s: float                     # seconds since submission
+    age_s: float  # seconds since submission
     restarts: int
-    restart_cost_s: float            # S: the policy's estimate of one checkpoint-restart
-    attained_gpu_s: float            # GPU-seconds received so far
-    attained_by_type: Mapping[str, float]   # the same, per GPU type
-    current: Config | None           # allocation in force (None: waiting)
-    placement: Spots                 # its physical GPUs (empty while waiting)
-    mid_restart: bool                # checkpoint-restart in progress: keep the allocation
-    requested_gpus: int              # the user's request (rigid baselines run with it)
+    restart_cost_s: float  # S: the policy's estimate of one checkpoint-restart
+    attained_gpu_s: float  # GPU-seconds received so far
+    attained_by_type: Mapping[str, float]  # the same, per GPU type
+    current: Config | None  # allocation in force (None: waiting)
+    placement: Spots  # its physical GPUs (empty while waiting)
+    mid_restart: bool  # checkpoint-restart in progress: keep the allocation
+    requested_gpus: int  # the user's request (rigid baselines run with it)
     requested_batch: int
-    models: JobModels                # the estimator's view: throughput per type, PGNS, limits
-    iterations: float = 0.0          # optimizer steps done so far
-    slice_iterations: float = 0.0    # steps done since its current placement began (time-slicing)
-    idle_since_s: float | None = None   # when it last stopped running (its submit time if it never ran); None while running
+    models: JobModels  # the estimator's view: throughput per type, PGNS, limits
+    iterations: float = 0.0  # optimizer steps done so far
+    slice_iterations: float = 0.0  # steps done since its current placement began (time-slicing)
+    idle_since_s: float | None = (
+        None  # when it last stopped running (its submit time if it never ran); None while running
+    )
 
 
 def job_view(facts: JobFacts, models: JobModels, cluster: Cluster, restart_cost_s: float) -> JobView:
     """A policy's view of a job: its executors' facts, the estimator's models, and the policy's own
     estimate of what one checkpoint-restart costs it."""
     return JobView(
-        job_id=facts.job_id, model=facts.application, submit_s=facts.submit_s, age_s=facts.age_s,
-        restarts=facts.restarts, restart_cost_s=restart_cost_s, attained_gpu_s=facts.attained_gpu_s,
-        attained_by_type=facts.attained_by_type, current=cluster.config_of(facts.placement) if facts.placement else None,
-        placement=facts.placement, mid_restart=facts.mid_restart, requested_gpus=facts.requested_gpus,
-        requested_batch=facts.requested_batch, models=models, iterations=facts.iterations,
-        slice_iterations=facts.slice_iterations, idle_since_s=facts.idle_since_s,
+        job_id=facts.job_id,
+        model=facts.application,
+        submit_s=facts.submit_s,
+        age_s=facts.age_s,
+        restarts=facts.restarts,
+        restart_cost_s=restart_cost_s,
+        attained_gpu_s=facts.attained_gpu_s,
+        attained_by_type=facts.attained_by_type,
+        current=cluster.config_of(facts.placement) if facts.placement else None,
+        placement=facts.placement,
+        mid_restart=facts.mid_restart,
+        requested_gpus=facts.requested_gpus,
+        requested_batch=facts.requested_batch,
+        models=models,
+        iterations=facts.iterations,
+        slice_iterations=facts.slice_iterations,
+        idle_since_s=facts.idle_since_s,
     )
 
 
@@ -82,13 +94,13 @@ class Prediction:
     """What a policy expected of one job when it decided, for the round's trace (each `None`: the
     policy does not say). Goodput is samples/s x statistical efficiency by the estimator's models."""
 
-    goodput: float | None = None             # of its allocation, at the batch below
+    goodput: float | None = None  # of its allocation, at the batch below
     normalized_goodput: float | None = None  # the same in the units the policy compared jobs in (Sia's matrix)
-    speedup: float | None = None             # over its fair share (Pollux), restart factor not applied
-    batch: int | None = None                 # the total batch planned: replicas x per_gpu_batch x (steps + 1)
+    speedup: float | None = None  # over its fair share (Pollux), restart factor not applied
+    batch: int | None = None  # the total batch planned: replicas x per_gpu_batch x (steps + 1)
     per_gpu_batch: int | None = None
     accumulation_steps: int | None = None
-    restart_factor: float | None = None      # what a move would have cost it (1: nothing)
+    restart_factor: float | None = None  # what a move would have cost it (1: nothing)
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,7 @@ class Decision:
 
     allocations: dict[str, Config]
     placements: dict[str, Spots] | None = None
-    events: tuple[str, ...] = field(default_factory=tuple)   # e.g. solver time-outs, for logs and traces
+    events: tuple[str, ...] = field(default_factory=tuple)  # e.g. solver time-outs, for logs and traces
     # Per job, what the policy expected (for traces only: never part of what a decision is).
     predictions: Mapping[str, Prediction] = field(default_factory=dict, compare=False)
 
@@ -109,8 +121,8 @@ class Policy(Protocol):
     refuses them (`refuse_hybrid`)."""
 
     name: str
-    round_s: float           # how often it re-decides (allocations hold in between)
-    adaptive_batch: bool     # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
+    round_s: float  # how often it re-decides (allocations hold in between)
+    adaptive_batch: bool  # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
 
     def allocate(self, state: RoundState) -> Decision: ...
 
@@ -122,12 +134,17 @@ class HybridRefused(ValueError):
 def refuse_hybrid(policy: str, jobs: Iterable[JobView]) -> None:
     """HybridRefused naming the hybrid-parallel jobs (Sia §5.3) among `jobs`: for the policies that
     choose GPU counts or placements outside Sia's configuration set, and would split their groups."""
-    hybrid = [f"{j.job_id} ({j.model}: model-parallel groups of "
-              + ", ".join(f"{g} GPUs on {t}" for t, g in j.models.group_gpus.items()) + ")"
-              for j in jobs if j.models.group_gpus]
+    hybrid = [
+        f"{j.job_id} ({j.model}: model-parallel groups of "
+        + ", ".join(f"{g} GPUs on {t}" for t, g in j.models.group_gpus.items())
+        + ")"
+        for j in jobs
+        if j.models.group_gpus
+    ]
     if hybrid:
-        raise HybridRefused(f"policy {policy!r} cannot schedule hybrid-parallel jobs: {'; '.join(hybrid)}. "
-                         "Use the sia policy")
+        raise HybridRefused(
+            f"policy {policy!r} cannot schedule hybrid-parallel jobs: {'; '.join(hybrid)}. Use the sia policy"
+        )
 
 
 def snapshot_policy(policy: Policy) -> bytes:
@@ -144,8 +161,9 @@ def restore_policy(policy: Policy, state: bytes) -> None:
 
 def decision_from_placements(cluster: Cluster, placements: Mapping[str, Spots], events: Iterable[str] = ()) -> Decision:
     """A Decision for a policy that chose physical GPUs: allocations read off the placements."""
-    return Decision({job: cluster.config_of(spots) for job, spots in placements.items()}, dict(placements),
-                    tuple(events))
+    return Decision(
+        {job: cluster.config_of(spots) for job, spots in placements.items()}, dict(placements), tuple(events)
+    )
 
 
 def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = False):
@@ -162,13 +180,13 @@ def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = Fal
 # name -> "module:class"; modules are imported on first use.
 POLICIES: dict[str, str] = {
     "sia": "policies.sia:SiaPolicy",
-    "goodput": "policies.goodput:GoodputPolicy",       # in progress: docs/policy.md
+    "goodput": "policies.goodput:GoodputPolicy",  # in progress: docs/policy.md
     "pollux": "policies.pollux:PolluxPolicy",
     "gavel": "policies.gavel:GavelPolicy",
     "tiresias": "policies.tiresias:TiresiasPolicy",
     "fifo": "policies.fifo:FifoPolicy",
     "timeslice": "policies.timeslice:TimeslicePolicy",
-    "chaos": "chaos.policy:ChaosPolicy",      # fault injection only (docs/chaos.md)
+    "chaos": "chaos.policy:ChaosPolicy",  # fault injection only (docs/chaos.md)
 }
 
 
@@ -182,8 +200,9 @@ def _policy_class(name: str) -> type:
     try:
         module, cls = POLICIES[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}{_did_you_mean(name, POLICIES)}; "
-                         f"choose one of {', '.join(POLICIES)}") from None
+        raise ValueError(
+            f"unknown policy {name!r}{_did_you_mean(name, POLICIES)}; choose one of {', '.join(POLICIES)}"
+        ) from None
     return getattr(importlib.import_module(module), cls)
 
 
@@ -191,8 +210,11 @@ def policy_options(name: str) -> dict[str, object]:
     """A policy's options and their defaults (its constructor's keyword parameters; a parameter
     without a default maps to `inspect.Parameter.empty`). ValueError for an unknown policy."""
     parameters = inspect.signature(_policy_class(name)).parameters.values()
-    return {p.name: p.default for p in parameters
-            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {
+        p.name: p.default
+        for p in parameters
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
 
 
 def check_policy(name: str, options: Mapping[str, object] | None = None) -> None:
@@ -200,19 +222,26 @@ def check_policy(name: str, options: Mapping[str, object] | None = None) -> None
     (with their defaults) for an option it does not take, with a "did you mean" for a misspelling."""
     parameters = inspect.signature(_policy_class(name)).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return                                  # e.g. chaos: hands the rest to the policy it wraps
+        return  # e.g. chaos: hands the rest to the policy it wraps
     valid = policy_options(name)
     unknown = [key for key in options or {} if key not in valid]
     if unknown:
         hints = "; ".join(f"{key!r}{_did_you_mean(key, valid)}" for key in unknown)
-        listed = ", ".join(key if default is inspect.Parameter.empty else f"{key}={default!r}"
-                           for key, default in valid.items())
-        raise ValueError(f"policy {name!r} has no option {hints}; its options (with defaults): "
-                         f"{listed or 'none'}")
-    for key, value in (options or {}).items():        # of the kind its default is: p=abc is no number
+        listed = ", ".join(
+            key if default is inspect.Parameter.empty else f"{key}={default!r}" for key, default in valid.items()
+        )
+        raise ValueError(f"policy {name!r} has no option {hints}; its options (with defaults): {listed or 'none'}")
+    for key, value in (options or {}).items():  # of the kind its default is: p=abc is no number
         default = valid[key]
-        kinds = ((bool,) if isinstance(default, bool) else (int, float) if isinstance(default, (int, float))
-                 else (str,) if isinstance(default, str) else None)
+        kinds = (
+            (bool,)
+            if isinstance(default, bool)
+            else (int, float)
+            if isinstance(default, (int, float))
+            else (str,)
+            if isinstance(default, str)
+            else None
+        )
         if kinds is not None and (not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool))):
             kind = "true or false" if bool in kinds else "a number" if int in kinds else "a string"
             raise ValueError(f"policy {name!r}: option {key} is {kind} (default {default!r}), got {value!r}")
@@ -240,8 +269,9 @@ def free_gpus(cluster: Cluster, placements: Mapping[str, Spots]) -> dict[str, in
 def pack(cluster: Cluster, free: dict[str, int], gpu_type: str, gpus: int) -> Spots | None:
     """`gpus` GPUs of one type on the nodes with most free GPUs first (the rigid baselines' placement,
     as in Pollux's simulator); updates `free`. None, and `free` untouched, when they do not fit."""
-    nodes = sorted((n for n in cluster.nodes if n.gpu_type == gpu_type and free[n.name] > 0),
-                   key=lambda n: (-free[n.name], n.name))
+    nodes = sorted(
+        (n for n in cluster.nodes if n.gpu_type == gpu_type and free[n.name] > 0), key=lambda n: (-free[n.name], n.name)
+    )
     if sum(free[n.name] for n in nodes) < gpus:
         return None
     spots, need = [], gpus

@@ -48,8 +48,10 @@ class FifoPolicy:
         for job, row in zip(waiting, requested_throughput_matrix(waiting, cluster)):
             throughputs = dict(zip(cluster.gpu_types, row.tolist()))
             if not any(throughputs.values()):
-                events.append(f"fifo: {job.job_id} cannot run on this cluster "
-                              f"({job.requested_gpus} GPUs on no modelled type); skipped")
+                events.append(
+                    f"fifo: {job.job_id} cannot run on this cluster "
+                    f"({job.requested_gpus} GPUs on no modelled type); skipped"
+                )
                 continue
             gpu_type = fastest_type(throughputs, job.requested_gpus, type_room(cluster, free))
             if gpu_type is None:

@@ -63,10 +63,10 @@ from shared.cluster import Spots
 
 log = logging.getLogger(__name__)
 
-ROUND_S = 360.0          # Gavel's round
-REFINE_TOLERANCE = 1e-6     # relative slack on the max-min value when refining ...
-REFINE_SLACK = 1e-7         # ... and absolute, at least the solver's feasibility tolerance
-ZERO = 1e-9                 # time fractions below this are 0
+ROUND_S = 360.0  # Gavel's round
+REFINE_TOLERANCE = 1e-6  # relative slack on the max-min value when refining ...
+REFINE_SLACK = 1e-7  # ... and absolute, at least the solver's feasibility tolerance
+ZERO = 1e-9  # time fractions below this are 0
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class FairAllocation:
 
     x: np.ndarray
     value: float
-    status: str                # "optimal" or why not
+    status: str  # "optimal" or why not
 
 
 def proportional_throughput(thr: np.ndarray, capacity: np.ndarray) -> np.ndarray:
@@ -92,7 +92,7 @@ def _polytope(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray):
     job_idx, type_idx = np.nonzero(runnable[rows])
     job_idx = rows[job_idx]
     n_vars = job_idx.size
-    local = np.searchsorted(rows, job_idx)                        # the job's row among the LP's jobs
+    local = np.searchsorted(rows, job_idx)  # the job's row among the LP's jobs
     cols = np.arange(n_vars)
     one_type = sp.csr_matrix((np.ones(n_vars), (local, cols)), shape=(rows.size, n_vars))
     cap_rows = sp.csr_matrix((gpus[job_idx], (type_idx, cols)), shape=(n_types, n_vars))
@@ -121,15 +121,20 @@ def max_min_fair(thr: np.ndarray, gpus: np.ndarray, capacity: np.ndarray, refine
     if rows.size == 0:
         return FairAllocation(x, 0.0, "optimal")
     thr_eq = proportional_throughput(np.where(runnable, thr, 0.0), capacity)
-    coef = thr[job_idx, type_idx] / thr_eq[job_idx]              # normalised throughput per unit of time
+    coef = thr[job_idx, type_idx] / thr_eq[job_idx]  # normalised throughput per unit of time
     n_vars = job_idx.size
     cols = np.arange(n_vars)
     # z - sum_t coef X[j, t] <= 0 per job (z is the last variable)
-    fairness = sp.hstack([sp.csr_matrix((-coef, (local, cols)), shape=(rows.size, n_vars)),
-                          sp.csr_matrix(np.ones((rows.size, 1)))])
-    a_ub = sp.vstack([fairness,
-                      sp.hstack([one_type, sp.csr_matrix((rows.size, 1))]),
-                      sp.hstack([cap_rows, sp.csr_matrix((n_types, 1))])]).tocsr()
+    fairness = sp.hstack(
+        [sp.csr_matrix((-coef, (local, cols)), shape=(rows.size, n_vars)), sp.csr_matrix(np.ones((rows.size, 1)))]
+    )
+    a_ub = sp.vstack(
+        [
+            fairness,
+            sp.hstack([one_type, sp.csr_matrix((rows.size, 1))]),
+            sp.hstack([cap_rows, sp.csr_matrix((n_types, 1))]),
+        ]
+    ).tocsr()
     b_ub = np.concatenate([np.zeros(rows.size), np.ones(rows.size), capacity])
     c = np.zeros(n_vars + 1)
     c[-1] = -1.0
@@ -179,8 +184,9 @@ def received_fraction(job: JobView, gpu_types: tuple[str, ...]) -> np.ndarray:
     return np.array([job.attained_by_type.get(t, 0.0) / (job.requested_gpus * job.age_s) for t in gpu_types])
 
 
-def priority_order(jobs: list[JobView], gpu_types: tuple[str, ...], x: np.ndarray,
-                   runnable: np.ndarray) -> list[tuple[int, int]]:
+def priority_order(
+    jobs: list[JobView], gpu_types: tuple[str, ...], x: np.ndarray, runnable: np.ndarray
+) -> list[tuple[int, int]]:
     """(job index, type index) pairs that may run, in Gavel's order (module step 4)."""
     keyed = []
     for j, job in enumerate(jobs):
@@ -190,7 +196,7 @@ def priority_order(jobs: list[JobView], gpu_types: tuple[str, ...], x: np.ndarra
                 continue
             share = float(x[j, t])
             if share > 0 and f[t] <= ZERO:
-                tier, value = 1, share                    # never ran here: infinite priority
+                tier, value = 1, share  # never ran here: infinite priority
             else:
                 tier, value = 0, (share / f[t] if share > 0 else 0.0)
             deficit = share * job.age_s - f[t] * job.age_s
@@ -218,7 +224,7 @@ class GavelPolicy:
         refuse_hybrid(self.name, state.jobs)
         cluster = state.cluster
         types = cluster.gpu_types
-        jobs = sorted(state.jobs, key=lambda j: (j.submit_s, j.job_id))   # canonical: input order never matters
+        jobs = sorted(state.jobs, key=lambda j: (j.submit_s, j.job_id))  # canonical: input order never matters
         thr = requested_throughput_matrix(jobs, cluster)
         gpus = np.array([j.requested_gpus for j in jobs], dtype=float)
         capacity = np.array([cluster.capacity(t) for t in types], dtype=float)
@@ -233,8 +239,10 @@ class GavelPolicy:
             events.append(f"gavel: {fair.status}")
         runnable = (thr > 0) & (gpus[:, None] <= capacity[None, :])
         for j in np.flatnonzero(~runnable.any(axis=1)):
-            events.append(f"gavel: {jobs[j].job_id} cannot run on this cluster "
-                          f"({jobs[j].requested_gpus} GPUs on no modelled type)")
+            events.append(
+                f"gavel: {jobs[j].job_id} cannot run on this cluster "
+                f"({jobs[j].requested_gpus} GPUs on no modelled type)"
+            )
 
         room = {t: cluster.capacity(t) for t in types}
         granted: list[tuple[JobView, str]] = []
@@ -247,14 +255,17 @@ class GavelPolicy:
             taken.add(job.job_id)
             granted.append((job, gpu_type))
 
-        kept = {job.job_id: job.placement for job, gpu_type in granted
-                if holds_request(job, cluster) and cluster.placement_type(job.placement) == gpu_type}
+        kept = {
+            job.job_id: job.placement
+            for job, gpu_type in granted
+            if holds_request(job, cluster) and cluster.placement_type(job.placement) == gpu_type
+        }
         free = free_gpus(cluster, kept)
         placements: dict[str, Spots] = {}
         # largest requests first, for locality (as Gavel assigns workers); ties in grant order
         for job, gpu_type in sorted(granted, key=lambda pair: -pair[0].requested_gpus):
             spots = kept.get(job.job_id) or pack(cluster, free, gpu_type, job.requested_gpus)
-            if spots is None:   # cannot happen: the per-type grant counts guarantee the fit
+            if spots is None:  # cannot happen: the per-type grant counts guarantee the fit
                 raise RuntimeError(f"gavel: granted {job.job_id} does not fit on {gpu_type}")
             placements[job.job_id] = spots
         return decision_from_placements(cluster, placements, events)

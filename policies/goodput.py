@@ -44,23 +44,36 @@ class GoodputPolicy(SiaPolicy):
     name = "goodput"
 
     def allocate(self, state: RoundState) -> Decision:
-        return super().allocate(RoundState(state.now_s, state.cluster, tuple(
-            dataclasses.replace(view, models=msgspec.structs.replace(view.models, start_gpus=view.requested_gpus))
-            if starts_at_request(view) else view for view in state.jobs)))
+        return super().allocate(
+            RoundState(
+                state.now_s,
+                state.cluster,
+                tuple(
+                    dataclasses.replace(
+                        view, models=msgspec.structs.replace(view.models, start_gpus=view.requested_gpus)
+                    )
+                    if starts_at_request(view)
+                    else view
+                    for view in state.jobs
+                ),
+            )
+        )
 
     def problem(self, state: RoundState) -> IlpProblem:
         """Sia's ILP with shrinks floored; every job must-run when all their smallest allocations fit."""
         fits = sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus
-        return dataclasses.replace(super().problem(state), shrink_floor=SHRINK_FLOOR,
-                                   must_run=np.ones(len(state.jobs), dtype=bool) if fits else None)
+        return dataclasses.replace(
+            super().problem(state),
+            shrink_floor=SHRINK_FLOOR,
+            must_run=np.ones(len(state.jobs), dtype=bool) if fits else None,
+        )
 
 
 def starts_at_request(view) -> bool:
     """A job that never ran, asked for more than one GPU, and neither rigid nor hybrid-parallel (their
     GPU counts follow rules of their own)."""
     models = view.models
-    return (models.max_gpus_seen == 0 and view.requested_gpus > 1 and models.fixed_gpus is None
-            and not models.group_gpus)
+    return models.max_gpus_seen == 0 and view.requested_gpus > 1 and models.fixed_gpus is None and not models.group_gpus
 
 
 def smallest_gpus(models) -> int:

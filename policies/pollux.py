@@ -67,8 +67,7 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from policies.base import (Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid,
-                                 restart_factor)
+from policies.base import Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid, restart_factor
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
 from shared.settings import ROUND_S
@@ -79,10 +78,10 @@ DEFAULT_P = -1.0
 DEFAULT_POPULATION = 100
 DEFAULT_GENERATIONS = 100
 DEFAULT_RESTART_PENALTY_S = 30.0
-EPSILON = 1e-3                 # added to every scaled speedup (Pollux's code)
-RESET_PROB = 0.1               # mutation: a row back to the job's current allocation
-ZERO_ROW_PROB = 0.1            # mutation: a row picked for zeroing ...
-ZERO_ENTRY_PROB = 0.1          # ... and each of its entries zeroed with this probability
+EPSILON = 1e-3  # added to every scaled speedup (Pollux's code)
+RESET_PROB = 0.1  # mutation: a row back to the job's current allocation
+ZERO_ROW_PROB = 0.1  # mutation: a row picked for zeroing ...
+ZERO_ENTRY_PROB = 0.1  # ... and each of its entries zeroed with this probability
 # Ties of the majority GPU type: the faster type wins (Sia's port: a100 > quad > rtx > t4).
 TYPE_TIE_ORDER = ("dgx-ext", "dgx", "a100", "quad", "rtx", "aws", "t4")
 
@@ -101,14 +100,14 @@ class PolluxProblem:
     job_ids: tuple[str, ...]
     node_names: tuple[str, ...]
     types: tuple[str, ...]
-    node_gpus: np.ndarray      # (N,)
-    node_type: np.ndarray      # (N,) index into types
-    base: np.ndarray           # (J, N) current allocation
-    pinned: np.ndarray         # (J,) bool: keeps `base`
-    min_gpus: np.ndarray       # (J,)
-    max_gpus: np.ndarray       # (J,)
+    node_gpus: np.ndarray  # (N,)
+    node_type: np.ndarray  # (N,) index into types
+    base: np.ndarray  # (J, N) current allocation
+    pinned: np.ndarray  # (J,) bool: keeps `base`
+    min_gpus: np.ndarray  # (J,)
+    max_gpus: np.ndarray  # (J,)
     restart_factor: np.ndarray  # (J,)
-    speedup: np.ndarray        # (J, T, K+1, 2)
+    speedup: np.ndarray  # (J, T, K+1, 2)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -150,8 +149,11 @@ def goodput_lookup(jobs: Sequence[JobModels], types: Sequence[str], top: Sequenc
     return table
 
 
-def build_problem(state: RoundState, restart_penalty_s: float | None = DEFAULT_RESTART_PENALTY_S,
-                  type_order: Sequence[str] = TYPE_TIE_ORDER) -> PolluxProblem:
+def build_problem(
+    state: RoundState,
+    restart_penalty_s: float | None = DEFAULT_RESTART_PENALTY_S,
+    type_order: Sequence[str] = TYPE_TIE_ORDER,
+) -> PolluxProblem:
     """The round's arrays: priority order, current rows, limits, restart factors, speedup table."""
     cluster = state.cluster
     nodes = cluster.nodes
@@ -162,8 +164,7 @@ def build_problem(state: RoundState, restart_penalty_s: float | None = DEFAULT_R
     total = int(node_gpus.sum())
 
     pinned_of = {job.job_id: job.mid_restart and bool(job.placement) for job in state.jobs}
-    jobs = sorted(state.jobs, key=lambda job: (not pinned_of[job.job_id], job.attained_gpu_s, job.submit_s,
-                                               job.job_id))
+    jobs = sorted(state.jobs, key=lambda job: (not pinned_of[job.job_id], job.attained_gpu_s, job.submit_s, job.job_id))
     J, N = len(jobs), len(nodes)
     base = np.zeros((J, N), dtype=np.int64)
     for j, job in enumerate(jobs):
@@ -184,9 +185,9 @@ def build_problem(state: RoundState, restart_penalty_s: float | None = DEFAULT_R
     top = [int(max(m, fair)) for m in max_gpus]
     goodput = goodput_lookup([job.models for job in jobs], types, top)
     ks = np.arange(fair + 1)
-    several = (ks[None, :] > per_node[:, None]).astype(int)                     # (T, F+1)
-    at_most_fair = goodput[:, np.arange(len(types))[:, None], ks[None, :], several]   # (J, T, F+1)
-    baseline = at_most_fair.max(axis=2)                                          # (J, T)
+    several = (ks[None, :] > per_node[:, None]).astype(int)  # (T, F+1)
+    at_most_fair = goodput[:, np.arange(len(types))[:, None], ks[None, :], several]  # (J, T, F+1)
+    baseline = at_most_fair.max(axis=2)  # (J, T)
     with np.errstate(divide="ignore", invalid="ignore"):
         speedup = np.where(baseline[:, :, None, None] > 0, goodput / baseline[:, :, None, None], 0.0)
     # No model at all: optimistic, K / F on any type and span.
@@ -196,8 +197,19 @@ def build_problem(state: RoundState, restart_penalty_s: float | None = DEFAULT_R
         speedup[hintless] = k_over_fair[None, None, :, None]
     speedup *= N / total
 
-    return PolluxProblem(tuple(job.job_id for job in jobs), tuple(n.name for n in nodes), types, node_gpus,
-                         node_type, base, pinned, min_gpus, max_gpus, factor, speedup)
+    return PolluxProblem(
+        tuple(job.job_id for job in jobs),
+        tuple(n.name for n in nodes),
+        types,
+        node_gpus,
+        node_type,
+        base,
+        pinned,
+        min_gpus,
+        max_gpus,
+        factor,
+        speedup,
+    )
 
 
 # --- the search ---------------------------------------------------------------------------------
@@ -206,8 +218,14 @@ def build_problem(state: RoundState, restart_penalty_s: float | None = DEFAULT_R
 class Search:
     """Vectorised genetic operators over a population of (P, J, N) matrices of one problem."""
 
-    def __init__(self, problem: PolluxProblem, rng: np.random.Generator, p: float,
-                 avoid_interference: bool = True, collapse_in_search: bool = False):
+    def __init__(
+        self,
+        problem: PolluxProblem,
+        rng: np.random.Generator,
+        p: float,
+        avoid_interference: bool = True,
+        collapse_in_search: bool = False,
+    ):
         self.problem = problem
         self.rng = rng
         self.p = p
@@ -215,14 +233,14 @@ class Search:
         self.collapse_in_search = collapse_in_search
         J, N = problem.shape
         T = len(problem.types)
-        self.onehot = (problem.node_type[:, None] == np.arange(T)[None, :]).astype(np.int16)   # (N, T)
+        self.onehot = (problem.node_type[:, None] == np.arange(T)[None, :]).astype(np.int16)  # (N, T)
         # Entries are GPUs of one node: int8 unless a node has more than 127 GPUs.
         self.dtype = np.int8 if problem.node_gpus.max(initial=0) <= np.iinfo(np.int8).max else np.int16
         self.base = problem.base.astype(self.dtype)
         self.node_gpus = problem.node_gpus.astype(self.dtype)
         self.k_max = problem.speedup.shape[2] - 1
         self.flat_speedup = problem.speedup.reshape(-1)
-        self.row_offset = (np.arange(J) * T)[None, :]                                          # (1, J)
+        self.row_offset = (np.arange(J) * T)[None, :]  # (1, J)
 
     # Majority type of each row: most GPUs, ties to the preferred type (types are in tie order).
     def majority(self, states: np.ndarray) -> np.ndarray:
@@ -251,7 +269,7 @@ class Search:
         # (2) At most the job's GPU limit, entries trimmed in a random node order.
         over = states.sum(axis=2) > pr.max_gpus[None, :]
         if over.any():
-            rows = states[over]                                              # (R, N)
+            rows = states[over]  # (R, N)
             order = np.argsort(self.rng.random(rows.shape), axis=1)
             shuffled = np.take_along_axis(rows, order, axis=1)
             limit = np.broadcast_to(pr.max_gpus[None, :], over.shape)[over][:, None]
@@ -305,9 +323,9 @@ class Search:
             states[picked] = np.where(rng.random(rows.shape, dtype=np.float32) < ZERO_ENTRY_PROB, 0, rows)
         # (3) Raise entries of nodes with a free GPU, as coded: each job with probability 1/J (prob1),
         # or one of the jobs already on the node (prob2); to a count up to the node's size.
-        has_free = self.node_gpus[None, :] > states.sum(axis=1)                                 # (P, N)
+        has_free = self.node_gpus[None, :] > states.sum(axis=1)  # (P, N)
         used = (states > 0) & has_free[:, None, :]
-        share = np.float32(1 - 1 / J) / np.maximum(used.sum(axis=1), 1).astype(np.float32)    # (P, N)
+        share = np.float32(1 - 1 / J) / np.maximum(used.sum(axis=1), 1).astype(np.float32)  # (P, N)
         # prob1 + prob2 - prob1 * prob2 with prob1 = 1/J on free nodes, prob2 = 1/(jobs on it) if used.
         prob = np.where(used, np.float32(1 / J) + share[:, None, :], has_free[:, None, :] * np.float32(1 / J))
         raise_ = rng.random(states.shape, dtype=np.float32) < prob
@@ -376,14 +394,24 @@ class PolluxPolicy:
     name = "pollux"
     adaptive_batch = True
 
-    def __init__(self, p: float = DEFAULT_P, population: int = DEFAULT_POPULATION,
-                 generations: int = DEFAULT_GENERATIONS, restart_penalty_s: float | None = DEFAULT_RESTART_PENALTY_S,
-                 seed: int = 0, avoid_interference: bool = True, collapse_in_search: bool = False,
-                 warm_start: bool = True, type_order: Sequence[str] = TYPE_TIE_ORDER, round_s: float = ROUND_S):
+    def __init__(
+        self,
+        p: float = DEFAULT_P,
+        population: int = DEFAULT_POPULATION,
+        generations: int = DEFAULT_GENERATIONS,
+        restart_penalty_s: float | None = DEFAULT_RESTART_PENALTY_S,
+        seed: int = 0,
+        avoid_interference: bool = True,
+        collapse_in_search: bool = False,
+        warm_start: bool = True,
+        type_order: Sequence[str] = TYPE_TIE_ORDER,
+        round_s: float = ROUND_S,
+    ):
         """restart_penalty_s: delta of the re-allocation factor (None: each job's own restart_cost_s)."""
         if population < 1 or generations < 0 or round_s <= 0:
-            raise ValueError(f"population must be >= 1, generations >= 0 and round_s > 0, got {population}, "
-                             f"{generations}, {round_s}")
+            raise ValueError(
+                f"population must be >= 1, generations >= 0 and round_s > 0, got {population}, {generations}, {round_s}"
+            )
         self.round_s = float(round_s)
         self.p = float(p)
         self.population = int(population)
@@ -420,17 +448,24 @@ class PolluxPolicy:
         kept = (~useless[0] | problem.pinned).tolist()
         scale = float(problem.node_gpus.sum()) / max(len(problem.node_names), 1)
         factors, speedups = problem.restart_factor.tolist(), (speedup[0] * scale).tolist()
-        return replace(decision, predictions={
-            job: Prediction(speedup=speedups[j] if kept[j] and job in decision.allocations else None,
-                            restart_factor=factors[j]) for j, job in enumerate(problem.job_ids)})
+        return replace(
+            decision,
+            predictions={
+                job: Prediction(
+                    speedup=speedups[j] if kept[j] and job in decision.allocations else None, restart_factor=factors[j]
+                )
+                for j, job in enumerate(problem.job_ids)
+            },
+        )
 
     def snapshot(self) -> bytes:
         """The last round's population (mostly zeros: compressed), for a standby to resume from."""
         if self._previous is None:
             return b""
         jobs, nodes, states = self._previous
-        return msgspec.msgpack.encode(_Population(jobs, nodes, states.dtype.str, states.shape,
-                                                  zlib.compress(states.tobytes(), 1)))
+        return msgspec.msgpack.encode(
+            _Population(jobs, nodes, states.dtype.str, states.shape, zlib.compress(states.tobytes(), 1))
+        )
 
     def restore(self, state: bytes) -> None:
         saved = msgspec.msgpack.decode(state, type=_Population)
@@ -450,8 +485,9 @@ class PolluxPolicy:
         dst_n = [n for n, key in enumerate(problem.node_names) if key in node_at]
         src_n = [node_at[problem.node_names[n]] for n in dst_n]
         adapted = np.zeros((len(states), J, N), dtype=dtype)
-        adapted[:, np.array(dst_j, dtype=np.int64)[:, None], np.array(dst_n, dtype=np.int64)[None, :]] = \
-            states[:, np.array(src_j, dtype=np.int64)[:, None], np.array(src_n, dtype=np.int64)[None, :]]
+        adapted[:, np.array(dst_j, dtype=np.int64)[:, None], np.array(dst_n, dtype=np.int64)[None, :]] = states[
+            :, np.array(src_j, dtype=np.int64)[:, None], np.array(src_n, dtype=np.int64)[None, :]
+        ]
         return adapted
 
     @staticmethod

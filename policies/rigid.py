@@ -17,9 +17,9 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from goodput_train.goodput import ThroughputParams, split_batch, throughput
 from policies.base import JobView
 from shared.cluster import Cluster
-from goodput_train.goodput import ThroughputParams, split_batch, throughput
 
 
 def requested_throughput_matrix(jobs: Sequence[JobView], cluster: Cluster) -> np.ndarray:
@@ -61,8 +61,11 @@ def fastest_type(throughputs: Mapping[str, float], gpus: int, room: Mapping[str,
 def holds_request(job: JobView, cluster: Cluster) -> bool:
     """True when the job runs with a placement that a rigid policy can keep: one GPU type, exactly
     its requested GPUs."""
-    return (bool(job.placement) and sum(g for _, g in job.placement) == job.requested_gpus
-            and cluster.placement_type(job.placement) is not None)
+    return (
+        bool(job.placement)
+        and sum(g for _, g in job.placement) == job.requested_gpus
+        and cluster.placement_type(job.placement) is not None
+    )
 
 
 def arrival_order(jobs: Iterable[JobView]) -> list[JobView]:

@@ -25,8 +25,14 @@ class SiaPolicy:
     name = "sia"
     adaptive_batch = True
 
-    def __init__(self, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
-                 time_limit_s: float = DEFAULT_TIME_LIMIT_S, round_s: float = ROUND_S):
+    def __init__(
+        self,
+        p: float = DEFAULT_P,
+        lam: float = DEFAULT_LAMBDA,
+        solver: str = DEFAULT_SOLVER,
+        time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+        round_s: float = ROUND_S,
+    ):
         if round_s <= 0:
             raise ValueError(f"round_s must be positive, got {round_s}")
         self.p, self.lam, self.solver, self.time_limit_s, self.round_s = p, lam, solver, time_limit_s, float(round_s)
@@ -42,15 +48,28 @@ class SiaPolicy:
             valid=table.valid,
             current=current,
             # A waiting job must (re)start wherever it goes: only running jobs pay for a move.
-            restart_factor=np.where([v.current is not None for v in jobs],
-                                    restart_factor([v.age_s for v in jobs], [v.restarts for v in jobs],
-                                                   [v.restart_cost_s for v in jobs], free_while_young=True), 1.0),
+            restart_factor=np.where(
+                [v.current is not None for v in jobs],
+                restart_factor(
+                    [v.age_s for v in jobs],
+                    [v.restarts for v in jobs],
+                    [v.restart_cost_s for v in jobs],
+                    free_while_young=True,
+                ),
+                1.0,
+            ),
             locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid,
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),
             capacity=np.array([state.cluster.capacity(t) for t in types], dtype=int),
-            waited=np.array([0.0 if v.current is not None else
-                             state.now_s - (v.submit_s if v.idle_since_s is None else v.idle_since_s) for v in jobs]),
+            waited=np.array(
+                [
+                    0.0
+                    if v.current is not None
+                    else state.now_s - (v.submit_s if v.idle_since_s is None else v.idle_since_s)
+                    for v in jobs
+                ]
+            ),
         )
 
     def allocate(self, state: RoundState) -> Decision:
@@ -83,7 +102,12 @@ class SiaPolicy:
                 continue
             config = table.configs[cells[i]]
             replicas = config.gpus // view.models.group(config.gpu_type)
-            out[view.job_id] = Prediction(goodput=goodput[i], normalized_goodput=normalized[i],
-                                          batch=replicas * m[i] * (s[i] + 1), per_gpu_batch=m[i],
-                                          accumulation_steps=s[i], restart_factor=factors[i])
+            out[view.job_id] = Prediction(
+                goodput=goodput[i],
+                normalized_goodput=normalized[i],
+                batch=replicas * m[i] * (s[i] + 1),
+                per_gpu_batch=m[i],
+                accumulation_steps=s[i],
+                restart_factor=factors[i],
+            )
         return out

@@ -117,7 +117,7 @@ RESTRICT_DELTA = 0.02  # restricted MILP: entries with reduced cost <= this x th
 # (~7 ms vs < 1 ms for a trivial model). HiGHS sizes its scheduler once a process; see _run.
 HIGHS_THREADS: int | None = 1
 HIGHS_OPTIONS = {
-    "output_flag": False,            # no banner or log on stdout: a service's output is its own
+    "output_flag": False,  # no banner or log on stdout: a service's output is its own
     "presolve": "off",
     "mip_detect_symmetry": False,
     "mip_heuristic_run_feasibility_jump": False,
@@ -173,8 +173,7 @@ class IlpProblem:
         if restart.shape != (J,):
             raise ValueError(f"restart_factor has shape {restart.shape}, expected ({J},) (one per job)")
         locked = _bool_array("locked", self.locked, (J,))
-        must_run = (np.zeros(J, dtype=bool) if self.must_run is None
-                    else _bool_array("must_run", self.must_run, (J,)))
+        must_run = np.zeros(J, dtype=bool) if self.must_run is None else _bool_array("must_run", self.must_run, (J,))
         config_type = _int_array("config_type", self.config_type, (C,))
         config_gpus = _int_array("config_gpus", self.config_gpus, (C,))
         capacity = _int_array("capacity", self.capacity, None)
@@ -211,10 +210,19 @@ class IlpProblem:
             j = int(np.flatnonzero(config_gpus < 1)[0])
             raise ValueError(f"config_gpus[{j}] = {config_gpus[j]}: a configuration uses at least one GPU")
 
-        for name, value in (("goodput", goodput), ("valid", valid), ("current", current),
-                            ("restart_factor", restart), ("locked", locked), ("config_type", config_type),
-                            ("config_gpus", config_gpus), ("capacity", capacity), ("must_run", must_run),
-                            ("shrink_floor", shrink_floor), ("waited", waited)):
+        for name, value in (
+            ("goodput", goodput),
+            ("valid", valid),
+            ("current", current),
+            ("restart_factor", restart),
+            ("locked", locked),
+            ("config_type", config_type),
+            ("config_gpus", config_gpus),
+            ("capacity", capacity),
+            ("must_run", must_run),
+            ("shrink_floor", shrink_floor),
+            ("waited", waited),
+        ):
             object.__setattr__(self, name, value)
 
     @property
@@ -266,8 +274,10 @@ def _check_params(p: float, lam: float) -> None:
     if not np.isfinite(p):
         raise ValueError(f"fairness exponent p must be finite, got {p!r}")
     if p == 0:
-        raise ValueError("fairness exponent p = 0 is undefined in Sia's objective (G ** 0 = 1 for every "
-                         "entry): use p < 0 (minimise, the paper's -0.5) or p > 0 (maximise)")
+        raise ValueError(
+            "fairness exponent p = 0 is undefined in Sia's objective (G ** 0 = 1 for every "
+            "entry): use p < 0 (minimise, the paper's -0.5) or p > 0 (maximise)"
+        )
     if not np.isfinite(lam):
         raise ValueError(f"lam must be finite, got {lam!r}")
 
@@ -357,7 +367,8 @@ def _candidates(problem: IlpProblem, cost: np.ndarray, free: np.ndarray) -> np.n
         sub = np.where(keep[:, cols], cost[:, cols], np.inf)
         # best cost among strictly-earlier (fewer or equal GPUs, earlier in order) entries of this type
         before = np.minimum.accumulate(
-            np.concatenate([np.full((sub.shape[0], 1), np.inf), sub[:, :-1]], axis=1), axis=1)
+            np.concatenate([np.full((sub.shape[0], 1), np.inf), sub[:, :-1]], axis=1), axis=1
+        )
         keep[:, cols] &= sub < before
     return keep
 
@@ -372,8 +383,9 @@ def _resolve_solver(solver: str) -> str:
     name = str(solver).upper()
     installed = ", ".join(_installed_milp_solvers()) or "none"
     if name not in SUPPORTED_SOLVERS:
-        raise ValueError(f"unknown MILP solver {solver!r}: supported {', '.join(SUPPORTED_SOLVERS)}; "
-                         f"installed here: {installed}")
+        raise ValueError(
+            f"unknown MILP solver {solver!r}: supported {', '.join(SUPPORTED_SOLVERS)}; installed here: {installed}"
+        )
     if name not in _installed_milp_solvers():
         raise ValueError(f"MILP solver {name} is not installed; installed here: {installed}")
     return name
@@ -474,7 +486,7 @@ def _run(program: cp.Problem, solver: str, time_limit_s: float) -> None:
                 program.solve(solver=solver, **options)
             _highs_threads_clash = True
             log.info("sia ILP: HiGHS's thread scheduler was already started; running with its thread count")
-    except Exception as exc:  # noqa: BLE001 - any solver failure must leave the cluster as it is
+    except Exception as exc:
         raise _SolverFailure(f"solver_error: {type(exc).__name__}: {exc}") from exc
     status = program.status
     if status == cp_status.USER_LIMIT:
@@ -576,7 +588,7 @@ def _lp_prices(m: _Reduced, idx: np.ndarray, deadline: float) -> tuple[np.ndarra
     _run(lp, "HIGHS", deadline - time.perf_counter())
     if rows.dual_value is None:
         raise _SolverFailure("solver_error: HIGHS returned no duals for the LP relaxation")
-    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.types:], 0.0), float(lp.value)
+    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.types :], 0.0), float(lp.value)
 
 
 def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
@@ -603,8 +615,11 @@ def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
     upper = float(m.cost[chosen].sum())
     need = rc <= upper - bound + 1e-9 * max(1.0, abs(upper))
     if np.any(need & ~sel):
-        log.debug("sia ILP: restricted MILP not proven (gap %.3g); widening to %d entries",
-                  upper - bound, int(np.count_nonzero(need | sel)))
+        log.debug(
+            "sia ILP: restricted MILP not proven (gap %.3g); widening to %d entries",
+            upper - bound,
+            int(np.count_nonzero(need | sel)),
+        )
         chosen = _milp(m, np.flatnonzero(need | sel), solver, deadline)
     return chosen
 
@@ -632,13 +647,17 @@ def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.n
 
 
 def _fallback(problem: IlpProblem, status: str, start: float, exc_info: bool = False) -> IlpSolution:
-    log.warning("sia ILP: keeping the previous allocation of %d jobs (%s)", problem.jobs, status,
-                exc_info=exc_info)
+    log.warning("sia ILP: keeping the previous allocation of %d jobs (%s)", problem.jobs, status, exc_info=exc_info)
     return IlpSolution(problem.current.copy(), status, True, (time.perf_counter() - start) * 1e3)
 
 
-def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA, solver: str = DEFAULT_SOLVER,
-          time_limit_s: float = DEFAULT_TIME_LIMIT_S) -> IlpSolution:
+def solve(
+    problem: IlpProblem,
+    p: float = DEFAULT_P,
+    lam: float = DEFAULT_LAMBDA,
+    solver: str = DEFAULT_SOLVER,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+) -> IlpSolution:
     """Solve one round's ILP; on time-out or solver failure keep `problem.current` (fallback=True).
 
     `time_limit_s` bounds the work after the exact reductions: the solver calls (each gets what is
@@ -660,8 +679,12 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
     np.subtract.at(free, problem.config_type[choice[pinned]], problem.config_gpus[choice[pinned]])
     if (free < 0).any():
         t = int(np.flatnonzero(free < 0)[0])
-        return _fallback(problem, f"infeasible: locked jobs need {problem.capacity[t] - free[t]} GPUs of "
-                         f"type {t}, capacity {problem.capacity[t]}", start)
+        return _fallback(
+            problem,
+            f"infeasible: locked jobs need {problem.capacity[t] - free[t]} GPUs of "
+            f"type {t}, capacity {problem.capacity[t]}",
+            start,
+        )
 
     values = value_matrix(problem, p)
     cost = _cost_matrix(values, p, _left_out_costs(problem, values, lam))
@@ -674,12 +697,20 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
     use = np.bincount(problem.config_type[pick[has]], weights=problem.config_gpus[pick[has]], minlength=T)
     if np.all(use <= free):
         choice[has] = pick[has]
-        return IlpSolution(_first_come_first_served(problem, cost, choice), "optimal", False,
-                           (time.perf_counter() - start) * 1e3)
+        return IlpSolution(
+            _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
+        )
 
     job, config = np.nonzero(keep)
-    m = _Reduced(job, config, cost[job, config], problem.config_gpus[config].astype(float),
-                 problem.config_type[config], free.astype(float), J)
+    m = _Reduced(
+        job,
+        config,
+        cost[job, config],
+        problem.config_gpus[config].astype(float),
+        problem.config_type[config],
+        free.astype(float),
+        J,
+    )
     deadline = time.perf_counter() + time_limit_s
     try:
         if job.size > LARGE_MODEL_ENTRIES and "HIGHS" in _installed_milp_solvers():
@@ -694,5 +725,6 @@ def solve(problem: IlpProblem, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA
     used = np.bincount(problem.config_type[choice[on]], weights=problem.config_gpus[choice[on]], minlength=T)
     if np.any(used > problem.capacity):
         return _fallback(problem, f"solver_error: {solver}'s allocation exceeds capacity", start)
-    return IlpSolution(_first_come_first_served(problem, cost, choice), "optimal", False,
-                       (time.perf_counter() - start) * 1e3)
+    return IlpSolution(
+        _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
+    )

@@ -20,7 +20,7 @@ from policies.rigid import fastest_type, holds_request, requested_throughput_mat
 from shared.cluster import Spots
 from shared.settings import ROUND_S
 
-DEFAULT_QUANTUM = 100       # iterations
+DEFAULT_QUANTUM = 100  # iterations
 
 
 class TimeslicePolicy:
@@ -39,16 +39,17 @@ class TimeslicePolicy:
         running = [j for j in state.jobs if holds_request(j, cluster)]
         keep: dict[str, Spots] = {j.job_id: j.placement for j in running if j.slice_iterations < self.quantum}
         ended = sorted((j for j in running if j.job_id not in keep), key=lambda j: (j.submit_s, j.job_id))
-        waiting = sorted((j for j in state.jobs if not holds_request(j, cluster)),
-                         key=lambda j: (j.idle_since_s if j.idle_since_s is not None else j.submit_s,
-                                        j.submit_s, j.job_id))
+        waiting = sorted(
+            (j for j in state.jobs if not holds_request(j, cluster)),
+            key=lambda j: (j.idle_since_s if j.idle_since_s is not None else j.submit_s, j.submit_s, j.job_id),
+        )
         queue = waiting + ended
         free = free_gpus(cluster, keep)
         placements = dict(keep)
         events = []
         for job, row in zip(queue, requested_throughput_matrix(queue, cluster)):
             if job.placement and all(free[node] >= gpus for node, gpus in job.placement):
-                placements[job.job_id] = job.placement          # picked again: no switch
+                placements[job.job_id] = job.placement  # picked again: no switch
                 for node, gpus in job.placement:
                     free[node] -= gpus
                 continue

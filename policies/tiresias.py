@@ -55,7 +55,7 @@ class TiresiasPolicy:
         order = sorted(state.jobs, key=lambda j: (self.queue(j.attained_gpu_s), j.submit_s, j.job_id))
         matrix = requested_throughput_matrix(order, cluster)
         room = {t: cluster.capacity(t) for t in cluster.gpu_types}
-        admitted: list[tuple[str, str]] = []            # (job_id, gpu_type) in priority order
+        admitted: list[tuple[str, str]] = []  # (job_id, gpu_type) in priority order
         events: list[str] = []
         for job, row in zip(order, matrix):
             gpus = job.requested_gpus
@@ -65,8 +65,9 @@ class TiresiasPolicy:
             else:
                 throughputs = dict(zip(cluster.gpu_types, row.tolist()))
                 if not any(throughputs.values()):
-                    events.append(f"tiresias: {job.job_id} cannot run on this cluster "
-                                  f"({gpus} GPUs on no modelled type); skipped")
+                    events.append(
+                        f"tiresias: {job.job_id} cannot run on this cluster ({gpus} GPUs on no modelled type); skipped"
+                    )
                     continue
                 gpu_type = fastest_type(throughputs, gpus, room)
                 if gpu_type is None:
@@ -84,7 +85,7 @@ class TiresiasPolicy:
         placements: dict[str, Spots] = {}
         for job_id, gpu_type in admitted:
             spots = kept.get(job_id) or pack(cluster, free, gpu_type, jobs[job_id].requested_gpus)
-            if spots is None:   # cannot happen: the per-type admission counts guarantee the fit
+            if spots is None:  # cannot happen: the per-type admission counts guarantee the fit
                 raise RuntimeError(f"tiresias: admitted {job_id} does not fit on {gpu_type}")
             placements[job_id] = spots
         return decision_from_placements(cluster, placements, events)

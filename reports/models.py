@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from goodput_train.goodput import ThroughputParams, fit_throughput, iteration_time
 from services.estimator.core import type_models
 from shared.profiles import trace_profile
-from goodput_train.goodput import ThroughputParams, fit_throughput, iteration_time
 from shared.reference import Measurements, ModelTrace
 
-FITTED_TARGET = 0.10      # median error of a fitted model with multi-GPU data (Pollux: <= 10%)
-BOOTSTRAP_TARGET = 0.25   # median distance of a bootstrapped model from the fitted one
+FITTED_TARGET = 0.10  # median error of a fitted model with multi-GPU data (Pollux: <= 10%)
+BOOTSTRAP_TARGET = 0.25  # median distance of a bootstrapped model from the fitted one
 
 # Profiles of one machine under two names (the reference README: dgx-ext is the DGX of dgx with a
 # longer batch sweep). Projecting between them would flatter the bootstrap, so it is not done.
@@ -44,8 +44,8 @@ class TypeReport:
     placements: int
     multi_gpu: bool
     params: dict
-    error: dict                                     # fitted vs measured: median, p90
-    bootstrap: dict = field(default_factory=dict)   # source type -> {"vs_fitted", "vs_measured"}
+    error: dict  # fitted vs measured: median, p90
+    bootstrap: dict = field(default_factory=dict)  # source type -> {"vs_fitted", "vs_measured"}
     note: str = ""
 
     @property
@@ -71,8 +71,12 @@ class TypeReport:
         return None if median is None else median <= BOOTSTRAP_TARGET
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"fitted_ok": self.fitted_ok, "bootstrap_median": self.bootstrap_median,
-                               "bootstrap_best": self.bootstrap_best, "bootstrap_ok": self.bootstrap_ok}
+        return asdict(self) | {
+            "fitted_ok": self.fitted_ok,
+            "bootstrap_median": self.bootstrap_median,
+            "bootstrap_best": self.bootstrap_best,
+            "bootstrap_ok": self.bootstrap_ok,
+        }
 
 
 def _single_gpu(meas: Measurements) -> bool:
@@ -85,19 +89,29 @@ def report_model(trace: ModelTrace) -> list[TypeReport]:
     reports = []
     for gpu_type, meas in trace.placements.items():
         params = fitted[gpu_type]
-        rep = TypeReport(trace.name, gpu_type, len(meas), bool((meas.gpus > 1).any()),
-                         params._asdict(), _errors(_predict(params, meas), meas.step_time))
-        sources = [t for t, m in trace.placements.items()
-                   if t != gpu_type and t in profiles and (m.gpus > 1).any()
-                   and frozenset({t, gpu_type}) not in SAME_HARDWARE]
+        rep = TypeReport(
+            trace.name,
+            gpu_type,
+            len(meas),
+            bool((meas.gpus > 1).any()),
+            params._asdict(),
+            _errors(_predict(params, meas), meas.step_time),
+        )
+        sources = [
+            t
+            for t, m in trace.placements.items()
+            if t != gpu_type and t in profiles and (m.gpus > 1).any() and frozenset({t, gpu_type}) not in SAME_HARDWARE
+        ]
         if gpu_type not in profiles:
             rep.note = "no 1-GPU measurement to bootstrap from (model-parallel unit)"
         for source in sources:
             pair = {t: profiles[t] for t in (gpu_type, source)}
             boot = type_models(pair, {source: trace.placements[source].observations()})[gpu_type]
             predicted = _predict(boot, meas)
-            rep.bootstrap[source] = {"vs_fitted": _errors(predicted, _predict(params, meas)),
-                                     "vs_measured": _errors(predicted, meas.step_time)}
+            rep.bootstrap[source] = {
+                "vs_fitted": _errors(predicted, _predict(params, meas)),
+                "vs_measured": _errors(predicted, meas.step_time),
+            }
         reports.append(rep)
     return reports
 

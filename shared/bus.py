@@ -49,10 +49,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import inspect
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextvars import ContextVar
@@ -96,6 +96,7 @@ T = TypeVar("T")
 # What a subscriber learns about a payload it cannot decode; may return a reply (e.g. Rejected).
 InvalidHandler = Callable[[str, bytes, Exception], Any]
 
+
 class NotFound(LookupError):
     """A handler's answer that what the request names is not there (service error 404)."""
 
@@ -114,7 +115,7 @@ class Refused(ValueError):
 RevisionConflict = nats.js.errors.KeyWrongLastSequenceError
 
 MSG_ID_HEADER = api.Header.MSG_ID.value  # "Nats-Msg-Id": JetStream drops repeats in its window
-TRACEPARENT = "traceparent"              # the W3C trace context header (shared.tracing writes it)
+TRACEPARENT = "traceparent"  # the W3C trace context header (shared.tracing writes it)
 _STREAM_EXISTS_WITH_OTHER_CONFIG = 10058
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 _TRACER_NAME = "goodput.bus"
@@ -123,23 +124,23 @@ _TRACER_NAME = "goodput.bus"
 # request with an empty request carrying WANT_HEADER: i to the requester's inbox.
 CHUNK_HEADER = "Goodput-Chunk"
 WANT_HEADER = "Goodput-Want"
-HEADER_ROOM = 16 * 1024      # max_payload counts headers too: trace context, error descriptions
-CHUNK_TIMEOUT_S = 5.0        # the most a part may lag the one before it
-ASSEMBLY_TIMEOUT_S = 30.0    # the most a whole request in parts may take to come in
-MAX_ASSEMBLIES = 2           # requests in parts one requester may have coming in at a time
-MAX_ASSEMBLIES_IN_ALL = 16   # ... and all requesters together, on one connection
-INBOX = "_INBOX"             # what every reply subject begins with (nats-py's default, or _INBOX_<role>)
-RESPONSE = "_R_"             # ... or, for a request that came through an import, the server's mapping of it
-REQUEST_INFO_HEADER = "Nats-Request-Info"    # the server's word of who sent a request through an import
+HEADER_ROOM = 16 * 1024  # max_payload counts headers too: trace context, error descriptions
+CHUNK_TIMEOUT_S = 5.0  # the most a part may lag the one before it
+ASSEMBLY_TIMEOUT_S = 30.0  # the most a whole request in parts may take to come in
+MAX_ASSEMBLIES = 2  # requests in parts one requester may have coming in at a time
+MAX_ASSEMBLIES_IN_ALL = 16  # ... and all requesters together, on one connection
+INBOX = "_INBOX"  # what every reply subject begins with (nats-py's default, or _INBOX_<role>)
+RESPONSE = "_R_"  # ... or, for a request that came through an import, the server's mapping of it
+REQUEST_INFO_HEADER = "Nats-Request-Info"  # the server's word of who sent a request through an import
 TOO_MANY = "429"
-MAX_PARTS = 256              # the most parts a body may come in (256 MiB at the default max_payload)
-MAX_REFUSALS_KEPT = 8       # a one-shot client keeps this many of the server's refusals (Bus.refusals)
+MAX_PARTS = 256  # the most parts a body may come in (256 MiB at the default max_payload)
+MAX_REFUSALS_KEPT = 8  # a one-shot client keeps this many of the server's refusals (Bus.refusals)
 # Durable consumers: deliveries of one message before it is dead-lettered, and the redelivery delays.
 MAX_DELIVER = 5
-REDELIVER_AFTER_S = 1.0      # doubled at each redelivery, up to REDELIVER_MAX_S
+REDELIVER_AFTER_S = 1.0  # doubled at each redelivery, up to REDELIVER_MAX_S
 REDELIVER_MAX_S = 30.0
-FETCH_RETRY_MAX_S = 10.0     # a failing fetch is tried again after 0.5 s, doubling up to this
-DRAIN_TIMEOUT_S = 0.05       # after a fetch's first message, how long the others may take
+FETCH_RETRY_MAX_S = 10.0  # a failing fetch is tried again after 0.5 s, doubling up to this
+DRAIN_TIMEOUT_S = 0.05  # after a fetch's first message, how long the others may take
 DEAD_REASON_HEADER = "Goodput-Dead-Reason"
 DEAD_SUBJECT_HEADER = "Goodput-Dead-Subject"
 NO_RESPONDERS_STATUS = "503"
@@ -160,13 +161,13 @@ def split_body(body: bytes, size: int) -> list[bytes]:
     """`body` in parts of at most `size` bytes (one part, maybe empty, when it fits)."""
     if len(body) > MAX_PARTS * size:
         raise ValueError(f"a body of {len(body)} bytes is over {MAX_PARTS} parts of {size} bytes")
-    return [body[i:i + size] for i in range(0, len(body), size)] or [body]
+    return [body[i : i + size] for i in range(0, len(body), size)] or [body]
 
 
 def is_json(data: bytes) -> bool:
     """Whether a body is JSON: an object, as every message is, begins with `{` (after white space).
     A msgpack message never does: those bytes are msgpack's small integers, never a whole message."""
-    first = memoryview(data)[:1].tobytes()          # every message is decoded: look no further than needed
+    first = memoryview(data)[:1].tobytes()  # every message is decoded: look no further than needed
     if first in (b"{", b""):
         return first == b"{"
     return first in b" \t\r\n" and memoryview(data)[:64].tobytes().lstrip(b" \t\r\n")[:1] == b"{"
@@ -193,8 +194,10 @@ def explained(error: msgspec.DecodeError, data: bytes) -> msgspec.DecodeError:
     nor a msgpack map is told what a message is, not msgpack's detail ("Expected `object`, got `int`")."""
     if is_json(data) or is_msgpack_message(data):
         return error
-    return msgspec.DecodeError(f"a message is a JSON object (or a msgpack map); this body "
-                               f"{'is empty' if not data else f'begins {bytes(data[:24])!r}'}")
+    return msgspec.DecodeError(
+        f"a message is a JSON object (or a msgpack map); this body "
+        f"{'is empty' if not data else f'begins {bytes(data[:24])!r}'}"
+    )
 
 
 def is_msgpack_message(data: bytes) -> bool:
@@ -242,7 +245,7 @@ def requester_of(headers: dict[str, str] | None) -> Requester | None:
     try:
         document = json.loads(info)
         return Requester(str(document["acc"]), str(document.get("user", "")))
-    except (ValueError, KeyError, TypeError):      # only a client of the service's own account writes it itself
+    except (ValueError, KeyError, TypeError):  # only a client of the service's own account writes it itself
         return Requester("", "")
 
 
@@ -250,9 +253,9 @@ def requester_of(headers: dict[str, str] | None) -> Requester | None:
 class RequesterLimits:
     """What each requester the server names may ask of one endpoint's replica (see `Bus.add_endpoint`)."""
 
-    rate_per_s: float = 100.0    # requests a second (a token bucket) ...
-    burst: int = 500             # ... this many at once after a quiet while
-    in_flight: int = 16          # requests in hand at once
+    rate_per_s: float = 100.0  # requests a second (a token bucket) ...
+    burst: int = 500  # ... this many at once after a quiet while
+    in_flight: int = 16  # requests in hand at once
 
 
 class _Admission:
@@ -260,21 +263,22 @@ class _Admission:
 
     def __init__(self, limits: RequesterLimits) -> None:
         self.limits = limits
-        self.tokens: dict[Requester, tuple[float, float]] = {}     # requester -> (tokens, when)
+        self.tokens: dict[Requester, tuple[float, float]] = {}  # requester -> (tokens, when)
         self.in_hand: dict[Requester, int] = {}
 
     def refusal(self, who: Requester) -> str | None:
         """Why `who`'s request is refused now, or None (then it is counted in hand: `done` when answered)."""
         if self.in_hand.get(who, 0) >= self.limits.in_flight:
-            return (f"over your limit: at most {self.limits.in_flight} requests in hand at once; wait for their "
-                    "answers")
+            return f"over your limit: at most {self.limits.in_flight} requests in hand at once; wait for their answers"
         now = time.monotonic()
         tokens, then = self.tokens.get(who, (float(self.limits.burst), now))
         tokens = min(float(self.limits.burst), tokens + (now - then) * self.limits.rate_per_s)
         if tokens < 1.0:
             self.tokens[who] = (tokens, now)
-            return (f"over your limit: at most {self.limits.rate_per_s:g} requests a second ({self.limits.burst} "
-                    f"at once); try again in {(1.0 - tokens) / self.limits.rate_per_s:.2f} s")
+            return (
+                f"over your limit: at most {self.limits.rate_per_s:g} requests a second ({self.limits.burst} "
+                f"at once); try again in {(1.0 - tokens) / self.limits.rate_per_s:.2f} s"
+            )
         self.tokens[who] = (tokens - 1.0, now)
         self.in_hand[who] = self.in_hand.get(who, 0) + 1
         return None
@@ -332,7 +336,7 @@ def _receive_attributes(raw: Msg) -> dict[str, Any]:
 
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"
-SERVER_ENV = "GOODPUT_NATS_URL"          # where every service and command finds NATS
+SERVER_ENV = "GOODPUT_NATS_URL"  # where every service and command finds NATS
 # How many servers keep each stream and KV bucket a service creates (3 on a 3-server cluster: the
 # data stays available while one server is down); 1 on a single server.
 REPLICAS_ENV = "GOODPUT_JETSTREAM_REPLICAS"
@@ -342,10 +346,10 @@ REPLICAS_ENV = "GOODPUT_JETSTREAM_REPLICAS"
 class _Outcome:
     """How one received message was handled."""
 
-    answer: Any                      # the reply, or on_invalid's answer to an undecodable message
-    refusal: str | None              # why it was refused (undecodable, or the handler's ValueError)
-    headers: dict[str, str] | None   # reply headers carrying the handling span's context
-    code: str = "400"                # the refusal's service error code (404: what it asks for is not there)
+    answer: Any  # the reply, or on_invalid's answer to an undecodable message
+    refusal: str | None  # why it was refused (undecodable, or the handler's ValueError)
+    headers: dict[str, str] | None  # reply headers carrying the handling span's context
+    code: str = "400"  # the refusal's service error code (404: what it asks for is not there)
 
 
 class Bus:
@@ -383,7 +387,7 @@ class Bus:
         self._reply_inbox_ready = asyncio.Lock()
         self._pending: dict[str, _Pending] = {}
         self.chunk_timeout_s = CHUNK_TIMEOUT_S
-        self._assembling: dict[str, int] = {}       # requester -> its requests in parts coming in
+        self._assembling: dict[str, int] = {}  # requester -> its requests in parts coming in
         self._background: set[asyncio.Task] = set()
 
     # ---- connection -------------------------------------------------------------------------
@@ -433,8 +437,9 @@ class Bus:
             if denied:
                 refused.set()
 
-        bus = await cls.connect(servers, name, allow_reconnect=False, max_reconnect_attempts=1, error_cb=remember,
-                                **options)
+        bus = await cls.connect(
+            servers, name, allow_reconnect=False, max_reconnect_attempts=1, error_cb=remember, **options
+        )
         bus.refusals, bus.refused = refusals, refused
         return bus
 
@@ -447,7 +452,7 @@ class Bus:
         for consumer in list(self._pull_consumers):
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
-        for task in list(self._background):     # requests in parts still coming in: dropped
+        for task in list(self._background):  # requests in parts still coming in: dropped
             task.cancel()
         try:
             await self.nc.drain()
@@ -496,7 +501,7 @@ class Bus:
             except msgspec.ValidationError:
                 if not key[1]:
                     raise
-                return from_builtins(msgspec.json.decode(data), msg_type)      # 2.0 for an int: read again
+                return from_builtins(msgspec.json.decode(data), msg_type)  # 2.0 for an int: read again
 
     @property
     def part_size(self) -> int:
@@ -529,12 +534,14 @@ class Bus:
         each further part may take `chunk_timeout_s`."""
         reply_headers, data = await self._exchange(subject, self.encode(msg), timeout, self._trace_headers(headers))
         if reply_headers and micro.request.ERROR_CODE_HEADER in reply_headers:
-            raise micro.request.ServiceError(reply_headers[micro.request.ERROR_CODE_HEADER],
-                                             reply_headers.get(micro.request.ERROR_HEADER, ""))
+            raise micro.request.ServiceError(
+                reply_headers[micro.request.ERROR_CODE_HEADER], reply_headers.get(micro.request.ERROR_HEADER, "")
+            )
         return self.decode(data, reply_type)
 
-    async def _exchange(self, subject: str, body: bytes, timeout: float,
-                        headers: dict[str, str] | None) -> tuple[dict[str, str] | None, bytes]:
+    async def _exchange(
+        self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None
+    ) -> tuple[dict[str, str] | None, bytes]:
         """One request, in parts if it is large; the reply's headers and its whole body."""
         async with self._reply_inbox_ready:
             if self._reply_prefix is None:
@@ -558,8 +565,10 @@ class Bus:
                 try:
                     raw = await asyncio.wait_for(pending.replies.get(), self.chunk_timeout_s)
                 except asyncio.TimeoutError:
-                    raise ChunkLost(f"reply on {subject}: part {index + 1} of {count} did not come "
-                                    f"within {self.chunk_timeout_s:g} s") from None
+                    raise ChunkLost(
+                        f"reply on {subject}: part {index + 1} of {count} did not come "
+                        f"within {self.chunk_timeout_s:g} s"
+                    ) from None
                 if _chunk_of(raw.headers)[0] != index:
                     raise ChunkLost(f"reply on {subject}: part {index + 1} of {count} is missing")
                 return raw.data
@@ -572,7 +581,7 @@ class Bus:
         """A message to our reply inbox: a reply (or part of one), or a responder asking for a part
         of our request."""
         pending = self._pending.get(raw.subject.rsplit(".", 1)[1])
-        if pending is None:          # late: its request timed out
+        if pending is None:  # late: its request timed out
             return
         want = raw.headers.get(WANT_HEADER) if raw.headers else None
         if want is None:
@@ -580,16 +589,19 @@ class Bus:
         elif raw.reply and is_inbox(raw.reply) and want.isdigit() and int(want) < len(pending.parts):
             await self.nc.publish(raw.reply, pending.parts[int(want)])
 
-    async def _request_body(self, subject: str, headers: dict[str, str] | None, data: bytes,
-                            reply: str | None) -> bytes | None:
+    async def _request_body(
+        self, subject: str, headers: dict[str, str] | None, data: bytes, reply: str | None
+    ) -> bytes | None:
         """A received request's whole body: its first part plus the others, asked of the requester;
         None (logged) when one does not come."""
+
         async def next_part(index: int, count: int) -> bytes:
             try:
                 raw = await self.nc.request(reply, b"", timeout=self.chunk_timeout_s, headers={WANT_HEADER: str(index)})
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-                raise ChunkLost(f"request on {subject}: part {index + 1} of {count} did not come "
-                                f"within {self.chunk_timeout_s:g} s") from None
+                raise ChunkLost(
+                    f"request on {subject}: part {index + 1} of {count} did not come within {self.chunk_timeout_s:g} s"
+                ) from None
             return raw.data
 
         try:
@@ -597,16 +609,23 @@ class Bus:
                 log.warning("a message on %s in parts has no reply subject to ask for the rest; dropped", subject)
                 return None
             return await asyncio.wait_for(_assemble(headers, data, next_part), ASSEMBLY_TIMEOUT_S)
-        except (ChunkLost, ValueError) as error:       # ChunkLost first: it is a TimeoutError too
+        except (ChunkLost, ValueError) as error:  # ChunkLost first: it is a TimeoutError too
             log.warning("%s: %s; the request is dropped", subject, error)
             return None
         except asyncio.TimeoutError:
             log.warning("%s: a request in parts did not come in within %.0f s; dropped", subject, ASSEMBLY_TIMEOUT_S)
             return None
 
-    def _receive(self, subject: str, headers: dict[str, str] | None, reply: str | None, parts: bool,
-                 serve: Callable[[dict[str, str] | None, bytes], Awaitable[None]], data: bytes,
-                 refuse: Callable[[str], Awaitable[None]] | None) -> Awaitable[None] | None:
+    def _receive(
+        self,
+        subject: str,
+        headers: dict[str, str] | None,
+        reply: str | None,
+        parts: bool,
+        serve: Callable[[dict[str, str] | None, bytes], Awaitable[None]],
+        data: bytes,
+        refuse: Callable[[str], Awaitable[None]] | None,
+    ) -> Awaitable[None] | None:
         """How one received message is served: at once (a whole body), in a task of its own (a
         request in parts, which must not hold up the others), refused (`refuse(reason)`; None:
         logged only), or dropped (None: a reply subject that is not an inbox)."""
@@ -627,10 +646,14 @@ class Bus:
         if not parts:
             return refused(f"{subject} takes a request in one message, not in {count} parts")
         requester = _requester(reply or "")
-        if self._assembling.get(requester, 0) >= MAX_ASSEMBLIES or \
-                sum(self._assembling.values()) >= MAX_ASSEMBLIES_IN_ALL:
-            return refused("too many requests in parts are coming in already (from this requester, or in all); "
-                           "send this one when they are done")
+        if (
+            self._assembling.get(requester, 0) >= MAX_ASSEMBLIES
+            or sum(self._assembling.values()) >= MAX_ASSEMBLIES_IN_ALL
+        ):
+            return refused(
+                "too many requests in parts are coming in already (from this requester, or in all); "
+                "send this one when they are done"
+            )
         self._assembling[requester] = self._assembling.get(requester, 0) + 1
 
         async def assemble_then_serve() -> None:
@@ -657,9 +680,18 @@ class Bus:
                 part_headers[CHUNK_HEADER] = f"{index}/{len(parts)}"
             await self.nc.publish(reply, part, headers=part_headers or None)
 
-    async def _handle(self, subject: str, headers: dict[str, str] | None, data: bytes, msg_type: type[T],
-                      handler: Callable[[T], Any], name: str, kind: SpanKind, attributes: dict[str, Any],
-                      report_invalid: InvalidHandler) -> _Outcome | None:
+    async def _handle(
+        self,
+        subject: str,
+        headers: dict[str, str] | None,
+        data: bytes,
+        msg_type: type[T],
+        handler: Callable[[T], Any],
+        name: str,
+        kind: SpanKind,
+        attributes: dict[str, Any],
+        report_invalid: InvalidHandler,
+    ) -> _Outcome | None:
         """Decode and handle one message inside a span parented on the producer's; None when the
         handler failed (recorded on the span and logged: one bad message must not stop the rest)."""
         with self._tracer.start_as_current_span(
@@ -682,16 +714,16 @@ class Bus:
                 return _Outcome(answer, f"invalid {msg_type.__name__}: {error}", self._trace_headers())
             try:
                 answer = await _settle(handler(message))
-            except Refused as error:      # refused, with an answer that says why
+            except Refused as error:  # refused, with an answer that says why
                 _mark_invalid(span, error)
                 return _Outcome(error.answer, str(error), self._trace_headers(), error.code)
-            except ValueError as error:   # well formed, but it cannot be served: say why
+            except ValueError as error:  # well formed, but it cannot be served: say why
                 _mark_invalid(span, error)
                 return _Outcome(None, str(error), self._trace_headers())
-            except NotFound as error:     # what it asks for is not there
+            except NotFound as error:  # what it asks for is not there
                 _mark_invalid(span, error)
                 return _Outcome(None, error.args[0] if error.args else str(error), self._trace_headers(), "404")
-            except Exception as error:  # noqa: BLE001 - one bad message must not stop the rest
+            except Exception as error:
                 _mark_failed(span, error)
                 log.exception("handler for %s failed", subject)
                 return None
@@ -742,14 +774,20 @@ class Bus:
                 if refusal is not None:
                     await request.respond_error(TOO_MANY, refusal)
                     return
-            served = self._receive(request.subject, request.headers, reply, parts,
-                                   lambda headers, data: serve(request, reply, headers, data, who), request.data,
-                                   lambda reason: request.respond_error("400", reason))
+            served = self._receive(
+                request.subject,
+                request.headers,
+                reply,
+                parts,
+                lambda headers, data: serve(request, reply, headers, data, who),
+                request.data,
+                lambda reason: request.respond_error("400", reason),
+            )
             if served is None or gate is None:
                 if served is not None:
                     await served
                 if who is not None and is_inbox(reply):
-                    admission.done(who)          # answered (or in parts: held to MAX_ASSEMBLIES instead)
+                    admission.done(who)  # answered (or in parts: held to MAX_ASSEMBLIES instead)
                 return
             await gate.acquire()
             task = asyncio.ensure_future(served)
@@ -763,13 +801,26 @@ class Bus:
 
             task.add_done_callback(finished)
 
-        async def serve(request: micro.Request, reply: str, request_headers: dict[str, str] | None,
-                        data: bytes, who: Requester | None) -> None:
+        async def serve(
+            request: micro.Request,
+            reply: str,
+            request_headers: dict[str, str] | None,
+            data: bytes,
+            who: Requester | None,
+        ) -> None:
             _current_requester.set(who)
             # An empty request is the empty object: every field its default (`nats req SUBJECT ''`).
-            outcome = await self._handle(request.subject, request_headers, data or b"{}", msg_type, handler, span,
-                                         SpanKind.SERVER, {"messaging.destination.name": request.subject},
-                                         report_invalid)
+            outcome = await self._handle(
+                request.subject,
+                request_headers,
+                data or b"{}",
+                msg_type,
+                handler,
+                span,
+                SpanKind.SERVER,
+                {"messaging.destination.name": request.subject},
+                report_invalid,
+            )
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")
                 return
@@ -778,9 +829,10 @@ class Bus:
                 answer = {"error": outcome.refusal, "code": int(outcome.code)}
             body = b"" if answer is None else self.encode(answer, json=answers_in_json(data))
             headers = dict(outcome.headers or {})
-            if outcome.refusal is not None:     # as micro's respond_error, in parts if need be
-                headers.update({micro.request.ERROR_HEADER: outcome.refusal,
-                                micro.request.ERROR_CODE_HEADER: outcome.code})
+            if outcome.refusal is not None:  # as micro's respond_error, in parts if need be
+                headers.update(
+                    {micro.request.ERROR_HEADER: outcome.refusal, micro.request.ERROR_CODE_HEADER: outcome.code}
+                )
             await self._respond(reply, body, headers)
 
         options = {"queue_group": queue} if queue else {}
@@ -811,16 +863,24 @@ class Bus:
 
         async def on_message(raw: Msg) -> None:
             # A plain subscription answers nothing it did not handle: a refusal is only logged.
-            served = self._receive(raw.subject, raw.headers, raw.reply, True,
-                                   lambda headers, data: serve(raw, headers, data), raw.data, None)
+            served = self._receive(
+                raw.subject,
+                raw.headers,
+                raw.reply,
+                True,
+                lambda headers, data: serve(raw, headers, data),
+                raw.data,
+                None,
+            )
             if served is not None:
                 await served
 
         async def serve(raw: Msg, headers: dict[str, str] | None, data: bytes) -> None:
             kind = SpanKind.SERVER if raw.reply else SpanKind.CONSUMER
             call = (lambda message: handler(message, raw)) if with_raw else handler
-            outcome = await self._handle(raw.subject, headers, data, msg_type, call, name, kind,
-                                         _receive_attributes(raw), report_invalid)
+            outcome = await self._handle(
+                raw.subject, headers, data, msg_type, call, name, kind, _receive_attributes(raw), report_invalid
+            )
             if raw.reply and outcome is not None and outcome.answer is not None:
                 await self._respond(raw.reply, self.encode(outcome.answer, json=answers_in_json(data)), outcome.headers)
 
@@ -892,8 +952,14 @@ class Bus:
             **consumer_config,
         )
         await self.js.add_consumer(stream, config)
-        return await self.bind_consumer(stream, durable, msg_type, span_name=span_name or f"{filters[0]} receive",
-                                        on_invalid=on_invalid, dead_letters=dead_letters)
+        return await self.bind_consumer(
+            stream,
+            durable,
+            msg_type,
+            span_name=span_name or f"{filters[0]} receive",
+            on_invalid=on_invalid,
+            dead_letters=dead_letters,
+        )
 
     async def bind_consumer(
         self,
@@ -944,8 +1010,9 @@ class Bus:
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
 
-    async def follow(self, subject: str, msg_type: type[T], *,
-                     idle_timeout: float | None = 3600.0, new_only: bool = False) -> AsyncIterator[T]:
+    async def follow(
+        self, subject: str, msg_type: type[T], *, idle_timeout: float | None = 3600.0, new_only: bool = False
+    ) -> AsyncIterator[T]:
         """Every message stored on `subject`, from the first (`new_only`: from now on), then each as
         it is stored (an ordered consumer: no acks, nothing missed or repeated). TimeoutError after
         `idle_timeout` seconds without one (None: wait for ever)."""
@@ -1109,9 +1176,14 @@ class PullConsumer(Generic[T]):
                 raise
             except Exception as error:  # noqa: BLE001 - NATS away, the consumer gone: try again, say so
                 if self._stopped or self._bus.nc.is_closed or self._bus.nc.is_draining:
-                    return                 # stopped on purpose: nothing to say
-                log.warning("fetching from %s failed (%s: %s); trying again in %.1f s", self._span_name,
-                            type(error).__name__, error, retry_s)
+                    return  # stopped on purpose: nothing to say
+                log.warning(
+                    "fetching from %s failed (%s: %s); trying again in %.1f s",
+                    self._span_name,
+                    type(error).__name__,
+                    error,
+                    retry_s,
+                )
                 await asyncio.sleep(retry_s)
                 retry_s = min(2 * retry_s, FETCH_RETRY_MAX_S)
                 continue
@@ -1130,7 +1202,7 @@ class PullConsumer(Generic[T]):
                     finally:
                         working.cancel()
                     if not delivery.settled:
-                        with contextlib.suppress(nats.errors.Error):    # unacked: it comes back
+                        with contextlib.suppress(nats.errors.Error):  # unacked: it comes back
                             await delivery.ack()
 
     async def _working(self, delivery: Delivery[T]) -> None:
@@ -1141,20 +1213,28 @@ class PullConsumer(Generic[T]):
             with contextlib.suppress(nats.errors.Error):
                 await delivery.in_progress()
 
-    async def _failed(self, delivery: Delivery[T], error: Exception,
-                      on_dead: Callable[[Delivery[T], Exception], Any] | None) -> None:
+    async def _failed(
+        self, delivery: Delivery[T], error: Exception, on_dead: Callable[[Delivery[T], Exception], Any] | None
+    ) -> None:
         """A delivery whose handler raised: redelivered later, or on its last delivery dead-lettered."""
         attempt = delivery.num_delivered
         reason = f"{type(error).__name__}: {error}"
         if attempt < self.max_deliver:
             delay = min(REDELIVER_AFTER_S * 2 ** (attempt - 1), REDELIVER_MAX_S)
-            log.warning("handler for %s failed (delivery %d of %d: %s); redelivered in %.0f s", delivery.subject,
-                        attempt, self.max_deliver, reason, delay)
+            log.warning(
+                "handler for %s failed (delivery %d of %d: %s); redelivered in %.0f s",
+                delivery.subject,
+                attempt,
+                self.max_deliver,
+                reason,
+                delay,
+            )
             with contextlib.suppress(nats.errors.Error):
                 await delivery.nak(delay)
             return
-        log.error("handler for %s failed on the last of %d deliveries (%s); dead-lettered", delivery.subject,
-                  attempt, reason)
+        log.error(
+            "handler for %s failed on the last of %d deliveries (%s); dead-lettered", delivery.subject, attempt, reason
+        )
         try:
             if on_dead is not None:
                 await _settle(on_dead(delivery, error))
@@ -1162,8 +1242,11 @@ class PullConsumer(Generic[T]):
             log.warning("the dead-letter handler of %s failed: %s", delivery.subject, failed)
         try:
             if self._dead_letters is not None:
-                await self._bus.js.publish(self._dead_letters, delivery.raw.data, headers={
-                    DEAD_REASON_HEADER: reason[:1000], DEAD_SUBJECT_HEADER: delivery.subject})
+                await self._bus.js.publish(
+                    self._dead_letters,
+                    delivery.raw.data,
+                    headers={DEAD_REASON_HEADER: reason[:1000], DEAD_SUBJECT_HEADER: delivery.subject},
+                )
         except Exception as failed:  # noqa: BLE001 - the message is dropped all the same: it cannot be processed
             log.warning("storing a dead letter of %s failed: %s", delivery.subject, failed)
         with contextlib.suppress(nats.errors.Error):
@@ -1201,7 +1284,7 @@ class KVEntry(Generic[T]):
 # key's last token(s) come last so that `_parts.*.*.<key>` matches this key's parts and no other's.
 SPILLED = b"\xc1"
 PARTS = "_parts"
-_SPILL_RETRIES = 3           # a value replaced while it was read is read again
+_SPILL_RETRIES = 3  # a value replaced while it was read is read again
 
 
 class _Spilled(msgspec.Struct, frozen=True, array_like=True):
@@ -1220,7 +1303,7 @@ class TypedKV(Generic[T]):
         self._store = store
         self._value_type = value_type
         self._stream = f"KV_{bucket}"
-        self._spilled: set[str] = set()      # keys seen with parts: a later small value purges them
+        self._spilled: set[str] = set()  # keys seen with parts: a later small value purges them
 
     def _parts_subject(self, key: str, spill_id: str = "*") -> str:
         return f"$KV.{self.bucket}.{PARTS}.{spill_id}.*.{key}"
@@ -1238,7 +1321,7 @@ class TypedKV(Generic[T]):
                 try:
                     data = await self._read_parts(key, self._bus.decode(data[1:], _Spilled))
                 except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                    continue             # replaced (and its parts purged) while we read it
+                    continue  # replaced (and its parts purged) while we read it
             return KVEntry(key, self._bus.decode(data, self._value_type), entry.revision)
         raise ChunkLost(f"KV {self.bucket}/{key}: its parts went missing {_SPILL_RETRIES} times in a row")
 
@@ -1261,11 +1344,11 @@ class TypedKV(Generic[T]):
         try:
             revision = await write(data)
         except BaseException:
-            if spill_id is not None:     # refused (e.g. a stale revision): its parts are nobody's
+            if spill_id is not None:  # refused (e.g. a stale revision): its parts are nobody's
                 await self._purge(self._parts_subject(key, spill_id))
             raise
         if spill_id is not None or key in self._spilled:
-            await self._purge(self._parts_subject(key), before=first)   # older values' parts only
+            await self._purge(self._parts_subject(key), before=first)  # older values' parts only
             if spill_id is None:
                 self._spilled.discard(key)
             else:
@@ -1273,7 +1356,7 @@ class TypedKV(Generic[T]):
         return revision
 
     async def _purge(self, subject: str, before: int | None = None) -> None:
-        with contextlib.suppress(nats.errors.Error):      # left over parts cost space, never a value
+        with contextlib.suppress(nats.errors.Error):  # left over parts cost space, never a value
             await self._bus.js.purge_stream(self._stream, subject=subject, seq=before)
 
     async def put(self, key: str, value: T) -> int:
@@ -1317,7 +1400,7 @@ class TypedKV(Generic[T]):
         restoring its state from KV must see every key."""
         live = []
         for key in await self._stored_keys():
-            try:                                 # present and not deleted; its value is not decoded here
+            try:  # present and not deleted; its value is not decoded here
                 await self._store.get(key)
             except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
                 continue
@@ -1337,12 +1420,13 @@ class TypedKV(Generic[T]):
         """The keys the bucket's stream holds a message for (deleted ones too), in order."""
         prefix = f"$KV.{self.bucket}."
         info = await self._bus.js.stream_info(self._stream, subjects_filter=f"{prefix}>")
-        keys = (subject[len(prefix):] for subject in sorted(info.state.subjects or {}))
+        keys = (subject[len(prefix) :] for subject in sorted(info.state.subjects or {}))
         return [key for key in keys if not key.startswith(f"{PARTS}.")]
 
 
-async def _assemble(headers: dict[str, str] | None, first: bytes,
-                    next_part: Callable[[int, int], Awaitable[bytes]]) -> bytes:
+async def _assemble(
+    headers: dict[str, str] | None, first: bytes, next_part: Callable[[int, int], Awaitable[bytes]]
+) -> bytes:
     """A body from its first part and `next_part(i, n)` for each other part."""
     _, count = _chunk_of(headers)
     if count == 1:

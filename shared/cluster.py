@@ -23,8 +23,19 @@ import yaml
 
 from shared.schema import Config, Node, Spots
 
-__all__ = ["Cluster", "Config", "Node", "Spots", "PRESETS", "build_cluster", "load_cluster", "power_of_two_parts",
-           "real_node", "real_nodes", "replica_count"]
+__all__ = [
+    "Cluster",
+    "Config",
+    "Node",
+    "Spots",
+    "PRESETS",
+    "build_cluster",
+    "load_cluster",
+    "power_of_two_parts",
+    "real_node",
+    "real_nodes",
+    "replica_count",
+]
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ def real_nodes(cluster: Cluster) -> dict[str, Node]:
 def build_cluster(name: str, groups: list[dict]) -> Cluster:
     """A cluster from node groups `{gpu_type, count, gpus_per_node}`; odd nodes are split."""
     nodes: list[Node] = []
-    per_type: dict[str, int] = {}      # node numbers run on across groups of one type: names stay unique
+    per_type: dict[str, int] = {}  # node numbers run on across groups of one type: names stay unique
     for i, group in enumerate(groups):
         try:
             gpu_type = str(group["gpu_type"])
@@ -153,9 +164,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         return build_cluster(name_or_path, PRESETS[name_or_path])
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(
-            f"unknown cluster {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a YAML/JSON file"
-        )
+        raise ValueError(f"unknown cluster {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a YAML/JSON file")
     text = path.read_text()
     spec = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     if not isinstance(spec, dict) or not isinstance(spec.get("nodes"), list):

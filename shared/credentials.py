@@ -45,9 +45,9 @@ __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from
 
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
-USER_ENV = "user.env"                   # in `goodput up`'s data folder
-LOGIN_ENV = "GOODPUT_LOGIN"             # a login's file (DATA/user.env, DATA/logins/NAME.env) for every command
-DEFAULT_DATA = Path("out/stack")        # `goodput up`'s default data folder
+USER_ENV = "user.env"  # in `goodput up`'s data folder
+LOGIN_ENV = "GOODPUT_LOGIN"  # a login's file (DATA/user.env, DATA/logins/NAME.env) for every command
+DEFAULT_DATA = Path("out/stack")  # `goodput up`'s default data folder
 
 # field -> (option, environment variable, help)
 _OPTIONS = {
@@ -59,8 +59,11 @@ _OPTIONS = {
     "tls_ca": ("--tls-ca", "GOODPUT_NATS_TLS_CA", "CA bundle verifying the NATS server (turns TLS on)"),
     "tls_cert": ("--tls-cert", "GOODPUT_NATS_TLS_CERT", "client certificate for mutual TLS"),
     "tls_key": ("--tls-key", "GOODPUT_NATS_TLS_KEY", "private key of the client certificate"),
-    "inbox_prefix": ("--nats-inbox-prefix", "GOODPUT_NATS_INBOX_PREFIX",
-                     "prefix of this client's reply subjects (default: _INBOX_<user> with a user)"),
+    "inbox_prefix": (
+        "--nats-inbox-prefix",
+        "GOODPUT_NATS_INBOX_PREFIX",
+        "prefix of this client's reply subjects (default: _INBOX_<user> with a user)",
+    ),
 }
 
 
@@ -84,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str] | 
     environ = os.environ if environ is None else environ
     group = parser.add_argument_group("NATS credentials and TLS (secrets from files or the environment)")
     for field, (option, env, help_text) in _OPTIONS.items():
-        group.add_argument(option, dest=f"nats_{field}", default=environ.get(env) or None,
-                           help=f"{help_text} (default: ${env})")
+        group.add_argument(
+            option, dest=f"nats_{field}", default=environ.get(env) or None, help=f"{help_text} (default: ${env})"
+        )
 
 
 def from_args(args: argparse.Namespace) -> Credentials:
@@ -143,12 +147,22 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
     environ = os.environ if environ is None else environ
     named = environ.get(LOGIN_ENV)
     if named and not Path(named).expanduser().is_file():
-        raise ValueError(f"${LOGIN_ENV} names {named}, which is not a file (a login's file: DATA/{USER_ENV}, or "
-                         f"DATA/logins/NAME.env that `goodput login add NAME` wrote)")
+        raise ValueError(
+            f"${LOGIN_ENV} names {named}, which is not a file (a login's file: DATA/{USER_ENV}, or "
+            f"DATA/logins/NAME.env that `goodput login add NAME` wrote)"
+        )
     credentials = from_env(environ) if credentials is None else credentials
     options: dict[str, Any] = {}
-    methods = [name for name, given in (("user", credentials.user), ("token", credentials.token_file),
-                                        ("creds", credentials.creds), ("nkey seed", credentials.nkey_seed)) if given]
+    methods = [
+        name
+        for name, given in (
+            ("user", credentials.user),
+            ("token", credentials.token_file),
+            ("creds", credentials.creds),
+            ("nkey seed", credentials.nkey_seed),
+        )
+        if given
+    ]
     if len(methods) > 1:
         raise ValueError(f"choose one way to authenticate to NATS, not {' and '.join(methods)}")
     if credentials.password_file and not credentials.user:
@@ -159,11 +173,12 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
             options["password"] = _secret("password_file", credentials.password_file)
         elif environ.get(PASSWORD_ENV):
             options["password"] = environ[PASSWORD_ENV]
-        elif named and read_env(Path(named).expanduser()).get(PASSWORD_ENV):     # a login's file holds it
+        elif named and read_env(Path(named).expanduser()).get(PASSWORD_ENV):  # a login's file holds it
             options["password"] = read_env(Path(named).expanduser())[PASSWORD_ENV]
         else:
-            raise ValueError(f"--nats-user {credentials.user} needs a password: --nats-password-file "
-                             f"or ${PASSWORD_ENV}")
+            raise ValueError(
+                f"--nats-user {credentials.user} needs a password: --nats-password-file or ${PASSWORD_ENV}"
+            )
     # Replies come back where this role may subscribe (shared/permissions.py).
     prefix = credentials.inbox_prefix or (inbox_prefix(credentials.user) if credentials.user else None)
     if prefix:
@@ -187,14 +202,23 @@ def unreachable(server: str, error: BaseException, options: Mapping[str, Any]) -
     in_url = any(urlsplit(url.strip()).username for url in server.split(","))
     login = in_url or any(options.get(key) for key in LOGIN_OPTIONS)
     if "authorization violation" not in str(error).lower():
-        elsewhere = "" if login else (f" (one started with --data DATA serves the URL in DATA/{USER_ENV}: "
-                                      f"set -a; . DATA/{USER_ENV}; set +a)")
+        elsewhere = (
+            ""
+            if login
+            else (
+                f" (one started with --data DATA serves the URL in DATA/{USER_ENV}: set -a; . DATA/{USER_ENV}; set +a)"
+            )
+        )
         return f"cannot reach NATS at {where} ({error or type(error).__name__}); is `goodput up` running?{elsewhere}"
     if login:
-        return (f"NATS at {where} refused the login (Authorization Violation): check the user and its password "
-                f"file (a `goodput up`'s are in DATA/{USER_ENV})")
-    return (f"NATS at {where} refused a client without a login: no {ENV_PREFIX}* variable is set and there is no "
-            f"{DEFAULT_DATA / USER_ENV}; for a `goodput up --data DATA`: set -a; . DATA/{USER_ENV}; set +a")
+        return (
+            f"NATS at {where} refused the login (Authorization Violation): check the user and its password "
+            f"file (a `goodput up`'s are in DATA/{USER_ENV})"
+        )
+    return (
+        f"NATS at {where} refused a client without a login: no {ENV_PREFIX}* variable is set and there is no "
+        f"{DEFAULT_DATA / USER_ENV}; for a `goodput up --data DATA`: set -a; . DATA/{USER_ENV}; set +a"
+    )
 
 
 def redact(servers: str) -> str:
@@ -215,10 +239,12 @@ def write_user_env(data: Path, url: str, password_file: Path | None) -> Path:
     """DATA/user.env: how a user's client reaches this stack (no password in it: the file's path)."""
     from shared.permissions import DEFAULT_LOGIN, inbox_prefix, write_private
 
-    lines = ["# Written by `goodput up`: how a user reaches this goodput. In a shell: set -a; . THIS_FILE; set +a",
-             f"# Other NATS clients: user \"{DEFAULT_LOGIN}\", the password in the file below, inbox prefix "
-             f"{inbox_prefix(DEFAULT_LOGIN)}",
-             f"GOODPUT_NATS_URL={url}"]
+    lines = [
+        "# Written by `goodput up`: how a user reaches this goodput. In a shell: set -a; . THIS_FILE; set +a",
+        f'# Other NATS clients: user "{DEFAULT_LOGIN}", the password in the file below, inbox prefix '
+        f"{inbox_prefix(DEFAULT_LOGIN)}",
+        f"GOODPUT_NATS_URL={url}",
+    ]
     if password_file is not None:
         lines += [f"GOODPUT_NATS_USER={DEFAULT_LOGIN}", f"GOODPUT_NATS_PASSWORD_FILE={password_file.resolve()}"]
     path = data / USER_ENV
@@ -230,11 +256,20 @@ def write_login_env(path: Path, url: str, login: str, password: str) -> Path:
     """A login's file (0600), whole in itself: the URL, the login and its password."""
     from shared.permissions import inbox_prefix, write_private
 
-    write_private(path, "\n".join([
-        f"# Written by `goodput login add {login}`: {login}'s login to this goodput. For goodput's commands: "
-        f"export {LOGIN_ENV}=THIS_FILE; in a shell: set -a; . THIS_FILE; set +a",
-        f"# Other NATS clients: user \"{login}\", the password below, inbox prefix {inbox_prefix(login)}",
-        f"GOODPUT_NATS_URL={url}", f"GOODPUT_NATS_USER={login}", f"{PASSWORD_ENV}={password}"]) + "\n")
+    write_private(
+        path,
+        "\n".join(
+            [
+                f"# Written by `goodput login add {login}`: {login}'s login to this goodput. For goodput's commands: "
+                f"export {LOGIN_ENV}=THIS_FILE; in a shell: set -a; . THIS_FILE; set +a",
+                f'# Other NATS clients: user "{login}", the password below, inbox prefix {inbox_prefix(login)}',
+                f"GOODPUT_NATS_URL={url}",
+                f"GOODPUT_NATS_USER={login}",
+                f"{PASSWORD_ENV}={password}",
+            ]
+        )
+        + "\n",
+    )
     return path
 
 
@@ -248,8 +283,9 @@ def read_env(file: Path) -> dict[str, str]:
     return settings
 
 
-def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA,
-                     role: str = "user") -> dict[str, str]:
+def user_environment(
+    environ: Mapping[str, str] | None = None, data: Path = DEFAULT_DATA, role: str = "user"
+) -> dict[str, str]:
     """The environment, plus a login file's settings when no GOODPUT_NATS_* variable is set: the file
     $GOODPUT_LOGIN names, else DATA/user.env, so a user's command on
     the machine of a `goodput up` with the default data folder finds it and logs in. Another `role`
@@ -259,7 +295,7 @@ def user_environment(environ: Mapping[str, str] | None = None, data: Path = DEFA
         return environ
     named = environ.get(LOGIN_ENV)
     file = Path(named).expanduser() if named else data / USER_ENV
-    if not file.is_file():                # a $GOODPUT_LOGIN that names no file: connect_options says so
+    if not file.is_file():  # a $GOODPUT_LOGIN that names no file: connect_options says so
         return environ
     environ.update(read_env(file))
     if role != "user" and f"{ENV_PREFIX}PASSWORD_FILE" in environ:

@@ -10,9 +10,9 @@ from typing import Awaitable, Callable, Iterable
 import nats.errors
 from nats import micro
 
-from shared.runner import new_service
 from shared import subjects
 from shared.bus import Bus
+from shared.runner import new_service
 from shared.schema import (
     Ack,
     AdvanceReply,
@@ -44,25 +44,36 @@ async def report(bus: Bus, message: Observed) -> int:
             await asyncio.sleep(0.2)
 
 
-async def serve_round(bus: Bus, description: str, *, facts: Callable[[float, tuple[str, ...]], FactsReply],
-                      apply: Callable[[ApplyRequest], Awaitable[Ack]],
-                      advance: Callable[[AdvanceRequest], Awaitable[AdvanceReply]],
-                      live: Callable[[LiveJobsRequest], Awaitable[LiveJobs]],
-                      records: Callable[[], Iterable[JobRecord]], count: Callable[[str], int]) -> micro.Service:
+async def serve_round(
+    bus: Bus,
+    description: str,
+    *,
+    facts: Callable[[float, tuple[str, ...]], FactsReply],
+    apply: Callable[[ApplyRequest], Awaitable[Ack]],
+    advance: Callable[[AdvanceRequest], Awaitable[AdvanceReply]],
+    live: Callable[[LiveJobsRequest], Awaitable[LiveJobs]],
+    records: Callable[[], Iterable[JobRecord]],
+    count: Callable[[str], int],
+) -> micro.Service:
     """Register the round's executor endpoints (facts, apply, advance, live) and the status ones:
     the jobs' records, and how many of those whose id begins with a prefix have the profiler's
     verdict (`count(prefix)`)."""
     service = new_service(bus, subjects.EXECUTOR_SERVICE, description)
-    await bus.add_endpoint(service, "facts", subjects.FACTS, FactsRequest,
-                           lambda request: facts(request.now_s, request.jobs),
-                           span_name="executor.facts")
+    await bus.add_endpoint(
+        service,
+        "facts",
+        subjects.FACTS,
+        FactsRequest,
+        lambda request: facts(request.now_s, request.jobs),
+        span_name="executor.facts",
+    )
     await bus.add_endpoint(service, "apply", subjects.APPLY, ApplyRequest, apply, span_name="executor.apply")
-    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, advance,
-                           span_name="executor.advance")
+    await bus.add_endpoint(service, "advance", subjects.ADVANCE, AdvanceRequest, advance, span_name="executor.advance")
     await bus.add_endpoint(service, "live", subjects.LIVE_JOBS, LiveJobsRequest, live)
-    await bus.add_endpoint(service, "records", subjects.RECORDS, JobsQuery,
-                           lambda query: select(records(), query),
-                           parts=False)
-    await bus.add_endpoint(service, "status", subjects.EXECUTOR_STATUS, JobsQuery, lambda query: Count(count(query.prefix)),
-                           parts=False)
+    await bus.add_endpoint(
+        service, "records", subjects.RECORDS, JobsQuery, lambda query: select(records(), query), parts=False
+    )
+    await bus.add_endpoint(
+        service, "status", subjects.EXECUTOR_STATUS, JobsQuery, lambda query: Count(count(query.prefix)), parts=False
+    )
     return service

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-PRIVATE_UMASK = 0o077        # no bit for the group or others: files 0600, folders 0700
+PRIVATE_UMASK = 0o077  # no bit for the group or others: files 0600, folders 0700
 PRIVATE_FOLDER = 0o700
 
 

@@ -8,8 +8,16 @@ from typing import Iterable
 
 # Reference key -> hardware (../shared/reference/sia/README.md names the machines; Gavel's are the GPUs').
 HARDWARE = {
-    "aws": "T4", "azure": "V100", "dgx": "A100", "dgx-ext": "A100", "quad": "RTX 6000", "rtx": "RTX 2080 Ti",
-    "k80": "K80", "p100": "P100", "v100": "V100", "cpu": "CPU slot",
+    "aws": "T4",
+    "azure": "V100",
+    "dgx": "A100",
+    "dgx-ext": "A100",
+    "quad": "RTX 6000",
+    "rtx": "RTX 2080 Ti",
+    "k80": "K80",
+    "p100": "P100",
+    "v100": "V100",
+    "cpu": "CPU slot",
 }
 
 
@@ -32,5 +40,5 @@ def types_named(name: str, gpu_types: Iterable[str]) -> list[str]:
 
 
 def described(gpu_types: Iterable[str]) -> str:
-    """"T4 (aws), A100 (dgx-ext)": types for a message, hardware first."""
+    """ "T4 (aws), A100 (dgx-ext)": types for a message, hardware first."""
     return ", ".join(f"{hardware_name(t)} ({t})" if hardware_name(t) != t else t for t in gpu_types)

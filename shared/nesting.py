@@ -24,7 +24,7 @@ import msgspec
 
 __all__ = ["MAX_DEPTH", "check_json", "too_deep"]
 
-MAX_DEPTH = 64               # the deepest a JSON message may nest (the body itself is depth 1)
+MAX_DEPTH = 64  # the deepest a JSON message may nest (the body itself is depth 1)
 TOO_DEEP = f"a message nests at most {MAX_DEPTH} levels deep; this one nests deeper"
 
 
@@ -49,7 +49,7 @@ def _depth(data: bytes) -> int:
 
 def check_json(data: bytes) -> None:
     """msgspec.DecodeError, with the reason, when a JSON body nests deeper than MAX_DEPTH."""
-    data = data if isinstance(data, bytes) else bytes(data)      # a msgspec.Raw, a memoryview
+    data = data if isinstance(data, bytes) else bytes(data)  # a msgspec.Raw, a memoryview
     if len(data.translate(None, _ALL_BUT_OPENERS)) > MAX_DEPTH and _depth(data) > MAX_DEPTH:
         raise msgspec.DecodeError(TOO_DEEP)
 

@@ -51,20 +51,27 @@ from pathlib import Path
 
 from shared import storage, subjects
 
-__all__ = ["ROLES", "Permissions", "inbox_prefix", "login_problem", "passwords_from", "render_accounts",
-           "render_server_config"]
+__all__ = [
+    "ROLES",
+    "Permissions",
+    "inbox_prefix",
+    "login_problem",
+    "passwords_from",
+    "render_accounts",
+    "render_server_config",
+]
 
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
-MAX_PAYLOAD_BYTES = 1024 * 1024          # nats-server's max_payload: the largest message it accepts
+MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest message it accepts
 SERVICES = ("placer", "profiler", "estimator", "executor", "policy")
 SERVICE_ACCOUNT = "GOODPUT"
 LOGINS_ACCOUNT = "LOGINS"
-DEFAULT_LOGIN = "user"                   # the login `goodput up` makes; `goodput login add` makes more
-RESPONSES = "_R_.>"                      # where the server maps the reply of a request that came through an import
+DEFAULT_LOGIN = "user"  # the login `goodput up` makes; `goodput login add` makes more
+RESPONSES = "_R_.>"  # where the server maps the reply of a request that came through an import
 # What GOODPUT lets the logins ask (each a service export, imported into LOGINS with share: true).
 EXPORTS = (*subjects.API_SUBJECTS, subjects.POLICY_STATUS, f"{subjects.SUBMIT}.*")
-DISCOVERY = "$SRV.>"                     # exported with streamed responses: every service answers a ping
-PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"   # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
+DISCOVERY = "$SRV.>"  # exported with streamed responses: every service answers a ping
+PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"  # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
 # A login's name: a NATS user and a subject token, so no dots or wildcards; never a role's name.
 LOGIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
@@ -88,14 +95,23 @@ def _kv(bucket: str) -> tuple[str, ...]:
     """Use a KV bucket: read keys (message get, or direct get), write and delete them, purge the parts
     of a large value (shared.bus.TypedKV)."""
     stream = f"KV_{bucket}"
-    return (_info(stream), f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.PURGE.{stream}", kv_subjects(bucket))
+    return (
+        _info(stream),
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.STREAM.PURGE.{stream}",
+        kv_subjects(bucket),
+    )
 
 
 def _durable(stream: str, consumer: str) -> tuple[str, ...]:
     """Pull from and acknowledge one durable consumer the operator made (Bus.bind_consumer)."""
-    return (f"$JS.API.CONSUMER.INFO.{stream}.{consumer}", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
-            f"$JS.ACK.{stream}.{consumer}.>")
+    return (
+        f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"$JS.ACK.{stream}.{consumer}.>",
+    )
 
 
 def _nodes() -> tuple[str, ...]:
@@ -107,26 +123,48 @@ def _objects(store: str) -> tuple[str, ...]:
     """Copy objects in and out of an object store (nats-py: chunks and meta on `$O.<store>.>`, the
     meta read by direct get, a read through an ordered consumer, old chunks purged)."""
     stream = f"OBJ_{store}"
-    return (_info(stream), f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.API.STREAM.PURGE.{stream}", f"$O.{store}.>", *_follow(stream))
+    return (
+        _info(stream),
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.STREAM.PURGE.{stream}",
+        f"$O.{store}.>",
+        *_follow(stream),
+    )
 
 
 def _provision() -> tuple[str, ...]:
     """Create every stream, bucket and durable consumer of the plan, or bring it to the plan."""
-    streams = [*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values()),
-               *(f"OBJ_{store}" for store in storage.OBJECT_STORES)]
+    streams = [
+        *storage.STREAMS,
+        *(bucket.stream for bucket in storage.BUCKETS.values()),
+        *(f"OBJ_{store}" for store in storage.OBJECT_STORES),
+    ]
     made = tuple(f"$JS.API.STREAM.{op}.{name}" for name in streams for op in ("CREATE", "UPDATE", "INFO"))
     api = "$JS.API.CONSUMER"
-    return made + tuple(subject for c in storage.CONSUMERS.values() for subject in (
-        f"{api}.CREATE.{c.stream}.{c.name}", f"{api}.CREATE.{c.stream}.{c.name}.>",
-        f"{api}.DURABLE.CREATE.{c.stream}.{c.name}", f"{api}.INFO.{c.stream}.{c.name}"))
+    return made + tuple(
+        subject
+        for c in storage.CONSUMERS.values()
+        for subject in (
+            f"{api}.CREATE.{c.stream}.{c.name}",
+            f"{api}.CREATE.{c.stream}.{c.name}.>",
+            f"{api}.DURABLE.CREATE.{c.stream}.{c.name}",
+            f"{api}.INFO.{c.stream}.{c.name}",
+        )
+    )
 
 
 def _follow(stream: str) -> tuple[str, ...]:
     """Read a stream through ordered consumers (Bus.follow): nats-py looks the stream up by subject,
     creates unnamed consumers, and answers the server's flow control on `$JS.FC`."""
-    return ("$JS.API.STREAM.NAMES", f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.FC.{stream}.>")
+    return (
+        "$JS.API.STREAM.NAMES",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    )
 
 
 @dataclass(frozen=True)
@@ -143,18 +181,27 @@ def _dead_letters(consumer: str) -> tuple[str, ...]:
 def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Permissions:
     """A service: answers on the roles' inboxes and the logins' response mapping only."""
     replies = tuple(f"{inbox_prefix(role)}.>" for role in (*SERVICES, subjects.OPERATOR))
-    return Permissions(publish=(f"$SRV.PING.{name}", *replies, RESPONSES, *publish),
-                       subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe))
+    return Permissions(
+        publish=(f"$SRV.PING.{name}", *replies, RESPONSES, *publish),
+        subscribe=(f"{inbox_prefix(name)}.>", *SERVICE_API, *subscribe),
+    )
 
 
 def login_permissions(login: str) -> Permissions:
     """A login, in LOGINS: what GOODPUT exports, its own intake subject, its own inboxes."""
-    return Permissions(publish=(*subjects.API_SUBJECTS, subjects.POLICY_STATUS, *SERVICE_API, subjects.submit(login)),
-                       subscribe=(f"{inbox_prefix(login)}.>",))
+    return Permissions(
+        publish=(*subjects.API_SUBJECTS, subjects.POLICY_STATUS, *SERVICE_API, subjects.submit(login)),
+        subscribe=(f"{inbox_prefix(login)}.>",),
+    )
 
 
-STATUS_SUBJECTS = (subjects.RECORDS, subjects.EXECUTOR_STATUS, subjects.ESTIMATOR_STATUS, subjects.POLICY_STATUS,
-                   subjects.EXECUTOR_NODES)
+STATUS_SUBJECTS = (
+    subjects.RECORDS,
+    subjects.EXECUTOR_STATUS,
+    subjects.ESTIMATOR_STATUS,
+    subjects.POLICY_STATUS,
+    subjects.EXECUTOR_NODES,
+)
 JOBS = subjects.JOBS_STREAM
 INTAKE = subjects.INTAKE_STREAM
 
@@ -164,12 +211,25 @@ ROLES: dict[str, Permissions] = {
         "profiler",
         # It serves the user API too, and judges the logins' own submissions as it: it stores valid
         # submissions, refusals and cancel orders, asks for the records.
-        publish=(subjects.REJECTED, subjects.PROFILED, subjects.PROFILES, f"{subjects.STORED}.*",
-                 f"{subjects.REFUSED}.*", subjects.CANCEL, subjects.RECORDS, _info(JOBS), _info(INTAKE),
-                 *_durable(JOBS, subjects.PROFILER_CONSUMER), *_dead_letters(subjects.PROFILER_CONSUMER),
-                 *_durable(INTAKE, subjects.INTAKE_CONSUMER), *_dead_letters(subjects.INTAKE_CONSUMER),
-                 *_kv(subjects.JOB_OWNERS_BUCKET), *_nodes(), subjects.node_subject("*", "profile")),
-        subscribe=(*subjects.API_SUBJECTS, subjects.CANCEL),     # cancel orders: a cancelled job is not profiled
+        publish=(
+            subjects.REJECTED,
+            subjects.PROFILED,
+            subjects.PROFILES,
+            f"{subjects.STORED}.*",
+            f"{subjects.REFUSED}.*",
+            subjects.CANCEL,
+            subjects.RECORDS,
+            _info(JOBS),
+            _info(INTAKE),
+            *_durable(JOBS, subjects.PROFILER_CONSUMER),
+            *_dead_letters(subjects.PROFILER_CONSUMER),
+            *_durable(INTAKE, subjects.INTAKE_CONSUMER),
+            *_dead_letters(subjects.INTAKE_CONSUMER),
+            *_kv(subjects.JOB_OWNERS_BUCKET),
+            *_nodes(),
+            subjects.node_subject("*", "profile"),
+        ),
+        subscribe=(*subjects.API_SUBJECTS, subjects.CANCEL),  # cancel orders: a cancelled job is not profiled
     ),
     "estimator": _service(
         "estimator",
@@ -180,39 +240,79 @@ ROLES: dict[str, Permissions] = {
     # drives the agents' workers, each agent renews its node in KV and answers for it.
     "executor": _service(
         "executor",
-        publish=(subjects.OBSERVE, *_kv(subjects.EXECUTOR_BUCKET), *_kv(subjects.NODE_JOBS_BUCKET),
-                 subjects.NODE_SUBJECTS, *_nodes(), *_kv(subjects.DRAINED_BUCKET), *_objects(subjects.CHECKPOINTS_STORE),
-                 *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
-                 _info(JOBS),
-                 *_durable(JOBS, subjects.EXECUTOR_CONSUMER), *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
-                 *_dead_letters(subjects.EXECUTOR_CONSUMER), *_dead_letters(subjects.NODE_AGENT_CONSUMER)),
-        subscribe=(subjects.FACTS, subjects.APPLY, subjects.ADVANCE, subjects.LIVE_JOBS, subjects.RECORDS,
-                   subjects.EXECUTOR_STATUS, subjects.EXECUTOR_DRAIN, subjects.EXECUTOR_NODES, subjects.NODE_SUBJECTS),
+        publish=(
+            subjects.OBSERVE,
+            *_kv(subjects.EXECUTOR_BUCKET),
+            *_kv(subjects.NODE_JOBS_BUCKET),
+            subjects.NODE_SUBJECTS,
+            *_nodes(),
+            *_kv(subjects.DRAINED_BUCKET),
+            *_objects(subjects.CHECKPOINTS_STORE),
+            *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
+            _info(JOBS),
+            *_durable(JOBS, subjects.EXECUTOR_CONSUMER),
+            *_durable(JOBS, subjects.NODE_AGENT_CONSUMER),
+            *_dead_letters(subjects.EXECUTOR_CONSUMER),
+            *_dead_letters(subjects.NODE_AGENT_CONSUMER),
+        ),
+        subscribe=(
+            subjects.FACTS,
+            subjects.APPLY,
+            subjects.ADVANCE,
+            subjects.LIVE_JOBS,
+            subjects.RECORDS,
+            subjects.EXECUTOR_STATUS,
+            subjects.EXECUTOR_DRAIN,
+            subjects.EXECUTOR_NODES,
+            subjects.NODE_SUBJECTS,
+        ),
     ),
     "policy": _service(
         "policy",
-        publish=(subjects.FACTS, subjects.MODELS, subjects.PLACE, subjects.APPLY, subjects.ADVANCE,
-                 subjects.LIVE_JOBS, *subjects.RUN_LOG_SUBJECTS, _info(subjects.RUN_LOG_STREAM),
-                 *_kv(subjects.RUNS_BUCKET), *_follow(f"KV_{subjects.RUNS_BUCKET}"), *_kv(subjects.LEASE_BUCKET),
-                 subjects.POLICY_STATUS),          # its readiness probe asks how the live run is
+        publish=(
+            subjects.FACTS,
+            subjects.MODELS,
+            subjects.PLACE,
+            subjects.APPLY,
+            subjects.ADVANCE,
+            subjects.LIVE_JOBS,
+            *subjects.RUN_LOG_SUBJECTS,
+            _info(subjects.RUN_LOG_STREAM),
+            *_kv(subjects.RUNS_BUCKET),
+            *_follow(f"KV_{subjects.RUNS_BUCKET}"),
+            *_kv(subjects.LEASE_BUCKET),
+            subjects.POLICY_STATUS,
+        ),  # its readiness probe asks how the live run is
         subscribe=(subjects.POLICY_STATUS,),
     ),
     # Whoever sets up the storage and drives replays and live runs (`goodput up`, launcher/setup.py,
     # launcher/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
     # follows their logs and the submissions, asks the services how they are.
-    subjects.OPERATOR: Permissions(publish=(
-        *_provision(), subjects.stored(subjects.OPERATOR), subjects.submit(subjects.OPERATOR), subjects.REPLAY_SUBMIT,
-        *_follow(JOBS), *_follow(subjects.RUN_LOG_STREAM), *_kv(subjects.RUNS_BUCKET), *STATUS_SUBJECTS,
-        *SERVICE_API, *subjects.API_SUBJECTS, subjects.EXECUTOR_DRAIN),
-        subscribe=(f"{inbox_prefix(subjects.OPERATOR)}.>",)),
+    subjects.OPERATOR: Permissions(
+        publish=(
+            *_provision(),
+            subjects.stored(subjects.OPERATOR),
+            subjects.submit(subjects.OPERATOR),
+            subjects.REPLAY_SUBMIT,
+            *_follow(JOBS),
+            *_follow(subjects.RUN_LOG_STREAM),
+            *_kv(subjects.RUNS_BUCKET),
+            *STATUS_SUBJECTS,
+            *SERVICE_API,
+            *subjects.API_SUBJECTS,
+            subjects.EXECUTOR_DRAIN,
+        ),
+        subscribe=(f"{inbox_prefix(subjects.OPERATOR)}.>",),
+    ),
 }
 
 # Letters, digits and a few marks: safe inside a quoted nats-server config string, and no $VAR.
 _PASSWORD = re.compile(r"^[A-Za-z0-9_.~+=/-]{8,}$")
 
 
-def passwords_from(roles: Iterable[str] = ROLES, directory: str | Path | None = None,
-                   environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def passwords_from(
+    roles: Iterable[str] = ROLES, directory: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Each role's password: `$GOODPUT_NATS_PASSWORD_<ROLE>`, else the file `<directory>/<role>`.
     ValueError naming what is missing."""
     environ = os.environ if environ is None else environ
@@ -237,8 +337,10 @@ def _quoted(items: Iterable[str]) -> str:
 def login_problem(name: str) -> str | None:
     """Why `name` cannot be a login, or None."""
     if not LOGIN_NAME.match(name):
-        return (f"a login is 1 to 32 lower-case letters, digits, '_' and '-', starting with a letter or digit "
-                f"(it is a NATS user and a subject token); {name!r} is not")
+        return (
+            f"a login is 1 to 32 lower-case letters, digits, '_' and '-', starting with a letter or digit "
+            f"(it is a NATS user and a subject token); {name!r} is not"
+        )
     if name in ROLES:
         return f"{name!r} is a role of the services' own; choose another name"
     return None
@@ -246,16 +348,20 @@ def login_problem(name: str) -> str | None:
 
 def _user(name: str, password: str, permissions: Permissions) -> list[str]:
     if not _PASSWORD.match(password):
-        raise ValueError(f"the password of NATS user {name!r} must be at least 8 characters of letters, "
-                         "digits and _.~+=/-")
-    return [f"      {{user: {json.dumps(name)}, password: {json.dumps(password)}, permissions: {{",
-            f"        publish: {{allow: {_quoted(permissions.publish)}}}",
-            f"        subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
-            "      }}"]
+        raise ValueError(
+            f"the password of NATS user {name!r} must be at least 8 characters of letters, digits and _.~+=/-"
+        )
+    return [
+        f"      {{user: {json.dumps(name)}, password: {json.dumps(password)}, permissions: {{",
+        f"        publish: {{allow: {_quoted(permissions.publish)}}}",
+        f"        subscribe: {{allow: {_quoted(permissions.subscribe)}}}",
+        "      }}",
+    ]
 
 
-def render_accounts(passwords: Mapping[str, str], logins: Mapping[str, str],
-                    roles: Mapping[str, Permissions] = ROLES) -> str:
+def render_accounts(
+    passwords: Mapping[str, str], logins: Mapping[str, str], roles: Mapping[str, Permissions] = ROLES
+) -> str:
     """nats-server's `accounts { ... }` block: SERVICE_ACCOUNT with a user per role in `passwords`
     (with JetStream, exporting EXPORTS and the discovery), LOGINS_ACCOUNT with a user per login in
     `logins` (importing them, the requester's info shared)."""
@@ -266,8 +372,13 @@ def render_accounts(passwords: Mapping[str, str], logins: Mapping[str, str],
         lines += _user(role, password, roles[role])
     lines += ["    ]", "    exports: ["]
     lines += [f"      {{service: {json.dumps(subject)}}}" for subject in EXPORTS]
-    lines += [f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}", "    ]", "  }",
-              f"  {LOGINS_ACCOUNT} {{", "    users: ["]
+    lines += [
+        f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}",
+        "    ]",
+        "  }",
+        f"  {LOGINS_ACCOUNT} {{",
+        "    users: [",
+    ]
     for login, password in logins.items():
         problem = login_problem(login)
         if problem is not None:
@@ -276,14 +387,17 @@ def render_accounts(passwords: Mapping[str, str], logins: Mapping[str, str],
     lines += ["    ]", "    imports: ["]
     # Every import shares the requester's info, so no request from a login reaches a service
     # without the server's word of who sent it (a header a login wrote itself is replaced).
-    lines += [f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
-              for subject in (*EXPORTS, DISCOVERY)]
+    lines += [
+        f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
+        for subject in (*EXPORTS, DISCOVERY)
+    ]
     lines += ["    ]", "  }", "}"]
     return "\n".join(lines) + "\n"
 
 
-def render_server_config(passwords: Mapping[str, str], logins: Mapping[str, str],
-                         max_payload: int = MAX_PAYLOAD_BYTES) -> str:
+def render_server_config(
+    passwords: Mapping[str, str], logins: Mapping[str, str], max_payload: int = MAX_PAYLOAD_BYTES
+) -> str:
     """The security part of a nats-server config: the message size limit and the accounts."""
     return f"max_payload: {max_payload}\n" + render_accounts(passwords, logins)
 
@@ -299,8 +413,11 @@ def logins_from(directory: str | Path | None) -> dict[str, str]:
     """Each login's password: the files of `directory`, one per login, named after it."""
     if directory is None:
         return {}
-    return {file.name: file.read_text().strip() for file in sorted(Path(directory).iterdir())
-            if file.is_file() and not file.name.startswith(".")}
+    return {
+        file.name: file.read_text().strip()
+        for file in sorted(Path(directory).iterdir())
+        if file.is_file() and not file.name.startswith(".")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,8 +19,8 @@ from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
 from shared.schema import Profile, ProfilePoint
 from shared.zoo import load_zoo
 
-PROFILE_POINTS = 10     # batch sizes per GPU type
-STEPS_PER_POINT = 10    # timed steps at each batch size (what profiling costs in GPU time)
+PROFILE_POINTS = 10  # batch sizes per GPU type
+STEPS_PER_POINT = 10  # timed steps at each batch size (what profiling costs in GPU time)
 
 
 def _spread(values: np.ndarray, count: int) -> np.ndarray:
@@ -61,19 +61,33 @@ def trace_profile(trace: ModelTrace, gpu_type: str, job_id: str = "", points: in
     for bsz in _spread(single.local_bsz, points):
         at = single.local_bsz == bsz
         # Repeated measurements of one batch: their median, as a profiler would report.
-        chosen.append(ProfilePoint(int(bsz), float(np.median(single.step_time[at])),
-                                   float(np.median(single.sync_time[at]))))
+        chosen.append(
+            ProfilePoint(int(bsz), float(np.median(single.step_time[at])), float(np.median(single.sync_time[at])))
+        )
     return _profile(job_id, trace.name, gpu_type, chosen, group)
 
 
-def model_profile(params: ThroughputParams, model: str, gpu_type: str, min_local: int, max_local: int,
-                  job_id: str = "", points: int = PROFILE_POINTS, group: int = 1) -> Profile:
+def model_profile(
+    params: ThroughputParams,
+    model: str,
+    gpu_type: str,
+    min_local: int,
+    max_local: int,
+    job_id: str = "",
+    points: int = PROFILE_POINTS,
+    group: int = 1,
+) -> Profile:
     """The profile of one replica (of `group` GPUs) a fitted model predicts: geometric batch sizes
     in [min_local, max_local]."""
     sizes = np.unique(np.round(np.geomspace(min_local, max_local, points)).astype(int))
-    chosen = [ProfilePoint(int(b), float(iteration_time(params, 1, 1, b)),
-                           float(iteration_time(params, 1, 1, b) - compute_time(params, b)))
-              for b in sizes]
+    chosen = [
+        ProfilePoint(
+            int(b),
+            float(iteration_time(params, 1, 1, b)),
+            float(iteration_time(params, 1, 1, b) - compute_time(params, b)),
+        )
+        for b in sizes
+    ]
     return _profile(job_id, model, gpu_type, chosen, group)
 
 
@@ -82,9 +96,9 @@ class ProfileSource:
     """The trace-backed profiler's data: per application, the GPU types it has measurements of, and
     the profile a profiling run would measure on each."""
 
-    origin: str                                   # "reference:<folder>" or "zoo"
-    types: Mapping[str, tuple[str, ...]]          # application -> its GPU types
-    profile: Callable[[str, str], Profile]        # (application, GPU type) -> its 1-GPU profile
+    origin: str  # "reference:<folder>" or "zoo"
+    types: Mapping[str, tuple[str, ...]]  # application -> its GPU types
+    profile: Callable[[str, str], Profile]  # (application, GPU type) -> its 1-GPU profile
 
 
 def profile_source(reference: str | None = None, use_zoo: bool = False) -> ProfileSource:
@@ -97,14 +111,17 @@ def profile_source(reference: str | None = None, use_zoo: bool = False) -> Profi
             if reference is not None:
                 raise
         else:
-            return ProfileSource(f"reference:{next(iter(traces.values())).folder.parent}",
-                                 {name: tuple(t.gpu_types) for name, t in traces.items()},
-                                 lambda model, gpu_type: trace_profile(traces[model], gpu_type))
+            return ProfileSource(
+                f"reference:{next(iter(traces.values())).folder.parent}",
+                {name: tuple(t.gpu_types) for name, t in traces.items()},
+                lambda model, gpu_type: trace_profile(traces[model], gpu_type),
+            )
     zoo = load_zoo()
 
     def profile(model: str, gpu_type: str) -> Profile:
         z = zoo[model].types[gpu_type]
-        return model_profile(z.params, model, gpu_type, z.min_local, z.max_local,
-                             group=zoo[model].group_gpus.get(gpu_type, 1))
+        return model_profile(
+            z.params, model, gpu_type, z.min_local, z.max_local, group=zoo[model].group_gpus.get(gpu_type, 1)
+        )
 
     return ProfileSource("zoo", {name: tuple(m.types) for name, m in zoo.items()}, profile)

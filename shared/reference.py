@@ -90,17 +90,13 @@ def _read_columns(path: Path, required: tuple[str, ...]) -> tuple[list[str], lis
             header = [h.strip() for h in header]
             missing = [c for c in required if c not in header]
             if missing:
-                raise ValueError(
-                    f"{path}: missing column(s) {', '.join(missing)} (found: {', '.join(header)})"
-                )
+                raise ValueError(f"{path}: missing column(s) {', '.join(missing)} (found: {', '.join(header)})")
             rows = []
             for row in reader:
                 if not any(cell.strip() for cell in row):
                     continue  # blank line
                 if len(row) != len(header):
-                    raise ValueError(
-                        f"{path}, line {reader.line_num}: {len(row)} fields, header has {len(header)}"
-                    )
+                    raise ValueError(f"{path}, line {reader.line_num}: {len(row)} fields, header has {len(header)}")
                 rows.append((reader.line_num, {h: v.strip() for h, v in zip(header, row)}))
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a UTF-8 text CSV ({exc})") from None
@@ -119,9 +115,7 @@ def _parse(path: Path, line: int, column: str, text: str, kind: type):
             raise ValueError
         return value
     except ValueError:
-        raise ValueError(
-            f"{path}, line {line}: column {column!r} has {text!r}, expected {kind.__name__}"
-        ) from None
+        raise ValueError(f"{path}, line {line}: column {column!r} has {text!r}, expected {kind.__name__}") from None
 
 
 def _column(path: Path, rows: list[tuple[int, dict]], column: str, kind: type) -> np.ndarray:
@@ -165,8 +159,10 @@ class Measurements:
         model-parallel replicas of `group` GPUs (1: data-parallel, a replica is a GPU)."""
         if np.any(self.gpus % group):
             raise ValueError(f"a row uses GPUs that are not whole replicas of {group} GPUs")
-        return [Observation(int(n), int(g) // group, int(m), 0, float(t), float(c))
-                for n, g, m, t, c in zip(self.nodes, self.gpus, self.local_bsz, self.step_time, self.compute_time)]
+        return [
+            Observation(int(n), int(g) // group, int(m), 0, float(t), float(c))
+            for n, g, m, t, c in zip(self.nodes, self.gpus, self.local_bsz, self.step_time, self.compute_time)
+        ]
 
     def select(self, mask) -> Measurements:
         """The rows picked by a boolean mask or an index array."""
@@ -201,8 +197,7 @@ def load_measurements(path: str | os.PathLike) -> Measurements:
             p = row["placement"]
             if not p.isdigit() or "0" in p:
                 raise ValueError(
-                    f"{path}, line {line}: placement {p!r} is not a string of digits 1-9 "
-                    "(GPUs used on each node)"
+                    f"{path}, line {line}: placement {p!r} is not a string of digits 1-9 (GPUs used on each node)"
                 )
             placement.append(p)
         nodes = np.array([len(p) for p in placement], dtype=np.int64)
@@ -313,8 +308,7 @@ class ModelTrace:
             m = self.placements[gpu_type]
         except KeyError:
             raise KeyError(
-                f"{self.name} has no placements for GPU type {gpu_type!r} "
-                f"(has: {', '.join(self.gpu_types)})"
+                f"{self.name} has no placements for GPU type {gpu_type!r} (has: {', '.join(self.gpu_types)})"
             ) from None
         return int(m.local_bsz.min()), int(m.local_bsz.max())
 
@@ -367,9 +361,7 @@ def discover_models(root: str | os.PathLike | None = None) -> dict[str, ModelTra
     adaptdl seed/profiles) are ignored because they are not named placements*.csv.
     """
     root = reference_root(root)
-    folders = sorted(
-        {f.parent for f in root.rglob("placements*.csv") if _MEASUREMENT_FILE.match(f.name)}
-    )
+    folders = sorted({f.parent for f in root.rglob("placements*.csv") if _MEASUREMENT_FILE.match(f.name)})
     models: dict[str, ModelTrace] = {}
     for folder in folders:
         model = load_model(folder)

@@ -44,16 +44,24 @@ def positive_float(text: str) -> float:
 
 def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
     """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
-    config = micro.ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata or {},
-                                 queue_group=name)
+    config = micro.ServiceConfig(
+        name=name, version=VERSION, description=description, metadata=metadata or {}, queue_group=name
+    )
     return micro.Service(bus.nc, config)
 
 
-def service_main(name: str, start: Start, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-                 argv: list[str] | None = None) -> None:
+def service_main(
+    name: str,
+    start: Start,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    argv: list[str] | None = None,
+) -> None:
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=f"the goodput {name} service")
-    parser.add_argument("--server", default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
-                        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})")
+    parser.add_argument(
+        "--server",
+        default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),
+        help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
+    )
     credentials.add_arguments(parser)
     if add_arguments:
         add_arguments(parser)
@@ -61,14 +69,14 @@ def service_main(name: str, start: Start, add_arguments: Callable[[argparse.Argu
     try:
         options = credentials.connect_options(credentials.from_args(args))
     except ValueError as error:
-        parser.error(str(error))   # exits 2 with the reason, before anything starts
-    private_umask()       # what the service writes, and the jobs a node agent starts, is its owner's only
+        parser.error(str(error))  # exits 2 with the reason, before anything starts
+    private_umask()  # what the service writes, and the jobs a node agent starts, is its owner's only
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     provider = setup_tracing(f"goodput-{name}")
     try:
         asyncio.run(serve(name, start, args, **options))
     finally:
-        provider.shutdown()            # export the spans still buffered before the process ends
+        provider.shutdown()  # export the spans still buffered before the process ends
 
 
 async def serve(name: str, start: Start, args: argparse.Namespace, **options: Any) -> None:

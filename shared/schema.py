@@ -10,9 +10,9 @@ from typing import Annotated, Any, Iterable
 import msgspec
 
 from goodput_train.goodput import GoodputModel, Observation, ThroughputParams
+
 # The messages a job prints for its executor are the training library's (written once, there).
-from goodput_train.protocol import (JobStats, NonNegativeFloat, PositiveFloat, PositiveInt, ProfilePoint,  # noqa: F401
-                                    ProfileRun)
+from goodput_train.protocol import JobStats, NonNegativeFloat, PositiveFloat, PositiveInt, ProfilePoint, ProfileRun
 
 SCHEMA_VERSION = 1
 
@@ -20,13 +20,14 @@ MAX_ID = 128
 # Ids travel in subjects and KV keys: letters, digits, '-', '_' and single '.' between them (a key's
 # tokens), at most MAX_ID. The pattern ends in "nothing follows" rather than `$`, which would also
 # match before a final newline.
-Identifier = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*(?![\s\S])",
-                                         max_length=MAX_ID)]
+Identifier = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*(?![\s\S])", max_length=MAX_ID)
+]
 # What one submission may ask for, whatever the cluster (the profiler holds it to the cluster's size).
 MAX_GPUS = 65_536
 MAX_BATCH = 1 << 24
 MAX_GPU_TYPES = 32
-MAX_SUBMIT_S = 10 * 365 * 24 * 3600.0      # a replayed workload's span
+MAX_SUBMIT_S = 10 * 365 * 24 * 3600.0  # a replayed workload's span
 GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]
 # A GPU type as a user names it: the cluster's key (`aws`) or the hardware ("T4", "RTX 2080 Ti").
 GpuName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*(?![\s\S])", max_length=64)]
@@ -43,13 +44,13 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     id: Identifier
-    application: Identifier                  # the model: a profile name (zoo or reference data)
+    application: Identifier  # the model: a profile name (zoo or reference data)
     requested_gpus: GpuCount = 1
     requested_batch: BatchSize | None = None
     min_gpus: GpuCount = 1
     rigid: bool = False
     strong_scaling: bool = False
-    gpu_types: Annotated[tuple[GpuName, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()   # allowed; empty: any
+    gpu_types: Annotated[tuple[GpuName, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()  # allowed; empty: any
     # A replayed workload's submission time; None: live (now). Only replays may set it.
     submit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBMIT_S)] | None = None
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
@@ -69,12 +70,12 @@ class Rejected(msgspec.Struct, frozen=True):
     subject: str
     reason: str
     job_id: str | None = None
-    payload: str = ""                         # the start of the message, for the record
+    payload: str = ""  # the start of the message, for the record
     version: int = SCHEMA_VERSION
     # The stream sequence of the submission refused; None when none could be read as one (malformed).
     # A verdict touches only the job of that very submission, never one another submission holds.
     submission: int | None = None
-    application: str | None = None            # the refused submission's, when it could be read
+    application: str | None = None  # the refused submission's, when it could be read
 
 
 MAX_RECORDED_PAYLOAD = 512
@@ -87,7 +88,7 @@ def readable_fields(data: bytes) -> dict[str, str]:
     from shared.nesting import check_json, too_deep
 
     try:
-        with too_deep():                             # as the bus reads it: one nested too deep is not read
+        with too_deep():  # as the bus reads it: one nested too deep is not read
             if is_json(data):
                 check_json(data)
             document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)
@@ -108,17 +109,24 @@ def readable_id(data: bytes) -> str | None:
     return readable_fields(data).get("id")
 
 
-def rejection(subject: str, reason: str, data: bytes | Any = b"", job_id: str | None = None,
-              submission: int | None = None, application: str | None = None) -> Rejected:
+def rejection(
+    subject: str,
+    reason: str,
+    data: bytes | Any = b"",
+    job_id: str | None = None,
+    submission: int | None = None,
+    application: str | None = None,
+) -> Rejected:
     """The record of a refused submission; its application, unless given, read from `data` when it can be."""
     text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
     if application is None and isinstance(data, bytes):
         application = readable_fields(data).get("application")
-    return Rejected(subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission,
-                    application=application)
+    return Rejected(
+        subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission, application=application
+    )
 
 
-Spots = tuple[tuple[str, int], ...]   # a physical placement: ((node name, GPUs on it), ...), sorted by node
+Spots = tuple[tuple[str, int], ...]  # a physical placement: ((node name, GPUs on it), ...), sorted by node
 
 
 class Node(msgspec.Struct, frozen=True):
@@ -138,8 +146,6 @@ class Config(msgspec.Struct, frozen=True):
 
     def __str__(self) -> str:
         return f"{self.gpu_type}:{self.nodes}x{self.gpus // self.nodes}"
-
-
 
 
 class Profile(msgspec.Struct, frozen=True):
@@ -169,23 +175,23 @@ class JobFacts(msgspec.Struct, frozen=True):
     age_s: float
     requested_gpus: PositiveInt
     requested_batch: PositiveInt
-    rigid: bool                                # runs at exactly requested_gpus and requested_batch
-    init_batch: PositiveInt                    # M0, the batch its gradient statistics refer to
+    rigid: bool  # runs at exactly requested_gpus and requested_batch
+    init_batch: PositiveInt  # M0, the batch its gradient statistics refer to
     max_batch: PositiveInt
-    min_gpus: PositiveInt = 1                  # the fewest GPUs it may run on (its JobSpec's)
+    min_gpus: PositiveInt = 1  # the fewest GPUs it may run on (its JobSpec's)
     restarts: int = 0
     attained_gpu_s: NonNegativeFloat = 0.0
     attained_by_type: dict[str, float] = {}
     placement: tuple[tuple[str, int], ...] = ()
     mid_restart: bool = False
     iterations: NonNegativeFloat = 0.0
-    slice_iterations: NonNegativeFloat = 0.0   # since its current placement began
-    idle_since_s: float | None = None          # when it last stopped running; None while running
-    max_gpus_seen: int = 0                     # replicas for a hybrid-parallel job (see JobModels)
+    slice_iterations: NonNegativeFloat = 0.0  # since its current placement began
+    idle_since_s: float | None = None  # when it last stopped running; None while running
+    max_gpus_seen: int = 0  # replicas for a hybrid-parallel job (see JobModels)
     grad_sqr: float | None = None
     grad_var: float | None = None
-    estimate_revision: int = 0                 # the estimator's record of the job is at least this new
-    trace: str = ""                            # its submission's W3C traceparent ("" when none came)
+    estimate_revision: int = 0  # the estimator's record of the job is at least this new
+    trace: str = ""  # its submission's W3C traceparent ("" when none came)
 
 
 class JobModels(msgspec.Struct, frozen=True):
@@ -198,18 +204,18 @@ class JobModels(msgspec.Struct, frozen=True):
     """
 
     job_id: str
-    params: dict[str, ThroughputParams]        # per GPU type
-    local_limits: dict[str, tuple[int, int]]   # per GPU type: (min, max) per-GPU batch
+    params: dict[str, ThroughputParams]  # per GPU type
+    local_limits: dict[str, tuple[int, int]]  # per GPU type: (min, max) per-GPU batch
     init_batch: PositiveInt
     max_batch: PositiveInt
     grad_sqr: float | None = None
     grad_var: float | None = None
     min_gpus: PositiveInt = 1
-    max_gpus_seen: int = 0                     # most GPUs (replicas) ever allocated (0: never ran)
-    fixed_gpus: int | None = None              # rigid job: this many GPUs, any type
-    fixed_batch: int | None = None             # strong-scaling job: this total batch, goodput = throughput
-    group_gpus: dict[str, int] = {}            # hybrid-parallel job: GPUs of one replica per type
-    start_gpus: PositiveInt = 1                # the most a job that never ran may start on (Sia: 1)
+    max_gpus_seen: int = 0  # most GPUs (replicas) ever allocated (0: never ran)
+    fixed_gpus: int | None = None  # rigid job: this many GPUs, any type
+    fixed_batch: int | None = None  # strong-scaling job: this total batch, goodput = throughput
+    group_gpus: dict[str, int] = {}  # hybrid-parallel job: GPUs of one replica per type
+    start_gpus: PositiveInt = 1  # the most a job that never ran may start on (Sia: 1)
 
     def model(self, gpu_type: str) -> GoodputModel:
         return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
@@ -232,7 +238,7 @@ class PlaceRequest(msgspec.Struct, frozen=True):
     allocations: dict[str, Config]
     previous: dict[str, Spots] = {}
     groups: dict[str, int] = {}
-    nodes: tuple[Node, ...] | None = None      # the round's nodes, when they are not the placer's own cluster
+    nodes: tuple[Node, ...] | None = None  # the round's nodes, when they are not the placer's own cluster
 
 
 class PlacementResult(msgspec.Struct, frozen=True):
@@ -250,6 +256,7 @@ class PlacementResult(msgspec.Struct, frozen=True):
 
 
 # --- the round over the bus (docs/services.md) ------------------------------------------------
+
 
 class FactsRequest(msgspec.Struct, frozen=True):
     """Policy -> executors: the facts of these jobs now."""
@@ -308,7 +315,7 @@ class LiveJobsRequest(msgspec.Struct, frozen=True):
 
 
 class LiveJobs(msgspec.Struct, frozen=True):
-    jobs: tuple[str, ...]                       # in arrival order
+    jobs: tuple[str, ...]  # in arrival order
     # Real executors: the nodes their agents serve now (live, not drained), the cluster this round
     # schedules. None: the executors' cluster is the fixed one the services were started with.
     nodes: tuple[Node, ...] | None = None
@@ -316,11 +323,7 @@ class LiveJobs(msgspec.Struct, frozen=True):
 
 class AdvanceReply(msgspec.Struct, frozen=True):
     finished: tuple[str, ...]
-    failed: dict[str, str] = {}               # jobs that ended without finishing, and why
-
-
-
-
+    failed: dict[str, str] = {}  # jobs that ended without finishing, and why
 
 
 class Profiled(msgspec.Struct, frozen=True):
@@ -330,7 +333,7 @@ class Profiled(msgspec.Struct, frozen=True):
     job_id: str
     init_batch: PositiveInt | None = None
     max_batch: PositiveInt | None = None
-    submission: int | None = None             # the stream sequence of the submission profiled
+    submission: int | None = None  # the stream sequence of the submission profiled
 
 
 def spec_digest(spec: JobSpec) -> str:
@@ -351,10 +354,10 @@ class JobOwner(msgspec.Struct, frozen=True):
     submission on; a refused one gives the id up. `submission` 0 is the API's mark while it stores
     a submission (`since`: when, wall-clock): the first one stored under the id takes it over."""
 
-    submission: int                           # its stream sequence (0: being stored by the API)
-    digest: str                               # of its JobSpec: the same job sent again is a repeat
-    subject: str                              # where it came (a login's stored submission, an operator's replay)
-    since: float = 0.0                        # a mark's time: one older than MARK_TTL_S is void
+    submission: int  # its stream sequence (0: being stored by the API)
+    digest: str  # of its JobSpec: the same job sent again is a repeat
+    subject: str  # where it came (a login's stored submission, an operator's replay)
+    since: float = 0.0  # a mark's time: one older than MARK_TTL_S is void
 
     @property
     def marking(self) -> bool:
@@ -368,7 +371,7 @@ class JobOwner(msgspec.Struct, frozen=True):
         return of_login(self.subject)[1]
 
 
-MARK_TTL_S = 30.0         # a mark whose API replica died before it stored the submission stops holding the id
+MARK_TTL_S = 30.0  # a mark whose API replica died before it stored the submission stops holding the id
 
 
 def verdict_for(verdict_submission: int | None, held_by: int) -> bool:
@@ -383,35 +386,35 @@ class NodeJob(msgspec.Struct):
 
     spec: JobSpec
     profiled: Profiled | None = None
-    submission: int = 0                            # the stream sequence of its submission
-    seen: int = 0                                  # ... of what it was first read from: listed in that order
-    trace: str = ""                                # its submission's traceparent (else its verdict's)
-    cancelled: bool = False                        # its user cancelled it (its failure says so)
-    owner: str = ""                                # the login that submitted it ("": the operator's)
-    submitted_at: float = 0.0                      # when it was read here, wall-clock (epoch) seconds
-    arrival_s: float | None = None                 # on the run's clock: when it entered the rounds, profiled
-    submitted_s: float | None = None               # ... and when it was submitted, on the same clock
+    submission: int = 0  # the stream sequence of its submission
+    seen: int = 0  # ... of what it was first read from: listed in that order
+    trace: str = ""  # its submission's traceparent (else its verdict's)
+    cancelled: bool = False  # its user cancelled it (its failure says so)
+    owner: str = ""  # the login that submitted it ("": the operator's)
+    submitted_at: float = 0.0  # when it was read here, wall-clock (epoch) seconds
+    arrival_s: float | None = None  # on the run's clock: when it entered the rounds, profiled
+    submitted_s: float | None = None  # ... and when it was submitted, on the same clock
     finish_s: float | None = None
     failure: str | None = None
-    ended_in: float | None = None                  # the round (its now_s) whose advance reported the end
-    advanced_to: float | None = None               # its slot-seconds are counted up to here
+    ended_in: float | None = None  # the round (its now_s) whose advance reported the end
+    advanced_to: float | None = None  # its slot-seconds are counted up to here
     gpu_seconds: float = 0.0
     by_type: dict[str, float] = {}
     idle_since_s: float | None = None
     max_gpus_seen: int = 0
-    slice_steps: int = 0                           # its steps when the current placement began
+    slice_steps: int = 0  # its steps when the current placement began
     estimate_revision: int = 0
-    reported: tuple[tuple[int, int, int, int], ...] = ()    # configurations (nodes, GPUs, m, s) the estimator has
-    placement: Spots = ()                          # where its workers ran when this was saved
-    placements: tuple[Placed, ...] = ()            # every placement its workers were started on
-    generation: int = 0                            # its workers' starts so far (a node ignores an older order)
-    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()   # the nodes its workers run on, and their ranks
+    reported: tuple[tuple[int, int, int, int], ...] = ()  # configurations (nodes, GPUs, m, s) the estimator has
+    placement: Spots = ()  # where its workers ran when this was saved
+    placements: tuple[Placed, ...] = ()  # every placement its workers were started on
+    generation: int = 0  # its workers' starts so far (a node ignores an older order)
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the nodes its workers run on, and their ranks
     restarts: int = 0
     crashes: int = 0
     stats: JobStats | None = None
-    metric: float | None = None                    # its own measure of success, once finished
-    batches: tuple[int, ...] = ()                  # the total batches it trained at, once finished
-    unnamed: bool = False                          # a refusal whose id could not be read (its spec: a stand-in)
+    metric: float | None = None  # its own measure of success, once finished
+    batches: tuple[int, ...] = ()  # the total batches it trained at, once finished
+    unnamed: bool = False  # a refusal whose id could not be read (its spec: a stand-in)
 
     @property
     def key(self) -> str:
@@ -419,7 +422,7 @@ class NodeJob(msgspec.Struct):
         return unnamed_key(self.seen) if self.unnamed else self.spec.id
 
 
-UNNAMED = "_rejected"       # keys of refusals kept apart from any job (no job id starts with _): by their sequence
+UNNAMED = "_rejected"  # keys of refusals kept apart from any job (no job id starts with _): by their sequence
 
 
 def unnamed_key(sequence: int) -> str:
@@ -430,6 +433,7 @@ def unnamed_key(sequence: int) -> str:
 
 # ---- node agents (one per node; the executor service drives them) ------------------------------
 
+
 class NodeInfo(msgspec.Struct, frozen=True):
     """A node agent -> KV (`NODES_BUCKET`, renewed every NODE_HEARTBEAT_S): its node, alive. The
     entry lapses NODE_TTL_S after the agent's last renewal: the node is lost."""
@@ -437,9 +441,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     name: str
     gpu_type: str
     gpus: PositiveInt
-    address: str                               # where its workers listen (rank 0's rendezvous)
-    agent: str = ""                            # this agent's instance (a restarted agent is another)
-    applications: tuple[str, ...] = ()         # the jobs its agent may run (its jobs package's); () unsaid
+    address: str  # where its workers listen (rank 0's rendezvous)
+    agent: str = ""  # this agent's instance (a restarted agent is another)
+    applications: tuple[str, ...] = ()  # the jobs its agent may run (its jobs package's); () unsaid
 
 
 def node_applications(nodes: Iterable[NodeInfo]) -> dict[str, tuple[str, ...]] | None:
@@ -461,13 +465,13 @@ class StartWorkers(msgspec.Struct, frozen=True):
 
     job_id: str
     application: str
-    generation: int                            # one per start of the job's workers: a stale order is ignored
+    generation: int  # one per start of the job's workers: a stale order is ignored
     ranks: tuple[int, ...]
     world: PositiveInt
     nodes: PositiveInt
     gpu_type: str
-    checkpoint: str                            # the checkpoint file, in a folder every node reads ("": `store`)
-    env: dict[str, str] = {}                   # the executor's settings for the job (report, checkpoint period)
+    checkpoint: str  # the checkpoint file, in a folder every node reads ("": `store`)
+    env: dict[str, str] = {}  # the executor's settings for the job (report, checkpoint period)
     master_addr: str = ""
     master_port: int = 0
     # The checkpoint's object in the checkpoints store (no shared folder): the agent copies it in
@@ -499,7 +503,7 @@ class WorkersReport(msgspec.Struct, frozen=True):
     codes: tuple[int | None, ...]
     stats: str = ""
     outcome: str = ""
-    error: str = ""                            # the last line a crashed worker wrote to stderr
+    error: str = ""  # the last line a crashed worker wrote to stderr
 
 
 class NodeReport(msgspec.Struct, frozen=True):
@@ -518,7 +522,7 @@ class ProfileRequest(msgspec.Struct, frozen=True):
 
 class ProfileAnswer(msgspec.Struct, frozen=True):
     run: ProfileRun | None = None
-    failure: str = ""                          # why the run gave no profile (the job is refused for it)
+    failure: str = ""  # why the run gave no profile (the job is refused for it)
 
 
 class DrainRequest(msgspec.Struct, frozen=True):
@@ -531,8 +535,8 @@ class DrainRequest(msgspec.Struct, frozen=True):
 class DrainAnswer(msgspec.Struct, frozen=True):
     node: str
     drained: bool
-    jobs: tuple[str, ...] = ()                 # the jobs there now, which the next round moves
-    known: bool = True                         # whether an agent serves the node now
+    jobs: tuple[str, ...] = ()  # the jobs there now, which the next round moves
+    known: bool = True  # whether an agent serves the node now
 
 
 class Observed(msgspec.Struct, frozen=True):
@@ -569,16 +573,16 @@ class JobRecord(msgspec.Struct, frozen=True):
     restarts: int
     gpu_seconds: float
     feedback_s: float | None
-    placement: tuple[tuple[str, int], ...] = ()   # where it runs now
-    failure: str | None = None                    # why it ended without finishing
-    metric: float | None = None                   # a real job's own measure of success, when it finished
-    batches: tuple[int, ...] = ()                 # a real job's total batches, as it re-tuned them
-    state: str = ""                               # its place in the lifecycle: one of JOB_STATES
-    gpu_type: str | None = None                   # while running: the type of its GPUs
-    batch: int | None = None                      # while running: its total batch
-    placements: tuple[Placed, ...] = ()           # a real job's placements over time, each from its start
-    reason: str | None = None                     # a job not ended: what it waits for (where it is profiled)
-    owner: str = ""                               # the login that submitted it ("": the operator's)
+    placement: tuple[tuple[str, int], ...] = ()  # where it runs now
+    failure: str | None = None  # why it ended without finishing
+    metric: float | None = None  # a real job's own measure of success, when it finished
+    batches: tuple[int, ...] = ()  # a real job's total batches, as it re-tuned them
+    state: str = ""  # its place in the lifecycle: one of JOB_STATES
+    gpu_type: str | None = None  # while running: the type of its GPUs
+    batch: int | None = None  # while running: its total batch
+    placements: tuple[Placed, ...] = ()  # a real job's placements over time, each from its start
+    reason: str | None = None  # a job not ended: what it waits for (where it is profiled)
+    owner: str = ""  # the login that submitted it ("": the operator's)
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
@@ -592,7 +596,7 @@ class Count(msgspec.Struct, frozen=True):
     n: int
 
 
-CANCELLED = "cancelled by its user"          # the reason a cancelled job ended
+CANCELLED = "cancelled by its user"  # the reason a cancelled job ended
 
 
 class Cancel(msgspec.Struct, frozen=True):
@@ -608,16 +612,16 @@ class JobStatus(msgspec.Struct, frozen=True):
     """A job as a user sees it (`goodput status --json`, `goodput.api.job`). Times are seconds on
     the run's clock; `jct_s` is from its submission to its end."""
 
-    id: str | None                            # None: a refused submission whose id could not be read
-    state: str                                # one of JOB_STATES
-    reason: str = ""                          # why it ended without finishing, or was refused; while
-                                              # profiling or queued, where it is profiled or what it waits for
+    id: str | None  # None: a refused submission whose id could not be read
+    state: str  # one of JOB_STATES
+    reason: str = ""  # why it ended without finishing, or was refused; while
+    # profiling or queued, where it is profiled or what it waits for
     application: str | None = None
-    gpu_type: str | None = None               # while running: its GPUs' hardware (T4, A100, ...)
-    gpu_alias: str | None = None              # ... and their type's key in the cluster (aws, dgx-ext, ...)
-    gpus: int = 0                             # while running
-    nodes: tuple[str, ...] = ()               # while running
-    batch: int | None = None                  # while running: its total batch
+    gpu_type: str | None = None  # while running: its GPUs' hardware (T4, A100, ...)
+    gpu_alias: str | None = None  # ... and their type's key in the cluster (aws, dgx-ext, ...)
+    gpus: int = 0  # while running
+    nodes: tuple[str, ...] = ()  # while running
+    batch: int | None = None  # while running: its total batch
     submit_s: float | None = None
     finish_s: float | None = None
     jct_s: float | None = None
@@ -634,12 +638,21 @@ def job_status(record: JobRecord) -> JobStatus:
     submitted = record.submit_s if record.submit_s is not None and math.isfinite(record.submit_s) else None
     running = record.state == "running"
     return JobStatus(
-        record.name or None, record.state, record.failure or record.reason or "", record.application or None,
-        record.gpu_type and hardware_name(record.gpu_type), record.gpu_type,
+        record.name or None,
+        record.state,
+        record.failure or record.reason or "",
+        record.application or None,
+        record.gpu_type and hardware_name(record.gpu_type),
+        record.gpu_type,
         sum(g for _, g in record.placement) if running else 0,
-        tuple(node for node, _ in record.placement) if running else (), record.batch, submitted, record.finish_s,
+        tuple(node for node, _ in record.placement) if running else (),
+        record.batch,
+        submitted,
+        record.finish_s,
         None if record.finish_s is None or submitted is None else record.finish_s - submitted,
-        record.restarts, round(record.gpu_seconds, 3))
+        record.restarts,
+        round(record.gpu_seconds, 3),
+    )
 
 
 def job_rows(records: Iterable[JobRecord]) -> list[JobRecord]:
@@ -667,13 +680,15 @@ def select(records: Iterable[JobRecord], query: JobsQuery) -> JobRecords:
     chosen = [r for r in records if r.name.startswith(query.prefix) and query.owner in (None, r.owner)]
     if query.limit is None and query.state is None and query.application is None:
         return JobRecords(tuple(chosen))
-    rows = [r for r in job_rows(chosen) if query.state in (None, r.state)
-            and query.application in (None, r.application)]
+    rows = [
+        r for r in job_rows(chosen) if query.state in (None, r.state) and query.application in (None, r.application)
+    ]
     end = query.offset + (len(rows) if query.limit is None else query.limit)
-    return JobRecords(tuple(rows[query.offset:end]), len(rows))
+    return JobRecords(tuple(rows[query.offset : end]), len(rows))
 
 
 # ---- the user API (goodput.api.*): what a client in any language sends and gets ------------------
+
 
 class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """-> goodput.api.job (its JobStatus), goodput.api.cancel (a CancelAnswer)."""
@@ -697,8 +712,8 @@ class JobsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class JobsPage(msgspec.Struct, frozen=True):
     jobs: tuple[JobStatus, ...]
-    total: int                                # jobs matching the filters, in all pages
-    next_offset: int | None = None            # the next page's offset; None: this was the last
+    total: int  # jobs matching the filters, in all pages
+    next_offset: int | None = None  # the next page's offset; None: this was the last
 
 
 class SubmitAnswer(msgspec.Struct, frozen=True):
@@ -708,9 +723,9 @@ class SubmitAnswer(msgspec.Struct, frozen=True):
 
     accepted: bool
     id: str | None
-    state: str                                # profiling when just stored; else the job's state now
+    state: str  # profiling when just stored; else the job's state now
     reason: str = ""
-    notes: tuple[str, ...] = ()               # what the submitter may not expect (e.g. a GPU count is a hint)
+    notes: tuple[str, ...] = ()  # what the submitter may not expect (e.g. a GPU count is a hint)
 
 
 class CancelAnswer(msgspec.Struct, frozen=True):
@@ -739,7 +754,7 @@ class JobsQuery(msgspec.Struct, frozen=True):
 
 class JobRecords(msgspec.Struct, frozen=True):
     jobs: tuple[JobRecord, ...]
-    total: int | None = None                  # a page's: the jobs that match, in all pages
+    total: int | None = None  # a page's: the jobs that match, in all pages
 
 
 class RoundRecord(msgspec.Struct):
@@ -750,10 +765,10 @@ class RoundRecord(msgspec.Struct):
     running: int
     policy_ms: float
     round_ms: float
-    gpus: dict[str, int]          # GPUs of each running job after the decision
-    types: dict[str, str] = {}    # ... their GPU type
+    gpus: dict[str, int]  # GPUs of each running job after the decision
+    types: dict[str, str] = {}  # ... their GPU type
     batches: dict[str, int] = {}  # ... the total batch the policy planned, when it plans one
-    nodes: dict[str, int] = {}    # ... the nodes of each job spread over more than one
+    nodes: dict[str, int] = {}  # ... the nodes of each job spread over more than one
 
 
 class RunRequest(msgspec.Struct, frozen=True):
@@ -764,12 +779,12 @@ class RunRequest(msgspec.Struct, frozen=True):
     policy: str
     policy_options: dict[str, Any]
     calibration: str
-    jobs: tuple[tuple[str, float], ...]      # (job id, submit time), in submission order
+    jobs: tuple[tuple[str, float], ...]  # (job id, submit time), in submission order
     round_s: float | None = None
     horizon_s: float | None = None
-    request_timeout_s: float = 10.0           # each stage's request; a restarted service is asked again
-    live: bool = False                        # no end: the jobs submitted live, rounds paced by the wall clock
-    speed: PositiveFloat = 1.0                # live: virtual seconds per wall-clock second
+    request_timeout_s: float = 10.0  # each stage's request; a restarted service is asked again
+    live: bool = False  # no end: the jobs submitted live, rounds paced by the wall clock
+    speed: PositiveFloat = 1.0  # live: virtual seconds per wall-clock second
 
 
 class DecidedRound(msgspec.Struct, frozen=True):
@@ -783,15 +798,15 @@ class DecidedRound(msgspec.Struct, frozen=True):
 class RunClock(msgspec.Struct, frozen=True):
     """A replay's virtual clock between two steps: where a standby leader resumes."""
 
-    round: int = 0                   # rounds run so far
+    round: int = 0  # rounds run so far
     now_s: float = 0.0
     next_decision_s: float = 0.0
-    admitted: int = 0                # jobs (in submission order) that have arrived
+    admitted: int = 0  # jobs (in submission order) that have arrived
     active: tuple[str, ...] = ()
     done: int = 0
-    decisions: int = 0               # placer rounds asked
+    decisions: int = 0  # placer rounds asked
     decided: DecidedRound | None = None
-    policy_state: bytes = b""        # the policy's state between rounds (Policy.snapshot)
+    policy_state: bytes = b""  # the policy's state between rounds (Policy.snapshot)
 
 
 class RunCheckpoint(msgspec.Struct, frozen=True):
@@ -811,14 +826,14 @@ class RunStep(msgspec.Struct, frozen=True):
 
     round: int
     now_s: float
-    record: RoundRecord | None       # the round's decision, if it decided
+    record: RoundRecord | None  # the round's decision, if it decided
     events: tuple[str, ...]
     finished: tuple[str, ...]
     done: int
     total: int
-    over: bool = False               # the last step: every job finished, the horizon passed, or it failed
-    failure: str = ""                # why the run could not go on
-    failed: tuple[str, ...] = ()     # jobs that ended without finishing (why: in `events`)
+    over: bool = False  # the last step: every job finished, the horizon passed, or it failed
+    failure: str = ""  # why the run could not go on
+    failed: tuple[str, ...] = ()  # jobs that ended without finishing (why: in `events`)
 
 
 class Lease(msgspec.Struct, frozen=True):
@@ -836,7 +851,7 @@ class RunStatus(msgspec.Struct, frozen=True):
     reason: str
     round: int
     now_s: float
-    jobs: int                          # active now
+    jobs: int  # active now
 
 
 class PolicyStatus(msgspec.Struct, frozen=True):
@@ -862,7 +877,7 @@ class EstimateRecord(msgspec.Struct, frozen=True):
 
     job_id: str
     profiles: tuple[Profile, ...]
-    observations: dict[str, tuple[Observation, ...]]    # per GPU type, in the order they came
+    observations: dict[str, tuple[Observation, ...]]  # per GPU type, in the order they came
 
 
 # ---- the nodes of real executors (goodput.executor.nodes, `goodput nodes`) ------------------------
@@ -877,8 +892,8 @@ class NodeStatus(msgspec.Struct, frozen=True):
     name: str
     gpu_type: str
     gpus: int
-    state: str                                 # one of NODE_STATES
-    jobs: tuple[str, ...] = ()                 # the jobs whose workers run there now
+    state: str  # one of NODE_STATES
+    jobs: tuple[str, ...] = ()  # the jobs whose workers run there now
 
 
 class NodeStatuses(msgspec.Struct, frozen=True):

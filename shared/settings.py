@@ -12,26 +12,26 @@ from dataclasses import dataclass, field, replace
 
 from goodput_train.goodput import RETUNE_THRESHOLD
 
-ROUND_S = 60.0     # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
-FEEDBACK_ITERATIONS = 1      # default k for "time to the first k iterations"
+ROUND_S = 60.0  # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
+FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
 
 
 @dataclass(frozen=True)
 class SimSettings:
     name: str
     round_s: float = ROUND_S
-    restart_delay_s: dict[str, float] = field(default_factory=dict)   # true delay per model
+    restart_delay_s: dict[str, float] = field(default_factory=dict)  # true delay per model
     default_restart_delay_s: float = 30.0
     restart_estimate_s: dict[str, float] = field(default_factory=dict)  # the policy's S per model
     default_restart_estimate_s: float = 30.0
-    slowdown: dict[str, float] = field(default_factory=dict)    # true goodput is divided by this
+    slowdown: dict[str, float] = field(default_factory=dict)  # true goodput is divided by this
     default_slowdown: float = 1.0
-    max_local: dict[str, int] = field(default_factory=dict)     # per-model cap on the per-GPU batch
-    rigid: dict[str, tuple[int, int]] = field(default_factory=dict)   # model -> (GPUs, batch) it always runs at
+    max_local: dict[str, int] = field(default_factory=dict)  # per-model cap on the per-GPU batch
+    rigid: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (GPUs, batch) it always runs at
     retune_threshold: float = RETUNE_THRESHOLD
-    horizon_s: float = 14 * 24 * 3600.0      # give up on jobs still running after this long
-    interference: float = 0.0                # distributed jobs sharing a node train this much slower
-    profile_request: bool = False            # each job also measured at its request on every type (Gavel's matrix)
+    horizon_s: float = 14 * 24 * 3600.0  # give up on jobs still running after this long
+    interference: float = 0.0  # distributed jobs sharing a node train this much slower
+    profile_request: bool = False  # each job also measured at its request on every type (Gavel's matrix)
 
     def restart_delay(self, model: str) -> float:
         return self.restart_delay_s.get(model, self.default_restart_delay_s)
@@ -76,9 +76,15 @@ def settings_for(name: str | None, cluster: str) -> SimSettings:
         raise ValueError(f"unknown calibration {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def simulation_settings(calibration: str | None, cluster: str, restart_delay_s: float | None = None,
-                        round_s: float | None = None, horizon_s: float | None = None,
-                        interference: float = 0.0, profile_request: bool = False) -> SimSettings:
+def simulation_settings(
+    calibration: str | None,
+    cluster: str,
+    restart_delay_s: float | None = None,
+    round_s: float | None = None,
+    horizon_s: float | None = None,
+    interference: float = 0.0,
+    profile_request: bool = False,
+) -> SimSettings:
     """The calibration's settings with the run's overrides: every restart delay, the round, the
     horizon, the slowdown of distributed jobs sharing a node, whether each job is also profiled at
     its request on every type."""

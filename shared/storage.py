@@ -37,26 +37,28 @@ from shared.bus import MAX_DELIVER, Bus, PullConsumer, TypedKV
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
+KIB, MIB, GIB = 1024, 1024**2, 1024**3
 DAY_S = 24 * 3600.0
-MAX_SUBMISSION_BYTES = 64 * KIB      # a JobSpec is a few hundred bytes; anything this large is not one
-MAX_INTAKE_BYTES = 16 * KIB          # ... and one a login stores itself, raw, at most this
-LEASE_TTL_S = 5.0                    # the policy lease: a dead leader is replaced within this
-SETUP_HINT = ("the operator creates it: `goodput up` does at start, a deployment runs `python -m launcher.setup` "
-              "(the setup job in the manifests)")
+MAX_SUBMISSION_BYTES = 64 * KIB  # a JobSpec is a few hundred bytes; anything this large is not one
+MAX_INTAKE_BYTES = 16 * KIB  # ... and one a login stores itself, raw, at most this
+LEASE_TTL_S = 5.0  # the policy lease: a dead leader is replaced within this
+SETUP_HINT = (
+    "the operator creates it: `goodput up` does at start, a deployment runs `python -m launcher.setup` "
+    "(the setup job in the manifests)"
+)
 
 
 @dataclass(frozen=True)
 class LoginLimits:
     """What one login may keep and ask, so that it never fills or stalls what every login shares."""
 
-    submissions: int = 20_000    # valid submissions kept in the jobs stream (its 30 days); ~1 KiB each at most
-    refusals: int = 1_000        # records of its refused bodies kept there (beyond: answered, not recorded)
-    backlog: int = 5_000         # its own submissions waiting in the intake stream (each at most MAX_INTAKE_BYTES)
+    submissions: int = 20_000  # valid submissions kept in the jobs stream (its 30 days); ~1 KiB each at most
+    refusals: int = 1_000  # records of its refused bodies kept there (beyond: answered, not recorded)
+    backlog: int = 5_000  # its own submissions waiting in the intake stream (each at most MAX_INTAKE_BYTES)
 
 
 LOGIN_LIMITS = LoginLimits()
-USERS_SHARE = 0.75               # of the jobs stream: what logins' records may fill; the rest is the verdicts'
+USERS_SHARE = 0.75  # of the jobs stream: what logins' records may fill; the rest is the verdicts'
 
 
 class StorageMismatch(RuntimeError):
@@ -67,7 +69,7 @@ class StorageMismatch(RuntimeError):
 class Stream:
     name: str
     subjects: tuple[str, ...]
-    limits: dict[str, Any] = field(default_factory=dict)   # nats-py StreamConfig fields
+    limits: dict[str, Any] = field(default_factory=dict)  # nats-py StreamConfig fields
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Bucket:
     name: str
     max_bytes: int
     history: int = 1
-    ttl_s: float | None = None       # None: entries stay until deleted
+    ttl_s: float | None = None  # None: entries stay until deleted
 
     @property
     def stream(self) -> str:
@@ -87,57 +89,102 @@ class Durable:
     stream: str
     name: str
     filters: tuple[str, ...]
-    ack_wait_s: float = 30.0         # a handler that takes longer says it is still at work (Delivery.in_progress)
+    ack_wait_s: float = 30.0  # a handler that takes longer says it is still at work (Delivery.in_progress)
 
 
-STREAMS = {s.name: s for s in (
-    # What logins publish themselves, until the gate has judged it (then deleted: a work queue); a
-    # login's backlog is bounded, the stream refusing its next message rather than another's.
-    Stream(subjects.INTAKE_STREAM, subjects.INTAKE_SUBJECTS,
-           {"retention": api.RetentionPolicy.WORK_QUEUE, "duplicate_window": 600.0, "max_bytes": 512 * MIB,
-            "max_age": 7 * DAY_S, "max_msg_size": MAX_INTAKE_BYTES, "discard": api.DiscardPolicy.NEW,
-            "max_msgs_per_subject": LOGIN_LIMITS.backlog, "discard_new_per_subject": True}),
-    # Stored submissions and verdicts: refused when full, never dropped; a message is at most 64 KiB.
-    Stream(subjects.JOBS_STREAM, subjects.JOBS_STREAM_SUBJECTS,
-           {"duplicate_window": subjects.DEDUP_WINDOW_S, "max_bytes": 1 * GIB, "max_age": 30 * DAY_S,
-            "max_msg_size": MAX_SUBMISSION_BYTES, "discard": api.DiscardPolicy.NEW}),
-    # What no consumer could process: the newest kept a week.
-    Stream(subjects.DEAD_LETTER_STREAM, subjects.DEAD_LETTER_SUBJECTS,
-           {"max_age": subjects.DEAD_LETTER_MAX_AGE_S, "max_msgs": subjects.DEAD_LETTER_MAX_MSGS,
-            "max_bytes": 256 * MIB, "max_msg_size": MAX_SUBMISSION_BYTES + 4 * KIB, "discard": api.DiscardPolicy.OLD}),
-    # Each run's rounds; a live run's oldest go first.
-    Stream(subjects.RUN_LOG_STREAM, subjects.RUN_LOG_SUBJECTS,
-           {"duplicate_window": subjects.RUN_LOG_DEDUP_S, "max_bytes": 512 * MIB, "max_age": 30 * DAY_S,
-            "discard": api.DiscardPolicy.OLD}),
-)}
+STREAMS = {
+    s.name: s
+    for s in (
+        # What logins publish themselves, until the gate has judged it (then deleted: a work queue); a
+        # login's backlog is bounded, the stream refusing its next message rather than another's.
+        Stream(
+            subjects.INTAKE_STREAM,
+            subjects.INTAKE_SUBJECTS,
+            {
+                "retention": api.RetentionPolicy.WORK_QUEUE,
+                "duplicate_window": 600.0,
+                "max_bytes": 512 * MIB,
+                "max_age": 7 * DAY_S,
+                "max_msg_size": MAX_INTAKE_BYTES,
+                "discard": api.DiscardPolicy.NEW,
+                "max_msgs_per_subject": LOGIN_LIMITS.backlog,
+                "discard_new_per_subject": True,
+            },
+        ),
+        # Stored submissions and verdicts: refused when full, never dropped; a message is at most 64 KiB.
+        Stream(
+            subjects.JOBS_STREAM,
+            subjects.JOBS_STREAM_SUBJECTS,
+            {
+                "duplicate_window": subjects.DEDUP_WINDOW_S,
+                "max_bytes": 1 * GIB,
+                "max_age": 30 * DAY_S,
+                "max_msg_size": MAX_SUBMISSION_BYTES,
+                "discard": api.DiscardPolicy.NEW,
+            },
+        ),
+        # What no consumer could process: the newest kept a week.
+        Stream(
+            subjects.DEAD_LETTER_STREAM,
+            subjects.DEAD_LETTER_SUBJECTS,
+            {
+                "max_age": subjects.DEAD_LETTER_MAX_AGE_S,
+                "max_msgs": subjects.DEAD_LETTER_MAX_MSGS,
+                "max_bytes": 256 * MIB,
+                "max_msg_size": MAX_SUBMISSION_BYTES + 4 * KIB,
+                "discard": api.DiscardPolicy.OLD,
+            },
+        ),
+        # Each run's rounds; a live run's oldest go first.
+        Stream(
+            subjects.RUN_LOG_STREAM,
+            subjects.RUN_LOG_SUBJECTS,
+            {
+                "duplicate_window": subjects.RUN_LOG_DEDUP_S,
+                "max_bytes": 512 * MIB,
+                "max_age": 30 * DAY_S,
+                "discard": api.DiscardPolicy.OLD,
+            },
+        ),
+    )
+}
 
-BUCKETS = {b.name: b for b in (
-    Bucket(subjects.RUNS_BUCKET, 512 * MIB),
-    Bucket(subjects.LEASE_BUCKET, 1 * MIB, ttl_s=LEASE_TTL_S),
-    Bucket(subjects.ESTIMATES_BUCKET, 512 * MIB),
-    Bucket(subjects.EXECUTOR_BUCKET, 1 * GIB),
-    Bucket(subjects.NODE_JOBS_BUCKET, 512 * MIB),
-    Bucket(subjects.JOB_OWNERS_BUCKET, 128 * MIB),
-    Bucket(subjects.NODES_BUCKET, 16 * MIB, ttl_s=subjects.NODE_TTL_S),     # an agent that stops renewing is lost
-    Bucket(subjects.DRAINED_BUCKET, 16 * MIB),
-)}
+BUCKETS = {
+    b.name: b
+    for b in (
+        Bucket(subjects.RUNS_BUCKET, 512 * MIB),
+        Bucket(subjects.LEASE_BUCKET, 1 * MIB, ttl_s=LEASE_TTL_S),
+        Bucket(subjects.ESTIMATES_BUCKET, 512 * MIB),
+        Bucket(subjects.EXECUTOR_BUCKET, 1 * GIB),
+        Bucket(subjects.NODE_JOBS_BUCKET, 512 * MIB),
+        Bucket(subjects.JOB_OWNERS_BUCKET, 128 * MIB),
+        Bucket(subjects.NODES_BUCKET, 16 * MIB, ttl_s=subjects.NODE_TTL_S),  # an agent that stops renewing is lost
+        Bucket(subjects.DRAINED_BUCKET, 16 * MIB),
+    )
+}
 
 # Object stores: name -> max bytes. The checkpoints of jobs on clusters with no shared folder
 # (`--checkpoints jetstream:`): enough for small models; larger ones belong on a shared volume.
 OBJECT_STORES = {subjects.CHECKPOINTS_STORE: 1 * GIB}
 
-CONSUMERS = {c.name: c for c in (
-    Durable(subjects.INTAKE_STREAM, subjects.INTAKE_CONSUMER, subjects.INTAKE_SUBJECTS),
-    Durable(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS),
-    Durable(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, (subjects.JOBS_EVENTS,)),
-    Durable(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, (subjects.JOBS_EVENTS,)),
-)}
+CONSUMERS = {
+    c.name: c
+    for c in (
+        Durable(subjects.INTAKE_STREAM, subjects.INTAKE_CONSUMER, subjects.INTAKE_SUBJECTS),
+        Durable(subjects.JOBS_STREAM, subjects.PROFILER_CONSUMER, subjects.SUBMISSIONS),
+        Durable(subjects.JOBS_STREAM, subjects.EXECUTOR_CONSUMER, (subjects.JOBS_EVENTS,)),
+        Durable(subjects.JOBS_STREAM, subjects.NODE_AGENT_CONSUMER, (subjects.JOBS_EVENTS,)),
+    )
+}
 
 
 def total_bytes() -> int:
     """The most the plan's streams and buckets may hold together."""
-    return (sum(s.limits.get("max_bytes", 0) for s in STREAMS.values()) + sum(b.max_bytes for b in BUCKETS.values())
-            + sum(OBJECT_STORES.values()))
+    return (
+        sum(s.limits.get("max_bytes", 0) for s in STREAMS.values())
+        + sum(b.max_bytes for b in BUCKETS.values())
+        + sum(OBJECT_STORES.values())
+    )
 
 
 def _bucket_limits(bucket: Bucket, ttl_s: float | None) -> dict[str, Any]:
@@ -155,8 +202,11 @@ async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
     for bucket in BUCKETS.values():
         await _patiently(lambda b=bucket: _provision_bucket(bus, b, lease_ttl_s))
     for name, max_bytes in OBJECT_STORES.items():
-        await _patiently(lambda n=name, m=max_bytes: bus.js.create_object_store(
-            n, config=api.ObjectStoreConfig(bucket=n, max_bytes=m, replicas=bus.replicas)))
+        await _patiently(
+            lambda n=name, m=max_bytes: bus.js.create_object_store(
+                n, config=api.ObjectStoreConfig(bucket=n, max_bytes=m, replicas=bus.replicas)
+            )
+        )
     for durable in CONSUMERS.values():
         await _patiently(lambda d=durable: bus.js.add_consumer(d.stream, _consumer_config(d)))
 
@@ -181,7 +231,7 @@ async def _provision_bucket(bus: Bus, bucket: Bucket, lease_ttl_s: float) -> Non
     ttl_s = lease_ttl_s if bucket.name == subjects.LEASE_BUCKET else bucket.ttl_s
     await bus.kv(bucket.name, bytes, history=bucket.history, ttl=ttl_s, max_bytes=bucket.max_bytes)
     info = await bus.js.stream_info(bucket.stream)
-    if _differences(info.config, _bucket_limits(bucket, ttl_s)):      # made before with other limits
+    if _differences(info.config, _bucket_limits(bucket, ttl_s)):  # made before with other limits
         for name, value in _bucket_limits(bucket, ttl_s).items():
             setattr(info.config, name, value)
         await bus.js.update_stream(info.config)
@@ -190,9 +240,13 @@ async def _provision_bucket(bus: Bus, bucket: Bucket, lease_ttl_s: float) -> Non
 def _consumer_config(durable: Durable) -> api.ConsumerConfig:
     filters = list(durable.filters)
     return api.ConsumerConfig(
-        name=durable.name, durable_name=durable.name, ack_policy=api.AckPolicy.EXPLICIT,
-        ack_wait=durable.ack_wait_s, max_deliver=MAX_DELIVER,
-        **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}))
+        name=durable.name,
+        durable_name=durable.name,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=durable.ack_wait_s,
+        max_deliver=MAX_DELIVER,
+        **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
+    )
 
 
 def _differences(config: Any, expected: dict[str, Any]) -> list[str]:

@@ -84,16 +84,16 @@ def dead_letters(consumer: str) -> str:
 
 # The user API (a nats.micro service; JSON or msgpack in, answered in the request's encoding).
 API_SERVICE = "api"
-API_SUBMIT = f"{PREFIX}.api.submit"         # JobSpec -> SubmitAnswer (only a valid submission is stored)
-API_JOB = f"{PREFIX}.api.job"               # JobRequest -> JobStatus
-API_JOBS = f"{PREFIX}.api.jobs"             # JobsRequest -> JobsPage
-API_CANCEL = f"{PREFIX}.api.cancel"         # JobRequest -> CancelAnswer
-API_SCHEMAS = f"{PREFIX}.api.schemas"       # Ack -> {message name: its JSON Schema}
+API_SUBMIT = f"{PREFIX}.api.submit"  # JobSpec -> SubmitAnswer (only a valid submission is stored)
+API_JOB = f"{PREFIX}.api.job"  # JobRequest -> JobStatus
+API_JOBS = f"{PREFIX}.api.jobs"  # JobsRequest -> JobsPage
+API_CANCEL = f"{PREFIX}.api.cancel"  # JobRequest -> CancelAnswer
+API_SCHEMAS = f"{PREFIX}.api.schemas"  # Ack -> {message name: its JSON Schema}
 API_SUBJECTS = (API_SUBMIT, API_JOB, API_JOBS, API_CANCEL, API_SCHEMAS)
 
 # Services (nats.micro names; replicas of one service share its queue group).
 PLACER_SERVICE = "placer"
-PLACE = f"{PREFIX}.placer.place"            # request PlaceRequest -> PlacementResult
+PLACE = f"{PREFIX}.placer.place"  # request PlaceRequest -> PlacementResult
 PROFILER_SERVICE = "profiler"
 # The executors' durable consumers of the jobs stream: submissions, then each one's Profiled or
 # Rejected, in the stream's order (simulated executors; the node agent).
@@ -101,23 +101,23 @@ EXECUTOR_CONSUMER = "executor"
 NODE_AGENT_CONSUMER = "node-agent"
 JOBS_EVENTS = f"{PREFIX}.jobs.>"
 EXECUTOR_SERVICE = "executor"
-FACTS = f"{PREFIX}.executor.facts"          # FactsRequest -> FactsReply
-APPLY = f"{PREFIX}.executor.apply"          # ApplyRequest -> Ack
-ADVANCE = f"{PREFIX}.executor.advance"      # AdvanceRequest -> AdvanceReply (simulated executors)
-LIVE_JOBS = f"{PREFIX}.executor.live"      # LiveJobsRequest -> LiveJobs (simulated executors, live clock)
-RECORDS = f"{PREFIX}.executor.records"      # Ack -> JobRecords (simulated executors)
-EXECUTOR_STATUS = f"{PREFIX}.executor.status"   # Ack -> Count
-EXECUTOR_DRAIN = f"{PREFIX}.executor.drain"     # DrainRequest -> DrainAnswer (operator)
-EXECUTOR_NODES = f"{PREFIX}.executor.nodes"     # Ack -> NodeStatuses (real executors: each node, alive or not)
+FACTS = f"{PREFIX}.executor.facts"  # FactsRequest -> FactsReply
+APPLY = f"{PREFIX}.executor.apply"  # ApplyRequest -> Ack
+ADVANCE = f"{PREFIX}.executor.advance"  # AdvanceRequest -> AdvanceReply (simulated executors)
+LIVE_JOBS = f"{PREFIX}.executor.live"  # LiveJobsRequest -> LiveJobs (simulated executors, live clock)
+RECORDS = f"{PREFIX}.executor.records"  # Ack -> JobRecords (simulated executors)
+EXECUTOR_STATUS = f"{PREFIX}.executor.status"  # Ack -> Count
+EXECUTOR_DRAIN = f"{PREFIX}.executor.drain"  # DrainRequest -> DrainAnswer (operator)
+EXECUTOR_NODES = f"{PREFIX}.executor.nodes"  # Ack -> NodeStatuses (real executors: each node, alive or not)
 # The node agents of real executors, one per node: the executor service starts, stops and polls
 # the workers on each (`node_subject`), and a profiler asks one of a type for a profiling run.
 NODE_SERVICE = "node"
 NODE_ENDPOINTS = ("start", "stop", "poll", "profile")
 NODE_SUBJECTS = f"{PREFIX}.node.*.*"
-NODES_BUCKET = "goodput_nodes"              # KV: node name -> NodeInfo, renewed by its agent; lapses when lost
+NODES_BUCKET = "goodput_nodes"  # KV: node name -> NodeInfo, renewed by its agent; lapses when lost
 NODE_TTL_S = 10.0
 NODE_HEARTBEAT_S = 2.0
-DRAINED_BUCKET = "goodput_drained"          # KV: node name -> DrainRequest, while it is drained
+DRAINED_BUCKET = "goodput_drained"  # KV: node name -> DrainRequest, while it is drained
 # Jobs' checkpoints for clusters without a folder every node shares (`--checkpoints jetstream:`):
 # JetStream's object store, an object per job, which the node agents copy in and out.
 CHECKPOINTS_STORE = "goodput_checkpoints"
@@ -133,23 +133,23 @@ def node_of_subject(subject: str, endpoint: str) -> str | None:
     before, after = node_subject("\0", endpoint).split("\0")
     if not (subject.startswith(before) and subject.endswith(after)) or len(subject) <= len(before) + len(after):
         return None
-    return subject[len(before):-len(after)]
+    return subject[len(before) : -len(after)]
 
 
 ESTIMATOR_SERVICE = "estimator"
-MODELS = f"{PREFIX}.estimator.models"       # ModelsRequest -> ModelsReply
-OBSERVE = f"{PREFIX}.estimator.observe"     # Observed -> Ack
-PROFILES = f"{PREFIX}.estimator.profiles"   # JobProfiles -> Ack
-ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"   # Ack -> Count
+MODELS = f"{PREFIX}.estimator.models"  # ModelsRequest -> ModelsReply
+OBSERVE = f"{PREFIX}.estimator.observe"  # Observed -> Ack
+PROFILES = f"{PREFIX}.estimator.profiles"  # JobProfiles -> Ack
+ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"  # Ack -> Count
 POLICY_SERVICE = "policy"
-POLICY_STATUS = f"{PREFIX}.policy.status"   # Ack -> PolicyStatus (who leads now, the live run)
+POLICY_STATUS = f"{PREFIX}.policy.status"  # Ack -> PolicyStatus (who leads now, the live run)
 # Replays on the virtual clock: the driver creates the run's RunCheckpoint in RUNS_BUCKET; the leader
 # runs it, writing the checkpoint after every step, and appends each round's RunStep to the run's log.
-RUNS_BUCKET = "goodput_runs"                # KV: run id -> RunCheckpoint
-LIVE_RUN = "live"                           # the run that schedules the jobs submitted live
+RUNS_BUCKET = "goodput_runs"  # KV: run id -> RunCheckpoint
+LIVE_RUN = "live"  # the run that schedules the jobs submitted live
 RUN_LOG_STREAM = "GOODPUT_RUNS"
 RUN_LOG_SUBJECTS = (f"{PREFIX}.runs.*.log",)
-RUN_LOG_DEDUP_S = 600.0                     # a new leader repeating a round logs it once
+RUN_LOG_DEDUP_S = 600.0  # a new leader repeating a round logs it once
 
 
 def run_log(run_id: str) -> str:
@@ -158,9 +158,9 @@ def run_log(run_id: str) -> str:
 
 
 # Leadership of the policy rounds: one key, held by whoever created it and renews it within the TTL.
-LEASE_BUCKET = "goodput_policy_lease"       # KV: LEADER_KEY -> Lease
+LEASE_BUCKET = "goodput_policy_lease"  # KV: LEADER_KEY -> Lease
 LEADER_KEY = "leader"
-ESTIMATES_BUCKET = "goodput_estimates"      # KV: job id -> EstimateRecord
-EXECUTOR_BUCKET = "goodput_executor_jobs"   # KV: job id -> the simulated job's whole state
-NODE_JOBS_BUCKET = "goodput_node_jobs"      # KV: job id -> NodeJob, a real job as its node agent keeps it
-JOB_OWNERS_BUCKET = "goodput_job_owners"    # KV: job id -> JobOwner, the submission that holds the id
+ESTIMATES_BUCKET = "goodput_estimates"  # KV: job id -> EstimateRecord
+EXECUTOR_BUCKET = "goodput_executor_jobs"  # KV: job id -> the simulated job's whole state
+NODE_JOBS_BUCKET = "goodput_node_jobs"  # KV: job id -> NodeJob, a real job as its node agent keeps it
+JOB_OWNERS_BUCKET = "goodput_job_owners"  # KV: job id -> JobOwner, the submission that holds the id

@@ -6,26 +6,32 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-
 from shared.cluster import Cluster
 from shared.hardware import described, hardware_name, types_named
 from shared.schema import JobSpec, NodeInfo, node_applications
 
-ID_RULES = ("a job id is 1 to 128 letters, digits, '_', '-' and single '.' between them, beginning with a letter "
-            "or digit")
-SMALLEST_SUBMISSION = ('a submission names at least its id and application: {"id": "my-job-1", "application": '
-                       '"cifar10"} (an empty body is the empty object)')
-SUBMISSION_RULES = ("a submission may not carry commands or file paths: the job's code is named by `application`, "
-                    "a model or job module the cluster knows")
+ID_RULES = (
+    "a job id is 1 to 128 letters, digits, '_', '-' and single '.' between them, beginning with a letter or digit"
+)
+SMALLEST_SUBMISSION = (
+    'a submission names at least its id and application: {"id": "my-job-1", "application": '
+    '"cifar10"} (an empty body is the empty object)'
+)
+SUBMISSION_RULES = (
+    "a submission may not carry commands or file paths: the job's code is named by `application`, "
+    "a model or job module the cluster knows"
+)
 
 
-MAX_QUOTED = 300      # of msgspec's reason, which quotes the sender's field names
+MAX_QUOTED = 300  # of msgspec's reason, which quotes the sender's field names
 
 
 def id_taken(job_id: str) -> str:
     """Why a second, different submission under an id is refused."""
-    return (f"job {job_id} already exists: another submission holds this id (a job's id belongs to its first valid "
-            "submission); submit under another id")
+    return (
+        f"job {job_id} already exists: another submission holds this id (a job's id belongs to its first valid "
+        "submission); submit under another id"
+    )
 
 
 def malformed_reason(error: Exception) -> str:
@@ -36,28 +42,34 @@ def malformed_reason(error: Exception) -> str:
 
     text = str(error)
     unknown = re.search(r"unknown field `([^`]*)`", text)
-    if len(text) > MAX_QUOTED:                # it quotes what was sent: a 60 KB field name is not read
+    if len(text) > MAX_QUOTED:  # it quotes what was sent: a 60 KB field name is not read
         text = text[:MAX_QUOTED] + "…"
     hint = ""
     if unknown:
         fields = [f for f in JobSpec.__struct_fields__ if f != "version"]
         near = difflib.get_close_matches(unknown.group(1)[:64], fields, n=1)
         hint = (f"; did you mean `{near[0]}`?" if near else "") + f" (the fields: {', '.join(fields)})"
-    rules = (f"; {SUBMISSION_RULES}" if unknown or "`$.application`" in text
-             else f"; {ID_RULES}" if "`$.id`" in text
-             else f"; {SMALLEST_SUBMISSION}" if "missing required field" in text else "")
+    rules = (
+        f"; {SUBMISSION_RULES}"
+        if unknown or "`$.application`" in text
+        else f"; {ID_RULES}"
+        if "`$.id`" in text
+        else f"; {SMALLEST_SUBMISSION}"
+        if "missing required field" in text
+        else ""
+    )
     return f"malformed submission: {text}{hint}{rules}"
 
 
-def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None,
-                       live: bool) -> str | None:
+def submission_problem(
+    spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None, live: bool
+) -> str | None:
     """Why a well-formed submission cannot be scheduled on `cluster` (None if it can): an application
     with no profile (`models`, application -> its GPU types; None: profiles are measured, any
     application may be), GPU types this cluster does not have (or none the application runs on), a
     GPU count larger than the GPUs it may use, or a submit time on a live submission."""
     if live and spec.submit_s is not None:
-        return ("submit_s is for replayed workloads; a live submission arrives when it is submitted: "
-                "leave submit_s out")
+        return "submit_s is for replayed workloads; a live submission arrives when it is submitted: leave submit_s out"
     if not live and spec.submit_s is None:
         return "a replayed submission needs its submit_s"
     known_types = set(cluster.gpu_types)
@@ -71,16 +83,22 @@ def submission_problem(spec: JobSpec, cluster: Cluster, models: Mapping[str, Ite
             return f"unknown application {spec.application!r}: no profile for it (known: {', '.join(near)})"
         allowed &= set(models[spec.application])
         if not allowed:
-            return (f"application {spec.application!r} has no profile on GPU type(s) "
-                    f"{described(named or cluster.gpu_types)}")
+            return (
+                f"application {spec.application!r} has no profile on GPU type(s) "
+                f"{described(named or cluster.gpu_types)}"
+            )
     usable = sum(n.gpus for n in cluster.nodes if n.gpu_type in allowed)
     for field, gpus in (("requested_gpus", spec.requested_gpus if spec.rigid else 0), ("min_gpus", spec.min_gpus)):
         if gpus > usable:
-            return (f"{field} {gpus} is more than the {usable} GPUs it may use: cluster {cluster.name} has "
-                    f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})")
+            return (
+                f"{field} {gpus} is more than the {usable} GPUs it may use: cluster {cluster.name} has "
+                f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})"
+            )
     if spec.requested_gpus > cluster.total_gpus:
-        return (f"requested_gpus {spec.requested_gpus} is more than cluster {cluster.name}'s "
-                f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})")
+        return (
+            f"requested_gpus {spec.requested_gpus} is more than cluster {cluster.name}'s "
+            f"{cluster.total_gpus} GPUs ({_type_counts(cluster)})"
+        )
     return None
 
 

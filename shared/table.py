@@ -24,8 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
-from shared.cluster import Config
 from goodput_train.goodput import BatchChoice, ThroughputParams, optimize_batch, pgns
+from shared.cluster import Config
 from shared.schema import JobModels
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
@@ -38,11 +38,11 @@ class GoodputTable:
 
     job_ids: tuple[str, ...]
     configs: tuple[Config, ...]
-    goodput: np.ndarray      # (J, C) samples/s x efficiency at the best batch
-    normalized: np.ndarray   # (J, C) row-normalised; the row's smallest valid cell is N_i^min
-    valid: np.ndarray        # (J, C) bool
-    m: np.ndarray            # (J, C) per-GPU batch at the best batch
-    s: np.ndarray            # (J, C) accumulation steps at the best batch
+    goodput: np.ndarray  # (J, C) samples/s x efficiency at the best batch
+    normalized: np.ndarray  # (J, C) row-normalised; the row's smallest valid cell is N_i^min
+    valid: np.ndarray  # (J, C) bool
+    m: np.ndarray  # (J, C) per-GPU batch at the best batch
+    s: np.ndarray  # (J, C) accumulation steps at the best batch
     stats: dict = field(default_factory=dict, compare=False)
 
 
@@ -50,19 +50,26 @@ class GoodputTable:
 class StackedJobs:
     """Jobs' models as arrays, for evaluating many (job, GPU type, allocation) cells at once."""
 
-    theta: np.ndarray      # (J, T, 7) throughput parameters per job and GPU type
-    limits: np.ndarray     # (J, T, 2) per-replica batch (min, max)
-    modelled: np.ndarray   # (J, T) bool: the job has a model for the type
-    group: np.ndarray      # (J, T) GPUs of one replica (1 unless hybrid-parallel)
-    phi: np.ndarray        # (J,) PGNS (inf: efficiency 1, as for strong-scaling jobs)
-    init: np.ndarray       # (J,) smallest total batch
-    top: np.ndarray        # (J,) largest total batch
+    theta: np.ndarray  # (J, T, 7) throughput parameters per job and GPU type
+    limits: np.ndarray  # (J, T, 2) per-replica batch (min, max)
+    modelled: np.ndarray  # (J, T) bool: the job has a model for the type
+    group: np.ndarray  # (J, T) GPUs of one replica (1 unless hybrid-parallel)
+    phi: np.ndarray  # (J,) PGNS (inf: efficiency 1, as for strong-scaling jobs)
+    init: np.ndarray  # (J,) smallest total batch
+    top: np.ndarray  # (J,) largest total batch
 
     def best(self, rows, cols, nodes, gpus) -> BatchChoice:
         """The best batch of job rows[k] on type cols[k] with (nodes, gpus); all broadcast together."""
-        return optimize_batch(ThroughputParams(*np.moveaxis(self.theta[rows, cols], -1, 0)), self.phi[rows],
-                              self.init[rows], self.top[rows], self.limits[rows, cols, 0],
-                              self.limits[rows, cols, 1], nodes, gpus)
+        return optimize_batch(
+            ThroughputParams(*np.moveaxis(self.theta[rows, cols], -1, 0)),
+            self.phi[rows],
+            self.init[rows],
+            self.top[rows],
+            self.limits[rows, cols, 0],
+            self.limits[rows, cols, 1],
+            nodes,
+            gpus,
+        )
 
 
 def stack_jobs(jobs: Sequence[JobModels], types: Sequence[str]) -> StackedJobs:
@@ -80,8 +87,7 @@ def stack_jobs(jobs: Sequence[JobModels], types: Sequence[str]) -> StackedJobs:
     strong = np.array([job.fixed_batch is not None for job in jobs], dtype=bool)
     fixed_batch = np.array([job.fixed_batch or 1 for job in jobs], dtype=float)
     phi = np.where(strong, np.inf, [pgns(j.grad_sqr, j.grad_var, j.init_batch) for j in jobs])
-    init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))),
-                    [j.init_batch for j in jobs])
+    init = np.where(strong, np.maximum(1, np.ceil(fixed_batch * (1 - FIXED_BATCH_SLACK))), [j.init_batch for j in jobs])
     top = np.where(strong, fixed_batch, [j.max_batch for j in jobs])
     return StackedJobs(theta, limits, modelled, group, phi, init, top)
 
@@ -125,5 +131,12 @@ def goodput_table(jobs: Sequence[JobModels], configs: Sequence[Config]) -> Goodp
     min_gpus = min_replicas * np.take_along_axis(group, smallest, axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         normalized = np.where(valid, min_gpus * goodput / row_min, 0.0)
-    return GoodputTable(tuple(j.job_id for j in jobs), tuple(configs), goodput, normalized, valid,
-                        np.where(valid, best.m, 0), np.where(valid, best.s, 0))
+    return GoodputTable(
+        tuple(j.job_id for j in jobs),
+        tuple(configs),
+        goodput,
+        normalized,
+        valid,
+        np.where(valid, best.m, 0),
+        np.where(valid, best.s, 0),
+    )

@@ -114,7 +114,7 @@ def span_context_of(traceparent: str | None) -> trace.SpanContext | None:
     return _span_context_of(traceparent) if traceparent else None
 
 
-@functools.lru_cache(maxsize=16384)    # a job's submission is the same every round: parse it once
+@functools.lru_cache(maxsize=16384)  # a job's submission is the same every round: parse it once
 def _span_context_of(traceparent: str) -> trace.SpanContext | None:
     context = trace.get_current_span(_W3C.extract({"traceparent": traceparent}, context=otel_context.Context()))
     span_context = context.get_span_context()

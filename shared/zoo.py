@@ -37,11 +37,11 @@ class ZooModel:
     init_batch: int
     max_batch: int
     epochs: int
-    progress: np.ndarray   # cumulative statistical progress at the end of each epoch
-    grad_sqr: np.ndarray   # |g|^2 during that epoch
-    grad_var: np.ndarray   # tr(Sigma) / M0 during that epoch
+    progress: np.ndarray  # cumulative statistical progress at the end of each epoch
+    grad_sqr: np.ndarray  # |g|^2 during that epoch
+    grad_var: np.ndarray  # tr(Sigma) / M0 during that epoch
     types: dict[str, ZooType]
-    group_gpus: dict[str, int] = field(default_factory=dict)   # hybrid-parallel: GPUs of a replica per type
+    group_gpus: dict[str, int] = field(default_factory=dict)  # hybrid-parallel: GPUs of a replica per type
 
     def stats_at(self, progress: float) -> tuple[float, float]:
         """(grad_sqr, grad_var) at a point of training: the epoch's values, the last epoch's past the end."""
@@ -69,8 +69,12 @@ def build_zoo(traces: dict[str, ModelTrace]) -> dict:
             obs = meas.observations(groups.get(gpu_type, 1))
             params = fit_throughput(obs)
             lo, hi = trace.local_bsz_limits(gpu_type)
-            types[gpu_type] = {"params": params._asdict(), "min_local": lo, "max_local": hi,
-                               "rmsle": round(rmsle(params, obs), 4)}
+            types[gpu_type] = {
+                "params": params._asdict(),
+                "min_local": lo,
+                "max_local": hi,
+                "rmsle": round(rmsle(params, obs), 4),
+            }
         models[name] = {
             "init_batch": trace.init_batch,
             "max_batch": trace.max_batch,
@@ -95,8 +99,10 @@ def load_zoo(path: str | Path = ZOO_PATH) -> dict[str, ZooModel]:
             progress=np.asarray(m["progress"]),
             grad_sqr=np.asarray(m["grad_sqr"]),
             grad_var=np.asarray(m["grad_var"]),
-            types={t: ZooType(ThroughputParams(**v["params"]), v["min_local"], v["max_local"], v["rmsle"])
-                   for t, v in m["types"].items()},
+            types={
+                t: ZooType(ThroughputParams(**v["params"]), v["min_local"], v["max_local"], v["rmsle"])
+                for t, v in m["types"].items()
+            },
             group_gpus=m.get("group_gpus", {}),
         )
         for name, m in doc["models"].items()

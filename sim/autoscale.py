@@ -32,19 +32,19 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shared.cluster import Cluster, Node, Spots
 from goodput_train.goodput import BatchLimits, GoodputModel, Observation, ThroughputParams, fit_throughput, throughput
+from services.simulated.truth import ModelTruth
+from services.simulated.world import SimulatedJob
+from shared.cluster import Cluster, Node, Spots
 from shared.reference import WorkloadJob
 from shared.schema import JobModels
 from shared.settings import SimSettings
-from services.simulated.truth import ModelTruth
-from services.simulated.world import SimulatedJob
 
-UPPER = 2 / 3          # scale up above this fraction of ideal goodput per node (Pollux §5.4.1)
-LOWER = 1 / 2          # ... to the size where it is about this fraction; scale down below it
-POLLUX_REPORTED = {"cost_ratio": 0.75, "time_ratio": 1.06}   # §5.4.1: 25% cheaper, 6% longer
-HORIZON_S = 60 * 24 * 3600.0   # a run still going after 60 days is reported unfinished
-_FIT_BATCHES = 6       # per-GPU batches sampled per node count to fit the scaler's throughput model
+UPPER = 2 / 3  # scale up above this fraction of ideal goodput per node (Pollux §5.4.1)
+LOWER = 1 / 2  # ... to the size where it is about this fraction; scale down below it
+POLLUX_REPORTED = {"cost_ratio": 0.75, "time_ratio": 1.06}  # §5.4.1: 25% cheaper, 6% longer
+HORIZON_S = 60 * 24 * 3600.0  # a run still going after 60 days is reported unfinished
+_FIT_BATCHES = 6  # per-GPU batches sampled per node count to fit the scaler's throughput model
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ScalingOptions:
     gpus_per_node: int = 4
     max_nodes: int = 16
     period_s: float = 60.0
-    baseline_local_batch: int | None = None   # the throughput scaler's per-GPU batch (None: the largest)
+    baseline_local_batch: int | None = None  # the throughput scaler's per-GPU batch (None: the largest)
 
     def __post_init__(self):
         if not 0 < self.lower:
@@ -77,6 +77,7 @@ class ScalingOptions:
 
 # --- the decision --------------------------------------------------------------------------------
 
+
 def _sizes(options: ScalingOptions) -> np.ndarray:
     return np.arange(1, options.max_nodes + 1)
 
@@ -92,15 +93,15 @@ def goodput_scaling(model: GoodputModel, limits: BatchLimits, options: ScalingOp
     """E(n) = G(n) / (n G(1)) for n = 1 .. max_nodes (index n - 1), G at the best batch for n nodes
     under the model's gradient statistics; 0 where no batch fits n nodes."""
     nodes = _sizes(options)
-    return _per_node(model.best_batch(nodes, nodes * options.gpus_per_node, limits).goodput,
-                     f"batch in {limits} fits", options)
+    return _per_node(
+        model.best_batch(nodes, nodes * options.gpus_per_node, limits).goodput, f"batch in {limits} fits", options
+    )
 
 
 def throughput_scaling(params: ThroughputParams, per_gpu_batch: int, options: ScalingOptions) -> np.ndarray:
     """X(n) / (n X(1)) for n = 1 .. max_nodes: system throughput scaling at a fixed per-GPU batch."""
     nodes = _sizes(options)
-    return _per_node(throughput(params, nodes, nodes * options.gpus_per_node, per_gpu_batch),
-                     "throughput", options)
+    return _per_node(throughput(params, nodes, nodes * options.gpus_per_node, per_gpu_batch), "throughput", options)
 
 
 def efficient_size(scaling: np.ndarray, lower: float) -> int:
@@ -134,6 +135,7 @@ def baseline_per_gpu_batch(limits: BatchLimits, options: ScalingOptions) -> int:
 
 # --- the job's throughput model ------------------------------------------------------------------
 
+
 def fitted_throughput(truth: ModelTruth, gpu_type: str, options: ScalingOptions) -> ThroughputParams:
     """The throughput model the job would have learnt having run every size it can be given: fitted
     (`fit_throughput`) to its true step times on one GPU and on 1..max_nodes whole nodes."""
@@ -151,6 +153,7 @@ def fitted_throughput(truth: ModelTruth, gpu_type: str, options: ScalingOptions)
 
 # --- a run ---------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Sample:
     """One decision period of a run: what it ran with, and the true statistical efficiency of it."""
@@ -158,8 +161,8 @@ class Sample:
     t_s: float
     nodes: int
     batch: int
-    efficiency: float        # true EFFICIENCY of the batch at the job's progress
-    progress: float          # fraction of training done at the period's start
+    efficiency: float  # true EFFICIENCY of the batch at the job's progress
+    progress: float  # fraction of training done at the period's start
 
 
 @dataclass(frozen=True)
@@ -168,14 +171,13 @@ class AutoscaleRun:
     model: str
     gpu_type: str
     samples: tuple[Sample, ...]
-    finish_s: float | None   # None: not finished within the horizon
-    gpu_hours: float         # every GPU rented, restarts included: the cost
+    finish_s: float | None  # None: not finished within the horizon
+    gpu_hours: float  # every GPU rented, restarts included: the cost
     restarts: int
 
     def node_changes(self) -> list[tuple[float, int]]:
         """(time, nodes) at the start and at every rescale."""
-        return [(x.t_s, x.nodes) for i, x in enumerate(self.samples)
-                if i == 0 or x.nodes != self.samples[i - 1].nodes]
+        return [(x.t_s, x.nodes) for i, x in enumerate(self.samples) if i == 0 or x.nodes != self.samples[i - 1].nodes]
 
     def mean_efficiency(self) -> float:
         """True statistical efficiency averaged over the run's decision periods (equal lengths)."""
@@ -187,8 +189,9 @@ class AutoscaleRun:
 
 def node_pool(gpu_type: str, options: ScalingOptions) -> Cluster:
     """The cloud's nodes the job may rent, named so that n nodes are always the first n."""
-    return Cluster("autoscale", tuple(Node(f"{gpu_type}-{i}", gpu_type, options.gpus_per_node)
-                                      for i in range(options.max_nodes)))
+    return Cluster(
+        "autoscale", tuple(Node(f"{gpu_type}-{i}", gpu_type, options.gpus_per_node) for i in range(options.max_nodes))
+    )
 
 
 def spots(cluster: Cluster, nodes: int) -> Spots:
@@ -215,9 +218,15 @@ class JobSetting:
     def models(self, grad_sqr: float | None = None, grad_var: float | None = None) -> JobModels:
         """The job's models as the executor re-tunes with them; no statistics: throughput only."""
         lim = self.limits
-        return JobModels(self.truth.name, {self.gpu_type: self.params},
-                         {self.gpu_type: (lim.min_local, lim.max_local)}, lim.init_batch, lim.max_batch,
-                         grad_sqr, grad_var)
+        return JobModels(
+            self.truth.name,
+            {self.gpu_type: self.params},
+            {self.gpu_type: (lim.min_local, lim.max_local)},
+            lim.init_batch,
+            lim.max_batch,
+            grad_sqr,
+            grad_var,
+        )
 
 
 def goodput_choice(job: SimulatedJob, nodes: int, setting: JobSetting, now: float) -> tuple[int, JobModels, bool]:
@@ -244,35 +253,48 @@ CHOICES = {"goodput": goodput_choice, "throughput": throughput_choice}
 POLICIES = tuple(CHOICES)
 
 
-def run_autoscaler(truth: ModelTruth, policy: str, gpu_type: str, options: ScalingOptions,
-                   settings: SimSettings, horizon_s: float = HORIZON_S) -> AutoscaleRun:
+def run_autoscaler(
+    truth: ModelTruth,
+    policy: str,
+    gpu_type: str,
+    options: ScalingOptions,
+    settings: SimSettings,
+    horizon_s: float = HORIZON_S,
+) -> AutoscaleRun:
     """Train the job to completion on an auto-scaled cloud cluster: every period, decide the node
     count, apply it (a change costs the restart delay), run the period at the true goodput."""
     if policy not in CHOICES:
         raise ValueError(f"unknown auto-scaling policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if gpu_type not in truth.types:
-        raise ValueError(f"model {truth.name} has no profile on GPU type {gpu_type!r} "
-                         f"(has: {', '.join(truth.types)})")
+        raise ValueError(f"model {truth.name} has no profile on GPU type {gpu_type!r} (has: {', '.join(truth.types)})")
     choose, cluster = CHOICES[policy], node_pool(gpu_type, options)
-    job_setting = JobSetting(truth, gpu_type, options, batch_limits(truth, gpu_type, settings),
-                             fitted_throughput(truth, gpu_type, options))
-    job = SimulatedJob(WorkloadJob(truth.name, 0.0, truth.name, options.gpus_per_node, truth.init_batch), None,
-                       settings.restart_delay(truth.name), settings.goodput_factor(truth.name))
+    job_setting = JobSetting(
+        truth, gpu_type, options, batch_limits(truth, gpu_type, settings), fitted_throughput(truth, gpu_type, options)
+    )
+    job = SimulatedJob(
+        WorkloadJob(truth.name, 0.0, truth.name, options.gpus_per_node, truth.init_batch),
+        None,
+        settings.restart_delay(truth.name),
+        settings.goodput_factor(truth.name),
+    )
     nodes, now, samples = 1, 0.0, []
     while job.finish_s is None and now < horizon_s:
         nodes, models, adaptive = choose(job, nodes, job_setting, now)
         job.apply(cluster, spots(cluster, nodes), models, adaptive, now, settings.retune_threshold)
         batch = job.batch
-        samples.append(Sample(now, nodes, batch, truth.efficiency(job.progress, batch),
-                              job.progress / truth.total_progress))
+        samples.append(
+            Sample(now, nodes, batch, truth.efficiency(job.progress, batch), job.progress / truth.total_progress)
+        )
         job.advance(truth, now, options.period_s, 1)
         now += options.period_s
-    return AutoscaleRun(policy, truth.name, gpu_type, tuple(samples), job.finish_s, job.gpu_seconds / 3600,
-                        job.restarts)
+    return AutoscaleRun(
+        policy, truth.name, gpu_type, tuple(samples), job.finish_s, job.gpu_seconds / 3600, job.restarts
+    )
 
 
-def compare(truth: ModelTruth, gpu_type: str, options: ScalingOptions, settings: SimSettings,
-            horizon_s: float = HORIZON_S) -> dict[str, AutoscaleRun]:
+def compare(
+    truth: ModelTruth, gpu_type: str, options: ScalingOptions, settings: SimSettings, horizon_s: float = HORIZON_S
+) -> dict[str, AutoscaleRun]:
     """Both policies on the same job, cluster and settings."""
     return {policy: run_autoscaler(truth, policy, gpu_type, options, settings, horizon_s) for policy in POLICIES}
 

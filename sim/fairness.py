@@ -20,11 +20,11 @@ from typing import Callable, Mapping
 import numpy as np
 
 from policies.base import Policy
+from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Node
 from shared.reference import WorkloadJob
 from shared.settings import SimSettings
 from sim.simulator import Simulator
-from services.simulated.truth import ModelTruth
 
 
 def jobs_sharing(timeline: list[dict], start_s: float, end_s: float) -> float:
@@ -44,8 +44,10 @@ def fair_share(cluster: Cluster, n: float, units: Mapping[str, int] | None = Non
     usable = [t for t in cluster.gpu_types if t in units and cluster.gpus_per_node(t) >= units[t]]
     shares = {t: int(cluster.capacity(t) / n) for t in cluster.gpu_types}
     if not any(shares[t] >= units[t] for t in usable):
-        one_each = tuple(next(Node(node.name, t, units[t]) for node in cluster.nodes
-                              if node.gpu_type == t and node.gpus >= units[t]) for t in usable)
+        one_each = tuple(
+            next(Node(node.name, t, units[t]) for node in cluster.nodes if node.gpu_type == t and node.gpus >= units[t])
+            for t in usable
+        )
         return Cluster(f"{cluster.name}/{n:.2f}", one_each), n / max(cluster.capacity(t) / units[t] for t in usable)
     nodes = []
     for node in cluster.nodes:
@@ -59,8 +61,14 @@ def fair_share(cluster: Cluster, n: float, units: Mapping[str, int] | None = Non
 class AloneRuns:
     """Each job's JCT alone on a cluster, by simulation, cached per (model, request, cluster)."""
 
-    def __init__(self, make_policy: Callable[[], Policy], settings: SimSettings, truths: Mapping[str, ModelTruth],
-                 profiles, feedback_iterations: int):
+    def __init__(
+        self,
+        make_policy: Callable[[], Policy],
+        settings: SimSettings,
+        truths: Mapping[str, ModelTruth],
+        profiles,
+        feedback_iterations: int,
+    ):
         self.make_policy = make_policy
         self.settings = settings
         self.truths = truths
@@ -72,8 +80,15 @@ class AloneRuns:
         key = (job.application, job.num_replicas, job.batch_size, cluster.nodes)
         if key not in self._jct:
             alone = WorkloadJob(job.name, 0.0, job.application, job.num_replicas, job.batch_size)
-            sim = Simulator([alone], cluster, self.make_policy(), self.settings, self.truths, self.profiles,
-                            self.feedback_iterations)
+            sim = Simulator(
+                [alone],
+                cluster,
+                self.make_policy(),
+                self.settings,
+                self.truths,
+                self.profiles,
+                self.feedback_iterations,
+            )
             sim.run()
             self._jct[key] = sim.records()[0].finish_s
         return self._jct[key]

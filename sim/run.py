@@ -16,14 +16,13 @@ from typing import Awaitable, Callable, TextIO
 import numpy as np
 
 from policies.base import make_policy
+from services.simulated.truth import JobSources, job_sources
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import JobRecord
+from shared.settings import FEEDBACK_ITERATIONS, SimSettings, simulation_settings
 from sim.fairness import AloneRuns, finish_time_fairness
-from shared.settings import SimSettings, simulation_settings
 from sim.simulator import Simulator
-from services.simulated.truth import JobSources, job_sources
-from shared.settings import FEEDBACK_ITERATIONS
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
@@ -33,12 +32,26 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "max": round(float(max(values)), 3)}
 
 
-def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, reference: str | None = None,
-             use_zoo: bool = False, calibration: str | None = None, policy_options: dict | None = None,
-             feedback_iterations: int = FEEDBACK_ITERATIONS, sources: JobSources | None = None,
-             restart_delay_s: float | None = None, round_s: float | None = None, horizon_s: float | None = None,
-             progress: bool | Progress = False, over: Replayer | None = None, fairness: bool = True,
-             interference: float = 0.0, profile_request: bool = False) -> dict:
+def simulate(
+    workload: str | list[WorkloadJob],
+    cluster: str,
+    policy: str,
+    *,
+    reference: str | None = None,
+    use_zoo: bool = False,
+    calibration: str | None = None,
+    policy_options: dict | None = None,
+    feedback_iterations: int = FEEDBACK_ITERATIONS,
+    sources: JobSources | None = None,
+    restart_delay_s: float | None = None,
+    round_s: float | None = None,
+    horizon_s: float | None = None,
+    progress: bool | Progress = False,
+    over: Replayer | None = None,
+    fairness: bool = True,
+    interference: float = 0.0,
+    profile_request: bool = False,
+) -> dict:
     """Run one workload and return the result document. `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
     `progress` True reports on stderr as the run goes (`progress_reporter`), or is a callback
@@ -52,33 +65,62 @@ def simulate(workload: str | list[WorkloadJob], cluster: str, policy: str, *, re
     if not jobs:
         raise ValueError("the workload has no jobs")
     spec = load_cluster(cluster)
-    settings = simulation_settings(calibration, cluster, restart_delay_s, round_s, horizon_s, interference,
-                                   profile_request)
+    settings = simulation_settings(
+        calibration, cluster, restart_delay_s, round_s, horizon_s, interference, profile_request
+    )
     pol = make_policy(policy, **(policy_options or {}))
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
     if over is not None:
-        report, records = asyncio.run(over(jobs, cluster, policy, policy_options or {}, settings,
-                                                     reference, use_zoo, calibration, feedback_iterations,
-                                                     restart_delay_s, round_s, horizon_s, interference, sources.origin,
-                                                     show))
-        result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name,
-                                sources.origin)
+        report, records = asyncio.run(
+            over(
+                jobs,
+                cluster,
+                policy,
+                policy_options or {},
+                settings,
+                reference,
+                use_zoo,
+                calibration,
+                feedback_iterations,
+                restart_delay_s,
+                round_s,
+                horizon_s,
+                interference,
+                sources.origin,
+                show,
+            )
+        )
+        result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name, sources.origin)
     else:
         sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
         sim.run(show)
         result = results(sim, name, sources.origin)
     if fairness:
-        add_fairness(result, jobs, spec, policy, policy_options or {}, settings, sources, feedback_iterations,
-                     progress=fairness_reporter(result) if progress is True else None)
+        add_fairness(
+            result,
+            jobs,
+            spec,
+            policy,
+            policy_options or {},
+            settings,
+            sources,
+            feedback_iterations,
+            progress=fairness_reporter(result) if progress is True else None,
+        )
     return result
 
 
 def fairness_reporter(result: dict, stream: TextIO | None = None, **options) -> Progress:
     """`progress_reporter` for `add_fairness` on a result: its finished jobs, one alone run each."""
-    return progress_reporter(sum(j["jct_s"] is not None for j in result["jobs"]), stream,
-                             label="finish-time fairness", what="jobs", **options)
+    return progress_reporter(
+        sum(j["jct_s"] is not None for j in result["jobs"]),
+        stream,
+        label="finish-time fairness",
+        what="jobs",
+        **options,
+    )
 
 
 class _ReportedAloneRuns(AloneRuns):
@@ -95,14 +137,27 @@ class _ReportedAloneRuns(AloneRuns):
         return jct
 
 
-def add_fairness(result: dict, jobs: list[WorkloadJob], cluster, policy: str, policy_options: dict,
-                 settings: SimSettings, sources: JobSources, feedback_iterations: int,
-                 progress: Progress | None = None) -> None:
+def add_fairness(
+    result: dict,
+    jobs: list[WorkloadJob],
+    cluster,
+    policy: str,
+    policy_options: dict,
+    settings: SimSettings,
+    sources: JobSources,
+    feedback_iterations: int,
+    progress: Progress | None = None,
+) -> None:
     """Each job's finish-time fairness in a result document (sim.fairness): a run of each distinct
     job alone on its fair share, with the same policy and the same job model. `progress` is told of
     each finished job's alone run (None, done, finished jobs): `fairness_reporter(result)`."""
-    args = (lambda: make_policy(policy, **policy_options), settings, sources.truths, sources.profile,
-            feedback_iterations)
+    args = (
+        lambda: make_policy(policy, **policy_options),
+        settings,
+        sources.truths,
+        sources.profile,
+        feedback_iterations,
+    )
     total = sum(j["jct_s"] is not None for j in result["jobs"])
     alone = _ReportedAloneRuns(*args, progress=progress, total=total) if progress else AloneRuns(*args)
     finish_time_fairness(result, jobs, cluster, alone)
@@ -114,8 +169,9 @@ class _Replayed:
     jobs: dict = {}
 
 
-def replay_results(jobs, cluster, policy, settings, feedback_iterations, report, records, workload,
-                   origin: str) -> dict:
+def replay_results(
+    jobs, cluster, policy, settings, feedback_iterations, report, records, workload, origin: str
+) -> dict:
     """The result document of a replay the policy leader ran over NATS (its rounds and events, the
     executors' job records)."""
     sim = Simulator(jobs, cluster, policy, settings, feedback_iterations=feedback_iterations, wiring=_Replayed())
@@ -123,16 +179,23 @@ def replay_results(jobs, cluster, policy, settings, feedback_iterations, report,
     return results(sim, workload, origin, list(records.jobs))
 
 
-Progress = Callable[[float | None, int, int], None]     # (simulated time s or None, jobs done, jobs in all)
+Progress = Callable[[float | None, int, int], None]  # (simulated time s or None, jobs done, jobs in all)
 # Replays a workload through the services (launcher.stack.replay_over_nats): (report, the executors' records).
 Replayer = Callable[..., Awaitable[tuple]]
 
-PROGRESS_EVERY_S = 5.0     # wall-clock seconds between two progress lines when stderr is no terminal
+PROGRESS_EVERY_S = 5.0  # wall-clock seconds between two progress lines when stderr is no terminal
 
 
-def progress_reporter(total: int, stream: TextIO | None = None, *, tty: bool | None = None, label: str = "",
-                      what: str = "jobs done", every_s: float | None = None,
-                      clock: Callable[[], float] = time.monotonic) -> Progress:
+def progress_reporter(
+    total: int,
+    stream: TextIO | None = None,
+    *,
+    tty: bool | None = None,
+    label: str = "",
+    what: str = "jobs done",
+    every_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Progress:
     """A run's progress on `stream` (stderr): on a terminal a bar redrawn in place; otherwise (a log,
     a pipe, CI) a plain line every `every_s` seconds of wall time (default PROGRESS_EVERY_S), and a
     last one at the end when any was printed: `LABEL: 37/160 jobs done, 12.4 h simulated, 10 s
@@ -156,6 +219,7 @@ def progress_reporter(total: int, stream: TextIO | None = None, *, tty: bool | N
             last[0] = at
             simulated = "" if now is None else f", {now / 3600:.1f} h simulated"
             print(f"  {prefix}{done}/{of} {what}{simulated}, {at - start:.0f} s elapsed", file=stream, flush=True)
+
     return show
 
 
@@ -171,6 +235,7 @@ def _progress_bar(total: int, stream: TextIO, what: str = "jobs done"):
             print(f"\r  [{bar:<25}] {done}/{total} {what}{simulated}", end="", file=stream)
             if done == total:
                 print(file=stream)
+
     return show
 
 
@@ -179,16 +244,18 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
     jobs = []
     for j in sorted(records if records is not None else sim.records(), key=lambda r: (r.submit_s, r.name)):
         jct = None if j.finish_s is None else j.finish_s - j.submit_s
-        jobs.append({
-            "name": j.name,
-            "application": j.application,
-            "submit_s": j.submit_s,
-            "finish_s": j.finish_s,
-            "jct_s": jct,
-            "restarts": j.restarts,
-            "gpu_seconds": round(j.gpu_seconds, 3),
-            "feedback_s": None if j.feedback_s is None else round(j.feedback_s - j.submit_s, 3),
-        })
+        jobs.append(
+            {
+                "name": j.name,
+                "application": j.application,
+                "submit_s": j.submit_s,
+                "finish_s": j.finish_s,
+                "jct_s": jct,
+                "restarts": j.restarts,
+                "gpu_seconds": round(j.gpu_seconds, 3),
+                "feedback_s": None if j.feedback_s is None else round(j.feedback_s - j.submit_s, 3),
+            }
+        )
     done = [j for j in jobs if j["jct_s"] is not None]
     jcts = np.array([j["jct_s"] for j in done]) if done else np.zeros(0)
     finished = [j["finish_s"] for j in done]
@@ -221,9 +288,22 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
 # Every application known to the zoo and the reference data, in a fixed order: each keeps its colour
 # in every plot, whichever applications a workload has. Append new names; never reorder.
 KNOWN_APPLICATIONS = ("bert", "cifar10", "deepspeech2", "gpt_pmp", "imagenet", "ncf", "yolov3")
-_KNOWN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")   # tab10
-_OTHER_COLOURS = ("#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
-                  "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")    # the rest of tab10, tab20's light
+_KNOWN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")  # tab10
+_OTHER_COLOURS = (
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#c7c7c7",
+    "#dbdb8d",
+    "#9edae5",
+)  # the rest of tab10, tab20's light
 
 
 def application_colour(application: str) -> str:
@@ -244,14 +324,16 @@ def plot(result: dict, path: str | Path) -> None:
     """GPUs in use by each application over time (stacked), the JCT CDF, and the finish-time
     fairness CDF when the result has it; titled with the workload, the policy and the cluster."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     app_of = {j["name"]: j["application"] for j in result["jobs"]}
     apps = sorted(set(app_of.values()))
     t = np.array([r["t"] for r in result["timeline"]]) / 3600
-    stack = np.array([[sum(g for name, g in r["gpus"].items() if app_of[name] == a) for r in result["timeline"]]
-                      for a in apps])
+    stack = np.array(
+        [[sum(g for name, g in r["gpus"].items() if app_of[name] == a) for r in result["timeline"]] for a in apps]
+    )
     rhos = np.sort([j["rho"] for j in result["jobs"] if j.get("rho") is not None])
     fig, axes = plt.subplots(1, 3 if len(rhos) else 2, figsize=(19 if len(rhos) else 13, 4.5))
     ax1, ax2 = axes[:2]

@@ -21,10 +21,12 @@ import asyncio
 import logging
 from typing import Callable, Mapping
 
+from policies.base import Policy
 from services.estimator.core import Estimator
 from services.placer.core import place
-from policies.base import Policy
 from services.policy.rounds import Arrival, RoundLoop, Wiring
+from services.simulated.truth import ModelTruth
+from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.reference import WorkloadJob
 from shared.schema import (
@@ -39,8 +41,6 @@ from shared.schema import (
     RoundRecord,
 )
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings
-from services.simulated.truth import ModelTruth
-from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,15 @@ log = logging.getLogger(__name__)
 class DirectWiring:
     """The stages as plain calls in this process: simulated executors and the estimator's state."""
 
-    def __init__(self, workload: list[WorkloadJob], cluster: Cluster, settings: SimSettings,
-                 truths: Mapping[str, ModelTruth], profiles: Callable[[str, str], Profile],
-                 feedback_iterations: int):
+    def __init__(
+        self,
+        workload: list[WorkloadJob],
+        cluster: Cluster,
+        settings: SimSettings,
+        truths: Mapping[str, ModelTruth],
+        profiles: Callable[[str, str], Profile],
+        feedback_iterations: int,
+    ):
         unknown = sorted({j.application for j in workload} - set(truths))
         if unknown:
             raise ValueError(f"workload uses models with no profile data: {', '.join(unknown)}")
@@ -75,16 +81,24 @@ class DirectWiring:
     async def models(self, facts: list[JobFacts]) -> ModelsReply:
         return ModelsReply(tuple(self.estimator.models(facts)))
 
-    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult:
-        return place(self.cluster if nodes is None else Cluster(self.cluster.name, nodes), allocations, previous, groups)
+    async def place(
+        self,
+        round: int,
+        allocations: dict[str, Config],
+        previous: dict[str, Spots],
+        groups: dict[str, int],
+        nodes: tuple[Node, ...] | None = None,
+    ) -> PlacementResult:
+        return place(
+            self.cluster if nodes is None else Cluster(self.cluster.name, nodes), allocations, previous, groups
+        )
 
     async def apply(self, request: ApplyRequest) -> None:
         self.executors.apply(request)
 
     async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply:
         finished, observed = self.executors.advance(now, step, jobs)
-        for job_id, gpu_type, observation in observed:      # the executors' reports reach the estimator
+        for job_id, gpu_type, observation in observed:  # the executors' reports reach the estimator
             self.estimator.observe(job_id, gpu_type, observation)
         return AdvanceReply(tuple(finished), self.executors.failures(jobs, now))
 
@@ -92,9 +106,17 @@ class DirectWiring:
 class Simulator:
     """A workload replayed by the round loop over a wiring (direct unless given)."""
 
-    def __init__(self, workload: list[WorkloadJob], cluster: Cluster, policy: Policy, settings: SimSettings,
-                 truths: Mapping[str, ModelTruth] | None = None, profiles: Callable[[str, str], Profile] | None = None,
-                 feedback_iterations: int = FEEDBACK_ITERATIONS, wiring: Wiring | None = None):
+    def __init__(
+        self,
+        workload: list[WorkloadJob],
+        cluster: Cluster,
+        policy: Policy,
+        settings: SimSettings,
+        truths: Mapping[str, ModelTruth] | None = None,
+        profiles: Callable[[str, str], Profile] | None = None,
+        feedback_iterations: int = FEEDBACK_ITERATIONS,
+        wiring: Wiring | None = None,
+    ):
         """Over `wiring`, or, without one, a DirectWiring built from the jobs' `truths` and `profiles`."""
         if feedback_iterations < 1:
             raise ValueError(f"feedback iterations must be at least 1, got {feedback_iterations}")

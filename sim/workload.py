@@ -26,8 +26,9 @@ REQUESTED_GPUS = (1, 2, 4, 8)
 REQUESTED_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 
 
-def generate_workload(jobs: int = 40, hours: float = 2.0, seed: int = 0,
-                      mix: dict[str, float] | None = None) -> list[WorkloadJob]:
+def generate_workload(
+    jobs: int = 40, hours: float = 2.0, seed: int = 0, mix: dict[str, float] | None = None
+) -> list[WorkloadJob]:
     if jobs < 1 or hours <= 0:
         raise ValueError("a workload needs at least one job and a positive window")
     mix = mix or DEFAULT_MIX

@@ -14,16 +14,34 @@ import subprocess
 import uuid
 
 import nats
+from test_live_service import (
+    GOODPUT,
+    ROOT,
+    Up,
+    command_env,
+    stack,  # noqa: F401 - the fixture: `goodput up` serving
+    user_login,
+    wait_for,
+)
+
 from services.api import service as api
 from shared import storage, subjects
-from shared.submissions import agents_models, submission_problem
 from shared.cluster import load_cluster
-from shared.schema import (JobOwner, JobRecord, JobRecords, JobRequest, JobSpec, JobsQuery, JobStatus, NodeInfo,
-                           Rejected, SubmitAnswer)
-from test_live_service import GOODPUT, ROOT, Up, command_env, user_login, wait_for
-from test_live_service import stack  # noqa: F401 - the fixture: `goodput up` serving
+from shared.schema import (
+    JobOwner,
+    JobRecord,
+    JobRecords,
+    JobRequest,
+    JobSpec,
+    JobsQuery,
+    JobStatus,
+    NodeInfo,
+    Rejected,
+    SubmitAnswer,
+)
+from shared.submissions import agents_models, submission_problem
 
-SUBMIT = "goodput.jobs.submit.user"              # the subjects as the docs write them: the login's own
+SUBMIT = "goodput.jobs.submit.user"  # the subjects as the docs write them: the login's own
 API = "goodput.api"
 
 
@@ -44,7 +62,7 @@ async def until(nc, job_id: str, states: set[str], timeout_s: float = 300.0) -> 
         await asyncio.sleep(0.5)
 
 
-def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):  # noqa: F811
+def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
     port, data, up = stack
 
     async def session() -> None:
@@ -53,10 +71,11 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             # The durable, fire-and-forget path: JSON on the JetStream subject, Nats-Msg-Id = id + the
             # body's digest, as docs/api.md says, so a corrected body is never taken for a repeat.
             body = json.dumps({"id": "json-1", "application": "cifar10", "requested_gpus": 2.0}).encode()
-            ack = await nc.jetstream().publish(SUBMIT, body, headers={
-                "Nats-Msg-Id": f"json-1.{hashlib.sha256(body).hexdigest()[:16]}"})
+            ack = await nc.jetstream().publish(
+                SUBMIT, body, headers={"Nats-Msg-Id": f"json-1.{hashlib.sha256(body).hexdigest()[:16]}"}
+            )
             assert ack.seq > 0
-            await nc.jetstream().publish(SUBMIT, b"not json at all")       # listed as refused, "id": null
+            await nc.jetstream().publish(SUBMIT, b"not json at all")  # listed as refused, "id": null
 
             # The answering path: a bad body is refused with the reason, and reserves nothing.
             bad, _ = await ask(nc, f"{API}.submit", {"id": "api-1", "application": "cifar10", "requested_gpus": "four"})
@@ -73,8 +92,12 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
 
             # Different bodies racing under one id: one is the job, the others are told, and the job is
             # the one its answer said.
-            racing = await asyncio.gather(*(ask(nc, f"{API}.submit", {"id": "race-1", "application": "cifar10",
-                                                                         "requested_gpus": n}) for n in range(1, 9)))
+            racing = await asyncio.gather(
+                *(
+                    ask(nc, f"{API}.submit", {"id": "race-1", "application": "cifar10", "requested_gpus": n})
+                    for n in range(1, 9)
+                )
+            )
             won = [n for n, (answer, _) in enumerate(racing, start=1) if answer["accepted"]]
             assert len(won) == 1 and all("already exists" in a["reason"] for a, _ in racing if not a["accepted"])
             race = await until(nc, "race-1", {"queued", "running", "finished"})
@@ -101,19 +124,26 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             missing, headers = await ask(nc, f"{API}.cancel", {"id": "no-such-job"})
             assert headers.get("Nats-Service-Error-Code") == "404", (missing, headers)
             # Whatever the body, the answer is JSON: not an object, or empty (every field its default).
-            for body, word in ((b'"hello"', "JSON object"), (b"[1, 2]", "JSON object"),
-                               (b"", "field `id`; a submission names at least its id and application")):
+            for body, word in (
+                (b'"hello"', "JSON object"),
+                (b"[1, 2]", "JSON object"),
+                (b"", "field `id`; a submission names at least its id and application"),
+            ):
                 answer = json.loads((await nc.request(f"{API}.submit", body, timeout=30)).data)
                 assert answer["accepted"] is False and word in answer["reason"], (body, answer)
             everything = json.loads((await nc.request(f"{API}.jobs", b"", timeout=30)).data)
-            named = [j["id"] for j in everything["jobs"] if j["id"] is not None]   # one row per id
+            named = [j["id"] for j in everything["jobs"] if j["id"] is not None]  # one row per id
             assert everything["total"] >= 3 and len(set(named)) == len(named), named
             # A refused body is listed with what could be read of it: the id and application of a typo'd
             # one; a body that is no JSON object under "id": null, saying what a submission is.
             listed = {j["id"]: j for j in everything["jobs"] if j["id"] is not None}
-            assert (listed["api-2"]["state"], listed["api-2"]["application"]) == ("rejected", "cifar10"), listed["api-2"]
-            assert any(j["id"] is None and "not json at all" in j["reason"] and "a message is a JSON object"
-                       in j["reason"] for j in everything["jobs"]), everything["jobs"]
+            assert (listed["api-2"]["state"], listed["api-2"]["application"]) == ("rejected", "cifar10"), listed[
+                "api-2"
+            ]
+            assert any(
+                j["id"] is None and "not json at all" in j["reason"] and "a message is a JSON object" in j["reason"]
+                for j in everything["jobs"]
+            ), everything["jobs"]
             schemas, _ = await ask(nc, f"{API}.schemas", {})
             assert {"JobSpec", "SubmitAnswer", "JobStatus", "CancelAnswer"} <= set(schemas["$defs"])
             assert "requested_gpus" in schemas["$defs"]["JobSpec"]["properties"]
@@ -129,20 +159,31 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
 
     # `goodput cancel`, as a user runs it with the stack's address and login; twice is harmless.
     for _ in range(2):
-        cancelled = subprocess.run([*GOODPUT, "cancel", "big-1", "--server", f"nats://127.0.0.1:{port}"],
-                                   cwd=ROOT, env=command_env(data), capture_output=True, text=True, timeout=120)
+        cancelled = subprocess.run(
+            [*GOODPUT, "cancel", "big-1", "--server", f"nats://127.0.0.1:{port}"],
+            cwd=ROOT,
+            env=command_env(data),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
-    ended = subprocess.run([*GOODPUT, "cancel", "json-1"], cwd=ROOT, env=command_env(data), capture_output=True,
-                           text=True, timeout=120)
+    ended = subprocess.run(
+        [*GOODPUT, "cancel", "json-1"], cwd=ROOT, env=command_env(data), capture_output=True, text=True, timeout=120
+    )
     assert ended.returncode == 2 and "has ended" in ended.stderr, ended.stderr
 
-    def gave_back(document):          # the next round has its GPUs back: it is in no placement
+    def gave_back(document):  # the next round has its GPUs back: it is in no placement
         jobs = {j["id"]: j for j in document["jobs"]}
         return jobs["big-1"]["state"] == "cancelled" and jobs["big-1"]["gpus"] == 0
 
     listed = [j["id"] for j in wait_for(data, gave_back, "big-1 cancelled, holding no GPUs", timeout_s=120)["jobs"]]
-    said = wait_for(data, lambda _: "big-1 was cancelled by its user" in up.log.read_text(),
-                    "the live output saying big-1 was cancelled", timeout_s=60)
+    said = wait_for(
+        data,
+        lambda _: "big-1 was cancelled by its user" in up.log.read_text(),
+        "the live output saying big-1 was cancelled",
+        timeout_s=60,
+    )
     assert said["run"]["state"] == "running"
     up.interrupt()
     again = Up(port, data)
@@ -151,7 +192,7 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
         document = wait_for(data, lambda d: d["run"]["state"] == "running", "the live run resumed", timeout_s=120)
         states = {j["id"]: j["state"] for j in document["jobs"]}
         assert states["big-1"] == "cancelled" and states["api-1"] == "finished", states
-        assert [j["id"] for j in document["jobs"]] == listed          # in the order they came, as before
+        assert [j["id"] for j in document["jobs"]] == listed  # in the order they came, as before
     finally:
         again.kill()
 
@@ -162,8 +203,17 @@ async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(c
     await storage.provision(await connect_bus("operator"))
     bus = await connect_bus()
     job_id = f"corrected-{uuid.uuid4().hex[:8]}"
-    refused = JobRecord(job_id, "cifar10", math.nan, None, 0, 0.0, None, state="rejected",
-                        failure="malformed submission: Expected `int`, got `str` - at `$.requested_gpus`")
+    refused = JobRecord(
+        job_id,
+        "cifar10",
+        math.nan,
+        None,
+        0,
+        0.0,
+        None,
+        state="rejected",
+        failure="malformed submission: Expected `int`, got `str` - at `$.requested_gpus`",
+    )
     # The executors' record endpoint, standing still at that moment (no executor runs here).
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords((refused,)))
     owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
@@ -185,13 +235,14 @@ async def serve_api(connect_bus, problem=lambda spec: None):
     bus = await connect_bus()
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
     recorded: asyncio.Queue[Rejected] = asyncio.Queue()
-    await bus.subscribe(f"{subjects.REFUSED}.*", Rejected, recorded.put_nowait)       # each login's refusals
+    await bus.subscribe(f"{subjects.REFUSED}.*", Rejected, recorded.put_nowait)  # each login's refusals
     await api.start(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
     return bus, recorded
 
 
-async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what_could_be_read(connect_bus,
-                                                                                                nats_server):
+async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what_could_be_read(
+    connect_bus, nats_server
+):
     """Whatever is wrong with a body (not JSON, empty, too large, a typo'd field, a bad value), a
     nats-py client gets the same: error 400 in the headers, the SubmitAnswer with the reason as the
     body; the refusal is recorded with the id and application when they can be read."""
@@ -200,17 +251,37 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
     bodies = {
         "not JSON": (b"hello there", None, None, "a message is a JSON object"),
         "empty": (b"", None, None, "field `id`"),
-        "too large": (json.dumps({"id": f"big-{tag}", "application": "cifar10", "gpu_types": ["x" * 100_000]}).encode(),
-                      f"big-{tag}", "cifar10", "at most 64 KiB"),
-        "typo": (json.dumps({"id": f"typo-{tag}", "application": "cifar10", "requestd_gpus": 2}).encode(),
-                 f"typo-{tag}", "cifar10", "did you mean `requested_gpus`"),
-        "bad value": (json.dumps({"id": f"bad-{tag}", "application": "bert", "requested_gpus": "four"}).encode(),
-                      f"bad-{tag}", "bert", "$.requested_gpus"),
+        "too large": (
+            json.dumps({"id": f"big-{tag}", "application": "cifar10", "gpu_types": ["x" * 100_000]}).encode(),
+            f"big-{tag}",
+            "cifar10",
+            "at most 64 KiB",
+        ),
+        "typo": (
+            json.dumps({"id": f"typo-{tag}", "application": "cifar10", "requestd_gpus": 2}).encode(),
+            f"typo-{tag}",
+            "cifar10",
+            "did you mean `requested_gpus`",
+        ),
+        "bad value": (
+            json.dumps({"id": f"bad-{tag}", "application": "bert", "requested_gpus": "four"}).encode(),
+            f"bad-{tag}",
+            "bert",
+            "$.requested_gpus",
+        ),
         # As the published schema says: a number in a string is no number, 1 is no boolean.
-        "number as text": (json.dumps({"id": f"text-{tag}", "application": "bert", "requested_gpus": "2"}).encode(),
-                           f"text-{tag}", "bert", "Expected `int`, got `str` - at `$.requested_gpus`"),
-        "1 for true": (json.dumps({"id": f"flag-{tag}", "application": "bert", "rigid": 1}).encode(),
-                       f"flag-{tag}", "bert", "Expected `bool`, got `int` - at `$.rigid`"),
+        "number as text": (
+            json.dumps({"id": f"text-{tag}", "application": "bert", "requested_gpus": "2"}).encode(),
+            f"text-{tag}",
+            "bert",
+            "Expected `int`, got `str` - at `$.requested_gpus`",
+        ),
+        "1 for true": (
+            json.dumps({"id": f"flag-{tag}", "application": "bert", "rigid": 1}).encode(),
+            f"flag-{tag}",
+            "bert",
+            "Expected `bool`, got `int` - at `$.rigid`",
+        ),
         # Nested 20,000 deep: refused before it is read, so nothing of it is.
         "nested deep": (b'{"id": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", None, None, "nests at most 64 levels deep"),
     }
@@ -224,11 +295,15 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
             assert headers.get("Nats-Service-Error") == answer["reason"], (name, headers)
             refusal = await asyncio.wait_for(recorded.get(), 10)
             assert (refusal.job_id, refusal.application, refusal.reason) == (job_id, application, answer["reason"])
-        good = await nc.request(f"{API}.submit", json.dumps({"id": f"good-{tag}", "application": "cifar10"}).encode(),
-                                timeout=30)
+        good = await nc.request(
+            f"{API}.submit", json.dumps({"id": f"good-{tag}", "application": "cifar10"}).encode(), timeout=30
+        )
         assert json.loads(good.data)["accepted"] and "Nats-Service-Error-Code" not in (good.headers or {}), good
-        whole = await nc.request(f"{API}.submit", b'{"id": "whole-%s", "application": "cifar10", "requested_gpus": 2.0}'
-                                 % tag.encode(), timeout=30)                  # 2.0 is 2 to a JSON client
+        whole = await nc.request(
+            f"{API}.submit",
+            b'{"id": "whole-%s", "application": "cifar10", "requested_gpus": 2.0}' % tag.encode(),
+            timeout=30,
+        )  # 2.0 is 2 to a JSON client
         assert json.loads(whole.data)["accepted"], whole.data
     finally:
         await nc.close()
@@ -242,24 +317,33 @@ async def test_an_unknown_application_is_refused_at_once_from_what_the_node_agen
     await storage.provision(await connect_bus("operator"))
     members = await storage.open_kv(await connect_bus("agent"), subjects.NODES_BUCKET, NodeInfo)
     node = cluster.nodes[0]
-    await members.put(f"n-{uuid.uuid4().hex[:8]}", NodeInfo(node.name, node.gpu_type, node.gpus, "127.0.0.1",
-                                                             applications=("mlp_blobs", "tiny_lm")))
+    await members.put(
+        f"n-{uuid.uuid4().hex[:8]}",
+        NodeInfo(node.name, node.gpu_type, node.gpus, "127.0.0.1", applications=("mlp_blobs", "tiny_lm")),
+    )
 
-    async def problem(spec: JobSpec) -> str | None:          # the profiler's check with real executors
-        return submission_problem(spec, cluster, agents_models((await members.values()).values(), cluster.gpu_types),
-                                  live=True)
+    async def problem(spec: JobSpec) -> str | None:  # the profiler's check with real executors
+        return submission_problem(
+            spec, cluster, agents_models((await members.values()).values(), cluster.gpu_types), live=True
+        )
 
     await serve_api(connect_bus, problem)
     tag = uuid.uuid4().hex[:8]
     nc = await nats.connect(nats_server)
     try:
-        unknown = await nc.request(f"{API}.submit", json.dumps({"id": f"unk-{tag}", "application": "nosuchjob"}).encode(),
-                                   timeout=30)
+        unknown = await nc.request(
+            f"{API}.submit", json.dumps({"id": f"unk-{tag}", "application": "nosuchjob"}).encode(), timeout=30
+        )
         answer = json.loads(unknown.data)
         assert answer["accepted"] is False and "unknown application 'nosuchjob'" in answer["reason"], answer
         assert "tiny_lm" in answer["reason"] and (unknown.headers or {}).get("Nats-Service-Error-Code") == "400"
-        known = json.loads((await nc.request(f"{API}.submit", json.dumps({"id": f"lm-{tag}", "application": "tiny_lm"})
-                                             .encode(), timeout=30)).data)
+        known = json.loads(
+            (
+                await nc.request(
+                    f"{API}.submit", json.dumps({"id": f"lm-{tag}", "application": "tiny_lm"}).encode(), timeout=30
+                )
+            ).data
+        )
         assert known["accepted"] is True, known
     finally:
         await nc.close()

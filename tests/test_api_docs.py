@@ -7,8 +7,8 @@ import msgspec
 import pytest
 
 from services.api.service import DOCS, ENDPOINTS, cut, schemas, schemas_markdown
-from shared.submissions import malformed_reason
 from shared.schema import JobRecord, JobSpec, JobsQuery, JobStatus, job_statuses, select
+from shared.submissions import malformed_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,28 +27,41 @@ def test_every_endpoint_has_its_messages_schemas():
 
 
 def test_a_page_is_one_logins_filtered_then_paged_in_order_and_cut_to_its_bytes():
-    records = [JobRecord(f"j{i}", "cifar10" if i < 6 else "bert", 0.0, None, 0, 0.0, None,
-                         state="finished" if i % 2 else "running", owner="alice" if i < 8 else "bob")
-               for i in range(10)]
+    records = [
+        JobRecord(
+            f"j{i}",
+            "cifar10" if i < 6 else "bert",
+            0.0,
+            None,
+            0,
+            0.0,
+            None,
+            state="finished" if i % 2 else "running",
+            owner="alice" if i < 8 else "bob",
+        )
+        for i in range(10)
+    ]
     first = select(records, JobsQuery(owner="alice", state="finished", limit=2))
     assert [j.name for j in first.jobs] == ["j1", "j3"] and first.total == 4
     last = select(records, JobsQuery(owner="alice", state="finished", offset=2, limit=2))
     assert [j.name for j in last.jobs] == ["j5", "j7"]
-    assert select(records, JobsQuery(owner="bob")).jobs == tuple(records[8:])          # another login's: none of alice's
-    assert len(select(records, JobsQuery()).jobs) == 10                               # the operator's: every one
+    assert select(records, JobsQuery(owner="bob")).jobs == tuple(records[8:])  # another login's: none of alice's
+    assert len(select(records, JobsQuery()).jobs) == 10  # the operator's: every one
     assert select(records, JobsQuery(application="bert", owner="alice")).total == 2
     statuses = tuple(JobStatus(f"j{i}", "failed", reason="x" * 100_000) for i in range(5))
-    page = cut(statuses, 10, 15, msgspec.msgpack.encode)          # a page past PAGE_BYTES is cut short, and says so
+    page = cut(statuses, 10, 15, msgspec.msgpack.encode)  # a page past PAGE_BYTES is cut short, and says so
     assert len(page.jobs) == 2 and page.next_offset == 12 and page.total == 15, page.next_offset
 
 
 def test_a_job_is_listed_once_as_its_own_record_not_a_refusal_of_another_body_under_its_id():
-    records = [JobRecord("a", "cifar10", 0.0, None, 0, 0.0, None, state="running"),
-               JobRecord("a", "", math.nan, None, 0, 0.0, None, failure="already exists", state="rejected"),
-               JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable", state="rejected"),
-               JobRecord("b", "", math.nan, None, 0, 0.0, None, failure="no such GPU", state="rejected"),
-               JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable too", state="rejected"),
-               JobRecord("b", "cifar10", 5.0, None, 0, 0.0, None, state="queued")]     # a corrected body took b
+    records = [
+        JobRecord("a", "cifar10", 0.0, None, 0, 0.0, None, state="running"),
+        JobRecord("a", "", math.nan, None, 0, 0.0, None, failure="already exists", state="rejected"),
+        JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable", state="rejected"),
+        JobRecord("b", "", math.nan, None, 0, 0.0, None, failure="no such GPU", state="rejected"),
+        JobRecord("", "", math.nan, None, 0, 0.0, None, failure="unreadable too", state="rejected"),
+        JobRecord("b", "cifar10", 5.0, None, 0, 0.0, None, state="queued"),
+    ]  # a corrected body took b
     rows = [(j.id, j.state) for j in job_statuses(records)]
     assert rows == [("a", "running"), (None, "rejected"), ("b", "queued"), (None, "rejected")], rows
 

@@ -10,9 +10,9 @@ import pytest
 
 from cli.main import main
 from goodput_train.goodput import GoodputModel
+from shared.settings import settings_for
 from sim import autoscale as auto
 from sim.run import job_sources
-from shared.settings import settings_for
 
 OPTIONS = auto.ScalingOptions()
 SETTINGS = settings_for("pollux", "")
@@ -39,18 +39,20 @@ def runs(imagenet):
 
 
 def test_a_rescale_stops_where_goodput_per_node_first_falls_below_lower():
-    scaling = np.array([1.0, 0.9, 0.8, 0.6, 0.55, 0.45, 0.7, 0.6])   # a dip below L, then back above it
-    assert auto.next_size(1, scaling, OPTIONS) == 5                      # not 7 or 8, past the dip
-    assert auto.next_size(4, scaling, OPTIONS) == 4                      # 0.6 is within [L, U]: hold
-    assert auto.next_size(6, scaling, OPTIONS) == 5                      # 0.45 < L: down
-    assert auto.next_size(12, scaling, OPTIONS) == 5                     # past max_nodes: back within it
+    scaling = np.array([1.0, 0.9, 0.8, 0.6, 0.55, 0.45, 0.7, 0.6])  # a dip below L, then back above it
+    assert auto.next_size(1, scaling, OPTIONS) == 5  # not 7 or 8, past the dip
+    assert auto.next_size(4, scaling, OPTIONS) == 4  # 0.6 is within [L, U]: hold
+    assert auto.next_size(6, scaling, OPTIONS) == 5  # 0.45 < L: down
+    assert auto.next_size(12, scaling, OPTIONS) == 5  # past max_nodes: back within it
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.2, 0.5, 0.9])
-def test_decide_never_passes_the_size_where_predicted_goodput_per_node_falls_below_lower(imagenet, params, limits,
-                                                                                        fraction):
-    model = GoodputModel(params, *imagenet.stats(fraction * imagenet.total_progress, imagenet.init_batch),
-                         imagenet.init_batch)
+def test_decide_never_passes_the_size_where_predicted_goodput_per_node_falls_below_lower(
+    imagenet, params, limits, fraction
+):
+    model = GoodputModel(
+        params, *imagenet.stats(fraction * imagenet.total_progress, imagenet.init_batch), imagenet.init_batch
+    )
     scaling = auto.goodput_scaling(model, limits, OPTIONS)
     for nodes in range(1, OPTIONS.max_nodes + 1):
         chosen = auto.decide(nodes, model, limits, OPTIONS)
@@ -81,20 +83,23 @@ def test_goodput_auto_scaler_costs_fewer_gpu_hours_than_throughput(runs):
     good, base = runs["goodput"], runs["throughput"]
     assert good.finish_s is not None and base.finish_s is not None
     assert good.gpu_hours < base.gpu_hours
-    assert good.mean_efficiency() > base.mean_efficiency()     # it waits until big batches are efficient
+    assert good.mean_efficiency() > base.mean_efficiency()  # it waits until big batches are efficient
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(upper=0.5, lower=0.5), "above the lower"),
-    (dict(upper=0.4, lower=0.5), "above the lower"),
-    (dict(lower=0.0), "L must be > 0"),
-    (dict(lower=-0.1), "L must be > 0"),
-    (dict(upper=1.5), "U must be <= 1"),
-    (dict(max_nodes=0), "max_nodes must be >= 1"),
-    (dict(gpus_per_node=0), "at least 1 GPU"),
-    (dict(period_s=0), "period must be > 0"),
-    (dict(baseline_local_batch=0), "per-GPU batch must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(upper=0.5, lower=0.5), "above the lower"),
+        (dict(upper=0.4, lower=0.5), "above the lower"),
+        (dict(lower=0.0), "L must be > 0"),
+        (dict(lower=-0.1), "L must be > 0"),
+        (dict(upper=1.5), "U must be <= 1"),
+        (dict(max_nodes=0), "max_nodes must be >= 1"),
+        (dict(gpus_per_node=0), "at least 1 GPU"),
+        (dict(period_s=0), "period must be > 0"),
+        (dict(baseline_local_batch=0), "per-GPU batch must be >= 1"),
+    ],
+)
 def test_bad_options_raise_a_clear_value_error(options, message):
     with pytest.raises(ValueError, match=message):
         auto.ScalingOptions(**options)

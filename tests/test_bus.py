@@ -12,8 +12,16 @@ import msgspec
 import pytest
 from nats import micro
 
-from shared.bus import (CHUNK_HEADER, DEAD_REASON_HEADER, MAX_ASSEMBLIES, MAX_PARTS, ChunkLost, Delivery, KVEntry,
-                        RevisionConflict)
+from shared.bus import (
+    CHUNK_HEADER,
+    DEAD_REASON_HEADER,
+    MAX_ASSEMBLIES,
+    MAX_PARTS,
+    ChunkLost,
+    Delivery,
+    KVEntry,
+    RevisionConflict,
+)
 
 TIMEOUT_S = 3.0
 
@@ -228,13 +236,14 @@ async def test_kv_create_and_compare_and_set(connect_bus, name_prefix):
 
 # ---- bodies larger than max_payload ---------------------------------------------------------------
 
+
 class Blob(msgspec.Struct, frozen=True):
     tag: int
     data: bytes
 
 
 def several_mb(tag: int) -> Blob:
-    return Blob(tag, os.urandom(3 * 1024 * 1024 + 12345))   # 3 MiB and a bit: four parts at 1 MiB
+    return Blob(tag, os.urandom(3 * 1024 * 1024 + 12345))  # 3 MiB and a bit: four parts at 1 MiB
 
 
 async def test_large_requests_and_replies_travel_in_parts(connect_bus, name_prefix):
@@ -245,7 +254,7 @@ async def test_large_requests_and_replies_travel_in_parts(connect_bus, name_pref
 
     async def reverse(blob: Blob) -> Blob:
         seen.append(blob.tag)
-        await asyncio.sleep(0.05)               # the two requests overlap on the replicas
+        await asyncio.sleep(0.05)  # the two requests overlap on the replicas
         return Blob(blob.tag, blob.data[::-1])
 
     for replica in ("a", "b"):
@@ -253,16 +262,18 @@ async def test_large_requests_and_replies_travel_in_parts(connect_bus, name_pref
         service = await micro.add_service(bus.nc, name=f"{name_prefix}_svc", version="0.1.0")
         await bus.add_endpoint(service, "reverse", subject, Blob, reverse)
     first, second = await connect_bus("first"), await connect_bus("second")
-    assert first.nc.max_payload == 1024 * 1024          # the server's default: these bodies cannot go whole
+    assert first.nc.max_payload == 1024 * 1024  # the server's default: these bodies cannot go whole
     blobs = [several_mb(1), several_mb(2), several_mb(3)]
     assert all(len(first.encode(b)) > 3 * first.nc.max_payload for b in blobs)
 
-    replies = await asyncio.gather(first.request(subject, blobs[0], Blob, timeout=TIMEOUT_S),
-                                   second.request(subject, blobs[1], Blob, timeout=TIMEOUT_S),
-                                   first.request(subject, blobs[2], Blob, timeout=TIMEOUT_S))
+    replies = await asyncio.gather(
+        first.request(subject, blobs[0], Blob, timeout=TIMEOUT_S),
+        second.request(subject, blobs[1], Blob, timeout=TIMEOUT_S),
+        first.request(subject, blobs[2], Blob, timeout=TIMEOUT_S),
+    )
 
     assert replies == [Blob(b.tag, b.data[::-1]) for b in blobs]
-    assert sorted(seen) == [1, 2, 3]                     # each request handled once, by one replica
+    assert sorted(seen) == [1, 2, 3]  # each request handled once, by one replica
 
 
 async def test_large_reply_of_a_plain_subscription(connect_bus, name_prefix):
@@ -279,7 +290,7 @@ async def test_a_lost_reply_part_raises_chunk_lost(connect_bus, name_prefix):
     server, client = await connect_bus("server"), await connect_bus("client")
     subject = f"{name_prefix}.broken"
 
-    async def answer_first_part_only(raw) -> None:   # a responder that dies after its first part
+    async def answer_first_part_only(raw) -> None:  # a responder that dies after its first part
         await server.nc.publish(raw.reply, b"\x92\x01", headers={CHUNK_HEADER: "0/3"})
 
     await server.nc.subscribe(subject, cb=answer_first_part_only)
@@ -307,7 +318,7 @@ async def test_a_lost_request_part_drops_the_request_and_the_endpoint_goes_on(co
     server, client = await connect_bus("server"), await connect_bus("client")
     subject, handled = await _echo_endpoint(server, name_prefix)
     server.chunk_timeout_s = 0.3
-    gone = client.nc.new_inbox()           # a requester that sent its first part and died: no one answers here
+    gone = client.nc.new_inbox()  # a requester that sent its first part and died: no one answers here
     with caplog.at_level(logging.WARNING, logger="shared.bus"):
         await client.nc.publish(subject, client.encode(Ping(1))[:2], reply=gone, headers={CHUNK_HEADER: "0/2"})
         # Answered while the other waits for its part: a request in parts never holds up the endpoint.
@@ -325,8 +336,9 @@ async def test_a_bad_part_header_drops_the_request_and_the_endpoint_goes_on(conn
     subject, handled = await _echo_endpoint(server, name_prefix)
     with caplog.at_level(logging.WARNING, logger="shared.bus"):
         for mark in ("x/y", f"0/{MAX_PARTS + 1}", "3/2", "-1/2"):
-            await client.nc.publish(subject, client.encode(Ping(1)), reply=client.nc.new_inbox(),
-                                    headers={CHUNK_HEADER: mark})
+            await client.nc.publish(
+                subject, client.encode(Ping(1)), reply=client.nc.new_inbox(), headers={CHUNK_HEADER: mark}
+            )
         assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
 
     assert handled == [Ping(2)]
@@ -358,14 +370,17 @@ async def test_requests_in_parts_are_refused_where_not_taken_and_bounded_per_req
     await server.add_endpoint(service, "status", f"{name_prefix}.status", Ping, lambda ping: Pong(ping.n), parts=False)
     first = client.encode(Ping(1))[:2]
     refusal = await client.nc.request(f"{name_prefix}.status", first, timeout=TIMEOUT_S, headers={CHUNK_HEADER: "0/2"})
-    assert refusal.headers["Nats-Service-Error-Code"] == "400" and "in one message" in refusal.headers["Nats-Service-Error"]
+    assert (
+        refusal.headers["Nats-Service-Error-Code"] == "400"
+        and "in one message" in refusal.headers["Nats-Service-Error"]
+    )
 
-    silent = client.nc.new_inbox()           # a requester that never sends its other parts
+    silent = client.nc.new_inbox()  # a requester that never sends its other parts
     answers = await client.nc.subscribe(f"{silent}.*")
     for index in range(MAX_ASSEMBLIES + 1):
         await client.nc.publish(subject, first, reply=f"{silent}.{index}", headers={CHUNK_HEADER: "0/2"})
     assert await client.request(subject, Ping(2), Pong, timeout=TIMEOUT_S) == Pong(2)
-    while True:                              # the server asks for the parts it takes; refuses the one over
+    while True:  # the server asks for the parts it takes; refuses the one over
         message = await answers.next_msg(timeout=TIMEOUT_S)
         if message.headers and message.headers.get("Nats-Service-Error-Code") == "400":
             break
@@ -383,7 +398,7 @@ async def test_json_bodies_are_read_as_json_and_a_json_request_is_answered_in_js
     assert msgspec.json.decode(reply.data) == {"n": 2}
     refused = await client.nc.request(subject, b'{"n": -1}', timeout=TIMEOUT_S)
     assert refused.headers["Nats-Service-Error-Code"] == "400" and "n" in refused.headers["Nats-Service-Error"]
-    assert await client.request(subject, Ping(3), Pong, timeout=TIMEOUT_S) == Pong(3)      # msgpack, as before
+    assert await client.request(subject, Ping(3), Pong, timeout=TIMEOUT_S) == Pong(3)  # msgpack, as before
     assert handled == [Ping(2, "hi"), Ping(3)]
 
     stream, subject = f"{name_prefix}_JSON", f"{name_prefix}.json"
@@ -410,13 +425,13 @@ async def test_kv_value_larger_than_a_message(connect_bus, name_prefix):
     updated = await kv.update("run.1", big, revision=created)
     read = await kv_other.get("run.1")
     assert (read.value, read.revision) == (big, updated)
-    assert await stored_parts() == 4                       # the first value's parts are purged
+    assert await stored_parts() == 4  # the first value's parts are purged
 
-    with pytest.raises(RevisionConflict):                  # a stale writer's parts are purged too
+    with pytest.raises(RevisionConflict):  # a stale writer's parts are purged too
         await kv_other.update("run.1", several_mb(3), revision=created)
     assert await stored_parts() == 4 and (await kv.get("run.1")).value == big
 
-    await kv.put("run", Blob(0, b"small"))                 # a key that is a prefix of the other's
+    await kv.put("run", Blob(0, b"small"))  # a key that is a prefix of the other's
     await kv_other.update("run.1", Blob(4, b"small now"), revision=updated)
     assert await stored_parts() == 0
     assert sorted(await kv.keys()) == ["run", "run.1"]
@@ -429,8 +444,8 @@ async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consume
     await bus.ensure_stream(stream, [subject])
     await bus.ensure_stream(f"{name_prefix}_DEAD", [dead])
     consumer = await bus.pull_consumer(stream, "worker", subject, Ping, max_deliver=2, dead_letters=dead)
-    await bus.js_publish(subject, Ping(1))         # fails every time
-    await bus.js_publish(subject, Ping(2))         # fine
+    await bus.js_publish(subject, Ping(1))  # fails every time
+    await bus.js_publish(subject, Ping(2))  # fine
     tries: list[int] = []
     handled: asyncio.Queue = asyncio.Queue()
     buried: asyncio.Queue = asyncio.Queue()
@@ -441,12 +456,15 @@ async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consume
             raise RuntimeError("poison")
         handled.put_nowait(ping)
 
-    task = asyncio.create_task(consumer.consume(handle, with_delivery=True, timeout=0.5,
-                                                on_dead=lambda delivery, error: buried.put_nowait(str(error))))
+    task = asyncio.create_task(
+        consumer.consume(
+            handle, with_delivery=True, timeout=0.5, on_dead=lambda delivery, error: buried.put_nowait(str(error))
+        )
+    )
     try:
-        assert await next_item(handled) == Ping(2)             # the one behind it is not held up
-        assert await next_item(buried) == "poison"             # on its last delivery, once
-        for _ in range(100):                                   # then stored and terminated
+        assert await next_item(handled) == Ping(2)  # the one behind it is not held up
+        assert await next_item(buried) == "poison"  # on its last delivery, once
+        for _ in range(100):  # then stored and terminated
             info = await bus.js.consumer_info(stream, "worker")
             if info.num_ack_pending == 0:
                 break
@@ -462,16 +480,17 @@ async def test_a_message_that_always_fails_is_dead_lettered_once_and_the_consume
 # ---- bodies nested too deep ----------------------------------------------------------------------
 
 DEEP = 20_000
-DEEP_BODIES = {                          # a Ping with a field nested DEEP levels: none reaches a handler
+DEEP_BODIES = {  # a Ping with a field nested DEEP levels: none reaches a handler
     "JSON list": b'{"n": 1, "text": ' + b"[" * DEEP + b"]" * DEEP + b"}",
     "JSON object": b'{"n": 1, "extra": ' + b'{"a": ' * DEEP + b"1" + b"}" * DEEP + b"}",
     "msgpack list": b"\x82\xa1n\x01\xa5extra" + b"\x91" * DEEP + b"\xc0",
 }
-BRACKETS = "[[[[" * 40 + "{{{{" * 40 + "]]]]" + '"\\[{'          # in a string they are no nesting
+BRACKETS = "[[[[" * 40 + "{{{{" * 40 + "]]]]" + '"\\[{'  # in a string they are no nesting
 
 
 async def test_a_body_nested_too_deep_is_answered_400_with_the_reason_and_one_with_brackets_in_a_string_is_served(
-        connect_bus, name_prefix):
+    connect_bus, name_prefix
+):
     """A body nested deeper than MAX_DEPTH, JSON or msgpack, is refused at once with the reason, by
     an endpoint that serves one request at a time and one that serves several; a string full of
     brackets is no nesting."""
@@ -486,8 +505,11 @@ async def test_a_body_nested_too_deep_is_answered_400_with_the_reason_and_one_wi
             assert headers.get("Nats-Service-Error-Code") == "400", (target, name, headers)
             assert "nests at most 64 levels deep" in headers.get("Nats-Service-Error", ""), (target, name, headers)
 
-    for body in (msgspec.json.encode(Ping(5, BRACKETS)), client.encode(Ping(6, BRACKETS)),
-                 client.encode(Ping(7, "—" * 200))):           # in UTF-8, 0x80 and 0x94: msgpack map and array bytes
+    for body in (
+        msgspec.json.encode(Ping(5, BRACKETS)),
+        client.encode(Ping(6, BRACKETS)),
+        client.encode(Ping(7, "—" * 200)),
+    ):  # in UTF-8, 0x80 and 0x94: msgpack map and array bytes
         reply = await client.nc.request(subject, body, timeout=TIMEOUT_S)
         assert "Nats-Service-Error-Code" not in (reply.headers or {}), reply.headers
     assert handled == [Ping(5, BRACKETS), Ping(6, BRACKETS), Ping(7, "—" * 200)]
@@ -513,8 +535,9 @@ async def test_a_stored_body_nested_too_deep_is_invalid_and_terminated(connect_b
         await asyncio.sleep(0.3)
     finally:
         task.cancel()
-    assert all(isinstance(error, msgspec.DecodeError) and "nests at most 64 levels deep" in str(error)
-               for error in errors), errors
+    assert all(
+        isinstance(error, msgspec.DecodeError) and "nests at most 64 levels deep" in str(error) for error in errors
+    ), errors
     info = await bus.js.consumer_info(stream, "worker")
     assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0
     assert invalid.empty() and handled.empty()

@@ -5,22 +5,26 @@ import contextlib
 
 import pytest
 
+from launcher.stack import replay_over_nats
 from shared import subjects
 from shared.reference import WorkloadJob
-from launcher.stack import replay_over_nats
 from sim.run import job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
-WORKLOAD = [WorkloadJob("cifar10-0", 0, "cifar10", 2, 256), WorkloadJob("bert-1", 30, "bert", 1, 12),
-            WorkloadJob("cifar10-2", 200, "cifar10", 4, 512), WorkloadJob("deepspeech2-3", 400, "deepspeech2", 2, 40),
-            WorkloadJob("ncf-4", 500, "ncf", 1, 32768)]
+WORKLOAD = [
+    WorkloadJob("cifar10-0", 0, "cifar10", 2, 256),
+    WorkloadJob("bert-1", 30, "bert", 1, 12),
+    WorkloadJob("cifar10-2", 200, "cifar10", 4, 512),
+    WorkloadJob("deepspeech2-3", 400, "deepspeech2", 2, 40),
+    WorkloadJob("ncf-4", 500, "ncf", 1, 32768),
+]
 
 
 def test_nats_wiring_reproduces_the_direct_schedule():
     direct = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO)
     over_nats = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
     assert direct["jobs_unfinished"] == 0
-    assert over_nats["jobs"] == direct["jobs"]                  # same JCTs, restarts, GPU time, feedback
+    assert over_nats["jobs"] == direct["jobs"]  # same JCTs, restarts, GPU time, feedback
     assert over_nats["rounds"] == direct["rounds"]
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
 
@@ -29,11 +33,17 @@ def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
     """The simulated executors report each job's measurements at its request before it joins a
     round, as direct wiring gives them to the estimator at the start (reference truth: there the
     1-GPU profiles alone mislead gavel's matrix, so the measurements change the schedule)."""
-    workload = [WorkloadJob("cifar10-0", 0, "cifar10", 8, 1024), WorkloadJob("bert-1", 30, "bert", 4, 48),
-                WorkloadJob("deepspeech2-2", 200, "deepspeech2", 8, 160), WorkloadJob("yolov3-3", 400, "yolov3", 8, 64)]
+    workload = [
+        WorkloadJob("cifar10-0", 0, "cifar10", 8, 1024),
+        WorkloadJob("bert-1", 30, "bert", 4, 48),
+        WorkloadJob("deepspeech2-2", 200, "deepspeech2", 8, 160),
+        WorkloadJob("yolov3-3", 400, "yolov3", 8, 64),
+    ]
     learned = simulate(workload, "sia-hetero-64", "gavel", fairness=False)
     direct = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True)
-    over_nats = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, over=replay_over_nats)
+    over_nats = simulate(
+        workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, over=replay_over_nats
+    )
     assert direct["truth"].startswith("reference:") and direct["jobs_unfinished"] == 0
     assert direct["profiled_at_request"] and over_nats["profiled_at_request"] and not learned["profiled_at_request"]
     assert [j["jct_s"] for j in direct["jobs"]] != [j["jct_s"] for j in learned["jobs"]]
@@ -52,12 +62,14 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")   # the services inherit it
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")  # the services inherit it
     settings = oteltap.OtelTapHttpProtobufReceiverSettings(http_port=port)
     wanted = ("policy.solve", "estimator.goodput", "placer.place", "executor.apply")
     async with oteltap.OtelTapHttpProtobufReceiver(settings) as receiver:
-        waits = {name: asyncio.ensure_future(receiver.await_trace(lambda span, n=name: span.name == n))
-                 for name in ("round",) + wanted}
+        waits = {
+            name: asyncio.ensure_future(receiver.await_trace(lambda span, n=name: span.name == n))
+            for name in ("round",) + wanted
+        }
         await asyncio.sleep(0)
         await asyncio.to_thread(simulate, WORKLOAD[:2], "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
         spans = dict(zip(waits, await asyncio.wait_for(asyncio.gather(*waits.values()), 20)))
@@ -75,14 +87,31 @@ def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     from launcher.nats import free_loopback_port
 
     workload = tmp_path / "w.csv"
-    workload.write_text("name,time,application,num_replicas,batch_size\ncifar10-0,0,cifar10,2,256\n"
-                        "bert-1,60,bert,1,12\n")
+    workload.write_text(
+        "name,time,application,num_replicas,batch_size\ncifar10-0,0,cifar10,2,256\nbert-1,60,bert,1,12\n"
+    )
     out = tmp_path / "up.json"
-    assert main(["up", "--once", "--port", str(free_loopback_port()), "--workload", str(workload),
-                 "--data", str(tmp_path / "stack"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "up",
+                "--once",
+                "--port",
+                str(free_loopback_port()),
+                "--workload",
+                str(workload),
+                "--data",
+                str(tmp_path / "stack"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "goodput is up" in printed and "goodput is down" in printed
     import json
+
     result = json.loads(out.read_text())
     assert result["jobs_unfinished"] == 0 and len(result["jobs"]) == 2
     assert all(j["rho"] is not None for j in result["jobs"]) and "finish-time fairness" in printed
@@ -92,7 +121,7 @@ def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
 def test_status_without_a_stack_is_a_clear_error(capsys, monkeypatch, tmp_path, no_login):
     from cli.main import main
 
-    monkeypatch.chdir(tmp_path)              # no out/stack/user.env: no login, so where to find one is said
+    monkeypatch.chdir(tmp_path)  # no out/stack/user.env: no login, so where to find one is said
     assert main(["status", "--server", "nats://127.0.0.1:1"]) == 2
     error = capsys.readouterr().err
     assert "is `goodput up` running?" in error and ". DATA/user.env" in error, error
@@ -112,9 +141,11 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
     with running_services(nats_server, arguments, tmp_path) as stack:
         await stack.wait_ready(bus)
         before = (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n
-        await bus.js.publish(subjects.stored(subjects.OPERATOR), b"\x93 not a job")                       # malformed
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("alexnet-1", "alexnet"), msg_id="alexnet-1")   # unknown model
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("ok-1", "cifar10"), msg_id="ok-1")             # fine
+        await bus.js.publish(subjects.stored(subjects.OPERATOR), b"\x93 not a job")  # malformed
+        await bus.js_publish(
+            subjects.stored(subjects.OPERATOR), JobSpec("alexnet-1", "alexnet"), msg_id="alexnet-1"
+        )  # unknown model
+        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("ok-1", "cifar10"), msg_id="ok-1")  # fine
         for _ in range(100):
             if (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == before + 1:
                 break
@@ -125,13 +156,15 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
         for _ in range(100):
             info = await bus.js.stream_info(subjects.JOBS_STREAM)
             messages = [await bus.js.get_msg(subjects.JOBS_STREAM, seq) for seq in range(1, info.state.last_seq + 1)]
-            rejected = [msgspec.msgpack.decode(m.data, type=Rejected) for m in messages if m.subject == subjects.REJECTED]
+            rejected = [
+                msgspec.msgpack.decode(m.data, type=Rejected) for m in messages if m.subject == subjects.REJECTED
+            ]
             if len(rejected) >= 2:
                 break
             await asyncio.sleep(0.05)
         reasons = " | ".join(r.reason for r in rejected)
         assert "malformed submission" in reasons and "unknown application 'alexnet'" in reasons
-        assert all(p.poll() is None for p in stack.processes.values())                  # nobody crashed
+        assert all(p.poll() is None for p in stack.processes.values())  # nobody crashed
 
 
 async def _replay_with(tmp_path, jobs, replicas, disturb=None):
@@ -145,13 +178,16 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
-    with embedded_nats(tmp_path) as nats, running_services(nats, arguments, tmp_path, replicas,
-                                                           lease_ttl_s=1.0) as stack:
+    with (
+        embedded_nats(tmp_path) as nats,
+        running_services(nats, arguments, tmp_path, replicas, lease_ttl_s=1.0) as stack,
+    ):
         bus = await nats.connect("driver")
         try:
             await stack.wait_ready(bus)
-            run = asyncio.ensure_future(replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name,
-                                               request_timeout_s=2.0))
+            run = asyncio.ensure_future(
+                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name, request_timeout_s=2.0)
+            )
             if disturb:
                 await _rounds_checkpointed(bus, DISTURB_AFTER_ROUNDS)
                 assert not run.done(), "the replay ended before the disturbance: make the workload longer"
@@ -194,7 +230,7 @@ async def _requests_served(bus, service, endpoint):
     try:
         while True:
             data = (await subscription.next_msg(timeout=0.5)).data
-            if data:                                     # not the server's "no responders"
+            if data:  # not the server's "no responders"
                 served += [e["num_requests"] for e in json.loads(data)["endpoints"] if e["name"] == endpoint]
     except nats.errors.TimeoutError:
         return sorted(served)
@@ -237,7 +273,7 @@ async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tm
     jobs = _mixed(12)
     outcome, _ = await _replay_with(tmp_path, jobs, {}, kill_and_restart)
     assert outcome == await _direct(jobs)
-    assert (tmp_path / f"{victim}.log").read_text().count("ready on") == 2     # it really started again
+    assert (tmp_path / f"{victim}.log").read_text().count("ready on") == 2  # it really started again
 
 
 async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
@@ -248,7 +284,7 @@ async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
     async def kill_leader(stack, bus):
         killed.append(await stack.policy_leader(bus))
         stack.kill(killed[0])
-        stack.start(killed[0])                                 # back: it campaigns again
+        stack.start(killed[0])  # back: it campaigns again
 
     jobs = _mixed(12)
     outcome, _ = await _replay_with(tmp_path, jobs, {"policy": 2}, kill_leader)
@@ -274,9 +310,10 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
         try:
             await stack.wait_ready(bus)
             store = await bus.js.key_value(subjects.RUNS_BUCKET)
-            await store.put("aaa-garbage", b"\x93 not a checkpoint")        # listed before the real run
+            await store.put("aaa-garbage", b"\x93 not a checkpoint")  # listed before the real run
             _, records = await asyncio.wait_for(
-                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name), 120)
+                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name), 120
+            )
         finally:
             await bus.close()
     assert all(r.finish_s is not None for r in records.jobs)
@@ -302,10 +339,14 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
     from shared.schema import Count, JobSpec, JobsQuery, RunRequest
 
     prefix = replay_prefix("rigid-run")
-    specs = [JobSpec(f"{prefix}rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=0.0),
-             JobSpec(f"{prefix}adaptive", "cifar10", requested_gpus=4, requested_batch=512, submit_s=0.0)]
-    with embedded_nats(tmp_path) as server, running_services(server, service_arguments("sia-hetero-64", None, True, None,
-                                                                                    1, None), tmp_path) as stack:
+    specs = [
+        JobSpec(f"{prefix}rigid", "cifar10", requested_gpus=4, requested_batch=512, rigid=True, submit_s=0.0),
+        JobSpec(f"{prefix}adaptive", "cifar10", requested_gpus=4, requested_batch=512, submit_s=0.0),
+    ]
+    with (
+        embedded_nats(tmp_path) as server,
+        running_services(server, service_arguments("sia-hetero-64", None, True, None, 1, None), tmp_path) as stack,
+    ):
         bus = await server.connect("driver")
         try:
             await stack.wait_ready(bus)
@@ -320,8 +361,9 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
             report = await asyncio.wait_for(follow_run(bus, "rigid-run"), 120)
         finally:
             await bus.close()
+
     def gpus(name: str) -> set[int]:
         return {r.gpus[prefix + name] for r in report.rounds if prefix + name in r.gpus}
 
     assert gpus("rigid") == {4}
-    assert len(gpus("adaptive")) > 1                          # sia starts it small and scales it
+    assert len(gpus("adaptive")) > 1  # sia starts it small and scales it

@@ -24,8 +24,7 @@ def test_the_suite_loses_nothing_under_its_faults(tmp_path, capsys):
     from cli.main import main
 
     out = tmp_path / "report.json"
-    code = main(["chaos", "--jobs", "8", "--out", str(out),
-                 "--faults", "restart-nats", "pause-leader", "bad-messages"])
+    code = main(["chaos", "--jobs", "8", "--out", str(out), "--faults", "restart-nats", "pause-leader", "bad-messages"])
     rows = json.loads(out.read_text())["faults"]
     assert [r["fault"] for r in rows] == ["baseline", "restart-nats", "pause-leader", "bad-messages"]
     for row in rows:
@@ -36,7 +35,7 @@ def test_the_suite_loses_nothing_under_its_faults(tmp_path, capsys):
         assert abs(row["avg_jct_ratio"] - 1) <= 0.10, row
     notes = {r["fault"]: " ".join(r["notes"]) for r in rows}
     assert "stepped down on waking" in notes["pause-leader"]
-    assert "answered error 400: 240" in notes["bad-messages"]          # every invalid request refused
+    assert "answered error 400: 240" in notes["bad-messages"]  # every invalid request refused
     assert code == 0 and "| restart-nats | 8 | 8 | 0 | 0 | 0 |" in capsys.readouterr().out
 
 
@@ -44,11 +43,13 @@ def test_a_failed_solve_keeps_the_previous_allocation_for_that_round():
     from sim.run import simulate
 
     jobs = load_workload("examples/workloads/mixed-40.csv")[:8]
-    result = simulate(jobs, CLUSTER, "chaos", use_zoo=True, fairness=False,
-                      policy_options={"fail_round": 5, "how": "raise"})
+    result = simulate(
+        jobs, CLUSTER, "chaos", use_zoo=True, fairness=False, policy_options={"fail_round": 5, "how": "raise"}
+    )
     assert result["jobs_finished"] == 8
     assert [e for e in result["events"] if "chaos" in e] == [
-        "300s: policy chaos failed (RuntimeError: chaos: the solver failed in round 5); previous allocation kept"]
+        "300s: policy chaos failed (RuntimeError: chaos: the solver failed in round 5); previous allocation kept"
+    ]
 
 
 def test_the_chaos_policy_refuses_an_unknown_failure():
@@ -60,9 +61,9 @@ def test_the_chaos_policy_refuses_an_unknown_failure():
 
 def test_a_late_apply_does_not_undo_a_newer_round():
     """A deposed leader's apply, or one repeated on the bus, arrives after the next round ran."""
+    from services.simulated.world import SimulatedExecutors
     from shared.settings import simulation_settings
     from sim.run import job_sources
-    from services.simulated.world import SimulatedExecutors
 
     cluster = load_cluster(CLUSTER)
     executors = SimulatedExecutors(cluster, simulation_settings(None, CLUSTER), 1)
@@ -76,8 +77,8 @@ def test_a_late_apply_does_not_undo_a_newer_round():
     executors.advance(60.0, 60.0, ["a"])
     job = executors.jobs["a"]
     before = (job.placement, job.restarts)
-    executors.apply(ApplyRequest(60.0, {"a": first}, models, False))       # round 60 again, after it ran
-    executors.apply(ApplyRequest(0.0, {"a": first}, models, False))        # round 0, late
+    executors.apply(ApplyRequest(60.0, {"a": first}, models, False))  # round 60 again, after it ran
+    executors.apply(ApplyRequest(0.0, {"a": first}, models, False))  # round 0, late
     assert (job.placement, job.restarts) == before == (second, 1)
 
 
@@ -95,4 +96,4 @@ def test_overfilled_counts_nodes_over_capacity_and_unknown_nodes():
     node = cluster.nodes[0]
     assert overfilled(cluster, {"a": ((node.name, node.gpus),)}) == 0
     assert overfilled(cluster, {"a": ((node.name, node.gpus),), "b": ((node.name, 1),)}) == 1
-    assert overfilled(cluster, {"a": (("nowhere", 1),)}) == 2      # an unknown node, over its zero GPUs
+    assert overfilled(cluster, {"a": (("nowhere", 1),)}) == 2  # an unknown node, over its zero GPUs

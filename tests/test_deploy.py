@@ -40,26 +40,30 @@ from kubernetes_validate import utils as k8s_schema
 from launcher.live_run import create_live_run, live_request
 from launcher.nats import free_loopback_port, nats_server_binary
 from launcher.stack import SERVICES
-from shared.runner import new_service
 from shared import permissions, storage, subjects
 from shared.bus import REPLICAS_ENV, SERVER_ENV, Bus
 from shared.cluster import load_cluster
 from shared.credentials import connect_options
+from shared.runner import new_service
 from shared.schema import RunCheckpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 BUILDS = {"default": K8S, "gpu": K8S / "overlays" / "gpu"}
-K8S_VERSION = "1.30.0"              # the oldest Kubernetes the manifests are checked against
+K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are checked against
 NAMESPACE = "goodput"
 SECRET = "goodput-nats-auth"
 REPLICAS = {"policy": 3, "estimator": 2, "profiler": 2, "placer": 2}
-SERVICE_NAMES = {"profiler": subjects.PROFILER_SERVICE, "estimator": subjects.ESTIMATOR_SERVICE,
-                 "policy": subjects.POLICY_SERVICE, "placer": subjects.PLACER_SERVICE,
-                 "executor": subjects.EXECUTOR_SERVICE}
-PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"     # the shape docs/deploy.md makes: a letter, then hex
-ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)     # every role, and the default login: one key each
+SERVICE_NAMES = {
+    "profiler": subjects.PROFILER_SERVICE,
+    "estimator": subjects.ESTIMATOR_SERVICE,
+    "policy": subjects.POLICY_SERVICE,
+    "placer": subjects.PLACER_SERVICE,
+    "executor": subjects.EXECUTOR_SERVICE,
+}
+PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"  # the shape docs/deploy.md makes: a letter, then hex
+ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)  # every role, and the default login: one key each
 PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(ACCESS)}
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 
@@ -75,8 +79,9 @@ def tool(name: str) -> str:
 @functools.cache
 def built(name: str) -> tuple[dict, ...]:
     """The objects `kubectl kustomize` builds from BUILDS[name]."""
-    result = subprocess.run([tool("kubectl"), "kustomize", str(BUILDS[name])], capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [tool("kubectl"), "kustomize", str(BUILDS[name])], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, f"kustomize build of {BUILDS[name]} failed:\n{result.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
@@ -144,10 +149,15 @@ def service_workloads(name: str) -> dict[str, list[dict]]:
 def password_mounts(workload: dict) -> dict[str, set[str]]:
     """Each container's NATS password Secret keys that it mounts (init containers included)."""
     pod = workload["spec"]["template"]["spec"]
-    keys = {v["name"]: {i["key"] for i in v["secret"].get("items", [])} or {"*"}   # "*": every key
-            for v in pod.get("volumes", []) if "secret" in v}
-    return {c["name"]: set().union(*(keys[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in keys))
-            for c in pod.get("initContainers", []) + pod["containers"]}
+    keys = {
+        v["name"]: {i["key"] for i in v["secret"].get("items", [])} or {"*"}  # "*": every key
+        for v in pod.get("volumes", [])
+        if "secret" in v
+    }
+    return {
+        c["name"]: set().union(*(keys[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in keys))
+        for c in pod.get("initContainers", []) + pod["containers"]
+    }
 
 
 def role_problems(workload: dict, role: str) -> list[str]:
@@ -173,8 +183,12 @@ def role_problems(workload: dict, role: str) -> list[str]:
 def render_auth(config_dir: Path) -> None:
     """Put the rendered users where nats.conf includes them: ../nats-auth/auth.conf."""
     (config_dir.parent / "nats-auth").mkdir(exist_ok=True)
-    (config_dir.parent / "nats-auth" / "auth.conf").write_text(permissions.render_server_config(
-        {role: PASSWORDS[role] for role in permissions.ROLES}, {permissions.DEFAULT_LOGIN: PASSWORDS[permissions.DEFAULT_LOGIN]}))
+    (config_dir.parent / "nats-auth" / "auth.conf").write_text(
+        permissions.render_server_config(
+            {role: PASSWORDS[role] for role in permissions.ROLES},
+            {permissions.DEFAULT_LOGIN: PASSWORDS[permissions.DEFAULT_LOGIN]},
+        )
+    )
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------
@@ -187,8 +201,8 @@ def test_every_yaml_under_k8s_parses_and_every_object_passes_the_schema():
         assert docs, f"{path} is empty"
         for doc in docs:
             if doc.get("kind") == "Kustomization":
-                continue                      # kustomize's own file: built below
-            if "apiVersion" not in doc:       # a data file a generator reads: the cluster spec
+                continue  # kustomize's own file: built below
+            if "apiVersion" not in doc:  # a data file a generator reads: the cluster spec
                 load_cluster(str(path))
                 continue
             checked += 1
@@ -221,7 +235,8 @@ def test_kustomizations_name_files_that_exist():
         for entry in named:
             target = kustomization.parent / entry
             assert target.is_file() or (target / "kustomization.yaml").is_file(), (
-                f"{kustomization.relative_to(ROOT)} names {entry}, which is neither a file nor a kustomization")
+                f"{kustomization.relative_to(ROOT)} names {entry}, which is neither a file nor a kustomization"
+            )
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -288,8 +303,13 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
     settings = configmaps["goodput-settings"]["data"]
     live_run = objects(build, "Job")["live-run"]
     assert containers(live_run)[0]["envFrom"][0]["configMapRef"]["name"].startswith("goodput-settings-")
-    live_request("live", settings["GOODPUT_POLICY"], "sia-hetero-64", float(settings["GOODPUT_ROUND_S"]),
-                 float(settings["GOODPUT_SPEED"]))
+    live_request(
+        "live",
+        settings["GOODPUT_POLICY"],
+        "sia-hetero-64",
+        float(settings["GOODPUT_ROUND_S"]),
+        float(settings["GOODPUT_SPEED"]),
+    )
     float(settings["GOODPUT_LEASE_TTL_S"])
 
 
@@ -299,8 +319,9 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
     roles = {name: env_of(containers(w)[0]).get("GOODPUT_SERVICE", {}).get("value") for name, w in workloads.items()}
     roles["live-run"] = "operator"
     for name, workload in workloads.items():
-        secrets = {v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", [])
-                   if "secret" in v}
+        secrets = {
+            v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", []) if "secret" in v
+        }
         assert secrets <= {SECRET}, name
         if name == "nats":
             # only its init container sees every password: it renders the users for the servers
@@ -318,11 +339,11 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
 def test_the_role_check_notices_a_workload_with_another_roles_password():
     placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
     assert role_problems(placer, "placer") == []
-    assert role_problems(placer, "policy")                 # the placer's file and user are not the policy's
+    assert role_problems(placer, "policy")  # the placer's file and user are not the policy's
     volume = next(v for v in placer["spec"]["template"]["spec"]["volumes"] if "secret" in v)
     volume["secret"]["items"].append({"key": "policy", "path": "policy"})
     assert "mounts the password keys" in role_problems(placer, "placer")[0]
-    del volume["secret"]["items"]                          # every key of the Secret
+    del volume["secret"]["items"]  # every key of the Secret
     assert role_problems(placer, "placer")
 
 
@@ -358,8 +379,13 @@ def check_nats_conf(conf: str, workdir: Path, env: dict[str, str] | None = None)
     config_dir.mkdir()
     (config_dir / "nats.conf").write_text(conf)
     render_auth(config_dir)
-    return subprocess.run([str(nats_server_binary()), "-t", "-c", str(config_dir / "nats.conf")],
-                          env={**(env or {}), "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [str(nats_server_binary()), "-t", "-c", str(config_dir / "nats.conf")],
+        env={**(env or {}), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -372,7 +398,8 @@ def test_no_workloads_selector_takes_another_workloads_pods(build):
             if other is not owner:
                 labels = other["spec"]["template"]["metadata"]["labels"]
                 assert not selector.items() <= labels.items(), (
-                    f"{owner['kind']}/{owner['metadata']['name']} selects the pods of {other['metadata']['name']}")
+                    f"{owner['kind']}/{owner['metadata']['name']} selects the pods of {other['metadata']['name']}"
+                )
 
 
 def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_the_pod_ip():
@@ -421,12 +448,12 @@ def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_clai
     container = containers(executor)[0]
     assert executor["spec"]["replicas"] == 1 and executor["spec"]["strategy"]["type"] == "Recreate"
     assert option(container, "--executors") == "local" and option(container, "--node") is None
-    assert "GOODPUT_EXECUTORS" not in env_of(container)           # services.executor, not services.simulated
+    assert "GOODPUT_EXECUTORS" not in env_of(container)  # services.executor, not services.simulated
     assert re.fullmatch(r"file:///\S+", option(container, "--checkpoints"))
     [claim] = objects("gpu", "PersistentVolumeClaim").values()
     assert claim["metadata"]["name"] == "checkpoints"
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every node reads and writes the checkpoints"
-    assert "storageClassName" not in claim["spec"]                # the operator's: a class with RWX
+    assert "storageClassName" not in claim["spec"]  # the operator's: a class with RWX
     assert mount_of(executor, "checkpoints") == urllib.parse.urlparse(option(container, "--checkpoints")).path
     assert option(containers(objects("gpu", "Deployment")["profiler"])[0], "--executors") == "local"
     # The default build: the simulated executor plays the whole cluster, exactly one; the zoo's profiles.
@@ -442,8 +469,9 @@ def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_clai
 
 def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path):
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    schema = json.loads(importlib.resources.files("check_jsonschema.builtin_schemas.vendor")
-                        .joinpath("compose-spec.json").read_text())
+    schema = json.loads(
+        importlib.resources.files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text()
+    )
     jsonschema.validate(compose, schema, cls=jsonschema.Draft202012Validator)
     services = compose["services"]
     assert {"nats", "jaeger", *SERVICES} <= set(services)
@@ -453,8 +481,9 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
     check = check_nats_conf(nats_conf.read_text(), tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
     # nats-auth renders every role's user into the volume the server reads where nats.conf includes it
-    include = os.path.normpath(os.path.join("/etc/nats", re.search(r"^include (\S+)", nats_conf.read_text(),
-                                                                   re.M).group(1)))
+    include = os.path.normpath(
+        os.path.join("/etc/nats", re.search(r"^include (\S+)", nats_conf.read_text(), re.M).group(1))
+    )
     auth = services["nats-auth"]
     out = auth["command"][auth["command"].index("--out") + 1]
     volume = next(v.split(":")[0] for v in auth["volumes"] if v.split(":")[1] == os.path.dirname(out))
@@ -463,14 +492,14 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
     assert auth["command"][auth["command"].index("--passwords") + 1] == "/run/secrets"
     assert set(auth["secrets"]) == set(ACCESS) == set(compose["secrets"])
     for role, secret in compose["secrets"].items():
-        assert secret == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}    # none in the repo
+        assert secret == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}  # none in the repo
     roles = {**{name: name for name in SERVICES}, "live-run": "operator"}
     for name, role in roles.items():
         service = services[name]
         env = service["environment"]
         assert env.get("GOODPUT_SERVICE", name) == name
         assert env[SERVER_ENV] == "nats://nats:4222" and env["GOODPUT_NATS_USER"] == role, name
-        assert service["secrets"] == [{"source": role, "target": "nats-password"}], name      # its own only
+        assert service["secrets"] == [{"source": role, "target": "nats-password"}], name  # its own only
         assert env["GOODPUT_NATS_PASSWORD_FILE"] == "/run/secrets/nats-password"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
@@ -491,8 +520,8 @@ def pip_steps(commands: list[str]) -> list[list[str]]:
     for command in commands:
         for part in re.split(r"&&|;", command):
             words = shlex.split(part)
-            if "pip" in words and "install" in words[words.index("pip"):]:
-                after = words[words.index("install", words.index("pip")) + 1:]
+            if "pip" in words and "install" in words[words.index("pip") :]:
+                after = words[words.index("install", words.index("pip")) + 1 :]
                 kept = [w for w in after if "$" not in w and (not w.startswith("-") or w in ("-e", "--editable"))]
                 steps.append([re.sub(r"^\.\[[\w,-]+\]$", ".", w) for w in kept])
     return steps
@@ -534,16 +563,26 @@ async def probe(service: str, server: str | None = None, env: dict | None = None
     its exit code and output."""
     options = ["--server", server] if server is not None else []
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "deploy.probe", service, *options, cwd=ROOT,
-        env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        "-m",
+        "deploy.probe",
+        service,
+        *options,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await asyncio.wait_for(process.communicate(), timeout=30)
     return process.returncode, out.decode()
 
 
 async def test_the_probe_passes_while_a_service_answers_and_fails_clearly_when_none_does(nats_server, name_prefix):
     name = f"{name_prefix}-svc"
-    assert await probe(name, nats_server) == (1, f"probe: no instance of service {name!r} is registered on NATS "
-                                                 f"at {nats_server}\n")
+    assert await probe(name, nats_server) == (
+        1,
+        f"probe: no instance of service {name!r} is registered on NATS at {nats_server}\n",
+    )
     bus = await Bus.connect(nats_server, "probe-test", max_reconnect_attempts=1)
     try:
         service = new_service(bus, name, "a service for the probe to find")
@@ -565,11 +604,13 @@ async def test_the_probe_says_when_nats_cannot_be_reached_without_showing_the_pa
 
 def nats_conf_on_loopback(conf: str, me: int, client: int, http: int, routes: list[int], workdir: Path) -> str:
     """The Kubernetes nats.conf with its listeners, routes and paths moved to loopback and `workdir`."""
-    swaps = [("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
-             ("http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}"),
-             ("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{routes[me]}"),
-             ("store_dir: /data", f"store_dir: {workdir / 'jetstream'}"),
-             ("pid_file: /var/run/nats/nats.pid", f"pid_file: {workdir / 'nats.pid'}")]
+    swaps = [
+        ("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
+        ("http: 127.0.0.1:8222", f"http: 127.0.0.1:{http}"),
+        ("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{routes[me]}"),
+        ("store_dir: /data", f"store_dir: {workdir / 'jetstream'}"),
+        ("pid_file: /var/run/nats/nats.pid", f"pid_file: {workdir / 'nats.pid'}"),
+    ]
     swaps += [(f"nats://nats-{i}.nats-headless:6222", f"nats://127.0.0.1:{port}") for i, port in enumerate(routes)]
     for old, new in swaps:
         assert conf.count(old) == 1, f"nats.conf no longer has {old!r} once: update this test's rewrite"
@@ -582,7 +623,7 @@ def nats_cluster(workdir: Path) -> Iterator[tuple[list[str], list[int]]]:
     """Three nats-servers from the Kubernetes nats.conf, on loopback: client URLs (no credentials)
     and monitoring ports."""
     conf = (K8S / "base" / "nats.conf").read_text()
-    ports = [[free_loopback_port() for _ in range(3)] for _ in range(3)]      # client, http, route per server
+    ports = [[free_loopback_port() for _ in range(3)] for _ in range(3)]  # client, http, route per server
     routes = [p[2] for p in ports]
     processes = []
     try:
@@ -590,11 +631,16 @@ def nats_cluster(workdir: Path) -> Iterator[tuple[list[str], list[int]]]:
             home = workdir / f"nats-{i}"
             (home / "etc").mkdir(parents=True)
             (home / "etc" / "nats.conf").write_text(nats_conf_on_loopback(conf, i, client, http, routes, home))
-            render_auth(home / "etc")                                  # as the pod's init container does
+            render_auth(home / "etc")  # as the pod's init container does
             with open(home / "log", "wb") as log:
-                processes.append(subprocess.Popen([str(nats_server_binary()), "-c", str(home / "etc" / "nats.conf")],
-                                                  env={"POD_NAME": f"nats-{i}"}, stdout=log,
-                                                  stderr=subprocess.STDOUT))
+                processes.append(
+                    subprocess.Popen(
+                        [str(nats_server_binary()), "-c", str(home / "etc" / "nats.conf")],
+                        env={"POD_NAME": f"nats-{i}"},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         yield [f"nats://127.0.0.1:{p[0]}" for p in ports], [p[1] for p in ports]
     finally:
         for process in processes:
@@ -618,8 +664,10 @@ def wait_healthy(http_ports: list[int], logs: Path, timeout_s: float = 20.0) -> 
                     if json.load(answer).get("status") == "ok":
                         waiting.discard(port)
         if waiting and time.monotonic() > deadline:
-            raise AssertionError("the NATS cluster did not become healthy:\n" + "\n".join(
-                (path.read_text(errors="replace")[-2000:]) for path in sorted(logs.glob("nats-*/log"))))
+            raise AssertionError(
+                "the NATS cluster did not become healthy:\n"
+                + "\n".join((path.read_text(errors="replace")[-2000:]) for path in sorted(logs.glob("nats-*/log")))
+            )
         time.sleep(0.05)
 
 
@@ -636,23 +684,32 @@ async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_each_role(t
         # As the manifests set it: every stream and KV bucket a process creates is kept on all three.
         os.environ[REPLICAS_ENV] = "3"
         try:
-            bus = await Bus.connect(urls[0], "replicas-test", max_reconnect_attempts=1,
-                                    **connect_options(environ=role_env("operator", tmp_path, urls[0])))
+            bus = await Bus.connect(
+                urls[0],
+                "replicas-test",
+                max_reconnect_attempts=1,
+                **connect_options(environ=role_env("operator", tmp_path, urls[0])),
+            )
         finally:
             del os.environ[REPLICAS_ENV]
         try:
-            await storage.provision(bus)             # the live-run Job's setup, as the operator
+            await storage.provision(bus)  # the live-run Job's setup, as the operator
             for name in (*storage.STREAMS, *(bucket.stream for bucket in storage.BUCKETS.values())):
                 info = await bus.js.stream_info(name)
-                assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, name   # + the leader
+                assert info.config.num_replicas == 3 and len(info.cluster.replicas) == 2, name  # + the leader
         finally:
             await bus.close()
         command = [sys.executable, "-m", "services.placer", "--cluster", str(K8S / "base" / "cluster.yaml")]
         log = tmp_path / "placer.log"
         clean = {k: v for k, v in os.environ.items() if not k.startswith("GOODPUT_NATS_")}
         with open(log, "wb") as output:
-            placer = subprocess.Popen(command, cwd=ROOT, env={**clean, **role_env("placer", tmp_path, urls[0])},
-                                      stdout=output, stderr=subprocess.STDOUT)
+            placer = subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**clean, **role_env("placer", tmp_path, urls[0])},
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
         try:
             deadline = time.monotonic() + 60
             # as in the placer's pod: its role from the environment, on another server of the cluster
@@ -661,7 +718,7 @@ async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_each_role(t
                 await asyncio.sleep(0.2)
             code, out = await probe("placer", urls[2])
             assert code == 2 and "Authorization Violation" in out, out
-            wrong = {**role_env("placer", tmp_path, urls[2]), "GOODPUT_NATS_USER": "policy"}    # the placer's file
+            wrong = {**role_env("placer", tmp_path, urls[2]), "GOODPUT_NATS_USER": "policy"}  # the placer's file
             code, out = await probe("placer", env=wrong)
             assert code == 2 and "Authorization Violation" in out, out
         finally:
@@ -676,7 +733,7 @@ async def test_the_live_run_is_created_once_with_the_settings_asked_for(nats_ser
     request = live_request(f"{name_prefix}-live", "pollux:p=-1", str(K8S / "base" / "cluster.yaml"), 30.0, 2.0)
     assert await create_live_run(nats_server, request, wait_s=5) is None
     other = live_request(request.run_id, "sia", "sia-hetero-64", 60.0, 1.0)
-    assert await create_live_run(nats_server, other, wait_s=5) == request      # left as it was
+    assert await create_live_run(nats_server, other, wait_s=5) == request  # left as it was
     bus = await Bus.connect(nats_server, "live-run-test", max_reconnect_attempts=1)
     try:
         stored = (await (await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)).get(request.run_id)).value.request
@@ -684,6 +741,11 @@ async def test_the_live_run_is_created_once_with_the_settings_asked_for(nats_ser
         await bus.close()
     # A round every 30 s of wall time, each 60 s of the (simulated, twice as fast) cluster's clock.
     assert (stored.live, stored.policy, stored.policy_options, stored.round_s, stored.speed) == (
-        True, "pollux", {"p": -1}, 60.0, 2.0)
+        True,
+        "pollux",
+        {"p": -1},
+        60.0,
+        2.0,
+    )
     with pytest.raises(ValueError, match="unknown policy"):
         live_request("x", "nope", "sia-hetero-64", 60.0, 1.0)

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from services.estimator.core import profile_observations, project, type_models
-from reports.models import FITTED_TARGET, report_model
-from shared.profiles import PROFILE_POINTS, model_profile, trace_profile
-from shared.cluster import Config, build_cluster, load_cluster
-from shared.table import goodput_table
 from goodput_train.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
+from reports.models import FITTED_TARGET, report_model
+from services.estimator.core import profile_observations, project, type_models
+from shared.cluster import Config, build_cluster, load_cluster
+from shared.profiles import PROFILE_POINTS, model_profile, trace_profile
 from shared.reference import discover_models
 from shared.schema import JobModels
+from shared.table import goodput_table
 from shared.zoo import ZOO_PATH, build_zoo, load_zoo
 
-FAST = ThroughputParams(0.01, 0.0002, 0.004, 0.001, 0.02, 0.002, 2.0)     # type "a"
-SLOW = ThroughputParams(0.03, 0.0006, 0.0, 0.0, 0.0, 0.0, 1.0)            # type "b": compute 3x "a"
+FAST = ThroughputParams(0.01, 0.0002, 0.004, 0.001, 0.02, 0.002, 2.0)  # type "a"
+SLOW = ThroughputParams(0.03, 0.0006, 0.0, 0.0, 0.0, 0.0, 1.0)  # type "b": compute 3x "a"
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,22 @@ def runs(params, configs, batches=(8, 32, 128)):
 
 # --- configuration set ------------------------------------------------------------------------
 
+
 def test_sia_hetero_64_configuration_set_has_19_columns():
     cluster = load_cluster("sia-hetero-64")
     configs = cluster.configurations()
     assert len(configs) == 19
     assert cluster.total_gpus == 64
     assert [str(c) for c in configs if c.gpu_type == "aws"] == [
-        "aws:1x1", "aws:1x2", "aws:1x4", "aws:2x4", "aws:3x4", "aws:4x4", "aws:5x4", "aws:6x4"]
+        "aws:1x1",
+        "aws:1x2",
+        "aws:1x4",
+        "aws:2x4",
+        "aws:3x4",
+        "aws:4x4",
+        "aws:5x4",
+        "aws:6x4",
+    ]
     assert Config("dgx-ext", 2, 16) in configs and Config("rtx", 3, 24) in configs
 
 
@@ -68,6 +77,7 @@ def test_cluster_errors_are_clear(tmp_path):
 
 # --- bootstrap and projection -----------------------------------------------------------------
 
+
 def test_two_gpus_are_twice_one_gpu_until_measured():
     models = type_models({"a": profile_of(FAST, "a")}, {})
     one = throughput(models["a"], 1, 1, 32)
@@ -75,13 +85,18 @@ def test_two_gpus_are_twice_one_gpu_until_measured():
 
 
 def test_projection_is_exact_when_compute_scales_by_a_constant():
-    slow_sync = ThroughputParams(*(3 * np.array(FAST[:6])), FAST.gamma)     # type b = 3x type a everywhere
-    models = type_models({"a": profile_of(FAST, "a"), "b": profile_of(slow_sync, "b")},
-                         {"a": runs(FAST, [(1, 2), (1, 4), (2, 8), (4, 16)])})
+    slow_sync = ThroughputParams(*(3 * np.array(FAST[:6])), FAST.gamma)  # type b = 3x type a everywhere
+    models = type_models(
+        {"a": profile_of(FAST, "a"), "b": profile_of(slow_sync, "b")},
+        {"a": runs(FAST, [(1, 2), (1, 4), (2, 8), (4, 16)])},
+    )
     for nodes, gpus in [(1, 2), (1, 4), (2, 8), (4, 16)]:
         # xput_b(N) = xput_b(1) / xput_a(1) * xput_a(N)
-        expected = (throughput(models["b"], 1, 1, 32) / throughput(models["a"], 1, 1, 32)
-                    * throughput(models["a"], nodes, gpus, 32))
+        expected = (
+            throughput(models["b"], 1, 1, 32)
+            / throughput(models["a"], 1, 1, 32)
+            * throughput(models["a"], nodes, gpus, 32)
+        )
         assert throughput(models["b"], nodes, gpus, 32) == pytest.approx(expected, rel=0.02)
         assert throughput(models["b"], nodes, gpus, 32) < gpus * throughput(models["b"], 1, 1, 32)
 
@@ -89,10 +104,12 @@ def test_projection_is_exact_when_compute_scales_by_a_constant():
 def test_projection_is_dropped_once_the_job_ran_multi_gpu_on_the_type():
     profiles = {"a": profile_of(FAST, "a"), "b": profile_of(SLOW, "b")}
     projected = type_models(profiles, {"a": runs(FAST, [(1, 4), (2, 8)])})["b"]
-    assert projected.alpha_n > 0                               # a's network, scaled
+    assert projected.alpha_n > 0  # a's network, scaled
     truth_b = SLOW._replace(alpha_r=0.05, beta_r=0.01, alpha_n=0.2, beta_n=0.02, gamma=1.5)
-    own = type_models(profiles | {"b": profile_of(truth_b, "b")},
-                      {"a": runs(FAST, [(1, 4), (2, 8)]), "b": runs(truth_b, [(1, 2), (1, 4), (2, 8), (4, 16)])})["b"]
+    own = type_models(
+        profiles | {"b": profile_of(truth_b, "b")},
+        {"a": runs(FAST, [(1, 4), (2, 8)]), "b": runs(truth_b, [(1, 2), (1, 4), (2, 8), (4, 16)])},
+    )["b"]
     assert iteration_time(own, 2, 8, 32) == pytest.approx(float(iteration_time(truth_b, 2, 8, 32)), rel=0.03)
 
 
@@ -105,20 +122,35 @@ def test_project_keeps_target_compute():
 
 # --- the goodput matrix -----------------------------------------------------------------------
 
+
 def job(job_id, **kw):
-    base = dict(params={"a": FAST, "b": SLOW}, local_limits={"a": (4, 128), "b": (4, 64)},
-                init_batch=32, max_batch=4096, grad_sqr=1.0, grad_var=10.0)
+    base = dict(
+        params={"a": FAST, "b": SLOW},
+        local_limits={"a": (4, 128), "b": (4, 64)},
+        init_batch=32,
+        max_batch=4096,
+        grad_sqr=1.0,
+        grad_var=10.0,
+    )
     return JobModels(job_id, **(base | kw))
 
 
-CONFIGS = [Config("a", 1, 1), Config("a", 1, 2), Config("a", 1, 4), Config("a", 2, 8),
-           Config("b", 1, 1), Config("b", 1, 2), Config("b", 2, 8)]
+CONFIGS = [
+    Config("a", 1, 1),
+    Config("a", 1, 2),
+    Config("a", 1, 4),
+    Config("a", 2, 8),
+    Config("b", 1, 1),
+    Config("b", 1, 2),
+    Config("b", 2, 8),
+]
 
 
 def test_matrix_values_equal_single_model_optimisation():
     j = job("j", max_gpus_seen=4)
     table = goodput_table([j], CONFIGS)
     from goodput_train.goodput import BatchLimits
+
     for c, cfg in enumerate(CONFIGS):
         if table.valid[0, c]:
             lo, hi = j.local_limits[cfg.gpu_type]
@@ -138,28 +170,30 @@ def test_row_normalisation_scales_the_smallest_valid_cell_to_min_gpus():
 
 
 def test_scaling_rules_new_jobs_one_gpu_then_at_most_double():
-    table = goodput_table([job("new"), job("ran2", max_gpus_seen=2), job("ran4", max_gpus_seen=4),
-                           job("min4", min_gpus=4)], CONFIGS)
+    table = goodput_table(
+        [job("new"), job("ran2", max_gpus_seen=2), job("ran4", max_gpus_seen=4), job("min4", min_gpus=4)], CONFIGS
+    )
     gpus = np.array([c.gpus for c in CONFIGS])
-    assert set(gpus[table.valid[0]]) == {1}             # new jobs start at one GPU
-    assert set(gpus[table.valid[1]]) == {1, 2, 4}       # at most twice the most it ever had
+    assert set(gpus[table.valid[0]]) == {1}  # new jobs start at one GPU
+    assert set(gpus[table.valid[1]]) == {1, 2, 4}  # at most twice the most it ever had
     assert set(gpus[table.valid[2]]) == {1, 2, 4, 8}
-    assert set(gpus[table.valid[3]]) == {4}             # never below its minimum, even when new
+    assert set(gpus[table.valid[3]]) == {4}  # never below its minimum, even when new
 
 
 def test_rigid_and_strong_scaling_jobs():
     rigid = job("rigid", fixed_gpus=8, max_gpus_seen=0)
     strong = job("strong", fixed_batch=256, max_gpus_seen=8)
     table = goodput_table([rigid, strong], CONFIGS)
-    assert {CONFIGS[c].gpus for c in np.flatnonzero(table.valid[0])} == {8}   # both types offered
+    assert {CONFIGS[c].gpus for c in np.flatnonzero(table.valid[0])} == {8}  # both types offered
     assert table.valid[0].sum() == 2
     for c in np.flatnonzero(table.valid[1]):
         cfg = CONFIGS[c]
         total = cfg.gpus * table.m[1, c] * (table.s[1, c] + 1)
         assert 0.9 * 256 <= total <= 256
         # goodput = throughput at the fixed batch, no efficiency discount
-        assert table.goodput[1, c] == pytest.approx(float(throughput(strong.params[cfg.gpu_type], cfg.nodes,
-                                                                     cfg.gpus, table.m[1, c], table.s[1, c])))
+        assert table.goodput[1, c] == pytest.approx(
+            float(throughput(strong.params[cfg.gpu_type], cfg.nodes, cfg.gpus, table.m[1, c], table.s[1, c]))
+        )
 
 
 def test_types_without_a_model_are_invalid():
@@ -170,13 +204,14 @@ def test_types_without_a_model_are_invalid():
 
 # --- the trace-backed profiler ----------------------------------------------------------------
 
+
 def test_trace_profile_is_a_one_gpu_sweep(traces):
     cifar = traces["cifar10"]
     prof = trace_profile(cifar, "rtx", job_id="j1")
     assert 5 <= len(prof.points) <= PROFILE_POINTS
     assert (prof.min_local, prof.max_local) == cifar.local_bsz_limits("rtx")
     assert [p.local_bsz for p in prof.points] == sorted(p.local_bsz for p in prof.points)
-    assert prof.gpu_seconds < 20                      # Sia: < 20 GPU-seconds a type
+    assert prof.gpu_seconds < 20  # Sia: < 20 GPU-seconds a type
     single = cifar.placements["rtx"].select(cifar.placements["rtx"].gpus == 1)
     first = prof.points[0]
     assert first.step_time == pytest.approx(float(np.median(single.step_time[single.local_bsz == first.local_bsz])))
@@ -195,6 +230,7 @@ def test_profile_observations_carry_compute_time():
 
 
 # --- report and zoo on the reference data -----------------------------------------------------
+
 
 def test_fitted_models_meet_the_pollux_error_target_on_cifar10(traces):
     for rep in report_model(traces["cifar10"]):

@@ -19,7 +19,7 @@ def run_steps(order: ElasticOrder, world: int, m: int, s: int, steps: int) -> li
     for _ in range(steps):
         state = order.state_dict()
         ranks = [ElasticOrder.from_state(order.size, state).step(rank, world, m, s) for rank in range(world)]
-        assert all(len(batch) == m for micro in ranks for batch in micro)        # always full: ranks in step
+        assert all(len(batch) == m for micro in ranks for batch in micro)  # always full: ranks in step
         taken.append([int(i) for micro in ranks for batch in micro for i in batch])
         order.step(0, world, m, s)
     return taken
@@ -28,11 +28,11 @@ def run_steps(order: ElasticOrder, world: int, m: int, s: int, steps: int) -> li
 def test_resizing_mid_epoch_neither_repeats_nor_skips_an_example():
     size = 1000
     order = ElasticOrder(size, seed=3)
-    seen = [i for step in run_steps(order, 2, 16, 1, 7) for i in step]        # 2 ranks, 64 examples a step
-    resumed = ElasticOrder.from_state(size, order.state_dict())               # checkpoint, resume on 3 ranks
-    seen += [i for step in run_steps(resumed, 3, 10, 0, 20) for i in step]    # 448 + 600 examples
-    assert sorted(seen[:size]) == list(range(size))                           # the epoch: each example once
-    assert len(set(seen[size:])) == len(seen) - size                          # the next one has begun afresh
+    seen = [i for step in run_steps(order, 2, 16, 1, 7) for i in step]  # 2 ranks, 64 examples a step
+    resumed = ElasticOrder.from_state(size, order.state_dict())  # checkpoint, resume on 3 ranks
+    seen += [i for step in run_steps(resumed, 3, 10, 0, 20) for i in step]  # 448 + 600 examples
+    assert sorted(seen[:size]) == list(range(size))  # the epoch: each example once
+    assert len(set(seen[size:])) == len(seen) - size  # the next one has begun afresh
     assert resumed.epoch == 1
 
 
@@ -82,8 +82,8 @@ def test_kill_9_while_writing_never_corrupts_the_last_checkpoint(tmp_path):
         deadline = time.monotonic() + 60
         while not mid_write.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        writer.send_signal(signal.SIGKILL)                # certainly in the middle of writing one
+        writer.send_signal(signal.SIGKILL)  # certainly in the middle of writing one
         writer.wait()
         assert list(tmp_path.glob(".job.pt.*.partial")), "the kill did not land mid-write"
-        state = checkpoint.load(path)                     # the last complete one, whole
+        state = checkpoint.load(path)  # the last complete one, whole
         assert torch.all(state["payload"] == float(state["version"]))

@@ -36,8 +36,8 @@ def test_the_fair_share_is_a_1_over_n_slice_of_each_type():
     assert stretch == 1.0
     for t in cluster.gpu_types:
         assert share.capacity(t) == cluster.capacity(t) // 4
-    assert {n.name for n in share.nodes} <= {n.name for n in cluster.nodes}      # the first nodes of each type
-    tiny, stretch = fair_share(cluster, 1000.0)                                   # under one GPU of any type
+    assert {n.name for n in share.nodes} <= {n.name for n in cluster.nodes}  # the first nodes of each type
+    tiny, stretch = fair_share(cluster, 1000.0)  # under one GPU of any type
     assert all(tiny.capacity(t) == 1 for t in cluster.gpu_types)
     assert stretch == pytest.approx(1000.0 / max(cluster.capacity(t) for t in cluster.gpu_types))
 
@@ -45,5 +45,5 @@ def test_the_fair_share_is_a_1_over_n_slice_of_each_type():
 def test_jobs_sharing_is_the_mean_active_count_over_the_jobs_lifetime():
     timeline = [{"t": 0.0, "active": 1}, {"t": 60.0, "active": 3}, {"t": 120.0, "active": 5}, {"t": 180.0, "active": 9}]
     assert jobs_sharing(timeline, 60.0, 180.0) == 4.0
-    assert jobs_sharing(timeline, 500.0, 600.0) == 1.0          # no round in the window: alone
+    assert jobs_sharing(timeline, 500.0, 600.0) == 1.0  # no round in the window: alone
     assert jobs_sharing([{"t": 0.0, "active": 0}], 0.0, 60.0) == 1.0

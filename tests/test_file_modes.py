@@ -38,8 +38,12 @@ def loose_umask():
 def readable_by_others(*folders: Path) -> str:
     """The folders and what is under them that the group or others may read, write or enter (links
     aside), a line each with its mode; "" when none."""
-    return "\n".join(f"{oct(stat.S_IMODE(mode))} {path}" for folder in folders for path in (folder, *folder.rglob("*"))
-                     if not stat.S_ISLNK(mode := path.lstat().st_mode) and stat.S_IMODE(mode) & 0o077)
+    return "\n".join(
+        f"{oct(stat.S_IMODE(mode))} {path}"
+        for folder in folders
+        for path in (folder, *folder.rglob("*"))
+        if not stat.S_ISLNK(mode := path.lstat().st_mode) and stat.S_IMODE(mode) & 0o077
+    )
 
 
 def command_env() -> dict[str, str]:
@@ -48,35 +52,74 @@ def command_env() -> dict[str, str]:
 
 def test_goodput_up_keeps_its_data_folder_private_and_closes_what_an_earlier_version_left_open(tmp_path, loose_umask):
     data = tmp_path / "out" / "stack"
-    earlier = data / "work" / "node-cpu-0"          # as an earlier version left it: 0755 folders, 0644 files
+    earlier = data / "work" / "node-cpu-0"  # as an earlier version left it: 0755 folders, 0644 files
     earlier.mkdir(parents=True)
     (earlier / "old-1.rank0.log").write_text("an earlier job's log\n")
     (data / "work" / "checkpoints").mkdir()
     (data / "nats-server.log").write_text("an earlier server's log\n")
     assert readable_by_others(data)
-    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--once", "--workload", "none",
-                          "--port", str(free_loopback_port()), "--data", str(data)],
-                         cwd=tmp_path, env=command_env(), capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "up",
+            "--once",
+            "--workload",
+            "none",
+            "--port",
+            str(free_loopback_port()),
+            "--data",
+            str(data),
+        ],
+        cwd=tmp_path,
+        env=command_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run.returncode == 0 and "goodput is up" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
     made = ("nats-server.log", "jetstream", "secrets", "user.env", *SERVICE_LOGS)
     assert all((data / name).exists() for name in made), sorted(p.name for p in data.iterdir())
     assert not (loose := readable_by_others(data)), loose
-    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755    # the folder above is not goodput's
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755  # the folder above is not goodput's
 
 
-async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(nats_server, connect_bus, tmp_path,
-                                                                              name_prefix, loose_umask):
+async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(
+    nats_server, connect_bus, tmp_path, name_prefix, loose_umask
+):
     bus = await connect_bus("executor")
     await storage.provision(bus)
-    work, checkpoints = tmp_path / "work", tmp_path / "checkpoints"      # the job makes the checkpoints folder
+    work, checkpoints = tmp_path / "work", tmp_path / "checkpoints"  # the job makes the checkpoints folder
     work.mkdir()
     (work / "old-1.rank0.log").write_text("an earlier agent's job log\n")
     node = f"{name_prefix}-a"
     with open(tmp_path / "agent.log", "ab") as log:
-        agent = subprocess.Popen([sys.executable, "-m", "services.executor", "--server", nats_server, "--executors",
-                                  "local", "--node", node, "--gpus", "1", "--gpu-type", "cpu", "--workdir", str(work),
-                                  "--jobs-package", "tests.jobs"], cwd=ROOT, env=command_env(), stdout=log,
-                                 stderr=subprocess.STDOUT)
+        agent = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.executor",
+                "--server",
+                nats_server,
+                "--executors",
+                "local",
+                "--node",
+                node,
+                "--gpus",
+                "1",
+                "--gpu-type",
+                "cpu",
+                "--workdir",
+                str(work),
+                "--jobs-package",
+                "tests.jobs",
+            ],
+            cwd=ROOT,
+            env=command_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         order = StartWorkers("w-1", "writes", 1, (0,), 1, 1, "cpu", str(checkpoints / "w-1.pt"))
         await until(lambda: _started(bus, node, order), "the agent started the job", timeout_s=60)

@@ -7,28 +7,33 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.table import goodput_table
-from services.placer.core import place, placement_violations
-from policies.base import make_policy
-from shared.profiles import trace_profile
-from shared.cluster import Config, load_cluster
 from goodput_train.goodput import BatchLimits, iteration_time
+from launcher.stack import replay_over_nats
+from policies.base import make_policy
+from services.placer.core import place, placement_violations
+from services.simulated.world import SimulatedJob
+from shared.cluster import Config, load_cluster
+from shared.profiles import trace_profile
 from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models
+from shared.settings import PRESETS
+from shared.table import goodput_table
 from shared.zoo import load_zoo
 from sim.fairness import fair_share
 from sim.rounds import job_models, job_view, round_state
-from launcher.stack import replay_over_nats
 from sim.run import job_sources, simulate
-from shared.settings import PRESETS
 from sim.simulator import DirectWiring, Simulator
-from services.simulated.world import SimulatedJob
 
 ZOO = job_sources(use_zoo=True)
 CLUSTER = load_cluster("sia-hetero-64")
 GROUPS = {"dgx-ext": 2, "rtx": 8}
-MIXED = [WorkloadJob("gpt_pmp-0", 0, "gpt_pmp", 2, 96), WorkloadJob("cifar10-1", 60, "cifar10", 2, 256),
-         WorkloadJob("imagenet-2", 300, "imagenet", 4, 800), WorkloadJob("gpt_pmp-3", 600, "gpt_pmp", 2, 96),
-         WorkloadJob("bert-4", 900, "bert", 4, 48), WorkloadJob("deepspeech2-5", 1200, "deepspeech2", 2, 40)]
+MIXED = [
+    WorkloadJob("gpt_pmp-0", 0, "gpt_pmp", 2, 96),
+    WorkloadJob("cifar10-1", 60, "cifar10", 2, 256),
+    WorkloadJob("imagenet-2", 300, "imagenet", 4, 800),
+    WorkloadJob("gpt_pmp-3", 600, "gpt_pmp", 2, 96),
+    WorkloadJob("bert-4", 900, "bert", 4, 48),
+    WorkloadJob("deepspeech2-5", 1200, "deepspeech2", 2, 40),
+]
 
 
 def gpt_models(max_gpus_seen: int = 0):
@@ -36,6 +41,7 @@ def gpt_models(max_gpus_seen: int = 0):
 
 
 # --- where the group sizes come from -------------------------------------------------------------
+
 
 def test_zoo_knows_the_groups_and_counts_replicas():
     zoo = load_zoo()
@@ -64,12 +70,12 @@ def test_reference_groups_are_the_smallest_placements_and_profiles_one_replica()
 
 # --- the goodput table: feasible configurations, valued at replicas -------------------------------
 
+
 def test_table_gives_no_goodput_where_groups_would_split_or_do_not_fit():
     table = goodput_table([gpt_models(max_gpus_seen=8)], CLUSTER.configurations())
     valid = {str(c) for c, ok in zip(table.configs, table.valid[0]) if ok}
     # 2, 4, 8 A100 on a node and both whole nodes; one to three whole RTX nodes; never a T4.
-    assert valid == {"dgx-ext:1x2", "dgx-ext:1x4", "dgx-ext:1x8", "dgx-ext:2x8",
-                     "rtx:1x8", "rtx:2x8", "rtx:3x8"}
+    assert valid == {"dgx-ext:1x2", "dgx-ext:1x4", "dgx-ext:1x8", "dgx-ext:2x8", "rtx:1x8", "rtx:2x8", "rtx:3x8"}
     assert np.all(table.goodput[0][~table.valid[0]] == 0) and np.all(table.normalized[0][~table.valid[0]] == 0)
 
 
@@ -86,8 +92,9 @@ def test_the_model_at_n_groups_of_gpus_is_the_replica_model_at_n_replicas():
     table = goodput_table([models], CLUSTER.configurations())
     for config, replicas in ((Config("dgx-ext", 1, 4), 2), (Config("dgx-ext", 2, 16), 8), (Config("rtx", 3, 24), 3)):
         lo, hi = models.local_limits[config.gpu_type]
-        best = models.model(config.gpu_type).best_batch(config.nodes, replicas,
-                                                        BatchLimits(models.init_batch, models.max_batch, lo, hi))
+        best = models.model(config.gpu_type).best_batch(
+            config.nodes, replicas, BatchLimits(models.init_batch, models.max_batch, lo, hi)
+        )
         column = table.configs.index(config)
         assert table.goodput[0, column] == pytest.approx(float(best.goodput), rel=1e-12)
         assert table.m[0, column] == best.m and table.s[0, column] == best.s
@@ -98,14 +105,17 @@ def test_the_model_at_n_groups_of_gpus_is_the_replica_model_at_n_replicas():
 
 # --- placer and executors never split a group ----------------------------------------------------
 
+
 def test_placer_refuses_allocations_that_split_groups_and_checks_placements():
     with pytest.raises(ValueError, match="'gpt'.*groups of 8 GPUs"):
         place(CLUSTER, {"gpt": Config("rtx", 1, 4)}, {}, {"gpt": 8})
     placed = place(CLUSTER, {"gpt": Config("rtx", 2, 16), "other": Config("rtx", 1, 4)}, {}, {"gpt": 8})
     assert all(gpus % 8 == 0 for _, gpus in placed.placements["gpt"])
     split = {"gpt": (("dgx-ext-0", 1), ("dgx-ext-1", 1))}
-    assert any("splits its model-parallel groups" in p
-               for p in placement_violations(CLUSTER, {"gpt": Config("dgx-ext", 2, 2)}, split, {"gpt": 2}))
+    assert any(
+        "splits its model-parallel groups" in p
+        for p in placement_violations(CLUSTER, {"gpt": Config("dgx-ext", 2, 2)}, split, {"gpt": 2})
+    )
 
 
 def test_an_executor_refuses_a_placement_that_splits_its_group():
@@ -117,6 +127,7 @@ def test_an_executor_refuses_a_placement_that_splits_its_group():
 
 
 # --- a workload mixing hybrid and ordinary jobs ----------------------------------------------------
+
 
 class RecordingWiring(DirectWiring):
     """The direct wiring, keeping every round's placements."""
@@ -145,7 +156,7 @@ def test_sia_runs_a_mixed_workload_keeping_every_group_on_one_node():
                 group = GROUPS[node_type[spots[0][0]]]
                 assert all(gpus % group == 0 for _, gpus in spots), spots
                 replicas.add((node_type[spots[0][0]], sum(g for _, g in spots) // group))
-    assert {t for t, _ in replicas} == {"dgx-ext", "rtx"} and max(n for _, n in replicas) > 1   # scaled out
+    assert {t for t, _ in replicas} == {"dgx-ext", "rtx"} and max(n for _, n in replicas) > 1  # scaled out
 
 
 def test_the_services_over_nats_give_the_direct_schedule():
@@ -173,8 +184,8 @@ def test_a_simulation_with_a_refusing_policy_fails_that_job_with_the_reason_and_
 
 
 def test_fair_share_counts_groups_for_a_hybrid_job():
-    share, stretch = fair_share(CLUSTER, 7.0, GROUPS)        # 1/7: 2 A100 hold a group (3 RTX do not)
+    share, stretch = fair_share(CLUSTER, 7.0, GROUPS)  # 1/7: 2 A100 hold a group (3 RTX do not)
     assert stretch == 1.0 and ("dgx-ext-0", 2) in [(n.name, n.gpus) for n in share.nodes]
-    share, stretch = fair_share(CLUSTER, 12.0, GROUPS)       # 1/12: under a group of both of its types
+    share, stretch = fair_share(CLUSTER, 12.0, GROUPS)  # 1/12: under a group of both of its types
     assert sorted((n.gpu_type, n.gpus) for n in share.nodes) == [("dgx-ext", 2), ("rtx", 8)]
-    assert stretch == pytest.approx(12.0 / 8)                # the best slice: 8 groups of 2 A100 / 12
+    assert stretch == pytest.approx(12.0 / 8)  # the best slice: 8 groups of 2 A100 / 12

@@ -14,21 +14,31 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
-
 from test_live_service import GOODPUT, ROOT, Up, command_env, stack, user_login, wait_for  # noqa: F401 - stack: the fixture
 
 SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")
 # Where an insider points a service's answer: the live run's checkpoint, a job's owner and estimate,
 # the jobs stream's subjects, the JetStream API.
-TARGETS = ("$KV.goodput_runs.live", "$KV.goodput_job_owners.x", "$KV.goodput_estimates.x", "goodput.jobs.submit",
-           "goodput.jobs.cancel", "goodput.jobs.stored.user", "$JS.API.STREAM.DELETE.GOODPUT_JOBS")
+TARGETS = (
+    "$KV.goodput_runs.live",
+    "$KV.goodput_job_owners.x",
+    "$KV.goodput_estimates.x",
+    "goodput.jobs.submit",
+    "goodput.jobs.cancel",
+    "goodput.jobs.stored.user",
+    "$JS.API.STREAM.DELETE.GOODPUT_JOBS",
+)
 
 
 def login_file(path: Path) -> dict:
     """nats-py connect options from a login's file (DATA/logins/NAME.env), as a client not ours reads it."""
     env = dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
-    return {"servers": env["GOODPUT_NATS_URL"], "user": env["GOODPUT_NATS_USER"],
-            "password": env["GOODPUT_NATS_PASSWORD"], "inbox_prefix": f"_INBOX_{env['GOODPUT_NATS_USER']}"}
+    return {
+        "servers": env["GOODPUT_NATS_URL"],
+        "user": env["GOODPUT_NATS_USER"],
+        "password": env["GOODPUT_NATS_PASSWORD"],
+        "inbox_prefix": f"_INBOX_{env['GOODPUT_NATS_USER']}",
+    }
 
 
 async def ask(options: dict, subject: str, body: dict | bytes, timeout: float = 30.0) -> tuple[dict, dict]:
@@ -44,8 +54,12 @@ async def ask(options: dict, subject: str, body: dict | bytes, timeout: float = 
 
 async def stored(data: Path) -> dict[str, int]:
     """Messages per subject of the jobs stream, and of the keys the tricks aim at, as the operator sees them."""
-    nc = await nats.connect(user_login(data)["servers"], user="operator", inbox_prefix="_INBOX_operator",
-                            password=(data / "secrets" / "operator").read_text().strip())
+    nc = await nats.connect(
+        user_login(data)["servers"],
+        user="operator",
+        inbox_prefix="_INBOX_operator",
+        password=(data / "secrets" / "operator").read_text().strip(),
+    )
     try:
         js = nc.jetstream()
         counts = dict((await js.stream_info("GOODPUT_JOBS", subjects_filter=">")).state.subjects or {})
@@ -58,8 +72,14 @@ async def stored(data: Path) -> dict[str, int]:
 
 
 def add_login(data: Path, name: str) -> Path:
-    added = subprocess.run([*GOODPUT, "login", "add", name, "--data", str(data)], cwd=ROOT, env=command_env(None),
-                           capture_output=True, text=True, timeout=60)
+    added = subprocess.run(
+        [*GOODPUT, "login", "add", name, "--data", str(data)],
+        cwd=ROOT,
+        env=command_env(None),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert added.returncode == 0, added.stderr
     path = data / "logins" / f"{name}.env"
     assert path.stat().st_mode & 0o777 == 0o600 and str(path) in added.stdout
@@ -92,7 +112,7 @@ async def point_replies(data: Path) -> None:
                     await nc.publish(subject, b"", reply=target)
         for endpoint in ("submit", "job", "jobs", "cancel", "schemas"):
             for target in TARGETS:
-                await nc.publish(f"goodput.api.{endpoint}", b'{"id": "x"}', reply=target)   # no job: refused
+                await nc.publish(f"goodput.api.{endpoint}", b'{"id": "x"}', reply=target)  # no job: refused
         await nc.flush()
         # Discovery as `nats micro ls` does it: one ping, every service's answer (after the tricks,
         # each service's: one connection, in order).
@@ -163,8 +183,9 @@ async def overhear(options: dict, inbox: str) -> list[str]:
 def test_a_login_sees_and_touches_only_its_own_jobs_and_replies(stack):
     _, data, _ = stack
     bob = login_file(add_login(data, "bob"))
-    answer, _ = asyncio.run(ask(user_login(data), "goodput.api.submit",
-                                {"id": "users-1", "application": "imagenet", "requested_gpus": 8}))
+    answer, _ = asyncio.run(
+        ask(user_login(data), "goodput.api.submit", {"id": "users-1", "application": "imagenet", "requested_gpus": 8})
+    )
     assert answer["accepted"] is True, answer
     answer, _ = asyncio.run(ask(bob, "goodput.api.submit", {"id": "bobs-1", "application": "cifar10"}))
     assert answer["accepted"] is True, answer
@@ -174,13 +195,20 @@ def test_a_login_sees_and_touches_only_its_own_jobs_and_replies(stack):
     page, _ = asyncio.run(ask(bob, "goodput.api.jobs", {}))
     assert [job["id"] for job in page["jobs"]] == ["bobs-1"] and page["total"] == 1, page
     mine, _ = asyncio.run(ask(user_login(data), "goodput.api.job", {"id": "users-1"}))
-    assert mine["state"] in ("profiling", "queued", "running"), mine            # untouched by bob's cancel
+    assert mine["state"] in ("profiling", "queued", "running"), mine  # untouched by bob's cancel
     assert 'permissions violation for subscription to "_inbox_user.>"' in " ".join(
-        asyncio.run(overhear(bob, "_INBOX_user.>")))
+        asyncio.run(overhear(bob, "_INBOX_user.>"))
+    )
     wait_finished(bob, "bobs-1")
 
-    removed = subprocess.run([*GOODPUT, "login", "remove", "bob", "--data", str(data)], cwd=ROOT,
-                             env=command_env(None), capture_output=True, text=True, timeout=60)
+    removed = subprocess.run(
+        [*GOODPUT, "login", "remove", "bob", "--data", str(data)],
+        cwd=ROOT,
+        env=command_env(None),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert removed.returncode == 0, removed.stderr
     with pytest.raises(nats.errors.Error, match="(?i)authorization"):
         asyncio.run(ask({**bob, "allow_reconnect": False, "max_reconnect_attempts": 1}, "goodput.api.jobs", {}))
@@ -215,7 +243,7 @@ async def flood(options: dict, seconds: float) -> tuple[int, dict[str, int]]:
 async def submit_during(options: dict, other: dict, attack, job_id: str) -> tuple[dict, int]:
     """Bob's submission while `attack(other)` runs: (the answer, what the attack returned)."""
     attacking = asyncio.ensure_future(attack(other))
-    await asyncio.sleep(2.0)                         # well into it
+    await asyncio.sleep(2.0)  # well into it
     answer, _ = await ask(options, "goodput.api.submit", {"id": job_id, "application": "cifar10"})
     return answer, await attacking
 
@@ -223,8 +251,9 @@ async def submit_during(options: dict, other: dict, attack, job_id: str) -> tupl
 def test_one_login_flooding_or_paging_leaves_another_served(stack):
     _, data, _ = stack
     bob = login_file(add_login(data, "bob"))
-    answer, (sent, codes) = asyncio.run(submit_during(bob, user_login(data), lambda login: flood(login, 20.0),
-                                                      "bobs-flood"))
+    answer, (sent, codes) = asyncio.run(
+        submit_during(bob, user_login(data), lambda login: flood(login, 20.0), "bobs-flood")
+    )
     assert answer["accepted"] is True and sent > 1000, (answer, sent)
     # The flooder was told "over your limit" (429), and kept at most its bound of refusals.
     assert codes.get("429", 0) > 0 and codes.get("500", 0) == 0, codes
@@ -234,9 +263,13 @@ def test_one_login_flooding_or_paging_leaves_another_served(stack):
     async def pages(login: dict) -> int:
         nc = await nats.connect(**login)
         try:
-            answers = await asyncio.gather(*(nc.request("goodput.api.jobs", json.dumps({"limit": limit}).encode(),
-                                                        timeout=60) for limit in (1000, 500) * 150),
-                                           return_exceptions=True)
+            answers = await asyncio.gather(
+                *(
+                    nc.request("goodput.api.jobs", json.dumps({"limit": limit}).encode(), timeout=60)
+                    for limit in (1000, 500) * 150
+                ),
+                return_exceptions=True,
+            )
             return sum(not isinstance(a, Exception) for a in answers)
         finally:
             await nc.close()
@@ -255,7 +288,7 @@ def test_json_nested_20000_deep_is_answered(stack):
         answer, headers = asyncio.run(ask(user_login(data), subject, deep))
         assert headers.get("Nats-Service-Error-Code") == "400" and "nest" in json.dumps(answer), (subject, answer)
     deadline = time.monotonic() + 60
-    while True:           # the refusal is recorded (nothing of the body read, its id neither): the executors list it
+    while True:  # the refusal is recorded (nothing of the body read, its id neither): the executors list it
         page, _ = asyncio.run(ask(user_login(data), "goodput.api.jobs", {"state": "rejected"}))
         if any(job["id"] is None and "nests at most 64" in job["reason"] for job in page["jobs"]):
             break

@@ -14,18 +14,35 @@ from sim.simulator import DirectWiring, Simulator
 
 ZOO = job_sources(use_zoo=True)
 # Distributed-capable jobs arriving a minute apart on 16 4-GPU nodes: room to pack two on a node.
-CROWD = [WorkloadJob(f"{model}-{i}", 60 * i, model, 4, batch)
-         for i, (model, batch) in enumerate([("cifar10", 512), ("imagenet", 400), ("deepspeech2", 80),
-                                             ("yolov3", 32), ("cifar10", 512), ("imagenet", 400),
-                                             ("deepspeech2", 80), ("bert", 24)])]
+CROWD = [
+    WorkloadJob(f"{model}-{i}", 60 * i, model, 4, batch)
+    for i, (model, batch) in enumerate(
+        [
+            ("cifar10", 512),
+            ("imagenet", 400),
+            ("deepspeech2", 80),
+            ("yolov3", 32),
+            ("cifar10", 512),
+            ("imagenet", 400),
+            ("deepspeech2", 80),
+            ("bert", 24),
+        ]
+    )
+]
 
 
 def shared_nodes_per_round(avoid: bool, interference: float = 0.0) -> list[int]:
     """For each decision, how many nodes held two or more distributed jobs."""
     cluster = load_cluster("pollux-homo-64")
     settings = simulation_settings("pollux", "pollux-homo-64", interference=interference)
-    sim = Simulator(CROWD, cluster, make_policy("pollux", avoid_interference=avoid), replace(settings, horizon_s=4 * 3600),
-                    ZOO.truths, ZOO.profile)
+    sim = Simulator(
+        CROWD,
+        cluster,
+        make_policy("pollux", avoid_interference=avoid),
+        replace(settings, horizon_s=4 * 3600),
+        ZOO.truths,
+        ZOO.profile,
+    )
     counts = []
     apply = DirectWiring.apply
 
@@ -48,7 +65,7 @@ def test_with_avoidance_no_node_ever_holds_two_distributed_jobs():
 
 
 def test_without_avoidance_distributed_jobs_do_share_nodes():
-    assert max(shared_nodes_per_round(avoid=False)) > 0       # so the check above could fail
+    assert max(shared_nodes_per_round(avoid=False)) > 0  # so the check above could fail
 
 
 def test_interfered_jobs_are_the_distributed_ones_sharing_a_node():
@@ -61,11 +78,11 @@ def test_interfered_jobs_are_the_distributed_ones_sharing_a_node():
         executors.add(WorkloadJob(name, 0, "cifar10", 4, 512), truth)
     node = [n.name for n in cluster.nodes]
     executors.jobs["a"].placement = ((node[0], 2), (node[1], 2))
-    executors.jobs["b"].placement = ((node[1], 2), (node[2], 2))      # shares node 1 with a
-    executors.jobs["c"].placement = ((node[3], 4),)                   # one node: not distributed
-    executors.jobs["d"].placement = ((node[4], 2), (node[5], 2))      # alone on its nodes
+    executors.jobs["b"].placement = ((node[1], 2), (node[2], 2))  # shares node 1 with a
+    executors.jobs["c"].placement = ((node[3], 4),)  # one node: not distributed
+    executors.jobs["d"].placement = ((node[4], 2), (node[5], 2))  # alone on its nodes
     assert executors.interfered("abcd") == {"a", "b"}
-    assert executors.interfered("ad") == set()                        # only the jobs running count
+    assert executors.interfered("ad") == set()  # only the jobs running count
 
 
 def test_a_slowdown_slows_training_by_that_fraction():
@@ -76,8 +93,16 @@ def test_a_slowdown_slows_training_by_that_fraction():
     spots = tuple((n.name, 4) for n in cluster.nodes[:2])
     iterations = {}
     for slowdown in (0.0, 0.25):
-        job = SimulatedJob(WorkloadJob("j", 0, "cifar10", 8, 1024), None, 0.0, 1.0, placement=spots,
-                           config=cluster.config_of(spots), m=128, s=0)
+        job = SimulatedJob(
+            WorkloadJob("j", 0, "cifar10", 8, 1024),
+            None,
+            0.0,
+            1.0,
+            placement=spots,
+            config=cluster.config_of(spots),
+            m=128,
+            s=0,
+        )
         job.advance(truth, 0.0, 60.0, 1, slowdown)
         iterations[slowdown] = job.iterations
     assert iterations[0.25] == pytest.approx(0.75 * iterations[0.0], rel=1e-12)
@@ -93,4 +118,3 @@ def test_the_command_refuses_a_bad_slowdown_before_running_anything(capsys):
 
     assert main(["interference", "--workloads", "examples/workloads/mixed-40.csv", "--slowdowns", "0", "1.5"]) == 2
     assert "slowdowns are fractions in [0, 1)" in capsys.readouterr().err
-

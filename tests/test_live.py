@@ -10,7 +10,7 @@ from launcher.stack import create_run, follow_run_steps, running_services, servi
 from shared import subjects
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
-ROUND_S, SPEED = 60.0, 1200.0          # a 60-s round every 50 ms of wall time
+ROUND_S, SPEED = 60.0, 1200.0  # a 60-s round every 50 ms of wall time
 
 
 @contextlib.asynccontextmanager
@@ -22,8 +22,9 @@ async def live_stack(tmp_path, **request):
         bus = await nats.connect("live-test")
         try:
             await stack.wait_ready(bus)
-            await create_run(bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED,
-                                             **request))
+            await create_run(
+                bus, RunRequest(subjects.LIVE_RUN, "sia", {}, "sia", (), ROUND_S, live=True, speed=SPEED, **request)
+            )
             yield nats, stack, bus
         finally:
             await bus.close()
@@ -38,7 +39,9 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
             steps.append(step)
             if not late_submitted and step.record and "ncf-live" in step.record.gpus:
                 # A second job, submitted while the first runs, joins at a later round.
-                await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live")
+                await bus.js_publish(
+                    subjects.stored(subjects.OPERATOR), JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live"
+                )
                 late_submitted = True
             finished = {job for s in steps for job in s.finished}
             if finished >= {"ncf-live", "cifar10-live"}:
@@ -46,8 +49,21 @@ async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
         wall_s = time.monotonic() - started
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords, timeout=10)).jobs}
         # The operator's jobs, as the operator sees them (the login `user` has none of its own here).
-        assert await asyncio.to_thread(main, ["status", "--server", nats.url, "--nats-user", "operator",
-                                              "--nats-password-file", str(nats.access.password_file("operator"))]) == 0
+        assert (
+            await asyncio.to_thread(
+                main,
+                [
+                    "status",
+                    "--server",
+                    nats.url,
+                    "--nats-user",
+                    "operator",
+                    "--nats-password-file",
+                    str(nats.access.password_file("operator")),
+                ],
+            )
+            == 0
+        )
         status = capsys.readouterr().out
     assert records["ncf-live"].finish_s is not None and records["cifar10-live"].finish_s is not None
     assert "2 jobs: 2 finished" in status and "ncf-live" in status and "cifar10-live" in status
@@ -66,7 +82,9 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
     from shared.schema import PolicyStatus
 
     async with live_stack(tmp_path, request_timeout_s=1.0) as (nats, stack, bus):
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live")
+        await bus.js_publish(
+            subjects.stored(subjects.OPERATOR), JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live"
+        )
         while await _state(bus, "imagenet-live") != "running":
             await asyncio.sleep(0.1)
         stack.kill("estimator")
@@ -78,13 +96,13 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
         while (await run_state())[0] != "stalled":
             await asyncio.sleep(0.1)
         state, reason = await run_state()
-        assert subjects.MODELS in reason, reason                     # the stage no one answers is named
+        assert subjects.MODELS in reason, reason  # the stage no one answers is named
         try:
             await ping("policy", nats.url, 5.0, ready=True, **nats.options("policy"))
             raise AssertionError("the readiness probe passed while the live run was stalled")
         except ProbeFailed as failure:
             assert "stalled" in str(failure) and subjects.MODELS in str(failure)
-        await ping("policy", nats.url, 5.0, **nats.options("policy"))                                # alive all the same
+        await ping("policy", nats.url, 5.0, **nats.options("policy"))  # alive all the same
 
         stack.start("estimator")
         while await _state(bus, "imagenet-live") != "finished":

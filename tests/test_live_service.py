@@ -22,7 +22,7 @@ from launcher.nats import free_loopback_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GOODPUT = [sys.executable, "-m", "cli.main"]
-SUBMIT = "goodput.jobs.submit.user"      # the documented subject, the login's own, as a user writes it
+SUBMIT = "goodput.jobs.submit.user"  # the documented subject, the login's own, as a user writes it
 BURST = 300
 # Each bad submission and a word its rejection must say.
 BAD = {
@@ -33,7 +33,7 @@ BAD = {
     "nosuch-1": ({"id": "nosuch-1", "application": "resnet9000"}, "resnet9000"),
     "wide-1": ({"id": "wide-1", "application": "cifar10", "rigid": True, "requested_gpus": 100}, "64 GPUs"),
 }
-NEWLINE_ID = "newline-1\n"               # never becomes a job, but is answered: a rejection with no id
+NEWLINE_ID = "newline-1\n"  # never becomes a job, but is answered: a rejection with no id
 
 
 def user_env(data: Path) -> dict[str, str]:
@@ -45,8 +45,12 @@ def user_env(data: Path) -> dict[str, str]:
 def user_login(data: Path) -> dict:
     """nats-py connect options for the user role, from user.env (its password file, the role's inboxes)."""
     env = user_env(data)
-    return {"servers": env["GOODPUT_NATS_URL"], "user": env["GOODPUT_NATS_USER"],
-            "password": Path(env["GOODPUT_NATS_PASSWORD_FILE"]).read_text().strip(), "inbox_prefix": "_INBOX_user"}
+    return {
+        "servers": env["GOODPUT_NATS_URL"],
+        "user": env["GOODPUT_NATS_USER"],
+        "password": Path(env["GOODPUT_NATS_PASSWORD_FILE"]).read_text().strip(),
+        "inbox_prefix": "_INBOX_user",
+    }
 
 
 def command_env(data: Path | None) -> dict[str, str]:
@@ -65,8 +69,12 @@ async def publish(data: Path, documents: list[dict], in_flight: int = 64) -> Non
 
     async def one(i: int, doc: dict) -> None:
         async with gate:
-            await js.publish(SUBMIT, json.dumps(doc).encode() if i % 3 == 2 else msgspec.msgpack.encode(doc),
-                             headers={"Nats-Msg-Id": doc["id"]}, timeout=30)
+            await js.publish(
+                SUBMIT,
+                json.dumps(doc).encode() if i % 3 == 2 else msgspec.msgpack.encode(doc),
+                headers={"Nats-Msg-Id": doc["id"]},
+                timeout=30,
+            )
 
     try:
         js = nc.jetstream()
@@ -85,8 +93,9 @@ async def json_status(data: Path) -> dict:
 
 
 def status(data: Path | None, cwd: Path = ROOT) -> dict:
-    out = subprocess.run([*GOODPUT, "status", "--json"], cwd=cwd, env=command_env(data),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*GOODPUT, "status", "--json"], cwd=cwd, env=command_env(data), capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -114,9 +123,26 @@ class Up:
         self.log = (data.parent if data is not None else cwd) / f"up-{time.monotonic_ns()}.log"
         self.output = self.log.open("w")
         folder = ["--data", str(data)] if data is not None else []
-        self.process = subprocess.Popen([*GOODPUT, "up", "--workload", "none", "--port", str(port), *folder,
-                                         "--round", "2", "--speed", "600", *extra],
-                                        cwd=cwd, env=command_env(None), stdout=self.output, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [
+                *GOODPUT,
+                "up",
+                "--workload",
+                "none",
+                "--port",
+                str(port),
+                *folder,
+                "--round",
+                "2",
+                "--speed",
+                "600",
+                *extra,
+            ],
+            cwd=cwd,
+            env=command_env(None),
+            stdout=self.output,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_serving(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -135,7 +161,7 @@ class Up:
 
     def kill(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)     # its services stop with it
+            self.process.send_signal(signal.SIGINT)  # its services stop with it
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -159,14 +185,14 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     port, data, up = stack
     bad = [doc for doc, _ in BAD.values()] + [{"id": NEWLINE_ID, "application": "cifar10"}]
     # JSON clients cannot tell 2 from 2.0: an integral float is a GPU count.
-    good = [{"id": f"burst-{i}", "application": "cifar10", "requested_gpus": 2.0 if i % 2 else 1}
-            for i in range(BURST)]
+    good = [{"id": f"burst-{i}", "application": "cifar10", "requested_gpus": 2.0 if i % 2 else 1} for i in range(BURST)]
     asyncio.run(publish(data, bad + good))
 
     def settled(document):
         jobs = {j["id"]: j for j in document["jobs"]}
-        return (all(jobs.get(f"burst-{i}", {}).get("state") == "finished" for i in range(BURST))
-                and all(jobs.get(name, {}).get("state") == "rejected" for name in BAD))
+        return all(jobs.get(f"burst-{i}", {}).get("state") == "finished" for i in range(BURST)) and all(
+            jobs.get(name, {}).get("state") == "rejected" for name in BAD
+        )
 
     document = wait_for(data, settled, "every good job finished and every bad one rejected")
     jobs = {j["id"]: j for j in document["jobs"]}
@@ -175,24 +201,40 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     unnamed = [j for j in document["jobs"] if j["id"] is None]
     assert len(unnamed) == 1 and unnamed[0]["state"] == "rejected" and "id" in unnamed[0]["reason"]
     assert document["run"]["state"] == "running" and document["run"]["leader"]
-    assert asyncio.run(json_status(data))["total"] >= BURST      # a request in JSON, answered in JSON
+    assert asyncio.run(json_status(data))["total"] >= BURST  # a request in JSON, answered in JSON
     assert set(jobs["burst-1"]) >= {"id", "state", "reason", "application", "gpu_type", "gpus", "nodes", "batch"}
 
     # One job, for people and for scripts; the table piped into a reader that stops early is no error.
-    one = subprocess.run([*GOODPUT, "status", "burst-7", "--json"], env=command_env(data),
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    one = subprocess.run(
+        [*GOODPUT, "status", "burst-7", "--json"],
+        env=command_env(data),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert json.loads(one.stdout)["id"] == "burst-7"
-    piped = subprocess.run(f"{sys.executable} -m cli.main status | head -1", env=command_env(data),
-                           shell=True, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    piped = subprocess.run(
+        f"{sys.executable} -m cli.main status | head -1",
+        env=command_env(data),
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert piped.returncode == 0 and "Traceback" not in piped.stderr, piped.stderr
 
     # A second stack on the same data folder, or on the same port, is refused; nothing is touched.
-    for other in (["--port", str(free_loopback_port()), "--data", str(data)],
-                  ["--port", str(port), "--data", str(data.parent / "other")]):
-        refused = subprocess.run([*GOODPUT, "up", "--workload", "none", *other], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=60)
+    for other in (
+        ["--port", str(free_loopback_port()), "--data", str(data)],
+        ["--port", str(port), "--data", str(data.parent / "other")],
+    ):
+        refused = subprocess.run(
+            [*GOODPUT, "up", "--workload", "none", *other], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert refused.returncode == 2 and ("in use" in refused.stderr or "taken" in refused.stderr), refused.stderr
-    assert not (data.parent / "other").exists()              # the one refused for its port made no folder
+    assert not (data.parent / "other").exists()  # the one refused for its port made no folder
 
     stopped_in = up.interrupt()
     assert up.process.returncode == 0 and stopped_in < 30, stopped_in
@@ -203,8 +245,11 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
     try:
         again.wait_serving()
         asyncio.run(publish(data, [{"id": "after-restart", "application": "cifar10"}]))
-        document = wait_for(data, lambda d: any(j["id"] == "after-restart" and j["state"] == "finished"
-                                                for j in d["jobs"]), "the job submitted after the restart finished")
+        document = wait_for(
+            data,
+            lambda d: any(j["id"] == "after-restart" and j["state"] == "finished" for j in d["jobs"]),
+            "the job submitted after the restart finished",
+        )
         states = {j["id"]: j["state"] for j in document["jobs"]}
         assert all(states[f"burst-{i}"] == "finished" for i in range(BURST))
         assert all(states[name] == "rejected" for name in BAD)
@@ -226,7 +271,7 @@ async def attack(data: Path) -> list[str]:
     async def collect(error: Exception) -> None:
         errors.append(str(error).lower())
 
-    with pytest.raises(Exception):                                    # no login: refused
+    with pytest.raises(Exception):  # no login: refused
         await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=1, error_cb=collect)
     assert any("authorization violation" in error for error in errors), errors
 
@@ -234,15 +279,22 @@ async def attack(data: Path) -> list[str]:
     try:
         await nc.publish("goodput.executor.apply", msgspec.msgpack.encode({"now_s": 1e6, "placements": {}}))
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-            await nc.request("$JS.API.STREAM.CREATE.GOODPUT_JOBS", json.dumps(
-                {"name": "GOODPUT_JOBS", "subjects": ["goodput.executor.apply"], "storage": "memory"}).encode(), timeout=2)
+            await nc.request(
+                "$JS.API.STREAM.CREATE.GOODPUT_JOBS",
+                json.dumps(
+                    {"name": "GOODPUT_JOBS", "subjects": ["goodput.executor.apply"], "storage": "memory"}
+                ).encode(),
+                timeout=2,
+            )
         for subject in STATUS_SUBJECTS:
             for reply in EVIL_REPLIES:
-                for body in (msgspec.msgpack.encode({}), b"\xc1"):       # a valid request, and an invalid one
+                for body in (msgspec.msgpack.encode({}), b"\xc1"):  # a valid request, and an invalid one
                     await nc.publish(subject, body, reply=reply)
         # A request in parts on a status endpoint is refused at once: it never waits for parts.
-        refusals = [await nc.request("goodput.policy.status", b"", timeout=10, headers={"Goodput-Chunk": "0/256"})
-                    for _ in range(6)]
+        refusals = [
+            await nc.request("goodput.policy.status", b"", timeout=10, headers={"Goodput-Chunk": "0/256"})
+            for _ in range(6)
+        ]
         assert all(r.headers.get("Nats-Service-Error-Code") == "400" for r in refusals), [r.headers for r in refusals]
         # Each service has taken the tricks before these answers (one subscription, in order).
         for subject in STATUS_SUBJECTS:
@@ -255,12 +307,18 @@ async def attack(data: Path) -> list[str]:
 
 async def stored_streams(data: Path) -> dict[str, int]:
     """Each stream's message count, as the operator (whose password `goodput up` keeps in DATA/secrets) sees it."""
-    nc = await nats.connect(user_env(data)["GOODPUT_NATS_URL"], user="operator", inbox_prefix="_INBOX_operator",
-                            password=(data / "secrets" / "operator").read_text().strip())
+    nc = await nats.connect(
+        user_env(data)["GOODPUT_NATS_URL"],
+        user="operator",
+        inbox_prefix="_INBOX_operator",
+        password=(data / "secrets" / "operator").read_text().strip(),
+    )
     try:
         js = nc.jetstream()
-        return {name: (await js.stream_info(name)).state.messages
-                for name in ("GOODPUT_JOBS", "GOODPUT_RUNS", "KV_goodput_runs")}
+        return {
+            name: (await js.stream_info(name)).state.messages
+            for name in ("GOODPUT_JOBS", "GOODPUT_RUNS", "KV_goodput_runs")
+        }
     finally:
         await nc.close()
 
@@ -282,12 +340,23 @@ def test_a_user_cannot_act_through_a_service_and_the_stack_goes_on(tmp_path):
             assert any("permissions violation" in error and refused in error for error in errors), errors
         job = tmp_path / "job.yaml"
         job.write_text("id: after-tricks\napplication: cifar10\n")
-        submitted = subprocess.run([*GOODPUT, "submit", str(job)], cwd=tmp_path, env=command_env(None),
-                                   capture_output=True, text=True, timeout=60)
-        assert submitted.returncode == 0 and submitted.stdout.strip() == "after-tricks: accepted (profiling)", submitted.stderr
-        document = wait_for(None, lambda d: any(j["id"] == "after-tricks" and j["state"] == "finished"
-                                                for j in d["jobs"]), "the job submitted after the tricks finished",
-                            cwd=tmp_path)
+        submitted = subprocess.run(
+            [*GOODPUT, "submit", str(job)],
+            cwd=tmp_path,
+            env=command_env(None),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert submitted.returncode == 0 and submitted.stdout.strip() == "after-tricks: accepted (profiling)", (
+            submitted.stderr
+        )
+        document = wait_for(
+            None,
+            lambda d: any(j["id"] == "after-tricks" and j["state"] == "finished" for j in d["jobs"]),
+            "the job submitted after the tricks finished",
+            cwd=tmp_path,
+        )
         assert document["run"]["state"] == "running" and document["run"]["id"] == "live"
         assert all(messages > 0 for messages in asyncio.run(stored_streams(data)).values())
     finally:
@@ -306,7 +375,7 @@ def test_goodput_up_killed_its_services_stop_by_themselves_and_the_next_one_take
     try:
         up.wait_serving()
         started = _pids(f"--server nats://127.0.0.1:{port}")
-        assert len(started) >= 5, started                 # the five services
+        assert len(started) >= 5, started  # the five services
         up.process.kill()
         up.process.wait()
         deadline = time.monotonic() + 60
@@ -322,7 +391,7 @@ def test_goodput_up_killed_its_services_stop_by_themselves_and_the_next_one_take
         assert f"stopped the NATS server (pid {orphan[0]})" in up.log.read_text(), up.log.read_text()
     finally:
         up.kill()
-        for pid in _pids(str(data / "jetstream")):         # on a failure: nothing left behind
+        for pid in _pids(str(data / "jetstream")):  # on a failure: nothing left behind
             os.kill(pid, signal.SIGTERM)
 
 

@@ -11,11 +11,11 @@ import time
 import msgspec
 import pytest
 
+from goodput_train.protocol import STATS_PREFIX, JobStats
 from services.executor.local import InProcessNodes, LocalExecutors
 from services.executor.node import NodeWorkers
 from services.executor.processes import job_module
 from shared.cluster import Cluster
-from goodput_train.protocol import STATS_PREFIX, JobStats
 from shared.schema import Node, NodeInfo, NodeJob, NodeReport, Rendezvous, StartWorkers, WorkersReport
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
@@ -24,8 +24,9 @@ SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
 def local_executors(folder, jobs_package="examples.jobs", **options) -> LocalExecutors:
     """Real workers on one node of two CPU slots, its agent's part in this process (no bus)."""
     node = NodeWorkers(NodeInfo("local-0", "cpu", 2, "127.0.0.1"), folder, jobs_package) if folder else None
-    return LocalExecutors(InProcessNodes({"local-0": node} if node else {}), folder, SLOTS,
-                          jobs_package=jobs_package, **options)
+    return LocalExecutors(
+        InProcessNodes({"local-0": node} if node else {}), folder, SLOTS, jobs_package=jobs_package, **options
+    )
 
 
 def wait_for(condition, executors, timeout_s=120):
@@ -47,7 +48,7 @@ def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
     try:
         executors.apply({"cnn-1": (("local-0", 2),)})
         wait_for(lambda _: job.stats is not None and job.stats.steps > 0, executors)
-        executors.nodes.workers["local-0"].jobs["cnn-1"].processes[1].kill()     # kill -9 mid-training
+        executors.nodes.workers["local-0"].jobs["cnn-1"].processes[1].kill()  # kill -9 mid-training
         wait_for(lambda finished: "cnn-1" in finished, executors)
     finally:
         executors.stop_all()
@@ -65,22 +66,31 @@ def test_only_example_jobs_may_run():
 def test_only_modules_that_declare_themselves_jobs_may_run():
     """A module of the jobs package is not a job unless it says so: the example jobs' shared loop
     is refused, with the reason and the jobs there are."""
-    with pytest.raises(ValueError, match=r"no job 'common' in examples.jobs: examples.jobs.common does not declare "
-                                         r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
-                                         r"tiny_lm\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no job 'common' in examples.jobs: examples.jobs.common does not declare "
+        r"itself a job \(`GOODPUT_JOB = True`\) \(its jobs: cnn_shapes, mlp_blobs, "
+        r"tiny_lm\)",
+    ):
         local_executors(None).add("c", "common")
     with pytest.raises(ValueError, match=r"its jobs: environment, huge, profile_stalls, quick, raises, writes\)"):
-        job_module("small", "tests.jobs")                     # the test jobs' helper
+        job_module("small", "tests.jobs")  # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
         job_module("x", "no_such_package")
     assert job_module("mlp_blobs") == "examples.jobs.mlp_blobs"
 
 
-CREDENTIALS = {"GOODPUT_NATS_USER": "executor", "GOODPUT_NATS_PASSWORD": "hunter2-secret",
-               "GOODPUT_NATS_PASSWORD_FILE": "/run/secrets/executor", "GOODPUT_NATS_PASSWORD_PLACER": "placer-secret",
-               "GOODPUT_NATS_TOKEN_FILE": "/run/secrets/token", "GOODPUT_NATS_TLS_KEY": "/etc/goodput/tls.key",
-               "GOODPUT_NATS_URL": "nats://user:pass@nats:4222", "GITHUB_TOKEN": "ghp_secret",
-               "AWS_SECRET_ACCESS_KEY": "aws-secret"}
+CREDENTIALS = {
+    "GOODPUT_NATS_USER": "executor",
+    "GOODPUT_NATS_PASSWORD": "hunter2-secret",
+    "GOODPUT_NATS_PASSWORD_FILE": "/run/secrets/executor",
+    "GOODPUT_NATS_PASSWORD_PLACER": "placer-secret",
+    "GOODPUT_NATS_TOKEN_FILE": "/run/secrets/token",
+    "GOODPUT_NATS_TLS_KEY": "/etc/goodput/tls.key",
+    "GOODPUT_NATS_URL": "nats://user:pass@nats:4222",
+    "GITHUB_TOKEN": "ghp_secret",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret",
+}
 
 
 def given_environment(log) -> dict[str, str]:
@@ -125,7 +135,7 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     agent = RealExecutors(local_executors(tmp_path))
     for sequence, job_id in enumerate(("lm", "refused", "done"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
-    agent.submitted(JobSpec("lm", "cnn_shapes"), 4)                    # another body under a held id: not taken
+    agent.submitted(JobSpec("lm", "cnn_shapes"), 4)  # another body under a held id: not taken
     agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.profiled(Profiled("done", 16, 256, submission=3))
     agent.rejected(Rejected("goodput.jobs.submit", "too big", "refused", submission=2))
@@ -136,25 +146,28 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     assert agent.jobs["lm"].spec.application == "tiny_lm"
     assert agent.arrive(10.0) == ["done", "lm"]
     lm = agent.executors.jobs["lm"]
-    lm.placement = (("local-0", 1),)                                   # as if running (no processes here)
+    lm.placement = (("local-0", 1),)  # as if running (no processes here)
     agent.executors.jobs["done"].result = {"stopped": False, "metric": 0.9, "batches": [16, 32]}
     assert agent.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)
-    lm.parts, lm.running = (("local-0", (0,)),), True                  # its workers there, as KV keeps it
+    lm.parts, lm.running = (("local-0", (0,)),), True  # its workers there, as KV keeps it
     failures = {r.name: r.failure for r in agent.records() if r.failure}
     assert failures == {"refused": "too big", "never-read": "malformed: unknown field"}
     facts = agent.facts(12.0, ["lm"]).facts[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
 
     successor = RealExecutors(local_executors(tmp_path))
-    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):   # as KV keeps them
+    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):  # as KV keeps them
         successor.restore(job)
-    successor.executors.stop_leftovers()              # what was running on the nodes stops; it starts again
+    successor.executors.stop_leftovers()  # what was running on the nodes stops; it starts again
     records = {r.name: r for r in successor.records()}
     assert {name: r.failure for name, r in records.items() if r.failure} == failures
     assert (records["done"].finish_s, records["done"].restarts, records["done"].metric) == (
-        agent.jobs["done"].finish_s, 0, 0.9)                                 # ended: not started again
+        agent.jobs["done"].finish_s,
+        0,
+        0.9,
+    )  # ended: not started again
     assert records["lm"].restarts == 1 and records["lm"].gpu_seconds == 3.0  # was running: starts again
-    assert successor.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)   # the same round asked again
+    assert successor.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)  # the same round asked again
     assert successor.jobs["lm"].gpu_seconds == 3.0
     assert successor.arrive(13.0) == ["lm"]
 
@@ -172,12 +185,13 @@ def test_every_refusal_is_listed_with_what_could_be_read_of_it_across_a_restart(
     agent.rejected(Rejected("goodput.jobs.submit", "malformed: `$.requested_gpus`", "typo", application="tiny_lm"), 8)
     expected = [(None, "rejected", "a message is a JSON object", "unreadable")] * 2 + [
         ("x", "rejected", "unknown application 'nosuchjob'", "nosuchjob"),
-        ("typo", "rejected", "malformed: `$.requested_gpus`", "tiny_lm")]
+        ("typo", "rejected", "malformed: `$.requested_gpus`", "tiny_lm"),
+    ]
     listed = [(s.id, s.state, s.reason, s.application) for s in job_statuses(agent.records())]
     assert listed == expected
 
     successor = RealExecutors(local_executors(None))
-    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):   # as KV keeps them
+    for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):  # as KV keeps them
         successor.restore(job)
     assert [(s.id, s.state, s.reason, s.application) for s in job_statuses(successor.records())] == expected
     assert sorted(job.key for job in successor.saved()) == ["_rejected.5", "_rejected.6", "typo", "x"]
@@ -226,11 +240,11 @@ def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
         return next(r.batch for r in agent.records() if r.name == "lm")
 
     agent.apply(0.0, {"lm": (("local-0", 1),)})
-    assert batch() is None                                      # not reported yet
+    assert batch() is None  # not reported yet
     nodes.stats["lm"] = JobStats("lm", "cpu", (), None, None, 0.1, 10, m=32, s=1)
     assert batch() == 32 * 2 * 1
-    agent.apply(3.0, {"lm": (("local-0", 4),)})                 # it grows: its workers restart on 4
-    assert batch() is None                                      # the report it has is the 1-GPU run's
+    agent.apply(3.0, {"lm": (("local-0", 4),)})  # it grows: its workers restart on 4
+    assert batch() is None  # the report it has is the 1-GPU run's
     nodes.stats["lm"] = JobStats("lm", "cpu", (), None, None, 0.2, 20, m=24, s=0)
     assert batch() == 24 * 1 * 4
 
@@ -248,8 +262,12 @@ def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure
         [record] = agent.records()
         return record.state, record.failure, record.reason, job_status(record).reason
 
-    assert seen() == ("profiling", None, "waiting for its profiling run (its script on one GPU of each type it may use)",
-                      "waiting for its profiling run (its script on one GPU of each type it may use)")
+    assert seen() == (
+        "profiling",
+        None,
+        "waiting for its profiling run (its script on one GPU of each type it may use)",
+        "waiting for its profiling run (its script on one GPU of each type it may use)",
+    )
     agent.profile_asked("lm", "cpu-1")
     assert seen() == ("profiling", None, "profiling on node cpu-1", "profiling on node cpu-1")
     agent.lost.add("cpu-1")
@@ -265,15 +283,16 @@ def test_a_queued_jobs_status_says_it_waits_for_gpus_behind_those_submitted_befo
     agent = RealExecutors(local_executors(None))
     for sequence, job_id in enumerate(("a", "b", "c", "d"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
-        if job_id != "c":                                       # c is still being profiled
+        if job_id != "c":  # c is still being profiled
             agent.profiled(Profiled(job_id, 16, 256, submission=sequence))
     agent.arrive(0.0)
     reasons = {r.name: (r.state, r.reason) for r in agent.records()}
-    assert reasons == {"a": ("queued", "waiting for GPUs: the last round gave it none"),
-                       "b": ("queued", "waiting for GPUs: the last round gave it none; 1 queued job submitted before it"),
-                       "c": ("profiling", "waiting for its profiling run (its script on one GPU of each type it may use)"),
-                       "d": ("queued", "waiting for GPUs: the last round gave it none; 2 queued jobs submitted "
-                                       "before it")}, reasons
+    assert reasons == {
+        "a": ("queued", "waiting for GPUs: the last round gave it none"),
+        "b": ("queued", "waiting for GPUs: the last round gave it none; 1 queued job submitted before it"),
+        "c": ("profiling", "waiting for its profiling run (its script on one GPU of each type it may use)"),
+        "d": ("queued", "waiting for GPUs: the last round gave it none; 2 queued jobs submitted before it"),
+    }, reasons
 
 
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):
@@ -287,7 +306,7 @@ def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(
     agent = RealExecutors(local_executors(tmp_path))
     for sequence, job_id in enumerate(("lm", "queued", "profiling"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
-    agent.jobs["lm"].submitted_at = time.time() - 40.0           # submitted 40 s ago, profiled since
+    agent.jobs["lm"].submitted_at = time.time() - 40.0  # submitted 40 s ago, profiled since
     agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.profiled(Profiled("queued", 16, 256, submission=2))
     assert agent.arrive(100.0) == ["lm", "queued"]
@@ -295,8 +314,8 @@ def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(
     assert 59.0 < records["lm"].submit_s <= 60.0 and agent.facts(100.0, ["lm"]).facts[0].submit_s == 100.0
     agent.cancelled(Cancel("queued"))
     agent.cancelled(Cancel("profiling"))
-    agent.cancelled(Cancel("queued"))                              # twice: harmless
-    agent.profiled(Profiled("profiling", 16, 256, submission=3))   # its verdict came after: it never starts
+    agent.cancelled(Cancel("queued"))  # twice: harmless
+    agent.profiled(Profiled("profiling", 16, 256, submission=3))  # its verdict came after: it never starts
     assert agent.facts(101.0, ["lm", "queued"]).failed == {"queued": CANCELLED}
     assert agent.advance(101.0, 3.0, ["lm", "queued"]).failed == {"queued": CANCELLED}
     assert agent.arrive(104.0) == ["lm"]
@@ -315,14 +334,14 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.arrive(0.0)
     local = agent.executors.jobs["lm"]
-    local.placement = (("local-0", 2),)                 # as if running on two slots (no processes here)
-    assert agent.advance(0.0, 3.0, ["lm"]).finished == ()      # a round on two slots: 6 slot-seconds
-    local.result = {"stopped": False, "metric": 0.9}    # and then it finished
+    local.placement = (("local-0", 2),)  # as if running on two slots (no processes here)
+    assert agent.advance(0.0, 3.0, ["lm"]).finished == ()  # a round on two slots: 6 slot-seconds
+    local.result = {"stopped": False, "metric": 0.9}  # and then it finished
     first = agent.advance(3.0, 3.0, ["lm"])
     again = agent.advance(3.0, 3.0, ["lm"])
     assert first == again and first.finished == ("lm",)
     assert agent.jobs["lm"].gpu_seconds == 6.0
-    assert agent.advance(6.0, 3.0, ["lm"]).finished == ()       # reported in its round only
+    assert agent.advance(6.0, 3.0, ["lm"]).finished == ()  # reported in its round only
 
 
 def test_a_job_told_not_to_adapt_keeps_its_batch(tmp_path):
@@ -346,24 +365,34 @@ def test_the_rounds_nodes_are_the_live_ones_less_the_drained_and_a_gone_nodes_jo
     from services.executor.real import RealExecutors
     from shared.cluster import build_cluster
 
-    spec = build_cluster("two", [{"gpu_type": "cpu", "count": 2, "gpus_per_node": 2},
-                                 {"gpu_type": "big", "count": 1, "gpus_per_node": 6}])
+    spec = build_cluster(
+        "two",
+        [{"gpu_type": "cpu", "count": 2, "gpus_per_node": 2}, {"gpu_type": "big", "count": 1, "gpus_per_node": 6}],
+    )
     real = RealExecutors(local_executors(tmp_path), spec)
-    members = {"cpu-0": NodeInfo("cpu-0", "cpu", 2, "10.0.0.1"), "cpu-1": NodeInfo("cpu-1", "cpu", 2, "10.0.0.2"),
-               "big-0": NodeInfo("big-0", "big", 6, "10.0.0.3"), "stray": NodeInfo("stray", "cpu", 8, "10.0.0.4"),
-               "cpu-9": NodeInfo("cpu-9", "cpu", 4, "10.0.0.5")}           # named in no cluster, or not as it says
+    members = {
+        "cpu-0": NodeInfo("cpu-0", "cpu", 2, "10.0.0.1"),
+        "cpu-1": NodeInfo("cpu-1", "cpu", 2, "10.0.0.2"),
+        "big-0": NodeInfo("big-0", "big", 6, "10.0.0.3"),
+        "stray": NodeInfo("stray", "cpu", 8, "10.0.0.4"),
+        "cpu-9": NodeInfo("cpu-9", "cpu", 4, "10.0.0.5"),
+    }  # named in no cluster, or not as it says
     nodes = real.serve_nodes(members, set())
     assert [(n.name, n.gpu_type, n.gpus) for n in nodes] == [
-        ("big-0-v0", "big", 4), ("big-0-v1", "big", 2), ("cpu-0", "cpu", 2), ("cpu-1", "cpu", 2)]
+        ("big-0-v0", "big", 4),
+        ("big-0-v1", "big", 2),
+        ("cpu-0", "cpu", 2),
+        ("cpu-1", "cpu", 2),
+    ]
     assert real.executors.real["big-0-v1"] == "big-0"
     real.executors.add("lm", "tiny_lm")
-    lm = real.executors.jobs["lm"]                        # as if its workers ran on cpu-1 (no processes here)
+    lm = real.executors.jobs["lm"]  # as if its workers ran on cpu-1 (no processes here)
     lm.placement, lm.parts, lm.running = (("cpu-1", 2),), (("cpu-1", (0, 1)),), True
     assert real.jobs_on("cpu-1") == ["lm"]
-    nodes = real.serve_nodes(members, {"cpu-1"})          # drained (or lost: the same to its jobs)
+    nodes = real.serve_nodes(members, {"cpu-1"})  # drained (or lost: the same to its jobs)
     assert "cpu-1" not in {n.name for n in nodes}
     assert (lm.placement, lm.running, lm.restarts, lm.failure) == ((), False, 1, None)
-    assert {n.name for n in real.serve_nodes(members, set())} >= {"cpu-0", "cpu-1"}     # drained no more
+    assert {n.name for n in real.serve_nodes(members, set())} >= {"cpu-0", "cpu-1"}  # drained no more
 
 
 def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
@@ -375,9 +404,14 @@ def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
 
     checkpoint = tmp_path / "quick-1.pt"
     with open(tmp_path / "quick-1.rank0.log", "w") as log:
-        process = worker(job_module("quick", "tests.jobs"), ["--checkpoint", str(checkpoint)],
-                         {**torchrun_env(0, 1, 1, 0, "quick-1", "cpu"), REPORT_ENV: "0.2"}, log, lifeline=True)
-    assert process.stdout.readline().startswith(STATS_PREFIX)           # it trains
+        process = worker(
+            job_module("quick", "tests.jobs"),
+            ["--checkpoint", str(checkpoint)],
+            {**torchrun_env(0, 1, 1, 0, "quick-1", "cpu"), REPORT_ENV: "0.2"},
+            log,
+            lifeline=True,
+        )
+    assert process.stdout.readline().startswith(STATS_PREFIX)  # it trains
     process.stdout.close()
     process.stdin.close()
     process.wait(timeout=120)

@@ -28,22 +28,50 @@ import uuid
 import msgspec
 
 from launcher.nats import embedded_nats, free_loopback_port
-from launcher.stack import (create_run, local_node_arguments, local_service_arguments, records_once_ended,
-                          running_services)
+from launcher.stack import (
+    create_run,
+    local_node_arguments,
+    local_service_arguments,
+    records_once_ended,
+    running_services,
+)
 from shared import credentials, storage, subjects
 from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, NodeInfo, RunRequest
-from tests.jobs.profile_stalls import STALLING, marker as stalling_marker
+from tests.jobs.profile_stalls import STALLING
+from tests.jobs.profile_stalls import marker as stalling_marker
 from tests.test_multinode import until
 
-TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}    # each job's own metric at its end
+TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}  # each job's own metric at its end
 
 
 def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_path):
     out = tmp_path / "up.json"
-    run = subprocess.run([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--nodes", "2", "--slots", "1",
-                          "--once", "--round", "3", "--port", str(free_loopback_port()), "--data", str(tmp_path),
-                          "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "up",
+            "--executors",
+            "local",
+            "--nodes",
+            "2",
+            "--slots",
+            "1",
+            "--once",
+            "--round",
+            "3",
+            "--port",
+            str(free_loopback_port()),
+            "--data",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     jobs = {job["name"]: job for job in json.loads(out.read_text())["jobs"]}
     assert set(jobs) == set(TARGETS)
@@ -54,9 +82,11 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
     # took on this machine: test_multinode moves and spreads one at will, and below a rigid 2-slot
     # job must span both nodes.
     assert all(len(job["batches"]) > 1 for job in jobs.values()), jobs
-    assert "finished" in run.stdout and " x CPU slot" in run.stdout   # the changes were shown as they came, by type
-    assert {node for job in jobs.values() for placed in job["placements"] for node, _ in placed["nodes"]} == \
-        {"cpu-0", "cpu-1"}
+    assert "finished" in run.stdout and " x CPU slot" in run.stdout  # the changes were shown as they came, by type
+    assert {node for job in jobs.values() for placed in job["placements"] for node, _ in placed["nodes"]} == {
+        "cpu-0",
+        "cpu-1",
+    }
 
 
 @contextlib.asynccontextmanager
@@ -65,8 +95,9 @@ async def _live_stack(folder, cluster="local", **options):
     one's slots; real jobs), a live run of sia every 2 s; a bus to submit on."""
     agents = local_node_arguments(cluster, folder / "work", options.get("jobs_package"))
     with embedded_nats(folder) as nats:
-        with running_services(nats, local_service_arguments(cluster, folder / "work", 1.0, **options), folder,
-                              agents=agents) as stack:
+        with running_services(
+            nats, local_service_arguments(cluster, folder / "work", 1.0, **options), folder, agents=agents
+        ) as stack:
             bus = await nats.connect("test")
             try:
                 await stack.wait_ready(bus)
@@ -96,10 +127,10 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     records, alive = asyncio.run(_bad_inputs(tmp_path))
     assert set(records) == {"breaks", "too-big", "no-code", "good", "typo"}, records
     breaks, too_big, good, typo = (records[name] for name in ("breaks", "too-big", "good", "typo"))
-    assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks       # restarted twice
+    assert breaks.finish_s is None and "crashed 3 times" in breaks.failure, breaks  # restarted twice
     assert "RuntimeError: the data loader broke at step 3" in breaks.failure
     assert "does not fit in the 64 MB memory of one cpu GPU at any batch size" in too_big.failure, too_big
-    assert math.isnan(too_big.submit_s) and too_big.gpu_seconds == 0         # it never ran
+    assert math.isnan(too_big.submit_s) and too_big.gpu_seconds == 0  # it never ran
     assert "unknown field `requested_gpu`" in typo.failure, typo
     assert "no job 'nosuchjob' in tests.jobs" in records["no-code"].failure, records["no-code"]
     assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
@@ -112,18 +143,19 @@ async def _user_refusals(folder):
     import nats
 
     async with _live_stack(folder, jobs_package="tests.jobs") as (bus, _, server):
-        reader = await server.connect("test-members", role="profiler")        # the membership, as the API reads it
+        reader = await server.connect("test-members", role="profiler")  # the membership, as the API reads it
         members = await storage.open_kv(reader, subjects.NODES_BUCKET, NodeInfo)
         await until(lambda: _all_say(members), "every node agent to say which jobs it runs")
         await reader.close()
         nc = await nats.connect(server.url, **server.options("user"))
         try:
             asked = time.monotonic()
-            reply = await nc.request(subjects.API_SUBMIT, json.dumps({"id": "x", "application": "nosuchjob"}).encode(),
-                                     timeout=30)
+            reply = await nc.request(
+                subjects.API_SUBMIT, json.dumps({"id": "x", "application": "nosuchjob"}).encode(), timeout=30
+            )
             answered_s = time.monotonic() - asked
             unknown = (json.loads(reply.data), dict(reply.headers or {}), answered_s)
-            await nc.publish(subjects.submit("user"), b"hello there")     # fire-and-forget: no JSON object
+            await nc.publish(subjects.submit("user"), b"hello there")  # fire-and-forget: no JSON object
             await nc.flush()
         finally:
             await nc.close()
@@ -156,20 +188,20 @@ def test_a_user_is_refused_an_unknown_application_at_once_and_every_refusal_is_l
     (answer, headers, answered_s), status, unnamed = asyncio.run(_user_refusals(tmp_path))
     assert answer["accepted"] is False and answer["state"] == "rejected", answer
     assert answer["reason"].startswith("unknown application 'nosuchjob'"), answer
-    assert "(known: " in answer["reason"] and "quick" in answer["reason"], answer       # tests.jobs's
+    assert "(known: " in answer["reason"] and "quick" in answer["reason"], answer  # tests.jobs's
     assert headers.get("Nats-Service-Error-Code") == "400", headers
     assert answered_s < 10, answered_s
     assert status["state"] == "rejected" and status["reason"] == answer["reason"], status
-    assert status["application"] == "nosuchjob", status                  # what could be read, not "unreadable"
+    assert status["application"] == "nosuchjob", status  # what could be read, not "unreadable"
     # A body that is no JSON object, on the durable subject: listed, `"id": null`, saying why.
     [listed] = unnamed
     assert listed["reason"].startswith("malformed submission: a message is a JSON object"), listed
 
 
 async def _executor_killed(folder):
-    async with _live_stack(folder, checkpoints="jetstream:") as (bus, stack, _):     # no folder shared
+    async with _live_stack(folder, checkpoints="jetstream:") as (bus, stack, _):  # no folder shared
         await _submit(bus, {"tiny-lm": "tiny_lm", "cnn-shapes": "cnn_shapes"})
-        for _ in range(240):                     # both training
+        for _ in range(240):  # both training
             records = (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs
             if len(records) == 2 and all(r.placement for r in records):
                 break
@@ -177,7 +209,7 @@ async def _executor_killed(folder):
         await asyncio.sleep(3)
         # Those still training when it dies (a fast one may have finished meanwhile, on a fast machine).
         training = {r.name for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs if r.finish_s is None}
-        stack.kill("executor")                   # kill -9: its workers are left behind on the node
+        stack.kill("executor")  # kill -9: its workers are left behind on the node
         await asyncio.sleep(1)
         stack.start("executor")
         records = await records_once_ended(bus, ["tiny-lm", "cnn-shapes"], timeout_s=300)
@@ -186,7 +218,7 @@ async def _executor_killed(folder):
 
 def test_the_executor_killed_mid_training_its_successor_finishes_the_jobs(tmp_path):
     records, training, log = asyncio.run(_executor_killed(tmp_path))
-    assert log.count("ready on") == 2                                   # it really started again
+    assert log.count("ready on") == 2  # it really started again
     for name, record in records.items():
         assert record.failure is None and record.metric >= TARGETS[name], record
     # One still training when it died started again from its checkpoint (a job that reached its target
@@ -199,23 +231,31 @@ def test_the_executor_killed_mid_training_its_successor_finishes_the_jobs(tmp_pa
 async def _cancelled_mid_training(folder):
     async with _live_stack(folder) as (bus, stack, nats):
         await _submit(bus, {"tiny-lm": "tiny_lm", "mlp-blobs": "mlp_blobs"})
-        for _ in range(240):                     # tiny-lm training: its workers have reported steps
+        for _ in range(240):  # tiny-lm training: its workers have reported steps
             records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
             if "tiny-lm" in records and records["tiny-lm"].batch is not None:
                 break
             await asyncio.sleep(0.5)
         answer = await bus.request(subjects.API_CANCEL, JobRequest("tiny-lm"), CancelAnswer, timeout=60)
-        workers = subprocess.run(["pgrep", "-f", f"{folder / 'work'}.*tiny-lm.pt"], capture_output=True,
-                                 text=True).stdout
+        workers = subprocess.run(
+            ["pgrep", "-f", f"{folder / 'work'}.*tiny-lm.pt"], capture_output=True, text=True
+        ).stdout
         ended = await records_once_ended(bus, ["mlp-blobs"], timeout_s=300)
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
         # The operator drains the node, then uses it again; a user may not.
         operator = {**{k: v for k, v in os.environ.items() if not k.startswith("GOODPUT_NATS")}, **nats.env("operator")}
         user = {**operator, **nats.env("user")}
-        drains = [await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli.main", "drain", *args,
-                                                                  "--server", nats.url],
-                                          capture_output=True, text=True, env=env, timeout=120)
-                  for args, env in ((["cpu-0"], operator), (["cpu-0", "--undo"], operator), (["cpu-0"], user))]
+        drains = [
+            await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "cli.main", "drain", *args, "--server", nats.url],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
+            for args, env in ((["cpu-0"], operator), (["cpu-0", "--undo"], operator), (["cpu-0"], user))
+        ]
         return answer, workers, records, ended, drains
 
 
@@ -235,15 +275,21 @@ def test_a_real_job_cancelled_mid_training_checkpoints_stops_and_the_others_go_o
 async def _node_lost_while_profiling(folder):
     two = folder / "two-nodes.yaml"
     two.write_text("name: two\nnodes:\n  - {gpu_type: cpu, count: 2, gpus_per_node: 1}\n")
-    stalls = f"stalls-{uuid.uuid4().hex[:8]}"              # its first profiling run stalls (tests/jobs)
+    stalls = f"stalls-{uuid.uuid4().hex[:8]}"  # its first profiling run stalls (tests/jobs)
     async with _live_stack(folder, str(two), jobs_package="tests.jobs") as (bus, stack, _):
 
         async def record(name):
             return {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}.get(name)
 
         def stalled_on():
-            return next((log.parent.name.removeprefix("node-") for log in (folder / "work").glob(f"*/{stalls}.profile-*")
-                         if STALLING in log.read_text()), None)
+            return next(
+                (
+                    log.parent.name.removeprefix("node-")
+                    for log in (folder / "work").glob(f"*/{stalls}.profile-*")
+                    if STALLING in log.read_text()
+                ),
+                None,
+            )
 
         await _submit(bus, {stalls: "profile_stalls"})
         node = await until(stalled_on, "its first profiling run to stall")
@@ -255,15 +301,26 @@ async def _node_lost_while_profiling(folder):
         await _submit(bus, {"doomed": "quick"})
         await until(lambda: _state_if(record("doomed"), ("profiling",)), "the third job to be known")
         cancel = await bus.request(subjects.API_CANCEL, JobRequest("doomed"), CancelAnswer, timeout=60)
-        await until(lambda: _state_if(record("quick-1"), ("queued", "running", "finished")),
-                    "the other job's verdict while the first one's run stalls", timeout_s=150)
-        await until(lambda: "job doomed was cancelled before its profiling run" in
-                    (stack.logs / "profiler.log").read_text(errors="replace"), "the cancelled job's turn on a node")
+        await until(
+            lambda: _state_if(record("quick-1"), ("queued", "running", "finished")),
+            "the other job's verdict while the first one's run stalls",
+            timeout_s=150,
+        )
+        await until(
+            lambda: (
+                "job doomed was cancelled before its profiling run"
+                in (stack.logs / "profiler.log").read_text(errors="replace")
+            ),
+            "the cancelled job's turn on a node",
+        )
         assert (await record(stalls)).state == "profiling"
         killed = time.monotonic()
-        stack.kill(f"node-{node}")                                 # kill -9 of the agent running it
-        await until(lambda: _state_if(record(stalls), ("queued", "running", "finished")),
-                    "its profile, measured again on the other node", timeout_s=150)
+        stack.kill(f"node-{node}")  # kill -9 of the agent running it
+        await until(
+            lambda: _state_if(record(stalls), ("queued", "running", "finished")),
+            "its profile, measured again on the other node",
+            timeout_s=150,
+        )
         taken_s = time.monotonic() - killed
         again = sorted(log.parent.name for log in (folder / "work").glob(f"*/{stalls}.profile-*"))
         ended = await records_once_ended(bus, [stalls, "quick-1", "doomed"], timeout_s=300)
@@ -295,7 +352,7 @@ def test_a_node_lost_under_a_profiling_run_is_noticed_and_the_run_moves_without_
     node, waiting, taken_s, again, ended, (cancel, doomed_runs) = asyncio.run(_node_lost_while_profiling(tmp_path))
     assert waiting == f"profiling on node {node}"
     assert taken_s < 3 * subjects.NODE_TTL_S, f"the lost node was noticed after {taken_s:.0f} s"
-    assert again == sorted(f"node-cpu-{i}" for i in range(2)), again     # the second run on the other node
+    assert again == sorted(f"node-cpu-{i}" for i in range(2)), again  # the second run on the other node
     doomed = ended.pop("doomed")
     assert cancel.cancelled and doomed.state == "cancelled" and doomed_runs == [], (cancel, doomed, doomed_runs)
     for name, record in ended.items():
@@ -308,9 +365,26 @@ class Up:
     def __init__(self, folder, *options):
         self.folder, self.lines = folder, queue.Queue()
         self.port = free_loopback_port()
-        self.process = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--executors", "local", "--round", "2",
-                                         "--port", str(self.port), "--data", str(folder), *options],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli.main",
+                "up",
+                "--executors",
+                "local",
+                "--round",
+                "2",
+                "--port",
+                str(self.port),
+                "--data",
+                str(folder),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.seen: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
 
@@ -321,7 +395,9 @@ class Up:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s; printed: {self.seen}") from None
+                raise AssertionError(
+                    f"no line matching {pattern!r} in {timeout_s:.0f} s; printed: {self.seen}"
+                ) from None
             self.seen.append(line)
             found = re.search(pattern, line)
             if found:
@@ -330,9 +406,13 @@ class Up:
     def command(self, *arguments, role: str = "user") -> subprocess.CompletedProcess:
         """A goodput command on this stack, logged in from the data folder's user.env (the user's; or
         the operator's, beside it)."""
-        return subprocess.run([sys.executable, "-m", "cli.main", *arguments], capture_output=True, text=True,
-                              timeout=120, env=credentials.user_environment({}, data=self.folder, role=role)
-                              | dict(os.environ))
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", *arguments],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=credentials.user_environment({}, data=self.folder, role=role) | dict(os.environ),
+        )
 
     def stop(self) -> str:
         self.process.send_signal(signal.SIGINT)
@@ -341,9 +421,10 @@ class Up:
 
 
 def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_listed_and_a_restart_reprints_nothing(
-        tmp_path):
+    tmp_path,
+):
     job = tmp_path / "quick.yaml"
-    job.write_text("id: quick-1\napplication: quick\nrigid: true\nrequested_gpus: 2\n")   # one slot per node
+    job.write_text("id: quick-1\napplication: quick\nrigid: true\nrequested_gpus: 2\n")  # one slot per node
     options = ("--nodes", "2", "--slots", "1", "--jobs", str(job), "--jobs-package", "tests.jobs")
     up = Up(tmp_path, *options)
     try:
@@ -352,19 +433,21 @@ def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_li
         os.kill(pid, signal.SIGKILL)
         restarted = up.line(rf"node-cpu-1 \(pid {pid}\) exited: killed by SIGKILL; .*restarted \(pid (\d+)\)")
         assert restarted
-        up.line(r"quick-1 2 x CPU slot on 2 nodes", timeout_s=300)      # once both agents are back
+        up.line(r"quick-1 2 x CPU slot on 2 nodes", timeout_s=300)  # once both agents are back
         up.line(r"finished: quick-1", timeout_s=300)
         listed = up.command("nodes", "--json", "--server", f"nats://127.0.0.1:{up.port}", role="operator")
         assert listed.returncode == 0, listed.stderr
         nodes = {n["name"]: n for n in json.loads(listed.stdout)["nodes"]}
-        assert {name: (n["gpu_type"], n["gpus"], n["state"]) for name, n in nodes.items()} == \
-            {"cpu-0": ("cpu", 1, "alive"), "cpu-1": ("cpu", 1, "alive")}, nodes
+        assert {name: (n["gpu_type"], n["gpus"], n["state"]) for name, n in nodes.items()} == {
+            "cpu-0": ("cpu", 1, "alive"),
+            "cpu-1": ("cpu", 1, "alive"),
+        }, nodes
         table = up.command("nodes", "--server", f"nats://127.0.0.1:{up.port}", role="operator")
         assert table.returncode == 0 and "2 nodes: 2 alive" in table.stdout, table
     finally:
         first = up.stop()
     assert first.count("submitted quick-1") == 1, first
-    again = Up(tmp_path, *options)                  # the same --data: the job is known, and finished
+    again = Up(tmp_path, *options)  # the same --data: the job is known, and finished
     try:
         again.line(r"quick-1 \(quick\): submitted before, finished")
     finally:

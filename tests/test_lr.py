@@ -15,13 +15,13 @@ def test_at_the_initial_batch_nothing_scales(rule):
 
 
 def test_the_rules_at_four_times_the_batch():
-    sqr, var = 1.0, 3.0                          # AdaScale gain (3 + 1) / (3/4 + 1) = 16/7
+    sqr, var = 1.0, 3.0  # AdaScale gain (3 + 1) / (3/4 + 1) = 16/7
     assert LrScaling("linear", 64).factor(256, sqr, var) == 4.0
     assert LrScaling("sqrt", 64).factor(256, sqr, var) == 2.0
     assert LrScaling("adascale", 64).factor(256, sqr, var) == pytest.approx(16 / 7)
-    assert LrScaling("adascale", 64).factor(256) == 4.0                      # no statistics yet: all noise
+    assert LrScaling("adascale", 64).factor(256) == 4.0  # no statistics yet: all noise
     legw = LrScaling("legw", 64, warmup_epochs=2.0)
-    assert legw.factor(256, epochs_done=4.0) == pytest.approx(1.0)          # halfway through 2 x 4 epochs
+    assert legw.factor(256, epochs_done=4.0) == pytest.approx(1.0)  # halfway through 2 x 4 epochs
     assert legw.factor(256, epochs_done=100.0) == pytest.approx(2.0)
 
 
@@ -38,7 +38,7 @@ def test_gain_is_between_one_and_k():
     scaling = LrScaling("adascale", 32)
     for sqr, var in ((1e-9, 1.0), (1.0, 1e-9), (1.0, 1.0)):
         assert 1.0 <= scaling.gain(320, sqr, var) <= 10.0 + 1e-9
-    assert math.isclose(scaling.gain(320, 1.0, 0.0), 1.0)                    # no noise: no gain
+    assert math.isclose(scaling.gain(320, 1.0, 0.0), 1.0)  # no noise: no gain
 
 
 def test_defaults_and_bad_rules():

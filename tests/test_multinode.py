@@ -36,14 +36,31 @@ class Agents:
         self.processes: dict[str, subprocess.Popen] = {}
 
     def name(self, node: str) -> str:
-        return f"{self.prefix}-{node}"        # node names unique to the test: the session's server is shared
+        return f"{self.prefix}-{node}"  # node names unique to the test: the session's server is shared
 
     def start(self, node: str) -> None:
         log = open(self.folder / f"agent-{node}.log", "ab")
         self.processes[node] = subprocess.Popen(
-            [sys.executable, "-m", "services.executor", "--server", self.server, "--executors", "local",
-             "--node", self.name(node), "--gpus", "1", "--gpu-type", "cpu", "--workdir", str(self.folder / node)],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "services.executor",
+                "--server",
+                self.server,
+                "--executors",
+                "local",
+                "--node",
+                self.name(node),
+                "--gpus",
+                "1",
+                "--gpu-type",
+                "cpu",
+                "--workdir",
+                str(self.folder / node),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
     def kill(self, node: str) -> None:
         self.processes[node].kill()
@@ -84,8 +101,12 @@ async def cluster(nats_server, connect_bus, tmp_path, name_prefix):
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     drained = await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest)
     agents = Agents(nats_server, tmp_path, name_prefix)
-    executors = LocalExecutors(BusNodes(bus, asyncio.get_running_loop()), tmp_path / "checkpoints",
-                               report_every_s=0.2, collective_timeout_s=5.0)
+    executors = LocalExecutors(
+        BusNodes(bus, asyncio.get_running_loop()),
+        tmp_path / "checkpoints",
+        report_every_s=0.2,
+        collective_timeout_s=5.0,
+    )
     real = RealExecutors(executors)
 
     async def nodes() -> set[str]:
@@ -125,7 +146,7 @@ async def test_a_job_moves_spans_two_nodes_survives_a_lost_one_and_finishes_wher
     await until(lambda: trained_on(1, steps=10), "training on node a")
     await asyncio.to_thread(executors.apply, {})
     stopped, epochs = torch.load(checkpoint, weights_only=True), job.stats.epochs
-    assert stopped["steps"] == job.stats.steps and workers_of(checkpoint) == ""   # saved at its last step, gone
+    assert stopped["steps"] == job.stats.steps and workers_of(checkpoint) == ""  # saved at its last step, gone
     await asyncio.to_thread(executors.apply, {"lm": ((b, 1),)})
     await until(lambda: _stepped_past(poll, job, stopped["steps"]), "training again on node b")
     assert job.stats.epochs > epochs and job.restarts == 1 and job.parts == ((b, (0,)),)
@@ -148,7 +169,7 @@ async def test_a_job_moves_spans_two_nodes_survives_a_lost_one_and_finishes_wher
     await asyncio.to_thread(executors.apply, {"lm": ((a, 1), (c, 1))})
     await until(lambda: _finished(poll, "lm"), "the job finished", timeout_s=300)
     assert job.result["metric"] >= TINY_LM_TARGET and job.result["world"] == 2 and job.crashes == 0
-    assert {(o.nodes, o.gpus) for o in job.stats.observations} == {(1, 1), (2, 2)}    # both, in one model's data
+    assert {(o.nodes, o.gpus) for o in job.stats.observations} == {(1, 1), (2, 2)}  # both, in one model's data
     assert workers_of(checkpoint) == ""
 
 
@@ -163,15 +184,18 @@ async def test_a_worker_hung_in_a_collective_restarts_its_job_in_bounded_time(cl
     await asyncio.to_thread(executors.apply, {"mlp": ((a, 1), (b, 1))})
     await until(lambda: _stepped_past(poll, job, 0), "training on nodes a and b")
     hung = int((tmp_path / "b" / "mlp.pids").read_text().split()[0])
-    os.kill(hung, signal.SIGSTOP)               # rank 1 stops dead, mid-step: rank 0 waits in its all-reduce
+    os.kill(hung, signal.SIGSTOP)  # rank 1 stops dead, mid-step: rank 0 waits in its all-reduce
     started = time.monotonic()
-    await until(lambda: _poll_then(poll, lambda: job.crashes >= 1), "the job restarted after its collective timed out",
-                timeout_s=120)
+    await until(
+        lambda: _poll_then(poll, lambda: job.crashes >= 1),
+        "the job restarted after its collective timed out",
+        timeout_s=120,
+    )
     restarted_after = time.monotonic() - started
     await until(lambda: _finished(poll, "mlp"), "the job finished", timeout_s=300)
     assert job.failure is None and job.result["metric"] >= 0.95
     assert restarted_after < 60, f"restarted {restarted_after:.0f} s after the hang (timeout 5 s)"
-    assert subprocess.run(["ps", "-p", str(hung)], capture_output=True).returncode != 0   # the hung worker is gone
+    assert subprocess.run(["ps", "-p", str(hung)], capture_output=True).returncode != 0  # the hung worker is gone
 
 
 async def _has(nodes, names: set[str]) -> bool:
@@ -200,29 +224,32 @@ async def _poll_then(poll, check) -> bool:
     return check()
 
 
-async def test_without_a_shared_folder_a_job_resumes_on_another_node_from_jetstreams_object_store(cluster, tmp_path,
-                                                                                                  connect_bus):
+async def test_without_a_shared_folder_a_job_resumes_on_another_node_from_jetstreams_object_store(
+    cluster, tmp_path, connect_bus
+):
     """`--checkpoints jetstream:`: each agent keeps its own copy; the one of rank 0's node copies
     each new checkpoint to the store, the next node copies it in before the job starts there."""
     agents, executors, nodes, poll = cluster
     a, b = agents.name("a"), agents.name("b")
-    executors.checkpoints = None                 # no folder the nodes share
+    executors.checkpoints = None  # no folder the nodes share
     agents.start("a")
     agents.start("b")
     await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
-    name = f"{a}-lm"                             # a job id of this test's own: the store is the session's
+    name = f"{a}-lm"  # a job id of this test's own: the store is the session's
     executors.add(name, "tiny_lm")
     job = executors.jobs[name]
     await asyncio.to_thread(executors.apply, {name: ((a, 1),)})
     await until(lambda: _stepped_past(poll, job, 9), "training on node a")
     await asyncio.to_thread(executors.apply, {})
     bus = await connect_bus("reader")
-    stored = torch.load(io.BytesIO((await (await bus.js.object_store(subjects.CHECKPOINTS_STORE)).get(
-        f"{name}.pt")).data), weights_only=True)
-    assert stored["steps"] == job.stats.steps > 9          # the checkpoint it stopped with, in the store
+    stored = torch.load(
+        io.BytesIO((await (await bus.js.object_store(subjects.CHECKPOINTS_STORE)).get(f"{name}.pt")).data),
+        weights_only=True,
+    )
+    assert stored["steps"] == job.stats.steps > 9  # the checkpoint it stopped with, in the store
     epochs = job.stats.epochs
     await asyncio.to_thread(executors.apply, {name: ((b, 1),)})
     await until(lambda: _stepped_past(poll, job, stored["steps"]), "training again on node b")
     assert job.stats.epochs > epochs and (tmp_path / "b" / "checkpoints" / f"{name}.pt").exists()
     await asyncio.to_thread(executors.apply, {})
-    assert not (tmp_path / "checkpoints").exists()         # nothing went through a shared folder
+    assert not (tmp_path / "checkpoints").exists()  # nothing went through a shared folder

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from goodput_train.pgns import NoiseSample, NoiseScale, from_consecutive, from_replicas, squared_norm
 from goodput_train.goodput import pgns
+from goodput_train.pgns import NoiseSample, NoiseScale, from_consecutive, from_replicas, squared_norm
 
 DIM, NOISE, STEPS = 40, 1.0, 600
 TOLERANCE = 0.15
@@ -37,7 +37,7 @@ class Regression:
         """(|G|², tr(Σ)) in the metric of `precondition` (identity if None)."""
         p = torch.ones(DIM, dtype=torch.float64) if precondition is None else precondition
         d2 = float(self.offset.pow(2).sum())
-        return float((p * self.offset.pow(2)).sum()), float((p * (d2 + NOISE ** 2 + self.offset.pow(2))).sum())
+        return float((p * self.offset.pow(2)).sum()), float((p * (d2 + NOISE**2 + self.offset.pow(2))).sum())
 
 
 def check(scale: NoiseScale, problem: Regression, precondition=None) -> None:
@@ -89,7 +89,7 @@ def test_the_preconditioner_changes_the_metric():
         scale.update(from_replicas(sum(squared_norm(g, [p]) for g in grads) / 4, squared_norm(mean, [p]), 16, 4))
     check(scale, problem, p)
     plain_sqr, _ = problem.truth()
-    assert scale.stats()[0] != pytest.approx(plain_sqr, rel=TOLERANCE)      # the check above could fail
+    assert scale.stats()[0] != pytest.approx(plain_sqr, rel=TOLERANCE)  # the check above could fail
 
 
 def test_non_finite_steps_are_skipped_never_reported():
@@ -99,7 +99,7 @@ def test_non_finite_steps_are_skipped_never_reported():
     assert not scale.update(NoiseSample(1.0, math.inf))
     assert scale.stats() is None and scale.skipped == 2
     assert scale.update(NoiseSample(2.0, 64.0))
-    assert scale.stats() == pytest.approx((2.0, 2.0))             # bias-corrected: one sample is its own mean
+    assert scale.stats() == pytest.approx((2.0, 2.0))  # bias-corrected: one sample is its own mean
     restored = NoiseScale(init_batch=32)
     restored.load_state_dict(scale.state_dict())
     assert restored.stats() == scale.stats()

@@ -23,8 +23,12 @@ from services.placer.core import (
 )
 from shared.cluster import Cluster, Config, build_cluster, load_cluster
 
-SETTINGS = settings(max_examples=200, derandomize=True, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=200,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 TYPES = ("a100", "t4", "rtx")
 POWER_OF_TWO_SIZES = (1, 2, 4, 8)
 ANY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -36,8 +40,10 @@ ANY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
 @st.composite
 def clusters(draw, sizes=ANY_SIZES, max_nodes=8, max_types=3):
     types = draw(st.lists(st.sampled_from(TYPES[:max_types]), min_size=1, max_size=max_types, unique=True))
-    groups = [{"gpu_type": t, "count": draw(st.integers(1, max_nodes)), "gpus_per_node": draw(st.sampled_from(sizes))}
-              for t in types]
+    groups = [
+        {"gpu_type": t, "count": draw(st.integers(1, max_nodes)), "gpus_per_node": draw(st.sampled_from(sizes))}
+        for t in types
+    ]
     return build_cluster("random", groups)
 
 
@@ -51,9 +57,11 @@ def draw_jobs(draw, cluster: Cluster, prefix: str, left: dict[str, int], max_job
             jobs[f"{prefix}{len(jobs)}"] = config
     # full load is where fragmentation bites: small jobs leave holes that large ones cannot use
     fill = draw(st.sampled_from(["no", "random", "smallest", "largest"]))
-    pick = {"random": lambda fitting: draw(st.sampled_from(fitting)),
-            "smallest": lambda fitting: min(fitting, key=lambda c: c.gpus),
-            "largest": lambda fitting: max(fitting, key=lambda c: c.gpus)}.get(fill)
+    pick = {
+        "random": lambda fitting: draw(st.sampled_from(fitting)),
+        "smallest": lambda fitting: min(fitting, key=lambda c: c.gpus),
+        "largest": lambda fitting: max(fitting, key=lambda c: c.gpus),
+    }.get(fill)
     while pick and (fitting := [c for c in configs if c.gpus <= left[c.gpu_type]]):
         config = pick(fitting)
         left[config.gpu_type] -= config.gpus
@@ -89,8 +97,9 @@ def rounds(draw, sizes=ANY_SIZES):
 def garbage_previous(draw, cluster: Cluster, jobs: list[str]):
     """Previous placements that may name missing nodes, overlap, overfill or mismatch the shape."""
     names = [n.name for n in cluster.nodes] + ["gone-0"]
-    spots = st.lists(st.tuples(st.sampled_from(names), st.integers(1, 8)), min_size=1, max_size=3,
-                     unique_by=lambda spot: spot[0])
+    spots = st.lists(
+        st.tuples(st.sampled_from(names), st.integers(1, 8)), min_size=1, max_size=3, unique_by=lambda spot: spot[0]
+    )
     return {job: tuple(sorted(draw(spots))) for job in jobs if draw(st.booleans())}
 
 
@@ -130,7 +139,7 @@ def brute_force_placeable(cluster: Cluster, configs: list[Config]) -> bool:
                 if len(empty) < job.nodes:
                     return False
                 rest = list(nodes)
-                for k in empty[:job.nodes]:
+                for k in empty[: job.nodes]:
                     rest[k] = (size, 0)
                 return search(i + 1, tuple(sorted(rest)))
             for k in sorted({k for k, (s, f) in enumerate(nodes) if f >= job.gpus}, key=lambda k: nodes[k]):
@@ -159,8 +168,10 @@ def test_random_rounds_are_valid_and_keep_unchanged_jobs(round_):
         if job in previous and current[job] == old[job] and job in moved:
             # a stayer moves only to make room: a job that moved (or is new) now sits on one of its nodes
             its_nodes = {name for name, _ in previous[job]}
-            assert any(other in moved and other != job and its_nodes & {name for name, _ in spots}
-                       for other, spots in result.placements.items())
+            assert any(
+                other in moved and other != job and its_nodes & {name for name, _ in spots}
+                for other, spots in result.placements.items()
+            )
 
 
 @SETTINGS
@@ -207,12 +218,10 @@ def test_is_placeable_agrees_with_exhaustive_search(data):
 def test_one_eviction_makes_room_on_a_fragmented_cluster():
     cluster = build_cluster("frag", [{"gpu_type": "t4", "count": 2, "gpus_per_node": 4}])
     previous = {"a": (("t4-0", 2),), "b": (("t4-1", 1),), "c": (("t4-1", 1),)}
-    allocations = {"a": Config("t4", 1, 2), "b": Config("t4", 1, 1), "c": Config("t4", 1, 1),
-                   "d": Config("t4", 1, 4)}
+    allocations = {"a": Config("t4", 1, 2), "b": Config("t4", 1, 1), "c": Config("t4", 1, 1), "d": Config("t4", 1, 4)}
     result = place(cluster, allocations, previous)
     # emptying t4-0 displaces one job, t4-1 two: a moves next to b and c
-    assert result.placements == {"a": (("t4-1", 2),), "b": (("t4-1", 1),), "c": (("t4-1", 1),),
-                                 "d": (("t4-0", 4),)}
+    assert result.placements == {"a": (("t4-1", 2),), "b": (("t4-1", 1),), "c": (("t4-1", 1),), "d": (("t4-0", 4),)}
     assert result.restarts == ("a",) and result.evicted == ()
 
 
@@ -228,8 +237,12 @@ def test_the_smallest_of_equally_few_is_displaced():
 def test_distributed_jobs_take_whole_nodes_from_the_top_and_displace_fewest():
     cluster = build_cluster("dist", [{"gpu_type": "a100", "count": 4, "gpus_per_node": 8}])
     previous = {"x": (("a100-0", 1),), "y": (("a100-3", 2),), "z": (("a100-3", 2),)}
-    allocations = {"x": Config("a100", 1, 1), "y": Config("a100", 1, 2), "z": Config("a100", 1, 2),
-                   "dist": Config("a100", 3, 24)}
+    allocations = {
+        "x": Config("a100", 1, 1),
+        "y": Config("a100", 1, 2),
+        "z": Config("a100", 1, 2),
+        "dist": Config("a100", 3, 24),
+    }
     result = place(cluster, allocations, previous)
     # free nodes first (a100-2, a100-1), then the node whose stayers are fewest (a100-0: x)
     assert result.placements["dist"] == (("a100-0", 8), ("a100-1", 8), ("a100-2", 8))
@@ -259,9 +272,11 @@ def test_a_placement_that_went_stale_is_a_restart():
 
 def test_sia_hetero_64_full_load_then_a_next_round():
     cluster = load_cluster("sia-hetero-64")
-    sizes = {"aws": [(2, 8), (1, 4), (1, 4), (1, 2), (1, 2), (1, 1), (1, 1), (1, 1), (1, 1)],
-             "dgx-ext": [(2, 16)],
-             "rtx": [(1, 8), (1, 4), (1, 4), (1, 2), (1, 2), (1, 1), (1, 1), (1, 1), (1, 1)]}
+    sizes = {
+        "aws": [(2, 8), (1, 4), (1, 4), (1, 2), (1, 2), (1, 1), (1, 1), (1, 1), (1, 1)],
+        "dgx-ext": [(2, 16)],
+        "rtx": [(1, 8), (1, 4), (1, 4), (1, 2), (1, 2), (1, 1), (1, 1), (1, 1), (1, 1)],
+    }
     allocations = {f"{t}-job{i}": Config(t, n, g) for t, shapes in sizes.items() for i, (n, g) in enumerate(shapes)}
     assert sum(c.gpus for c in allocations.values()) == cluster.total_gpus == 64
     first = place(cluster, allocations, {})
@@ -278,8 +293,11 @@ def test_sia_hetero_64_full_load_then_a_next_round():
     assert second.evicted == ()
     assert placement_violations(cluster, nxt, second.placements) == []
     assert "aws-job0" in second.restarts
-    assert all(second.placements[j] == first.placements[j] for j in nxt
-               if j in allocations and nxt[j] == allocations[j] and j not in second.restarts)
+    assert all(
+        second.placements[j] == first.placements[j]
+        for j in nxt
+        if j in allocations and nxt[j] == allocations[j] and j not in second.restarts
+    )
     assert set(second.restarts) <= {"aws-job0"} | {j for j in nxt if j.startswith("rtx")}
 
 
@@ -295,20 +313,28 @@ def test_split_nodes_can_make_capacity_insufficient():
 
 def test_a_large_cluster_places_quickly():
     cluster = build_cluster("scale", [{"gpu_type": "t4", "count": 256, "gpus_per_node": 8}])
-    shapes = [Config("t4", 4, 32)] * 16 + [Config("t4", 1, 8)] * 32 + [Config("t4", 1, 4)] * 128 \
-        + [Config("t4", 1, 2)] * 128 + [Config("t4", 1, 1)] * 256
+    shapes = (
+        [Config("t4", 4, 32)] * 16
+        + [Config("t4", 1, 8)] * 32
+        + [Config("t4", 1, 4)] * 128
+        + [Config("t4", 1, 2)] * 128
+        + [Config("t4", 1, 1)] * 256
+    )
     allocations = {f"j{i}": c for i, c in enumerate(shapes)}
     first = place(cluster, allocations, {})
     again = place(cluster, allocations, first.placements)
     assert first.evicted == () and again.restarts == () and again.placements == first.placements
 
 
-@pytest.mark.parametrize("config, message", [
-    (Config("h100", 1, 1), "GPU type 'h100' is not in cluster"),
-    (Config("t4", 1, 3), "is not in the configuration set"),
-    (Config("t4", 2, 4), "is not in the configuration set"),
-    (Config("t4", 3, 12), "is not in the configuration set"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (Config("h100", 1, 1), "GPU type 'h100' is not in cluster"),
+        (Config("t4", 1, 3), "is not in the configuration set"),
+        (Config("t4", 2, 4), "is not in the configuration set"),
+        (Config("t4", 3, 12), "is not in the configuration set"),
+    ],
+)
 def test_invalid_allocations_are_refused_with_the_job_named(config, message):
     cluster = build_cluster("small", [{"gpu_type": "t4", "count": 2, "gpus_per_node": 4}])
     with pytest.raises(ValueError, match=message) as error:
@@ -323,14 +349,30 @@ def test_over_capacity_is_refused_with_the_jobs_named():
 
 
 def test_the_checker_sees_every_broken_rule():
-    cluster = build_cluster("check", [{"gpu_type": "t4", "count": 3, "gpus_per_node": 4},
-                                      {"gpu_type": "rtx", "count": 1, "gpus_per_node": 8}])
-    allocations = {"straddle": Config("t4", 1, 2), "dist": Config("t4", 2, 8), "wrong": Config("rtx", 1, 1),
-                   "short": Config("t4", 1, 1)}
-    placements = {"straddle": (("t4-0", 1), ("t4-1", 1)), "dist": (("t4-1", 4), ("t4-2", 4)),
-                  "wrong": (("t4-0", 1),), "short": (("t4-0", 2),), "ghost": (("t4-0", 1),)}
+    cluster = build_cluster(
+        "check",
+        [{"gpu_type": "t4", "count": 3, "gpus_per_node": 4}, {"gpu_type": "rtx", "count": 1, "gpus_per_node": 8}],
+    )
+    allocations = {
+        "straddle": Config("t4", 1, 2),
+        "dist": Config("t4", 2, 8),
+        "wrong": Config("rtx", 1, 1),
+        "short": Config("t4", 1, 1),
+    }
+    placements = {
+        "straddle": (("t4-0", 1), ("t4-1", 1)),
+        "dist": (("t4-1", 4), ("t4-2", 4)),
+        "wrong": (("t4-0", 1),),
+        "short": (("t4-0", 2),),
+        "ghost": (("t4-0", 1),),
+    }
     problems = " | ".join(placement_violations(cluster, allocations, placements))
-    for expected in ["'straddle': on 2 nodes", "node 't4-1': 5 GPUs given out",
-                     "distributed job 'dist' shares it with 'straddle'", "'wrong': node 't4-0' is t4",
-                     "'short': 2 GPUs placed", "'ghost': placed but not allocated"]:
+    for expected in [
+        "'straddle': on 2 nodes",
+        "node 't4-1': 5 GPUs given out",
+        "distributed job 'dist' shares it with 'straddle'",
+        "'wrong': node 't4-0' is t4",
+        "'short': 2 GPUs placed",
+        "'ghost': placed but not allocated",
+    ]:
         assert expected in problems

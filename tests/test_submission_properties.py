@@ -8,31 +8,50 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.profiles import profile_source
-from shared.submissions import submission_problem
 from shared.bus import Bus
 from shared.cluster import load_cluster
 from shared.hardware import types_named
+from shared.profiles import profile_source
 from shared.schema import MAX_GPUS, MAX_ID, JobSpec
+from shared.submissions import submission_problem
 
 CLUSTER = load_cluster("sia-hetero-64")
 MODELS = profile_source(use_zoo=True).types
-DECODE = Bus.__new__(Bus)          # the bus's decoding alone, without a connection
+DECODE = Bus.__new__(Bus)  # the bus's decoding alone, without a connection
 DECODE._decoders = {}
 
 # Any id a msgpack client can send (ints too can only be 64-bit on the wire).
-ids = st.one_of(st.text(max_size=140), st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,130}", fullmatch=True),
-                st.from_regex(r"[a-z]{1,8}\n", fullmatch=True))
-counts = st.one_of(st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
-                   st.booleans(), st.none())
+ids = st.one_of(
+    st.text(max_size=140),
+    st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,130}", fullmatch=True),
+    st.from_regex(r"[a-z]{1,8}\n", fullmatch=True),
+)
+counts = st.one_of(
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.booleans(),
+    st.none(),
+)
 documents = st.fixed_dictionaries(
     {"id": ids, "application": st.one_of(st.sampled_from(sorted(MODELS)), st.text(max_size=12))},
-    optional={"requested_gpus": counts, "min_gpus": counts, "requested_batch": counts,
-              "rigid": st.one_of(st.booleans(), counts), "strong_scaling": st.booleans(),
-              "gpu_types": st.lists(st.one_of(st.sampled_from(CLUSTER.gpu_types), st.sampled_from(["T4", "a100", "RTX 2080 Ti"]),
-                                             st.text(max_size=8)), max_size=4),
-              "submit_s": st.one_of(st.floats(allow_nan=True), st.none()),
-              "version": st.integers(-1, 3), "gpus": st.integers(0, 9)})
+    optional={
+        "requested_gpus": counts,
+        "min_gpus": counts,
+        "requested_batch": counts,
+        "rigid": st.one_of(st.booleans(), counts),
+        "strong_scaling": st.booleans(),
+        "gpu_types": st.lists(
+            st.one_of(
+                st.sampled_from(CLUSTER.gpu_types), st.sampled_from(["T4", "a100", "RTX 2080 Ti"]), st.text(max_size=8)
+            ),
+            max_size=4,
+        ),
+        "submit_s": st.one_of(st.floats(allow_nan=True), st.none()),
+        "version": st.integers(-1, 3),
+        "gpus": st.integers(0, 9),
+    },
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -52,7 +71,7 @@ def test_a_submission_is_a_valid_jobspec_or_refused_with_a_reason(document):
     problem = submission_problem(spec, CLUSTER, MODELS, live=True)
     if problem is None:
         assert spec.application in MODELS and spec.submit_s is None
-        assert all(types_named(name, CLUSTER.gpu_types) for name in spec.gpu_types)    # a key or a hardware name
+        assert all(types_named(name, CLUSTER.gpu_types) for name in spec.gpu_types)  # a key or a hardware name
         assert spec.requested_gpus <= CLUSTER.total_gpus
     else:
         assert isinstance(problem, str) and problem

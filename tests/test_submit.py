@@ -7,10 +7,10 @@ import pytest
 
 from cli.main import main
 from cli.submit import load_job, submit
-from shared.submissions import agents_models, malformed_reason, submission_problem
 from shared import storage, subjects
 from shared.cluster import load_cluster
 from shared.schema import JobSpec, NodeInfo, Rejected, rejection, submission_msg_id
+from shared.submissions import agents_models, malformed_reason, submission_problem
 
 
 def write(tmp_path, text, name="job.yaml"):
@@ -24,25 +24,28 @@ def test_a_job_file_becomes_a_jobspec(tmp_path):
     assert spec == JobSpec("cifar-7", "cifar10", requested_gpus=4, requested_batch=512)
 
 
-@pytest.mark.parametrize("text, reason", [
-    ("id: a\napplication: cifar10\ngpus: 4\n", "unknown field `gpus`"),
-    ("id: a\napplication: cifar10\nrequested_batch: -32\n", "requested_batch"),
-    ("id: a b\napplication: cifar10\n", "$.id"),
-    ("id: job.\napplication: cifar10\n", "$.id"),             # a KV key may not end in '.'
-    ("id: a..b\napplication: cifar10\n", "$.id"),
-    ("application: cifar10\n", "missing required field `id`"),
-    ("id: a\napplication: bert\nstrong_scaling: true\n", "needs requested_batch"),
-    ("id: [unclosed\n", "not valid YAML"),
-    ("id: a\napplication: cifar10\nrequested_gpus: \"4\"\n", "Expected `int`, got `str`"),   # as the schema says
-    ("id: a\napplication: cifar10\nrigid: 1\n", "Expected `bool`, got `int`"),
-])
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("id: a\napplication: cifar10\ngpus: 4\n", "unknown field `gpus`"),
+        ("id: a\napplication: cifar10\nrequested_batch: -32\n", "requested_batch"),
+        ("id: a b\napplication: cifar10\n", "$.id"),
+        ("id: job.\napplication: cifar10\n", "$.id"),  # a KV key may not end in '.'
+        ("id: a..b\napplication: cifar10\n", "$.id"),
+        ("application: cifar10\n", "missing required field `id`"),
+        ("id: a\napplication: bert\nstrong_scaling: true\n", "needs requested_batch"),
+        ("id: [unclosed\n", "not valid YAML"),
+        ('id: a\napplication: cifar10\nrequested_gpus: "4"\n', "Expected `int`, got `str`"),  # as the schema says
+        ("id: a\napplication: cifar10\nrigid: 1\n", "Expected `bool`, got `int`"),
+    ],
+)
 def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):
     with pytest.raises(ValueError, match=None) as error:
         load_job(write(tmp_path, text))
     assert reason in str(error.value)
 
 
-CLUSTER = load_cluster("sia-hetero-64")          # 24 aws (T4), 16 dgx-ext (A100), 24 rtx
+CLUSTER = load_cluster("sia-hetero-64")  # 24 aws (T4), 16 dgx-ext (A100), 24 rtx
 MODELS = {"cifar10": ("aws", "dgx-ext", "rtx"), "bert": ("dgx-ext",)}
 
 
@@ -64,15 +67,18 @@ def test_with_real_executors_the_applications_are_those_the_live_node_agents_run
     """An application no live agent runs is unknown; a type whose agents are away for a moment is
     left to the job's profiling run (not refused); no agent says: the profiling run decides."""
     cluster = load_cluster("sia-hetero-64")
-    nodes = [NodeInfo("a-0", "aws", 4, "10.0.0.1", applications=("tiny_lm", "mlp_blobs")),
-             NodeInfo("d-0", "dgx-ext", 8, "10.0.0.2", applications=("tiny_lm",))]
+    nodes = [
+        NodeInfo("a-0", "aws", 4, "10.0.0.1", applications=("tiny_lm", "mlp_blobs")),
+        NodeInfo("d-0", "dgx-ext", 8, "10.0.0.2", applications=("tiny_lm",)),
+    ]
     models = agents_models(nodes, cluster.gpu_types)
     unknown = submission_problem(JobSpec("a", "nosuchjob"), cluster, models, live=True)
     assert unknown.startswith("unknown application 'nosuchjob'") and "(known: mlp_blobs, tiny_lm)" in unknown
     assert submission_problem(JobSpec("b", "tiny_lm"), cluster, models, live=True) is None
     assert submission_problem(JobSpec("c", "mlp_blobs", gpu_types=("rtx",)), cluster, models, live=True) is None
     assert "no profile on GPU type(s) A100 (dgx-ext)" in submission_problem(
-        JobSpec("d", "mlp_blobs", gpu_types=("dgx-ext",)), cluster, models, live=True)
+        JobSpec("d", "mlp_blobs", gpu_types=("dgx-ext",)), cluster, models, live=True
+    )
     assert agents_models([NodeInfo("a-0", "aws", 4, "10.0.0.1")], cluster.gpu_types) is None
 
 
@@ -96,14 +102,17 @@ def test_rejection_records_the_start_of_the_payload():
 
 async def test_submissions_are_stored_once_per_body(nats_server, connect_bus):
     spec = JobSpec("dup-test-1", "cifar10")
-    await storage.provision(await connect_bus("operator"))      # the operator's part: the stream
+    await storage.provision(await connect_bus("operator"))  # the operator's part: the stream
     assert await submit(spec, nats_server) is True
-    assert await submit(spec, nats_server) is False           # the same body: acknowledged, not stored again
+    assert await submit(spec, nats_server) is False  # the same body: acknowledged, not stored again
     # A corrected body under the id is stored (the profiler then gives the id to the first valid one).
     assert await submit(JobSpec("dup-test-1", "cifar10", requested_gpus=2), nats_server) is True
     bus = await connect_bus()
     info = await bus.js.stream_info(subjects.INTAKE_STREAM)
-    stored = [await bus.js.get_msg(subjects.INTAKE_STREAM, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+    stored = [
+        await bus.js.get_msg(subjects.INTAKE_STREAM, seq)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
     # Other tests share the server's stream: count by id, on the intake subject of a client with no login's.
     ids = [(m.headers or {}).get("Nats-Msg-Id") for m in stored if m.subject == subjects.submit(subjects.OPERATOR)]
     assert ids.count(submission_msg_id(spec)) == 1 and len([i for i in ids if i and i.startswith("dup-test-1.")]) == 2
@@ -124,15 +133,17 @@ def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys
     bad = write(tmp_path, "id: multi-c\napplication: cifar10\ngpus: 4\n", "c.yaml")
     assert main(["submit", str(files[0]), str(bad), str(files[1]), "--stream", "--server", nats_server]) == 2
     out, err = capsys.readouterr()
-    assert out.splitlines() == [f"multi-{n}: stored; the gate judges it next (`goodput status multi-{n}`)"
-                                for n in "ab"], out
+    assert out.splitlines() == [
+        f"multi-{n}: stored; the gate judges it next (`goodput status multi-{n}`)" for n in "ab"
+    ], out
     assert "c.yaml" in err and "unknown field `gpus`" in err and "1 of 3 jobs not submitted" in err, err
-    assert main(["submit", *map(str, files), "--stream", "--server", nats_server]) == 0     # the same again: repeats
+    assert main(["submit", *map(str, files), "--stream", "--server", nats_server]) == 0  # the same again: repeats
     assert capsys.readouterr().out.splitlines() == [f"multi-{n}: already submitted, not stored again" for n in "ab"]
 
 
 async def test_a_body_that_is_no_json_object_on_the_stream_is_refused_saying_what_a_submission_is(
-        connect_bus, nats_server, name_prefix):
+    connect_bus, nats_server, name_prefix
+):
     """A body published to the submissions stream by a client that is not ours (nats-py, raw bytes)
     that is neither a JSON object nor msgpack: the reason the profiler records says what a
     submission is, not msgpack's reading of it ("Expected `object`, got `int`")."""
@@ -140,8 +151,13 @@ async def test_a_body_that_is_no_json_object_on_the_stream_is_refused_saying_wha
     stream, subject = f"{name_prefix}_SUBMISSIONS", f"{name_prefix}.submit"
     await bus.ensure_stream(stream, [subject])
     reasons: asyncio.Queue[str] = asyncio.Queue()
-    consumer = await bus.pull_consumer(stream, "profiler", subject, JobSpec,      # as the profiler reads the stream
-                                       on_invalid=lambda _, data, error: reasons.put_nowait(malformed_reason(error)))
+    consumer = await bus.pull_consumer(
+        stream,
+        "profiler",
+        subject,
+        JobSpec,  # as the profiler reads the stream
+        on_invalid=lambda _, data, error: reasons.put_nowait(malformed_reason(error)),
+    )
     nc = await nats.connect(nats_server)
     try:
         for body in (b"hello", b"[1, 2]", b"42"):

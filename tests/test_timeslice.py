@@ -240,8 +240,17 @@ def test_bad_iterations_and_iteration_time_rejected():
 # --- CLI, figure and notebook ------------------------------------------------------------------
 
 SCHEDULE_FIELDS = {
-    "schedule", "quantum", "threshold", "switch_cost_s", "first_feedback_s", "last_feedback_s",
-    "mean_feedback_s", "makespan_s", "switches", "useful_work_s", "jobs",
+    "schedule",
+    "quantum",
+    "threshold",
+    "switch_cost_s",
+    "first_feedback_s",
+    "last_feedback_s",
+    "mean_feedback_s",
+    "makespan_s",
+    "switches",
+    "useful_work_s",
+    "jobs",
 }
 
 

@@ -23,8 +23,17 @@ def trials(n=4):
 
 def run(cluster, policy, **options):
     # Both policies decide every 30 s round, so that they differ only in whom they run.
-    return simulate(trials(), cluster, policy, sources=ZOO, calibration="none", feedback_iterations=200,
-                    restart_delay_s=5.0, round_s=30.0, policy_options={"round_s": 30.0, **options})
+    return simulate(
+        trials(),
+        cluster,
+        policy,
+        sources=ZOO,
+        calibration="none",
+        feedback_iterations=200,
+        restart_delay_s=5.0,
+        round_s=30.0,
+        policy_options={"round_s": 30.0, **options},
+    )
 
 
 def test_every_trial_gets_early_feedback_at_the_cost_of_switches(one_gpu):

@@ -282,7 +282,7 @@ def test_span_context_of_reads_a_traceparent_and_refuses_anything_else():
     assert (context.trace_id, context.span_id, context.is_remote) == (SUBMISSION_TRACE_ID, SUBMISSION_SPAN_ID, True)
     assert span_context_of("") is None and span_context_of(None) is None
     assert span_context_of("not-a-traceparent") is None
-    assert span_context_of(f"00-{0:032x}-{SUBMISSION_SPAN_ID:016x}-01") is None   # an all-zero trace id
+    assert span_context_of(f"00-{0:032x}-{SUBMISSION_SPAN_ID:016x}-01") is None  # an all-zero trace id
 
 
 def _facts(job_id: str, application: str, cluster, placement=(), trace: str = ""):
@@ -290,10 +290,21 @@ def _facts(job_id: str, application: str, cluster, placement=(), trace: str = ""
     from sim.rounds import job_models
 
     models = job_models(job_id, application, cluster)
-    return JobFacts(job_id, application, submit_s=0.0, age_s=600.0, requested_gpus=1,
-                    requested_batch=models.init_batch, rigid=False, init_batch=models.init_batch,
-                    max_batch=models.max_batch, placement=placement, restarts=1 if placement else 0,
-                    max_gpus_seen=sum(g for _, g in placement), trace=trace)
+    return JobFacts(
+        job_id,
+        application,
+        submit_s=0.0,
+        age_s=600.0,
+        requested_gpus=1,
+        requested_batch=models.init_batch,
+        rigid=False,
+        init_batch=models.init_batch,
+        max_batch=models.max_batch,
+        placement=placement,
+        restarts=1 if placement else 0,
+        max_gpus_seen=sum(g for _, g in placement),
+        trace=trace,
+    )
 
 
 class _OneRoundWiring:
@@ -313,15 +324,20 @@ class _OneRoundWiring:
         from shared.schema import ModelsReply
         from sim.rounds import job_models
 
-        return ModelsReply(tuple(job_models(f.job_id, f.application, self.cluster, max_gpus_seen=f.max_gpus_seen)
-                                 for f in facts if f.job_id not in self.unmodelled),
-                           {job: "the estimator has no profile of it yet" for job in self.unmodelled})
+        return ModelsReply(
+            tuple(
+                job_models(f.job_id, f.application, self.cluster, max_gpus_seen=f.max_gpus_seen)
+                for f in facts
+                if f.job_id not in self.unmodelled
+            ),
+            {job: "the estimator has no profile of it yet" for job in self.unmodelled},
+        )
 
     async def place(self, round, allocations, previous, groups, nodes=None):
         from services.placer.core import place
         from shared.schema import PlacementResult
 
-        assert nodes is None                           # a fixed cluster: the placer's own
+        assert nodes is None  # a fixed cluster: the placer's own
         placed = place(self.cluster, {j: c for j, c in allocations.items() if j not in self.evict}, previous, groups)
         return PlacementResult(placed.placements, placed.restarts, tuple(self.evict))
 
@@ -354,8 +370,9 @@ def _run_one_round(provider, cluster, policy, wiring, jobs):
     from services.policy.rounds import Arrival, RoundLoop
     from shared.settings import SimSettings
 
-    loop = RoundLoop([Arrival(job, 0.0) for job in jobs], cluster, policy, SimSettings("test"), wiring,
-                     tracer_provider=provider)
+    loop = RoundLoop(
+        [Arrival(job, 0.0) for job in jobs], cluster, policy, SimSettings("test"), wiring, tracer_provider=provider
+    )
     asyncio.run(loop.run())
     assert len(wiring.applied) == 1
 
@@ -364,7 +381,7 @@ def _decision_spans(exporter):
     spans = exporter.get_finished_spans()
     (root,) = [s for s in spans if s.name == "round"]
     decisions = {s.attributes["job.id"]: s for s in spans if s.name == "job.decision"}
-    assert len(decisions) == sum(1 for s in spans if s.name == "job.decision")   # one span per job
+    assert len(decisions) == sum(1 for s in spans if s.name == "job.decision")  # one span per job
     for span in decisions.values():
         assert_child_of(span, root)
     return root, decisions
@@ -375,11 +392,21 @@ def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason
 
     provider, exporter = traced
     cluster = build_cluster("two-t4-nodes", [{"gpu_type": "aws", "count": 2, "gpus_per_node": 4}])
-    facts = [_facts("grown", "cifar10", cluster, placement=(("aws-1", 1),), trace=SUBMISSION),
-             _facts("starved", "bert", cluster), _facts("new", "ncf", cluster),
-             _facts("unprofiled", "cifar10", cluster), _facts("homeless", "cifar10", cluster)]
-    wiring = _OneRoundWiring(cluster, facts, held={"queued": "not profiled yet"},
-                             failed={"bad": "rejected: no such model"}, unmodelled=("unprofiled",), evict=("homeless",))
+    facts = [
+        _facts("grown", "cifar10", cluster, placement=(("aws-1", 1),), trace=SUBMISSION),
+        _facts("starved", "bert", cluster),
+        _facts("new", "ncf", cluster),
+        _facts("unprofiled", "cifar10", cluster),
+        _facts("homeless", "cifar10", cluster),
+    ]
+    wiring = _OneRoundWiring(
+        cluster,
+        facts,
+        held={"queued": "not profiled yet"},
+        failed={"bad": "rejected: no such model"},
+        unmodelled=("unprofiled",),
+        evict=("homeless",),
+    )
     policy = _FixedPolicy({"grown": Config("aws", 1, 2), "new": Config("aws", 1, 4), "homeless": Config("aws", 1, 1)})
     _run_one_round(provider, cluster, policy, wiring, [f.job_id for f in facts] + ["queued", "bad"])
 
@@ -387,7 +414,7 @@ def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason
     assert set(spans) == {"grown", "starved", "new", "unprofiled", "homeless", "queued", "bad"}
     assert all(span.attributes["round"] == root.attributes["round"] for span in spans.values())
     placements = wiring.applied[0].placements
-    for job in ("grown", "new"):                 # what the span says is what the executors were told
+    for job in ("grown", "new"):  # what the span says is what the executors were told
         span = spans[job]
         assert span.attributes["decision"] == "allocated" and "reason" not in span.attributes
         assert span.attributes["gpu.type"] == "aws"
@@ -397,7 +424,7 @@ def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason
     assert spans["grown"].attributes["gpu.count"] == 2 and spans["new"].attributes["gpu.count"] == 4
     assert spans["grown"].attributes["previous.gpu.count"] == 1
     assert spans["grown"].attributes["restart"] is True and spans["new"].attributes["restart"] is False
-    assert spans["new"].attributes["placement.changed"] is True   # it starts: a change, not a restart
+    assert spans["new"].attributes["placement.changed"] is True  # it starts: a change, not a restart
 
     why = {job: (span.attributes["decision"], span.attributes.get("reason")) for job, span in spans.items()}
     assert why["starved"] == ("unallocated", "no GPUs allocated by fixed")
@@ -408,12 +435,12 @@ def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason
     for job in ("starved", "unprofiled", "queued", "bad", "homeless"):
         assert spans[job].attributes["gpu.count"] == 0 and "gpu.type" not in spans[job].attributes
 
-    (link,) = spans["grown"].links                # the job's submission, another trace
+    (link,) = spans["grown"].links  # the job's submission, another trace
     assert (link.context.trace_id, link.context.span_id) == (SUBMISSION_TRACE_ID, SUBMISSION_SPAN_ID)
     assert all(not spans[job].links for job in spans if job != "grown")
 
     (solve,) = [s for s in exporter.get_finished_spans() if s.name == "policy.solve"]
-    assert solve.attributes["jobs"] == 4 and solve.attributes["jobs.allocated"] == 3   # "homeless" too
+    assert solve.attributes["jobs"] == 4 and solve.attributes["jobs.allocated"] == 3  # "homeless" too
     assert solve.attributes["gpus.allocated"] == 7 and solve.attributes["allocation.kept"] is False
     assert root.attributes["jobs.allocated"] == 2 and root.attributes["gpus.allocated"] == 6
     assert (root.attributes["jobs.held"], root.attributes["jobs.failed"], root.attributes["evictions"]) == (2, 1, 1)
@@ -426,8 +453,9 @@ def test_a_failed_solve_tells_each_job_why_it_kept_its_place(traced):
     cluster = build_cluster("one-t4-node", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 4}])
     facts = [_facts("running", "cifar10", cluster, placement=(("aws-0", 2),)), _facts("waiting", "bert", cluster)]
     wiring = _OneRoundWiring(cluster, facts)
-    _run_one_round(provider, cluster, _FixedPolicy({}, error=RuntimeError("solver crashed")), wiring,
-                   ["running", "waiting"])
+    _run_one_round(
+        provider, cluster, _FixedPolicy({}, error=RuntimeError("solver crashed")), wiring, ["running", "waiting"]
+    )
 
     _, spans = _decision_spans(exporter)
     assert spans["running"].attributes["decision"] == "kept"
@@ -447,8 +475,13 @@ def test_a_huge_round_records_the_jobs_left_where_they_were_last(traced, monkeyp
     provider, exporter = traced
     cluster = build_cluster("one-t4-node", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 4}])
     facts = [_facts("running", "cifar10", cluster, placement=(("aws-0", 2),)), _facts("waiting", "bert", cluster)]
-    _run_one_round(provider, cluster, _FixedPolicy({"running": Config("aws", 1, 2)}),
-                   _OneRoundWiring(cluster, facts), ["running", "waiting"])
+    _run_one_round(
+        provider,
+        cluster,
+        _FixedPolicy({"running": Config("aws", 1, 2)}),
+        _OneRoundWiring(cluster, facts),
+        ["running", "waiting"],
+    )
 
     root, spans = _decision_spans(exporter)
     assert list(spans) == ["waiting"] and root.attributes["job.decisions.omitted"] == 1
@@ -471,10 +504,10 @@ def test_sia_decisions_carry_its_predicted_goodput_batch_and_restart_factor(trac
     won = spans[winner].attributes
     assert (won["gpu.type"], won["gpu.count"], tuple(won["nodes"])) == ("aws", 1, ("aws-0",))
     assert won["goodput.predicted"] > 0 and won["goodput.normalized"] > 0
-    assert won["batch"] == won["batch.per_gpu"] * (won["batch.accumulation_steps"] + 1)   # one GPU
+    assert won["batch"] == won["batch.per_gpu"] * (won["batch.accumulation_steps"] + 1)  # one GPU
     models = {f.job_id: f for f in facts}[winner]
     assert models.init_batch <= won["batch"] <= models.max_batch
-    assert won["restart_factor"] == 1.0                      # a waiting job starts wherever it goes
+    assert won["restart_factor"] == 1.0  # a waiting job starts wherever it goes
     lost = spans[loser].attributes
     assert lost["reason"] == "no GPUs allocated by sia" and "goodput.predicted" not in lost and "batch" not in lost
 
@@ -485,7 +518,7 @@ def test_pollux_exposes_its_predicted_speedup_per_allocated_job():
 
     state = round_state([job_view("c", "cifar10", _homo()), job_view("b", "bert", _homo())], _homo())
     decision = PolluxPolicy(population=10, generations=5).allocate(state)
-    assert decision.allocations                            # it gives something to someone
+    assert decision.allocations  # it gives something to someone
     for job, prediction in decision.predictions.items():
         assert prediction.restart_factor is not None
         assert (prediction.speedup is not None and prediction.speedup > 0) == (job in decision.allocations)
@@ -517,8 +550,9 @@ class _MemoryKV:
     async def get(self, key):
         from types import SimpleNamespace
 
-        return None if key not in self.values else SimpleNamespace(value=self.values[key][0],
-                                                                   revision=self.values[key][1])
+        return (
+            None if key not in self.values else SimpleNamespace(value=self.values[key][0], revision=self.values[key][1])
+        )
 
     async def create(self, key, value):
         self.revision += 1
@@ -530,11 +564,11 @@ class _MemoryKV:
 
 
 async def test_estimator_spans_name_the_job(traced):
+    from goodput_train.goodput import Observation
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
-    from goodput_train.goodput import Observation
-    from shared.schema import JobProfiles, ModelsRequest, Observed, Profile, ProfilePoint
     from shared.cluster import load_cluster
+    from shared.schema import JobProfiles, ModelsRequest, Observed, Profile, ProfilePoint
 
     provider, exporter = traced
     tracer = provider.get_tracer("test")
@@ -573,10 +607,18 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     provider, exporter = traced
     bus = await connect_bus("profiler", tracer_provider=provider)
     await storage.provision(bus)
-    gpu_type = f"{name_prefix}-gpu"                  # a type only this test's node has (the server is shared)
-    agent = await node.start(bus, argparse.Namespace(node=f"{name_prefix}-n", gpus=1, gpu_type=gpu_type,
-                                                     address="127.0.0.1", workdir=str(tmp_path),
-                                                     jobs_package="tests.jobs"))
+    gpu_type = f"{name_prefix}-gpu"  # a type only this test's node has (the server is shared)
+    agent = await node.start(
+        bus,
+        argparse.Namespace(
+            node=f"{name_prefix}-n",
+            gpus=1,
+            gpu_type=gpu_type,
+            address="127.0.0.1",
+            workdir=str(tmp_path),
+            jobs_package="tests.jobs",
+        ),
+    )
     await agent.start()
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     with provider.get_tracer("test").start_as_current_span("profiler.consume"):
@@ -584,8 +626,9 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
             await measure.profiling_run(bus, members, "p-1", "no_such_job", gpu_type, tracer_provider=provider)
         run = await measure.profiling_run(bus, members, "p-2", "quick", gpu_type, tracer_provider=provider)
         with pytest.raises(measure.ProfilingCancelled):
-            await measure.profiling_run(bus, members, "p-3", "quick", gpu_type, cancelled=lambda: True,
-                                        tracer_provider=provider)
+            await measure.profiling_run(
+                bus, members, "p-3", "quick", gpu_type, cancelled=lambda: True, tracer_provider=provider
+            )
     assert run.points and run.init_batch > 0
     await agent.stop()
 
@@ -593,8 +636,11 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     failed, measured, cancelled = [s for s in spans if s.name == "profiler.run"]
     assert (cancelled.attributes["job.id"], cancelled.attributes["outcome"]) == ("p-3", "cancelled")
     assert_child_of(failed, next(s for s in spans if s.name == "profiler.consume"))
-    assert (failed.attributes["job.id"], failed.attributes["gpu.type"], failed.attributes["outcome"]) == \
-        ("p-1", gpu_type, "failed")
+    assert (failed.attributes["job.id"], failed.attributes["gpu.type"], failed.attributes["outcome"]) == (
+        "p-1",
+        gpu_type,
+        "failed",
+    )
     assert "no job 'no_such_job'" in failed.attributes["reason"] and not failed.status.is_ok
     assert (measured.attributes["job.id"], measured.attributes["job.application"]) == ("p-2", "quick")
     assert tuple(measured.attributes["batch_sizes"]) == tuple(p.local_bsz for p in run.points)

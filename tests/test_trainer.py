@@ -15,25 +15,25 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from launcher.nats import free_loopback_port
 from goodput_train.protocol import OUTCOME_PREFIX, REPORT_ENV, STATS_PREFIX, JobStats
 from goodput_train.trainer import AdaptiveTraining
+from launcher.nats import free_loopback_port
 
 JOB = [sys.executable, "-m", "examples.jobs.mlp_blobs"]
-EXAMPLES = {"cnn_shapes": 0.95, "tiny_lm": 0.75}      # each example job's metric target
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}     # a CPU slot is one core
+EXAMPLES = {"cnn_shapes": 0.95, "tiny_lm": 0.75}  # each example job's metric target
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # a CPU slot is one core
 
 
 def outcome(stdout: str) -> dict:
     """A job's last line: its outcome, for the executor."""
     last = stdout.strip().splitlines()[-1]
     assert last.startswith(OUTCOME_PREFIX), last
-    return json.loads(last[len(OUTCOME_PREFIX):])
+    return json.loads(last[len(OUTCOME_PREFIX) :])
 
 
 def report(line: str) -> JobStats:
     """A stats line (rank 0's, every GOODPUT_REPORT_S) as the executor reads it."""
-    return msgspec.msgpack.decode(base64.b64decode(line.strip()[len(STATS_PREFIX):]), type=JobStats)
+    return msgspec.msgpack.decode(base64.b64decode(line.strip()[len(STATS_PREFIX) :]), type=JobStats)
 
 
 def run_job(*args, env=None, timeout=300) -> dict:
@@ -45,28 +45,42 @@ def run_job(*args, env=None, timeout=300) -> dict:
 def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
     result = run_job("--epochs", "6")
     assert result["metric"] >= 0.95
-    assert min(result["batches"]) == 32 and max(result["batches"]) > 32      # re-tuned beyond M0
+    assert min(result["batches"]) == 32 and max(result["batches"]) > 32  # re-tuned beyond M0
     assert result["noise"] is not None and result["epochs"] >= 6
 
 
 @pytest.mark.parametrize("job", sorted(EXAMPLES))
 def test_the_other_example_jobs_reach_their_targets(job):
-    done = subprocess.run([sys.executable, "-m", f"examples.jobs.{job}"], env=ONE_THREAD, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", f"examples.jobs.{job}"], env=ONE_THREAD, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = outcome(done.stdout)
     assert result["metric"] >= EXAMPLES[job] and result["skipped"] == 0
-    assert max(result["batches"]) > min(result["batches"])          # it re-tuned its batch
+    assert max(result["batches"]) > min(result["batches"])  # it re-tuned its batch
 
 
 def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     checkpoint = tmp_path / "job.pt"
     port = free_loopback_port()
-    workers = [subprocess.Popen([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
-                                env={**ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), REPORT_ENV: "0.1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for rank in range(2)]
+    workers = [
+        subprocess.Popen(
+            [*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
+            env={
+                **ONE_THREAD,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                REPORT_ENV: "0.1",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     # Both training: rank 0 reports steps taken, which needs rank 1 in every all-reduce.
     first = []
     while not first:
@@ -85,7 +99,7 @@ def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     saved = torch.load(checkpoint, weights_only=True)
     assert saved["placement"] == [2, 1] and saved["steps"] == stopped[0]["steps"]
     resumed = run_job("--epochs", str(stopped[0]["epochs"] + 4), "--checkpoint", str(checkpoint))
-    assert resumed["world"] == 1 and resumed["steps"] > stopped[0]["steps"]     # went on from the checkpoint
+    assert resumed["world"] == 1 and resumed["steps"] > stopped[0]["steps"]  # went on from the checkpoint
     assert resumed["metric"] >= 0.95
 
 
@@ -115,7 +129,7 @@ def test_a_non_finite_step_is_skipped_and_never_learned_from():
 
 @pytest.mark.parametrize("optimizer_type, rule", [(torch.optim.SGD, "adascale"), (torch.optim.Adam, "sqrt")])
 def test_the_default_rule_follows_the_optimizer_and_noise_is_measured(optimizer_type, rule):
-    training = tiny_training(optimizer_type, max_batch=64, max_local=8)     # m = 8, s = 1: accumulation
+    training = tiny_training(optimizer_type, max_batch=64, max_local=8)  # m = 8, s = 1: accumulation
     assert training.lr.rule == rule and (training.m, training.s) == (8, 1)
     for _ in range(10):
         one_step(training)
@@ -135,7 +149,7 @@ def test_stats_are_reported_as_the_bus_carries_them(monkeypatch):
     assert last.observations and last.observations[0].m == training.m and last.observations[0].t_iter > 0
     assert last.grad_sqr is not None and last.grad_var > 0
     quiet = []
-    training = tiny_training(report=quiet.append)            # every 30 s by default: none in a few steps
+    training = tiny_training(report=quiet.append)  # every 30 s by default: none in a few steps
     one_step(training)
     assert quiet == []
 
@@ -145,14 +159,26 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
     both then loses only what came after the last one, and the job resumes from it."""
     checkpoint = tmp_path / "job.pt"
     port = free_loopback_port()
-    workers = [subprocess.Popen([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
-                                env={**ONE_THREAD, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                     "GOODPUT_CHECKPOINT_S": "0.5"},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for rank in range(2)]
+    workers = [
+        subprocess.Popen(
+            [*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
+            env={
+                **ONE_THREAD,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GOODPUT_CHECKPOINT_S": "0.5",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     deadline = time.monotonic() + 120
-    while not checkpoint.exists():                      # the first periodic checkpoint, mid-training
+    while not checkpoint.exists():  # the first periodic checkpoint, mid-training
         assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "no periodic checkpoint"
         time.sleep(0.1)
     first = torch.load(checkpoint, weights_only=True)["steps"]
@@ -161,8 +187,8 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
         worker.kill()
         worker.communicate()
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["placement"] == [2, 1] and saved["steps"] > first > 0       # saved again and again
-    epochs = saved["progress"] / 8192                   # progress in examples; mlp_blobs trains on 8192
+    assert saved["placement"] == [2, 1] and saved["steps"] > first > 0  # saved again and again
+    epochs = saved["progress"] / 8192  # progress in examples; mlp_blobs trains on 8192
     resumed = run_job("--epochs", str(epochs + 1), "--checkpoint", str(checkpoint))
     assert resumed["world"] == 1 and resumed["steps"] > saved["steps"]
 
@@ -170,11 +196,22 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
 def test_the_library_stands_alone_and_its_protocol_needs_no_pytorch():
     """A job's image installs ./train only: the library imports nothing of the scheduler, and the
     services read its protocol and goodput model without importing PyTorch."""
-    check = ("import sys, goodput_train.trainer, goodput_train.checkpoint; "
-             "print(sorted({m.split('.')[0] for m in sys.modules} & "
-             "{'shared', 'services', 'sim', 'cli', 'deploy', 'examples', 'nats', 'cvxpy', 'yaml', 'opentelemetry'}))")
+    check = (
+        "import sys, goodput_train.trainer, goodput_train.checkpoint; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'shared', 'services', 'sim', 'cli', 'deploy', 'examples', 'nats', 'cvxpy', 'yaml', 'opentelemetry'}))"
+    )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd="/", timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
-    protocol = subprocess.run([sys.executable, "-c", "import sys, goodput_train.protocol, goodput_train.goodput; "
-                               "print('torch' in sys.modules)"], capture_output=True, text=True, cwd="/", timeout=120)
+    protocol = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, goodput_train.protocol, goodput_train.goodput; print('torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=120,
+    )
     assert protocol.stdout.strip() == "False", protocol.stderr[-2000:]

@@ -6,7 +6,6 @@ bright square. Adam, so the library scales its learning rate by the square root 
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -14,7 +13,7 @@ from torch.utils.data import TensorDataset
 from examples.jobs.common import job_arguments, train
 from goodput_train import AdaptiveTraining
 
-GOODPUT_JOB = True          # a job: the executors may run this module (a helper module may not)
+GOODPUT_JOB = True  # a job: the executors may run this module (a helper module may not)
 
 SIZE = 16
 
@@ -27,20 +26,34 @@ def squares(n: int, seed: int) -> TensorDataset:
     for i in range(n):
         row = corner[i, 0] + (SIZE // 2) * (quadrant[i] // 2)
         col = corner[i, 1] + (SIZE // 2) * (quadrant[i] % 2)
-        images[i, 0, row:row + 4, col:col + 4] += 1.5
+        images[i, 0, row : row + 4, col : col + 4] += 1.5
     return TensorDataset(images, quadrant)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = job_arguments(__doc__, 4.0, argv)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                          nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                          nn.Flatten(), nn.Linear(16 * 4 * 4, 4))
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 4),
+    )
     data, test = squares(4096, seed=1), squares(1024, seed=2)
-    training = AdaptiveTraining(model, torch.optim.Adam(model.parameters(), lr=2e-3), data, init_batch=32,
-                                max_batch=512, max_local=128, target_epochs=args.epochs,
-                                checkpoint_path=args.checkpoint)
+    training = AdaptiveTraining(
+        model,
+        torch.optim.Adam(model.parameters(), lr=2e-3),
+        data,
+        init_batch=32,
+        max_batch=512,
+        max_local=128,
+        target_epochs=args.epochs,
+        checkpoint_path=args.checkpoint,
+    )
 
     def accuracy() -> float:
         with torch.no_grad():

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 from examples.jobs.common import job_arguments, train
 from goodput_train import AdaptiveTraining
 
-GOODPUT_JOB = True          # a job: the executors may run this module (a helper module may not)
+GOODPUT_JOB = True  # a job: the executors may run this module (a helper module may not)
 
 CONTEXT = 32
 SUBJECTS = ["the cat", "a dog", "my friend", "the robot", "our team"]
@@ -35,8 +35,8 @@ VOCAB = sorted(set(corpus(200, 0)))
 def windows(text: str) -> TensorDataset:
     ids = torch.tensor([VOCAB.index(c) for c in text])
     starts = torch.arange(0, len(ids) - CONTEXT - 1, CONTEXT // 2)
-    inputs = torch.stack([ids[s:s + CONTEXT] for s in starts])
-    return TensorDataset(inputs, torch.stack([ids[s + 1:s + CONTEXT + 1] for s in starts]))
+    inputs = torch.stack([ids[s : s + CONTEXT] for s in starts])
+    return TensorDataset(inputs, torch.stack([ids[s + 1 : s + CONTEXT + 1] for s in starts]))
 
 
 class TinyLM(nn.Module):
@@ -44,8 +44,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(len(VOCAB), width)
         self.position = nn.Parameter(torch.zeros(CONTEXT, width))
-        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True,
-                                           dropout=0.0)
+        layer = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=2 * width, batch_first=True, dropout=0.0)
         self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.out = nn.Linear(width, len(VOCAB))
         self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(CONTEXT), persistent=False)
@@ -59,9 +58,16 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model = TinyLM()
     data, test = windows(corpus(3000, seed=1)), windows(corpus(300, seed=2))
-    training = AdaptiveTraining(model, torch.optim.AdamW(model.parameters(), lr=3e-3), data, init_batch=16,
-                                max_batch=256, max_local=64, target_epochs=args.epochs,
-                                checkpoint_path=args.checkpoint)
+    training = AdaptiveTraining(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        data,
+        init_batch=16,
+        max_batch=256,
+        max_local=64,
+        target_epochs=args.epochs,
+        checkpoint_path=args.checkpoint,
+    )
 
     def next_char_accuracy() -> float:
         with torch.no_grad():

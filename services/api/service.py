@@ -35,18 +35,17 @@ import functools
 import inspect
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import msgspec
 from opentelemetry import trace
 
-from shared.submissions import id_taken, malformed_reason
-from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.permissions import LOGINS_ACCOUNT
+from shared.runner import new_service
 from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
@@ -70,15 +69,16 @@ from shared.schema import (
     submission_msg_id,
 )
 from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, USERS_SHARE, LoginLimits
+from shared.submissions import id_taken, malformed_reason
 
 log = logging.getLogger(__name__)
 
 ENDED = ("finished", "failed", "rejected")
 ENCODING = "JSON or msgpack; answered in the request's encoding"
 RECORDS_TIMEOUT_S = 10.0
-CANCEL_WAIT_S = 10.0          # how long `cancel` waits for the executors to take the order before it answers
+CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the executors to take the order before it answers
 CANCEL_POLL_S = 0.2
-CONCURRENCY = 64              # requests one replica serves at once: each mostly waits on JetStream and the executors
+CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors
 
 
 @dataclass(frozen=True)
@@ -92,17 +92,32 @@ class Endpoint:
     @property
     def metadata(self) -> dict[str, str]:
         """What $SRV.INFO says of it: its messages (by their names in the `schemas` answer), encoding."""
-        return {"request": self.request.__name__, "response": _name(self.response), "encoding": ENCODING,
-                "schemas": subjects.API_SCHEMAS, "description": self.description}
+        return {
+            "request": self.request.__name__,
+            "response": _name(self.response),
+            "encoding": ENCODING,
+            "schemas": subjects.API_SCHEMAS,
+            "description": self.description,
+        }
 
 
 ENDPOINTS = (
-    Endpoint("submit", subjects.API_SUBMIT, JobSpec, SubmitAnswer,
-             "submit a job; only a valid submission is stored, a refused one gets the reason"),
+    Endpoint(
+        "submit",
+        subjects.API_SUBMIT,
+        JobSpec,
+        SubmitAnswer,
+        "submit a job; only a valid submission is stored, a refused one gets the reason",
+    ),
     Endpoint("job", subjects.API_JOB, JobRequest, JobStatus, "a job's state, as `goodput status --json` shows it"),
     Endpoint("jobs", subjects.API_JOBS, JobsRequest, JobsPage, "the jobs in submission order: filters and paging"),
-    Endpoint("cancel", subjects.API_CANCEL, JobRequest, CancelAnswer,
-             "cancel a job: queued, it never starts; running, its workers checkpoint and stop"),
+    Endpoint(
+        "cancel",
+        subjects.API_CANCEL,
+        JobRequest,
+        CancelAnswer,
+        "cancel a job: queued, it never starts; running, its workers checkpoint and stop",
+    ),
     Endpoint("schemas", subjects.API_SCHEMAS, Ack, dict, "the JSON Schema of every request and answer"),
 )
 
@@ -116,27 +131,35 @@ def schemas() -> dict[str, Any]:
     """{"$defs": every message's JSON Schema, "endpoints": subject -> its request's and answer's names}."""
     types = list(dict.fromkeys(t for e in ENDPOINTS for t in (e.request, e.response) if t is not dict))
     _, definitions = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
-    return {"$defs": definitions,
-            "endpoints": {e.subject: {"request": e.request.__name__, "response": _name(e.response),
-                                      "description": e.description} for e in ENDPOINTS}}
+    return {
+        "$defs": definitions,
+        "endpoints": {
+            e.subject: {"request": e.request.__name__, "response": _name(e.response), "description": e.description}
+            for e in ENDPOINTS
+        },
+    }
 
 
 def notes(spec: JobSpec) -> tuple[str, ...]:
     """What a submitter may not expect of an accepted job."""
     found = []
     if not spec.rigid and spec.requested_gpus > 1:
-        found.append(f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and "
-                     "batch) that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly "
-                     "that many")
+        found.append(
+            f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and "
+            "batch) that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly "
+            "that many"
+        )
     if spec.min_gpus > spec.requested_gpus:
-        found.append(f"min_gpus {spec.min_gpus} is more than requested_gpus {spec.requested_gpus}: it never runs on "
-                     f"fewer than {spec.min_gpus}")
+        found.append(
+            f"min_gpus {spec.min_gpus} is more than requested_gpus {spec.requested_gpus}: it never runs on "
+            f"fewer than {spec.min_gpus}"
+        )
     return tuple(found)
 
 
 Problem = Callable[[JobSpec], str | None | Awaitable[str | None]]
-PAGE_BYTES = 256 * 1024       # a page of `jobs` is cut short (its next_offset says where to go on) past this
-KEPT_TTL_S = 1.0              # how long JetStream's count of a login's records is taken as it is
+PAGE_BYTES = 256 * 1024  # a page of `jobs` is cut short (its next_offset says where to go on) past this
+KEPT_TTL_S = 1.0  # how long JetStream's count of a login's records is taken as it is
 
 
 def login() -> str:
@@ -154,8 +177,8 @@ class Kept:
     def __init__(self, bus: Bus, limits: LoginLimits = LOGIN_LIMITS) -> None:
         self.bus, self.limits = bus, limits
         self.counts: dict[str, tuple[float, dict[str, int]]] = {}
-        self.added: dict[tuple[str, str], int] = {}       # (login, subject) -> stored here, ever
-        self.pending: dict[tuple[str, str], int] = {}     # ... being stored now
+        self.added: dict[tuple[str, str], int] = {}  # (login, subject) -> stored here, ever
+        self.pending: dict[tuple[str, str], int] = {}  # ... being stored now
         self.fullness: tuple[float, float] = (-KEPT_TTL_S, 0.0)
 
     async def of(self, who: str) -> dict[str, int]:
@@ -164,11 +187,14 @@ class Kept:
         when, counts = self.counts.get(who, (-KEPT_TTL_S, {}))
         if now - when >= KEPT_TTL_S:
             before = {subject: self.added.get((who, subject), 0) for subject in (subjects.STORED, subjects.REFUSED)}
-            info = await self.bus.js.stream_info(subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.{who}")
+            info = await self.bus.js.stream_info(
+                subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.{who}"
+            )
             fresh = {subjects.of_login(subject)[0]: n for subject, n in (info.state.subjects or {}).items()}
             # Those stored here while JetStream was asked may be in its count or not: taken as not.
-            counts = {subject: fresh.get(subject, 0) + self.added.get((who, subject), 0) - n
-                      for subject, n in before.items()}
+            counts = {
+                subject: fresh.get(subject, 0) + self.added.get((who, subject), 0) - n for subject, n in before.items()
+            }
             self.counts[who] = (now, counts)
         return counts
 
@@ -206,11 +232,15 @@ class Kept:
         limit = self.limits.submissions if subject == subjects.STORED else self.limits.refusals
         what = "submissions" if subject == subjects.STORED else "records of refused submissions"
         if count + self.pending.get((who, subject), 0) >= limit:
-            return (f"over your limit: login {who} keeps {limit:,} {what} in the jobs stream at most (they leave "
-                    "as they age out, after 30 days); the operator may raise it")
+            return (
+                f"over your limit: login {who} keeps {limit:,} {what} in the jobs stream at most (they leave "
+                "as they age out, after 30 days); the operator may raise it"
+            )
         if fullness >= USERS_SHARE:
-            return (f"the jobs stream is {fullness:.0%} full: the rest is kept for the scheduler's verdicts; "
-                    "ask the operator")
+            return (
+                f"the jobs stream is {fullness:.0%} full: the rest is kept for the scheduler's verdicts; "
+                "ask the operator"
+            )
         return None
 
 
@@ -246,13 +276,13 @@ class Gate:
             held = await self.owners.get(job_id)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
             # refused stored submission gives the id up): the corrected one is profiling.
-            if (held is not None and (everyone or held.value.login == who)
-                    and (found is None or not held.value.marking)):
+            if held is not None and (everyone or held.value.login == who) and (found is None or not held.value.marking):
                 return JobStatus(job_id, "profiling")
         return found
 
-    async def refuse(self, data: bytes, reason: str, who: str, job_id: str | None = None,
-                     came: str = subjects.API_SUBMIT) -> SubmitAnswer:
+    async def refuse(
+        self, data: bytes, reason: str, who: str, job_id: str | None = None, came: str = subjects.API_SUBMIT
+    ) -> SubmitAnswer:
         """Record the refusal as the profiler records one (listed for its login, with what could be read
         of the body: its id and application, and where it `came`), while the login keeps fewer than
         its bound; answer it."""
@@ -260,18 +290,20 @@ class Gate:
             job_id = readable_fields(data).get("id")
         async with self.kept.room(who, subjects.REFUSED) as room:
             if room.refusal is not None:
-                return SubmitAnswer(False, job_id, "rejected", reason,
-                                    notes=(f"this refusal is not recorded: {room.refusal}",))
+                return SubmitAnswer(
+                    False, job_id, "rejected", reason, notes=(f"this refusal is not recorded: {room.refusal}",)
+                )
             await self.bus.js_publish(subjects.refused(who), rejection(came, reason, data, job_id))
             room.stored()
         return SubmitAnswer(False, job_id, "rejected", reason)
 
     async def repeat(self, job_id: str, who: str) -> SubmitAnswer:
         now = await self.status_of(job_id, who)
-        if now is not None and now.state == "rejected":     # within JetStream's day, the same body refused before
+        if now is not None and now.state == "rejected":  # within JetStream's day, the same body refused before
             return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
-        return SubmitAnswer(True, job_id, now.state if now else "profiling",
-                            "the same submission was stored before: not stored again")
+        return SubmitAnswer(
+            True, job_id, now.state if now else "profiling", "the same submission was stored before: not stored again"
+        )
 
     async def answered(self, raw: msgspec.Raw) -> SubmitAnswer:
         """`submit`'s answer; a refusal is service error 400 too, its answer the body (Refused)."""
@@ -284,8 +316,12 @@ class Gate:
         """Judge a body of `who`'s (that `came` on that subject): refused with the reason, or stored on
         its login's subject and accepted."""
         if len(data) > MAX_SUBMISSION_BYTES:
-            return await self.refuse(data, f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is "
-                                           f"{len(data) / 1024:.0f} KiB", who, came=came)
+            return await self.refuse(
+                data,
+                f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is {len(data) / 1024:.0f} KiB",
+                who,
+                came=came,
+            )
         try:
             spec = self.bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
@@ -313,20 +349,20 @@ class Gate:
         try:
             ack = await self.bus.js_publish(subjects.stored(who), spec, msg_id=submission_msg_id(spec), timeout=10)
         except BaseException:
-            with contextlib.suppress(Exception):      # not stored: the id is free again
+            with contextlib.suppress(Exception):  # not stored: the id is free again
                 await self.owners.delete(spec.id, mark)
             raise
-        if ack.duplicate:                             # stored before, and then refused (else it would hold the id)
+        if ack.duplicate:  # stored before, and then refused (else it would hold the id)
             with contextlib.suppress(RevisionConflict):
                 await self.owners.delete(spec.id, mark)
             return await self.repeat(spec.id, who)
         room.stored()
-        try:              # the mark becomes this submission's claim, unless one stored before took the id
+        try:  # the mark becomes this submission's claim, unless one stored before took the id
             await self.owners.update(spec.id, JobOwner(ack.seq, digest, subjects.stored(who)), mark)
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
-                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))    # the profiler refuses it
+                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))  # the profiler refuses it
         return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
 
     async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer | None:
@@ -340,7 +376,7 @@ class Gate:
                 held = await self.owners.get(job_id)
             if held is None:
                 continue
-            if held.value.marking and time.time() - held.value.since > MARK_TTL_S:    # its replica died
+            if held.value.marking and time.time() - held.value.since > MARK_TTL_S:  # its replica died
                 with contextlib.suppress(RevisionConflict):
                     return await self.owners.update(job_id, mark, held.revision)
                 continue
@@ -364,8 +400,16 @@ class Gate:
         if request.state is not None and request.state not in JOB_STATES:
             raise ValueError(f"unknown state {request.state!r}: one of {', '.join(JOB_STATES)}")
         who = login()
-        page = await self.records(JobsQuery(request.prefix, None if who == subjects.OPERATOR else who, request.state,
-                                            request.application, request.offset, request.limit))
+        page = await self.records(
+            JobsQuery(
+                request.prefix,
+                None if who == subjects.OPERATOR else who,
+                request.state,
+                request.application,
+                request.offset,
+                request.limit,
+            )
+        )
         return cut(tuple(job_status(r) for r in page.jobs), request.offset, page.total or 0, self.bus.encode)
 
     async def cancel(self, request: JobRequest) -> CancelAnswer:
@@ -376,8 +420,9 @@ class Gate:
         if now.state == "cancelled":
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
         if now.state in ENDED:
-            return CancelAnswer(False, request.id, now.state, f"job {request.id} has ended ({now.state}): "
-                                                               "nothing to cancel")
+            return CancelAnswer(
+                False, request.id, now.state, f"job {request.id} has ended ({now.state}): nothing to cancel"
+            )
         await self.bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
         deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
         while now is not None and now.state != "cancelled" and asyncio.get_running_loop().time() < deadline:
@@ -385,8 +430,12 @@ class Gate:
             now = await self.status_of(request.id, who)
         if now is not None and now.state == "cancelled":
             return CancelAnswer(True, request.id, now.state)
-        return CancelAnswer(True, request.id, now.state if now else "unknown",
-                            "the order is stored; the executors end the job as they read it")
+        return CancelAnswer(
+            True,
+            request.id,
+            now.state if now else "unknown",
+            "the order is stored; the executors end the job as they read it",
+        )
 
     async def judge(self, data: msgspec.Raw, delivery) -> None:
         """A login's own submission from the intake stream, judged as `submit` judges one."""
@@ -418,21 +467,37 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
     cluster, or None (the profiler's own check; a coroutine function when it asks, e.g. which
     applications the live node agents run)."""
     gate = Gate(bus, owners, problem)
-    handlers = {"submit": gate.answered, "job": gate.job, "jobs": gate.jobs, "cancel": gate.cancel,
-                "schemas": lambda _: schemas()}
-    request_types = {"submit": msgspec.Raw}          # decoded by `submit` itself, to answer a bad body
+    handlers = {
+        "submit": gate.answered,
+        "job": gate.job,
+        "jobs": gate.jobs,
+        "cancel": gate.cancel,
+        "schemas": lambda _: schemas(),
+    }
+    request_types = {"submit": msgspec.Raw}  # decoded by `submit` itself, to answer a bad body
     service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")
     for endpoint in ENDPOINTS:
-        await bus.add_endpoint(service, endpoint.name, endpoint.subject,
-                               request_types.get(endpoint.name, endpoint.request), handlers[endpoint.name],
-                               span_name=f"api.{endpoint.name}", metadata=endpoint.metadata,
-                               on_invalid=gate.unreadable if endpoint.name == "submit" else None,
-                               concurrency=CONCURRENCY)
+        await bus.add_endpoint(
+            service,
+            endpoint.name,
+            endpoint.subject,
+            request_types.get(endpoint.name, endpoint.request),
+            handlers[endpoint.name],
+            span_name=f"api.{endpoint.name}",
+            metadata=endpoint.metadata,
+            on_invalid=gate.unreadable if endpoint.name == "submit" else None,
+            concurrency=CONCURRENCY,
+        )
     await service.start()
     bus.on_close(service.stop)
-    intake = await storage.open_consumer(bus, subjects.INTAKE_CONSUMER, msgspec.Raw, span_name="api.intake",
-                                         on_invalid=gate.unjudgeable,
-                                         dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER))
+    intake = await storage.open_consumer(
+        bus,
+        subjects.INTAKE_CONSUMER,
+        msgspec.Raw,
+        span_name="api.intake",
+        on_invalid=gate.unjudgeable,
+        dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER),
+    )
     asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
     return gate
 
@@ -449,8 +514,9 @@ def schemas_markdown() -> str:
 
     document = schemas()
     lines = [BEGIN, "", "| subject | request | answer | what |", "|---|---|---|---|"]
-    lines += [f"| `{e.subject}` | `{e.request.__name__}` | `{_name(e.response)}` "
-              f"| {e.description} |" for e in ENDPOINTS]
+    lines += [
+        f"| `{e.subject}` | `{e.request.__name__}` | `{_name(e.response)}` | {e.description} |" for e in ENDPOINTS
+    ]
     for name, schema in document["$defs"].items():
         lines += ["", f"### {name}", "", "```json", json.dumps(schema, indent=2, sort_keys=True), "```"]
     return "\n".join([*lines, "", END])

@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-
 from goodput_train.goodput import (
     Observation,
     ThroughputParams,
@@ -32,9 +31,12 @@ from shared.schema import EstimateRecord, JobFacts, JobModels, Profile
 def profile_observations(profile: Profile) -> list[Observation]:
     """A bootstrap profile as 1-GPU observations (compute time = step time - sync time; unknown when
     the measured sync is not below the step)."""
-    return [Observation(1, 1, p.local_bsz, 0, p.step_time,
-                        p.step_time - p.sync_time if p.sync_time < p.step_time else math.nan)
-            for p in profile.points]
+    return [
+        Observation(
+            1, 1, p.local_bsz, 0, p.step_time, p.step_time - p.sync_time if p.sync_time < p.step_time else math.nan
+        )
+        for p in profile.points
+    ]
 
 
 def is_multi_gpu(observations: Sequence[Observation]) -> bool:
@@ -44,8 +46,15 @@ def is_multi_gpu(observations: Sequence[Observation]) -> bool:
 def project(target: ThroughputParams, source: ThroughputParams, m_ref: float) -> ThroughputParams:
     """Target's compute terms with the source's sync terms, scaled by the ratio of compute times at m_ref."""
     ratio = float(compute_time(target, m_ref) / compute_time(source, m_ref))
-    return ThroughputParams(target.alpha_c, target.beta_c, ratio * source.alpha_r, ratio * source.beta_r,
-                            ratio * source.alpha_n, ratio * source.beta_n, source.gamma)
+    return ThroughputParams(
+        target.alpha_c,
+        target.beta_c,
+        ratio * source.alpha_r,
+        ratio * source.beta_r,
+        ratio * source.alpha_n,
+        ratio * source.beta_n,
+        source.gamma,
+    )
 
 
 @dataclass(frozen=True)
@@ -58,11 +67,13 @@ class JobEstimate:
     fitted: Mapping[str, ThroughputParams]
 
     @classmethod
-    def build(cls, profiles: Mapping[str, Profile],
-              observations: Mapping[str, Sequence[Observation]] | None = None) -> "JobEstimate":
+    def build(
+        cls, profiles: Mapping[str, Profile], observations: Mapping[str, Sequence[Observation]] | None = None
+    ) -> "JobEstimate":
         observations = {t: tuple(observations.get(t, ())) for t in profiles} if observations else {}
-        fitted = {t: fit_throughput(profile_observations(p) + list(observations.get(t, ())))
-                  for t, p in profiles.items()}
+        fitted = {
+            t: fit_throughput(profile_observations(p) + list(observations.get(t, ()))) for t, p in profiles.items()
+        }
         return cls(dict(profiles), observations, fitted)
 
     def observe(self, gpu_type: str, observation: Observation) -> "JobEstimate":
@@ -82,9 +93,12 @@ class JobEstimate:
             return dict(self.fitted)
         # The most-explored type is the best source for projecting the others' communication.
         source = max(explored, key=lambda t: sum(o.gpus > 1 for o in self.observations[t]))
-        return {t: params if t in explored else
-                project(params, self.fitted[source], min(self.profiles[t].max_local, self.profiles[source].max_local))
-                for t, params in self.fitted.items()}
+        return {
+            t: params
+            if t in explored
+            else project(params, self.fitted[source], min(self.profiles[t].max_local, self.profiles[source].max_local))
+            for t, params in self.fitted.items()
+        }
 
     @property
     def local_limits(self) -> dict[str, tuple[int, int]]:
@@ -96,14 +110,19 @@ class JobEstimate:
         return {t: p.group_gpus for t, p in self.profiles.items() if p.group_gpus > 1}
 
 
-def type_models(profiles: Mapping[str, Profile],
-                observations: Mapping[str, Sequence[Observation]]) -> dict[str, ThroughputParams]:
+def type_models(
+    profiles: Mapping[str, Profile], observations: Mapping[str, Sequence[Observation]]
+) -> dict[str, ThroughputParams]:
     """One throughput model per GPU type the job was profiled on, from everything it ran."""
     return JobEstimate.build(profiles, observations).models()
 
 
-def job_models(facts: JobFacts, params: Mapping[str, ThroughputParams],
-               local_limits: Mapping[str, tuple[int, int]], group_gpus: Mapping[str, int]) -> JobModels:
+def job_models(
+    facts: JobFacts,
+    params: Mapping[str, ThroughputParams],
+    local_limits: Mapping[str, tuple[int, int]],
+    group_gpus: Mapping[str, int],
+) -> JobModels:
     """The estimator's view of a job this round: its models with the facts its executors reported."""
     return JobModels(
         job_id=facts.job_id,
@@ -158,8 +177,10 @@ class Estimator:
         observations = {t: tuple(record.observations.get(t, ())) for t in profiles}
         changed = {t for t in profiles if observations[t] != tuple(known.observations.get(t, ()))}
         if changed:
-            fitted = {**known.fitted, **{t: fit_throughput(profile_observations(profiles[t]) + list(observations[t]))
-                                         for t in changed}}
+            fitted = {
+                **known.fitted,
+                **{t: fit_throughput(profile_observations(profiles[t]) + list(observations[t])) for t in changed},
+            }
             self.estimates[record.job_id] = JobEstimate(known.profiles, observations, fitted)
 
     def _type_models(self, job_id: str) -> dict:

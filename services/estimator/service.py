@@ -17,14 +17,14 @@ from nats import micro
 from opentelemetry import trace
 
 from services.estimator.core import Estimator
-from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.runner import new_service
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
 from shared.settings import settings_for
 
 CONFLICT_RETRIES = 20
-MAX_TRACED_IDS = 256         # job ids listed on one `estimator.goodput` span (the count is always there)
+MAX_TRACED_IDS = 256  # job ids listed on one `estimator.goodput` span (the count is always there)
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +39,7 @@ class SharedEstimates:
     def __init__(self, estimator: Estimator, records: TypedKV[EstimateRecord]):
         self.estimator = estimator
         self.records = records
-        self.revisions: dict[str, int] = {}      # the revision each cached estimate was built from
+        self.revisions: dict[str, int] = {}  # the revision each cached estimate was built from
 
     async def load(self, job_id: str, at_least: int = 0) -> bool:
         """Make the cached estimate at least as new as `at_least`; False if the job has no record."""
@@ -53,14 +53,16 @@ class SharedEstimates:
         return True
 
     async def add(self, message: JobProfiles) -> Stored:
-        trace.get_current_span().set_attributes({"job.id": message.job_id,
-                                                 "gpu.types": [p.gpu_type for p in message.profiles]})
+        trace.get_current_span().set_attributes(
+            {"job.id": message.job_id, "gpu.types": [p.gpu_type for p in message.profiles]}
+        )
         if not await self.load(message.job_id):
             self.estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
             try:
                 self.revisions[message.job_id] = await self.records.create(
-                    message.job_id, self.estimator.record(message.job_id))
-            except RevisionConflict:                 # another replica stored it first: theirs stands
+                    message.job_id, self.estimator.record(message.job_id)
+                )
+            except RevisionConflict:  # another replica stored it first: theirs stands
                 del self.revisions[message.job_id]
                 await self.load(message.job_id)
         return Stored(self.revisions[message.job_id])
@@ -68,22 +70,31 @@ class SharedEstimates:
     async def observe(self, message: Observed) -> Stored:
         span = trace.get_current_span()
         seen = message.observation
-        span.set_attributes({"job.id": message.job_id, "gpu.type": message.gpu_type, "nodes": seen.nodes,
-                             "gpu.count": seen.gpus, "batch.per_gpu": seen.m, "batch.accumulation_steps": seen.s,
-                             "t_iter_s": seen.t_iter})
+        span.set_attributes(
+            {
+                "job.id": message.job_id,
+                "gpu.type": message.gpu_type,
+                "nodes": seen.nodes,
+                "gpu.count": seen.gpus,
+                "batch.per_gpu": seen.m,
+                "batch.accumulation_steps": seen.s,
+                "t_iter_s": seen.t_iter,
+            }
+        )
         for _ in range(CONFLICT_RETRIES):
             if not await self.load(message.job_id):
                 raise ValueError(f"no profile for job {message.job_id!r} yet")
             revision = self.revisions[message.job_id]
             if not self.estimator.observe(message.job_id, message.gpu_type, message.observation):
                 span.set_attribute("learned", False)
-                return Stored(revision)              # seen already: nothing to write
+                return Stored(revision)  # seen already: nothing to write
             try:
                 self.revisions[message.job_id] = await self.records.update(
-                    message.job_id, self.estimator.record(message.job_id), revision)
+                    message.job_id, self.estimator.record(message.job_id), revision
+                )
                 span.set_attributes({"learned": True, "revision": self.revisions[message.job_id]})
                 return Stored(self.revisions[message.job_id])
-            except RevisionConflict:                 # another replica wrote first: reload, learn again
+            except RevisionConflict:  # another replica wrote first: reload, learn again
                 await self.load(message.job_id, revision + 1)
         raise RuntimeError(f"job {message.job_id}: the record kept changing under {CONFLICT_RETRIES} writes")
 
@@ -102,8 +113,15 @@ class SharedEstimates:
         span = trace.get_current_span()
         if span.is_recording():
             ids = [f.job_id for f in request.facts]
-            span.set_attributes({"jobs": len(ids), "jobs.modelled": len(models), "jobs.held": len(held),
-                                 "job.ids": ids[:MAX_TRACED_IDS], "job.ids.truncated": len(ids) > MAX_TRACED_IDS})
+            span.set_attributes(
+                {
+                    "jobs": len(ids),
+                    "jobs.modelled": len(models),
+                    "jobs.held": len(held),
+                    "job.ids": ids[:MAX_TRACED_IDS],
+                    "job.ids.truncated": len(ids) > MAX_TRACED_IDS,
+                }
+            )
             if held:
                 span.set_attribute("held.job.ids", sorted(held)[:MAX_TRACED_IDS])
         return ModelsReply(tuple(models), held)
@@ -120,11 +138,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         return Count(info.state.messages)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
-    await bus.add_endpoint(service, "profiles", subjects.PROFILES, JobProfiles, shared.add,
-                           span_name="estimator.profiles")
-    await bus.add_endpoint(service, "observe", subjects.OBSERVE, Observed, shared.observe,
-                           span_name="estimator.observe")
-    await bus.add_endpoint(service, "models", subjects.MODELS, ModelsRequest, shared.models,
-                           span_name="estimator.goodput")
+    await bus.add_endpoint(
+        service, "profiles", subjects.PROFILES, JobProfiles, shared.add, span_name="estimator.profiles"
+    )
+    await bus.add_endpoint(
+        service, "observe", subjects.OBSERVE, Observed, shared.observe, span_name="estimator.observe"
+    )
+    await bus.add_endpoint(
+        service, "models", subjects.MODELS, ModelsRequest, shared.models, span_name="estimator.goodput"
+    )
     await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, count, parts=False)
     return service

@@ -36,8 +36,15 @@ import msgspec
 import nats.errors
 from nats.micro.request import ServiceError
 
-from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, COLLECTIVE_TIMEOUT_ENV, OUTCOME_PREFIX, REPORT_ENV,
-                                    REPORT_EVERY_S, STATS_PREFIX)
+from goodput_train.protocol import (
+    ADAPTIVE_ENV,
+    CHECKPOINT_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
+    OUTCOME_PREFIX,
+    REPORT_ENV,
+    REPORT_EVERY_S,
+    STATS_PREFIX,
+)
 from services.executor.node import NodeWorkers
 from services.executor.processes import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared import subjects
@@ -46,7 +53,7 @@ from shared.cluster import Cluster, Spots
 from shared.schema import CANCELLED, Ack, JobStats, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 
 MAX_CRASHES = 3
-LOST_GRACE_S = 5.0          # a lost node's peers: this long to stop (they may be stuck waiting for it)
+LOST_GRACE_S = 5.0  # a lost node's peers: this long to stop (they may be stuck waiting for it)
 log = logging.getLogger(__name__)
 
 
@@ -111,17 +118,17 @@ class LocalJob:
     job_id: str
     application: str
     placement: Spots = ()
-    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()   # the nodes its workers run on now, and their ranks
-    generation: int = 0                  # one per start of its workers (a node ignores an older order)
-    running: bool = False                # its workers of this generation were started, not yet seen ended
+    parts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the nodes its workers run on now, and their ranks
+    generation: int = 0  # one per start of its workers (a node ignores an older order)
+    running: bool = False  # its workers of this generation were started, not yet seen ended
     stats: JobStats | None = None
-    result: dict | None = None           # its outcome line, once it has finished
+    result: dict | None = None  # its outcome line, once it has finished
     restarts: int = 0
     crashes: int = 0
     failure: str | None = None
-    announced: bool = False              # its finish returned by `poll` once
-    heard: bool = False                  # its workers have reported since they were last started
-    adaptive: bool = True                # its workers re-tune their batch (else they keep it)
+    announced: bool = False  # its finish returned by `poll` once
+    heard: bool = False  # its workers have reported since they were last started
+    adaptive: bool = True  # its workers re-tune their batch (else they keep it)
 
     def batch(self) -> int | None:
         """The total batch its running workers train at, from a report of this run of theirs and its
@@ -140,21 +147,29 @@ def node_parts(spots: Spots, real: Mapping[str, str]) -> list[tuple[str, int]]:
 
 
 class LocalExecutors:
-    def __init__(self, nodes: Nodes, checkpoints: Path | None, cluster: Cluster | None = None,
-                 real: Mapping[str, str] | None = None, max_crashes: int = MAX_CRASHES,
-                 report_every_s: float = REPORT_EVERY_S, jobs_package: str = JOBS_PACKAGE,
-                 checkpoint_every_s: float | None = None, collective_timeout_s: float | None = None):
+    def __init__(
+        self,
+        nodes: Nodes,
+        checkpoints: Path | None,
+        cluster: Cluster | None = None,
+        real: Mapping[str, str] | None = None,
+        max_crashes: int = MAX_CRASHES,
+        report_every_s: float = REPORT_EVERY_S,
+        jobs_package: str = JOBS_PACKAGE,
+        checkpoint_every_s: float | None = None,
+        collective_timeout_s: float | None = None,
+    ):
         self.nodes = nodes
-        self.checkpoints = checkpoints              # a folder every node reads; None: the checkpoints store
+        self.checkpoints = checkpoints  # a folder every node reads; None: the checkpoints store
         self.cluster = cluster or Cluster("none", ())
-        self.real = dict(real or {})                 # a virtual node's real one (a node split in powers of two)
+        self.real = dict(real or {})  # a virtual node's real one (a node split in powers of two)
         self.max_crashes = max_crashes
         self.report_every_s = report_every_s
         self.jobs_package = jobs_package
-        self.checkpoint_every_s = checkpoint_every_s      # None: each job's own (the library's 5 min)
+        self.checkpoint_every_s = checkpoint_every_s  # None: each job's own (the library's 5 min)
         self.collective_timeout_s = collective_timeout_s  # None: the library's (60 s)
         self.jobs: dict[str, LocalJob] = {}
-        self.closing = False                 # stopping for good: a worker that exits is not restarted
+        self.closing = False  # stopping for good: a worker that exits is not restarted
 
     def add(self, job_id: str, application: str) -> None:
         try:
@@ -168,12 +183,15 @@ class LocalExecutors:
         and free their GPUs), then each starts again on its new nodes."""
         if self.closing:
             return
-        changed = [job for job in self.jobs.values() if tuple(placements.get(job.job_id, ())) != job.placement
-                   and job.result is None and not job.failure]
+        changed = [
+            job
+            for job in self.jobs.values()
+            if tuple(placements.get(job.job_id, ())) != job.placement and job.result is None and not job.failure
+        ]
         for job in changed:
             if job.running:
                 self._stop(job)
-                if job.result is None:               # else it finished as it was being stopped
+                if job.result is None:  # else it finished as it was being stopped
                     job.restarts += 1
         for job in changed:
             if job.result is None:
@@ -190,7 +208,7 @@ class LocalExecutors:
             try:
                 reports[node] = {report.job_id: report for report in self.nodes.poll(node).jobs}
             except NodeGone:
-                reports[node] = None            # unknown this time: its jobs wait for the membership's word
+                reports[node] = None  # unknown this time: its jobs wait for the membership's word
         for job in running:
             if any(reports[node] is None for node, _ in job.parts):
                 continue
@@ -201,24 +219,28 @@ class LocalExecutors:
             codes = [code for report in current for code in report.codes]
             crashed = next((r for r in current if any(c not in (None, 0) for c in r.codes)), None)
             if crashed is None and len(current) == len(mine) and None in codes:
-                continue                                  # running
+                continue  # running
             self._stop(job, kill=crashed is not None or len(current) < len(mine))
             if job.result is not None or self.closing:
                 continue
             if crashed is not None:
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
-                    rank, code = next((rank, code) for rank, code in zip(crashed.ranks, crashed.codes)
-                                      if code not in (None, 0))
-                    job.failure = (f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
-                                   f"the last error: {crashed.error or 'no error output'}")
+                    rank, code = next(
+                        (rank, code) for rank, code in zip(crashed.ranks, crashed.codes) if code not in (None, 0)
+                    )
+                    job.failure = (
+                        f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
+                        f"the last error: {crashed.error or 'no error output'}"
+                    )
                     job.placement = ()
                     continue
-            else:        # stopped unasked (an agent went away, or restarted and stopped what it found)
+            else:  # stopped unasked (an agent went away, or restarted and stopped what it found)
                 job.restarts += 1
-            self._start(job)                              # from its last checkpoint
-        finished = [job for job in self.jobs.values() if job.result is not None and not job.running
-                    and not job.announced]
+            self._start(job)  # from its last checkpoint
+        finished = [
+            job for job in self.jobs.values() if job.result is not None and not job.running and not job.announced
+        ]
         for job in finished:
             job.announced = True
         return [job.job_id for job in finished]
@@ -280,10 +302,19 @@ class LocalExecutors:
             for node, gpus in parts:
                 ranks = tuple(range(first, first + gpus))
                 first += gpus
-                order = StartWorkers(job.job_id, job.application, job.generation, ranks, world, len(parts), gpu_type,
-                                     "" if self.checkpoints is None else str(self.checkpoints / f"{job.job_id}.pt"),
-                                     env, *((rendezvous.address, rendezvous.port) if rendezvous else ()),
-                                     store=f"{job.job_id}.pt" if self.checkpoints is None else "")
+                order = StartWorkers(
+                    job.job_id,
+                    job.application,
+                    job.generation,
+                    ranks,
+                    world,
+                    len(parts),
+                    gpu_type,
+                    "" if self.checkpoints is None else str(self.checkpoints / f"{job.job_id}.pt"),
+                    env,
+                    *((rendezvous.address, rendezvous.port) if rendezvous else ()),
+                    store=f"{job.job_id}.pt" if self.checkpoints is None else "",
+                )
                 answer = self.nodes.start(node, order)
                 rendezvous = rendezvous or answer
                 started.append((node, ranks))
@@ -292,13 +323,14 @@ class LocalExecutors:
             log.warning("job %s could not start on %s: %s", job.job_id, job.placement, error)
             self._stop(job, kill=True)
             job.placement = ()
-            if isinstance(error, ValueError):         # the job's own trouble (its code gone), not a node's
+            if isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
                 job.crashes += 1
                 if job.crashes >= self.max_crashes:
                     job.failure = f"its workers could not start {job.crashes} times: {error}"
 
-    def _stop(self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S,
-              skip: set[str] = frozenset()) -> None:
+    def _stop(
+        self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S, skip: set[str] = frozenset()
+    ) -> None:
         """Stop its workers on every node they run on (not `skip`: lost), and read their last word."""
         for node, _ in job.parts:
             if node in skip:
@@ -316,13 +348,12 @@ class LocalExecutors:
         """What a node's workers of the job printed: its latest stats, its outcome."""
         try:
             if report.stats:
-                stats = msgspec.msgpack.decode(base64.b64decode(report.stats[len(STATS_PREFIX):]), type=JobStats)
+                stats = msgspec.msgpack.decode(base64.b64decode(report.stats[len(STATS_PREFIX) :]), type=JobStats)
                 if stats != job.stats:
                     job.stats, job.heard = stats, True
             if report.outcome:
-                outcome = json.loads(report.outcome[len(OUTCOME_PREFIX):])
-                if not outcome.get("stopped"):        # a SIGTERM's outcome: it will be started again
+                outcome = json.loads(report.outcome[len(OUTCOME_PREFIX) :])
+                if not outcome.get("stopped"):  # a SIGTERM's outcome: it will be started again
                     job.result = outcome
-        except (ValueError, msgspec.DecodeError) as error:   # a job's own output must not stop us
+        except (ValueError, msgspec.DecodeError) as error:  # a job's own output must not stop us
             log.warning("job %s: unreadable report: %s", job.job_id, error)
-

@@ -41,18 +41,37 @@ import nats.js.errors
 from nats import micro
 
 from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
-from services.executor.processes import (JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, free_port, job_module,
-                                         last_error, stop_leftovers, torchrun_env, worker)
-from shared.runner import new_service
+from services.executor.processes import (
+    JOBS_PACKAGE,
+    STOP_TIMEOUT_S,
+    declared_jobs,
+    free_port,
+    job_module,
+    last_error,
+    stop_leftovers,
+    torchrun_env,
+    worker,
+)
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.files import make_private
-from shared.schema import (Ack, NodeInfo, NodeReport, ProfileAnswer, ProfileRequest, ProfileRun, Rendezvous, StartWorkers,
-                           StopWorkers, WorkersReport)
+from shared.runner import new_service
+from shared.schema import (
+    Ack,
+    NodeInfo,
+    NodeReport,
+    ProfileAnswer,
+    ProfileRequest,
+    ProfileRun,
+    Rendezvous,
+    StartWorkers,
+    StopWorkers,
+    WorkersReport,
+)
 
-NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")     # a subject token and a KV key
-CPU_SLOTS = 4                                         # a node without CUDA: this many CPU slots, by default
-COPY_EVERY_S = 1.0              # how often new checkpoints are copied to the store (no shared folder)
+NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a subject token and a KV key
+CPU_SLOTS = 4  # a node without CUDA: this many CPU slots, by default
+COPY_EVERY_S = 1.0  # how often new checkpoints are copied to the store (no shared folder)
 COPY_TIMEOUT_S = 300.0
 log = logging.getLogger(__name__)
 
@@ -75,14 +94,16 @@ class StoredCheckpoints:
 
     def fetch(self, name: str, path: Path) -> bool:
         """The stored checkpoint into `path` (atomically); False, and no file there, if it has none."""
+
         async def fetch() -> bytes | None:
             try:
                 return (await (await self._opened()).get(name)).data
             except nats.js.errors.ObjectNotFoundError:
                 return None
+
         data = self._run(fetch())
         if data is None:
-            path.unlink(missing_ok=True)            # a copy of an older job under the id is not this one's
+            path.unlink(missing_ok=True)  # a copy of an older job under the id is not this one's
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.fetched")
@@ -91,9 +112,11 @@ class StoredCheckpoints:
         return True
 
     def push(self, name: str, path: Path) -> None:
-        data = path.read_bytes()                    # the library renames a whole checkpoint into place
+        data = path.read_bytes()  # the library renames a whole checkpoint into place
+
         async def push() -> None:
             await (await self._opened()).put(name, data)
+
         self._run(push())
 
 
@@ -107,9 +130,9 @@ class Workers:
     checkpoint: Path
     processes: list[subprocess.Popen] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
-    stats: str = ""                       # the latest report line (rank 0's, where it is here)
-    outcome: str = ""                     # the outcome line of this node's first rank
-    pushed: float | None = None           # the modification time of the checkpoint last copied to the store
+    stats: str = ""  # the latest report line (rank 0's, where it is here)
+    outcome: str = ""  # the outcome line of this node's first rank
+    pushed: float | None = None  # the modification time of the checkpoint last copied to the store
 
     @property
     def running(self) -> bool:
@@ -117,34 +140,42 @@ class Workers:
 
 
 class NodeWorkers:
-    def __init__(self, info: NodeInfo, workdir: Path, jobs_package: str = JOBS_PACKAGE, devices: tuple[str, ...] = (),
-                 store: StoredCheckpoints | None = None):
+    def __init__(
+        self,
+        info: NodeInfo,
+        workdir: Path,
+        jobs_package: str = JOBS_PACKAGE,
+        devices: tuple[str, ...] = (),
+        store: StoredCheckpoints | None = None,
+    ):
         self.info = info
         self.workdir = workdir
         self.jobs_package = jobs_package
-        self.devices = devices                  # CUDA device ids, one per GPU; none: CPU slots
-        self.store = store                      # where jobs' checkpoints are kept when no folder is shared
+        self.devices = devices  # CUDA device ids, one per GPU; none: CPU slots
+        self.store = store  # where jobs' checkpoints are kept when no folder is shared
         self.jobs: dict[str, Workers] = {}
         self.profiling: set[subprocess.Popen] = set()
-        self.lock = threading.Lock()            # the table of jobs; a stop waits outside it
+        self.lock = threading.Lock()  # the table of jobs; a stop waits outside it
         self.closing = False
 
     # ---- the executor's orders ----------------------------------------------------------------
 
     def start(self, order: StartWorkers) -> Rendezvous:
         """Start a job's workers for a generation (the same order again: the same answer)."""
-        module = job_module(order.application, self.jobs_package)        # ValueError: refused with the reason
+        module = job_module(order.application, self.jobs_package)  # ValueError: refused with the reason
         with self.lock:
             current = self.jobs.get(order.job_id)
         if current is not None:
             if current.order.generation == order.generation:
                 return current.rendezvous
             if current.order.generation > order.generation:
-                raise ValueError(f"job {order.job_id}: generation {order.generation} is older than the "
-                                 f"{current.order.generation} running here")
+                raise ValueError(
+                    f"job {order.job_id}: generation {order.generation} is older than the "
+                    f"{current.order.generation} running here"
+                )
             self._stop(current, STOP_TIMEOUT_S, kill=False)
         checkpoint = Path(order.checkpoint)
-        if order.store:                           # no shared folder: this node's copy of the stored one
+        if order.store:  # no shared folder: this node's copy of the stored one
             if self.store is None:
                 raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
             checkpoint = self.workdir / "checkpoints" / order.store
@@ -153,13 +184,18 @@ class NodeWorkers:
             if self.closing:
                 raise ValueError(f"node {self.info.name} is stopping")
             devices = self._free(order)
-            address, port = ((order.master_addr, order.master_port) if order.master_addr
-                             else (self.info.address, free_port(self.info.address)))
+            address, port = (
+                (order.master_addr, order.master_port)
+                if order.master_addr
+                else (self.info.address, free_port(self.info.address))
+            )
             workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices, checkpoint)
             self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
-                env = {**torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
-                       **order.env}
+                env = {
+                    **torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
+                    **order.env,
+                }
                 if devices:
                     env["CUDA_VISIBLE_DEVICES"] = devices[local]
                 with open(self.log_path(order.job_id, rank), "w") as log_file:
@@ -195,7 +231,7 @@ class NodeWorkers:
         if request.slot_memory_mb is not None:
             env[SLOT_MEMORY_ENV] = str(request.slot_memory_mb)
         if self.devices:
-            env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]     # the last: starts take the first free ones
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]  # the last: starts take the first free ones
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
         gpu_type = self.info.gpu_type
         with open(log_path, "w") as log_file:
@@ -206,22 +242,28 @@ class NodeWorkers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.communicate()
-                return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than "
-                                             f"{request.timeout_s:.0f} s")
+                return ProfileAnswer(
+                    failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s"
+                )
             finally:
                 self.profiling.discard(process)
         if process.returncode != 0:
-            return ProfileAnswer(failure=f"its script failed while profiling on {gpu_type} (exit code "
-                                         f"{process.returncode}): {last_error(log_path)}")
+            return ProfileAnswer(
+                failure=f"its script failed while profiling on {gpu_type} (exit code "
+                f"{process.returncode}): {last_error(log_path)}"
+            )
         for line in out.splitlines():
             if line.startswith(PROFILE_PREFIX):
                 try:
-                    return ProfileAnswer(msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX):]),
-                                                                type=ProfileRun))
+                    return ProfileAnswer(
+                        msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX) :]), type=ProfileRun)
+                    )
                 except (ValueError, msgspec.DecodeError) as error:
                     return ProfileAnswer(failure=f"its profiling run printed an unreadable profile: {error}")
-        return ProfileAnswer(failure=f"its script printed no profile on {gpu_type}: it must train through "
-                                     "AdaptiveTraining.run (goodput_train)")
+        return ProfileAnswer(
+            failure=f"its script printed no profile on {gpu_type}: it must train through "
+            "AdaptiveTraining.run (goodput_train)"
+        )
 
     def sync(self) -> None:
         """Copy each new checkpoint of a job whose rank 0 runs here to the store (rank 0 writes them)."""
@@ -241,7 +283,7 @@ class NodeWorkers:
             try:
                 self.store.push(workers.order.store, workers.checkpoint)
                 workers.pushed = saved
-            except Exception:  # noqa: BLE001 - the store full or away: kept here, copied again next time
+            except Exception:
                 log.exception("job %s: its checkpoint could not be copied to the store", workers.order.job_id)
 
     def stop_all(self) -> None:
@@ -251,7 +293,7 @@ class NodeWorkers:
             jobs, self.jobs = list(self.jobs.values()), {}
         for process in list(self.profiling):
             process.kill()
-        for workers in jobs:                    # every job told at once: their checkpoints overlap
+        for workers in jobs:  # every job told at once: their checkpoints overlap
             for process in workers.processes:
                 if process.poll() is None:
                     process.terminate()
@@ -265,10 +307,12 @@ class NodeWorkers:
         busy = [w for w in self.jobs.values() if w.order.job_id != order.job_id and w.running]
         free = self.info.gpus - sum(len(w.order.ranks) for w in busy)
         if len(order.ranks) > free:
-            raise ValueError(f"node {self.info.name} has {free} free of its {self.info.gpus} GPUs, not "
-                             f"the {len(order.ranks)} job {order.job_id} asks for")
+            raise ValueError(
+                f"node {self.info.name} has {free} free of its {self.info.gpus} GPUs, not "
+                f"the {len(order.ranks)} job {order.job_id} asks for"
+            )
         taken = {device for w in busy for device in w.devices}
-        return tuple(d for d in self.devices if d not in taken)[:len(order.ranks)] if self.devices else ()
+        return tuple(d for d in self.devices if d not in taken)[: len(order.ranks)] if self.devices else ()
 
     def _stop(self, workers: Workers, grace_s: float, kill: bool) -> None:
         for process in workers.processes:
@@ -287,7 +331,7 @@ class NodeWorkers:
             if process.stdin:
                 process.stdin.close()
         self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
-        self._push(workers)                       # the checkpoint it stopped with, before anyone starts it elsewhere
+        self._push(workers)  # the checkpoint it stopped with, before anyone starts it elsewhere
 
     def _report(self, workers: Workers) -> WorkersReport:
         codes = tuple(p.poll() for p in workers.processes)
@@ -295,8 +339,15 @@ class NodeWorkers:
         error = last_error(self.log_path(workers.order.job_id, crashed)) if crashed is not None else ""
         if crashed is not None or None not in codes:
             self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
-        return WorkersReport(workers.order.job_id, workers.order.generation, workers.order.ranks, codes,
-                             workers.stats, workers.outcome, error)
+        return WorkersReport(
+            workers.order.job_id,
+            workers.order.generation,
+            workers.order.ranks,
+            codes,
+            workers.stats,
+            workers.outcome,
+            error,
+        )
 
     def log_path(self, job_id: str, rank: int) -> Path:
         return self.workdir / f"{job_id}.rank{rank}.log"
@@ -319,19 +370,26 @@ def _forward(process: subprocess.Popen, workers: Workers, first: bool) -> None:
 
 # ---- the service ---------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, help=f"node: its GPUs (default: its CUDA devices, else {CPU_SLOTS} CPU slots)")
-    parser.add_argument("--gpu-type", help="node: its GPU type, as the cluster names it (default: the CUDA device's "
-                                           "name, else cpu)")
-    parser.add_argument("--address", default="127.0.0.1",
-                        help="node: the address its workers listen on for their peers on other nodes "
-                             "(a pod IP; default: %(default)s)")
+    parser.add_argument(
+        "--gpus", type=int, help=f"node: its GPUs (default: its CUDA devices, else {CPU_SLOTS} CPU slots)"
+    )
+    parser.add_argument(
+        "--gpu-type", help="node: its GPU type, as the cluster names it (default: the CUDA device's name, else cpu)"
+    )
+    parser.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="node: the address its workers listen on for their peers on other nodes (a pod IP; default: %(default)s)",
+    )
 
 
 def detected_gpus() -> tuple[str, tuple[str, ...]]:
     """This machine's CUDA devices: their type (the device's name, as a key) and ids; none: ('cpu', ())."""
     try:
         import torch
+
         if torch.cuda.is_available():
             name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
             return name, tuple(str(i) for i in range(torch.cuda.device_count()))
@@ -349,20 +407,22 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         raise SystemExit(f"--gpus {gpus}: this machine has {len(devices)} CUDA devices")
     # It says which jobs it runs (its jobs package's): the API refuses an unknown application at once.
     jobs = tuple(await asyncio.to_thread(declared_jobs, args.jobs_package))
-    info = NodeInfo(args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12],
-                    applications=jobs)
+    info = NodeInfo(
+        args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12], applications=jobs
+    )
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
-    make_private(workdir)           # with the logs and checkpoint copies an agent before this one left
-    node = NodeWorkers(info, workdir, args.jobs_package, devices[:gpus],
-                       StoredCheckpoints(bus, asyncio.get_running_loop()))
-    await asyncio.to_thread(stop_leftovers, workdir)        # what a killed agent before this one left
+    make_private(workdir)  # with the logs and checkpoint copies an agent before this one left
+    node = NodeWorkers(
+        info, workdir, args.jobs_package, devices[:gpus], StoredCheckpoints(bus, asyncio.get_running_loop())
+    )
+    await asyncio.to_thread(stop_leftovers, workdir)  # what a killed agent before this one left
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
 
     async def heartbeat() -> None:
         while True:
             try:
                 await members.put(info.name, info)
-            except Exception:  # noqa: BLE001 - NATS away for a moment: renew next time (the entry lapses first)
+            except Exception:
                 log.exception("renewing node %s failed", info.name)
             await asyncio.sleep(subjects.NODE_HEARTBEAT_S)
 
@@ -376,20 +436,35 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         copying.cancel()
         await asyncio.to_thread(node.stop_all)
         try:
-            await members.delete(info.name)           # gone now, not in NODE_TTL_S
+            await members.delete(info.name)  # gone now, not in NODE_TTL_S
         except Exception:  # noqa: BLE001 - it lapses on its own
-            log.warning("could not remove node %s from the members; it lapses in %.0f s", info.name,
-                        subjects.NODE_TTL_S)
+            log.warning(
+                "could not remove node %s from the members; it lapses in %.0f s", info.name, subjects.NODE_TTL_S
+            )
 
-    service = new_service(bus, subjects.NODE_SERVICE, f"node {info.name}: {gpus} {info.gpu_type}",
-                          {"node": info.name, "gpu_type": info.gpu_type, "gpus": str(gpus)})
-    handlers = {"start": (StartWorkers, node.start), "stop": (StopWorkers, node.stop),
-                "poll": (Ack, lambda _: node.poll()), "profile": (ProfileRequest, node.profile)}
+    service = new_service(
+        bus,
+        subjects.NODE_SERVICE,
+        f"node {info.name}: {gpus} {info.gpu_type}",
+        {"node": info.name, "gpu_type": info.gpu_type, "gpus": str(gpus)},
+    )
+    handlers = {
+        "start": (StartWorkers, node.start),
+        "stop": (StopWorkers, node.stop),
+        "poll": (Ack, lambda _: node.poll()),
+        "profile": (ProfileRequest, node.profile),
+    }
     for endpoint in subjects.NODE_ENDPOINTS:
         kind, handle = handlers[endpoint]
-        await bus.add_endpoint(service, endpoint, subjects.node_subject(info.name, endpoint), kind,
-                               lambda request, handle=handle: asyncio.to_thread(handle, request),
-                               span_name=f"node.{endpoint}", concurrency=8)
+        await bus.add_endpoint(
+            service,
+            endpoint,
+            subjects.node_subject(info.name, endpoint),
+            kind,
+            lambda request, handle=handle: asyncio.to_thread(handle, request),
+            span_name=f"node.{endpoint}",
+            concurrency=8,
+        )
     await members.put(info.name, info)
     beating = asyncio.get_running_loop().create_task(heartbeat())
     copying = asyncio.get_running_loop().create_task(copy_checkpoints())

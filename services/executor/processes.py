@@ -25,15 +25,28 @@ from typing import IO
 from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
 from shared.files import PRIVATE_UMASK
 
-JOBS_PACKAGE = "examples.jobs"          # the code submissions may run by default: a module of this package
-JOB_MARKER = "GOODPUT_JOB"             # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
+JOBS_PACKAGE = "examples.jobs"  # the code submissions may run by default: a module of this package
+JOB_MARKER = "GOODPUT_JOB"  # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
 JOB_MAIN = "services.executor.job_main"  # what runs a job's module in a worker
 STOP_TIMEOUT_S = 60.0
 ROOT = Path(__file__).resolve().parents[2]
 # What a worker inherits from the agent: what Python, PyTorch and the devices need, nothing else
 # (the agent's NATS credentials, tokens and TLS keys are not a job's).
-WORKER_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH",
-                              "VIRTUAL_ENV", "LD_LIBRARY_PATH"})
+WORKER_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LANGUAGE",
+        "TZ",
+        "TMPDIR",
+        "PYTHONPATH",
+        "VIRTUAL_ENV",
+        "LD_LIBRARY_PATH",
+    }
+)
 WORKER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "TORCH_")
 NEVER_TO_WORKERS = "GOODPUT_NATS_"
 
@@ -42,11 +55,15 @@ def declares_job(path: str | Path | None) -> bool:
     """Whether a module's source says `GOODPUT_JOB = True` at its top level (parsed, not run)."""
     try:
         tree = ast.parse(Path(path).read_bytes())
-    except (TypeError, OSError, SyntaxError, ValueError):    # no source (built-in, compiled), or not Python
+    except (TypeError, OSError, SyntaxError, ValueError):  # no source (built-in, compiled), or not Python
         return False
-    return any(isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is True
-               and any(isinstance(target, ast.Name) and target.id == JOB_MARKER for target in node.targets)
-               for node in tree.body)
+    return any(
+        isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and node.value.value is True
+        and any(isinstance(target, ast.Name) and target.id == JOB_MARKER for target in node.targets)
+        for node in tree.body
+    )
 
 
 def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
@@ -57,8 +74,11 @@ def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         return []
-    return sorted(info.name for info in pkgutil.iter_modules(spec.submodule_search_locations)
-                  if not info.ispkg and declares_job(info.module_finder.find_spec(info.name).origin))
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(spec.submodule_search_locations)
+        if not info.ispkg and declares_job(info.module_finder.find_spec(info.name).origin)
+    )
 
 
 def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
@@ -66,12 +86,15 @@ def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
     module = f"{package}.{application}"
     try:
         spec = importlib.util.find_spec(module) if application.isidentifier() else None
-    except ModuleNotFoundError:               # the package itself is not there
+    except ModuleNotFoundError:  # the package itself is not there
         spec = None
     if spec is not None and spec.submodule_search_locations is None and declares_job(spec.origin):
         return module
-    why = (f"{module} does not declare itself a job (`{JOB_MARKER} = True`)" if spec is not None
-           else "a submission names its code by one of the package's jobs; it may not carry a command or a path")
+    why = (
+        f"{module} does not declare itself a job (`{JOB_MARKER} = True`)"
+        if spec is not None
+        else "a submission names its code by one of the package's jobs; it may not carry a command or a path"
+    )
     jobs = ", ".join(declared_jobs(package)) or "none"
     raise ValueError(f"no job {application!r} in {package}: {why} (its jobs: {jobs})")
 
@@ -80,10 +103,16 @@ def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dic
     """A worker's whole environment: the allowed part of the agent's (`parent`, default ours), one
     thread (a CPU slot is one core), then `env`; never a NATS credential."""
     parent = os.environ if parent is None else parent
-    allowed = {name: value for name, value in parent.items()
-               if name in WORKER_ENV_NAMES or name.startswith(WORKER_ENV_PREFIXES)}
-    return {name: value for name, value in {**allowed, "OMP_NUM_THREADS": "1", **env}.items()
-            if not name.startswith(NEVER_TO_WORKERS)}
+    allowed = {
+        name: value
+        for name, value in parent.items()
+        if name in WORKER_ENV_NAMES or name.startswith(WORKER_ENV_PREFIXES)
+    }
+    return {
+        name: value
+        for name, value in {**allowed, "OMP_NUM_THREADS": "1", **env}.items()
+        if not name.startswith(NEVER_TO_WORKERS)
+    }
 
 
 def worker(module: str, arguments: list[str], env: dict[str, str], log: IO, lifeline: bool = False) -> subprocess.Popen:
@@ -94,17 +123,40 @@ def worker(module: str, arguments: list[str], env: dict[str, str], log: IO, life
     its own code) is its owner's only, whatever the umask of the process that starts it."""
     if lifeline:
         env = {**env, LIFELINE_ENV: "1"}
-    return subprocess.Popen([sys.executable, "-m", JOB_MAIN, module, *arguments], env=worker_env(env), stdout=subprocess.PIPE,
-                            stderr=log, stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL, text=True,
-                            errors="replace", cwd=ROOT, umask=PRIVATE_UMASK)
+    return subprocess.Popen(
+        [sys.executable, "-m", JOB_MAIN, module, *arguments],
+        env=worker_env(env),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        cwd=ROOT,
+        umask=PRIVATE_UMASK,
+    )
 
 
-def torchrun_env(rank: int, world: int, nodes: int, port: int, job_id: str, gpu_type: str, local_rank: int | None = None,
-                 master: str = "127.0.0.1") -> dict[str, str]:
+def torchrun_env(
+    rank: int,
+    world: int,
+    nodes: int,
+    port: int,
+    job_id: str,
+    gpu_type: str,
+    local_rank: int | None = None,
+    master: str = "127.0.0.1",
+) -> dict[str, str]:
     """A worker's place in its job, as torchrun gives it, and what goodput adds."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank if local_rank is None else local_rank), "WORLD_SIZE": str(world),
-            "MASTER_ADDR": master, "MASTER_PORT": str(port), "GOODPUT_NODES": str(nodes), JOB_ENV: job_id,
-            GPU_TYPE_ENV: gpu_type}
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "GOODPUT_NODES": str(nodes),
+        JOB_ENV: job_id,
+        GPU_TYPE_ENV: gpu_type,
+    }
 
 
 def free_port(address: str) -> int:
@@ -116,8 +168,9 @@ def free_port(address: str) -> int:
 
 def last_error(log: Path) -> str:
     """The last line a worker wrote to stderr (a traceback's ends with the exception)."""
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] \
-        if log.exists() else []
+    lines = (
+        [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
+    )
     return lines[-1] if lines else "no error output"
 
 
@@ -136,7 +189,7 @@ def stop_leftovers(workdir: Path, mark: str = "--checkpoint") -> None:
                     os.kill(pid, signal.SIGTERM)
                     leftovers.append(pid)
             except (FileNotFoundError, ProcessLookupError):
-                pass                                     # gone already
+                pass  # gone already
         pids.unlink()
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while any(alive(pid) for pid in leftovers) and time.monotonic() < deadline:

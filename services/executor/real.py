@@ -29,26 +29,26 @@ from pathlib import Path
 import msgspec
 from nats import micro
 
+from goodput_train.goodput import Observation
 from goodput_train.protocol import REPORT_EVERY_S
 from services.executor import node
-from shared import executor_endpoints as endpoints
 from services.executor.local import BusNodes, LocalExecutors
 from services.executor.processes import JOBS_PACKAGE
-from shared.runner import positive_float
+from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus, TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_nodes
-from goodput_train.goodput import Observation
+from shared.runner import positive_float
 from shared.schema import (
     CANCELLED,
     Ack,
     AdvanceReply,
-    FactsReply,
     AdvanceRequest,
     ApplyRequest,
     Cancel,
     DrainAnswer,
     DrainRequest,
+    FactsReply,
     JobFacts,
     JobRecord,
     JobSpec,
@@ -60,15 +60,15 @@ from shared.schema import (
     NodeStatuses,
     Observed,
     Placed,
-    ProfileRequest,
     Profiled,
+    ProfileRequest,
     Rejected,
     unnamed_key,
     verdict_for,
 )
 
-POLL_S = 0.5            # how often the workers are looked at: finishes are timed to this
-UNREADABLE = "unreadable"   # the application of a job whose submission could not be read
+POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this
+UNREADABLE = "unreadable"  # the application of a job whose submission could not be read
 log = logging.getLogger(__name__)
 
 
@@ -78,15 +78,15 @@ class RealExecutors:
 
     def __init__(self, executors: LocalExecutors, spec: Cluster | None = None):
         self.executors = executors
-        self.spec = spec                            # the cluster the live nodes must belong to, if any
+        self.spec = spec  # the cluster the live nodes must belong to, if any
         self.jobs: dict[str, NodeJob] = {}
-        self.members: dict[str, NodeInfo] = {}      # the live nodes, as the last round saw them
+        self.members: dict[str, NodeInfo] = {}  # the live nodes, as the last round saw them
         self.drained: set[str] = set()
-        self.lost: set[str] = set()                 # nodes that left unasked (their agents' membership lapsed)
-        self.seen: dict[str, NodeInfo] = {}         # every node served since this executor started
-        self.profiling: dict[str, str] = {}         # job -> the node the profiler last asked to profile it
-        self._misfits: set[str] = set()             # nodes told off once for not being in `spec`
-        self.latest_s = -math.inf                   # the newest round applied or run: an older one is stale
+        self.lost: set[str] = set()  # nodes that left unasked (their agents' membership lapsed)
+        self.seen: dict[str, NodeInfo] = {}  # every node served since this executor started
+        self.profiling: dict[str, str] = {}  # job -> the node the profiler last asked to profile it
+        self._misfits: set[str] = set()  # nodes told off once for not being in `spec`
+        self.latest_s = -math.inf  # the newest round applied or run: an older one is stale
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -109,8 +109,12 @@ class RealExecutors:
         for name, job in self.jobs.items():
             local = self.executors.jobs.get(name)
             if local is not None:
-                job.placement, job.restarts, job.crashes, job.stats = (local.placement, local.restarts, local.crashes,
-                                                                       local.stats)
+                job.placement, job.restarts, job.crashes, job.stats = (
+                    local.placement,
+                    local.restarts,
+                    local.crashes,
+                    local.stats,
+                )
                 job.generation, job.parts = local.generation, local.parts
                 if local.result is not None:
                     job.metric, job.batches = local.result.get("metric"), tuple(local.result.get("batches", ()))
@@ -120,23 +124,28 @@ class RealExecutors:
         """Take a job back after a restart. Its workers stopped with the old agent; the next apply
         starts them again from their checkpoint (a restart)."""
         self.jobs[job.key] = job
-        if job.unnamed:                              # a refusal listed on its own: nothing ever runs
+        if job.unnamed:  # a refusal listed on its own: nothing ever runs
             return
         try:
             self.executors.add(job.spec.id, job.spec.application)
-        except ValueError as error:                  # refused on submission, or its code is gone since
+        except ValueError as error:  # refused on submission, or its code is gone since
             job.failure = job.failure or str(error)
             return
         local = self.executors.jobs[job.spec.id]
-        local.crashes, local.stats, local.failure, local.generation = job.crashes, job.stats, job.failure, job.generation
+        local.crashes, local.stats, local.failure, local.generation = (
+            job.crashes,
+            job.stats,
+            job.failure,
+            job.generation,
+        )
         if job.finish_s is not None or job.failure is not None:
-            local.restarts, local.placement = job.restarts, job.placement      # as it ended
+            local.restarts, local.placement = job.restarts, job.placement  # as it ended
             if job.finish_s is not None:
                 local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
         else:
             # Its workers (still on their nodes, if the agents live) are stopped: they start again.
             local.restarts, local.placement, local.parts = job.restarts, job.placement, job.parts
-            local.running = bool(job.parts)                 # until `stop_leftovers`
+            local.running = bool(job.parts)  # until `stop_leftovers`
 
     # ---- what the other services tell it ----------------------------------------------------
 
@@ -145,11 +154,12 @@ class RealExecutors:
     def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "", owner: str = "") -> None:
         known = self.jobs.get(spec.id)
         if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
-            return                                   # another submission holds the id (a refused one gives it up)
-        self.executors.jobs.pop(spec.id, None)           # what a refused one under the id left
-        self.jobs.pop(spec.id, None)                     # ... listed where this one came
-        job = self.jobs[spec.id] = NodeJob(spec, submission=sequence, seen=sequence, trace=trace,
-                                           submitted_at=time.time(), owner=owner)
+            return  # another submission holds the id (a refused one gives it up)
+        self.executors.jobs.pop(spec.id, None)  # what a refused one under the id left
+        self.jobs.pop(spec.id, None)  # ... listed where this one came
+        job = self.jobs[spec.id] = NodeJob(
+            spec, submission=sequence, seen=sequence, trace=trace, submitted_at=time.time(), owner=owner
+        )
         try:
             self.executors.add(spec.id, spec.application)
         except ValueError as error:
@@ -163,8 +173,8 @@ class RealExecutors:
         elif not verdict_for(message.submission, job.submission):
             log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
         elif job.cancelled:
-            return                                       # cancelled while it was being profiled: it never starts
-        elif message.init_batch is None:                 # a trace-backed profiler's word
+            return  # cancelled while it was being profiled: it never starts
+        elif message.init_batch is None:  # a trace-backed profiler's word
             job.failure = "profiled without a run of its own: real jobs need the profiler with --executors local"
         else:
             job.profiled, job.trace = message, job.trace or trace
@@ -179,8 +189,10 @@ class RealExecutors:
         if node is None:
             return "waiting for its profiling run (its script on one GPU of each type it may use)"
         if node in self.lost:
-            return (f"profiling: node {node} was lost during its run; the profiler runs it again on another node "
-                    "of its type")
+            return (
+                f"profiling: node {node} was lost during its run; the profiler runs it again on another node "
+                "of its type"
+            )
         return f"profiling on node {node}"
 
     def cancelled(self, message: Cancel, _: int = 0, __: str = "", ___: str = "") -> None:
@@ -189,7 +201,7 @@ class RealExecutors:
         job = self.jobs.get(message.job_id)
         if job is None or job.finish_s is not None or job.failure is not None:
             return
-        if message.job_id in self.executors.jobs:       # first: it reads as cancelled once its workers are gone
+        if message.job_id in self.executors.jobs:  # first: it reads as cancelled once its workers are gone
             self.executors.cancel(message.job_id)
         job.failure, job.cancelled = CANCELLED, True
 
@@ -197,21 +209,26 @@ class RealExecutors:
         """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
         (rejected, with its application when it could be read) when no job was read from it."""
         application = message.application or UNREADABLE
-        owner = owner or subjects.of_login(message.subject)[1]      # the API's record, or the submission judged
+        owner = owner or subjects.of_login(message.subject)[1]  # the API's record, or the submission judged
         if message.job_id is None:  # its id could not be read either: listed under its place in the stream
-            self.jobs[unnamed_key(sequence)] = NodeJob(JobSpec(UNREADABLE, application), failure=message.reason,
-                                                      seen=sequence, unnamed=True, owner=owner)
+            self.jobs[unnamed_key(sequence)] = NodeJob(
+                JobSpec(UNREADABLE, application), failure=message.reason, seen=sequence, unnamed=True, owner=owner
+            )
             return
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
-        if job is None:            # its submission could not be read (malformed): kept as failed all the same
-            self.jobs[message.job_id] = NodeJob(JobSpec(message.job_id, application), failure=message.reason,
-                                                seen=sequence, owner=owner)
+        if job is None:  # its submission could not be read (malformed): kept as failed all the same
+            self.jobs[message.job_id] = NodeJob(
+                JobSpec(message.job_id, application), failure=message.reason, seen=sequence, owner=owner
+            )
         elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
             # A verdict on another submission (a second body under the id, a malformed message naming it):
             # the job the id belongs to is untouched; the refusal is on the stream, for its sender.
-            log.warning("job %s: a refusal of another submission under its id leaves it as it is: %s",
-                        message.job_id, message.reason)
+            log.warning(
+                "job %s: a refusal of another submission under its id leaves it as it is: %s",
+                message.job_id,
+                message.reason,
+            )
         else:
             job.failure = message.reason
 
@@ -232,8 +249,11 @@ class RealExecutors:
         if gone:
             stopped = self.executors.lose(gone, lost=gone - set(members))
             if stopped:
-                log.warning("jobs %s stopped: their nodes %s are gone; they are placed again", ", ".join(stopped),
-                            ", ".join(sorted(gone)))
+                log.warning(
+                    "jobs %s stopped: their nodes %s are gone; they are placed again",
+                    ", ".join(stopped),
+                    ", ".join(sorted(gone)),
+                )
         self.members, self.drained = usable, set(drained)
         nodes, real = cluster_nodes(usable.values())
         self.executors.cluster, self.executors.real = Cluster("live", nodes), real
@@ -246,19 +266,31 @@ class RealExecutors:
         fits = machine is not None and (machine.gpus, machine.gpu_type) == (info.gpus, info.gpu_type)
         if not fits and info.name not in self._misfits:
             self._misfits.add(info.name)
-            log.warning("node %s (%d %s) is not in cluster %s as it says: not used", info.name, info.gpus,
-                        info.gpu_type, self.spec.name)
+            log.warning(
+                "node %s (%d %s) is not in cluster %s as it says: not used",
+                info.name,
+                info.gpus,
+                info.gpu_type,
+                self.spec.name,
+            )
         return fits
 
     def node_statuses(self, members: dict[str, NodeInfo], drained: set[str]) -> NodeStatuses:
         """Every node: the live ones (alive or drained), and those seen since this executor started
         that are gone (lost), by name."""
         self.seen.update(members)
-        return NodeStatuses(tuple(
-            NodeStatus(name, info.gpu_type, info.gpus,
-                       "lost" if name not in members else "drained" if name in drained else "alive",
-                       tuple(self.jobs_on(name)))
-            for name, info in sorted(self.seen.items())))
+        return NodeStatuses(
+            tuple(
+                NodeStatus(
+                    name,
+                    info.gpu_type,
+                    info.gpus,
+                    "lost" if name not in members else "drained" if name in drained else "alive",
+                    tuple(self.jobs_on(name)),
+                )
+                for name, info in sorted(self.seen.items())
+            )
+        )
 
     def jobs_on(self, node: str) -> list[str]:
         return sorted(name for name, local in self.executors.jobs.items() if any(n == node for n, _ in local.parts))
@@ -294,19 +326,34 @@ class RealExecutors:
         stats = local.stats
         steps = stats.steps if stats else 0
         return JobFacts(
-            job_id=spec.id, application=spec.application, submit_s=job.arrival_s, age_s=now - job.arrival_s,
-            requested_gpus=spec.requested_gpus, requested_batch=spec.requested_batch or profiled.init_batch,
-            rigid=spec.rigid, init_batch=profiled.init_batch, max_batch=profiled.max_batch, min_gpus=spec.min_gpus,
-            restarts=local.restarts, attained_gpu_s=job.gpu_seconds, attained_by_type=dict(job.by_type),
-            placement=local.placement, iterations=float(steps),
-            mid_restart=local.running and not local.heard,      # started, not yet heard from: restarting
+            job_id=spec.id,
+            application=spec.application,
+            submit_s=job.arrival_s,
+            age_s=now - job.arrival_s,
+            requested_gpus=spec.requested_gpus,
+            requested_batch=spec.requested_batch or profiled.init_batch,
+            rigid=spec.rigid,
+            init_batch=profiled.init_batch,
+            max_batch=profiled.max_batch,
+            min_gpus=spec.min_gpus,
+            restarts=local.restarts,
+            attained_gpu_s=job.gpu_seconds,
+            attained_by_type=dict(job.by_type),
+            placement=local.placement,
+            iterations=float(steps),
+            mid_restart=local.running and not local.heard,  # started, not yet heard from: restarting
             slice_iterations=float(max(steps - job.slice_steps, 0)) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
-            max_gpus_seen=job.max_gpus_seen, grad_sqr=stats.grad_sqr if stats else None,
-            grad_var=stats.grad_var if stats else None, estimate_revision=job.estimate_revision, trace=job.trace)
+            max_gpus_seen=job.max_gpus_seen,
+            grad_sqr=stats.grad_sqr if stats else None,
+            grad_var=stats.grad_var if stats else None,
+            estimate_revision=job.estimate_revision,
+            trace=job.trace,
+        )
 
-    def apply(self, now: float, placements: dict[str, Spots], adaptive: bool = True,
-              failed: dict[str, str] | None = None) -> None:
+    def apply(
+        self, now: float, placements: dict[str, Spots], adaptive: bool = True, failed: dict[str, str] | None = None
+    ) -> None:
         """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
         policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
         their batch. An older round's placements (a late or repeated apply: a deposed leader's)
@@ -314,7 +361,7 @@ class RealExecutors:
         if now < self.latest_s:
             return
         self.latest_s = now
-        for name, reason in (failed or {}).items():       # the round gave up on it (or heard it was cancelled)
+        for name, reason in (failed or {}).items():  # the round gave up on it (or heard it was cancelled)
             job = self.jobs.get(name)
             if job is not None and job.finish_s is None:
                 job.failure = job.failure or reason
@@ -382,7 +429,7 @@ class RealExecutors:
         """The configurations the jobs measured that the estimator has not been told of."""
         new = []
         for name, job in self.jobs.items():
-            local = self.executors.jobs.get(name)          # none: a job refused on submission
+            local = self.executors.jobs.get(name)  # none: a job refused on submission
             stats = local.stats if local else None
             if stats is None or not stats.gpu_type:
                 continue
@@ -397,21 +444,49 @@ class RealExecutors:
         job.estimate_revision = max(job.estimate_revision, revision)
 
     def records(self) -> list[JobRecord]:
-        records, queued = [], 0          # queued jobs so far, in submission order: those ahead of the next
+        records, queued = [], 0  # queued jobs so far, in submission order: those ahead of the next
         for job in self.saved():
             # Its time is from its submission (profiling and the wait included); refused before it arrived: none.
             submit = next((t for t in (job.submitted_s, job.arrival_s) if t is not None), math.nan)
-            state = ("finished" if job.finish_s is not None else "cancelled" if job.cancelled
-                     else ("failed" if job.profiled is not None else "rejected") if job.failure
-                     else "profiling" if job.profiled is None
-                     else "running" if job.placement else "queued")
+            state = (
+                "finished"
+                if job.finish_s is not None
+                else "cancelled"
+                if job.cancelled
+                else ("failed" if job.profiled is not None else "rejected")
+                if job.failure
+                else "profiling"
+                if job.profiled is None
+                else "running"
+                if job.placement
+                else "queued"
+            )
             local = self.executors.jobs.get(job.key)
-            records.append(JobRecord("" if job.unnamed else job.spec.id, job.spec.application, submit, job.finish_s,
-                                     job.restarts, job.gpu_seconds, None, job.placement, job.failure, job.metric,
-                                     job.batches, state=state, gpu_type=self.cluster.placement_type(job.placement),
-                                     batch=local.batch() if local else None, placements=job.placements,
-                                     reason=self.waiting_for(job) if state == "profiling"
-                                     else _queued_reason(queued) if state == "queued" else None, owner=job.owner))
+            records.append(
+                JobRecord(
+                    "" if job.unnamed else job.spec.id,
+                    job.spec.application,
+                    submit,
+                    job.finish_s,
+                    job.restarts,
+                    job.gpu_seconds,
+                    None,
+                    job.placement,
+                    job.failure,
+                    job.metric,
+                    job.batches,
+                    state=state,
+                    gpu_type=self.cluster.placement_type(job.placement),
+                    batch=local.batch() if local else None,
+                    placements=job.placements,
+                    reason=self.waiting_for(job)
+                    if state == "profiling"
+                    else _queued_reason(queued)
+                    if state == "queued"
+                    else None,
+                    owner=job.owner,
+                )
+            )
             queued += state == "queued"
         return records
 
@@ -419,14 +494,20 @@ class RealExecutors:
 def _queued_reason(ahead: int) -> str:
     """What a queued job waits for: GPUs, behind the queued jobs submitted before it (of equal
     worth to the policy, the longest-waiting start first)."""
-    return "waiting for GPUs: the last round gave it none" + (f"; {ahead} queued job{'s' * (ahead != 1)} submitted "
-                                                              "before it" if ahead else "")
+    return "waiting for GPUs: the last round gave it none" + (
+        f"; {ahead} queued job{'s' * (ahead != 1)} submitted before it" if ahead else ""
+    )
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.
-EVENTS = {subjects.STORED: (RealExecutors.submitted, JobSpec), subjects.REPLAY_SUBMIT: (RealExecutors.submitted, JobSpec),
-          subjects.PROFILED: (RealExecutors.profiled, Profiled), subjects.REJECTED: (RealExecutors.rejected, Rejected),
-          subjects.REFUSED: (RealExecutors.rejected, Rejected), subjects.CANCEL: (RealExecutors.cancelled, Cancel)}
+EVENTS = {
+    subjects.STORED: (RealExecutors.submitted, JobSpec),
+    subjects.REPLAY_SUBMIT: (RealExecutors.submitted, JobSpec),
+    subjects.PROFILED: (RealExecutors.profiled, Profiled),
+    subjects.REJECTED: (RealExecutors.rejected, Rejected),
+    subjects.REFUSED: (RealExecutors.rejected, Rejected),
+    subjects.CANCEL: (RealExecutors.cancelled, Cancel),
+}
 
 
 def cluster_nodes(members) -> tuple[tuple[Node, ...], dict[str, str]]:
@@ -444,29 +525,52 @@ def cluster_nodes(members) -> tuple[tuple[Node, ...], dict[str, str]]:
 
 
 def _key(observation: Observation) -> tuple[int, int, int, int]:
-    return tuple(observation[:4])          # nodes, GPUs, m, s: one configuration
+    return tuple(observation[:4])  # nodes, GPUs, m, s: one configuration
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--executors", choices=["local"], default="local",
-                        help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m services.simulated)")
+    parser.add_argument(
+        "--executors",
+        choices=["local"],
+        default="local",
+        help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m services.simulated)",
+    )
     parser.add_argument("--node", help="serve this node as its agent (its workers), not the executor service")
-    parser.add_argument("--cluster", help="the cluster the nodes must belong to: a preset or YAML/JSON file "
-                                          "(default: any node an agent serves)")
-    parser.add_argument("--jobs-package", default=JOBS_PACKAGE,
-                        help="the package whose modules jobs may run (default: %(default)s)")
-    parser.add_argument("--workdir", help="worker logs (a node agent) or nothing (the executor); a restarted agent "
-                                          "must find its own (default: a folder under the system's temporary one)")
-    parser.add_argument("--checkpoints", default=f"file://{Path(tempfile.gettempdir()) / 'goodput-checkpoints'}",
-                        help="where jobs checkpoint: a folder every node reads and writes (file:///shared/dir or a "
-                             "path), or jetstream: for JetStream's object store, which the node agents copy "
-                             "checkpoints in and out of (default: %(default)s)")
-    parser.add_argument("--checkpoint-every", type=positive_float,
-                        help="seconds between a job's periodic checkpoints (default: the job's own, 300)")
-    parser.add_argument("--report-every", type=positive_float, default=REPORT_EVERY_S,
-                        help="seconds between a job's reports of what it measured (default: %(default)s)")
-    parser.add_argument("--collective-timeout", type=positive_float,
-                        help="seconds a job's collective waits for a lost peer (default: the library's, 60)")
+    parser.add_argument(
+        "--cluster",
+        help="the cluster the nodes must belong to: a preset or YAML/JSON file (default: any node an agent serves)",
+    )
+    parser.add_argument(
+        "--jobs-package", default=JOBS_PACKAGE, help="the package whose modules jobs may run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--workdir",
+        help="worker logs (a node agent) or nothing (the executor); a restarted agent "
+        "must find its own (default: a folder under the system's temporary one)",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default=f"file://{Path(tempfile.gettempdir()) / 'goodput-checkpoints'}",
+        help="where jobs checkpoint: a folder every node reads and writes (file:///shared/dir or a "
+        "path), or jetstream: for JetStream's object store, which the node agents copy "
+        "checkpoints in and out of (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_float,
+        help="seconds between a job's periodic checkpoints (default: the job's own, 300)",
+    )
+    parser.add_argument(
+        "--report-every",
+        type=positive_float,
+        default=REPORT_EVERY_S,
+        help="seconds between a job's reports of what it measured (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=positive_float,
+        help="seconds a job's collective waits for a lost peer (default: the library's, 60)",
+    )
     node.add_arguments(parser)
 
 
@@ -480,13 +584,17 @@ def checkpoint_folder(url: str) -> Path | None:
         return None
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("", "file") or (parsed.scheme == "file" and parsed.netloc not in ("", "localhost")):
-        raise ValueError(f"--checkpoints {url!r}: checkpoints go to a folder every node reads (file:///path "
-                         f"or a path, e.g. a ReadWriteMany volume) or to JetStream's object store "
-                         f"({JETSTREAM_CHECKPOINTS})")
+        raise ValueError(
+            f"--checkpoints {url!r}: checkpoints go to a folder every node reads (file:///path "
+            f"or a path, e.g. a ReadWriteMany volume) or to JetStream's object store "
+            f"({JETSTREAM_CHECKPOINTS})"
+        )
     return Path(urllib.parse.unquote(parsed.path) if parsed.scheme else url)
 
 
-async def live_members(members: TypedKV[NodeInfo], drained: TypedKV[DrainRequest]) -> tuple[dict[str, NodeInfo], set[str]]:
+async def live_members(
+    members: TypedKV[NodeInfo], drained: TypedKV[DrainRequest]
+) -> tuple[dict[str, NodeInfo], set[str]]:
     """The nodes whose agents renewed their entry within its time to live, and the drained ones."""
     return await members.values(), set(await drained.keys())
 
@@ -498,24 +606,29 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         checkpoints = checkpoint_folder(args.checkpoints)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    if checkpoints is not None:      # made private (the umask) if new; an operator's own folder keeps its mode
+    if checkpoints is not None:  # made private (the umask) if new; an operator's own folder keeps its mode
         checkpoints.mkdir(parents=True, exist_ok=True)
     loop = asyncio.get_running_loop()
-    executors = LocalExecutors(BusNodes(bus, loop), checkpoints, report_every_s=args.report_every,
-                               jobs_package=args.jobs_package, checkpoint_every_s=args.checkpoint_every,
-                               collective_timeout_s=args.collective_timeout)
+    executors = LocalExecutors(
+        BusNodes(bus, loop),
+        checkpoints,
+        report_every_s=args.report_every,
+        jobs_package=args.jobs_package,
+        checkpoint_every_s=args.checkpoint_every,
+        collective_timeout_s=args.collective_timeout,
+    )
     agent = RealExecutors(executors, load_cluster(args.cluster) if args.cluster else None)
     # Every job is in KV, written before a request is answered: a restarted executor goes on with
     # them, once the workers its predecessor left have checkpointed and stopped.
     states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     drained = await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest)
-    for job in sorted((await states.values()).values(), key=lambda job: job.seen):       # in the order they came
+    for job in sorted((await states.values()).values(), key=lambda job: job.seen):  # in the order they came
         agent.restore(job)
     await asyncio.to_thread(agent.executors.stop_leftovers)
-    turn = asyncio.Lock()          # one change at a time: a request asked again waits, then finds it done
+    turn = asyncio.Lock()  # one change at a time: a request asked again waits, then finds it done
 
-    kept: dict[str, bytes] = {}          # what KV holds of each job: only a job that changed is written
+    kept: dict[str, bytes] = {}  # what KV holds of each job: only a job that changed is written
 
     async def save() -> None:
         for job in agent.saved():
@@ -531,8 +644,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         try:
             event = bus.decode(message, kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return                 # a malformed submission: the profiler records it, with the reason
-        async with turn:                 # in a thread: a cancel waits for its workers to checkpoint
+            return  # a malformed submission: the profiler records it, with the reason
+        async with turn:  # in a thread: a cancel waits for its workers to checkpoint
             await asyncio.to_thread(take, agent, event, delivery.stream_sequence, delivery.traceparent, owner)
             await save()
 
@@ -547,7 +660,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async with turn:
             agent.tick(request.now_s)
             reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
-            await save()                       # the round's counts, before the estimator is waited for
+            await save()  # the round's counts, before the estimator is waited for
             for message in agent.observations():
                 agent.reported(message, await endpoints.report(bus, message))
             await save()
@@ -580,12 +693,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 async with turn:
                     if await asyncio.to_thread(agent.poll):
                         await save()
-            except Exception:  # noqa: BLE001 - e.g. KV unreachable for a moment: look again next time
+            except Exception:
                 log.exception("looking at the workers failed")
 
     async def stop_workers() -> None:
         watching.cancel()
-        async with turn:                  # no request half done; then no worker is started again
+        async with turn:  # no request half done; then no worker is started again
             await asyncio.to_thread(agent.executors.stop_all)
 
     # Where the profiler runs each job (its requests to the agents, read as they pass): its status says so.
@@ -594,21 +707,39 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         if node is not None:
             agent.profile_asked(request.job_id, node)
 
-    await bus.subscribe(subjects.node_subject("*", "profile"), ProfileRequest, on_profile_request, with_raw=True,
-                        span_name="executor.profile-seen")
+    await bus.subscribe(
+        subjects.node_subject("*", "profile"),
+        ProfileRequest,
+        on_profile_request,
+        with_raw=True,
+        span_name="executor.profile-seen",
+    )
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
-    consumer = await storage.open_consumer(bus, subjects.NODE_AGENT_CONSUMER, msgspec.Raw,
-                                           span_name="executor.job-event",
-                                           dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER))
+    consumer = await storage.open_consumer(
+        bus,
+        subjects.NODE_AGENT_CONSUMER,
+        msgspec.Raw,
+        span_name="executor.job-event",
+        dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER),
+    )
     loop.create_task(consumer.consume(on_event, with_delivery=True))
     watching = loop.create_task(watch())
     bus.on_close(stop_workers)
 
     service = await endpoints.serve_round(
-        bus, "real jobs on the node agents", facts=agent.facts, apply=on_apply,
-        advance=on_advance, live=on_live, records=agent.records,
-        count=lambda prefix: sum(1 for name, job in agent.jobs.items()
-                                 if name.startswith(prefix) and (job.profiled is not None or job.failure)))
+        bus,
+        "real jobs on the node agents",
+        facts=agent.facts,
+        apply=on_apply,
+        advance=on_advance,
+        live=on_live,
+        records=agent.records,
+        count=lambda prefix: sum(
+            1
+            for name, job in agent.jobs.items()
+            if name.startswith(prefix) and (job.profiled is not None or job.failure)
+        ),
+    )
     await bus.add_endpoint(service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, on_drain, parts=False)
 
     async def on_nodes(_: Ack) -> NodeStatuses:

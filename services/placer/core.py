@@ -32,12 +32,16 @@ from typing import Iterable, Mapping
 from shared.cluster import Cluster, Config, Node, Spots, replica_count
 from shared.schema import PlacementResult
 
-Allocation = dict[str, Config]                         # job id -> configuration chosen by the policy
-Placement = dict[str, Spots]                           # job id -> where its GPUs are
+Allocation = dict[str, Config]  # job id -> configuration chosen by the policy
+Placement = dict[str, Spots]  # job id -> where its GPUs are
 
 
-def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots],
-          groups: Mapping[str, int] | None = None) -> PlacementResult:
+def place(
+    cluster: Cluster,
+    allocations: Mapping[str, Config],
+    previous: Mapping[str, Spots],
+    groups: Mapping[str, int] | None = None,
+) -> PlacementResult:
     """Physical GPUs for every allocated job; `previous` is the last round's placements (any, even
     stale); `groups` the GPUs of one model-parallel group of each hybrid-parallel job."""
     groups = groups or {}
@@ -54,13 +58,13 @@ def place(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping
             placements[job] = spots
     _check(cluster, allocations, placements, groups)
     ordered = {job: placements[job] for job in allocations if job in placements}
-    restarts = sorted(job for job, spots in ordered.items()
-                      if previous.get(job) and spots != _canonical(previous[job]))
+    restarts = sorted(job for job, spots in ordered.items() if previous.get(job) and spots != _canonical(previous[job]))
     return PlacementResult(ordered, tuple(restarts), tuple(sorted(evicted)))
 
 
-def validate_allocations(cluster: Cluster, allocations: Mapping[str, Config],
-                         groups: Mapping[str, int] | None = None) -> None:
+def validate_allocations(
+    cluster: Cluster, allocations: Mapping[str, Config], groups: Mapping[str, int] | None = None
+) -> None:
     """ValueError, naming the job, for anything the policy could not have meant."""
     names = [n.name for n in cluster.nodes]
     if len(set(names)) != len(names):
@@ -71,21 +75,28 @@ def validate_allocations(cluster: Cluster, allocations: Mapping[str, Config],
         if not isinstance(config, Config):
             raise ValueError(f"job {job!r}: allocation {config!r} is not a Config")
         if config.gpu_type not in cluster.gpu_types:
-            raise ValueError(f"job {job!r}: GPU type {config.gpu_type!r} is not in cluster {cluster.name!r} "
-                             f"(types: {', '.join(cluster.gpu_types)})")
+            raise ValueError(
+                f"job {job!r}: GPU type {config.gpu_type!r} is not in cluster {cluster.name!r} "
+                f"(types: {', '.join(cluster.gpu_types)})"
+            )
         if config not in known:
             valid = ", ".join(str(c) for c in configurations if c.gpu_type == config.gpu_type)
-            raise ValueError(f"job {job!r}: {config} ({config.nodes} nodes, {config.gpus} GPUs) is not in "
-                             f"the configuration set of cluster {cluster.name!r}; valid: {valid}")
+            raise ValueError(
+                f"job {job!r}: {config} ({config.nodes} nodes, {config.gpus} GPUs) is not in "
+                f"the configuration set of cluster {cluster.name!r}; valid: {valid}"
+            )
         group = (groups or {}).get(job, 1)
         if not replica_count([config.gpus // config.nodes] * config.nodes, group):
-            raise ValueError(f"job {job!r}: {config} would split its model-parallel groups of {group} GPUs "
-                             "across nodes")
+            raise ValueError(
+                f"job {job!r}: {config} would split its model-parallel groups of {group} GPUs across nodes"
+            )
     for gpu_type, jobs in _jobs_by_type(allocations).items():
         asked = sum(allocations[job].gpus for job in jobs)
         if asked > cluster.capacity(gpu_type):
-            raise ValueError(f"GPU type {gpu_type!r}: jobs {', '.join(map(repr, jobs))} ask for {asked} GPUs, "
-                             f"the cluster has {cluster.capacity(gpu_type)}")
+            raise ValueError(
+                f"GPU type {gpu_type!r}: jobs {', '.join(map(repr, jobs))} ask for {asked} GPUs, "
+                f"the cluster has {cluster.capacity(gpu_type)}"
+            )
 
 
 def is_placeable(cluster: Cluster, configs: Iterable[Config]) -> bool:
@@ -106,8 +117,12 @@ def is_placeable(cluster: Cluster, configs: Iterable[Config]) -> bool:
     return True
 
 
-def placement_violations(cluster: Cluster, allocations: Mapping[str, Config], placements: Mapping[str, Spots],
-                         groups: Mapping[str, int] | None = None) -> list[str]:
+def placement_violations(
+    cluster: Cluster,
+    allocations: Mapping[str, Config],
+    placements: Mapping[str, Spots],
+    groups: Mapping[str, int] | None = None,
+) -> list[str]:
     """Every broken rule, as readable lines; empty for a valid placement."""
     nodes = {n.name: n for n in cluster.nodes}
     problems: list[str] = []
@@ -130,8 +145,10 @@ def placement_violations(cluster: Cluster, allocations: Mapping[str, Config], pl
             problems.append(f"node {name!r}: {used[name]} GPUs given out, it has {nodes[name].gpus}")
         distributed = [j for j in jobs if j in allocations and allocations[j].nodes >= 2]
         if distributed and len(jobs) > 1:
-            problems.append(f"node {name!r}: distributed job {distributed[0]!r} shares it with "
-                            f"{', '.join(repr(j) for j in jobs if j != distributed[0])}")
+            problems.append(
+                f"node {name!r}: distributed job {distributed[0]!r} shares it with "
+                f"{', '.join(repr(j) for j in jobs if j != distributed[0])}"
+            )
     return problems
 
 
@@ -182,8 +199,7 @@ def _whole_nodes(board: _Board, config: Config) -> tuple[Spots, tuple[str, ...]]
     """n empty nodes of full size: those displacing fewest stayers, from the highest node down (as Sia),
     which leaves the low nodes to single-node jobs packed best fit."""
     size = board.node_size[config.gpu_type]
-    empty = [node for node in board.nodes_of(config.gpu_type)
-             if node.gpus == size and board.free[node.name] == size]
+    empty = [node for node in board.nodes_of(config.gpu_type) if node.gpus == size and board.free[node.name] == size]
     if len(empty) < config.nodes:
         return None
 
@@ -191,7 +207,7 @@ def _whole_nodes(board: _Board, config: Config) -> tuple[Spots, tuple[str, ...]]
         waiting = board.reserved_on(node.name)
         return len(waiting), sum(waiting.values()), -board.index[node.name]
 
-    chosen = sorted(empty, key=cost)[:config.nodes]
+    chosen = sorted(empty, key=cost)[: config.nodes]
     displaced = tuple(dict.fromkeys(job for node in chosen for job in board.reserved_on(node.name)))
     return _canonical((node.name, size) for node in chosen), displaced
 
@@ -206,8 +222,8 @@ def _fewest_to_displace(waiting: Mapping[str, int], need: int) -> tuple[str, ...
     chosen: list[str] = []
     for slots_left in range(count, 0, -1):
         for i, (job, gpus) in enumerate(remaining):  # the smallest job that still lets the rest reach `need`
-            others = remaining[:i] + remaining[i + 1:]
-            best_rest = sum(sorted((g for _, g in others), reverse=True)[:slots_left - 1])
+            others = remaining[:i] + remaining[i + 1 :]
+            best_rest = sum(sorted((g for _, g in others), reverse=True)[: slots_left - 1])
             if gpus + best_rest >= need:
                 chosen.append(job)
                 need -= gpus
@@ -251,7 +267,9 @@ class _Board:
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def _stay_candidates(cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots]) -> dict[str, Spots]:
+def _stay_candidates(
+    cluster: Cluster, allocations: Mapping[str, Config], previous: Mapping[str, Spots]
+) -> dict[str, Spots]:
     """Jobs whose previous spots are a valid placement of their (unchanged) configuration today."""
     nodes = {n.name: n for n in cluster.nodes}
     stayers = {}
@@ -287,8 +305,11 @@ def _shape_problems(cluster: Cluster, nodes: Mapping[str, Node], config: Config,
         problems.append(f"{sum(g for _, g in spots)} GPUs placed, the allocation {config} wants {config.gpus}")
     size = cluster.gpus_per_node(config.gpu_type)
     if config.nodes >= 2 or config.gpus == size:
-        problems += [f"whole-node allocation {config} takes {gpus} GPUs of node {name!r} ({nodes[name].gpus})"
-                     for name, gpus in spots if not gpus == nodes[name].gpus == size]
+        problems += [
+            f"whole-node allocation {config} takes {gpus} GPUs of node {name!r} ({nodes[name].gpus})"
+            for name, gpus in spots
+            if not gpus == nodes[name].gpus == size
+        ]
     return problems
 
 
@@ -303,8 +324,9 @@ def _jobs_by_type(allocations: Mapping[str, Config]) -> dict[str, list[str]]:
     return by_type
 
 
-def _check(cluster: Cluster, allocations: Mapping[str, Config], placements: Placement,
-           groups: Mapping[str, int]) -> None:
+def _check(
+    cluster: Cluster, allocations: Mapping[str, Config], placements: Placement, groups: Mapping[str, int]
+) -> None:
     """The rules as an invariant: a broken one is a bug here, never something to hand to executors."""
     problems = placement_violations(cluster, allocations, placements, groups)
     if problems:

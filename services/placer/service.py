@@ -8,10 +8,10 @@ from nats import micro
 from opentelemetry import trace
 
 from services.placer.core import place
-from shared.runner import new_service
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, load_cluster
+from shared.runner import new_service
 from shared.schema import PlacementResult, PlaceRequest
 
 
@@ -21,11 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def placement_attributes(request: PlaceRequest, result: PlacementResult) -> dict:
     """The `placer.place` span's attributes: what was asked, what was placed, who moved or lost out."""
-    return {"decision.number": request.round, "jobs.allocated": len(request.allocations),
-            "jobs.placed": sum(1 for spots in result.placements.values() if spots),
-            "gpus.placed": sum(g for spots in result.placements.values() for _, g in spots),
-            "restarts": len(result.restarts), "evictions": len(result.evicted),
-            "evicted.job.ids": list(result.evicted)}
+    return {
+        "decision.number": request.round,
+        "jobs.allocated": len(request.allocations),
+        "jobs.placed": sum(1 for spots in result.placements.values() if spots),
+        "gpus.placed": sum(g for spots in result.placements.values() for _, g in spots),
+        "restarts": len(result.restarts),
+        "evictions": len(result.evicted),
+        "evicted.job.ids": list(result.evicted),
+    }
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:

@@ -33,8 +33,8 @@ class Leadership:
         self.key = key
         self.holder = holder
         self.ttl_s = ttl_s
-        self.revision: int | None = None        # of our last write while we lead
-        self.gained = asyncio.Event()           # set when this replica takes the lease
+        self.revision: int | None = None  # of our last write while we lead
+        self.gained = asyncio.Event()  # set when this replica takes the lease
 
     @classmethod
     async def open(cls, bus: Bus, bucket: str, key: str, holder: str) -> Leadership:

@@ -30,9 +30,19 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from policies.base import (Decision, HybridRefused, Policy, Prediction, RoundState, decision_from_placements,
-                                  job_view, restore_policy, snapshot_policy)
+from policies.base import (
+    Decision,
+    HybridRefused,
+    Policy,
+    Prediction,
+    RoundState,
+    decision_from_placements,
+    job_view,
+    restore_policy,
+    snapshot_policy,
+)
 from shared.cluster import Cluster, Config, Node, Spots
+from shared.hardware import hardware_name
 from shared.schema import (
     CANCELLED,
     AdvanceReply,
@@ -47,7 +57,6 @@ from shared.schema import (
     RunClock,
     RunStep,
 )
-from shared.hardware import hardware_name
 from shared.settings import SimSettings
 from shared.tracing import span_context_of
 
@@ -61,34 +70,40 @@ log = logging.getLogger(__name__)
 class Wiring(Protocol):
     """How a round's messages travel between the loop (with the policy) and the other stages."""
 
-    async def facts(self, now: float, jobs: list[str]) -> FactsReply: ...          # executors
+    async def facts(self, now: float, jobs: list[str]) -> FactsReply: ...  # executors
 
-    async def models(self, facts: list[JobFacts]) -> ModelsReply: ...              # estimator
+    async def models(self, facts: list[JobFacts]) -> ModelsReply: ...  # estimator
 
-    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult: ...
+    async def place(
+        self,
+        round: int,
+        allocations: dict[str, Config],
+        previous: dict[str, Spots],
+        groups: dict[str, int],
+        nodes: tuple[Node, ...] | None = None,
+    ) -> PlacementResult: ...
 
-    async def apply(self, request: ApplyRequest) -> None: ...                      # executors
+    async def apply(self, request: ApplyRequest) -> None: ...  # executors
 
-    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply: ...   # executors: jobs that ended
+    async def advance(self, now: float, step: float, jobs: list[str]) -> AdvanceReply: ...  # executors: jobs that ended
 
 
 class Journal(Protocol):
     """Where a run's progress is kept (the policy leader's checkpoints and the run's log)."""
 
-    async def decided(self, clock: RunClock) -> None: ...                  # before it is carried out
+    async def decided(self, clock: RunClock) -> None: ...  # before it is carried out
 
-    async def stepped(self, clock: RunClock, step: RunStep) -> None: ...    # a round has run
+    async def stepped(self, clock: RunClock, step: RunStep) -> None: ...  # a round has run
 
-    async def idled(self, clock: RunClock) -> None: ...                    # a live round had no jobs
+    async def idled(self, clock: RunClock) -> None: ...  # a live round had no jobs
 
 
 class LiveFeed(Protocol):
     """A live run's jobs and pace (the policy leader's, over the bus: `services.policy.wiring.LiveFeed`)."""
 
-    async def wait(self, now: float) -> None: ...            # until the round at `now` is due
+    async def wait(self, now: float) -> None: ...  # until the round at `now` is due
 
-    async def jobs(self, now: float) -> list[str]: ...      # the live jobs not finished, arrived by `now`
+    async def jobs(self, now: float) -> list[str]: ...  # the live jobs not finished, arrived by `now`
 
     # The nodes the executors serve now (real ones: their live agents), set by `jobs`; None: the
     # executors' cluster is the fixed one the loop was given.
@@ -113,8 +128,16 @@ def hybrid_groups(allocations: Mapping[str, Config], models: Sequence[JobModels]
 class RoundLoop:
     """The clock, the policy and the metrics over a wiring; `rounds` and `events` as it ran."""
 
-    def __init__(self, arrivals: Sequence[Arrival], cluster: Cluster, policy: Policy, settings: SimSettings,
-                 wiring: Wiring, *, tracer_provider: trace.TracerProvider | None = None):
+    def __init__(
+        self,
+        arrivals: Sequence[Arrival],
+        cluster: Cluster,
+        policy: Policy,
+        settings: SimSettings,
+        wiring: Wiring,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+    ):
         """`tracer_provider`: where the round's spans go (the process's global one unless given)."""
         self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
         self.cluster = cluster
@@ -124,10 +147,15 @@ class RoundLoop:
         self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
-        self.dynamic = False          # the cluster is the executors' live nodes (the placer is told them)
+        self.dynamic = False  # the cluster is the executors' live nodes (the placer is told them)
 
-    async def run(self, progress: Callable[[float, int, int], None] | None = None, clock: RunClock | None = None,
-                  journal: Journal | None = None, live: LiveFeed | None = None) -> RunClock:
+    async def run(
+        self,
+        progress: Callable[[float, int, int], None] | None = None,
+        clock: RunClock | None = None,
+        journal: Journal | None = None,
+        live: LiveFeed | None = None,
+    ) -> RunClock:
         """Run to the end from `clock` (the start unless given: a standby resuming a run passes the
         last checkpoint). `journal` is told of each decision before it is carried out and of each
         round once it has run, so a run can be resumed from any point; returns the final clock.
@@ -143,9 +171,9 @@ class RoundLoop:
                 await live.wait(clock.now_s)
                 clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
                 self._serve_nodes(live.nodes, clock.now_s)
-                if not clock.active or not self.cluster.nodes:     # idle (or no node): the next round, on the wall clock
+                if not clock.active or not self.cluster.nodes:  # idle (or no node): the next round, on the wall clock
                     clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
-                    if journal:                  # kept, so a resumed run's clock is never behind its jobs
+                    if journal:  # kept, so a resumed run's clock is never behind its jobs
                         await journal.idled(clock)
                     continue
             now = clock.now_s
@@ -153,26 +181,39 @@ class RoundLoop:
                 event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
                 self.events.append(event)
                 if journal:
-                    await journal.stepped(clock, RunStep(clock.round, now, None, (event,), (), clock.done,
-                                                         len(arrivals), over=True))
+                    await journal.stepped(
+                        clock, RunStep(clock.round, now, None, (event,), (), clock.done, len(arrivals), over=True)
+                    )
                 return clock
-            arrived = [j.name for j in arrivals[clock.admitted:] if j.time <= now]
+            arrived = [j.name for j in arrivals[clock.admitted :] if j.time <= now]
             if arrived:
-                clock = msgspec.structs.replace(clock, admitted=clock.admitted + len(arrived),
-                                                active=clock.active + tuple(arrived))
-            if not clock.active:                 # idle: jump to the round of the next arrival
+                clock = msgspec.structs.replace(
+                    clock, admitted=clock.admitted + len(arrived), active=clock.active + tuple(arrived)
+                )
+            if not clock.active:  # idle: jump to the round of the next arrival
                 clock = msgspec.structs.replace(clock, now_s=step * -(-arrivals[clock.admitted].time // step))
                 continue
-            decide = clock.decided is None and now >= clock.next_decision_s - 1e-9   # on the policy's grid
+            decide = clock.decided is None and now >= clock.next_decision_s - 1e-9  # on the policy's grid
             # One trace per round: every stage's span, in every service, descends from this root.
-            with self.tracer.start_as_current_span("round", context=Context(), attributes={
-                    "round": clock.round, "now_s": now, "jobs": len(clock.active),
-                    "gpus": self.cluster.total_gpus, "decides": decide}):
+            with self.tracer.start_as_current_span(
+                "round",
+                context=Context(),
+                attributes={
+                    "round": clock.round,
+                    "now_s": now,
+                    "jobs": len(clock.active),
+                    "gpus": self.cluster.total_gpus,
+                    "decides": decide,
+                },
+            ):
                 if decide:
                     decided = await self._decide(now, list(clock.active), clock.decisions, clock.round)
                     clock = msgspec.structs.replace(
-                        clock, decided=decided, decisions=clock.decisions + 1,
-                        next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s)
+                        clock,
+                        decided=decided,
+                        decisions=clock.decisions + 1,
+                        next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s,
+                    )
                     if journal:
                         clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
                         await journal.decided(clock)
@@ -181,21 +222,40 @@ class RoundLoop:
                     await self.wiring.apply(clock.decided.apply)
                 ended = await self.wiring.advance(now, step, [j for j in clock.active if j not in given_up])
             failed = {**given_up, **ended.failed}
-            ended_jobs = set(ended.finished) | set(failed)            # a failed job is done with, too
+            ended_jobs = set(ended.finished) | set(failed)  # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
-            events += tuple(f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
-                            for job, reason in sorted(failed.items()))
+            events += tuple(
+                f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
+                for job, reason in sorted(failed.items())
+            )
             if record is not None:
                 self.rounds.append(record)
             self.events.extend(events)
             clock = msgspec.structs.replace(
-                clock, round=clock.round + 1, now_s=now + step, done=clock.done + len(ended_jobs), decided=None,
-                active=tuple(name for name in clock.active if name not in ended_jobs))
+                clock,
+                round=clock.round + 1,
+                now_s=now + step,
+                done=clock.done + len(ended_jobs),
+                decided=None,
+                active=tuple(name for name in clock.active if name not in ended_jobs),
+            )
             over = not live and clock.admitted == len(arrivals) and not clock.active
             total = clock.done + len(clock.active) if live else len(arrivals)
             if journal:
-                await journal.stepped(clock, RunStep(clock.round - 1, now, record, events, tuple(sorted(ended.finished)),
-                                                     clock.done, total, over, failed=tuple(sorted(failed))))
+                await journal.stepped(
+                    clock,
+                    RunStep(
+                        clock.round - 1,
+                        now,
+                        record,
+                        events,
+                        tuple(sorted(ended.finished)),
+                        clock.done,
+                        total,
+                        over,
+                        failed=tuple(sorted(failed)),
+                    ),
+                )
             if progress:
                 progress(clock.now_s, clock.done, total)
         return clock
@@ -207,8 +267,12 @@ class RoundLoop:
         before = {n.name for n in self.cluster.nodes}
         after = {n.name for n in nodes}
         joined, gone = sorted(after - before), sorted(before - after)
-        self.events.extend([*(f"{now:.0f}s: node {name} joined" for name in joined),
-                            *(f"{now:.0f}s: node {name} is gone" for name in gone)])
+        self.events.extend(
+            [
+                *(f"{now:.0f}s: node {name} joined" for name in joined),
+                *(f"{now:.0f}s: node {name} is gone" for name in gone),
+            ]
+        )
         if not nodes:
             self.events.append(f"{now:.0f}s: no node is served: jobs wait for a node agent")
         self.cluster = Cluster(self.cluster.name, nodes)
@@ -219,8 +283,8 @@ class RoundLoop:
         start = time.perf_counter()
         events: list[str] = []
         known = await self.wiring.facts(now, active)
-        failed = dict(known.failed)               # jobs that will never run: they leave the run
-        held = dict(known.held)                   # jobs that cannot run yet: they wait out this round
+        failed = dict(known.failed)  # jobs that will never run: they leave the run
+        held = dict(known.held)  # jobs that cannot run yet: they wait out this round
         estimated = await self.wiring.models(list(known.facts))
         held.update(estimated.held)
         models = {m.job_id: m for m in estimated.models}
@@ -232,8 +296,7 @@ class RoundLoop:
                 held[f.job_id] = "the estimator has no model of it yet"
                 continue
             try:
-                views.append(job_view(f, models[f.job_id], self.cluster,
-                                      self.settings.restart_estimate(f.application)))
+                views.append(job_view(f, models[f.job_id], self.cluster, self.settings.restart_estimate(f.application)))
                 facts.append(f)
             except Exception as error:  # noqa: BLE001 - one job that cannot be viewed is that job's failure
                 failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
@@ -244,9 +307,13 @@ class RoundLoop:
         evicted: tuple[str, ...] = ()
         if decision.placements is None:
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
-            placed = await self.wiring.place(decisions + 1, decision.allocations, previous,
-                                             hybrid_groups(decision.allocations, [v.models for v in views]),
-                                             self.cluster.nodes if self.dynamic else None)
+            placed = await self.wiring.place(
+                decisions + 1,
+                decision.allocations,
+                previous,
+                hybrid_groups(decision.allocations, [v.models for v in views]),
+                self.cluster.nodes if self.dynamic else None,
+            )
             placements, evicted = placed.placements, tuple(placed.evicted)
             events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:
@@ -263,50 +330,77 @@ class RoundLoop:
         types = {job: self.cluster.placement_type(placements[job]) or "mixed" for job in gpus}
         batches = {job: p.batch for job, p in decision.predictions.items() if job in gpus and p.batch is not None}
         spread = {job: len(placements[job]) for job in gpus if len(placements[job]) > 1}
-        record = RoundRecord(now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus,
-                             types, batches, spread)
+        record = RoundRecord(
+            now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus, types, batches, spread
+        )
         apply = ApplyRequest(now, placements, {v.job_id: v.models for v in views}, self.policy.adaptive_batch, failed)
         self._trace_decisions(round_number, active, known.facts, held, failed, decision, placements, evicted, kept)
         return DecidedRound(apply, record, tuple(events))
 
-    def _trace_decisions(self, round_number: int, active: Sequence[str], facts: Sequence[JobFacts],
-                         held: Mapping[str, str], failed: Mapping[str, str], decision: Decision,
-                         placements: Mapping[str, Spots], evicted: Sequence[str], kept: str | None) -> None:
+    def _trace_decisions(
+        self,
+        round_number: int,
+        active: Sequence[str],
+        facts: Sequence[JobFacts],
+        held: Mapping[str, str],
+        failed: Mapping[str, str],
+        decision: Decision,
+        placements: Mapping[str, Spots],
+        evicted: Sequence[str],
+        kept: str | None,
+    ) -> None:
         """One `job.decision` span per job the round considered, a child of the round's span (and
         linked to the job's submission when its facts carry that trace): what it got and why."""
         round_span = trace.get_current_span()
-        if not round_span.is_recording():        # no one records this round: spare building the spans
+        if not round_span.is_recording():  # no one records this round: spare building the spans
             return
         by_id = {f.job_id: f for f in facts}
         evicted = set(evicted)
         jobs = list(dict.fromkeys([*active, *held, *failed]))
-        decided = [self._decision_attributes(job, by_id.get(job), held, failed, decision, placements, evicted, kept)
-                   for job in jobs]
-        if len(decided) > MAX_DECISION_SPANS:    # a huge round: what changed first, jobs left as they were last
+        decided = [
+            self._decision_attributes(job, by_id.get(job), held, failed, decision, placements, evicted, kept)
+            for job in jobs
+        ]
+        if len(decided) > MAX_DECISION_SPANS:  # a huge round: what changed first, jobs left as they were last
             decided.sort(key=lambda d: d[0]["decision"] in ("allocated", "kept") and not d[0]["placement.changed"])
         for attributes, _ in decided[:MAX_DECISION_SPANS]:
             f = by_id.get(attributes["job.id"])
             context = span_context_of(f.trace) if f is not None else None
-            links = [trace.Link(context)] if context is not None else None   # its submission's trace
+            links = [trace.Link(context)] if context is not None else None  # its submission's trace
             self.tracer.start_span("job.decision", attributes={"round": round_number, **attributes}, links=links).end()
-        round_span.set_attributes({
-            "jobs.considered": len(jobs), "jobs.held": len(held), "jobs.failed": len(failed),
-            "jobs.allocated": sum(1 for spots in placements.values() if spots),
-            "gpus.allocated": sum(g for spots in placements.values() for _, g in spots),
-            "restarts": sum(restart for _, restart in decided), "evictions": len(evicted),
-            "allocation.kept": kept is not None, "job.decisions.omitted": max(0, len(decided) - MAX_DECISION_SPANS)})
+        round_span.set_attributes(
+            {
+                "jobs.considered": len(jobs),
+                "jobs.held": len(held),
+                "jobs.failed": len(failed),
+                "jobs.allocated": sum(1 for spots in placements.values() if spots),
+                "gpus.allocated": sum(g for spots in placements.values() for _, g in spots),
+                "restarts": sum(restart for _, restart in decided),
+                "evictions": len(evicted),
+                "allocation.kept": kept is not None,
+                "job.decisions.omitted": max(0, len(decided) - MAX_DECISION_SPANS),
+            }
+        )
 
-    def _decision_attributes(self, job: str, f: JobFacts | None, held: Mapping[str, str], failed: Mapping[str, str],
-                             decision: Decision, placements: Mapping[str, Spots], evicted: set[str],
-                             kept: str | None) -> tuple[dict, bool]:
+    def _decision_attributes(
+        self,
+        job: str,
+        f: JobFacts | None,
+        held: Mapping[str, str],
+        failed: Mapping[str, str],
+        decision: Decision,
+        placements: Mapping[str, Spots],
+        evicted: set[str],
+        kept: str | None,
+    ) -> tuple[dict, bool]:
         """A `job.decision` span's attributes (docs/services.md), and whether the job restarts."""
         spots = tuple(sorted(placements.get(job, ())))
         attributes: dict = {"job.id": job, "gpu.count": sum(g for _, g in spots)}
         if spots:
             attributes["gpu.type"] = self.cluster.placement_type(spots) or "mixed"
-            attributes["gpu.name"] = hardware_name(attributes["gpu.type"])       # T4, A100: as people say
+            attributes["gpu.name"] = hardware_name(attributes["gpu.type"])  # T4, A100: as people say
             attributes["nodes"] = [node for node, _ in spots]
-            if len(spots) > 1:                   # GPUs per node, when it spans several
+            if len(spots) > 1:  # GPUs per node, when it spans several
                 attributes["placement"] = [f"{node}:{gpus}" for node, gpus in spots]
         previous: tuple = ()
         if f is not None:
@@ -315,20 +409,27 @@ class RoundLoop:
             if f.mid_restart:
                 attributes["job.mid_restart"] = True
             if previous:
-                attributes.update({"previous.gpu.type": self.cluster.placement_type(previous) or "mixed",
-                                   "previous.gpu.count": sum(g for _, g in previous),
-                                   "previous.nodes": [node for node, _ in previous]})
+                attributes.update(
+                    {
+                        "previous.gpu.type": self.cluster.placement_type(previous) or "mixed",
+                        "previous.gpu.count": sum(g for _, g in previous),
+                        "previous.nodes": [node for node, _ in previous],
+                    }
+                )
         restart = bool(previous) and bool(spots) and spots != previous
         attributes.update({"placement.changed": spots != previous, "restart": restart})
         if previous and not spots:
             attributes["preempted"] = True
         prediction = decision.predictions.get(job) or Prediction()
-        for name, value in (("goodput.predicted", prediction.goodput),
-                            ("goodput.normalized", prediction.normalized_goodput),
-                            ("speedup.predicted", prediction.speedup), ("batch", prediction.batch),
-                            ("batch.per_gpu", prediction.per_gpu_batch),
-                            ("batch.accumulation_steps", prediction.accumulation_steps),
-                            ("restart_factor", prediction.restart_factor)):
+        for name, value in (
+            ("goodput.predicted", prediction.goodput),
+            ("goodput.normalized", prediction.normalized_goodput),
+            ("speedup.predicted", prediction.speedup),
+            ("batch", prediction.batch),
+            ("batch.per_gpu", prediction.per_gpu_batch),
+            ("batch.accumulation_steps", prediction.accumulation_steps),
+            ("restart_factor", prediction.restart_factor),
+        ):
             if value is not None and (spots or name == "restart_factor"):
                 attributes[name] = value
         if job in failed:
@@ -352,29 +453,37 @@ class RoundLoop:
             attributes["reason"] = reason
         return attributes, restart
 
-    async def _solve(self, now: float, facts: list[JobFacts], views: list,
-                     failed: dict[str, str]) -> tuple[Decision, str | None]:
+    async def _solve(
+        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]
+    ) -> tuple[Decision, str | None]:
         """The policy's decision for `views`, and why every job was kept where it is instead (None
         when the policy decided). Jobs it refuses (a hybrid-parallel job under a policy that would
         split its groups) are failed with its reason and it decides for the rest; any other failure
         keeps every job where it is for this round."""
-        with self.tracer.start_as_current_span("policy.solve", attributes={"policy": self.policy.name,
-                                                                          "jobs": len(views)}) as span:
+        with self.tracer.start_as_current_span(
+            "policy.solve", attributes={"policy": self.policy.name, "jobs": len(views)}
+        ) as span:
             before = len(failed)
             decision, kept = await self._policy_decision(now, facts, views, failed)
-            span.set_attributes({"jobs.scheduled": len(views), "jobs.allocated": len(decision.allocations),
-                                 "gpus.allocated": sum(c.gpus for c in decision.allocations.values()),
-                                 "jobs.refused": len(failed) - before,
-                                 "placed_by_policy": decision.placements is not None,
-                                 "allocation.kept": kept is not None})
+            span.set_attributes(
+                {
+                    "jobs.scheduled": len(views),
+                    "jobs.allocated": len(decision.allocations),
+                    "gpus.allocated": sum(c.gpus for c in decision.allocations.values()),
+                    "jobs.refused": len(failed) - before,
+                    "placed_by_policy": decision.placements is not None,
+                    "allocation.kept": kept is not None,
+                }
+            )
             if kept is not None:
                 span.set_attribute("reason", kept)
-            if decision.events:                  # e.g. sia's solver ran out of time
+            if decision.events:  # e.g. sia's solver ran out of time
                 span.set_attribute("events", list(decision.events))
             return decision, kept
 
-    async def _policy_decision(self, now: float, facts: list[JobFacts], views: list,
-                               failed: dict[str, str]) -> tuple[Decision, str | None]:
+    async def _policy_decision(
+        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]
+    ) -> tuple[Decision, str | None]:
         for _ in range(2):
             try:
                 # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
@@ -385,8 +494,7 @@ class RoundLoop:
                 views[:] = [v for v in views if not v.models.group_gpus]
                 facts[:] = [f for f in facts if f.job_id not in failed]
             except Exception as error:  # noqa: BLE001 - a failed solve (LinAlgError, a solver's) costs a round
-                event = (f"policy {self.policy.name} failed ({type(error).__name__}: {error}); "
-                         "previous allocation kept")
+                event = f"policy {self.policy.name} failed ({type(error).__name__}: {error}); previous allocation kept"
                 return self._keep(facts, event), event
         event = f"policy {self.policy.name} refused the round twice; previous allocation kept"
         return self._keep(facts, event), event

@@ -36,10 +36,10 @@ from policies.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
 from services.policy.rounds import Arrival, RoundLoop
 from services.policy.wiring import RETRY_S, BusWiring, LiveFeed
-from shared.runner import new_service
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
+from shared.runner import new_service
 from shared.schema import Ack, PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
 from shared.settings import simulation_settings
 
@@ -50,7 +50,7 @@ RESUME_MAX_S = 30.0
 # A replay that fails is resumed from its checkpoint (the NATS server restarting fails a round's
 # requests and writes); only when it fails this often in a row at the same round does it fail.
 RESUME_TRIES = 3
-LIVE_RETRIES = 3      # a live run's stage is asked this many request timeouts before the round fails
+LIVE_RETRIES = 3  # a live run's stage is asked this many request timeouts before the round fails
 log = logging.getLogger(__name__)
 
 
@@ -63,14 +63,15 @@ class RunJournal:
     """A run's progress, written as the leader makes it: the checkpoint (compare-and-set on our own
     last revision, and only while we lead) and the run's log."""
 
-    def __init__(self, bus: Bus, runs: TypedKV[RunCheckpoint], checkpoint: RunCheckpoint, revision: int,
-                 leadership: Leadership):
+    def __init__(
+        self, bus: Bus, runs: TypedKV[RunCheckpoint], checkpoint: RunCheckpoint, revision: int, leadership: Leadership
+    ):
         self.bus = bus
         self.runs = runs
         self.request = checkpoint.request
         self.revision = revision
         self.leadership = leadership
-        self.clock = checkpoint.clock           # as last checkpointed
+        self.clock = checkpoint.clock  # as last checkpointed
 
     async def decided(self, clock: RunClock) -> None:
         await self._save(clock)
@@ -88,8 +89,9 @@ class RunJournal:
         # At the last checkpoint's round: the log has not had it, so the step is neither
         # de-duplicated nor skipped by the driver.
         clock = self.clock
-        step = RunStep(clock.round, clock.now_s, None, (), (), clock.done, len(self.request.jobs),
-                       over=True, failure=reason)
+        step = RunStep(
+            clock.round, clock.now_s, None, (), (), clock.done, len(self.request.jobs), over=True, failure=reason
+        )
         self.leadership.check()
         run_id = self.request.run_id
         await self.bus.js_publish(subjects.run_log(run_id), step, msg_id=f"{run_id}.{step.round}")
@@ -117,20 +119,27 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
     request = journal.request
     try:
         policy = make_policy(request.policy, **request.policy_options)
-        settings = simulation_settings(request.calibration, cluster_arg, round_s=request.round_s,
-                                       horizon_s=request.horizon_s)
+        settings = simulation_settings(
+            request.calibration, cluster_arg, round_s=request.round_s, horizon_s=request.horizon_s
+        )
     except ValueError as error:
         await journal.fail(str(error))
         return
     # The clock needs each job's name and submit time only; the executors hold the rest.
     # A live run that cannot go on says so within a few request timeouts (and is retried); a replay
     # waits longer for a restarted service before its round counts as failed.
-    wiring = BusWiring(bus, request.request_timeout_s, LIVE_RETRIES * request.request_timeout_s if request.live
-                       else RETRY_S)
+    wiring = BusWiring(
+        bus, request.request_timeout_s, LIVE_RETRIES * request.request_timeout_s if request.live else RETRY_S
+    )
     loop = RoundLoop([Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring)
     live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
-    log.info("run %s: %s from round %d (%d jobs done)", request.run_id, "resumed" if clock.round else "started",
-             clock.round, clock.done)
+    log.info(
+        "run %s: %s from round %d (%d jobs done)",
+        request.run_id,
+        "resumed" if clock.round else "started",
+        clock.round,
+        clock.done,
+    )
     await loop.run(clock=clock, journal=journal, live=live)
     log.info("run %s: over", request.run_id)
 
@@ -152,12 +161,18 @@ async def _next_run(runs: TypedKV[RunCheckpoint], unreadable: set[str]):
     return None
 
 
-async def lead(bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], cluster: Cluster,
-               cluster_arg: str, stop: asyncio.Event) -> None:
+async def lead(
+    bus: Bus,
+    leadership: Leadership,
+    runs: TypedKV[RunCheckpoint],
+    cluster: Cluster,
+    cluster_arg: str,
+    stop: asyncio.Event,
+) -> None:
     """While we lead: run each unfinished run in turn."""
     unreadable: set[str] = set()
-    failures: dict[str, tuple[int, int, float]] = {}   # run -> (round it last failed at, failures there in a row, since)
-    changed = asyncio.Event()             # the runs bucket changed: a new run may be there
+    failures: dict[str, tuple[int, int, float]] = {}  # run -> (round it last failed at, failures there in a row, since)
+    changed = asyncio.Event()  # the runs bucket changed: a new run may be there
 
     async def watch() -> None:
         while True:
@@ -184,7 +199,7 @@ async def _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, f
                 pending = await _next_run(runs, unreadable)
             except Exception as error:  # noqa: BLE001 - a failed read must not end the leading; try again
                 log.warning("reading the runs failed: %s: %s", type(error).__name__, error)
-        if pending is None:              # idle: until a run is written, we lead, or the poll is due
+        if pending is None:  # idle: until a run is written, we lead, or the poll is due
             events = (stop, changed) if leadership.held else (stop, changed, leadership.gained)
             waits = [asyncio.ensure_future(e.wait()) for e in events]
             await asyncio.wait(waits, timeout=IDLE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
@@ -205,8 +220,13 @@ async def _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, f
             failures[pending.key] = (at, count, since)
             if pending.value.request.live or count < RESUME_TRIES:
                 wait_s = min(RESUME_AFTER_S * 2 ** (count - 1), RESUME_MAX_S)
-                log.warning("run %s interrupted at round %d (%s); resuming it from its checkpoint in %.1f s",
-                            pending.key, at, reason, wait_s)
+                log.warning(
+                    "run %s interrupted at round %d (%s); resuming it from its checkpoint in %.1f s",
+                    pending.key,
+                    at,
+                    reason,
+                    wait_s,
+                )
                 await journal.stalled(f"round {at} failed {count} time{'s' * (count > 1)} in a row: {reason}", since)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), wait_s)
@@ -214,14 +234,19 @@ async def _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, f
             log.error("run %s failed at round %d: %s", pending.key, at, reason)
             try:
                 await journal.fail(reason)
-            except (LeaseLost, nats.errors.Error) as failed:    # leading goes on: the run is tried again
+            except (LeaseLost, nats.errors.Error) as failed:  # leading goes on: the run is tried again
                 log.warning("run %s: its failure was not recorded: %s", pending.key, failed)
 
 
 def run_status(checkpoint: RunCheckpoint) -> RunStatus:
     clock = checkpoint.clock
-    state = ("failed" if checkpoint.problem else "over") if checkpoint.over else \
-        "stalled" if checkpoint.problem else "running"
+    state = (
+        ("failed" if checkpoint.problem else "over")
+        if checkpoint.over
+        else "stalled"
+        if checkpoint.problem
+        else "running"
+    )
     reason = checkpoint.problem
     if state == "stalled" and checkpoint.problem_since is not None:
         reason += f" (since {time.time() - checkpoint.problem_since:.0f} s ago; retrying)"
@@ -236,8 +261,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(leadership.campaign(stop)),
-             loop.create_task(lead(bus, leadership, runs, cluster, args.cluster, stop))]
+    tasks = [
+        loop.create_task(leadership.campaign(stop)),
+        loop.create_task(lead(bus, leadership, runs, cluster, args.cluster, stop)),
+    ]
 
     async def step_down() -> None:
         stop.set()
@@ -255,4 +282,3 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
     await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status, parts=False)
     return service
-

@@ -67,10 +67,17 @@ class BusWiring:
     async def models(self, facts: list[JobFacts]) -> ModelsReply:
         return await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
 
-    async def place(self, round: int, allocations: dict[str, Config], previous: dict[str, Spots],
-                    groups: dict[str, int], nodes: tuple[Node, ...] | None = None) -> PlacementResult:
-        return await self._request(subjects.PLACE, PlaceRequest(round, allocations, previous, groups, nodes),
-                                   PlacementResult)
+    async def place(
+        self,
+        round: int,
+        allocations: dict[str, Config],
+        previous: dict[str, Spots],
+        groups: dict[str, int],
+        nodes: tuple[Node, ...] | None = None,
+    ) -> PlacementResult:
+        return await self._request(
+            subjects.PLACE, PlaceRequest(round, allocations, previous, groups, nodes), PlacementResult
+        )
 
     async def apply(self, request: ApplyRequest) -> None:
         await self._request(subjects.APPLY, request, Ack)

@@ -35,9 +35,9 @@ from shared.bus import Bus, TypedKV
 from shared.schema import NodeInfo, Profile, ProfileAnswer, ProfileRequest, ProfileRun
 
 PROFILE_TIMEOUT_S = 300.0
-NODE_WAIT_S = 120.0          # how long a job waits for a node of a type to profile on before it is refused
-LOST_NODE_WAIT_S = subjects.NODE_TTL_S   # after its node was lost: how long it waits for another of the type
-MAX_NODE_LOSSES = 3          # nodes lost under one job's run on a type before it is refused
+NODE_WAIT_S = 120.0  # how long a job waits for a node of a type to profile on before it is refused
+LOST_NODE_WAIT_S = subjects.NODE_TTL_S  # after its node was lost: how long it waits for another of the type
+MAX_NODE_LOSSES = 3  # nodes lost under one job's run on a type before it is refused
 TRACER_NAME = "goodput.profiler"
 log = logging.getLogger(__name__)
 
@@ -76,11 +76,12 @@ class NodeTurns:
                 self.busy.add(info.name)
                 return info
             if nodes:
-                deadline = asyncio.get_running_loop().time() + wait_s     # served, only busy
+                deadline = asyncio.get_running_loop().time() + wait_s  # served, only busy
             elif asyncio.get_running_loop().time() > deadline:
-                raise ProfilingFailed(f"{after}no node of type {gpu_type} has been served for {wait_s:.0f} s to "
-                                      "profile it on")
-            async with self._freed:          # a run ends, or a second passes (a node joins)
+                raise ProfilingFailed(
+                    f"{after}no node of type {gpu_type} has been served for {wait_s:.0f} s to profile it on"
+                )
+            async with self._freed:  # a run ends, or a second passes (a node joins)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), 1.0)
 
@@ -111,10 +112,18 @@ class NodeTurns:
                 raise NodeUnavailable(f"node {info.name}'s agent was restarted (the run died with the old one)")
 
 
-async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id: str, application: str,
-                        gpu_type: str, slot_memory_mb: float | None = None, timeout_s: float = PROFILE_TIMEOUT_S,
-                        node_wait_s: float = NODE_WAIT_S, cancelled: Callable[[], bool] = lambda: False,
-                        tracer_provider: trace.TracerProvider | None = None) -> ProfileRun:
+async def profiling_run(
+    bus: Bus,
+    members: TypedKV[NodeInfo] | NodeTurns,
+    job_id: str,
+    application: str,
+    gpu_type: str,
+    slot_memory_mb: float | None = None,
+    timeout_s: float = PROFILE_TIMEOUT_S,
+    node_wait_s: float = NODE_WAIT_S,
+    cancelled: Callable[[], bool] = lambda: False,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
     turns, shared by the runs of one profiler, or the membership alone). A job `cancelled()` once
@@ -122,11 +131,14 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
     `profiler.run` span with what it measured or why it failed."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
-    with tracer.start_as_current_span("profiler.run", record_exception=False, set_status_on_exception=False,
-                                      attributes={"job.id": job_id, "job.application": application,
-                                                  "gpu.type": gpu_type, "timeout_s": timeout_s}) as span:
+    with tracer.start_as_current_span(
+        "profiler.run",
+        record_exception=False,
+        set_status_on_exception=False,
+        attributes={"job.id": job_id, "job.application": application, "gpu.type": gpu_type, "timeout_s": timeout_s},
+    ) as span:
         try:
-            lost: dict[str, str] = {}          # node -> how it was lost
+            lost: dict[str, str] = {}  # node -> how it was lost
             while True:
                 after = f"{'; '.join(lost.values())}; then " if lost else ""
                 info = await turns.take(gpu_type, LOST_NODE_WAIT_S if lost else node_wait_s, after)
@@ -134,17 +146,24 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
                 try:
                     if cancelled():
                         raise ProfilingCancelled(f"job {job_id} was cancelled before its profiling run on {gpu_type}")
-                    answer = await _run_on(bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb,
-                                                                            timeout_s))
+                    answer = await _run_on(
+                        bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb, timeout_s)
+                    )
                     break
                 except NodeUnavailable as error:
                     lost[info.name] = str(error)
                     span.set_attribute("nodes.lost", list(lost))
-                    log.warning("job %s: %s during its profiling run; %s", job_id, error,
-                                "refused" if len(lost) >= MAX_NODE_LOSSES else "run again on a live node")
+                    log.warning(
+                        "job %s: %s during its profiling run; %s",
+                        job_id,
+                        error,
+                        "refused" if len(lost) >= MAX_NODE_LOSSES else "run again on a live node",
+                    )
                     if len(lost) >= MAX_NODE_LOSSES:
-                        raise ProfilingFailed(f"{len(lost)} nodes of type {gpu_type} were lost under its profiling "
-                                              f"run: {'; '.join(lost.values())}") from None
+                        raise ProfilingFailed(
+                            f"{len(lost)} nodes of type {gpu_type} were lost under its profiling "
+                            f"run: {'; '.join(lost.values())}"
+                        ) from None
                 finally:
                     await turns.give_back(info.name)
             if answer.run is None:
@@ -163,9 +182,16 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
             span.set_status(Status(StatusCode.ERROR, str(error)))
             raise
         sizes = [p.local_bsz for p in run.points]
-        span.set_attributes({"outcome": "measured" if sizes else "no batch size fits", "batch_sizes": sizes,
-                             "batch_sizes.count": len(sizes), "gpu_seconds": run.gpu_seconds,
-                             "job.init_batch": run.init_batch, "job.max_batch": run.max_batch})
+        span.set_attributes(
+            {
+                "outcome": "measured" if sizes else "no batch size fits",
+                "batch_sizes": sizes,
+                "batch_sizes.count": len(sizes),
+                "gpu_seconds": run.gpu_seconds,
+                "job.init_batch": run.init_batch,
+                "job.max_batch": run.max_batch,
+            }
+        )
         if run.out_of_memory is not None:
             span.set_attribute("out_of_memory.batch", run.out_of_memory)
         return run
@@ -173,32 +199,35 @@ async def profiling_run(bus: Bus, members: TypedKV[NodeInfo] | NodeTurns, job_id
 
 async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRequest) -> ProfileAnswer:
     """The node's answer to the request, or NodeUnavailable as soon as the node is gone."""
-    asked = asyncio.ensure_future(bus.request(subjects.node_subject(info.name, "profile"), request, ProfileAnswer,
-                                              timeout=request.timeout_s + 30))
+    asked = asyncio.ensure_future(
+        bus.request(subjects.node_subject(info.name, "profile"), request, ProfileAnswer, timeout=request.timeout_s + 30)
+    )
     watching = asyncio.ensure_future(turns.lost(info))
     try:
         await asyncio.wait((asked, watching), return_when=asyncio.FIRST_COMPLETED)
         if not asked.done():
-            watching.result()                  # raises NodeUnavailable
+            watching.result()  # raises NodeUnavailable
         try:
             return asked.result()
         except nats.errors.NoRespondersError:
-            await watching                     # its agent is gone: lost once its membership lapses
+            await watching  # its agent is gone: lost once its membership lapses
             raise
         except nats.errors.TimeoutError:
-            raise NodeUnavailable(f"node {info.name} did not finish profiling {request.job_id} in "
-                                  f"{request.timeout_s + 30:.0f} s") from None
+            raise NodeUnavailable(
+                f"node {info.name} did not finish profiling {request.job_id} in {request.timeout_s + 30:.0f} s"
+            ) from None
     finally:
         for task in (asked, watching):
             task.cancel()
         await asyncio.gather(asked, watching, return_exceptions=True)
 
 
-def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun,
-                     memory: str = "memory") -> Profile:
+def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun, memory: str = "memory") -> Profile:
     """The bootstrap profile of what the run measured; ProfilingFailed if no batch size fitted."""
     if not run.points:
-        raise ProfilingFailed(f"it does not fit in the {memory} of one {gpu_type} GPU at any batch size "
-                              f"(out of memory at per-GPU batch {run.out_of_memory})")
+        raise ProfilingFailed(
+            f"it does not fit in the {memory} of one {gpu_type} GPU at any batch size "
+            f"(out of memory at per-GPU batch {run.out_of_memory})"
+        )
     sizes = [p.local_bsz for p in run.points]
     return Profile(job_id, application, gpu_type, run.points, min(sizes), max(sizes), run.gpu_seconds)

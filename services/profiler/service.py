@@ -20,31 +20,48 @@ import logging
 from nats import micro
 
 from services.api import service as api
-from shared.profiles import profile_source
-from shared.submissions import agents_models, id_taken, malformed_reason, named_types, submission_problem
 from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFailed, measured_profile, profiling_run
-from shared.runner import new_service, positive_float
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster
-from shared.schema import (Cancel, JobOwner, JobProfiles, JobSpec, NodeInfo, Profiled, Stored, readable_id, rejection,
-                           spec_digest)
+from shared.profiles import profile_source
+from shared.runner import new_service, positive_float
+from shared.schema import (
+    Cancel,
+    JobOwner,
+    JobProfiles,
+    JobSpec,
+    NodeInfo,
+    Profiled,
+    Stored,
+    readable_id,
+    rejection,
+    spec_digest,
+)
+from shared.submissions import agents_models, id_taken, malformed_reason, named_types, submission_problem
 
 log = logging.getLogger(__name__)
 
-PROFILING_RUNS = 4          # real runs: submissions profiled at once (each holds one node of a type at a time)
-CANCELS_KEPT = 10_000       # cancel orders remembered, newest, so that a cancelled job's runs never start
+PROFILING_RUNS = 4  # real runs: submissions profiled at once (each holds one node of a type at a time)
+CANCELS_KEPT = 10_000  # cancel orders remembered, newest, so that a cancelled job's runs never start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
     parser.add_argument("--reference", help="reference folder the profiles are read from")
     parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo")
-    parser.add_argument("--executors", choices=["simulated", "local"], default="simulated",
-                        help="local: profile each job by running its script on one GPU of each type, on a node of "
-                             "that type (through its agent)")
-    parser.add_argument("--slot-memory", type=positive_float,
-                        help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)")
+    parser.add_argument(
+        "--executors",
+        choices=["simulated", "local"],
+        default="simulated",
+        help="local: profile each job by running its script on one GPU of each type, on a node of "
+        "that type (through its agent)",
+    )
+    parser.add_argument(
+        "--slot-memory",
+        type=positive_float,
+        help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)",
+    )
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
@@ -69,7 +86,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         """Hold the job's id for this submission: None when it holds it (first, or delivered again),
         "repeat" for the same job sent again, else why it cannot have it."""
         mine = JobOwner(delivery.stream_sequence, spec_digest(spec), delivery.subject)
-        for _ in range(3):                        # the holder may give it up meanwhile
+        for _ in range(3):  # the holder may give it up meanwhile
             try:
                 await owners.create(spec.id, mine)
                 return None
@@ -79,7 +96,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 continue
             if held.value.submission == mine.submission:
                 return None
-            if held.value.marking:                # the API is storing one: this one was stored first (or is it)
+            if held.value.marking:  # the API is storing one: this one was stored first (or is it)
                 try:
                     await owners.update(spec.id, mine, held.revision)
                     return None
@@ -92,8 +109,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
 
     async def reject(spec: JobSpec, reason: str, delivery, release: bool = True) -> None:
         """Refuse this submission, with the reason; the id it held is free again (`release`)."""
-        await bus.js_publish(subjects.REJECTED, rejection(delivery.subject, reason, repr(spec), spec.id,
-                                                          delivery.stream_sequence))
+        await bus.js_publish(
+            subjects.REJECTED, rejection(delivery.subject, reason, repr(spec), spec.id, delivery.stream_sequence)
+        )
         held = await owners.get(spec.id) if release else None
         if held is not None and held.value.submission == delivery.stream_sequence:
             with contextlib.suppress(RevisionConflict):
@@ -117,25 +135,30 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         for gpu_type in types:
             if stopping.is_set():
                 raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
-            run = await profiling_run(bus, turns, spec.id, spec.application, gpu_type, args.slot_memory,
-                                      cancelled=lambda: spec.id in cancels)
+            run = await profiling_run(
+                bus, turns, spec.id, spec.application, gpu_type, args.slot_memory, cancelled=lambda: spec.id in cancels
+            )
             memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
 
     async def on_submission(spec: JobSpec, delivery) -> None:
         taken = await claim(spec, delivery)
-        if taken == "repeat":                    # the first one's verdict stands
+        if taken == "repeat":  # the first one's verdict stands
             return
         if taken is not None:
             await reject(spec, taken, delivery, release=False)
             return
-        problem = submission_problem(spec, cluster, None if local else source.types,
-                                     live=subjects.of_login(delivery.subject)[0] == subjects.STORED)
+        problem = submission_problem(
+            spec,
+            cluster,
+            None if local else source.types,
+            live=subjects.of_login(delivery.subject)[0] == subjects.STORED,
+        )
         if problem is not None:
             await reject(spec, problem, delivery)
             return
-        named = named_types(spec, cluster)[0]       # the types it may run on ("T4" or "aws"); none: any
+        named = named_types(spec, cluster)[0]  # the types it may run on ("T4" or "aws"); none: any
         if local:
             types = [t for t in cluster.gpu_types if not named or t in named]
             try:
@@ -144,7 +167,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 log.info("%s", cancelled)
                 return
             except ProfilingFailed as error:
-                if stopping.is_set():            # we stopped its run: the submission goes back for another replica
+                if stopping.is_set():  # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
                 await reject(spec, f"job {spec.id} cannot run: {error}", delivery)
                 return
@@ -153,20 +176,26 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             profiles = tuple(source.profile(spec.application, t) for t in types)
         await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
         sequence = delivery.stream_sequence
-        verdict = (Profiled(spec.id, run.init_batch, run.max_batch, submission=sequence) if local
-                   else Profiled(spec.id, submission=sequence))
-        await bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")   # not the submission's id
+        verdict = (
+            Profiled(spec.id, run.init_batch, run.max_batch, submission=sequence)
+            if local
+            else Profiled(spec.id, submission=sequence)
+        )
+        await bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")  # not the submission's id
 
     async def on_dead(delivery, error: Exception) -> None:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
-        await reject(delivery.message, f"job {delivery.message.id} could not be profiled after "
-                                       f"{delivery.num_delivered} tries: {type(error).__name__}: {error}", delivery)
+        await reject(
+            delivery.message,
+            f"job {delivery.message.id} could not be profiled after "
+            f"{delivery.num_delivered} tries: {type(error).__name__}: {error}",
+            delivery,
+        )
 
     async def problem(spec: JobSpec) -> str | None:
         """Why the API refuses a live submission at once: with real executors, an application no live
         node agent runs is unknown (from what they say; none says: its profiling run decides)."""
-        models = (agents_models((await turns.members.values()).values(), cluster.gpu_types) if local
-                  else source.types)
+        models = agents_models((await turns.members.values()).values(), cluster.gpu_types) if local else source.types
         return submission_problem(spec, cluster, models, live=True)
 
     await api.start(bus, owners, problem)
@@ -175,9 +204,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     # says so to the server), not handed to another replica. Real runs: PROFILING_RUNS
     # submissions at once, one at a time each (none waits behind another's run on another node).
     for _ in range(PROFILING_RUNS if local else 1):
-        consumer = await storage.open_consumer(bus, subjects.PROFILER_CONSUMER, JobSpec, span_name="profiler.bootstrap",
-                                               on_invalid=on_malformed,
-                                               dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER))
-        asyncio.get_running_loop().create_task(consumer.consume(on_submission, with_delivery=True, on_dead=on_dead,
-                                                                **({"batch": 1} if local else {})))
+        consumer = await storage.open_consumer(
+            bus,
+            subjects.PROFILER_CONSUMER,
+            JobSpec,
+            span_name="profiler.bootstrap",
+            on_invalid=on_malformed,
+            dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
+        )
+        asyncio.get_running_loop().create_task(
+            consumer.consume(on_submission, with_delivery=True, on_dead=on_dead, **({"batch": 1} if local else {}))
+        )
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

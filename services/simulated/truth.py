@@ -125,11 +125,11 @@ class ModelTruth:
     local_limits: dict[str, tuple[int, int]]
     init_batch: int
     max_batch: int
-    boundaries: np.ndarray       # cumulative progress at the end of each epoch
-    batches: np.ndarray          # (B,) batch sizes with measured gradient statistics
-    grad_sqr: np.ndarray         # (B, epochs)
-    grad_var: np.ndarray         # (B, epochs)
-    group_gpus: dict[str, int] = field(default_factory=dict)   # hybrid-parallel: GPUs of a replica per type
+    boundaries: np.ndarray  # cumulative progress at the end of each epoch
+    batches: np.ndarray  # (B,) batch sizes with measured gradient statistics
+    grad_sqr: np.ndarray  # (B, epochs)
+    grad_var: np.ndarray  # (B, epochs)
+    group_gpus: dict[str, int] = field(default_factory=dict)  # hybrid-parallel: GPUs of a replica per type
 
     @property
     def total_progress(self) -> float:
@@ -141,8 +141,10 @@ class ModelTruth:
     def stats(self, progress: float, batch: float) -> tuple[float, float]:
         """(grad_sqr, grad_var) in the current epoch, as measured at this batch size."""
         e = self.epoch(progress)
-        return (float(np.interp(batch, self.batches, self.grad_sqr[:, e])),
-                float(np.interp(batch, self.batches, self.grad_var[:, e])))
+        return (
+            float(np.interp(batch, self.batches, self.grad_sqr[:, e])),
+            float(np.interp(batch, self.batches, self.grad_var[:, e])),
+        )
 
     def efficiency(self, progress: float, batch: float) -> float:
         return float(efficiency(pgns(*self.stats(progress, batch), self.init_batch), self.init_batch, batch))
@@ -173,7 +175,7 @@ def zoo_truth(model: ZooModel) -> ModelTruth:
         init_batch=model.init_batch,
         max_batch=model.max_batch,
         boundaries=np.asarray(model.progress, dtype=float),
-        batches=np.array([model.init_batch], dtype=float),      # the zoo keeps the curve at M0
+        batches=np.array([model.init_batch], dtype=float),  # the zoo keeps the curve at M0
         grad_sqr=np.asarray(model.grad_sqr, dtype=float)[None, :],
         grad_var=np.asarray(model.grad_var, dtype=float)[None, :],
         group_gpus=dict(model.group_gpus),
@@ -184,7 +186,7 @@ def zoo_truth(model: ZooModel) -> ModelTruth:
 class JobSources:
     """True behaviour per model, and the 1-GPU profile a profiling run would measure per (model, type)."""
 
-    origin: str                                   # "reference:<folder>" or "zoo"
+    origin: str  # "reference:<folder>" or "zoo"
     truths: dict[str, ModelTruth]
     profile: Callable[[str, str], object]
 

@@ -18,11 +18,11 @@ from collections import defaultdict
 
 import msgspec
 
-from shared.cluster import Cluster, Config, Spots, replica_count
 from goodput_train.goodput import BatchLimits, Observation, split_batch
+from services.simulated.truth import ModelTruth
+from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
-from services.simulated.truth import ModelTruth
 
 
 class SimulatedJob(msgspec.Struct):
@@ -30,13 +30,13 @@ class SimulatedJob(msgspec.Struct):
     behaviour, `ModelTruth`, is passed in where it is needed."""
 
     spec: WorkloadJob
-    rigid: tuple[int, int] | None              # (GPUs, batch) a rigid model always runs at
-    restart_delay_s: float                     # what a checkpoint-restart really costs this job
-    goodput_factor: float                      # calibration: true goodput is multiplied by this
+    rigid: tuple[int, int] | None  # (GPUs, batch) a rigid model always runs at
+    restart_delay_s: float  # what a checkpoint-restart really costs this job
+    goodput_factor: float  # calibration: true goodput is multiplied by this
     progress: float = 0.0
     iterations: float = 0.0
     finish_s: float | None = None
-    feedback_s: float | None = None            # when the first k iterations were done
+    feedback_s: float | None = None  # when the first k iterations were done
     placement: Spots = ()
     config: Config | None = None
     m: int = 0
@@ -44,20 +44,20 @@ class SimulatedJob(msgspec.Struct):
     restarts: int = 0
     started: bool = False
     restart_left_s: float = 0.0
-    slice_start: float = 0.0                   # iterations when the current placement began
-    idle_since_s: float | None = None          # when it last stopped running (None while running)
+    slice_start: float = 0.0  # iterations when the current placement began
+    idle_since_s: float | None = None  # when it last stopped running (None while running)
     gpu_seconds: float = 0.0
     attained_by_type: dict[str, float] = {}
     max_gpus_seen: int = 0
-    advanced_to: float | None = None           # the virtual time it has been run up to
-    estimate_revision: int = 0                 # the estimator's record after the last report it took
-    live: bool = False                         # submitted live: it arrives at the live round that first sees it
-    group_gpus: dict[str, int] = {}            # hybrid-parallel: GPUs of one replica per type (absent: 1)
-    failure: str | None = None                 # why it ended without finishing
-    min_gpus: int = 1                          # the fewest GPUs its submission allows
-    cancelled: bool = False                    # its user cancelled it (its failure says so)
-    trace: str = ""                            # its submission's traceparent
-    ended_in: float | None = None              # the round (its now_s) that was told it failed
+    advanced_to: float | None = None  # the virtual time it has been run up to
+    estimate_revision: int = 0  # the estimator's record after the last report it took
+    live: bool = False  # submitted live: it arrives at the live round that first sees it
+    group_gpus: dict[str, int] = {}  # hybrid-parallel: GPUs of one replica per type (absent: 1)
+    failure: str | None = None  # why it ended without finishing
+    min_gpus: int = 1  # the fewest GPUs its submission allows
+    cancelled: bool = False  # its user cancelled it (its failure says so)
+    trace: str = ""  # its submission's traceparent
+    ended_in: float | None = None  # the round (its now_s) that was told it failed
 
     @property
     def name(self) -> str:
@@ -71,8 +71,9 @@ class SimulatedJob(msgspec.Struct):
         group = self.group_gpus.get(self.config.gpu_type, 1)
         count = replica_count((g for _, g in self.placement), group)
         if not count:
-            raise RuntimeError(f"job {self.name}: placement {self.placement} splits its model-parallel "
-                               f"groups of {group} GPUs")
+            raise RuntimeError(
+                f"job {self.name}: placement {self.placement} splits its model-parallel groups of {group} GPUs"
+            )
         return count
 
     @property
@@ -81,14 +82,31 @@ class SimulatedJob(msgspec.Struct):
         return self.replicas * self.m * (self.s + 1)
 
     def record(self) -> JobRecord:
-        state = ("cancelled" if self.cancelled else "failed" if self.failure else "finished" if self.finish_s is not None
-                 else "running" if self.placement else "queued")
-        return JobRecord(self.spec.name, self.spec.application, self.spec.time,
-                         None if self.finish_s is None else float(self.finish_s), self.restarts,
-                         float(self.gpu_seconds), None if self.feedback_s is None else float(self.feedback_s),
-                         self.placement, self.failure, state=state,
-                         gpu_type=self.config.gpu_type if state == "running" else None,
-                         batch=self.batch if state == "running" else None)
+        state = (
+            "cancelled"
+            if self.cancelled
+            else "failed"
+            if self.failure
+            else "finished"
+            if self.finish_s is not None
+            else "running"
+            if self.placement
+            else "queued"
+        )
+        return JobRecord(
+            self.spec.name,
+            self.spec.application,
+            self.spec.time,
+            None if self.finish_s is None else float(self.finish_s),
+            self.restarts,
+            float(self.gpu_seconds),
+            None if self.feedback_s is None else float(self.feedback_s),
+            self.placement,
+            self.failure,
+            state=state,
+            gpu_type=self.config.gpu_type if state == "running" else None,
+            batch=self.batch if state == "running" else None,
+        )
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
         spec = self.spec
@@ -96,25 +114,38 @@ class SimulatedJob(msgspec.Struct):
         batch = self.batch if self.placement and self.m else truth.init_batch
         sqr, var = truth.stats(self.progress, batch)
         return JobFacts(
-            job_id=spec.name, application=spec.application, submit_s=spec.time, age_s=now - spec.time,
+            job_id=spec.name,
+            application=spec.application,
+            submit_s=spec.time,
+            age_s=now - spec.time,
             requested_gpus=self.rigid[0] if self.rigid else spec.num_replicas,
             requested_batch=self.rigid[1] if self.rigid else spec.batch_size,
-            rigid=self.rigid is not None, init_batch=truth.init_batch, max_batch=truth.max_batch,
-            min_gpus=self.min_gpus, restarts=self.restarts, attained_gpu_s=float(self.gpu_seconds),
+            rigid=self.rigid is not None,
+            init_batch=truth.init_batch,
+            max_batch=truth.max_batch,
+            min_gpus=self.min_gpus,
+            restarts=self.restarts,
+            attained_gpu_s=float(self.gpu_seconds),
             attained_by_type={t: float(v) for t, v in self.attained_by_type.items()},
-            placement=self.placement, mid_restart=self.restart_left_s > 0, iterations=self.iterations,
+            placement=self.placement,
+            mid_restart=self.restart_left_s > 0,
+            iterations=self.iterations,
             slice_iterations=self.iterations - self.slice_start if self.placement else 0.0,
             idle_since_s=None if self.placement else (spec.time if self.idle_since_s is None else self.idle_since_s),
-            max_gpus_seen=self.max_gpus_seen, grad_sqr=sqr, grad_var=var,
-            estimate_revision=self.estimate_revision, trace=self.trace,
+            max_gpus_seen=self.max_gpus_seen,
+            grad_sqr=sqr,
+            grad_var=var,
+            estimate_revision=self.estimate_revision,
+            trace=self.trace,
         )
 
-    def apply(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float,
-              retune_threshold: float) -> None:
+    def apply(
+        self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float, retune_threshold: float
+    ) -> None:
         """Take a placement: a changed one costs a checkpoint-restart; then choose (m, s) for it."""
         if spots != self.placement:
             if spots:
-                self.restarts += self.started          # the first start is not a restart
+                self.restarts += self.started  # the first start is not a restart
                 self.started = True
                 self.restart_left_s = self.restart_delay_s
                 self.slice_start = self.iterations
@@ -136,12 +167,13 @@ class SimulatedJob(msgspec.Struct):
         limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
         current = (self.m, self.s) if self.m else None
         _, self.m, self.s = models.model(cfg.gpu_type).retune(cfg.nodes, replicas, limits, current, retune_threshold)
-        if self.m == 0:      # no batch fits this allocation: run the smallest one that does
+        if self.m == 0:  # no batch fits this allocation: run the smallest one that does
             self.m, self.s = split_batch(models.init_batch, replicas, hi)
             self.m = max(self.m, lo)
 
-    def advance(self, truth: ModelTruth, now: float, step: float, feedback_iterations: int,
-                slowdown: float = 0.0) -> Observation | None:
+    def advance(
+        self, truth: ModelTruth, now: float, step: float, feedback_iterations: int, slowdown: float = 0.0
+    ) -> Observation | None:
         """Run for `step` seconds from `now`, epoch by epoch, `slowdown` slower than its configuration
         runs alone (interference); the configuration's iteration time, or None when the job did not
         train (waiting, or restarting the whole round)."""
@@ -155,8 +187,7 @@ class SimulatedJob(msgspec.Struct):
         used = delay
         observation = None
         if run > 0:
-            t_iter, t_compute = truth.types[cfg.gpu_type].iteration_time([g for _, g in self.placement],
-                                                                         self.m, self.s)
+            t_iter, t_compute = truth.types[cfg.gpu_type].iteration_time([g for _, g in self.placement], self.m, self.s)
             observation = Observation(cfg.nodes, self.replicas, self.m, self.s, t_iter, t_compute)
             batch = self.batch
             steps_per_s = self.goodput_factor * (1.0 - slowdown) / t_iter
@@ -184,32 +215,43 @@ class SubmittedJob(msgspec.Struct):
     """What the simulated executors keep of a submission (KV): its spec until the profiler's
     verdict, then the reason it was refused, or the job it became."""
 
-    job_id: str                                # "" for a refused submission whose id could not be read
-    spec: JobSpec | None = None                # None: its submission could not be read
+    job_id: str  # "" for a refused submission whose id could not be read
+    spec: JobSpec | None = None  # None: its submission could not be read
     rejected: str | None = None
     job: SimulatedJob | None = None
-    submission: int = 0                        # its stream sequence: the verdicts on it name it
-    trace: str = ""                            # its submission's traceparent (else its verdict's)
-    cancelled: bool = False                    # cancelled before the profiler's verdict: it never starts
-    seen: int = 0                              # the stream sequence it was first read from: listed in that order
-    application: str = ""                      # a refused submission's, when it could be read (spec: None)
-    owner: str = ""                            # the login that submitted it ("": the operator's)
+    submission: int = 0  # its stream sequence: the verdicts on it name it
+    trace: str = ""  # its submission's traceparent (else its verdict's)
+    cancelled: bool = False  # cancelled before the profiler's verdict: it never starts
+    seen: int = 0  # the stream sequence it was first read from: listed in that order
+    application: str = ""  # a refused submission's, when it could be read (spec: None)
+    owner: str = ""  # the login that submitted it ("": the operator's)
 
     def record(self) -> JobRecord:
         if self.job is not None:
             return msgspec.structs.replace(self.job.record(), owner=self.owner)
         spec = self.spec
         state = "cancelled" if self.cancelled else "rejected" if self.rejected else "profiling"
-        return JobRecord(self.job_id, spec.application if spec else self.application, math.nan, None, 0, 0.0, None,
-                         failure=CANCELLED if self.cancelled else self.rejected, state=state, owner=self.owner)
+        return JobRecord(
+            self.job_id,
+            spec.application if spec else self.application,
+            math.nan,
+            None,
+            0,
+            0.0,
+            None,
+            failure=CANCELLED if self.cancelled else self.rejected,
+            state=state,
+            owner=self.owner,
+        )
 
 
 def as_workload_job(spec: JobSpec, truth: ModelTruth) -> WorkloadJob:
     """A submission as the simulated cluster runs it: its request, the batch M0 per GPU unless it
     names one; one without submit_s arrives when a live round first sees it (time inf until then)."""
     batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
-    return WorkloadJob(spec.id, math.inf if spec.submit_s is None else spec.submit_s, spec.application,
-                       spec.requested_gpus, batch)
+    return WorkloadJob(
+        spec.id, math.inf if spec.submit_s is None else spec.submit_s, spec.application, spec.requested_gpus, batch
+    )
 
 
 def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster) -> list[tuple[str, Observation]]:
@@ -239,7 +281,7 @@ class SimulatedExecutors:
 
     def __init__(self, cluster: Cluster, settings, feedback_iterations: int):
         self.cluster = cluster
-        self.settings = settings            # shared.settings.SimSettings: the world's restart delays, calibration
+        self.settings = settings  # shared.settings.SimSettings: the world's restart delays, calibration
         self.feedback_iterations = feedback_iterations
         self.jobs: dict[str, SimulatedJob] = {}
         self.truths: dict[str, ModelTruth] = {}
@@ -249,13 +291,23 @@ class SimulatedExecutors:
         A `rigid` one runs at exactly its request (GPUs and batch), like a rigid model of the calibration."""
         usable = [t for t in self.cluster.gpu_types if t in truth.types]
         if not usable:
-            raise ValueError(f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
-                             f"cluster {self.cluster.name}")
+            raise ValueError(
+                f"job {spec.name}: model {spec.application} has no profile on any GPU type of "
+                f"cluster {self.cluster.name}"
+            )
         if spec.name not in self.jobs:
             model, settings = spec.application, self.settings
             fixed = (spec.num_replicas, spec.batch_size) if rigid else settings.rigid.get(model)
-            self.restore(SimulatedJob(spec, fixed, settings.restart_delay(model),
-                                      settings.goodput_factor(model), group_gpus=dict(truth.group_gpus)), truth)
+            self.restore(
+                SimulatedJob(
+                    spec,
+                    fixed,
+                    settings.restart_delay(model),
+                    settings.goodput_factor(model),
+                    group_gpus=dict(truth.group_gpus),
+                ),
+                truth,
+            )
         return usable
 
     def submit(self, spec: JobSpec, truth: ModelTruth) -> list[str]:
@@ -284,14 +336,20 @@ class SimulatedExecutors:
             if job is not None and job.finish_s is None and job.failure is None:
                 job.failure, job.placement, job.config = reason, (), None
             if job is not None and job.failure is not None and job.ended_in is None:
-                job.ended_in = now              # the round has heard of it: it leaves the live jobs
+                job.ended_in = now  # the round has heard of it: it leaves the live jobs
         for name, job_models in request.models.items():
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
             try:
-                job.apply(self.cluster, tuple(request.placements.get(name, ())), job_models, request.adaptive, now,
-                          self.settings.retune_threshold)
+                job.apply(
+                    self.cluster,
+                    tuple(request.placements.get(name, ())),
+                    job_models,
+                    request.adaptive,
+                    now,
+                    self.settings.retune_threshold,
+                )
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
                 job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
                 job.placement, job.config, job.m, job.s = (), None, 0, 0
@@ -318,8 +376,13 @@ class SimulatedExecutors:
             if job.live and job.spec.time == math.inf:
                 job.spec = dataclasses.replace(job.spec, time=now)
         # A job that failed (or was cancelled) between rounds stays until a round has been told of it.
-        live = [job for job in self.jobs.values() if job.live and job.finish_s is None
-                and (job.failure is None or job.ended_in is None or job.ended_in >= now)]
+        live = [
+            job
+            for job in self.jobs.values()
+            if job.live
+            and job.finish_s is None
+            and (job.failure is None or job.ended_in is None or job.ended_in >= now)
+        ]
         return [job.name for job in sorted(live, key=lambda j: (j.spec.time, j.name))]
 
     def interfered(self, names) -> set[str]:
@@ -343,7 +406,11 @@ class SimulatedExecutors:
         for name, job in self.jobs.items():
             if job.spec.time > now or name not in names:
                 continue
-            if job.finish_s is None and job.failure is None and (job.advanced_to is None or job.advanced_to < now + step):
+            if (
+                job.finish_s is None
+                and job.failure is None
+                and (job.advanced_to is None or job.advanced_to < now + step)
+            ):
                 slowdown = self.settings.interference if name in interfered else 0.0
                 observation = job.advance(self.truths[name], now, step, self.feedback_iterations, slowdown)
                 if observation is not None:

@@ -9,5 +9,8 @@ from tests.jobs.small import run_small
 GOODPUT_JOB = True
 
 if __name__ == "__main__":
-    run_small(nn.Linear(2048, 16384), TensorDataset(torch.randn(64, 2048), torch.randint(16384, (64,))),
-              lambda net, batch: nn.functional.cross_entropy(net(batch[0]), batch[1]))
+    run_small(
+        nn.Linear(2048, 16384),
+        TensorDataset(torch.randn(64, 2048), torch.randint(16384, (64,))),
+        lambda net, batch: nn.functional.cross_entropy(net(batch[0]), batch[1]),
+    )

@@ -9,9 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from goodput_train.protocol import JOB_ENV, PROFILE_ENV
-
 from examples.jobs.mlp_blobs import main
+from goodput_train.protocol import JOB_ENV, PROFILE_ENV
 
 GOODPUT_JOB = True
 STALLING = "stalling until the agent dies"

@@ -17,5 +17,6 @@ def __getattr__(name: str):
     # The trainer imports PyTorch: only when a script asks for it, not when a service reads the protocol.
     if name in __all__:
         from goodput_train import trainer
+
         return getattr(trainer, name)
     raise AttributeError(f"module 'goodput_train' has no attribute {name!r}")

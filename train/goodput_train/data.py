@@ -18,7 +18,7 @@ class ElasticOrder:
             raise ValueError("the dataset is empty")
         self.size = size
         self.seed = seed
-        self.position = position                 # examples taken since the first epoch began
+        self.position = position  # examples taken since the first epoch began
         self._permutations: dict[int, torch.Tensor] = {}
 
     @property
@@ -37,7 +37,7 @@ class ElasticOrder:
         while count > 0:
             epoch, offset = divmod(start, self.size)
             n = min(count, self.size - offset)
-            parts.append(self._permutation(epoch)[offset:offset + n])
+            parts.append(self._permutation(epoch)[offset : offset + n])
             start, count = start + n, count - n
         return torch.cat(parts)
 

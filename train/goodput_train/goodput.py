@@ -36,8 +36,8 @@ from threadpoolctl import ThreadpoolController
 log = logging.getLogger(__name__)
 
 GAMMA_BOUNDS = (1.0, 10.0)
-BATCH_CANDIDATES = 50          # geometric total-batch candidates searched per allocation
-RETUNE_THRESHOLD = 0.05        # change (m, s) only for a predicted goodput gain above 5%
+BATCH_CANDIDATES = 50  # geometric total-batch candidates searched per allocation
+RETUNE_THRESHOLD = 0.05  # change (m, s) only for a predicted goodput gain above 5%
 
 # L-BFGS-B on 7 parameters is all tiny BLAS calls: a multi-threaded BLAS spends ~10x the work
 # starting and syncing threads, so fits run with one thread (inside the fit only).
@@ -48,12 +48,12 @@ class ThroughputParams(NamedTuple):
     """theta_sys. Fields may be floats or same-shaped arrays (one model per cell)."""
 
     alpha_c: float  # s, fixed cost of a micro-batch
-    beta_c: float   # s per sample of a micro-batch
+    beta_c: float  # s per sample of a micro-batch
     alpha_r: float  # s, all-reduce fixed cost on one node
-    beta_r: float   # s per extra GPU on one node
+    beta_r: float  # s per extra GPU on one node
     alpha_n: float  # s, all-reduce fixed cost across nodes
-    beta_n: float   # s per extra GPU across nodes
-    gamma: float    # overlap of compute and all-reduce, in [1, 10]
+    beta_n: float  # s per extra GPU across nodes
+    gamma: float  # overlap of compute and all-reduce, in [1, 10]
 
     @classmethod
     def stack(cls, params: Iterable["ThroughputParams"]) -> "ThroughputParams":
@@ -62,6 +62,7 @@ class ThroughputParams(NamedTuple):
 
 
 # --- throughput -------------------------------------------------------------------------------
+
 
 def compute_time(params: ThroughputParams, m):
     return params.alpha_c + params.beta_c * np.asarray(m, dtype=float)
@@ -96,6 +97,7 @@ def throughput(params: ThroughputParams, nodes, gpus, m, s=0):
 
 # --- statistical efficiency -------------------------------------------------------------------
 
+
 def pgns(grad_sqr: float | None, grad_var: float | None, init_batch: int) -> float:
     """phi = M0 * var / sqr; inf (efficiency 1 everywhere) when there are no usable statistics."""
     if grad_sqr is None or grad_var is None:
@@ -107,8 +109,9 @@ def pgns(grad_sqr: float | None, grad_var: float | None, init_batch: int) -> flo
 
 def efficiency(phi, init_batch, batch):
     """(phi + M0) / (phi + M); 1 where phi is infinite (no statistics yet)."""
-    phi, m0, batch = np.broadcast_arrays(np.asarray(phi, float), np.asarray(init_batch, float),
-                                         np.asarray(batch, float))
+    phi, m0, batch = np.broadcast_arrays(
+        np.asarray(phi, float), np.asarray(init_batch, float), np.asarray(batch, float)
+    )
     finite = np.isfinite(phi)
     safe_phi = np.where(finite, phi, 0.0)
     return np.where(finite, (safe_phi + m0) / (safe_phi + batch), 1.0)
@@ -116,16 +119,26 @@ def efficiency(phi, init_batch, batch):
 
 # --- the best batch for an allocation ---------------------------------------------------------
 
+
 class BatchChoice(NamedTuple):
     """Arrays of the allocation's shape; goodput 0 (and m = s = 0) where no batch is feasible."""
 
     goodput: np.ndarray
-    m: np.ndarray        # per-GPU batch
-    s: np.ndarray        # accumulation steps
+    m: np.ndarray  # per-GPU batch
+    s: np.ndarray  # accumulation steps
 
 
-def optimize_batch(params: ThroughputParams, phi, init_batch, max_batch, min_local, max_local,
-                   nodes, gpus, candidates: int = BATCH_CANDIDATES) -> BatchChoice:
+def optimize_batch(
+    params: ThroughputParams,
+    phi,
+    init_batch,
+    max_batch,
+    min_local,
+    max_local,
+    nodes,
+    gpus,
+    candidates: int = BATCH_CANDIDATES,
+) -> BatchChoice:
     """argmax over total batch M in [M0, max batch] of goodput, with the smallest s whose per-GPU
     batch m fits max_local. Every argument broadcasts; the result has the broadcast shape.
 
@@ -137,7 +150,7 @@ def optimize_batch(params: ThroughputParams, phi, init_batch, max_batch, min_loc
     m0, top, k = expand(init_batch), expand(max_batch), expand(gpus)
     lo, hi = expand(min_local), expand(max_local)
     frac = np.linspace(0.0, 1.0, candidates)
-    batch = m0 * (np.maximum(top, m0) / m0) ** frac                      # geometric in [M0, max]
+    batch = m0 * (np.maximum(top, m0) / m0) ** frac  # geometric in [M0, max]
 
     s = np.maximum(np.ceil(batch / (k * hi) - 1e-9) - 1, 0)
     per_step = k * (s + 1)
@@ -203,11 +216,18 @@ class GoodputModel:
         return self.throughput(nodes, gpus, m, s) * self.efficiency(batch)
 
     def best_batch(self, nodes, gpus, limits: BatchLimits) -> BatchChoice:
-        return optimize_batch(self.params, self.pgns, limits.init_batch, limits.max_batch,
-                              limits.min_local, limits.max_local, nodes, gpus)
+        return optimize_batch(
+            self.params, self.pgns, limits.init_batch, limits.max_batch, limits.min_local, limits.max_local, nodes, gpus
+        )
 
-    def retune(self, nodes: int, gpus: int, limits: BatchLimits, current: tuple[int, int] | None = None,
-               threshold: float = RETUNE_THRESHOLD) -> tuple[float, int, int]:
+    def retune(
+        self,
+        nodes: int,
+        gpus: int,
+        limits: BatchLimits,
+        current: tuple[int, int] | None = None,
+        threshold: float = RETUNE_THRESHOLD,
+    ) -> tuple[float, int, int]:
         """(goodput, m, s) to run with: the best choice, unless the current (m, s) is still valid
         for this allocation and the best is predicted less than `threshold` better (a batch-size
         change resets optimizer dynamics, so it must pay for itself)."""
@@ -225,6 +245,7 @@ class GoodputModel:
 
 
 # --- fitting ----------------------------------------------------------------------------------
+
 
 class Observation(NamedTuple):
     """One measured configuration. t_grad (one micro-batch's compute time) is optional: NaN if unknown."""
@@ -270,15 +291,21 @@ def _residual_gradient(theta, data, fixed_mask, fixed_values):
     d_tgrad = s + du
     one_node = (nodes <= 1).astype(float)
     extra = np.maximum(gpus - 2, 0)
-    jac = np.stack([
-        d_tgrad,
-        d_tgrad * m,
-        dv * one_node,
-        dv * one_node * extra,
-        dv * (1 - one_node),
-        dv * (1 - one_node) * extra,
-        overlap / g * (ulogu + vlogv),
-    ], axis=1) / pred[:, None]
+    jac = (
+        np.stack(
+            [
+                d_tgrad,
+                d_tgrad * m,
+                dv * one_node,
+                dv * one_node * extra,
+                dv * (1 - one_node),
+                dv * (1 - one_node) * extra,
+                overlap / g * (ulogu + vlogv),
+            ],
+            axis=1,
+        )
+        / pred[:, None]
+    )
 
     residuals = [r]
     jacobians = [jac]
@@ -325,16 +352,21 @@ def fit_throughput(observations) -> ThroughputParams:
     bad_config = ~np.isfinite(data[:, :4]).all(axis=1) | (nodes < 1) | (gpus < nodes) | (m < 1) | (s < 0)
     if bad_config.any():
         row = int(np.flatnonzero(bad_config)[0])
-        raise ValueError(f"observation {row} has an impossible configuration: "
-                         f"nodes={nodes[row]}, gpus={gpus[row]}, m={m[row]}, s={s[row]}")
+        raise ValueError(
+            f"observation {row} has an impossible configuration: "
+            f"nodes={nodes[row]}, gpus={gpus[row]}, m={m[row]}, s={s[row]}"
+        )
     usable = np.isfinite(t_iter) & (t_iter > 0)
     if not usable.all():
-        log.warning("dropping %d of %d observations with a non-finite or non-positive iteration time",
-                    int((~usable).sum()), len(data))
+        log.warning(
+            "dropping %d of %d observations with a non-finite or non-positive iteration time",
+            int((~usable).sum()),
+            len(data),
+        )
     data = data[usable]
     if len(data) == 0:
         raise FitError("no observation has a finite, positive iteration time")
-    data[~(np.isfinite(data[:, 5]) & (data[:, 5] > 0)), 5] = math.nan   # unusable compute times: unknown
+    data[~(np.isfinite(data[:, 5]) & (data[:, 5] > 0)), 5] = math.nan  # unusable compute times: unknown
     nodes, gpus, m, s, t_iter, t_grad = data.T
 
     # Per-micro-batch compute time: measured, or bounded by the iteration time spread over micro-batches.
@@ -364,16 +396,21 @@ def fit_throughput(observations) -> ThroughputParams:
     unit = np.where(theta0 > 0, theta0, 1.0)
     lower = np.array([1e-8 * scale, 0, 0, 0, 0, 0, GAMMA_BOUNDS[0]])
     upper = np.array([np.inf] * 6 + [GAMMA_BOUNDS[1]])
-    bounds = [(v / u, v / u) if f else (lo / u, hi / u)
-              for v, f, lo, hi, u in zip(values, fixed, lower, upper, unit)]
+    bounds = [(v / u, v / u) if f else (lo / u, hi / u) for v, f, lo, hi, u in zip(values, fixed, lower, upper, unit)]
 
     def objective(x):
         loss, grad = _residual_gradient(x * unit, data, fixed, values)
         return loss, grad * unit
 
     with _BLAS.limit(limits=1, user_api="blas"):
-        result = minimize(objective, theta0 / unit, jac=True, method="L-BFGS-B", bounds=bounds,
-                          options={"ftol": 1e-13, "gtol": 1e-10, "maxiter": 500})
+        result = minimize(
+            objective,
+            theta0 / unit,
+            jac=True,
+            method="L-BFGS-B",
+            bounds=bounds,
+            options={"ftol": 1e-13, "gtol": 1e-10, "maxiter": 500},
+        )
     theta = np.where(fixed, values, result.x * unit)
     if not np.isfinite(theta).all():
         raise FitError(f"throughput fit diverged ({result.message}); observations: {len(data)}")

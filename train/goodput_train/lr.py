@@ -32,7 +32,7 @@ def default_rule(optimizer_name: str) -> str:
 class LrScaling:
     rule: str
     init_batch: int
-    warmup_epochs: float = 0.0           # legw: warm-up length in epochs at M0
+    warmup_epochs: float = 0.0  # legw: warm-up length in epochs at M0
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -47,8 +47,9 @@ class LrScaling:
             return k
         return (grad_var + grad_sqr) / (grad_var / k + grad_sqr)
 
-    def factor(self, batch: int, grad_sqr: float | None = None, grad_var: float | None = None,
-               epochs_done: float = 0.0) -> float:
+    def factor(
+        self, batch: int, grad_sqr: float | None = None, grad_var: float | None = None, epochs_done: float = 0.0
+    ) -> float:
         """The multiplier on the base learning rate for a step at `batch`."""
         k = batch / self.init_batch
         if self.rule == "adascale":

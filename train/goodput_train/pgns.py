@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-DEFAULT_SMOOTHING = 0.95          # weight of the past per step
+DEFAULT_SMOOTHING = 0.95  # weight of the past per step
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,16 @@ def from_replicas(local_sqr: float, mean_sqr: float, local_batch: int, count: in
     return NoiseSample(mean_sqr - trace / large, trace)
 
 
-def from_consecutive(previous: Sequence[torch.Tensor], current: Sequence[torch.Tensor], batch: int,
-                     precondition: Sequence[torch.Tensor] | None = None) -> NoiseSample:
+def from_consecutive(
+    previous: Sequence[torch.Tensor],
+    current: Sequence[torch.Tensor],
+    batch: int,
+    precondition: Sequence[torch.Tensor] | None = None,
+) -> NoiseSample:
     """The differenced estimator: two consecutive steps' gradients, each over `batch` examples."""
     difference = squared_norm([c - p for c, p in zip(current, previous)], precondition)
     mean = squared_norm([(c + p) / 2 for c, p in zip(current, previous)], precondition)
-    trace = batch * difference / 2            # E|g_t - g_t-1|² = 2 tr(Σ)/B
+    trace = batch * difference / 2  # E|g_t - g_t-1|² = 2 tr(Σ)/B
     return NoiseSample(mean - trace / (2 * batch), trace)
 
 
@@ -80,7 +84,7 @@ class NoiseScale:
         self.smoothing = smoothing
         self.sqr = 0.0
         self.trace = 0.0
-        self.weight = 0.0              # 1 - smoothing^n: the bias correction after n samples
+        self.weight = 0.0  # 1 - smoothing^n: the bias correction after n samples
         self.skipped = 0
 
     def update(self, sample: NoiseSample) -> bool:

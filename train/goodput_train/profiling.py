@@ -18,10 +18,9 @@ import resource
 import numpy as np
 import torch
 
-
 PROFILE_POINTS = 10
-PROFILE_STEPS = 3                          # timed steps per batch size, after one warm-up step
-PROFILE_BUDGET_S = 15.0                    # stop sweeping past this much step time (Sia: < 20 GPU-s per type)
+PROFILE_STEPS = 3  # timed steps per batch size, after one warm-up step
+PROFILE_BUDGET_S = 15.0  # stop sweeping past this much step time (Sia: < 20 GPU-s per type)
 
 
 def batch_sizes(smallest: int, largest: int, points: int = PROFILE_POINTS) -> list[int]:

@@ -18,11 +18,11 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 
 JOB_ENV = "GOODPUT_JOB_ID"
 GPU_TYPE_ENV = "GOODPUT_GPU_TYPE"
-REPORT_ENV = "GOODPUT_REPORT_S"          # seconds: print JobStats that often
-REPORT_EVERY_S = 30.0                    # the default for that
-ADAPTIVE_ENV = "GOODPUT_ADAPTIVE"        # "0": keep the batch (a rigid job, or a policy that does not adapt)
-CHECKPOINT_ENV = "GOODPUT_CHECKPOINT_S"   # seconds between periodic checkpoints (the executor's choice)
-PROFILE_ENV = "GOODPUT_PROFILE"          # set: profile instead of training (goodput_train.profiling)
+REPORT_ENV = "GOODPUT_REPORT_S"  # seconds: print JobStats that often
+REPORT_EVERY_S = 30.0  # the default for that
+ADAPTIVE_ENV = "GOODPUT_ADAPTIVE"  # "0": keep the batch (a rigid job, or a policy that does not adapt)
+CHECKPOINT_ENV = "GOODPUT_CHECKPOINT_S"  # seconds between periodic checkpoints (the executor's choice)
+PROFILE_ENV = "GOODPUT_PROFILE"  # set: profile instead of training (goodput_train.profiling)
 SLOT_MEMORY_ENV = "GOODPUT_SLOT_MEMORY_MB"
 # "1": the worker's stdin is its executor's lifeline. Its end (the node agent died) makes the job
 # checkpoint and stop at the next step, so no worker outlives the agent that started it.
@@ -30,19 +30,19 @@ LIFELINE_ENV = "GOODPUT_LIFELINE"
 # Seconds a collective may wait for a peer (gloo's timeout, NCCL's watchdog): a lost peer fails the
 # step within this, and the job restarts from its checkpoint instead of hanging (torch's default: 30 min).
 COLLECTIVE_TIMEOUT_ENV = "GOODPUT_COLLECTIVE_TIMEOUT_S"
-COLLECTIVE_TIMEOUT_S = 60.0   # a CPU slot's memory, for the profiling run
+COLLECTIVE_TIMEOUT_S = 60.0  # a CPU slot's memory, for the profiling run
 
 # Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
-STATS_PREFIX = "goodput-stats "          # JobStats, from rank 0
-PROFILE_PREFIX = "goodput-profile "      # ProfileRun
-OUTCOME_PREFIX = "goodput-outcome "      # then JSON: how the run ended ({"stopped": true} on SIGTERM)
+STATS_PREFIX = "goodput-stats "  # JobStats, from rank 0
+PROFILE_PREFIX = "goodput-profile "  # ProfileRun
+OUTCOME_PREFIX = "goodput-outcome "  # then JSON: how the run ended ({"stopped": true} on SIGTERM)
 
 
 class ProfilePoint(msgspec.Struct, frozen=True):
     """One measured step of one replica (one GPU, unless hybrid-parallel) at a per-replica batch size."""
 
     local_bsz: PositiveInt
-    step_time: PositiveFloat      # seconds per optimizer step
+    step_time: PositiveFloat  # seconds per optimizer step
     sync_time: NonNegativeFloat = 0.0
 
 
@@ -52,14 +52,14 @@ class JobStats(msgspec.Struct, frozen=True):
 
     job_id: str
     gpu_type: str
-    observations: tuple[Observation, ...]      # each configuration run, with its median step time
-    grad_sqr: float | None                     # |G|², None before the first usable step
-    grad_var: float | None                     # the variance of a gradient over M0 examples
-    epochs: NonNegativeFloat                   # statistical progress, in epochs at M0
+    observations: tuple[Observation, ...]  # each configuration run, with its median step time
+    grad_sqr: float | None  # |G|², None before the first usable step
+    grad_var: float | None  # the variance of a gradient over M0 examples
+    epochs: NonNegativeFloat  # statistical progress, in epochs at M0
     steps: int
     m: PositiveInt
     s: int
-    skipped: int = 0                           # steps with a non-finite gradient, never learned from
+    skipped: int = 0  # steps with a non-finite gradient, never learned from
 
 
 class ProfileRun(msgspec.Struct, frozen=True):
@@ -67,7 +67,7 @@ class ProfileRun(msgspec.Struct, frozen=True):
     that fitted, smallest first, and the first that ran out of memory (None: every one fitted)."""
 
     points: tuple[ProfilePoint, ...]
-    init_batch: PositiveInt                    # the job's own M0 and largest total batch
+    init_batch: PositiveInt  # the job's own M0 and largest total batch
     max_batch: PositiveInt
     out_of_memory: int | None = None
     gpu_seconds: NonNegativeFloat = 0.0

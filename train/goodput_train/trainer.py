@@ -59,14 +59,29 @@ from goodput_train import checkpoint, profiling
 from goodput_train.data import ElasticOrder
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
-from goodput_train.protocol import (ADAPTIVE_ENV, CHECKPOINT_ENV, COLLECTIVE_TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S,
-                                    GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV, PROFILE_ENV, PROFILE_PREFIX, REPORT_ENV,
-                                    REPORT_EVERY_S, SLOT_MEMORY_ENV, STATS_PREFIX, JobStats, ProfilePoint, ProfileRun)
 from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
+from goodput_train.protocol import (
+    ADAPTIVE_ENV,
+    CHECKPOINT_ENV,
+    COLLECTIVE_TIMEOUT_ENV,
+    COLLECTIVE_TIMEOUT_S,
+    GPU_TYPE_ENV,
+    JOB_ENV,
+    LIFELINE_ENV,
+    PROFILE_ENV,
+    PROFILE_PREFIX,
+    REPORT_ENV,
+    REPORT_EVERY_S,
+    SLOT_MEMORY_ENV,
+    STATS_PREFIX,
+    JobStats,
+    ProfilePoint,
+    ProfileRun,
+)
 
-RETUNE_EVERY = 20          # steps between re-fits of the throughput model
-CHECKPOINT_EVERY_S = 300.0     # a periodic checkpoint: what a crash can lose at most
-TIMINGS_KEPT = 5           # step times kept per configuration (their median is the observation)
+RETUNE_EVERY = 20  # steps between re-fits of the throughput model
+CHECKPOINT_EVERY_S = 300.0  # a periodic checkpoint: what a crash can lose at most
+TIMINGS_KEPT = 5  # step times kept per configuration (their median is the observation)
 
 
 class Stopped(Exception):
@@ -85,21 +100,29 @@ class Placement:
     @classmethod
     def from_env(cls) -> Placement:
         env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
-                   int(env.get("GOODPUT_NODES", 1)))
+        return cls(
+            int(env.get("RANK", 0)),
+            int(env.get("WORLD_SIZE", 1)),
+            int(env.get("LOCAL_RANK", 0)),
+            int(env.get("GOODPUT_NODES", 1)),
+        )
 
 
 class _LocalNorms:
     """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets,
     what it asks for (to stop; to checkpoint), and what all replicas agreed on the last step."""
 
-    def __init__(self, precondition: Callable[[torch.Tensor], torch.Tensor | None],
-                 requests: Callable[[], tuple[bool, bool]], world: int):
+    def __init__(
+        self,
+        precondition: Callable[[torch.Tensor], torch.Tensor | None],
+        requests: Callable[[], tuple[bool, bool]],
+        world: int,
+    ):
         self.precondition = precondition
         self.requests = requests
         self.world = world
         self.total = 0.0
-        self.agreed = (0.0, False, False)   # (the replicas' mean local squared norm, any asked to stop, to save)
+        self.agreed = (0.0, False, False)  # (the replicas' mean local squared norm, any asked to stop, to save)
 
 
 def _local_norms_hook(state: _LocalNorms, bucket):
@@ -112,7 +135,9 @@ def _local_norms_hook(state: _LocalNorms, bucket):
     if all(p is None for p in preconditions):
         state.total += squared_norm(grads)
     else:
-        state.total += squared_norm(grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)])
+        state.total += squared_norm(
+            grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
+        )
     buffer = bucket.buffer()
     if not bucket.is_last():
         return dist.all_reduce(buffer.div_(state.world), async_op=True).get_future().then(lambda f: f.value()[0])
@@ -139,20 +164,40 @@ def _print_stats(stats: JobStats) -> None:
 
 
 class AdaptiveTraining:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset, *,
-                 init_batch: int, max_batch: int | None = None, max_local: int | None = None, min_local: int = 1,
-                 lr_rule: str | None = None, warmup_epochs: float = 0.0, target_epochs: float | None = None,
-                 checkpoint_path: str | Path | None = None, seed: int = 0, retune_every: int = RETUNE_EVERY,
-                 collate: Callable = default_collate, adaptive: bool = True,
-                 report: Callable[[JobStats], None] | None = None, report_every_s: float = REPORT_EVERY_S,
-                 checkpoint_every_s: float | None = CHECKPOINT_EVERY_S):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Dataset,
+        *,
+        init_batch: int,
+        max_batch: int | None = None,
+        max_local: int | None = None,
+        min_local: int = 1,
+        lr_rule: str | None = None,
+        warmup_epochs: float = 0.0,
+        target_epochs: float | None = None,
+        checkpoint_path: str | Path | None = None,
+        seed: int = 0,
+        retune_every: int = RETUNE_EVERY,
+        collate: Callable = default_collate,
+        adaptive: bool = True,
+        report: Callable[[JobStats], None] | None = None,
+        report_every_s: float = REPORT_EVERY_S,
+        checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
+    ):
         self.placement = Placement.from_env()
         # A GPU per worker where there are GPUs (the executor makes one visible to each), else the CPU.
-        self.device = (torch.device("cuda", self.placement.local_rank % torch.cuda.device_count())
-                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", self.placement.local_rank % torch.cuda.device_count())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.dataset, self.collate = dataset, collate
         self.optimizer = optimizer
-        self.limits = BatchLimits(init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch))
+        self.limits = BatchLimits(
+            init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch)
+        )
         self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self._group_of = self._groups()
@@ -168,15 +213,15 @@ class AdaptiveTraining:
         self._reported = time.monotonic()
         self.order = ElasticOrder(len(dataset), seed)
         self.noise = NoiseScale(init_batch)
-        self.progress = 0.0                        # statistical progress, in M0-examples
+        self.progress = 0.0  # statistical progress, in M0-examples
         self.steps = 0
         self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.m, self.s = self._initial_batch()
         self.model, self._norms = self._distribute(model.to(self.device))
-        self._previous: list[torch.Tensor] | None = None      # the last gradient (differenced estimator)
-        self._micro = 0                                       # micro-batches done in this step
-        self._micro_norms: list[float] = []                   # and their own gradients' squared norms
-        self.skipped = 0                                      # steps with a non-finite gradient
+        self._previous: list[torch.Tensor] | None = None  # the last gradient (differenced estimator)
+        self._micro = 0  # micro-batches done in this step
+        self._micro_norms: list[float] = []  # and their own gradients' squared norms
+        self.skipped = 0  # steps with a non-finite gradient
         self._started = 0.0
         self._stop = False
         self._order_before = self.order.state_dict()
@@ -202,8 +247,13 @@ class AdaptiveTraining:
         self.save()
         return "done"
 
-    def profile(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor], points: int = profiling.PROFILE_POINTS,
-                steps: int = profiling.PROFILE_STEPS, budget_s: float = profiling.PROFILE_BUDGET_S) -> ProfileRun:
+    def profile(
+        self,
+        loss_of: Callable[[torch.nn.Module, Any], torch.Tensor],
+        points: int = profiling.PROFILE_POINTS,
+        steps: int = profiling.PROFILE_STEPS,
+        budget_s: float = profiling.PROFILE_BUDGET_S,
+    ) -> ProfileRun:
         """The profiling run: time `steps` optimizer steps (one replica, no accumulation) at each
         batch size from the job's smallest to its largest per-GPU batch, until one runs out of
         memory or the budget is spent."""
@@ -211,7 +261,7 @@ class AdaptiveTraining:
             raise ValueError(f"a profiling run takes one GPU, not {self.placement.world}")
         if os.environ.get(SLOT_MEMORY_ENV):
             profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
-        self.adaptive, self.report = False, None       # the batch is ours to choose; nothing to report
+        self.adaptive, self.report = False, None  # the batch is ours to choose; nothing to report
         measured, out_of_memory, spent = [], None, 0.0
         for m in profiling.batch_sizes(self.limits.min_local, self.limits.max_local, points):
             self.m, self.s = m, 0
@@ -222,7 +272,7 @@ class AdaptiveTraining:
                     self.train_step(loss_of)
                     self._synchronize()
                     times.append(time.perf_counter() - start)
-            except Exception as error:  # noqa: BLE001 - only an out-of-memory is a data point
+            except Exception as error:
                 if not profiling.is_out_of_memory(error):
                     raise
                 out_of_memory = m
@@ -247,7 +297,7 @@ class AdaptiveTraining:
         self._order_before = self.order.state_dict()
         p = self.placement
         for indices in self.order.step(p.rank, p.world, self.m, self.s):
-            if isinstance(self.dataset, TensorDataset):          # tensors in memory: one gather each
+            if isinstance(self.dataset, TensorDataset):  # tensors in memory: one gather each
                 batch = tuple(tensor[indices] for tensor in self.dataset.tensors)
             else:
                 batch = self.collate([self.dataset[int(i)] for i in indices])
@@ -265,12 +315,12 @@ class AdaptiveTraining:
             scaled.backward()
         if self.placement.world == 1 and self.s > 0:
             self._record_micro_gradient()
-        self._micro += 1                 # (no loss.item(): on a GPU it would wait for the step)
+        self._micro += 1  # (no loss.item(): on a GPU it would wait for the step)
 
     def step(self) -> None:
         """The optimizer step, with everything around it (see the module doc)."""
         local_sqr, stop, save = self._agree()
-        if stop:                                   # this step is dropped: resume re-runs its examples
+        if stop:  # this step is dropped: resume re-runs its examples
             self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
             self.optimizer.zero_grad(set_to_none=False)
             self.save()
@@ -279,7 +329,7 @@ class AdaptiveTraining:
         params = self._parameters()
         grads = [p.grad.detach() for p in params]
         mean_sqr = self._norm(grads, params)
-        if not math.isfinite(mean_sqr):                       # NaN/Inf somewhere: skipped, never learned from
+        if not math.isfinite(mean_sqr):  # NaN/Inf somewhere: skipped, never learned from
             self.optimizer.zero_grad(set_to_none=False)
             self.skipped += 1
             self._previous = None
@@ -300,7 +350,7 @@ class AdaptiveTraining:
             self.retune()
         if time.monotonic() - self._reported >= self.report_every_s:
             self._report()
-        if save:                         # a crash then loses at most checkpoint_every_s of training
+        if save:  # a crash then loses at most checkpoint_every_s of training
             self.save()
 
     def done(self) -> bool:
@@ -325,14 +375,24 @@ class AdaptiveTraining:
     def stats(self) -> JobStats:
         """What the job has measured, as it reports it (`report`, every `report_every_s`)."""
         noise = self.noise.stats()
-        return JobStats(os.environ.get(JOB_ENV, "job"), os.environ.get(GPU_TYPE_ENV, "cpu"),
-                        tuple(self.observations()), *(noise or (None, None)), self.epochs, self.steps,
-                        self.m, self.s, self.skipped)
+        return JobStats(
+            os.environ.get(JOB_ENV, "job"),
+            os.environ.get(GPU_TYPE_ENV, "cpu"),
+            tuple(self.observations()),
+            *(noise or (None, None)),
+            self.epochs,
+            self.steps,
+            self.m,
+            self.s,
+            self.skipped,
+        )
 
     def observations(self) -> list[Observation]:
         """Each configuration run, with the median of its recent step times."""
-        return [Observation(nodes, gpus, m, s, float(torch.tensor(times).median()))
-                for (nodes, gpus, m, s), times in sorted(self.timings.items())]
+        return [
+            Observation(nodes, gpus, m, s, float(torch.tensor(times).median()))
+            for (nodes, gpus, m, s), times in sorted(self.timings.items())
+        ]
 
     def retune(self) -> None:
         """Re-pick (m, s) for the most goodput on this placement (rank 0 decides for all)."""
@@ -340,8 +400,9 @@ class AdaptiveTraining:
         if self.placement.rank == 0:
             stats = self.noise.stats()
             try:
-                model = GoodputModel(fit_throughput(self.observations()), *(stats or (None, None)),
-                                     self.limits.init_batch)
+                model = GoodputModel(
+                    fit_throughput(self.observations()), *(stats or (None, None)), self.limits.init_batch
+                )
                 _, m, s = model.retune(self.placement.nodes, self.placement.world, self.limits, (self.m, self.s))
                 if m > 0:
                     choice = torch.tensor([m, s], device=self.device)
@@ -410,11 +471,16 @@ class AdaptiveTraining:
 
     def _save_due(self) -> bool:
         """Rank 0's clock decides when a periodic checkpoint is due (the others agree through it)."""
-        return (self.checkpoint_path is not None and self.checkpoint_every_s is not None and self.placement.rank == 0
-                and time.monotonic() - self._saved >= self.checkpoint_every_s)
+        return (
+            self.checkpoint_path is not None
+            and self.checkpoint_every_s is not None
+            and self.placement.rank == 0
+            and time.monotonic() - self._saved >= self.checkpoint_every_s
+        )
 
-    def _estimate_noise(self, batch: int, local_sqr: float, params: list[torch.Tensor], grads: list[torch.Tensor],
-                        mean_sqr: float) -> None:
+    def _estimate_noise(
+        self, batch: int, local_sqr: float, params: list[torch.Tensor], grads: list[torch.Tensor], mean_sqr: float
+    ) -> None:
         if self.placement.world > 1:
             sample = from_replicas(local_sqr, mean_sqr, self.m * (self.s + 1), self.placement.world)
         elif self.s > 0:
@@ -425,8 +491,11 @@ class AdaptiveTraining:
             sample = None
             if self._previous is not None and len(self._previous) == len(grads):
                 preconditions = [self._preconditioner(p) for p in params]
-                use = None if all(p is None for p in preconditions) else \
-                    [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
+                use = (
+                    None
+                    if all(p is None for p in preconditions)
+                    else [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
+                )
                 sample = from_consecutive(self._previous, grads, batch, use)
             self._previous = [g.clone() for g in grads]
         if sample is not None:
@@ -454,11 +523,18 @@ class AdaptiveTraining:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def state_dict(self) -> dict:
-        return {"model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
-                "order": self.order.state_dict(), "noise": self.noise.state_dict(), "progress": self.progress,
-                "steps": self.steps, "batch": [self.m, self.s], "base_lrs": self.base_lrs,
-                "placement": [self.placement.world, self.placement.nodes],
-                "timings": [[list(key), times] for key, times in self.timings.items()]}
+        return {
+            "model": self._module().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "order": self.order.state_dict(),
+            "noise": self.noise.state_dict(),
+            "progress": self.progress,
+            "steps": self.steps,
+            "batch": [self.m, self.s],
+            "base_lrs": self.base_lrs,
+            "placement": [self.placement.world, self.placement.nodes],
+            "timings": [[list(key), times] for key, times in self.timings.items()],
+        }
 
     def save(self) -> None:
         """Checkpoint (rank 0 writes; every rank holds the same state), and report what it
@@ -486,8 +562,8 @@ class AdaptiveTraining:
             return
         self._module().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self._group_of = self._groups()                         # loading made new group dicts
-        self.base_lrs = state["base_lrs"]               # the optimizer's lr was the scaled one
+        self._group_of = self._groups()  # loading made new group dicts
+        self.base_lrs = state["base_lrs"]  # the optimizer's lr was the scaled one
         self.order = ElasticOrder.from_state(len(self.dataset), state["order"])
         self.noise.load_state_dict(state["noise"])
         self.progress, self.steps = state["progress"], state["steps"]
@@ -496,8 +572,9 @@ class AdaptiveTraining:
         if [self.placement.world, self.placement.nodes] != state["placement"]:
             # Another allocation: the same total batch split over it, then re-picked for it.
             m, s = state["batch"]
-            self.m, self.s = split_batch(state["placement"][0] * m * (s + 1), self.placement.world,
-                                         self.limits.max_local)
+            self.m, self.s = split_batch(
+                state["placement"][0] * m * (s + 1), self.placement.world, self.limits.max_local
+            )
             self.m = max(self.m, self.limits.min_local)
             if self.adaptive:
                 self.retune()
@@ -526,4 +603,3 @@ def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {key: _to(value, device) for key, value in batch.items()}
     return batch
-
