@@ -1,0 +1,177 @@
+"""The jobs stream: a submission (JobSpec) from a user or a replay, the profiler's claim on its id
+(JobOwner) and its verdict on it (Profiled, or Rejected on the dead-letter subject), and a user's
+Cancel; the executors read them all."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from goodput_train.protocol import PositiveInt
+from shared.schema.base import (
+    MAX_GPU_TYPES,
+    MAX_SUBMIT_S,
+    SCHEMA_VERSION,
+    BatchSize,
+    GpuCount,
+    GpuName,
+    Identifier,
+)
+
+
+class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A job submission (`goodput submit JOB.yaml`). Unknown fields are refused, not ignored: a typo
+    in a field name must not silently change a job.
+
+    By default a job is adaptive: the scheduler picks its GPUs (type and count) and batch size.
+    `rigid` fixes its GPU count at requested_gpus; `strong_scaling` fixes its total batch at
+    requested_batch (goodput is then throughput).
+    """
+
+    id: Identifier
+    application: Identifier  # the model: a profile name (zoo or reference data)
+    requested_gpus: GpuCount = 1
+    requested_batch: BatchSize | None = None
+    min_gpus: GpuCount = 1
+    rigid: bool = False
+    strong_scaling: bool = False
+    gpu_types: Annotated[tuple[GpuName, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()  # allowed; empty: any
+    # A replayed workload's submission time; None: live (now). Only replays may set it.
+    submit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBMIT_S)] | None = None
+    version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.strong_scaling and self.requested_batch is None:
+            raise ValueError("a strong-scaling job needs requested_batch")
+        if self.min_gpus > self.requested_gpus and self.rigid:
+            raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
+        if len(set(self.gpu_types)) != len(self.gpu_types):
+            raise ValueError("gpu_types lists a type twice")
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """Why a message was refused, kept on the dead-letter subject with what could be read of it."""
+
+    subject: str
+    reason: str
+    job_id: str | None = None
+    payload: str = ""  # the start of the message, for the record
+    version: int = SCHEMA_VERSION
+    # The stream sequence of the submission refused; None when none could be read as one (malformed).
+    # A verdict touches only the job of that very submission, never one another submission holds.
+    submission: int | None = None
+    application: str | None = None  # the refused submission's, when it could be read
+
+
+MAX_RECORDED_PAYLOAD = 512
+
+
+def readable_fields(data: bytes) -> dict[str, str]:
+    """The id and the application of a submission that is otherwise malformed (a typo'd field, a bad
+    value, too large), those that can be read: its refusal is then listed as the job's own."""
+    from shared.bus import is_json
+    from shared.nesting import check_json, too_deep
+
+    try:
+        with too_deep():  # as the bus reads it: one nested too deep is not read
+            if is_json(data):
+                check_json(data)
+            document = (msgspec.json.decode if is_json(data) else msgspec.msgpack.decode)(data)
+    except msgspec.DecodeError:
+        return {}
+    found = {}
+    for field in ("id", "application") if isinstance(document, dict) else ():
+        try:
+            found[field] = msgspec.convert(document[field], Identifier)
+        except (msgspec.ValidationError, KeyError):
+            pass
+    return found
+
+
+def readable_id(data: bytes) -> str | None:
+    """The job id of a submission that is otherwise malformed, when one can be read: its rejection
+    is then the job's own (it ends failed, with the reason), not only a dead letter."""
+    return readable_fields(data).get("id")
+
+
+def rejection(
+    subject: str,
+    reason: str,
+    data: bytes | Any = b"",
+    job_id: str | None = None,
+    submission: int | None = None,
+    application: str | None = None,
+) -> Rejected:
+    """The record of a refused submission; its application, unless given, read from `data` when it can be."""
+    text = data.decode("utf-8", "replace") if isinstance(data, bytes) else repr(data)
+    if application is None and isinstance(data, bytes):
+        application = readable_fields(data).get("application")
+    return Rejected(
+        subject, reason, job_id, text[:MAX_RECORDED_PAYLOAD], submission=submission, application=application
+    )
+
+
+def spec_digest(spec: JobSpec) -> str:
+    """A submission's fingerprint, whatever its encoding: the same job sent again has the same."""
+    import hashlib
+
+    return hashlib.sha256(msgspec.msgpack.encode(spec)).hexdigest()
+
+
+def submission_msg_id(spec: JobSpec) -> str:
+    """The Nats-Msg-Id a submission is stored under: JetStream drops the same body sent again (a
+    retry), and takes a corrected body under the same job id (docs/api.md)."""
+    return f"{spec.id}.{spec_digest(spec)[:16]}"
+
+
+class JobOwner(msgspec.Struct, frozen=True):
+    """Profiler (KV, by job id): the submission that holds a job's id, from its first valid
+    submission on; a refused one gives the id up. `submission` 0 is the API's mark while it stores
+    a submission (`since`: when, wall-clock): the first one stored under the id takes it over."""
+
+    submission: int  # its stream sequence (0: being stored by the API)
+    digest: str  # of its JobSpec: the same job sent again is a repeat
+    subject: str  # where it came (a login's stored submission, an operator's replay)
+    since: float = 0.0  # a mark's time: one older than MARK_TTL_S is void
+
+    @property
+    def marking(self) -> bool:
+        return self.submission == 0
+
+    @property
+    def login(self) -> str:
+        """The login whose job it is ("": the operator's replay)."""
+        from shared.subjects import of_login
+
+        return of_login(self.subject)[1]
+
+
+MARK_TTL_S = 30.0  # a mark whose API replica died before it stored the submission stops holding the id
+
+
+def verdict_for(verdict_submission: int | None, held_by: int) -> bool:
+    """Whether a verdict is on the submission that holds the job (a verdict naming none is not)."""
+    return verdict_submission is not None and verdict_submission == held_by
+
+
+class Profiled(msgspec.Struct, frozen=True):
+    """Profiler -> executors (JetStream): the job's profiles are with the estimator, it may run. A
+    real profiling run also says the batch sizes the job declares (M0 and its largest)."""
+
+    job_id: str
+    init_batch: PositiveInt | None = None
+    max_batch: PositiveInt | None = None
+    submission: int | None = None  # the stream sequence of the submission profiled
+
+
+CANCELLED = "cancelled by its user"  # the reason a cancelled job ended
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    """API -> the jobs stream (CANCEL) -> executors: stop this job. A queued one never starts, a
+    running one's workers checkpoint and stop; it ends `cancelled`. Cancelling an ended job does
+    nothing."""
+
+    job_id: Identifier
+    version: int = SCHEMA_VERSION
