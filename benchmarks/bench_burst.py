@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_burst.py [--jobs 2000] [--round 2] [--speed 600]
 
 The embedded stack serves as `goodput up --workload none --round R --speed S` does (a NATS server,
-the five services as processes, the live run on `sia-hetero-64`). A client with nats-py alone
+the six services as processes, the live run on `sia-hetero-64`). A client with nats-py alone
 publishes `--jobs` small JobSpecs (cifar10, msgpack, Nats-Msg-Id = the id) all at once, then the
 run is followed until every job has finished. Prints:
 
@@ -32,6 +32,7 @@ from launcher.live_run import live_request
 from launcher.nats import embedded_nats
 from launcher.stack import ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
+from shared.lifecycle import JobState
 from shared.schema import JobRecords, JobsQuery
 from shared.settings import FEEDBACK_ITERATIONS
 
@@ -86,9 +87,9 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
             while True:
                 records = (await bus.request(subjects.RECORDS, JobsQuery("burst-"), JobRecords, timeout=60)).jobs
                 states = [r.state for r in records]
-                if profiled_s is None and len(states) == args.jobs and "profiling" not in states:
+                if profiled_s is None and len(states) == args.jobs and JobState.PROFILING not in states:
                     profiled_s = time.perf_counter() - started
-                if len(states) == args.jobs and all(s == "finished" for s in states):
+                if len(states) == args.jobs and all(s == JobState.FINISHED for s in states):
                     break
                 if time.perf_counter() - started > args.timeout:
                     raise SystemExit(

@@ -1,4 +1,4 @@
-"""Real jobs over the node agents: the executor service's side of `--executors local`.
+"""Real jobs over the node agents: the executor service's side of `--executors real`.
 
 `LocalExecutors` keeps each job's workers where the rounds place it. A placement is a list of
 (node, GPUs); each node's agent (`services.executor.node`) starts its share of the ranks, in

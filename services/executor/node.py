@@ -1,4 +1,4 @@
-"""A node agent: the workers of one node (`python -m services.executor --executors local --node NAME`).
+"""A node agent: the workers of one node (`python -m services.executor --executors real --node NAME`).
 
 It serves only its node: its GPUs (CUDA devices, one per worker; CPU slots standing in for them
 where there are none) and their type. It registers the node in KV (`NodeInfo`, renewed every

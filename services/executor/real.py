@@ -1,4 +1,4 @@
-"""The executor service over real training processes (`--executors local`), on the node agents.
+"""The executor service over real training processes (`--executors real`), on the node agents.
 
 It answers the round's requests as the simulated executors do — facts, apply, advance, live,
 records — for jobs that really train (`LocalExecutors`: a worker process per GPU, or per CPU slot,
@@ -12,7 +12,8 @@ with their measured step times, to the estimator, and the jobs that finished or 
 last. A job the profiler refused is kept as failed, with the profiler's reason. Every job is kept
 in KV (`NodeJob`), so an agent started again (kill -9, an upgrade) goes on with them.
 
-`RealExecutors` is the bookkeeping, without the bus; `start` is the service around it.
+`RealExecutors` is the bookkeeping, without the bus; `RealExecutorService` answers the bus over
+it, a handler a method; `start` builds it and wires the handlers to the bus.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus, TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_nodes
-from shared.runner import positive_float
+from shared.lifecycle import JobState, check_transition, job_state
+from shared.runner import executors_kind, positive_float
 from shared.schema import (
     CANCELLED,
     Ack,
@@ -74,7 +76,11 @@ log = logging.getLogger(__name__)
 
 class RealExecutors:
     """The real jobs (`NodeJob`s beside `LocalExecutors`' workers), on the run's clock: its time is
-    the last request's, plus the wall clock since."""
+    the last request's, plus the wall clock since. Its jobs' moves, one method each: `submitted`
+    (-> profiling, or rejected: its code is not here), `profiled` (profiling -> queued), `rejected`
+    (profiling -> rejected), `cancelled` (profiling, queued or running -> cancelled), `apply`
+    (queued <-> running; -> failed), `poll` (running -> finished or failed), `serve_nodes` (running
+    -> queued: its nodes are gone). Each passes its change through `check_transition`."""
 
     def __init__(self, executors: LocalExecutors, spec: Cluster | None = None):
         self.executors = executors
@@ -101,6 +107,29 @@ class RealExecutors:
         """A request at `now`: the clock is set by it (never back: a late request is an old round's)."""
         if now >= self.now():
             self._clock = (now, time.monotonic())
+
+    # ---- a job's state ------------------------------------------------------------------------
+
+    def state_of(self, job: NodeJob) -> JobState:
+        """A job's place in the lifecycle: where its workers are, else where they were when saved."""
+        local = self.executors.jobs.get(job.key)
+        return job_state(
+            finished=job.finish_s is not None,
+            cancelled=job.cancelled,
+            failed=bool(job.failure),
+            profiled=job.profiled is not None,
+            placed=bool(local.placement if local is not None else job.placement),
+        )
+
+    def _states(self) -> dict[str, JobState]:
+        return {key: self.state_of(job) for key, job in self.jobs.items()}
+
+    def _moved(self, before: dict[str, JobState]) -> None:
+        """Every job's change since `before` is a move a job makes (else IllegalTransition)."""
+        for key, state in before.items():
+            job = self.jobs.get(key)
+            if job is not None:
+                check_transition(state, self.state_of(job), key)
 
     # ---- kept in KV -------------------------------------------------------------------------
 
@@ -174,10 +203,13 @@ class RealExecutors:
             log.warning("job %s: a verdict on another submission under its id is ignored", message.job_id)
         elif job.cancelled:
             return  # cancelled while it was being profiled: it never starts
-        elif message.init_batch is None:  # a trace-backed profiler's word
-            job.failure = "profiled without a run of its own: real jobs need the profiler with --executors local"
         else:
-            job.profiled, job.trace = message, job.trace or trace
+            before = self.state_of(job)
+            if message.init_batch is None:  # a trace-backed profiler's word
+                job.failure = "profiled without a run of its own: real jobs need the profiler with --executors real"
+            else:
+                job.profiled, job.trace = message, job.trace or trace
+            check_transition(before, self.state_of(job), job.key)
 
     def profile_asked(self, job_id: str, node: str) -> None:
         """The profiler asked `node` for a run of the job (what its status says while it is profiled)."""
@@ -201,9 +233,11 @@ class RealExecutors:
         job = self.jobs.get(message.job_id)
         if job is None or job.finish_s is not None or job.failure is not None:
             return
+        before = self.state_of(job)
         if message.job_id in self.executors.jobs:  # first: it reads as cancelled once its workers are gone
             self.executors.cancel(message.job_id)
         job.failure, job.cancelled = CANCELLED, True
+        check_transition(before, self.state_of(job), job.key)
 
     def rejected(self, message: Rejected, sequence: int = 0, _: str = "", owner: str = "") -> None:
         """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
@@ -230,7 +264,9 @@ class RealExecutors:
                 message.reason,
             )
         else:
+            before = self.state_of(job)
             job.failure = message.reason
+            check_transition(before, self.state_of(job), job.key)
 
     # ---- the nodes --------------------------------------------------------------------------
 
@@ -247,7 +283,9 @@ class RealExecutors:
         self.lost = (self.lost | (set(self.members) - set(members))) - set(members)
         gone = {node for local in self.executors.jobs.values() for node, _ in local.parts} - set(usable)
         if gone:
+            before = self._states()
             stopped = self.executors.lose(gone, lost=gone - set(members))
+            self._moved(before)
             if stopped:
                 log.warning(
                     "jobs %s stopped: their nodes %s are gone; they are placed again",
@@ -361,6 +399,7 @@ class RealExecutors:
         if now < self.latest_s:
             return
         self.latest_s = now
+        before = self._states()
         for name, reason in (failed or {}).items():  # the round gave up on it (or heard it was cancelled)
             job = self.jobs.get(name)
             if job is not None and job.finish_s is None:
@@ -383,10 +422,12 @@ class RealExecutors:
             spots = tuple((node, len(ranks)) for node, ranks in local.parts) if local is not None else ()
             if spots and (not job.placements or job.placements[-1].spots != spots):
                 job.placements += (Placed(now, spots),)
+        self._moved(before)
 
     def poll(self) -> bool:
         """Look at the workers: a job that finished or failed is timed now, on the run's clock.
         Whether anything worth keeping changed."""
+        before = self._states()
         finished = set(self.executors.poll())
         changed = bool(finished)
         for name, job in self.jobs.items():
@@ -396,6 +437,7 @@ class RealExecutors:
             elif local is not None and local.failure and job.failure is None:
                 job.failure, changed = local.failure, True
             changed |= local is not None and (local.crashes, local.restarts) != (job.crashes, job.restarts)
+        self._moved(before)
         return changed
 
     def advance(self, now: float, step: float, names) -> AdvanceReply:
@@ -448,19 +490,7 @@ class RealExecutors:
         for job in self.saved():
             # Its time is from its submission (profiling and the wait included); refused before it arrived: none.
             submit = next((t for t in (job.submitted_s, job.arrival_s) if t is not None), math.nan)
-            state = (
-                "finished"
-                if job.finish_s is not None
-                else "cancelled"
-                if job.cancelled
-                else ("failed" if job.profiled is not None else "rejected")
-                if job.failure
-                else "profiling"
-                if job.profiled is None
-                else "running"
-                if job.placement
-                else "queued"
-            )
+            state = self.state_of(job)
             local = self.executors.jobs.get(job.key)
             records.append(
                 JobRecord(
@@ -480,14 +510,14 @@ class RealExecutors:
                     batch=local.batch() if local else None,
                     placements=job.placements,
                     reason=self.waiting_for(job)
-                    if state == "profiling"
+                    if state == JobState.PROFILING
                     else _queued_reason(queued)
-                    if state == "queued"
+                    if state == JobState.QUEUED
                     else None,
                     owner=job.owner,
                 )
             )
-            queued += state == "queued"
+            queued += state == JobState.QUEUED
         return records
 
 
@@ -531,8 +561,9 @@ def _key(observation: Observation) -> tuple[int, int, int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executors",
-        choices=["local"],
-        default="local",
+        type=executors_kind,
+        choices=["real"],
+        default="real",
         help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m services.simulated)",
     )
     parser.add_argument("--node", help="serve this node as its agent (its workers), not the executor service")
@@ -599,6 +630,141 @@ async def live_members(
     return await members.values(), set(await drained.keys())
 
 
+class RealExecutorService:
+    """The real executors' answers to the bus, over `RealExecutors` (the jobs' bookkeeping, kept in
+    KV) and the node agents' membership. A job's moves, one handler each:
+
+    - `on_event`, by the jobs stream's subject: a submission read -> profiling; the profiler's
+      acceptance: profiling -> queued; a refusal: profiling -> rejected; a cancel: profiling,
+      queued or running -> cancelled
+    - `on_apply` (a round's placements): queued <-> running; -> failed (the round gave up on it)
+    - `watch` (the workers looked at): running -> finished or failed; a job whose workers finished
+      as they were being stopped -> finished
+    - `on_live` (a round begins): running -> queued for the jobs on nodes lost or drained
+
+    `on_advance` looks at the workers as `watch` does, counts the round and reports what the jobs
+    measured; `on_drain`, `on_nodes` and `on_profile_request` concern the nodes. Every change is in
+    KV before a request is answered (`save`)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        agent: RealExecutors,
+        states: TypedKV[NodeJob],
+        members: TypedKV[NodeInfo],
+        drained: TypedKV[DrainRequest],
+    ):
+        self.bus = bus
+        self.agent = agent
+        self.states = states
+        self.members = members
+        self.drained = drained
+        self.turn = asyncio.Lock()  # one change at a time: a request asked again waits, then finds it done
+        self.kept: dict[str, bytes] = {}  # what KV holds of each job: only a job that changed is written
+        self.watching: asyncio.Task | None = None
+
+    async def load(self) -> None:
+        """Take back the jobs KV holds, once the workers a predecessor left have checkpointed and stopped."""
+        for job in sorted((await self.states.values()).values(), key=lambda job: job.seen):  # in the order they came
+            self.agent.restore(job)
+        await asyncio.to_thread(self.agent.executors.stop_leftovers)
+
+    async def save(self) -> None:
+        for job in self.agent.saved():
+            state = msgspec.msgpack.encode(job)
+            if self.kept.get(job.key) != state:
+                await self.states.put(job.key, job)
+                self.kept[job.key] = state
+
+    async def on_event(self, message: msgspec.Raw, delivery) -> None:
+        """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
+        subject, owner = subjects.of_login(delivery.raw.subject)
+        take, kind = EVENTS[subject]
+        try:
+            event = self.bus.decode(message, kind)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # a malformed submission: the profiler records it, with the reason
+        async with self.turn:  # in a thread: a cancel waits for its workers to checkpoint
+            await asyncio.to_thread(take, self.agent, event, delivery.stream_sequence, delivery.traceparent, owner)
+            await self.save()
+
+    async def on_apply(self, request: ApplyRequest) -> Ack:
+        agent = self.agent
+        async with self.turn:
+            agent.tick(request.now_s)
+            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive, request.failed)
+            await self.save()
+        return Ack()
+
+    async def on_advance(self, request: AdvanceRequest) -> AdvanceReply:
+        agent = self.agent
+        async with self.turn:
+            agent.tick(request.now_s)
+            reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
+            await self.save()  # the round's counts, before the estimator is waited for
+            for message in agent.observations():
+                agent.reported(message, await endpoints.report(self.bus, message))
+            await self.save()
+        return reply
+
+    async def live_members(self) -> tuple[dict[str, NodeInfo], set[str]]:
+        return await live_members(self.members, self.drained)
+
+    async def on_live(self, request: LiveJobsRequest) -> LiveJobs:
+        """A round begins: its nodes (the live ones; jobs on lost or drained ones stop), its jobs."""
+        live_nodes = await self.live_members()
+        agent = self.agent
+        async with self.turn:
+            agent.tick(request.now_s)
+            nodes = await asyncio.to_thread(agent.serve_nodes, *live_nodes)
+            live = agent.arrive(request.now_s)
+            await self.save()
+        return LiveJobs(tuple(live), nodes)
+
+    async def on_drain(self, request: DrainRequest) -> DrainAnswer:
+        if not node.NODE_NAME.match(request.node):
+            raise ValueError(f"{request.node[:100]!r} is no node name: 1-64 letters, digits, '-' or '_'")
+        if request.undo:
+            await self.drained.delete(request.node)
+        else:
+            await self.drained.put(request.node, request)
+        known = request.node in (await self.live_members())[0]
+        return DrainAnswer(request.node, not request.undo, tuple(self.agent.jobs_on(request.node)), known)
+
+    async def on_nodes(self, _: Ack) -> NodeStatuses:
+        return self.agent.node_statuses(*await self.live_members())
+
+    async def on_profile_request(self, request: ProfileRequest, raw) -> None:
+        """Where the profiler runs a job (its requests to the agents, read as they pass): its status says so."""
+        profiled_on = subjects.node_of_subject(raw.subject, "profile")
+        if profiled_on is not None:
+            self.agent.profile_asked(request.job_id, profiled_on)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                async with self.turn:
+                    if await asyncio.to_thread(self.agent.poll):
+                        await self.save()
+            except Exception:
+                log.exception("looking at the workers failed")
+
+    async def stop_workers(self) -> None:
+        if self.watching is not None:
+            self.watching.cancel()
+        async with self.turn:  # no request half done; then no worker is started again
+            await asyncio.to_thread(self.agent.executors.stop_all)
+
+    def count(self, prefix: str) -> int:
+        """Jobs whose id begins with `prefix` that have the profiler's verdict."""
+        return sum(
+            1
+            for name, job in self.agent.jobs.items()
+            if name.startswith(prefix) and (job.profiled is not None or job.failure)
+        )
+
+
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     if args.node:
         return await node.start(bus, args)
@@ -620,97 +786,19 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     agent = RealExecutors(executors, load_cluster(args.cluster) if args.cluster else None)
     # Every job is in KV, written before a request is answered: a restarted executor goes on with
     # them, once the workers its predecessor left have checkpointed and stopped.
-    states = await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob)
-    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
-    drained = await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest)
-    for job in sorted((await states.values()).values(), key=lambda job: job.seen):  # in the order they came
-        agent.restore(job)
-    await asyncio.to_thread(agent.executors.stop_leftovers)
-    turn = asyncio.Lock()  # one change at a time: a request asked again waits, then finds it done
-
-    kept: dict[str, bytes] = {}  # what KV holds of each job: only a job that changed is written
-
-    async def save() -> None:
-        for job in agent.saved():
-            state = msgspec.msgpack.encode(job)
-            if kept.get(job.key) != state:
-                await states.put(job.key, job)
-                kept[job.key] = state
-
-    async def on_event(message: msgspec.Raw, delivery) -> None:
-        """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
-        subject, owner = subjects.of_login(delivery.raw.subject)
-        take, kind = EVENTS[subject]
-        try:
-            event = bus.decode(message, kind)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # a malformed submission: the profiler records it, with the reason
-        async with turn:  # in a thread: a cancel waits for its workers to checkpoint
-            await asyncio.to_thread(take, agent, event, delivery.stream_sequence, delivery.traceparent, owner)
-            await save()
-
-    async def on_apply(request: ApplyRequest) -> Ack:
-        async with turn:
-            agent.tick(request.now_s)
-            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive, request.failed)
-            await save()
-        return Ack()
-
-    async def on_advance(request: AdvanceRequest) -> AdvanceReply:
-        async with turn:
-            agent.tick(request.now_s)
-            reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
-            await save()  # the round's counts, before the estimator is waited for
-            for message in agent.observations():
-                agent.reported(message, await endpoints.report(bus, message))
-            await save()
-        return reply
-
-    async def on_live(request: LiveJobsRequest) -> LiveJobs:
-        """A round begins: its nodes (the live ones; jobs on lost or drained ones stop), its jobs."""
-        live_nodes = await live_members(members, drained)
-        async with turn:
-            agent.tick(request.now_s)
-            nodes = await asyncio.to_thread(agent.serve_nodes, *live_nodes)
-            live = agent.arrive(request.now_s)
-            await save()
-        return LiveJobs(tuple(live), nodes)
-
-    async def on_drain(request: DrainRequest) -> DrainAnswer:
-        if not node.NODE_NAME.match(request.node):
-            raise ValueError(f"{request.node[:100]!r} is no node name: 1-64 letters, digits, '-' or '_'")
-        if request.undo:
-            await drained.delete(request.node)
-        else:
-            await drained.put(request.node, request)
-        known = request.node in (await live_members(members, drained))[0]
-        return DrainAnswer(request.node, not request.undo, tuple(agent.jobs_on(request.node)), known)
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(POLL_S)
-            try:
-                async with turn:
-                    if await asyncio.to_thread(agent.poll):
-                        await save()
-            except Exception:
-                log.exception("looking at the workers failed")
-
-    async def stop_workers() -> None:
-        watching.cancel()
-        async with turn:  # no request half done; then no worker is started again
-            await asyncio.to_thread(agent.executors.stop_all)
-
-    # Where the profiler runs each job (its requests to the agents, read as they pass): its status says so.
-    async def on_profile_request(request: ProfileRequest, raw) -> None:
-        node = subjects.node_of_subject(raw.subject, "profile")
-        if node is not None:
-            agent.profile_asked(request.job_id, node)
+    service = RealExecutorService(
+        bus,
+        agent,
+        await storage.open_kv(bus, subjects.NODE_JOBS_BUCKET, NodeJob),
+        await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo),
+        await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest),
+    )
+    await service.load()
 
     await bus.subscribe(
         subjects.node_subject("*", "profile"),
         ProfileRequest,
-        on_profile_request,
+        service.on_profile_request,
         with_raw=True,
         span_name="executor.profile-seen",
     )
@@ -722,28 +810,22 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         span_name="executor.job-event",
         dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER),
     )
-    loop.create_task(consumer.consume(on_event, with_delivery=True))
-    watching = loop.create_task(watch())
-    bus.on_close(stop_workers)
+    loop.create_task(consumer.consume(service.on_event, with_delivery=True))
+    service.watching = loop.create_task(service.watch())
+    bus.on_close(service.stop_workers)
 
-    service = await endpoints.serve_round(
+    endpoint_service = await endpoints.serve_round(
         bus,
         "real jobs on the node agents",
         facts=agent.facts,
-        apply=on_apply,
-        advance=on_advance,
-        live=on_live,
+        apply=service.on_apply,
+        advance=service.on_advance,
+        live=service.on_live,
         records=agent.records,
-        count=lambda prefix: sum(
-            1
-            for name, job in agent.jobs.items()
-            if name.startswith(prefix) and (job.profiled is not None or job.failure)
-        ),
+        count=service.count,
     )
-    await bus.add_endpoint(service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, on_drain, parts=False)
-
-    async def on_nodes(_: Ack) -> NodeStatuses:
-        return agent.node_statuses(*await live_members(members, drained))
-
-    await bus.add_endpoint(service, "nodes", subjects.EXECUTOR_NODES, Ack, on_nodes, parts=False)
-    return service
+    await bus.add_endpoint(
+        endpoint_service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, service.on_drain, parts=False
+    )
+    await bus.add_endpoint(endpoint_service, "nodes", subjects.EXECUTOR_NODES, Ack, service.on_nodes, parts=False)
+    return endpoint_service

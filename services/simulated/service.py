@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import Iterable
 
 import msgspec
 from nats import micro
@@ -25,8 +26,9 @@ from services.simulated.truth import JobSources, job_sources
 from services.simulated.world import SimulatedExecutors, SubmittedJob, as_workload_job, request_observations
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
-from shared.bus import Bus
+from shared.bus import Bus, TypedKV
 from shared.cluster import load_cluster
+from shared.lifecycle import JobState, check_transition
 from shared.schema import (
     Ack,
     AdvanceReply,
@@ -34,6 +36,7 @@ from shared.schema import (
     ApplyRequest,
     Cancel,
     FactsReply,
+    JobRecord,
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
@@ -83,42 +86,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_world_arguments(parser)
 
 
-async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    executors, sources = world_of(args)
-    states = await storage.open_kv(bus, subjects.EXECUTOR_BUCKET, SubmittedJob)
-    submitted: dict[str, SubmittedJob] = {}
-    kept = [(key, entry.value) for key in await states.keys() if (entry := await states.get(key)) is not None]
-    for key, value in sorted(kept, key=lambda item: item[1].seen):  # in the order they came
-        submitted[key] = value
-        if value.job is not None:
-            executors.restore(value.job, sources.truths[value.job.spec.application])
+class SimulatedExecutorService:
+    """The simulated executors' answers to the bus: every submission (`SubmittedJob`, kept in KV)
+    and the jobs they became (`SimulatedExecutors`). A job's moves, one handler each:
 
-    # One request at a time: a request asked again while the first is still being answered waits
-    # for it, and then finds its work done.
-    turn = asyncio.Lock()
+    - `on_submitted`: a submission read -> profiling
+    - `on_profiled`: profiling -> queued (rejected: no behaviour for it here, or no GPU type it runs on)
+    - `on_rejected`: profiling -> rejected
+    - `on_cancel`: profiling, queued or running -> cancelled
+    - `on_apply` (a round's placements): queued <-> running; -> failed (the round gave up on it)
+    - `on_advance` (a round run): running -> finished
 
-    dirty: set[str] = set()  # changed here, not yet in KV
-    unreported: list[Observed] = []  # measured, not yet with the estimator
+    `facts`, `on_live`, `records` and `count` move no job. Every change is in KV before a request
+    is answered (`save`)."""
 
-    async def save(names=()) -> None:
+    def __init__(self, bus: Bus, executors: SimulatedExecutors, sources: JobSources, states: TypedKV[SubmittedJob]):
+        self.bus = bus
+        self.executors = executors
+        self.sources = sources
+        self.states = states
+        self.submitted: dict[str, SubmittedJob] = {}
+        # One request at a time: a request asked again while the first is still being answered waits
+        # for it, and then finds its work done.
+        self.turn = asyncio.Lock()
+        self.dirty: set[str] = set()  # changed here, not yet in KV
+        self.unreported: list[Observed] = []  # measured, not yet with the estimator
+
+    async def load(self) -> None:
+        """Take back what KV holds: the submissions, in the order they came, and their jobs."""
+        states = self.states
+        kept = [(key, entry.value) for key in await states.keys() if (entry := await states.get(key)) is not None]
+        for key, value in sorted(kept, key=lambda item: item[1].seen):
+            self.submitted[key] = value
+            if value.job is not None:
+                self.executors.restore(value.job, self.sources.truths[value.job.spec.application])
+
+    async def save(self, names=()) -> None:
         """Write what changed (now, or in an attempt that failed half-way) to KV."""
-        dirty.update(names)
-        for name in sorted(dirty):
-            entry = submitted[name]
-            entry.job = executors.jobs.get(name)
-            await states.put(name, entry)
-            dirty.discard(name)
+        self.dirty.update(names)
+        for name in sorted(self.dirty):
+            entry = self.submitted[name]
+            entry.job = self.executors.jobs.get(name)
+            await self.states.put(name, entry)
+            self.dirty.discard(name)
 
-    def on_submitted(spec: JobSpec, sequence: int, trace: str, owner: str) -> str | None:
-        known = submitted.get(spec.id)
+    def state_of(self, entry: SubmittedJob) -> JobState:
+        """A submission's state: its job's as the executors hold it (in the entry once saved)."""
+        job = self.executors.jobs.get(entry.job_id) if entry.spec is not None else None
+        return job.state if job is not None else entry.state
+
+    # ---- the jobs stream: each takes an event, and names the entry it changed ---------------
+
+    def on_submitted(self, spec: JobSpec, sequence: int, trace: str, owner: str) -> str | None:
+        known = self.submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
             return None  # another submission holds the id (a refused one gives it up)
-        submitted.pop(spec.id, None)  # a refusal it replaces: listed where this one came
-        submitted[spec.id] = SubmittedJob(spec.id, spec, submission=sequence, trace=trace, seen=sequence, owner=owner)
+        self.submitted.pop(spec.id, None)  # a refusal it replaces: listed where this one came
+        self.submitted[spec.id] = SubmittedJob(
+            spec.id, spec, submission=sequence, trace=trace, seen=sequence, owner=owner
+        )
         return spec.id
 
-    def on_profiled(verdict: Profiled, _: int, trace: str, __: str) -> str | None:
-        entry = submitted.get(verdict.job_id)
+    def on_profiled(self, verdict: Profiled, _: int, trace: str, __: str) -> str | None:
+        entry = self.submitted.get(verdict.job_id)
         if entry is None or entry.spec is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
             return None
@@ -129,66 +159,70 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             or not verdict_for(verdict.submission, entry.submission)
         ):
             return None
+        before = self.state_of(entry)
+        self._accept(entry, trace)
+        check_transition(before, self.state_of(entry), entry.job_id)
+        return entry.job_id
+
+    def _accept(self, entry: SubmittedJob, trace: str) -> None:
+        """The profiler accepted the submission: its job, or the reason it cannot run here."""
         spec = entry.spec
-        truth = sources.truths.get(spec.application)
+        truth = self.sources.truths.get(spec.application)
         if truth is None:
             entry.rejected = f"no simulated behaviour for application {spec.application!r} on this cluster"
-            return spec.id
+            return
         try:
-            executors.submit(spec, truth)  # live without submit_s; rigid as it asks
+            self.executors.submit(spec, truth)  # live without submit_s; rigid as it asks
         except ValueError as error:
             entry.rejected = str(error)
         else:
-            executors.jobs[spec.id].trace = entry.trace or trace
-        return spec.id
+            self.executors.jobs[spec.id].trace = entry.trace or trace
 
-    def on_rejected(verdict: Rejected, sequence: int, _: str, owner: str) -> str | None:
+    def on_rejected(self, verdict: Rejected, sequence: int, _: str, owner: str) -> str | None:
         application = verdict.application or ""
         owner = owner or subjects.of_login(verdict.subject)[1]  # the API's record, or the submission judged
         if verdict.job_id is None:  # unreadable: kept under its place in the stream
             key = unnamed_key(sequence)
-            submitted[key] = SubmittedJob("", None, verdict.reason, seen=sequence, application=application, owner=owner)
+            self.submitted[key] = SubmittedJob(
+                "", None, verdict.reason, seen=sequence, application=application, owner=owner
+            )
             return key
-        entry = submitted.get(verdict.job_id)
+        entry = self.submitted.get(verdict.job_id)
         if entry is None:  # its submission was never read as one: refused under its id
-            submitted[verdict.job_id] = SubmittedJob(
+            self.submitted[verdict.job_id] = SubmittedJob(
                 verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner
             )
             return verdict.job_id
         if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
+            before = self.state_of(entry)
             entry.rejected = verdict.reason
+            check_transition(before, self.state_of(entry), verdict.job_id)
             return verdict.job_id
         # A verdict on another submission under a known id (a second body, a malformed message naming
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
         key = unnamed_key(sequence)
-        submitted[key] = SubmittedJob(
+        self.submitted[key] = SubmittedJob(
             verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner
         )
         return key
 
-    def on_cancel(order: Cancel, _: int, __: str, ___: str) -> str | None:
-        entry = submitted.get(order.job_id)
+    def on_cancel(self, order: Cancel, _: int, __: str, ___: str) -> str | None:
+        entry = self.submitted.get(order.job_id)
         if entry is None or entry.rejected is not None or entry.cancelled:
             return None
         if entry.job is None:  # not yet profiled: it never starts
+            before = self.state_of(entry)
             entry.cancelled = True
+            check_transition(before, self.state_of(entry), order.job_id)
             return order.job_id
-        return order.job_id if executors.cancel(order.job_id) else None
+        return order.job_id if self.executors.cancel(order.job_id) else None
 
-    events = {
-        subjects.STORED: (on_submitted, JobSpec),
-        subjects.REPLAY_SUBMIT: (on_submitted, JobSpec),
-        subjects.PROFILED: (on_profiled, Profiled),
-        subjects.REJECTED: (on_rejected, Rejected),
-        subjects.REFUSED: (on_rejected, Rejected),
-        subjects.CANCEL: (on_cancel, Cancel),
-    }
-
-    async def measured_at_request(verdict: Profiled) -> int:
+    async def measured_at_request(self, verdict: Profiled) -> int:
         """With --profile-request: the job's measurements at its request, to the estimator before
         the job is known here, so that its first round has them (as direct wiring adds them); the
         estimator's last revision, or 0."""
-        entry = submitted.get(verdict.job_id)
+        entry = self.submitted.get(verdict.job_id)
+        executors = self.executors
         if (
             not executors.settings.profile_request
             or entry is None
@@ -198,31 +232,34 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             or entry.cancelled
         ):
             return 0
-        truth = sources.truths.get(entry.spec.application)
+        truth = self.sources.truths.get(entry.spec.application)
         measured = request_observations(as_workload_job(entry.spec, truth), truth, executors.cluster) if truth else []
         revision = 0
         for gpu_type, observation in measured:
-            revision = max(revision, await endpoints.report(bus, Observed(verdict.job_id, gpu_type, observation)))
+            revision = max(revision, await endpoints.report(self.bus, Observed(verdict.job_id, gpu_type, observation)))
         return revision
 
-    async def on_event(message: msgspec.Raw, delivery) -> None:
+    async def on_event(self, message: msgspec.Raw, delivery) -> None:
         subject, owner = subjects.of_login(delivery.subject)
-        take, kind = events[subject]
+        take, kind = EVENTS[subject]
         try:
-            event = bus.decode(message, kind)
+            event = self.bus.decode(message, kind)
         except msgspec.DecodeError:
             return  # a malformed submission: the profiler's rejection of it follows
-        async with turn:
-            revision = await measured_at_request(event) if kind is Profiled else 0
-            changed = take(event, delivery.stream_sequence, delivery.traceparent, owner)
-            if revision and changed in executors.jobs:
-                executors.jobs[changed].estimate_revision = revision
-            await save([changed] if changed is not None else [])
+        async with self.turn:
+            revision = await self.measured_at_request(event) if kind is Profiled else 0
+            changed = take(self, event, delivery.stream_sequence, delivery.traceparent, owner)
+            if revision and changed in self.executors.jobs:
+                self.executors.jobs[changed].estimate_revision = revision
+            await self.save([changed] if changed is not None else [])
 
-    def facts(now: float, names) -> FactsReply:
+    # ---- the round --------------------------------------------------------------------------
+
+    def facts(self, now: float, names) -> FactsReply:
         known, held, failed = [], {}, {}
+        executors = self.executors
         for name in names:
-            entry = submitted.get(name)
+            entry = self.submitted.get(name)
             job = executors.jobs.get(name)
             if job is not None and job.failure is None:
                 try:
@@ -239,33 +276,66 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 )
         return FactsReply(tuple(known), held, failed)
 
-    async def on_advance(request: AdvanceRequest) -> AdvanceReply:
-        async with turn:
+    async def on_apply(self, request: ApplyRequest) -> Ack:
+        async with self.turn:
+            self.executors.apply(request)
+            await self.save(name for name in {*request.models, *request.failed} if name in self.submitted)
+        return Ack()
+
+    async def on_advance(self, request: AdvanceRequest) -> AdvanceReply:
+        executors = self.executors
+        async with self.turn:
             before = {name: job.advanced_to for name, job in executors.jobs.items()}
             finished, observed = executors.advance(request.now_s, request.step_s, request.jobs)
-            unreported.extend(Observed(job_id, gpu_type, observation) for job_id, gpu_type, observation in observed)
-            await save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
-            while unreported:  # in order: the estimator sees what direct wiring does
-                message = unreported[0]
+            self.unreported.extend(
+                Observed(job_id, gpu_type, observation) for job_id, gpu_type, observation in observed
+            )
+            await self.save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
+            while self.unreported:  # in order: the estimator sees what direct wiring does
+                message = self.unreported[0]
                 job = executors.jobs[message.job_id]
-                job.estimate_revision = max(job.estimate_revision, await endpoints.report(bus, message))
-                dirty.add(message.job_id)
-                unreported.pop(0)
-            await save()
+                job.estimate_revision = max(job.estimate_revision, await endpoints.report(self.bus, message))
+                self.dirty.add(message.job_id)
+                self.unreported.pop(0)
+            await self.save()
             return AdvanceReply(tuple(finished), executors.failures(request.jobs, request.now_s))
 
-    async def on_live(request: LiveJobsRequest) -> LiveJobs:
-        async with turn:
+    async def on_live(self, request: LiveJobsRequest) -> LiveJobs:
+        executors = self.executors
+        async with self.turn:
             before = {name: job.spec.time for name, job in executors.jobs.items()}
             live = executors.arrive(request.now_s)
-            await save(name for name, job in executors.jobs.items() if job.spec.time != before[name])
+            await self.save(name for name, job in executors.jobs.items() if job.spec.time != before[name])
         return LiveJobs(tuple(live))
 
-    async def on_apply(request: ApplyRequest) -> Ack:
-        async with turn:
-            executors.apply(request)
-            await save(name for name in {*request.models, *request.failed} if name in submitted)
-        return Ack()
+    # ---- status -----------------------------------------------------------------------------
+
+    def records(self) -> Iterable[JobRecord]:
+        return (entry.record() for entry in self.submitted.values())
+
+    def count(self, prefix: str) -> int:
+        """Submissions whose id begins with `prefix` that have the profiler's verdict."""
+        return sum(
+            1 for e in self.submitted.values() if e.job_id.startswith(prefix) and (e.job is not None or e.rejected)
+        )
+
+
+# What the executors take from the jobs stream, by subject: a submission, then the profiler's word on it.
+EVENTS = {
+    subjects.STORED: (SimulatedExecutorService.on_submitted, JobSpec),
+    subjects.REPLAY_SUBMIT: (SimulatedExecutorService.on_submitted, JobSpec),
+    subjects.PROFILED: (SimulatedExecutorService.on_profiled, Profiled),
+    subjects.REJECTED: (SimulatedExecutorService.on_rejected, Rejected),
+    subjects.REFUSED: (SimulatedExecutorService.on_rejected, Rejected),
+    subjects.CANCEL: (SimulatedExecutorService.on_cancel, Cancel),
+}
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    executors, sources = world_of(args)
+    states = await storage.open_kv(bus, subjects.EXECUTOR_BUCKET, SubmittedJob)
+    service = SimulatedExecutorService(bus, executors, sources, states)
+    await service.load()
 
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     consumer = await storage.open_consumer(
@@ -275,17 +345,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         span_name="executor.job-event",
         dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER),
     )
-    asyncio.get_running_loop().create_task(consumer.consume(on_event, with_delivery=True))
+    asyncio.get_running_loop().create_task(consumer.consume(service.on_event, with_delivery=True))
 
     return await endpoints.serve_round(
         bus,
         "simulated executors on a virtual clock",
-        facts=facts,
-        apply=on_apply,
-        advance=on_advance,
-        live=on_live,
-        records=lambda: (entry.record() for entry in submitted.values()),
-        count=lambda prefix: sum(
-            1 for e in submitted.values() if e.job_id.startswith(prefix) and (e.job is not None or e.rejected)
-        ),
+        facts=service.facts,
+        apply=service.on_apply,
+        advance=service.on_advance,
+        live=service.on_live,
+        records=service.records,
+        count=service.count,
     )

@@ -21,6 +21,7 @@ import msgspec
 from goodput_train.goodput import BatchLimits, Observation, split_batch
 from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Config, Spots, replica_count
+from shared.lifecycle import JobState, check_transition, job_state
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
 
@@ -81,18 +82,19 @@ class SimulatedJob(msgspec.Struct):
         """Its total batch: replicas x m x (s + 1)."""
         return self.replicas * self.m * (self.s + 1)
 
-    def record(self) -> JobRecord:
-        state = (
-            "cancelled"
-            if self.cancelled
-            else "failed"
-            if self.failure
-            else "finished"
-            if self.finish_s is not None
-            else "running"
-            if self.placement
-            else "queued"
+    @property
+    def state(self) -> JobState:
+        """Its place in the lifecycle (it exists once the profiler accepted it)."""
+        return job_state(
+            finished=self.finish_s is not None,
+            cancelled=self.cancelled,
+            failed=bool(self.failure),
+            profiled=True,
+            placed=bool(self.placement),
         )
+
+    def record(self) -> JobRecord:
+        state = self.state
         return JobRecord(
             self.spec.name,
             self.spec.application,
@@ -104,8 +106,8 @@ class SimulatedJob(msgspec.Struct):
             self.placement,
             self.failure,
             state=state,
-            gpu_type=self.config.gpu_type if state == "running" else None,
-            batch=self.batch if state == "running" else None,
+            gpu_type=self.config.gpu_type if state == JobState.RUNNING else None,
+            batch=self.batch if state == JobState.RUNNING else None,
         )
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
@@ -226,11 +228,20 @@ class SubmittedJob(msgspec.Struct):
     application: str = ""  # a refused submission's, when it could be read (spec: None)
     owner: str = ""  # the login that submitted it ("": the operator's)
 
+    @property
+    def state(self) -> JobState:
+        """Its job's state, or before the profiler's acceptance: profiling, rejected or cancelled."""
+        if self.job is not None:
+            return self.job.state
+        return job_state(
+            finished=False, cancelled=self.cancelled, failed=bool(self.rejected), profiled=False, placed=False
+        )
+
     def record(self) -> JobRecord:
         if self.job is not None:
             return msgspec.structs.replace(self.job.record(), owner=self.owner)
         spec = self.spec
-        state = "cancelled" if self.cancelled else "rejected" if self.rejected else "profiling"
+        state = self.state
         return JobRecord(
             self.job_id,
             spec.application if spec else self.application,
@@ -277,7 +288,9 @@ def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster)
 
 
 class SimulatedExecutors:
-    """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order."""
+    """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order.
+    Its jobs' moves, one method each: `apply` (queued <-> running; -> failed), `advance` (running ->
+    finished), `cancel` (queued or running -> cancelled)."""
 
     def __init__(self, cluster: Cluster, settings, feedback_iterations: int):
         self.cluster = cluster
@@ -334,13 +347,16 @@ class SimulatedExecutors:
         for name, reason in request.failed.items():
             job = self.jobs.get(name)
             if job is not None and job.finish_s is None and job.failure is None:
+                before = job.state
                 job.failure, job.placement, job.config = reason, (), None
+                check_transition(before, job.state, name)
             if job is not None and job.failure is not None and job.ended_in is None:
                 job.ended_in = now  # the round has heard of it: it leaves the live jobs
         for name, job_models in request.models.items():
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
+            before = job.state
             try:
                 job.apply(
                     self.cluster,
@@ -353,13 +369,16 @@ class SimulatedExecutors:
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
                 job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
                 job.placement, job.config, job.m, job.s = (), None, 0, 0
+            check_transition(before, job.state, name)
 
     def cancel(self, name: str) -> bool:
         """End a job that has not ended, as its user asked: it leaves its GPUs at once."""
         job = self.jobs.get(name)
         if job is None or job.finish_s is not None or job.failure is not None:
             return False
+        before = job.state
         job.failure, job.cancelled, job.placement, job.config = CANCELLED, True, (), None
+        check_transition(before, job.state, name)
         return True
 
     def failures(self, names, now: float | None = None) -> dict[str, str]:
@@ -412,7 +431,9 @@ class SimulatedExecutors:
                 and (job.advanced_to is None or job.advanced_to < now + step)
             ):
                 slowdown = self.settings.interference if name in interfered else 0.0
+                before = job.state
                 observation = job.advance(self.truths[name], now, step, self.feedback_iterations, slowdown)
+                check_transition(before, job.state, name)
                 if observation is not None:
                     observed.append((name, job.config.gpu_type, observation))
             if job.finish_s is not None and now < job.finish_s <= now + step:

@@ -7,6 +7,7 @@ from typing import Annotated, Iterable
 
 import msgspec
 
+from shared.lifecycle import JobState
 from shared.schema.base import Identifier
 from shared.schema.records import JobRecord, job_rows
 
@@ -39,7 +40,7 @@ def job_status(record: JobRecord) -> JobStatus:
     from shared.hardware import hardware_name
 
     submitted = record.submit_s if record.submit_s is not None and math.isfinite(record.submit_s) else None
-    running = record.state == "running"
+    running = record.state == JobState.RUNNING
     return JobStatus(
         record.name or None,
         record.state,

@@ -9,12 +9,13 @@ import msgspec
 
 # The messages a job prints for its executor are the training library's (written once, there).
 from goodput_train.protocol import JobStats
+from shared.lifecycle import JobState
 from shared.schema.base import Spots
 from shared.schema.jobs import JobSpec, Profiled
 
 # A job's lifecycle: submitted and being profiled, then queued (accepted, waiting for GPUs), running,
 # and one of the ends; `rejected` is the profiler's refusal of a submission.
-JOB_STATES = ("queued", "profiling", "running", "finished", "failed", "rejected", "cancelled")
+JOB_STATES = tuple(JobState)  # the names of shared/lifecycle.py, in the order `goodput status` counts them
 
 
 class JobRecord(msgspec.Struct, frozen=True):
@@ -73,7 +74,7 @@ def job_rows(records: Iterable[JobRecord]) -> list[JobRecord]:
     for n, record in enumerate(records):
         key = record.name or n
         held = rows.get(key)
-        if held is None or (held.state == "rejected" and record.state != "rejected"):
+        if held is None or (held.state == JobState.REJECTED and record.state != JobState.REJECTED):
             rows[key] = record
     return list(rows.values())
 

@@ -1,0 +1,227 @@
+"""The executors' handlers called as methods, with no NATS server: each service object is built over
+in-memory stand-ins for the KV buckets and the node agents, which record what they are asked and
+decide nothing. A round's placements (`ApplyRequest`) change the jobs, and reach KV before the
+handler answers."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.estimator.core import Estimator
+from services.executor.local import LocalExecutors
+from services.executor.real import RealExecutors, RealExecutorService
+from services.simulated.service import SimulatedExecutorService
+from services.simulated.truth import job_sources
+from services.simulated.world import SimulatedExecutors, SubmittedJob
+from shared.cluster import Cluster, load_cluster
+from shared.lifecycle import TRANSITIONS, IllegalTransition, JobState
+from shared.schema import (
+    CANCELLED,
+    Ack,
+    ApplyRequest,
+    Cancel,
+    JobSpec,
+    Node,
+    Profiled,
+    Rendezvous,
+    StartWorkers,
+    StopWorkers,
+    WorkersReport,
+)
+from shared.settings import simulation_settings
+
+
+@dataclass
+class Entry:
+    value: object
+
+
+@dataclass
+class RecordingKV:
+    """A KV bucket in memory: what was put, in order, and the latest value of each key."""
+
+    puts: list[tuple[str, object]] = field(default_factory=list)
+    held: dict[str, object] = field(default_factory=dict)
+
+    async def put(self, key: str, value) -> int:
+        self.puts.append((key, value))
+        self.held[key] = value
+        return len(self.puts)
+
+    async def get(self, key: str) -> Entry | None:
+        return Entry(self.held[key]) if key in self.held else None
+
+    async def keys(self) -> list[str]:
+        return list(self.held)
+
+    async def values(self) -> dict[str, object]:
+        return dict(self.held)
+
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        self.held.pop(key, None)
+
+
+class NoBus:
+    """The apply handlers send nothing on the bus: any use of it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the handler used the bus: {name}")
+
+
+# ---- the simulated executors ------------------------------------------------------------------------
+
+
+SOURCES = job_sources(use_zoo=True)
+
+
+async def simulated_service() -> SimulatedExecutorService:
+    cluster = load_cluster("sia-hetero-64")
+    executors = SimulatedExecutors(cluster, simulation_settings(None, "sia-hetero-64"), 1)
+    service = SimulatedExecutorService(NoBus(), executors, SOURCES, RecordingKV())
+    await service.load()
+    return service
+
+
+async def submit_and_profile(service: SimulatedExecutorService, *names: str) -> None:
+    """Each job's submission, then the profiler's acceptance, taken as `on_event` takes them."""
+    for sequence, name in enumerate(names, start=1):
+        assert service.on_submitted(JobSpec(name, "cifar10", requested_gpus=2, submit_s=0.0), sequence, "", "") == name
+        await service.save([name])
+        assert service.submitted[name].state == JobState.PROFILING
+        assert service.on_profiled(Profiled(name, submission=sequence), 0, "", "") == name
+        await service.save([name])
+
+
+def models_for(service: SimulatedExecutorService, names) -> dict:
+    """The estimator's models of the jobs, from their profiles and the facts the service reports."""
+    estimator = Estimator()
+    for name in names:
+        truth = SOURCES.truths["cifar10"]
+        estimator.add(
+            name, {t: SOURCES.profile("cifar10", t) for t in truth.types if t in service.executors.cluster.gpu_types}
+        )
+    facts = service.facts(0.0, tuple(names)).facts
+    return {models.job_id: models for models in estimator.models(list(facts))}
+
+
+async def test_the_simulated_apply_handler_places_the_jobs_and_keeps_them_before_it_answers():
+    service = await simulated_service()
+    await submit_and_profile(service, "a", "b", "c")
+    assert {name: entry.state for name, entry in service.submitted.items()} == dict.fromkeys("abc", JobState.QUEUED)
+    kv = service.states
+
+    request = ApplyRequest(
+        0.0,
+        {"a": (("aws-0", 2),), "b": (("aws-1", 2),)},
+        models_for(service, ["a", "b", "c"]),
+        adaptive=True,
+        failed={"c": "the round gave up on it"},
+    )
+    assert await service.on_apply(request) == Ack()
+
+    jobs = service.executors.jobs
+    assert jobs["a"].placement == (("aws-0", 2),) and jobs["b"].placement == (("aws-1", 2),)
+    assert jobs["a"].m > 0 and jobs["a"].config.gpu_type == "aws"  # re-tuned for its GPUs
+    records = {record.name: record for record in service.records()}
+    assert {name: record.state for name, record in records.items()} == {
+        "a": JobState.RUNNING,
+        "b": JobState.RUNNING,
+        "c": JobState.FAILED,
+    }
+    assert records["c"].failure == "the round gave up on it" and records["a"].gpu_type == "aws"
+    # Every job the round named is in KV, as the handler left it.
+    assert sorted(key for key, _ in kv.puts[-3:]) == ["a", "b", "c"]
+    kept = kv.held["a"]
+    assert isinstance(kept, SubmittedJob) and kept.job.placement == (("aws-0", 2),)
+    assert kv.held["c"].job.failure == "the round gave up on it"
+
+    # Taken off its GPUs by the next round: queued again; a cancel ends it.
+    await service.on_apply(ApplyRequest(1.0, {"b": (("aws-1", 2),)}, models_for(service, ["a", "b"]), adaptive=True))
+    assert service.submitted["a"].state == JobState.QUEUED and kv.held["a"].job.placement == ()
+    assert service.on_cancel(Cancel("a"), 0, "", "") == "a"
+    assert service.submitted["a"].state == JobState.CANCELLED and jobs["a"].failure == CANCELLED
+
+
+async def test_the_simulated_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):
+    """With queued -> running taken out of the table, placing a queued job raises where it happens."""
+    service = await simulated_service()
+    await submit_and_profile(service, "a")
+    monkeypatch.setitem(TRANSITIONS, JobState.QUEUED, frozenset())
+    request = ApplyRequest(0.0, {"a": (("aws-0", 2),)}, models_for(service, ["a"]), adaptive=True)
+    with pytest.raises(IllegalTransition, match="job a: queued -> running"):
+        await service.on_apply(request)
+
+
+# ---- the real executors -----------------------------------------------------------------------------
+
+
+@dataclass
+class RecordingNodes:
+    """The node agents: the orders they are sent. A start is answered with the address rank 0's
+    workers listen on, a stop with a report of no workers (what an agent says of a job it holds none of)."""
+
+    started: list[tuple[str, StartWorkers]] = field(default_factory=list)
+    stopped: list[tuple[str, StopWorkers]] = field(default_factory=list)
+
+    def start(self, node: str, order: StartWorkers) -> Rendezvous:
+        self.started.append((node, order))
+        return Rendezvous("127.0.0.1", 29500)
+
+    def stop(self, node: str, request: StopWorkers) -> WorkersReport:
+        self.stopped.append((node, request))
+        return WorkersReport(request.job_id, 0, (), ())
+
+    def poll(self, node: str):
+        raise AssertionError("the apply handler does not poll the workers")
+
+
+SLOTS = Cluster("local-4", (Node("local-0", "cpu", 4),))
+
+
+async def real_service() -> RealExecutorService:
+    agent = RealExecutors(LocalExecutors(RecordingNodes(), None, SLOTS))
+    service = RealExecutorService(NoBus(), agent, RecordingKV(), RecordingKV(), RecordingKV())
+    for sequence, name in enumerate(("lm", "mlp", "late"), start=1):
+        agent.submitted(JobSpec(name, "mlp_blobs"), sequence)
+    for sequence, name in enumerate(("lm", "mlp"), start=1):
+        agent.profiled(Profiled(name, 16, 256, submission=sequence))
+    assert agent.arrive(0.0) == ["lm", "mlp"]
+    return service
+
+
+async def test_the_real_apply_handler_starts_the_workers_and_keeps_the_jobs_before_it_answers():
+    service = await real_service()
+    agent, nodes, kv = service.agent, service.agent.executors.nodes, service.states
+    assert {r.name: r.state for r in agent.records()} == {
+        "lm": JobState.QUEUED,
+        "mlp": JobState.QUEUED,
+        "late": JobState.PROFILING,
+    }
+
+    request = ApplyRequest(0.0, {"lm": (("local-0", 2),)}, {}, adaptive=False, failed={"mlp": "no GPUs fit it"})
+    assert await service.on_apply(request) == Ack()
+
+    assert [(node, order.job_id, order.ranks, order.world) for node, order in nodes.started] == [
+        ("local-0", "lm", (0, 1), 2)
+    ]
+    assert agent.executors.jobs["lm"].adaptive is False  # the round's policy adapts no batch
+    states = {r.name: r.state for r in agent.records()}
+    assert states == {"lm": JobState.RUNNING, "mlp": JobState.FAILED, "late": JobState.PROFILING}
+    # Every job is in KV as the handler left it: the placement and when it began.
+    assert kv.held["lm"].placement == (("local-0", 2),) and [p.at_s for p in kv.held["lm"].placements] == [0.0]
+    assert kv.held["mlp"].failure == "no GPUs fit it" and kv.held["mlp"].ended_in == 0.0
+    written = len(kv.puts)
+
+    # The same round asked again changes nothing and writes nothing; a later one moves the job.
+    await service.on_apply(request)
+    assert len(nodes.started) == 1 and len(kv.puts) == written
+    await service.on_apply(ApplyRequest(1.0, {}, {}, adaptive=False))
+    assert [(node, stop.job_id) for node, stop in nodes.stopped] == [("local-0", "lm")]
+    assert agent.state_of(agent.jobs["lm"]) == JobState.QUEUED and kv.held["lm"].placement == ()
+
+
+async def test_the_real_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):
+    service = await real_service()
+    monkeypatch.setitem(TRANSITIONS, JobState.QUEUED, frozenset({JobState.RUNNING}))
+    with pytest.raises(IllegalTransition, match="job mlp: queued -> failed"):
+        await service.on_apply(ApplyRequest(0.0, {}, {}, adaptive=True, failed={"mlp": "no GPUs fit it"}))
