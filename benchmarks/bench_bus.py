@@ -1,9 +1,9 @@
-"""Benchmark of the bus: one workload through the five services over NATS against the direct wiring.
+"""Benchmark of the bus: one workload through the six services over NATS against the direct wiring.
 
     .venv/bin/python benchmarks/bench_bus.py [--workload PATH] [--zoo]
 
 Bus overhead per round = (wall time over NATS - wall time direct) / rounds, measured side by side
-in one run; the NATS run's time includes starting the server and the five services and submitting
+in one run; the NATS run's time includes starting the server and the six services and submitting
 the jobs, so the figure is an upper bound. Target: <= 20 ms a round at 64 GPUs and 160 jobs.
 Also checks that both wirings gave the same per-job schedule.
 """
@@ -37,7 +37,7 @@ def main() -> None:
     same = runs["nats"]["jobs"] == runs["direct"]["jobs"]
     print(
         f"{args.policy}, {len(runs['direct']['jobs'])} jobs, {rounds} rounds, sia-hetero-64: "
-        f"direct {walls['direct']:.1f} s, over NATS {walls['nats']:.1f} s (five services and the server started)"
+        f"direct {walls['direct']:.1f} s, over NATS {walls['nats']:.1f} s (six services and the server started)"
     )
     print(
         f"bus overhead per round: {(walls['nats'] - walls['direct']) / rounds * 1e3:.1f} ms (target <= 20 ms); "

@@ -1,9 +1,9 @@
-"""Load: thousands of jobs queued at once on the 2,048-GPU cluster, through the five services over NATS.
+"""Load: thousands of jobs queued at once on the 2,048-GPU cluster, through the six services over NATS.
 
     .venv/bin/python benchmarks/bench_load.py [--jobs 10000] [--rounds 8] [--policy sia]
 
 All jobs are submitted at t = 0 (a mix of zoo models, `sim.workload.generate_workload`) and replayed
-on `sia-hetero-2048` by the embedded stack (a NATS server and the five services as processes) for
+on `sia-hetero-2048` by the embedded stack (a NATS server and the six services as processes) for
 `--rounds` rounds of the virtual clock; most jobs are still queued when it stops. Prints:
 
 - the round's latency, p50/p95, against the round period: `decide` is RoundRecord.round_ms (facts,

@@ -1,7 +1,7 @@
 """The fault-injection suite behind `goodput chaos` (docs/chaos.md).
 
 Each fault is one replay of the same workload over the embedded stack (a NATS server of its own,
-the five services as processes, two policy replicas, simulated executors, the zoo's jobs, sia on
+the six services as processes, two policy replicas, simulated executors, the zoo's jobs, sia on
 sia-hetero-64), disturbed once the run has logged a third of the undisturbed run's rounds. Its
 record says whether anything was lost:
 

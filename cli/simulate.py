@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--bus",
         choices=["direct", "nats"],
         default="direct",
-        help="direct: the cores in this process (default); nats: the five services over a NATS "
+        help="direct: the cores in this process (default); nats: the six services over a NATS "
         "server of their own, on a virtual clock",
     )
     sim.add_argument(

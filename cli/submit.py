@@ -211,7 +211,7 @@ def _drain(args: argparse.Namespace) -> int:
             subjects.EXECUTOR_DRAIN,
             DrainRequest(args.node, args.undo),
             DrainAnswer,
-            "no executor drains nodes at {server}: draining is for real executors (`goodput up --executors local`)",
+            "no executor drains nodes at {server}: draining is for real executors (`goodput up --executors real`)",
         )
     except ValueError as error:
         if "refused this login" in str(error):  # a user's login may not ask

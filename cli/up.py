@@ -1,7 +1,7 @@
 """`goodput up` — the embedded stack; `goodput status` — its jobs and its live run.
 
-`goodput up` starts a NATS server (JetStream on, data under --data) and the five services as child
-processes, on a simulated cluster (simulated executors), waits until each answers ping, prints where
+`goodput up` starts a NATS server (JetStream on, data under --data) and the six services (the user
+API, profiler, estimator, policy, placer and executors) as child processes, on a simulated cluster (simulated executors), waits until each answers ping, prints where
 everything is, replays a workload through them (the built-in one unless told otherwise, under ids
 of the replay's own) and prints the results; then, unless --once, it serves: jobs submitted with
 `goodput submit` are scheduled live, a round every --round seconds of the wall clock (each --speed
@@ -16,7 +16,7 @@ The data folder is kept: started again on it, `goodput up` goes on with every jo
 (the start-up replay is not run again); --fresh starts from an empty store. One `goodput up` holds
 a data folder at a time, and a taken port is refused before anything starts.
 
-With `--executors local` the jobs are real: a node agent per node runs on this machine (--nodes,
+With `--executors real` the jobs are real: a node agent per node runs on this machine (--nodes,
 each its own node of --slots CPU slots; one node of 4 by default: the `local` cluster), the example
 jobs (or --jobs YAML files) are submitted, profiled on one slot through an agent, and trained on
 the nodes as the scheduler allocates them — a job may span nodes, its workers finding each other
@@ -38,25 +38,27 @@ from pathlib import Path
 from cli.submit import add_connection_arguments
 from services.executor.processes import JOBS_PACKAGE
 from shared import credentials
-from shared.runner import positive_float
+from shared.lifecycle import JobState
+from shared.runner import EXECUTORS, executors_kind, positive_float
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from sim.workload import BUILT_IN_WORKLOAD
 
 LOCK_FILE = "goodput-up.lock"  # held by the `goodput up` serving from a data folder
 WATCH_JOBS = 8  # jobs named on one line of the live output
 EXAMPLE_JOBS = sorted((Path(__file__).resolve().parent.parent / "examples" / "jobs").glob("*.yaml"))
-ROUND_S = {"simulated": 60.0, "local": 10.0}
+ROUND_S = {"simulated": 60.0, "real": 10.0}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    up = sub.add_parser("up", help="start NATS and the five services; replay a workload through them")
+    up = sub.add_parser("up", help="start NATS and the six services; replay a workload through them")
     up.add_argument(
         "--executors",
-        choices=sorted(ROUND_S),
+        type=executors_kind,
+        choices=EXECUTORS,
         default="simulated",
         help="simulated jobs, or real ones on this machine's CPU slots (default: %(default)s)",
     )
-    up.add_argument("--cluster", help="cluster preset or YAML/JSON file (default: sia-hetero-64; local: local)")
+    up.add_argument("--cluster", help="cluster preset or YAML/JSON file (default: sia-hetero-64; real: local)")
     up.add_argument(
         "--workload",
         default=str(BUILT_IN_WORKLOAD),
@@ -87,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="start from an empty store: forget every job of the earlier starts on --data",
     )
-    up.add_argument("--round", type=float, help="live: wall-clock seconds between rounds (default: 60; local: 10)")
+    up.add_argument("--round", type=float, help="live: wall-clock seconds between rounds (default: 60; real: 10)")
     up.add_argument(
         "--speed",
         type=float,
@@ -103,29 +105,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--estimator-replicas", type=int, default=1, help="estimator replicas (default: %(default)s)")
     up.add_argument(
+        "--api-replicas", type=int, default=1, help="user API replicas, one queue group (default: %(default)s)"
+    )
+    up.add_argument(
         "--jobs",
         nargs="+",
         default=[str(p) for p in EXAMPLE_JOBS],
-        help="local: job YAML files to submit (default: the example jobs)",
+        help="real: job YAML files to submit (default: the example jobs)",
     )
     up.add_argument(
         "--jobs-package",
         default=JOBS_PACKAGE,
-        help="local: the package whose modules jobs may run (default: %(default)s)",
+        help="real: the package whose modules jobs may run (default: %(default)s)",
     )
     up.add_argument(
-        "--slot-memory", type=positive_float, help="local: one slot's memory in MB, as a GPU's (default: unlimited)"
+        "--slot-memory", type=positive_float, help="real: one slot's memory in MB, as a GPU's (default: unlimited)"
     )
     up.add_argument(
         "--nodes",
         type=int,
         default=1,
-        help="local: node agents to run on this machine, each its own node of CPU slots (default: %(default)s)",
+        help="real: node agents to run on this machine, each its own node of CPU slots (default: %(default)s)",
     )
     up.add_argument(
         "--slots",
         type=int,
-        help="local: CPU slots per node (default: 4 on one node; on more, this "
+        help="real: CPU slots per node (default: 4 on one node; on more, this "
         "machine's cores shared out, 1 to 4 each: a slot is a core)",
     )
     up.set_defaults(func=_up)
@@ -152,33 +157,33 @@ def _up(args: argparse.Namespace) -> int:
     from launcher.nats import port_in_use
     from shared.files import private_files
 
-    local = args.executors == "local"
+    real = args.executors == "real"
     if args.nodes < 1 or (args.slots is not None and args.slots < 1):
         raise ValueError("--nodes and --slots must be at least 1")
-    if not local and (args.nodes != 1 or args.slots is not None):
-        raise ValueError("--nodes and --slots are for real jobs (--executors local)")
-    if local and args.cluster and (args.nodes != 1 or args.slots is not None):
+    if not real and (args.nodes != 1 or args.slots is not None):
+        raise ValueError("--nodes and --slots are for real jobs (--executors real)")
+    if real and args.cluster and (args.nodes != 1 or args.slots is not None):
         raise ValueError("--cluster names the nodes to run agents for: it takes no --nodes or --slots")
     args.round = args.round or ROUND_S[args.executors]
-    if args.round <= 0 or args.speed <= 0 or args.policy_replicas < 1 or args.estimator_replicas < 1:
+    if args.round <= 0 or args.speed <= 0 or min(args.policy_replicas, args.estimator_replicas, args.api_replicas) < 1:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
-    if local and args.speed != 1:
-        raise ValueError("real jobs run in real time: --speed must be 1 with --executors local")
-    data = Path(args.data or ("out/replay" if args.once and not local else credentials.DEFAULT_DATA))
+    if real and args.speed != 1:
+        raise ValueError("real jobs run in real time: --speed must be 1 with --executors real")
+    data = Path(args.data or ("out/replay" if args.once and not real else credentials.DEFAULT_DATA))
     if not data.exists() and port_in_use(args.port):  # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
     data.parent.mkdir(parents=True, exist_ok=True)  # the folders above DATA are made as before
     with private_files():  # what this process and its children write: logs, work, checkpoints
-        return _up_on(args, data, local)
+        return _up_on(args, data, real)
 
 
-def _up_on(args: argparse.Namespace, data: Path, local: bool) -> int:
+def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
     """`goodput up` on its data folder, made private with what an earlier version left there."""
     from launcher.nats import embedded_nats, port_in_use, stop_orphan_server
     from shared.files import make_private
 
     make_private(data)
-    args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if local else "sia-hetero-64")
+    args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if real else "sia-hetero-64")
     with _holding(data):
         orphan = stop_orphan_server(data)
         if orphan is not None:
@@ -273,8 +278,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
     from shared.settings import FEEDBACK_ITERATIONS
     from shared.subjects import LIVE_RUN
 
-    local = args.executors == "local"
-    if local:
+    real = args.executors == "real"
+    if real:
         # Jobs report what they measured twice a round: the estimator learns a new allocation in one.
         arguments = local_service_arguments(
             args.cluster, data / "work", args.round / 2, args.slot_memory, args.jobs_package
@@ -288,9 +293,9 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
         )
     # Real jobs are short: the policy re-decides every round.
     live = live_request(
-        LIVE_RUN, args.policy, args.cluster, args.round, args.speed, {"round_s": args.round} if local else None
+        LIVE_RUN, args.policy, args.cluster, args.round, args.speed, {"round_s": args.round} if real else None
     )
-    replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas}
+    replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas, "api": args.api_replicas}
     with running_services(nats, arguments, data, replicas, agents=agents) as stack:
         bus = await nats.connect("goodput-up")
         supervising = None
@@ -308,14 +313,14 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
             supervising = asyncio.ensure_future(
                 stack.supervise(lambda name: name in agents, lambda line: print(f"  {line}", flush=True))
             )
-            if not local and args.workload != "none" and (args.once or not resumed):
+            if not real and args.workload != "none" and (args.once or not resumed):
                 if resumed and await live_run_exists(bus):
                     raise ValueError(
                         f"{data} holds a live run, which the policy leader serves before any replay: "
                         "replay on another --data, or start it empty with --fresh"
                     )
                 await _replay(args, bus, stack, live.policy, dict(live.policy_options))
-            if local or not args.once:
+            if real or not args.once:
                 existing = await ensure_run(bus, live)
                 if existing is not None and (existing.policy, existing.policy_options, existing.round_s) != (
                     live.policy,
@@ -332,9 +337,9 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                 )
                 watch = asyncio.ensure_future(_watch(bus, LIVE_RUN))
                 try:
-                    if local:
+                    if real:
                         await _submit_local(bus, specs)
-                    if local and args.once:
+                    if real and args.once:
                         ended = await records_once_ended(bus, [spec.id for spec in specs], args.round)
                         _report_local(args, list(ended.values()))
                     else:
@@ -473,7 +478,7 @@ def _report_local(args: argparse.Namespace, records) -> None:
             f"batches {job['batches']}, slot-seconds {job['gpu_seconds']:.0f}, on {', '.join(nodes) or 'no node'}"
         )
     write_results(
-        rounded({"executors": "local", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
+        rounded({"executors": "real", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
         args.out,
         "\n".join(lines),
     )
@@ -555,7 +560,7 @@ def _status(args: argparse.Namespace) -> int:
         where = (
             f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
             f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
-            if j["state"] == "running"
+            if j["state"] == JobState.RUNNING
             else j["reason"]
         )
         print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
@@ -579,7 +584,7 @@ def _nodes(args: argparse.Namespace) -> int:
             Ack(),
             NodeStatuses,
             "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
-            "local`)? Simulated executors have no node agents",
+            "real`)? Simulated executors have no node agents",
         )
     except ValueError as error:
         if "refused this login" in str(error):  # a login sees only its own jobs: not the nodes'

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.probe", description="exit 0 when an instance of SERVICE answers the NATS service ping"
     )
-    parser.add_argument("service", help="service name: profiler, estimator, policy, placer or executor")
+    parser.add_argument("service", help="service name: api, profiler, estimator, policy, placer or executor")
     parser.add_argument(
         "--server",
         default=os.environ.get(SERVER_ENV, DEFAULT_SERVER),

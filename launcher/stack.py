@@ -1,4 +1,4 @@
-"""The embedded stack: the five services as child processes of this one, on one NATS server."""
+"""The embedded stack: the six services as child processes of this one, on one NATS server."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from shared.schema import (
     RunStep,
 )
 
-SERVICES = ("profiler", "estimator", "policy", "placer", "executor")
+SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")
 NODE_PREFIX = "node-"  # a node agent's instance name: node-<its node>
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
@@ -184,7 +184,7 @@ async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
 
 def module_of(service: str, arguments: Sequence[str]) -> str:
     """The module a service runs as: `services.<name>`, but the executors of a simulated cluster
-    (whose arguments do not ask for `--executors local`) are `services.simulated`."""
+    (whose arguments do not ask for `--executors real`) are `services.simulated`."""
     if service == "executor" and "--executors" not in arguments:
         return "services.simulated"
     return f"services.{service}"
@@ -268,6 +268,7 @@ def service_arguments(
     delay = ["--restart-delay", str(restart_delay_s)] if restart_delay_s is not None else []
     profiled = ["--profile-request"] if profile_request else []
     return {
+        "api": ["--cluster", cluster, *truth],
         "profiler": ["--cluster", cluster, *truth],
         "estimator": ["--cluster", cluster, *calib],
         "policy": ["--cluster", cluster],
@@ -295,13 +296,14 @@ def local_service_arguments(
     jobs_package: str | None = None,
     checkpoints: str | None = None,
 ) -> dict[str, list[str]]:
-    """Each service's options for real jobs on this machine (`--executors local`): the executor
+    """Each service's options for real jobs on this machine (`--executors real`): the executor
     drives node agents (`local_node_arguments`), whose nodes must be the cluster's; `checkpoints`
     (default: a folder under `workdir`) as the executor's --checkpoints."""
     memory = ["--slot-memory", str(slot_memory_mb)] if slot_memory_mb is not None else []
     package = ["--jobs-package", jobs_package] if jobs_package else []
     return {
-        "profiler": ["--cluster", cluster, "--executors", "local", *memory],
+        "api": ["--cluster", cluster, "--executors", "real"],
+        "profiler": ["--cluster", cluster, "--executors", "real", *memory],
         "estimator": ["--cluster", cluster],
         "policy": ["--cluster", cluster],
         "placer": ["--cluster", cluster],
@@ -309,7 +311,7 @@ def local_service_arguments(
             "--cluster",
             cluster,
             "--executors",
-            "local",
+            "real",
             "--checkpoints",
             checkpoints or str(workdir / "checkpoints"),
             "--report-every",
@@ -326,7 +328,7 @@ def local_node_arguments(cluster: str, workdir: Path, jobs_package: str | None =
     return {
         f"{NODE_PREFIX}{name}": [
             "--executors",
-            "local",
+            "real",
             "--node",
             name,
             "--gpus",
@@ -535,7 +537,7 @@ async def replay_over_nats(
     origin,
     progress,
 ):
-    """Replay `jobs` through the five services on a NATS server of our own (a virtual clock)."""
+    """Replay `jobs` through the services on a NATS server of our own (a virtual clock)."""
     import tempfile
 
     from launcher.nats import embedded_nats

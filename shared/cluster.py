@@ -152,7 +152,7 @@ PRESETS: dict[str, list[dict]] = {
     # Pollux's homogeneous 64-GPU cluster: 16 g4dn.12xlarge nodes of 4 T4.
     "pollux-homo-64": [{"gpu_type": "aws", "count": 16, "gpus_per_node": 4}],
 }
-# This machine: one node of 4 CPU slots standing in for GPUs (`--executors local`).
+# This machine: one node of 4 CPU slots standing in for GPUs (`--executors real`).
 PRESETS["local"] = [{"gpu_type": "cpu", "count": 1, "gpus_per_node": 4}]
 # Sia's scalability study (its --cluster_scale=32): every node group of sia-hetero-64 times 32, 2,048 GPUs.
 PRESETS["sia-hetero-2048"] = [dict(group, count=32 * group["count"]) for group in PRESETS["sia-hetero-64"]]

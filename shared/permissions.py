@@ -3,7 +3,7 @@
 
 Two accounts, and the server keeps them apart:
 
-- `GOODPUT` (SERVICE_ACCOUNT): the five services and `operator` (who sets up the storage and drives
+- `GOODPUT` (SERVICE_ACCOUNT): the six services and `operator` (who sets up the storage and drives
   replays and live runs), each one NATS user, named after its role, with its own subjects. All of
   JetStream is here.
 - `LOGINS` (LOGINS_ACCOUNT): one NATS user per person or team (a login: `user`, made by `goodput
@@ -63,7 +63,7 @@ __all__ = [
 
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest message it accepts
-SERVICES = ("placer", "profiler", "estimator", "executor", "policy")
+SERVICES = ("api", "placer", "profiler", "estimator", "executor", "policy")
 SERVICE_ACCOUNT = "GOODPUT"
 LOGINS_ACCOUNT = "LOGINS"
 DEFAULT_LOGIN = "user"  # the login `goodput up` makes; `goodput login add` makes more
@@ -102,6 +102,17 @@ def _kv(bucket: str) -> tuple[str, ...]:
         f"$JS.API.DIRECT.GET.{stream}.>",
         f"$JS.API.STREAM.PURGE.{stream}",
         kv_subjects(bucket),
+    )
+
+
+def _kv_read(bucket: str) -> tuple[str, ...]:
+    """Read a KV bucket's keys, never write them (TypedKV.values: the stream's subjects, then each key)."""
+    stream = f"KV_{bucket}"
+    return (
+        _info(stream),
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
     )
 
 
@@ -207,29 +218,42 @@ INTAKE = subjects.INTAKE_STREAM
 
 ROLES: dict[str, Permissions] = {
     "placer": _service("placer", publish=(), subscribe=(subjects.PLACE,)),
-    "profiler": _service(
-        "profiler",
-        # It serves the user API too, and judges the logins' own submissions as it: it stores valid
-        # submissions, refusals and cancel orders, asks for the records.
+    # The user API: it answers the logins, judges their own submissions from the intake stream as
+    # it judges a request, stores the valid ones, the refusals and cancel orders, marks the ids it
+    # stores (the owners' KV), asks the executors for the records and, with real executors, reads
+    # which applications the live node agents run.
+    "api": _service(
+        "api",
         publish=(
-            subjects.REJECTED,
-            subjects.PROFILED,
-            subjects.PROFILES,
             f"{subjects.STORED}.*",
             f"{subjects.REFUSED}.*",
             subjects.CANCEL,
             subjects.RECORDS,
             _info(JOBS),
             _info(INTAKE),
-            *_durable(JOBS, subjects.PROFILER_CONSUMER),
-            *_dead_letters(subjects.PROFILER_CONSUMER),
             *_durable(INTAKE, subjects.INTAKE_CONSUMER),
             *_dead_letters(subjects.INTAKE_CONSUMER),
             *_kv(subjects.JOB_OWNERS_BUCKET),
-            *_nodes(),
+            *_kv_read(subjects.NODES_BUCKET),
+        ),
+        subscribe=subjects.API_SUBJECTS,
+    ),
+    # The verdicts on stored submissions: it claims each id (the owners' KV), hands the profiles to
+    # the estimator and, with real executors, runs the profiling on a live node agent.
+    "profiler": _service(
+        "profiler",
+        publish=(
+            subjects.REJECTED,
+            subjects.PROFILED,
+            subjects.PROFILES,
+            _info(JOBS),
+            *_durable(JOBS, subjects.PROFILER_CONSUMER),
+            *_dead_letters(subjects.PROFILER_CONSUMER),
+            *_kv(subjects.JOB_OWNERS_BUCKET),
+            *_kv_read(subjects.NODES_BUCKET),
             subjects.node_subject("*", "profile"),
         ),
-        subscribe=(*subjects.API_SUBJECTS, subjects.CANCEL),  # cancel orders: a cancelled job is not profiled
+        subscribe=(subjects.CANCEL,),  # cancel orders: a cancelled job is not profiled
     ),
     "estimator": _service(
         "estimator",

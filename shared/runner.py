@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from typing import Any, Awaitable, Callable
 
 from nats import micro
@@ -40,6 +41,17 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+EXECUTORS = ("simulated", "real")  # who plays the jobs: a simulated cluster, or node agents running real ones
+
+
+def executors_kind(text: str) -> str:
+    """`--executors`'s value (argparse type): `local` is read as `real`, with a word on stderr."""
+    if text == "local":
+        print("`--executors local` means `--executors real`; use `real`", file=sys.stderr)
+        return "real"
+    return text
 
 
 def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:

@@ -6,6 +6,7 @@ a restart; `$SRV.INFO` shows the API's endpoints with their schemas."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import json
@@ -39,7 +40,6 @@ from shared.schema import (
     Rejected,
     SubmitAnswer,
 )
-from shared.submissions import agents_models, submission_problem
 
 SUBMIT = "goodput.jobs.submit.user"  # the subjects as the docs write them: the login's own
 API = "goodput.api"
@@ -217,7 +217,7 @@ async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(c
     # The executors' record endpoint, standing still at that moment (no executor runs here).
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords((refused,)))
     owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
-    await api.start(bus, owners, lambda spec: None)
+    await api.serve(bus, owners, lambda spec: None)
     spec = JobSpec(job_id, "cifar10", requested_gpus=4)
 
     stored = await bus.request(subjects.API_SUBMIT, spec, SubmitAnswer)
@@ -236,7 +236,7 @@ async def serve_api(connect_bus, problem=lambda spec: None):
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
     recorded: asyncio.Queue[Rejected] = asyncio.Queue()
     await bus.subscribe(f"{subjects.REFUSED}.*", Rejected, recorded.put_nowait)  # each login's refusals
-    await api.start(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
+    await api.serve(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
     return bus, recorded
 
 
@@ -312,7 +312,7 @@ async def test_every_refusal_is_error_400_with_its_answer_and_recorded_with_what
 async def test_an_unknown_application_is_refused_at_once_from_what_the_node_agents_run(connect_bus, nats_server):
     """Real executors: the application is checked against the jobs the live agents say they run,
     on the answer, as the reference profiles are on a simulated cluster; not accepted and then
-    refused by its profiling run."""
+    refused by its profiling run. The API as `python -m services.api --executors real` starts it."""
     cluster = load_cluster("local")
     await storage.provision(await connect_bus("operator"))
     members = await storage.open_kv(await connect_bus("agent"), subjects.NODES_BUCKET, NodeInfo)
@@ -321,13 +321,13 @@ async def test_an_unknown_application_is_refused_at_once_from_what_the_node_agen
         f"n-{uuid.uuid4().hex[:8]}",
         NodeInfo(node.name, node.gpu_type, node.gpus, "127.0.0.1", applications=("mlp_blobs", "tiny_lm")),
     )
-
-    async def problem(spec: JobSpec) -> str | None:  # the profiler's check with real executors
-        return submission_problem(
-            spec, cluster, agents_models((await members.values()).values(), cluster.gpu_types), live=True
-        )
-
-    await serve_api(connect_bus, problem)
+    parser = argparse.ArgumentParser()
+    api.add_arguments(parser)
+    bus = await connect_bus()
+    await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
+    service = await api.start(bus, parser.parse_args(["--cluster", "local", "--executors", "real"]))
+    await service.start()
+    bus.on_close(service.stop)
     tag = uuid.uuid4().hex[:8]
     nc = await nats.connect(nats_server)
     try:

@@ -1,4 +1,4 @@
-"""`goodput simulate --bus nats`: the five services over a real NATS server give the schedule that
+"""`goodput simulate --bus nats`: the six services over a real NATS server give the schedule that
 the direct wiring gives, job for job."""
 
 import contextlib
@@ -20,6 +20,7 @@ WORKLOAD = [
 ]
 
 
+@pytest.mark.e2e
 def test_nats_wiring_reproduces_the_direct_schedule():
     direct = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO)
     over_nats = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
@@ -29,6 +30,7 @@ def test_nats_wiring_reproduces_the_direct_schedule():
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
 
 
+@pytest.mark.e2e
 def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
     """The simulated executors report each job's measurements at its request before it joins a
     round, as direct wiring gives them to the estimator at the start (reference truth: there the
@@ -51,6 +53,7 @@ def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
 
 
+@pytest.mark.e2e
 async def test_one_trace_per_round_across_the_services(monkeypatch):
     """The services export to a real OTLP/HTTP receiver: a round's spans share its trace."""
     import asyncio
@@ -82,6 +85,7 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
     assert spans["estimator.goodput"].parent_span_id == root.span_id
 
 
+@pytest.mark.e2e
 def test_goodput_up_replays_a_workload_and_stops(tmp_path, capsys):
     from cli.main import main
     from launcher.nats import free_loopback_port
@@ -249,6 +253,7 @@ def _mixed(n):
     return load_workload("examples/workloads/mixed-40.csv")[:n]
 
 
+@pytest.mark.e2e
 async def test_replicas_share_the_work_and_change_nothing(tmp_path):
     """Two estimators answer rounds for jobs the other learned (read through KV), two policy
     replicas (one leads): the schedule is the one-process direct run's."""
@@ -258,6 +263,7 @@ async def test_replicas_share_the_work_and_change_nothing(tmp_path):
     assert len(served) == 2 and min(served) > 0, f"both estimator replicas answer rounds: {served}"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("victim", ["profiler", "placer", "estimator", "executor"])
 async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tmp_path):
     """kill -9 of a service in the middle of a replay, then a restart: the placer holds no state, the
@@ -276,6 +282,7 @@ async def test_a_service_killed_mid_run_and_restarted_changes_nothing(victim, tm
     assert (tmp_path / f"{victim}.log").read_text().count("ready on") == 2  # it really started again
 
 
+@pytest.mark.e2e
 async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
     """kill -9 of the leader: the standby takes the lease when it expires and resumes the run from
     its checkpoint; the driver, following the run's log, never notices. Every outcome unchanged."""
@@ -293,6 +300,7 @@ async def test_the_policy_leader_killed_mid_run_a_standby_resumes_it(tmp_path):
     assert any("resumed from round" in (tmp_path / f"{name}.log").read_text() for name in ("policy", "policy-2"))
 
 
+@pytest.mark.e2e
 async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tmp_path):
     """Garbage under a key of the runs bucket (a stranger, a bug) must not stop the leader."""
     from shared import subjects
@@ -327,6 +335,7 @@ def test_the_setup_refuses_a_lease_that_never_expires():
         main(["--lease-ttl", "0"])
 
 
+@pytest.mark.e2e
 async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
     """A rigid JobSpec reaches the simulated executors, which report it rigid as a node agent does:
     the policy gives it exactly its requested GPUs or none; the adaptive job beside it is rescaled."""

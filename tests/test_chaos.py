@@ -17,6 +17,7 @@ from shared.schema import ApplyRequest, JobModels, JobSpec
 CLUSTER = "sia-hetero-64"
 
 
+@pytest.mark.e2e
 def test_the_suite_loses_nothing_under_its_faults(tmp_path, capsys):
     """Through `goodput chaos`: a NATS restart, the leader paused past its lease, invalid, duplicated
     and reordered messages — each job completes once, no node is over-filled, the average JCT is the

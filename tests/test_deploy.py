@@ -54,8 +54,9 @@ BUILDS = {"default": K8S, "gpu": K8S / "overlays" / "gpu"}
 K8S_VERSION = "1.30.0"  # the oldest Kubernetes the manifests are checked against
 NAMESPACE = "goodput"
 SECRET = "goodput-nats-auth"
-REPLICAS = {"policy": 3, "estimator": 2, "profiler": 2, "placer": 2}
+REPLICAS = {"policy": 3, "estimator": 2, "api": 2, "profiler": 2, "placer": 2}
 SERVICE_NAMES = {
+    "api": subjects.API_SERVICE,
     "profiler": subjects.PROFILER_SERVICE,
     "estimator": subjects.ESTIMATOR_SERVICE,
     "policy": subjects.POLICY_SERVICE,
@@ -212,6 +213,7 @@ def test_every_yaml_under_k8s_parses_and_every_object_passes_the_schema():
     assert checked >= 15
 
 
+@pytest.mark.e2e
 def test_the_schema_check_fails_a_wrong_manifest():
     """The validation has teeth: a misspelt field, or a count that is no integer, fails it."""
     policy = json.loads(json.dumps(objects("default", "Deployment")["policy"]))
@@ -239,6 +241,7 @@ def test_kustomizations_name_files_that_exist():
             )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_built_manifests_pass_the_schema_and_stay_in_one_namespace(build):
     errors = [f"{o['kind']}/{o['metadata']['name']}: {e}" for o in built(build) if (e := schema_errors(o))]
@@ -250,6 +253,7 @@ def test_the_built_manifests_pass_the_schema_and_stay_in_one_namespace(build):
     assert len(kinds) == len(set(kinds)), "an object is defined twice"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", BUILDS)
 def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
     workloads = service_workloads(build)
@@ -279,6 +283,7 @@ def test_each_service_runs_with_its_replicas_nats_url_tracing_and_probes(build):
             assert container["readinessProbe"]["exec"]["command"] == ready
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path):
     configmaps = {name.rsplit("-", 1)[0]: cm for name, cm in objects(build, "ConfigMap").items()}
@@ -286,7 +291,7 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
         for workload in found:
             container = containers(workload)[0]
             args = container["args"]
-            if option(container, "--executors") == "local" and service == "executor":
+            if option(container, "--executors") == "real" and service == "executor":
                 # The real executor's nodes are the live agents, named by Kubernetes: --cluster would
                 # keep only agents named as the spec's nodes (aws-0 ...). The agents take none.
                 assert "--cluster" not in args, workload["metadata"]["name"]
@@ -313,6 +318,7 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
     float(settings["GOODPUT_LEASE_TTL_S"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", BUILDS)
 def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_is_not_in_the_repo(build):
     workloads = {o["metadata"]["name"]: o for o in built(build) if o["kind"] in WORKLOADS}
@@ -336,6 +342,7 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
     assert f"create secret generic {SECRET}" in (ROOT / "docs" / "deploy.md").read_text()
 
 
+@pytest.mark.e2e
 def test_the_role_check_notices_a_workload_with_another_roles_password():
     placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
     assert role_problems(placer, "placer") == []
@@ -347,6 +354,7 @@ def test_the_role_check_notices_a_workload_with_another_roles_password():
     assert role_problems(placer, "placer")
 
 
+@pytest.mark.e2e
 def test_nats_is_a_three_node_jetstream_statefulset_whose_routes_name_its_pods(tmp_path):
     statefulset = objects("default", "StatefulSet")["nats"]
     headless = objects("default", "Service")[statefulset["spec"]["serviceName"]]
@@ -388,6 +396,7 @@ def check_nats_conf(conf: str, workdir: Path, env: dict[str, str] | None = None)
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("build", BUILDS)
 def test_no_workloads_selector_takes_another_workloads_pods(build):
     """The executor's Deployment and the agents' DaemonSets (and every other pair) select apart."""
@@ -402,6 +411,7 @@ def test_no_workloads_selector_takes_another_workloads_pods(build):
                 )
 
 
+@pytest.mark.e2e
 def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_the_pod_ip():
     cluster = load_cluster(str(K8S / "base" / "cluster.yaml"))
     per_node = {node.gpu_type: node.gpus for node in cluster.nodes}
@@ -419,7 +429,7 @@ def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_
         assert container["image"].startswith("goodput-executor:")
         env = env_of(container)
         assert env["GOODPUT_SERVICE"]["value"] == "executor" and "GOODPUT_EXECUTORS" not in env
-        assert option(container, "--executors") == "local"
+        assert option(container, "--executors") == "real"
         # --node: the Kubernetes node's name; --address: the pod's IP (rank 0's rendezvous for its peers)
         node, address = (env_entry(container, option(container, o))["valueFrom"] for o in ("--node", "--address"))
         assert node == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -443,11 +453,12 @@ def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_
     assert not objects("default", "DaemonSet")
 
 
+@pytest.mark.e2e
 def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_claim():
     executor = objects("gpu", "Deployment")["executor"]
     container = containers(executor)[0]
     assert executor["spec"]["replicas"] == 1 and executor["spec"]["strategy"]["type"] == "Recreate"
-    assert option(container, "--executors") == "local" and option(container, "--node") is None
+    assert option(container, "--executors") == "real" and option(container, "--node") is None
     assert "GOODPUT_EXECUTORS" not in env_of(container)  # services.executor, not services.simulated
     assert re.fullmatch(r"file:///\S+", option(container, "--checkpoints"))
     [claim] = objects("gpu", "PersistentVolumeClaim").values()
@@ -455,18 +466,21 @@ def test_the_gpu_executor_service_is_one_recreated_pod_on_a_read_write_many_clai
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every node reads and writes the checkpoints"
     assert "storageClassName" not in claim["spec"]  # the operator's: a class with RWX
     assert mount_of(executor, "checkpoints") == urllib.parse.urlparse(option(container, "--checkpoints")).path
-    assert option(containers(objects("gpu", "Deployment")["profiler"])[0], "--executors") == "local"
+    for service in ("profiler", "api"):  # measured profiles; the applications the live agents run
+        assert option(containers(objects("gpu", "Deployment")[service])[0], "--executors") == "real", service
     # The default build: the simulated executor plays the whole cluster, exactly one; the zoo's profiles.
     simulated = objects("default", "Deployment")["executor"]
     assert simulated["spec"]["replicas"] == 1 and simulated["spec"]["strategy"]["type"] == "Recreate"
     assert env_of(containers(simulated)[0])["GOODPUT_EXECUTORS"]["value"] == "simulated"
-    assert option(containers(objects("default", "Deployment")["profiler"])[0], "--executors") is None
+    for service in ("profiler", "api"):
+        assert option(containers(objects("default", "Deployment")[service])[0], "--executors") is None, service
     assert not objects("default", "PersistentVolumeClaim")
 
 
 # ---- compose -------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path):
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     schema = json.loads(
@@ -595,6 +609,7 @@ async def test_the_probe_passes_while_a_service_answers_and_fails_clearly_when_n
         await bus.close()
 
 
+@pytest.mark.e2e
 async def test_the_probe_says_when_nats_cannot_be_reached_without_showing_the_password():
     url = f"nats://goodput:{PASSWORD}@127.0.0.1:{free_loopback_port()}"
     code, out = await probe("placer", url)
@@ -678,6 +693,7 @@ def role_env(role: str, workdir: Path, server: str) -> dict[str, str]:
     return {SERVER_ENV: server, "GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(password_file)}
 
 
+@pytest.mark.e2e
 async def test_the_nats_config_forms_a_jetstream_cluster_that_serves_each_role(tmp_path):
     with nats_cluster(tmp_path) as (urls, http_ports):
         await asyncio.to_thread(wait_healthy, http_ports, tmp_path)

@@ -74,6 +74,7 @@ for version in range(1, 10**9):
 """
 
 
+@pytest.mark.e2e
 def test_kill_9_while_writing_never_corrupts_the_last_checkpoint(tmp_path):
     path, mid_write = tmp_path / "job.pt", tmp_path / "writing"
     for _ in range(3):

@@ -21,6 +21,8 @@ from shared import storage, subjects
 from shared.schema import Ack, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 from tests.test_multinode import until
 
+pytestmark = pytest.mark.e2e  # every test here starts `goodput up` or a node agent as a process
+
 ROOT = Path(__file__).resolve().parent.parent
 LOOSE = 0o022
 SERVICE_LOGS = ("profiler.log", "estimator.log", "policy.log", "placer.log", "executor.log")
@@ -103,7 +105,7 @@ async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(
                 "--server",
                 nats_server,
                 "--executors",
-                "local",
+                "real",
                 "--node",
                 node,
                 "--gpus",

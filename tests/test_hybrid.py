@@ -159,6 +159,7 @@ def test_sia_runs_a_mixed_workload_keeping_every_group_on_one_node():
     assert {t for t, _ in replicas} == {"dgx-ext", "rtx"} and max(n for _, n in replicas) > 1  # scaled out
 
 
+@pytest.mark.e2e
 def test_the_services_over_nats_give_the_direct_schedule():
     workload = MIXED[:2]
     direct = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False)

@@ -4,18 +4,22 @@ import asyncio
 import contextlib
 import time
 
+import pytest
+
 from cli.main import main
 from launcher.nats import embedded_nats
 from launcher.stack import create_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.schema import Ack, JobRecords, JobSpec, RunRequest
 
+pytestmark = pytest.mark.e2e  # every test here starts NATS and the services as processes
+
 ROUND_S, SPEED = 60.0, 1200.0  # a 60-s round every 50 ms of wall time
 
 
 @contextlib.asynccontextmanager
 async def live_stack(tmp_path, **request):
-    """The five services serving a live run; (NATS URL, the stack, a bus)."""
+    """The six services serving a live run; (NATS URL, the stack, a bus)."""
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     # A server of its own: a live run never ends, and would keep any later leader on this server busy.
     with embedded_nats(tmp_path) as nats, running_services(nats, arguments, tmp_path) as stack:

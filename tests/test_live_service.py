@@ -20,6 +20,8 @@ import pytest
 
 from launcher.nats import free_loopback_port
 
+pytestmark = pytest.mark.e2e  # every test here starts `goodput up` as a process
+
 ROOT = Path(__file__).resolve().parent.parent
 GOODPUT = [sys.executable, "-m", "cli.main"]
 SUBMIT = "goodput.jobs.submit.user"  # the documented subject, the login's own, as a user writes it
@@ -375,7 +377,7 @@ def test_goodput_up_killed_its_services_stop_by_themselves_and_the_next_one_take
     try:
         up.wait_serving()
         started = _pids(f"--server nats://127.0.0.1:{port}")
-        assert len(started) >= 5, started  # the five services
+        assert len(started) >= 6, started  # the six services
         up.process.kill()
         up.process.wait()
         deadline = time.monotonic() + 60
@@ -385,7 +387,7 @@ def test_goodput_up_killed_its_services_stop_by_themselves_and_the_next_one_take
         orphan = _pids(str(data / "jetstream"))
         assert len(orphan) == 1, orphan
         logs = "".join(path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log")
-        assert logs.count("is gone: stopping") >= 5 and "Traceback" not in logs, logs[-3000:]
+        assert logs.count("is gone: stopping") >= 6 and "Traceback" not in logs, logs[-3000:]
         up = Up(port, data)
         up.wait_serving()
         assert f"stopped the NATS server (pid {orphan[0]})" in up.log.read_text(), up.log.read_text()

@@ -39,6 +39,7 @@ def wait_for(condition, executors, timeout_s=120):
     return finished
 
 
+@pytest.mark.e2e
 def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
     """kill -9 of one of a job's two workers: the other (waiting for it in a collective) is taken
     down too, and the job starts again from its checkpoint."""
@@ -98,6 +99,7 @@ def given_environment(log) -> dict[str, str]:
     return json.loads(next(line for line in log.read_text().splitlines() if line.startswith("{")))
 
 
+@pytest.mark.e2e
 def test_workers_and_profiling_runs_get_a_minimal_environment_never_the_agents_credentials(tmp_path, monkeypatch):
     """Real worker processes, started with NATS credentials and tokens in the agent's environment:
     they see none of them, only what a job needs (the device settings among it) and their place."""
@@ -344,6 +346,7 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     assert agent.advance(6.0, 3.0, ["lm"]).finished == ()  # reported in its round only
 
 
+@pytest.mark.e2e
 def test_a_job_told_not_to_adapt_keeps_its_batch(tmp_path):
     """Under a policy that does not adapt batches (or for a rigid job) the workers keep theirs."""
     executors = local_executors(tmp_path, report_every_s=0.2)
@@ -395,6 +398,7 @@ def test_the_rounds_nodes_are_the_live_ones_less_the_drained_and_a_gone_nodes_jo
     assert {n.name for n in real.serve_nodes(members, set())} >= {"cpu-0", "cpu-1"}  # drained no more
 
 
+@pytest.mark.e2e
 def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
     """Its agent killed (kill -9): the pipes it read and held close; the worker stops on its
     lifeline, checkpointed, and exits without a BrokenPipeError traceback in its log for the line

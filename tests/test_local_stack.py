@@ -1,7 +1,7 @@
-"""Real jobs end to end on this machine: NATS, the five services and node agents, CPU slots
+"""Real jobs end to end on this machine: NATS, the six services and node agents, CPU slots
 standing in for GPUs.
 
-`goodput up --executors local --nodes 2 --once` submits the three example jobs together to two
+`goodput up --executors real --nodes 2 --once` submits the three example jobs together to two
 node agents; the real profiler measures each on one slot through an agent, the scheduler allocates
 and re-allocates slots as jobs arrive and finish on both nodes, every job re-tunes its batch as it
 trains and reaches its target. A rigid job of two slots spans both nodes. Then the bad inputs: a
@@ -26,6 +26,7 @@ import time
 import uuid
 
 import msgspec
+import pytest
 
 from launcher.nats import embedded_nats, free_loopback_port
 from launcher.stack import (
@@ -41,6 +42,8 @@ from tests.jobs.profile_stalls import STALLING
 from tests.jobs.profile_stalls import marker as stalling_marker
 from tests.test_multinode import until
 
+pytestmark = pytest.mark.e2e  # every test here starts NATS, the services and node agents as processes
+
 TARGETS = {"mlp-blobs": 0.95, "cnn-shapes": 0.95, "tiny-lm": 0.75}  # each job's own metric at its end
 
 
@@ -53,7 +56,7 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
             "cli.main",
             "up",
             "--executors",
-            "local",
+            "real",
             "--nodes",
             "2",
             "--slots",
@@ -91,7 +94,7 @@ def test_three_example_jobs_share_the_slots_adapt_and_reach_their_targets(tmp_pa
 
 @contextlib.asynccontextmanager
 async def _live_stack(folder, cluster="local", **options):
-    """NATS, the five services and the node agents of the cluster's nodes (by default the local
+    """NATS, the six services and the node agents of the cluster's nodes (by default the local
     one's slots; real jobs), a live run of sia every 2 s; a bus to submit on."""
     agents = local_node_arguments(cluster, folder / "work", options.get("jobs_package"))
     with embedded_nats(folder) as nats:
@@ -134,7 +137,7 @@ def test_bad_inputs_end_as_failed_jobs_with_their_reason_and_nothing_else_is_aff
     assert "unknown field `requested_gpu`" in typo.failure, typo
     assert "no job 'nosuchjob' in tests.jobs" in records["no-code"].failure, records["no-code"]
     assert good.failure is None and good.finish_s is not None and good.metric >= 0.9, good
-    assert len(alive) == 6, f"a service died: only {alive} still run"
+    assert len(alive) == 7, f"a service died: only {alive} still run"  # six services and one node agent
 
 
 async def _user_refusals(folder):
@@ -143,7 +146,7 @@ async def _user_refusals(folder):
     import nats
 
     async with _live_stack(folder, jobs_package="tests.jobs") as (bus, _, server):
-        reader = await server.connect("test-members", role="profiler")  # the membership, as the API reads it
+        reader = await server.connect("test-members", role="api")  # the membership, as the API reads it
         members = await storage.open_kv(reader, subjects.NODES_BUCKET, NodeInfo)
         await until(lambda: _all_say(members), "every node agent to say which jobs it runs")
         await reader.close()
@@ -360,7 +363,7 @@ def test_a_node_lost_under_a_profiling_run_is_noticed_and_the_run_moves_without_
 
 
 class Up:
-    """`goodput up --executors local` as a user runs it, its printed lines read as they come."""
+    """`goodput up --executors real` as a user runs it, its printed lines read as they come."""
 
     def __init__(self, folder, *options):
         self.folder, self.lines = folder, queue.Queue()
@@ -372,7 +375,7 @@ class Up:
                 "cli.main",
                 "up",
                 "--executors",
-                "local",
+                "real",
                 "--round",
                 "2",
                 "--port",

@@ -48,7 +48,7 @@ class Agents:
                 "--server",
                 self.server,
                 "--executors",
-                "local",
+                "real",
                 "--node",
                 self.name(node),
                 "--gpus",

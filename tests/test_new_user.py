@@ -31,6 +31,7 @@ def tiny_workload(folder: Path) -> Path:
 # 1. --version
 
 
+@pytest.mark.e2e
 def test_version_prints_the_package_version_and_exits_0():
     from shared.runner import VERSION
 
@@ -59,6 +60,7 @@ def test_simulate_defaults_to_the_built_in_workload_up_replays(tmp_path, monkeyp
     assert "mixed-40.csv" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_simulate_help_names_the_default_workload():
     run = subprocess.run(
         [sys.executable, "-m", "cli.main", "simulate", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60

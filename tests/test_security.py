@@ -115,6 +115,20 @@ async def test_profiler_cannot_publish_on_apply(secured: str) -> None:
     assert_violation(await refused_publish(secured, "profiler", subjects.APPLY, apply), subjects.APPLY)
 
 
+@pytest.mark.parametrize(
+    "role, subject",
+    [
+        ("api", subjects.PROFILED),  # a verdict is the profiler's alone
+        ("api", subjects.PROFILES),
+        ("profiler", subjects.stored("user")),  # storing a login's submission is the API's alone
+        ("profiler", subjects.CANCEL),
+    ],
+)
+async def test_the_api_and_the_profiler_each_keep_to_their_own_part(secured: str, role: str, subject: str) -> None:
+    spec = JobSpec(id="not-yours", application="cifar10")
+    assert_violation(await refused_publish(secured, role, subject, spec), subject)
+
+
 async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     from cli.submit import submit
 
@@ -124,7 +138,7 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     )
     assert await submit(spec, secured, **as_user)
     assert not await submit(spec, secured, **as_user)  # de-duplicated
-    reader = await connect(secured, "profiler")  # as the gate reads it: its durable consumer of the intake
+    reader = await connect(secured, "api")  # as the gate reads it: its durable consumer of the intake
     try:
         info = await reader.js.stream_info(subjects.INTAKE_STREAM, subjects_filter=">")
         assert info.state.subjects == {subjects.submit("user"): 1}  # under the login's own subject
@@ -194,7 +208,7 @@ async def test_a_role_cannot_subscribe_to_another_roles_inbox(secured: str) -> N
 
 
 async def test_a_service_may_answer_a_request_in_several_parts(secured: str) -> None:
-    """A body over max_payload is answered in parts on the one reply subject (shared/bus.py): the
+    """A body over max_payload is answered in parts on the one reply subject (shared/bus/requests.py): the
     responder may publish there more than once, and nowhere else."""
     placer = await connect(secured, "placer")
     errors: list[Exception] = []
@@ -370,6 +384,7 @@ async def ping_until_ready(process: subprocess.Popen, server: str, timeout_s: fl
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_service_with_a_missing_password_file_says_so(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     result = subprocess.run(
@@ -393,6 +408,7 @@ def test_service_with_a_missing_password_file_says_so(tmp_path: Path) -> None:
     assert f"--nats-password-file ($GOODPUT_NATS_PASSWORD_FILE): no such file: {missing}" in result.stderr
 
 
+@pytest.mark.e2e
 def test_connect_options(tmp_path: Path) -> None:
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
@@ -450,6 +466,11 @@ def test_permission_table() -> None:
         if role != "policy":
             assert not allocations & set(allowed.publish), role
             assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
+    # The user API is its own service's: no other role answers it, or takes the logins' intake.
+    for role, allowed in permissions.ROLES.items():
+        assert role == "api" or not set(subjects.API_SUBJECTS) & set(allowed.subscribe), role
+        intake = [s for s in allowed.publish if f"{subjects.INTAKE_STREAM}.{subjects.INTAKE_CONSUMER}" in s]
+        assert role in ("api", "operator") or not intake, (role, intake)
     user = permissions.login_permissions("user")
     assert set(user.subscribe) == {"_INBOX_user.>"}
     assert subjects.submit("user") in user.publish and subjects.submit("bob") not in user.publish
@@ -479,6 +500,7 @@ def test_permission_table() -> None:
         assert [s for s in allowed.subscribe if s.startswith("_INBOX")] == [f"_INBOX_{role}.>"], role
 
 
+@pytest.mark.e2e
 def test_rendered_config_is_valid_for_nats_server(tmp_path: Path) -> None:
     config = tmp_path / "nats.conf"
     roles = {role: PASSWORDS[role] for role in permissions.ROLES}
@@ -503,6 +525,7 @@ def test_passwords_from_files_and_environment(tmp_path: Path) -> None:
         permissions.passwords_from(["profiler"], tmp_path, environ={})
 
 
+@pytest.mark.e2e
 async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: Path) -> None:
     """The embedded stack as `goodput up` runs it: every service logs in as its own role (a password
     made under the data folder), and a replay completes: the table grants each service what it uses;
@@ -531,6 +554,7 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
         assert "ermissions violation" not in log, f"{name}:\n{log}"
 
 
+@pytest.mark.e2e
 def test_render_from_the_command_line(tmp_path: Path) -> None:
     for role in ("placer", "user"):
         (tmp_path / role).write_text(PASSWORDS[role])
@@ -555,9 +579,11 @@ def test_render_from_the_command_line(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert missing.returncode == 2 and "GOODPUT_NATS_PASSWORD_PROFILER" in missing.stderr
+    first_missing = next(role for role in permissions.ROLES if role != "placer")
+    assert missing.returncode == 2 and f"GOODPUT_NATS_PASSWORD_{first_missing.upper()}" in missing.stderr
 
 
+@pytest.mark.e2e
 async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
     """A server that requires TLS: a client given the CA (--tls-ca) connects; one without it cannot
     verify the server and is refused."""
@@ -587,10 +613,11 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
             await Bus.connect_once(url, "test-untrusted", **untrusted)
 
 
+@pytest.mark.e2e
 async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reason(tmp_path: Path) -> None:
     """A JobSpec names the job's code by `application` and has no field for a command or a file: a
-    submission with one is refused by the profiler, the reason on the dead-letter subject, and the
-    profiler goes on to profile the next good submission. (Its own server: it reads every dead letter.)"""
+    submission with one is refused by the API, the reason recorded for its login, and the profiler
+    goes on to profile the next good submission. (Its own server: it reads every refusal.)"""
     from launcher.stack import Stack, service_arguments
     from shared.schema import Ack, Count, Rejected
 
@@ -601,7 +628,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     }
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     commands = {}
-    for service in ("profiler", "estimator"):
+    for service in ("api", "profiler", "estimator"):
         password_file = tmp_path / f"{service}.password"
         password_file.write_text(PASSWORDS[service])
         commands[service] = [
@@ -650,7 +677,8 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason
     assert all("may not carry commands or file paths" in r.reason for r in rejected)
-    assert "Traceback" not in logs["profiler"], logs["profiler"]
+    for service in ("api", "profiler"):
+        assert "Traceback" not in logs[service], logs[service]
 
 
 async def test_a_logins_reply_subject_never_reaches_the_services_account(secured: str) -> None:
@@ -685,6 +713,7 @@ async def test_a_logins_reply_subject_never_reaches_the_services_account(secured
     assert replies[0].startswith("_R_.") and not executor_errors, (replies, executor_errors)
 
 
+@pytest.mark.e2e
 async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_changes_nothing(tmp_path: Path) -> None:
     """A job id belongs to its first valid submission: a malformed message naming it, and a different
     valid body under it, are refused on their own (each a rejected entry of its own, the reason with
@@ -736,6 +765,7 @@ async def test_a_submission_over_its_bound_is_refused_by_the_intake_stream_and_b
         await submit(huge, secured, **as_user)
 
 
+@pytest.mark.e2e
 async def test_a_service_refuses_a_stream_that_is_not_as_the_plan_says(tmp_path: Path) -> None:
     """Only the operator makes the storage; a service finding it missing, or changed (here: its limits
     taken off), stops with a clear message instead of working on it."""

@@ -470,6 +470,7 @@ def test_timeout_keeps_previous_allocation(large, monkeypatch, caplog):
     assert "timeout" in caplog.text
 
 
+@pytest.mark.e2e
 def test_highs_scheduler_started_elsewhere_with_other_threads_still_solves():
     # HiGHS sizes one thread scheduler a process; if another user started it with a different
     # count, our one-thread request fails and must be dropped, not turned into a fallback.

@@ -198,6 +198,7 @@ def test_no_otlp_export_without_endpoint(monkeypatch):
     assert exported[0].resource.attributes["service.name"] == "loud"
 
 
+@pytest.mark.e2e
 def test_setup_tracing_installs_one_provider_per_process():
     """In a child process, so this test's global provider does not leak into other tests."""
     script = textwrap.dedent(

@@ -42,6 +42,7 @@ def run_job(*args, env=None, timeout=300) -> dict:
     return outcome(done.stdout)
 
 
+@pytest.mark.e2e
 def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
     result = run_job("--epochs", "6")
     assert result["metric"] >= 0.95
@@ -49,6 +50,7 @@ def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
     assert result["noise"] is not None and result["epochs"] >= 6
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("job", sorted(EXAMPLES))
 def test_the_other_example_jobs_reach_their_targets(job):
     done = subprocess.run(
@@ -60,6 +62,7 @@ def test_the_other_example_jobs_reach_their_targets(job):
     assert max(result["batches"]) > min(result["batches"])  # it re-tuned its batch
 
 
+@pytest.mark.e2e
 def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     checkpoint = tmp_path / "job.pt"
     port = free_loopback_port()
@@ -154,6 +157,7 @@ def test_stats_are_reported_as_the_bus_carries_them(monkeypatch):
     assert quiet == []
 
 
+@pytest.mark.e2e
 def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_the_rest(tmp_path):
     """Periodic checkpoints (here every 0.5 s), agreed by both replicas at the same step: kill -9 of
     both then loses only what came after the last one, and the job resumes from it."""
@@ -193,6 +197,7 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
     assert resumed["world"] == 1 and resumed["steps"] > saved["steps"]
 
 
+@pytest.mark.e2e
 def test_the_library_stands_alone_and_its_protocol_needs_no_pytorch():
     """A job's image installs ./train only: the library imports nothing of the scheduler, and the
     services read its protocol and goodput model without importing PyTorch."""

@@ -6,8 +6,8 @@
 set -e
 if [ -n "${GOODPUT_SERVICE:-}" ]; then
     case "$GOODPUT_SERVICE" in
-        profiler|estimator|policy|placer|executor) ;;
-        *) echo "entrypoint: GOODPUT_SERVICE=$GOODPUT_SERVICE is not a service (profiler, estimator, policy, placer, executor)" >&2
+        api|profiler|estimator|policy|placer|executor) ;;
+        *) echo "entrypoint: GOODPUT_SERVICE=$GOODPUT_SERVICE is not a service (api, profiler, estimator, policy, placer, executor)" >&2
            exit 64 ;;
     esac
     if [ "$GOODPUT_SERVICE" = executor ] && [ "${GOODPUT_EXECUTORS:-}" = simulated ]; then
@@ -16,7 +16,7 @@ if [ -n "${GOODPUT_SERVICE:-}" ]; then
     exec python -m "services.$GOODPUT_SERVICE" "$@"
 fi
 if [ "$#" -eq 0 ]; then
-    echo "entrypoint: set GOODPUT_SERVICE to profiler, estimator, policy, placer or executor, or give a command" >&2
+    echo "entrypoint: set GOODPUT_SERVICE to api, profiler, estimator, policy, placer or executor, or give a command" >&2
     exit 64
 fi
 exec "$@"

@@ -1,7 +1,9 @@
 """The user API: `goodput.api.*`, a NATS micro service (`api` in `$SRV.INFO`) that answers every
 request, in the request's encoding (JSON or msgpack), so a client in any language needs only a NATS
-client. The profiler's replicas serve it (one queue group): it is the gate of submissions, and
-validates one as the profiler would before anything is stored.
+client. It is a process of its own, `python -m services.api` (its replicas one queue group): the
+gate of submissions, which validates one as the profiler would before anything is stored (against
+the profiles on a simulated cluster; with real executors, against the applications the live node
+agents say they run).
 
 Every request is a login's (`login()`: the server's word, `shared.bus.requester`; a request from
 within the services' own account is the operator's), and a job is the login's that submitted it:
@@ -29,6 +31,7 @@ all the same beyond it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -37,15 +40,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 import msgspec
+from nats import micro
 from opentelemetry import trace
 
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
+from shared.cluster import Cluster, load_cluster
+from shared.lifecycle import JobState
 from shared.permissions import LOGINS_ACCOUNT
-from shared.runner import new_service
+from shared.profiles import profile_source
+from shared.runner import EXECUTORS, executors_kind, new_service
 from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
@@ -60,6 +67,7 @@ from shared.schema import (
     JobsQuery,
     JobsRequest,
     JobStatus,
+    NodeInfo,
     SubmitAnswer,
     job_status,
     job_statuses,
@@ -69,11 +77,11 @@ from shared.schema import (
     submission_msg_id,
 )
 from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, USERS_SHARE, LoginLimits
-from shared.submissions import id_taken, malformed_reason
+from shared.submissions import agents_models, id_taken, malformed_reason, submission_problem
 
 log = logging.getLogger(__name__)
 
-ENDED = ("finished", "failed", "rejected")
+ENDED = (JobState.FINISHED, JobState.FAILED, JobState.REJECTED)
 ENCODING = "JSON or msgpack; answered in the request's encoding"
 RECORDS_TIMEOUT_S = 10.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the executors to take the order before it answers
@@ -158,6 +166,7 @@ def notes(spec: JobSpec) -> tuple[str, ...]:
 
 
 Problem = Callable[[JobSpec], str | None | Awaitable[str | None]]
+Models = Mapping[str, Iterable[str]]  # application -> the GPU types it has profiles on
 PAGE_BYTES = 256 * 1024  # a page of `jobs` is cut short (its next_offset says where to go on) past this
 KEPT_TTL_S = 1.0  # how long JetStream's count of a login's records is taken as it is
 
@@ -272,12 +281,12 @@ class Gate:
         everyone = who == subjects.OPERATOR
         records = await self.records(JobsQuery(job_id, owner=None if everyone else who))
         found = next((j for j in job_statuses(records.jobs) if j.id == job_id), None)
-        if found is None or found.state == "rejected":
+        if found is None or found.state == JobState.REJECTED:
             held = await self.owners.get(job_id)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
             # refused stored submission gives the id up): the corrected one is profiling.
             if held is not None and (everyone or held.value.login == who) and (found is None or not held.value.marking):
-                return JobStatus(job_id, "profiling")
+                return JobStatus(job_id, JobState.PROFILING)
         return found
 
     async def refuse(
@@ -291,18 +300,21 @@ class Gate:
         async with self.kept.room(who, subjects.REFUSED) as room:
             if room.refusal is not None:
                 return SubmitAnswer(
-                    False, job_id, "rejected", reason, notes=(f"this refusal is not recorded: {room.refusal}",)
+                    False, job_id, JobState.REJECTED, reason, notes=(f"this refusal is not recorded: {room.refusal}",)
                 )
             await self.bus.js_publish(subjects.refused(who), rejection(came, reason, data, job_id))
             room.stored()
-        return SubmitAnswer(False, job_id, "rejected", reason)
+        return SubmitAnswer(False, job_id, JobState.REJECTED, reason)
 
     async def repeat(self, job_id: str, who: str) -> SubmitAnswer:
         now = await self.status_of(job_id, who)
-        if now is not None and now.state == "rejected":  # within JetStream's day, the same body refused before
+        if now is not None and now.state == JobState.REJECTED:  # within JetStream's day, the same body refused before
             return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
         return SubmitAnswer(
-            True, job_id, now.state if now else "profiling", "the same submission was stored before: not stored again"
+            True,
+            job_id,
+            now.state if now else JobState.PROFILING,
+            "the same submission was stored before: not stored again",
         )
 
     async def answered(self, raw: msgspec.Raw) -> SubmitAnswer:
@@ -362,8 +374,8 @@ class Gate:
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
-                return SubmitAnswer(False, spec.id, "rejected", id_taken(spec.id))  # the profiler refuses it
-        return SubmitAnswer(True, spec.id, "profiling", notes=notes(spec))
+                return SubmitAnswer(False, spec.id, JobState.REJECTED, id_taken(spec.id))  # the profiler refuses it
+        return SubmitAnswer(True, spec.id, JobState.PROFILING, notes=notes(spec))
 
     async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer | None:
         """Mark the id as being stored (the mark's revision), or, when it is held, a repeat's answer
@@ -417,7 +429,7 @@ class Gate:
         now = await self.status_of(request.id, who)
         if now is None:
             raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
-        if now.state == "cancelled":
+        if now.state == JobState.CANCELLED:
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
         if now.state in ENDED:
             return CancelAnswer(
@@ -425,10 +437,10 @@ class Gate:
             )
         await self.bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
         deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
-        while now is not None and now.state != "cancelled" and asyncio.get_running_loop().time() < deadline:
+        while now is not None and now.state != JobState.CANCELLED and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(CANCEL_POLL_S)
             now = await self.status_of(request.id, who)
-        if now is not None and now.state == "cancelled":
+        if now is not None and now.state == JobState.CANCELLED:
             return CancelAnswer(True, request.id, now.state)
         return CancelAnswer(
             True,
@@ -461,11 +473,55 @@ def cut(jobs: tuple[JobStatus, ...], offset: int, total: int, encode: Callable[[
     return JobsPage(jobs[:kept], total, end if end < total else None)
 
 
-async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
-    """Serve the API on `bus` (started, stopped with it), and judge the logins' own submissions from
-    the intake stream. `problem(spec)`: why a well-formed live submission cannot be scheduled on this
-    cluster, or None (the profiler's own check; a coroutine function when it asks, e.g. which
-    applications the live node agents run)."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+    parser.add_argument("--reference", help="reference folder the profiles are read from (simulated executors)")
+    parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo (simulated executors)")
+    parser.add_argument(
+        "--executors",
+        type=executors_kind,
+        choices=EXECUTORS,
+        default="simulated",
+        help="real: an application is known when a live node agent says it runs it (default: %(default)s)",
+    )
+
+
+def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]]) -> Problem:
+    """Why a live submission cannot be scheduled on `cluster`, as the profiler would judge it;
+    `models()`: application -> the GPU types it has profiles on (None: any application may be)."""
+
+    async def problem(spec: JobSpec) -> str | None:
+        return submission_problem(spec, cluster, await models(), live=True)
+
+    return problem
+
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    """The API service of `python -m services.api`: the applications it knows are the profiles'
+    (simulated executors) or those the live node agents say they run (real ones)."""
+    cluster = load_cluster(args.cluster)
+    if args.executors == "real":
+        nodes = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
+
+        async def models() -> Models | None:
+            return agents_models((await nodes.values()).values(), cluster.gpu_types)
+
+    else:
+        types = profile_source(args.reference, args.zoo).types
+
+        async def models() -> Models | None:
+            return types
+
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
+    return (await open_gate(bus, owners, live_problem(cluster, models)))[1]
+
+
+async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tuple[Gate, micro.Service]:
+    """The API's endpoints on a service of their own (for the caller to start), and the logins' own
+    submissions from the intake stream judged from now on. `problem(spec)`: why a well-formed live
+    submission cannot be scheduled on this cluster, or None (a coroutine function when it asks,
+    e.g. which applications the live node agents run)."""
     gate = Gate(bus, owners, problem)
     handlers = {
         "submit": gate.answered,
@@ -488,8 +544,6 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
             on_invalid=gate.unreadable if endpoint.name == "submit" else None,
             concurrency=CONCURRENCY,
         )
-    await service.start()
-    bus.on_close(service.stop)
     intake = await storage.open_consumer(
         bus,
         subjects.INTAKE_CONSUMER,
@@ -499,6 +553,15 @@ async def start(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
         dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER),
     )
     asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
+    return gate, service
+
+
+async def serve(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
+    """`open_gate`, its service started at once and stopped with the bus: the API within another
+    process (a test's)."""
+    gate, service = await open_gate(bus, owners, problem)
+    await service.start()
+    bus.on_close(service.stop)
     return gate
 
 

@@ -1,12 +1,13 @@
-"""The profiler service: the gate every submission passes. Each one, validated, bootstraps a job
-with its 1-GPU profiles, or is refused with the reason.
+"""The profiler service: every stored submission, validated, bootstraps a job with its 1-GPU
+profiles, or is refused with the reason. (The user API, `services.api`, is the gate in front of it:
+it stores only what passes the same checks.)
 
 A durable pull consumer on the submissions (live ones and a replay's): a submission is
 acknowledged once the profiler's verdict is stored in the jobs stream, exactly one per submission:
 `Profiled` (its profiles reached the estimator; the executors may run it) or `Rejected` (the reason:
 malformed, an unknown application or GPU type, more GPUs than the cluster has, a submit time on a
 live submission, a profiling run that failed). Only accepted jobs ever run. On a simulated cluster
-the profiles are trace-backed (`shared/profiles.py`); with `--executors local` the job's own
+the profiles are trace-backed (`shared/profiles.py`); with `--executors real` the job's own
 script is run on one GPU of each type, by the agent of a node of that type (`services.profiler.measure`).
 """
 
@@ -19,13 +20,12 @@ import logging
 
 from nats import micro
 
-from services.api import service as api
 from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFailed, measured_profile, profiling_run
 from shared import storage, subjects
-from shared.bus import Bus, RevisionConflict
-from shared.cluster import load_cluster
-from shared.profiles import profile_source
-from shared.runner import new_service, positive_float
+from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.cluster import Cluster, load_cluster
+from shared.profiles import ProfileSource, profile_source
+from shared.runner import EXECUTORS, executors_kind, new_service, positive_float
 from shared.schema import (
     Cancel,
     JobOwner,
@@ -33,12 +33,13 @@ from shared.schema import (
     JobSpec,
     NodeInfo,
     Profiled,
+    ProfileRun,
     Stored,
     readable_id,
     rejection,
     spec_digest,
 )
-from shared.submissions import agents_models, id_taken, malformed_reason, named_types, submission_problem
+from shared.submissions import id_taken, malformed_reason, named_types, submission_problem
 
 log = logging.getLogger(__name__)
 
@@ -52,53 +53,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo")
     parser.add_argument(
         "--executors",
-        choices=["simulated", "local"],
+        type=executors_kind,
+        choices=EXECUTORS,
         default="simulated",
-        help="local: profile each job by running its script on one GPU of each type, on a node of "
+        help="real: profile each job by running its script on one GPU of each type, on a node of "
         "that type (through its agent)",
     )
     parser.add_argument(
         "--slot-memory",
         type=positive_float,
-        help="local: the memory of one CPU slot in MB, as a GPU's (default: unlimited)",
+        help="real: the memory of one CPU slot in MB, as a GPU's (default: unlimited)",
     )
 
 
-async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    cluster = load_cluster(args.cluster)
-    local = args.executors == "local"
-    source = None if local else profile_source(args.reference, args.zoo)
-    turns = NodeTurns(await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)) if local else None
-    stopping = asyncio.Event()
+class Profiler:
+    """The verdicts on stored submissions: trace-backed profiles (`source`), or real profiling runs
+    on the live nodes (`turns`: each node lent to one run at a time)."""
 
-    async def stop_runs() -> None:
-        stopping.set()
+    def __init__(
+        self,
+        bus: Bus,
+        cluster: Cluster,
+        owners: TypedKV[JobOwner],
+        source: ProfileSource | None = None,
+        turns: NodeTurns | None = None,
+        slot_memory: float | None = None,
+    ) -> None:
+        if (source is None) == (turns is None):
+            raise ValueError("a profiler reads profiles (source) or measures them (turns), one of the two")
+        self.bus, self.cluster, self.owners = bus, cluster, owners
+        self.source, self.turns, self.slot_memory = source, turns, slot_memory
+        # Cancel orders as they pass (every replica sees each): a cancelled job's profiling runs do
+        # not start, and its slots go to the next job's. Its end is the cancel; the executors ignore a verdict.
+        self.cancels: dict[str, None] = {}
+        self.stopping = asyncio.Event()
 
-    bus.on_close(stop_runs)
+    @property
+    def real(self) -> bool:
+        """Whether jobs are profiled by running them (real executors)."""
+        return self.turns is not None
 
-    async def on_malformed(subject: str, data: bytes, error: Exception) -> None:
+    async def stop_runs(self) -> None:
+        self.stopping.set()
+
+    async def on_malformed(self, subject: str, data: bytes, error: Exception) -> None:
         # Recorded, with the reason, as the submission's verdict; the submission is then dropped.
-        await bus.js_publish(subjects.REJECTED, rejection(subject, malformed_reason(error), data, readable_id(data)))
+        await self.bus.js_publish(
+            subjects.REJECTED, rejection(subject, malformed_reason(error), data, readable_id(data))
+        )
 
-    owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
-
-    async def claim(spec: JobSpec, delivery) -> str | None:
+    async def claim(self, spec: JobSpec, delivery) -> str | None:
         """Hold the job's id for this submission: None when it holds it (first, or delivered again),
         "repeat" for the same job sent again, else why it cannot have it."""
         mine = JobOwner(delivery.stream_sequence, spec_digest(spec), delivery.subject)
         for _ in range(3):  # the holder may give it up meanwhile
             try:
-                await owners.create(spec.id, mine)
+                await self.owners.create(spec.id, mine)
                 return None
             except RevisionConflict:
-                held = await owners.get(spec.id)
+                held = await self.owners.get(spec.id)
             if held is None:
                 continue
             if held.value.submission == mine.submission:
                 return None
             if held.value.marking:  # the API is storing one: this one was stored first (or is it)
                 try:
-                    await owners.update(spec.id, mine, held.revision)
+                    await self.owners.update(spec.id, mine, held.revision)
                     return None
                 except RevisionConflict:
                     continue
@@ -107,112 +127,124 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             return id_taken(spec.id)
         raise RuntimeError(f"job {spec.id}: its id changes hands too fast to claim")
 
-    async def reject(spec: JobSpec, reason: str, delivery, release: bool = True) -> None:
+    async def reject(self, spec: JobSpec, reason: str, delivery, release: bool = True) -> None:
         """Refuse this submission, with the reason; the id it held is free again (`release`)."""
-        await bus.js_publish(
+        await self.bus.js_publish(
             subjects.REJECTED, rejection(delivery.subject, reason, repr(spec), spec.id, delivery.stream_sequence)
         )
-        held = await owners.get(spec.id) if release else None
+        held = await self.owners.get(spec.id) if release else None
         if held is not None and held.value.submission == delivery.stream_sequence:
             with contextlib.suppress(RevisionConflict):
-                await owners.delete(spec.id, held.revision)
+                await self.owners.delete(spec.id, held.revision)
 
-    # Cancel orders as they pass (every replica sees each): a cancelled job's profiling runs do not
-    # start, and its slots go to the next job's. Its end is the cancel; the executors ignore a verdict.
-    cancels: dict[str, None] = {}
+    async def on_cancel(self, order: Cancel) -> None:
+        self.cancels[order.job_id] = None
+        while len(self.cancels) > CANCELS_KEPT:
+            del self.cancels[next(iter(self.cancels))]
 
-    async def on_cancel(order: Cancel) -> None:
-        cancels[order.job_id] = None
-        while len(cancels) > CANCELS_KEPT:
-            del cancels[next(iter(cancels))]
-
-    if local:
-        await bus.subscribe(subjects.CANCEL, Cancel, on_cancel, span_name="profiler.cancel-seen")
-
-    async def measure(spec: JobSpec, types: list[str]) -> tuple:
+    async def measure(self, spec: JobSpec, types: list[str]) -> tuple[tuple, ProfileRun | None]:
         """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
         profiles, run = [], None
         for gpu_type in types:
-            if stopping.is_set():
+            if self.stopping.is_set():
                 raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica")
             run = await profiling_run(
-                bus, turns, spec.id, spec.application, gpu_type, args.slot_memory, cancelled=lambda: spec.id in cancels
+                self.bus,
+                self.turns,
+                spec.id,
+                spec.application,
+                gpu_type,
+                self.slot_memory,
+                cancelled=lambda: spec.id in self.cancels,
             )
-            memory = f"{args.slot_memory:g} MB memory" if args.slot_memory else "memory"
+            memory = f"{self.slot_memory:g} MB memory" if self.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
         return tuple(profiles), run
 
-    async def on_submission(spec: JobSpec, delivery) -> None:
-        taken = await claim(spec, delivery)
+    async def on_submission(self, spec: JobSpec, delivery) -> None:
+        taken = await self.claim(spec, delivery)
         if taken == "repeat":  # the first one's verdict stands
             return
         if taken is not None:
-            await reject(spec, taken, delivery, release=False)
+            await self.reject(spec, taken, delivery, release=False)
             return
         problem = submission_problem(
             spec,
-            cluster,
-            None if local else source.types,
+            self.cluster,
+            None if self.real else self.source.types,
             live=subjects.of_login(delivery.subject)[0] == subjects.STORED,
         )
         if problem is not None:
-            await reject(spec, problem, delivery)
+            await self.reject(spec, problem, delivery)
             return
-        named = named_types(spec, cluster)[0]  # the types it may run on ("T4" or "aws"); none: any
-        if local:
-            types = [t for t in cluster.gpu_types if not named or t in named]
+        named = named_types(spec, self.cluster)[0]  # the types it may run on ("T4" or "aws"); none: any
+        if self.real:
+            types = [t for t in self.cluster.gpu_types if not named or t in named]
             try:
-                profiles, run = await measure(spec, types)
+                profiles, run = await self.measure(spec, types)
             except ProfilingCancelled as cancelled:
                 log.info("%s", cancelled)
                 return
             except ProfilingFailed as error:
-                if stopping.is_set():  # we stopped its run: the submission goes back for another replica
+                if self.stopping.is_set():  # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
-                await reject(spec, f"job {spec.id} cannot run: {error}", delivery)
+                await self.reject(spec, f"job {spec.id} cannot run: {error}", delivery)
                 return
         else:
-            types = [t for t in cluster.gpu_types if t in source.types[spec.application] and (not named or t in named)]
-            profiles = tuple(source.profile(spec.application, t) for t in types)
-        await bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
+            types = [
+                t
+                for t in self.cluster.gpu_types
+                if t in self.source.types[spec.application] and (not named or t in named)
+            ]
+            profiles = tuple(self.source.profile(spec.application, t) for t in types)
+        await self.bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
         sequence = delivery.stream_sequence
         verdict = (
             Profiled(spec.id, run.init_batch, run.max_batch, submission=sequence)
-            if local
+            if self.real
             else Profiled(spec.id, submission=sequence)
         )
-        await bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")  # not the submission's id
+        await self.bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")  # not the submission's id
 
-    async def on_dead(delivery, error: Exception) -> None:
+    async def on_dead(self, delivery, error: Exception) -> None:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
-        await reject(
+        await self.reject(
             delivery.message,
             f"job {delivery.message.id} could not be profiled after "
             f"{delivery.num_delivered} tries: {type(error).__name__}: {error}",
             delivery,
         )
 
-    async def problem(spec: JobSpec) -> str | None:
-        """Why the API refuses a live submission at once: with real executors, an application no live
-        node agent runs is unknown (from what they say; none says: its profiling run decides)."""
-        models = agents_models((await turns.members.values()).values(), cluster.gpu_types) if local else source.types
-        return submission_problem(spec, cluster, models, live=True)
 
-    await api.start(bus, owners, problem)
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    real = args.executors == "real"
+    profiler = Profiler(
+        bus,
+        load_cluster(args.cluster),
+        await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner),
+        source=None if real else profile_source(args.reference, args.zoo),
+        turns=NodeTurns(await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)) if real else None,
+        slot_memory=args.slot_memory,
+    )
+    bus.on_close(profiler.stop_runs)
+    if real:
+        await bus.subscribe(subjects.CANCEL, Cancel, profiler.on_cancel, span_name="profiler.cancel-seen")
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
     # says so to the server), not handed to another replica. Real runs: PROFILING_RUNS
     # submissions at once, one at a time each (none waits behind another's run on another node).
-    for _ in range(PROFILING_RUNS if local else 1):
+    for _ in range(PROFILING_RUNS if real else 1):
         consumer = await storage.open_consumer(
             bus,
             subjects.PROFILER_CONSUMER,
             JobSpec,
             span_name="profiler.bootstrap",
-            on_invalid=on_malformed,
+            on_invalid=profiler.on_malformed,
             dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
         )
         asyncio.get_running_loop().create_task(
-            consumer.consume(on_submission, with_delivery=True, on_dead=on_dead, **({"batch": 1} if local else {}))
+            consumer.consume(
+                profiler.on_submission, with_delivery=True, on_dead=profiler.on_dead, **({"batch": 1} if real else {})
+            )
         )
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

@@ -1,6 +1,6 @@
 """A thin typed layer over NATS: every message a msgspec Struct, every hop a traced span.
 
-Why a layer at all: five services must agree on three things that nats-py leaves open — how a
+Why a layer at all: six services must agree on three things that nats-py leaves open — how a
 message is encoded, what happens to one that does not decode, and how trace context travels. This
 package settles them once, and stays generic over message types (the Structs live in
 `shared/schema/`, the names in `shared/subjects.py`).

@@ -1,0 +1,147 @@
+"""The user API's `Gate.submit` with no NATS server: an in-memory bus and owners' KV stand in for the
+few calls it makes, and record them; what the API decided is read from what they recorded."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+from nats.js import api as js_api
+
+from services.api import service as api
+from shared import subjects
+from shared.bus import Bus, KVEntry, RevisionConflict
+from shared.schema import JobOwner, JobRecords, JobSpec, Rejected, submission_msg_id
+
+CODEC = Bus(nats.NATS())  # never connected: only its encoding, the API's own
+
+
+@dataclass
+class RecordingBus:
+    """What `Gate` asks of a Bus, in memory: every JetStream publish is recorded and stored as a
+    new message (its sequence the count so far); the jobs stream holds nothing else; the executors'
+    records are empty (no executor has read a submission yet)."""
+
+    published: list[tuple[str, Any, str | None]] = field(default_factory=list)
+    requests: list[tuple[str, Any]] = field(default_factory=list)
+    infos: list[tuple[str, str | None]] = field(default_factory=list)
+
+    @property
+    def js(self) -> RecordingBus:
+        return self
+
+    def decode(self, data: bytes, msg_type: type) -> Any:
+        return CODEC.decode(data, msg_type)
+
+    def encode(self, msg: Any, json: bool = False) -> bytes:
+        return CODEC.encode(msg, json)
+
+    async def js_publish(self, subject: str, msg: Any, *, msg_id: str | None = None, **_: Any) -> js_api.PubAck:
+        self.published.append((subject, msg, msg_id))
+        return js_api.PubAck(stream=subjects.JOBS_STREAM, seq=len(self.published))
+
+    async def stream_info(self, name: str, subjects_filter: str | None = None) -> SimpleNamespace:
+        self.infos.append((name, subjects_filter))
+        return SimpleNamespace(
+            state=SimpleNamespace(subjects={}, bytes=0), config=SimpleNamespace(max_bytes=1024 * 1024 * 1024)
+        )
+
+    async def request(self, subject: str, message: Any, answer_type: type, **_: Any) -> Any:
+        self.requests.append((subject, message))
+        assert answer_type is JobRecords, answer_type
+        return JobRecords(())
+
+    def stored(self) -> list[tuple[str, Any, str | None]]:
+        """The publishes on a login's stored-submissions subject."""
+        return [p for p in self.published if subjects.of_login(p[0])[0] == subjects.STORED]
+
+
+@dataclass
+class MemoryKV:
+    """A KV bucket in memory, with a KV's revisions: create, get, update and delete as TypedKV does them."""
+
+    entries: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    revision: int = 0
+
+    def _write(self, key: str, value: Any) -> int:
+        self.revision += 1
+        self.entries[key] = (value, self.revision)
+        return self.revision
+
+    async def create(self, key: str, value: Any) -> int:
+        if key in self.entries:
+            raise RevisionConflict
+        return self._write(key, value)
+
+    async def get(self, key: str) -> KVEntry | None:
+        found = self.entries.get(key)
+        return None if found is None else KVEntry(key, *found)
+
+    async def update(self, key: str, value: Any, revision: int) -> int:
+        if key not in self.entries or self.entries[key][1] != revision:
+            raise RevisionConflict
+        return self._write(key, value)
+
+    async def delete(self, key: str, revision: int | None = None) -> None:
+        if revision is not None and (key not in self.entries or self.entries[key][1] != revision):
+            raise RevisionConflict
+        self.entries.pop(key, None)
+
+
+def gate(problem: api.Problem = lambda spec: None) -> tuple[api.Gate, RecordingBus, MemoryKV]:
+    bus, owners = RecordingBus(), MemoryKV()
+    return api.Gate(bus, owners, problem), bus, owners
+
+
+async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_stored() -> None:
+    judge, bus, owners = gate()
+    body = b'{"id": "typo-1", "application": "cifar10", "requestd_gpus": 2}'
+    answer = await judge.submit(body, "alice")
+    assert not answer.accepted and answer.state == "rejected" and answer.id == "typo-1", answer
+    assert "unknown field `requestd_gpus`" in answer.reason and "did you mean `requested_gpus`" in answer.reason
+    assert bus.stored() == [] and owners.entries == {}
+    # The refusal is recorded for its login, with the reason it was answered.
+    [(subject, record, _)] = bus.published
+    assert subject == subjects.refused("alice") and isinstance(record, Rejected)
+    assert (record.job_id, record.reason, record.subject) == ("typo-1", answer.reason, subjects.API_SUBMIT)
+
+
+async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -> None:
+    judge, bus, owners = gate(lambda spec: f"unknown application {spec.application!r}")
+    answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), "alice")
+    assert not answer.accepted and answer.reason == "unknown application 'nosuchjob'", answer
+    assert bus.stored() == [] and owners.entries == {}
+    assert [subject for subject, _, _ in bus.published] == [subjects.refused("alice")]
+
+
+async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None:
+    judge, bus, owners = gate()
+    spec = JobSpec("lm-1", "cifar10", requested_gpus=2)
+    answer = await judge.submit(msgspec.json.encode(spec), "alice")
+    assert answer.accepted and answer.state == "profiling" and answer.id == "lm-1", answer
+    assert bus.stored() == [("goodput.jobs.stored.alice", spec, submission_msg_id(spec))]
+    held = owners.entries["lm-1"][0]  # the id is this submission's: its stream sequence, its login
+    assert isinstance(held, JobOwner) and not held.marking
+    assert (held.submission, held.subject, held.login) == (1, "goodput.jobs.stored.alice", "alice")
+    again = await judge.submit(msgspec.json.encode(spec), "alice")  # the same body: a repeat
+    assert again.accepted and "not stored again" in again.reason, again
+    assert len(bus.stored()) == 1
+    other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), "bob")  # another body, the id taken
+    assert not other.accepted and "already exists" in other.reason, other
+    assert len(bus.stored()) == 1 and owners.entries["lm-1"][0] == held
+
+
+def test_executors_local_is_read_as_real_with_a_word_on_stderr(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    api.add_arguments(parser)
+    assert parser.parse_args(["--executors", "local"]).executors == "real"
+    assert "`--executors local` means `--executors real`; use `real`" in capsys.readouterr().err
+    assert parser.parse_args(["--executors", "real"]).executors == "real"
+    assert parser.parse_args([]).executors == "simulated" and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--executors", "remote"])
