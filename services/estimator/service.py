@@ -34,11 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class SharedEstimates:
-    """An `Estimator` as a read-through cache of the KV records, and its compare-and-set writes."""
+    """An `Estimator` as a read-through cache of the KV records, and its compare-and-set writes: the
+    estimator service's handlers (`add`, `observe`, `models`, `count`)."""
 
-    def __init__(self, estimator: Estimator, records: TypedKV[EstimateRecord]):
+    def __init__(self, estimator: Estimator, records: TypedKV[EstimateRecord], bus: Bus | None = None):
         self.estimator = estimator
         self.records = records
+        self.bus = bus
         self.revisions: dict[str, int] = {}  # the revision each cached estimate was built from
 
     async def load(self, job_id: str, at_least: int = 0) -> bool:
@@ -126,16 +128,16 @@ class SharedEstimates:
                 span.set_attribute("held.job.ids", sorted(held)[:MAX_TRACED_IDS])
         return ModelsReply(tuple(models), held)
 
+    async def count(self, _: Ack) -> Count:
+        # The bucket's keys, as the server counts them, in one request however many jobs: it keeps one
+        # value per key (history 1) and none is deleted, so each stored message is a key.
+        info = await self.bus.js.stream_info(storage.BUCKETS[subjects.ESTIMATES_BUCKET].stream)
+        return Count(info.state.messages)
+
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     records = await storage.open_kv(bus, subjects.ESTIMATES_BUCKET, EstimateRecord)
-    shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records)
-
-    async def count(_: Ack) -> Count:
-        # The bucket's keys, as the server counts them, in one request however many jobs: it keeps one
-        # value per key (history 1) and none is deleted, so each stored message is a key.
-        info = await bus.js.stream_info(storage.BUCKETS[subjects.ESTIMATES_BUCKET].stream)
-        return Count(info.state.messages)
+    shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records, bus)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
     await bus.add_endpoint(
@@ -147,5 +149,5 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     await bus.add_endpoint(
         service, "models", subjects.MODELS, ModelsRequest, shared.models, span_name="estimator.goodput"
     )
-    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, count, parts=False)
+    await bus.add_endpoint(service, "status", subjects.ESTIMATOR_STATUS, Ack, shared.count, parts=False)
     return service

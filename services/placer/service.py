@@ -32,16 +32,22 @@ def placement_attributes(request: PlaceRequest, result: PlacementResult) -> dict
     }
 
 
-async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    cluster = load_cluster(args.cluster)
+class Placer:
+    """The placer's one handler, over the cluster it places on."""
 
-    def on_place(request: PlaceRequest) -> PlacementResult:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def place(self, request: PlaceRequest) -> PlacementResult:
         # A live round on real executors names its nodes (the agents serving now); else the placer's own.
-        nodes = cluster if request.nodes is None else Cluster(cluster.name, request.nodes)
+        nodes = self.cluster if request.nodes is None else Cluster(self.cluster.name, request.nodes)
         result = place(nodes, request.allocations, request.previous, request.groups)
         trace.get_current_span().set_attributes(placement_attributes(request, result))
         return result
 
-    service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {cluster.name}")
-    await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, on_place, span_name="placer.place")
+
+async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
+    placer = Placer(load_cluster(args.cluster))
+    service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {placer.cluster.name}")
+    await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, placer.place, span_name="placer.place")
     return service

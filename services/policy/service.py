@@ -161,81 +161,108 @@ async def _next_run(runs: TypedKV[RunCheckpoint], unreadable: set[str]):
     return None
 
 
-async def lead(
-    bus: Bus,
-    leadership: Leadership,
-    runs: TypedKV[RunCheckpoint],
-    cluster: Cluster,
-    cluster_arg: str,
-    stop: asyncio.Event,
-) -> None:
-    """While we lead: run each unfinished run in turn."""
-    unreadable: set[str] = set()
-    failures: dict[str, tuple[int, int, float]] = {}  # run -> (round it last failed at, failures there in a row, since)
-    changed = asyncio.Event()  # the runs bucket changed: a new run may be there
+class PolicyService:
+    """One policy replica: it campaigns for the lease and, while it leads, runs each unfinished run
+    in turn (`lead`); it answers `status` whether it leads or not, and steps down when the bus closes.
+    A run's life: pending (in the runs bucket, not over) -> led (`run`, resumed from its checkpoint
+    after a failure, sooner at first) -> over, or failed with its reason (`journal.fail`)."""
 
-    async def watch() -> None:
+    def __init__(
+        self, bus: Bus, leadership: Leadership, runs: TypedKV[RunCheckpoint], cluster: Cluster, cluster_arg: str
+    ) -> None:
+        self.bus, self.leadership, self.runs = bus, leadership, runs
+        self.cluster, self.cluster_arg = cluster, cluster_arg
+        self.stop = asyncio.Event()
+        self.unreadable: set[str] = set()  # checkpoints warned of once
+        # run -> (round it last failed at, failures there in a row, since)
+        self.failures: dict[str, tuple[int, int, float]] = {}
+        self.changed = asyncio.Event()  # the runs bucket changed: a new run may be there
+        self.tasks: list[asyncio.Task] = []
+
+    def begin(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self.leadership.campaign(self.stop)), loop.create_task(self.lead())]
+
+    async def step_down(self) -> None:
+        self.stop.set()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.leadership.release()
+
+    async def status(self, _: Ack) -> PolicyStatus:
+        entry = await self.runs.get(subjects.LIVE_RUN)
+        return PolicyStatus(await self.leadership.leader(), None if entry is None else run_status(entry.value))
+
+    async def watch(self) -> None:
         while True:
             try:
-                async for _ in runs.changes():
-                    changed.set()
+                async for _ in self.runs.changes():
+                    self.changed.set()
             except Exception as error:  # noqa: BLE001 - NATS away: the idle poll stands in until it is back
                 log.info("watching the runs stopped (%s); watching again", error)
             await asyncio.sleep(1.0)
 
-    watching = asyncio.get_running_loop().create_task(watch())
-    try:
-        await _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, failures, changed)
-    finally:
-        watching.cancel()
+    async def lead(self) -> None:
+        """While we lead: run each unfinished run in turn."""
+        watching = asyncio.get_running_loop().create_task(self.watch())
+        try:
+            while not self.stop.is_set():
+                await self.lead_once()
+        finally:
+            watching.cancel()
 
-
-async def _lead(bus, leadership, runs, cluster, cluster_arg, stop, unreadable, failures, changed) -> None:
-    while not stop.is_set():
+    async def lead_once(self) -> None:
+        """Run the next unfinished run, or wait until one may be there."""
         pending = None
-        changed.clear()
-        if leadership.held:
+        self.changed.clear()
+        if self.leadership.held:
             try:
-                pending = await _next_run(runs, unreadable)
+                pending = await _next_run(self.runs, self.unreadable)
             except Exception as error:  # noqa: BLE001 - a failed read must not end the leading; try again
                 log.warning("reading the runs failed: %s: %s", type(error).__name__, error)
         if pending is None:  # idle: until a run is written, we lead, or the poll is due
-            events = (stop, changed) if leadership.held else (stop, changed, leadership.gained)
+            events = (
+                (self.stop, self.changed) if self.leadership.held else (self.stop, self.changed, self.leadership.gained)
+            )
             waits = [asyncio.ensure_future(e.wait()) for e in events]
             await asyncio.wait(waits, timeout=IDLE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
             for wait in waits:
                 wait.cancel()
-            continue
-        journal = RunJournal(bus, runs, pending.value, pending.revision, leadership)
+            return
+        journal = RunJournal(self.bus, self.runs, pending.value, pending.revision, self.leadership)
         try:
-            await run(bus, cluster, cluster_arg, journal, pending.value.clock)
+            await run(self.bus, self.cluster, self.cluster_arg, journal, pending.value.clock)
         except LeaseLost as error:
             log.warning("stepping down: %s", error)
         except Exception as error:  # noqa: BLE001 - resumed, or failed with its reason; the service goes on
-            if stop.is_set():
-                return
-            at, reason = journal.clock.round, f"{type(error).__name__}: {error}"
-            last, count, since = failures.get(pending.key, (-1, 0, time.time()))
-            count, since = (count + 1, since) if last == at else (1, time.time())
-            failures[pending.key] = (at, count, since)
-            if pending.value.request.live or count < RESUME_TRIES:
-                wait_s = min(RESUME_AFTER_S * 2 ** (count - 1), RESUME_MAX_S)
-                log.warning(
-                    "run %s interrupted at round %d (%s); resuming it from its checkpoint in %.1f s",
-                    pending.key,
-                    at,
-                    reason,
-                    wait_s,
-                )
-                await journal.stalled(f"round {at} failed {count} time{'s' * (count > 1)} in a row: {reason}", since)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), wait_s)
-                continue
-            log.error("run %s failed at round %d: %s", pending.key, at, reason)
-            try:
-                await journal.fail(reason)
-            except (LeaseLost, nats.errors.Error) as failed:  # leading goes on: the run is tried again
-                log.warning("run %s: its failure was not recorded: %s", pending.key, failed)
+            if not self.stop.is_set():
+                await self.interrupted(pending, journal, f"{type(error).__name__}: {error}")
+
+    async def interrupted(self, pending, journal: RunJournal, reason: str) -> None:
+        """A run's round failed: resume it from its checkpoint after a wait, or fail it with the reason."""
+        at = journal.clock.round
+        last, count, since = self.failures.get(pending.key, (-1, 0, time.time()))
+        count, since = (count + 1, since) if last == at else (1, time.time())
+        self.failures[pending.key] = (at, count, since)
+        if pending.value.request.live or count < RESUME_TRIES:
+            wait_s = min(RESUME_AFTER_S * 2 ** (count - 1), RESUME_MAX_S)
+            log.warning(
+                "run %s interrupted at round %d (%s); resuming it from its checkpoint in %.1f s",
+                pending.key,
+                at,
+                reason,
+                wait_s,
+            )
+            await journal.stalled(f"round {at} failed {count} time{'s' * (count > 1)} in a row: {reason}", since)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), wait_s)
+            return
+        log.error("run %s failed at round %d: %s", pending.key, at, reason)
+        try:
+            await journal.fail(reason)
+        except (LeaseLost, nats.errors.Error) as failed:  # leading goes on: the run is tried again
+            log.warning("run %s: its failure was not recorded: %s", pending.key, failed)
 
 
 def run_status(checkpoint: RunCheckpoint) -> RunStatus:
@@ -259,26 +286,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     runs = await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)
     holder = f"{socket.gethostname()}-{os.getpid()}"
     leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    tasks = [
-        loop.create_task(leadership.campaign(stop)),
-        loop.create_task(lead(bus, leadership, runs, cluster, args.cluster, stop)),
-    ]
-
-    async def step_down() -> None:
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await leadership.release()
-
-    bus.on_close(step_down)
-
-    async def status(_: Ack) -> PolicyStatus:
-        entry = await runs.get(subjects.LIVE_RUN)
-        return PolicyStatus(await leadership.leader(), None if entry is None else run_status(entry.value))
-
+    policy = PolicyService(bus, leadership, runs, cluster, args.cluster)
+    policy.begin()
+    bus.on_close(policy.step_down)
     service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
-    await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, status, parts=False)
+    await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, policy.status, parts=False)
     return service
