@@ -54,6 +54,21 @@ def executors_kind(text: str) -> str:
     return text
 
 
+def add_profile_arguments(parser: argparse.ArgumentParser, real_help: str) -> None:
+    """The options of a service that judges submissions by their profiles: the cluster, where the
+    profiles come from on a simulated one, and who plays the jobs (`real_help`: what real changes)."""
+    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
+    parser.add_argument("--reference", help="reference folder the profiles are read from (simulated executors)")
+    parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo (simulated executors)")
+    parser.add_argument(
+        "--executors",
+        type=executors_kind,
+        choices=EXECUTORS,
+        default="simulated",
+        help=f"real: {real_help} (default: %(default)s)",
+    )
+
+
 def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
     """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
     config = micro.ServiceConfig(

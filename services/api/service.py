@@ -52,7 +52,7 @@ from shared.cluster import Cluster, load_cluster
 from shared.lifecycle import JobState
 from shared.permissions import LOGINS_ACCOUNT
 from shared.profiles import profile_source
-from shared.runner import EXECUTORS, executors_kind, new_service
+from shared.runner import add_profile_arguments, new_service
 from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
@@ -474,16 +474,7 @@ def cut(jobs: tuple[JobStatus, ...], offset: int, total: int, encode: Callable[[
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--reference", help="reference folder the profiles are read from (simulated executors)")
-    parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo (simulated executors)")
-    parser.add_argument(
-        "--executors",
-        type=executors_kind,
-        choices=EXECUTORS,
-        default="simulated",
-        help="real: an application is known when a live node agent says it runs it (default: %(default)s)",
-    )
+    add_profile_arguments(parser, "an application is known when a live node agent says it runs it")
 
 
 def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]]) -> Problem:

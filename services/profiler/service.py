@@ -25,7 +25,7 @@ from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.profiles import ProfileSource, profile_source
-from shared.runner import EXECUTORS, executors_kind, new_service, positive_float
+from shared.runner import add_profile_arguments, new_service, positive_float
 from shared.schema import (
     Cancel,
     JobOwner,
@@ -48,16 +48,8 @@ CANCELS_KEPT = 10_000  # cancel orders remembered, newest, so that a cancelled j
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default="sia-hetero-64", help="cluster preset or YAML/JSON file")
-    parser.add_argument("--reference", help="reference folder the profiles are read from")
-    parser.add_argument("--zoo", action="store_true", help="profiles from the built-in model zoo")
-    parser.add_argument(
-        "--executors",
-        type=executors_kind,
-        choices=EXECUTORS,
-        default="simulated",
-        help="real: profile each job by running its script on one GPU of each type, on a node of "
-        "that type (through its agent)",
+    add_profile_arguments(
+        parser, "profile each job by running its script on one GPU of each type, on a node of that type (its agent)"
     )
     parser.add_argument(
         "--slot-memory",
