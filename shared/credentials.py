@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import nats.errors
+
 from shared.permissions import inbox_prefix
 
 __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env", "unreachable"]
@@ -199,6 +201,11 @@ def unreachable(server: str, error: BaseException, options: Mapping[str, Any]) -
     """Why a command could not use the stack at `server` (its nats-py connect `options`), and what
     to do: a refused login is told apart from a server that is not there."""
     where = redact(server)
+    if isinstance(error, nats.errors.NoRespondersError):  # the server is there; the service is not
+        return (
+            f"NATS at {where} answers, but no goodput service answered the request: is the service's process "
+            "running? (`goodput up` prints a line when one exits, and where its log is)"
+        )
     in_url = any(urlsplit(url.strip()).username for url in server.split(","))
     login = in_url or any(options.get(key) for key in LOGIN_OPTIONS)
     if "authorization violation" not in str(error).lower():

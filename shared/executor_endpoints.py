@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable
 
+import msgspec
 import nats.errors
 from nats import micro
 
-from shared import subjects
+from shared import storage, subjects
 from shared.bus import Bus
 from shared.runner import new_service
 from shared.schema import (
@@ -42,6 +43,18 @@ async def report(bus: Bus, message: Observed) -> int:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             log.warning("estimator unavailable; reporting %s again", message.job_id)
             await asyncio.sleep(0.2)
+
+
+async def consume_job_events(
+    bus: Bus, consumer: str, on_event: Callable[[msgspec.Raw, Any], Awaitable[None]]
+) -> asyncio.Task:
+    """Read the jobs stream in order through the executors' durable `consumer` (its dead letters
+    kept), each event to `on_event(raw, delivery)`; the task reading it."""
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    events = await storage.open_consumer(
+        bus, consumer, msgspec.Raw, span_name="executor.job-event", dead_letters=subjects.dead_letters(consumer)
+    )
+    return asyncio.get_running_loop().create_task(events.consume(on_event, with_delivery=True))
 
 
 async def serve_round(

@@ -3,11 +3,12 @@
 import asyncio
 
 import nats
+import nats.errors
 import pytest
 
 from cli.main import main
 from cli.submit import load_job, submit
-from shared import storage, subjects
+from shared import credentials, storage, subjects
 from shared.cluster import load_cluster
 from shared.schema import JobSpec, NodeInfo, Rejected, rejection, submission_msg_id
 from shared.submissions import agents_models, malformed_reason, submission_problem
@@ -116,6 +117,11 @@ async def test_submissions_are_stored_once_per_body(nats_server, connect_bus):
     # Other tests share the server's stream: count by id, on the intake subject of a client with no login's.
     ids = [(m.headers or {}).get("Nats-Msg-Id") for m in stored if m.subject == subjects.submit(subjects.OPERATOR)]
     assert ids.count(submission_msg_id(spec)) == 1 and len([i for i in ids if i and i.startswith("dup-test-1.")]) == 2
+
+
+def test_a_server_without_the_service_is_not_called_unreachable():
+    why = credentials.unreachable("nats://127.0.0.1:4222", nats.errors.NoRespondersError(), {})
+    assert "answers, but no goodput service answered" in why and "cannot reach" not in why
 
 
 def test_submit_command_reports_an_unreachable_server(tmp_path, capsys):

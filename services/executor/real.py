@@ -802,15 +802,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         with_raw=True,
         span_name="executor.profile-seen",
     )
-    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
-    consumer = await storage.open_consumer(
-        bus,
-        subjects.NODE_AGENT_CONSUMER,
-        msgspec.Raw,
-        span_name="executor.job-event",
-        dead_letters=subjects.dead_letters(subjects.NODE_AGENT_CONSUMER),
-    )
-    loop.create_task(consumer.consume(service.on_event, with_delivery=True))
+    await endpoints.consume_job_events(bus, subjects.NODE_AGENT_CONSUMER, service.on_event)
     service.watching = loop.create_task(service.watch())
     bus.on_close(service.stop_workers)
 

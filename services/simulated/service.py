@@ -337,15 +337,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     service = SimulatedExecutorService(bus, executors, sources, states)
     await service.load()
 
-    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
-    consumer = await storage.open_consumer(
-        bus,
-        subjects.EXECUTOR_CONSUMER,
-        msgspec.Raw,
-        span_name="executor.job-event",
-        dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER),
-    )
-    asyncio.get_running_loop().create_task(consumer.consume(service.on_event, with_delivery=True))
+    await endpoints.consume_job_events(bus, subjects.EXECUTOR_CONSUMER, service.on_event)
 
     return await endpoints.serve_round(
         bus,
