@@ -3,11 +3,15 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The environment's interpreter: one every user may run. Each job's workers run as a user of their
+# own (docs/deploy.md), and cannot start a Python under a home folder closed to others (pyenv's in
+# /root): the system's Python 3.11+ when there is one.
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3.1[1-9] /usr/local/bin/python3.1[1-9]) python3)
 
 .PHONY: install run test check bench clean
 
 $(STAMP): pyproject.toml train/pyproject.toml
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0

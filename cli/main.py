@@ -17,6 +17,7 @@ COMMANDS = [
     "interference",
     "workload",
     "submit",
+    "logs",
     "up",
     "login",
     "chaos",

@@ -1,6 +1,11 @@
 """`goodput submit JOB.yaml...` — submit jobs through the user API and print each answer;
 `goodput cancel ID` — cancel one. `--stream` stores the submission in JetStream without waiting
-for an answer (durable, fire-and-forget: taken even while the profiler is down)."""
+for an answer (durable, fire-and-forget: taken even while the profiler is down).
+
+A job that carries its code (`--code DIR`, or `code: DIR` in the job file, relative to it) has the
+folder packed (`shared.code_archive`), uploaded through the API in chunks unless the code store
+has it already, and submitted naming the archive's digest: `id` and `entrypoint` are then a whole
+job file."""
 
 from __future__ import annotations
 
@@ -25,7 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="JOB",
         help="job files, each submitted in turn: id, application, and optionally requested_gpus, "
-        "requested_batch, min_gpus, rigid, strong_scaling, gpu_types",
+        "requested_batch, min_gpus, rigid, strong_scaling, gpu_types; a job with its own code: id, "
+        "entrypoint (a script or module in the code), and optionally args and the others",
+    )
+    parser.add_argument(
+        "--code",
+        metavar="DIR",
+        help="the job's own code: this folder is packed, uploaded (unless stored before) and run by "
+        "the node agents; overrides `code:` in the job file",
     )
     parser.add_argument(
         "--stream",
@@ -61,15 +73,39 @@ def add_connection_arguments(parser: argparse.ArgumentParser, role: str = "user"
     credentials.add_arguments(parser, environ)
 
 
-def load_job(path: str | Path):
-    """A JobSpec from a YAML or JSON file; ValueError with the field that is wrong."""
+PLACEHOLDER = "0" * 64  # a code job's digest while its folder is not yet packed: the rest is checked first
+
+
+def code_folder(path: str | Path, code: str | Path | None = None) -> Path | None:
+    """The folder of a job's own code: `code` (--code), else the job file's `code:` when it names a
+    folder (relative to the file) rather than an archive's digest; None for a job without one."""
+    import re
+
+    if code is not None:
+        return Path(code)
+    document = _document(Path(path))
+    named = document.get("code") if isinstance(document, dict) else None
+    if isinstance(named, str) and not re.fullmatch(r"[0-9a-f]{64}", named):
+        return Path(path).parent / named
+    return None
+
+
+def _document(path: Path):
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+
+
+def load_job(path: str | Path, archive: str | None = None):
+    """A JobSpec from a YAML or JSON file; ValueError with the field that is wrong. `archive`: the
+    digest of the job's own code, in place of the file's `code:`."""
     from shared.schema import JobSpec
 
     path = Path(path)
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    document = _document(path)
+    if archive is not None and isinstance(document, dict):
+        document = {**document, "code": archive}
     try:
         return from_builtins(document, JobSpec)  # as the bus reads JSON: 2.0 is 2, "2" is no number
     except msgspec.ValidationError as exc:
@@ -124,8 +160,19 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
     from shared.bus import Bus
 
     bus = await Bus.connect_once(server, "goodput-cli", **options)
+    try:
+        return await ask_on(bus, server, subject, request, answer_type)
+    except nats.errors.NoRespondersError:
+        raise ValueError(unanswered.format(server=credentials.redact(server))) from None
+    finally:
+        await bus.close()
+
+
+async def ask_on(bus, server: str, subject: str, request, answer_type):
+    """One request on a connected bus; its answer, or ValueError at once when the server refuses the
+    login the subject (no answer would come)."""
     answer = asyncio.ensure_future(bus.request(subject, request, answer_type, timeout=30))
-    refused = asyncio.ensure_future(bus.refused.wait())  # its login may not send it: no answer will come
+    refused = asyncio.ensure_future(bus.refused.wait())
     try:
         await asyncio.wait({answer, refused}, return_when=asyncio.FIRST_COMPLETED)
         if not answer.done():
@@ -134,12 +181,9 @@ async def ask(server: str, subject: str, request, answer_type, unanswered: str =
                 f"({next(e for e in reversed(bus.refusals) if 'permissions' in str(e).lower())})"
             )
         return answer.result()
-    except nats.errors.NoRespondersError:
-        raise ValueError(unanswered.format(server=credentials.redact(server))) from None
     finally:
         for task in (answer, refused):
             task.cancel()
-        await bus.close()
 
 
 def _call(
@@ -178,7 +222,10 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
     from shared import subjects
     from shared.schema import SubmitAnswer
 
-    spec = load_job(path)
+    folder = code_folder(path, args.code)
+    spec = load_job(path, None if folder is None else PLACEHOLDER)  # refused now, before any upload
+    if folder is not None:
+        spec = load_job(path, _upload(args, folder, spec.id))
     if args.stream:
         options = credentials.connect_options(credentials.from_args(args))
         try:
@@ -199,6 +246,74 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
     for note in answer.notes:
         print(f"  note: {note}")
     return 0
+
+
+def _upload(args: argparse.Namespace, folder: Path, job_id: str) -> str:
+    """Pack `folder` and upload it through the API, unless the code store has it; its digest."""
+    from nats.micro.request import ServiceError
+
+    from shared.code_archive import ArchiveRefused, digest, pack
+
+    try:
+        data = pack(folder)
+    except (ArchiveRefused, OSError) as error:
+        raise ValueError(f"job {job_id}: its code {folder}: {error}") from None
+    archive = digest(data)
+    options = credentials.connect_options(credentials.from_args(args))
+    try:
+        stored = asyncio.run(upload(data, args.server, _progress(archive), **options))
+    except ServiceError as error:
+        raise ValueError(f"job {job_id}: its code {folder} refused: {error.description}") from None
+    except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        raise ValueError(credentials.unreachable(args.server, exc, options)) from None
+    what = "uploaded" if stored else "stored before, not uploaded again"
+    print(f"{job_id}: code {folder} ({len(data) / 1024:,.0f} KiB, sha256 {archive[:12]}): {what}", file=sys.stderr)
+    return archive
+
+
+def _progress(archive: str):
+    """Say on stderr, on one line, how much of a large upload has gone."""
+    from shared.schema import CHUNK_BYTES
+
+    def progress(sent: int, size: int) -> None:
+        if size > 4 * CHUNK_BYTES and sys.stderr.isatty():
+            end = "\n" if sent >= size else ""
+            print(
+                f"\r  uploading {archive[:12]}: {sent / 2**20:.1f} of {size / 2**20:.1f} MiB", end=end, file=sys.stderr
+            )
+
+    return progress
+
+
+async def upload(data: bytes, server: str, progress=lambda sent, size: None, **options) -> bool:
+    """Upload an archive through the user API (`goodput.api.code.*`) in chunks, unless the code store
+    has it: True if it was uploaded now, False if stored before. ServiceError: the API refused it."""
+    from shared import subjects
+    from shared.bus import Bus
+    from shared.code_archive import digest
+    from shared.schema import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
+
+    archive = digest(data)
+    bus = await Bus.connect_once(server, "goodput-submit", **options)
+    try:
+        try:
+            answer = await bus.request(subjects.API_CODE_HAS, CodeRequest(archive), CodeAnswer, timeout=30)
+        except nats.errors.NoRespondersError:
+            raise ValueError(API_UNANSWERED.format(server=credentials.redact(server))) from None
+        if answer.stored:
+            return False
+        offset = 0
+        while True:  # the API says when it has stored it: chunk after chunk, then its last answer
+            chunk = CodeChunk(archive, len(data), offset, data[offset : offset + CHUNK_BYTES])
+            answer = await bus.request(subjects.API_CODE_PUT, chunk, CodeAnswer, timeout=60)
+            offset += len(chunk.data)
+            progress(offset, len(data))
+            if answer.stored:
+                return not answer.reason  # "stored before": another upload of it was stored meanwhile
+            if answer.received != offset:
+                raise ValueError(f"the API holds {answer.received:,} bytes of the archive, not the {offset:,} sent")
+    finally:
+        await bus.close()
 
 
 def _drain(args: argparse.Namespace) -> int:

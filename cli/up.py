@@ -18,7 +18,8 @@ a data folder at a time, and a taken port is refused before anything starts.
 
 With `--executors real` the jobs are real: a node agent per node runs on this machine (--nodes,
 each its own node of --slots CPU slots; one node of 4 by default: the `local` cluster), the example
-jobs (or --jobs YAML files) are submitted, profiled on one slot through an agent, and trained on
+jobs (or --jobs YAML files; none with `--jobs none`, `--workload none` or another --jobs-package) are
+submitted, profiled on one slot through an agent, and trained on
 the nodes as the scheduler allocates them — a job may span nodes, its workers finding each other
 over loopback — each change of allocation printed; --once stops when every job has ended and
 writes each job's outcome (time, restarts, batches, its metric, its placements) to --out.
@@ -110,8 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--jobs",
         nargs="+",
-        default=[str(p) for p in EXAMPLE_JOBS],
-        help="real: job YAML files to submit (default: the example jobs)",
+        help="real: job YAML files to submit at start, or 'none' (default: the example jobs, unless "
+        "--workload none or another --jobs-package)",
     )
     up.add_argument(
         "--jobs-package",
@@ -169,6 +170,8 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("--round and --speed must be positive, replica counts at least 1")
     if real and args.speed != 1:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors real")
+    if real and args.once and not start_jobs(args.jobs, args.workload, args.jobs_package):
+        raise ValueError("--once waits for the jobs submitted at start, and there are none: name them with --jobs")
     data = Path(args.data or ("out/replay" if args.once and not real else credentials.DEFAULT_DATA))
     if not data.exists() and port_in_use(args.port):  # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
@@ -180,9 +183,11 @@ def _up(args: argparse.Namespace) -> int:
 def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
     """`goodput up` on its data folder, made private with what an earlier version left there."""
     from launcher.nats import embedded_nats, port_in_use, stop_orphan_server
-    from shared.files import make_private
+    from shared.files import make_passable, make_private
 
     make_private(data)
+    if os.geteuid() == 0:  # its agents run jobs as users of their own: the way to their folders in DATA/work
+        make_passable(data, data / "work")
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if real else "sia-hetero-64")
     with _holding(data):
         orphan = stop_orphan_server(data)
@@ -285,7 +290,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
             args.cluster, data / "work", args.round / 2, args.slot_memory, args.jobs_package
         )
         agents = local_node_arguments(args.cluster, data / "work", args.jobs_package)
-        specs = [_job(path) for path in args.jobs]  # a bad file is refused here, before anything starts
+        specs = [_job(path) for path in start_jobs(args.jobs, args.workload, args.jobs_package)]  # refused here
     else:
         agents = {}
         arguments = service_arguments(
@@ -415,6 +420,17 @@ def _job(path: str):
     return spec
 
 
+def start_jobs(jobs: list[str] | None, workload: str | None, jobs_package: str) -> list[str]:
+    """The job files real executors start with: those named (`none`: none); else the example jobs,
+    the start-up workload of real executors, unless no workload is asked for (`--workload none`) or
+    the jobs come from another package (which the examples are not modules of)."""
+    if jobs is not None:
+        if "none" in jobs and len(jobs) > 1:
+            raise ValueError("--jobs none submits nothing: it takes no job files beside it")
+        return [] if jobs == ["none"] else jobs
+    return [] if workload == "none" or jobs_package != JOBS_PACKAGE else [str(p) for p in EXAMPLE_JOBS]
+
+
 async def _submit_local(bus, specs) -> None:
     """Submit the jobs; one the executors know already (a restart on the same --data) is not
     submitted again: its state is printed."""
@@ -529,6 +545,8 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
+    from cli.job_view import job_lines, progress_note
+
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
     try:
@@ -563,7 +581,15 @@ def _status(args: argparse.Namespace) -> int:
             if j["state"] == JobState.RUNNING
             else j["reason"]
         )
-        print(f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}")
+        where = (where or "").split("\n", 1)[0]  # a crash's stderr lines: under it, with `goodput status JOB`
+        note = progress_note(j)
+        print(
+            f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}"
+            + (f"; {note}" if note else "")
+        )
+        if args.id is not None:
+            for line in job_lines(j):
+                print(f"      {line}")
     return 0
 
 

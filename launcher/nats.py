@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.runner import ended_with_this_process
+
 SERVER_START_TIMEOUT_S = 10.0
 PID_FILE = "nats-server.pid"  # under the server's folder while it serves: a killed owner's server is found
 SECRETS = "secrets"  # under the data folder: one password file per role
@@ -113,6 +115,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
             stdout=server_log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches its owner, which stops it last
+            preexec_fn=ended_with_this_process(),  # ... and its owner killed -9 stops it too
         )
     (workdir / PID_FILE).write_text(str(process.pid))
     try:

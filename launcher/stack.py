@@ -24,7 +24,7 @@ from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.reference import WorkloadJob
-from shared.runner import PARENT_ENV
+from shared.runner import PARENT_ENV, ended_with_this_process
 from shared.schema import (
     Ack,
     Count,
@@ -75,6 +75,7 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=self.environments.get(name),
+                preexec_fn=ended_with_this_process(),  # its parent killed -9: it stops (as it does polling)
             )
 
     def kill(self, name: str) -> None:

@@ -62,10 +62,11 @@ class GoodputPolicy(SiaPolicy):
     def problem(self, state: RoundState) -> IlpProblem:
         """Sia's ILP with shrinks floored; every job must-run when all their smallest allocations fit."""
         fits = sum(smallest_gpus(view.models) for view in state.jobs) <= state.cluster.total_gpus
+        problem = super().problem(state)  # its must-run jobs: those past max_wait_s, if any
         return dataclasses.replace(
-            super().problem(state),
+            problem,
             shrink_floor=SHRINK_FLOOR,
-            must_run=np.ones(len(state.jobs), dtype=bool) if fits else None,
+            must_run=np.ones(len(state.jobs), dtype=bool) if fits else problem.must_run,
         )
 
 

@@ -14,6 +14,8 @@ whose nodes take whole model-parallel groups, valued at their replicas.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from policies.base import Decision, Prediction, RoundState, restart_factor
@@ -32,10 +34,16 @@ class SiaPolicy:
         solver: str = DEFAULT_SOLVER,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
         round_s: float = ROUND_S,
+        max_wait_s: float = math.inf,
     ):
         if round_s <= 0:
             raise ValueError(f"round_s must be positive, got {round_s}")
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be positive seconds, got {max_wait_s}")
         self.p, self.lam, self.solver, self.time_limit_s, self.round_s = p, lam, solver, time_limit_s, float(round_s)
+        # The operator's bound on a wait (not Sia's): a job that waited longer must run, and the ILP
+        # makes room for it by leaving out a running one (a rigid job holding the cluster, say).
+        self.max_wait_s = float(max_wait_s)
 
     def problem(self, state: RoundState) -> IlpProblem:
         table, jobs = state.table, state.jobs
@@ -43,6 +51,14 @@ class SiaPolicy:
         index = {c: j for j, c in enumerate(table.configs)}
         current = np.array([index.get(v.current, -1) if v.current is not None else -1 for v in jobs], dtype=int)
         running_valid = np.array([c >= 0 and bool(table.valid[i, c]) for i, c in enumerate(current)], dtype=bool)
+        waited = np.array(
+            [
+                0.0
+                if v.current is not None
+                else state.now_s - (v.submit_s if v.idle_since_s is None else v.idle_since_s)
+                for v in jobs
+            ]
+        )
         return IlpProblem(
             goodput=table.normalized,
             valid=table.valid,
@@ -62,14 +78,8 @@ class SiaPolicy:
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),
             capacity=np.array([state.cluster.capacity(t) for t in types], dtype=int),
-            waited=np.array(
-                [
-                    0.0
-                    if v.current is not None
-                    else state.now_s - (v.submit_s if v.idle_since_s is None else v.idle_since_s)
-                    for v in jobs
-                ]
-            ),
+            waited=waited,
+            must_run=waited > self.max_wait_s if math.isfinite(self.max_wait_s) else None,
         )
 
     def allocate(self, state: RoundState) -> Decision:

@@ -18,6 +18,7 @@ class JobState(enum.StrEnum):
     counts them)."""
 
     QUEUED = "queued"  # accepted by the profiler, waiting for GPUs
+    UNSCHEDULABLE = "unschedulable"  # accepted, but the live nodes as they are cannot take it (shared/waits.py)
     PROFILING = "profiling"  # submitted, the profiler's verdict not yet in
     RUNNING = "running"  # placed on GPUs
     FINISHED = "finished"  # trained to its end
@@ -29,10 +30,14 @@ class JobState(enum.StrEnum):
 # The moves a job may make (staying where it is is no move). A finish outranks every other end: a
 # job's workers may finish as a cancel or a failure stops them, and the job did finish. A job the
 # executors refused on submission (its code is not there) fails when the profiler accepts it after all.
+# A waiting job is unschedulable while the nodes cannot take it, and queued again when they change
+# (a node joins, a drain is lifted); a running job whose nodes are drained may become so at once.
+_ENDS = frozenset({JobState.FINISHED, JobState.FAILED, JobState.CANCELLED})
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.PROFILING: frozenset({JobState.QUEUED, JobState.REJECTED, JobState.CANCELLED}),
-    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FINISHED, JobState.FAILED, JobState.CANCELLED}),
-    JobState.RUNNING: frozenset({JobState.QUEUED, JobState.FINISHED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.PROFILING: frozenset({JobState.QUEUED, JobState.UNSCHEDULABLE, JobState.REJECTED, JobState.CANCELLED}),
+    JobState.QUEUED: _ENDS | {JobState.RUNNING, JobState.UNSCHEDULABLE},
+    JobState.UNSCHEDULABLE: _ENDS | {JobState.RUNNING, JobState.QUEUED},
+    JobState.RUNNING: _ENDS | {JobState.QUEUED, JobState.UNSCHEDULABLE},
     JobState.REJECTED: frozenset({JobState.FAILED}),
     JobState.FAILED: frozenset({JobState.FINISHED}),
     JobState.CANCELLED: frozenset({JobState.FINISHED}),
@@ -51,11 +56,14 @@ def check_transition(before: JobState, after: JobState, job: str = "") -> JobSta
     return after
 
 
-def job_state(*, finished: bool, cancelled: bool, failed: bool, profiled: bool, placed: bool) -> JobState:
+def job_state(
+    *, finished: bool, cancelled: bool, failed: bool, profiled: bool, placed: bool, fits: bool = True
+) -> JobState:
     """A job's state from what is known of it: whether it finished, its user cancelled it, it has a
-    failure (a refusal included), the profiler accepted it, and it holds GPUs. A finish stands
-    whatever came after it (a cancel of an ended job does nothing); a cancel is told apart from
-    the failure it is recorded as; a failure before the profiler accepted the job is a refusal."""
+    failure (a refusal included), the profiler accepted it, it holds GPUs, and the live nodes as
+    they are could take it (`fits`). A finish stands whatever came after it (a cancel of an ended
+    job does nothing); a cancel is told apart from the failure it is recorded as; a failure before
+    the profiler accepted the job is a refusal."""
     if finished:
         return JobState.FINISHED
     if cancelled:
@@ -64,4 +72,6 @@ def job_state(*, finished: bool, cancelled: bool, failed: bool, profiled: bool, 
         return JobState.FAILED if profiled else JobState.REJECTED
     if not profiled:
         return JobState.PROFILING
-    return JobState.RUNNING if placed else JobState.QUEUED
+    if placed:
+        return JobState.RUNNING
+    return JobState.QUEUED if fits else JobState.UNSCHEDULABLE

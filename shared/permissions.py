@@ -116,6 +116,11 @@ def _kv_read(bucket: str) -> tuple[str, ...]:
     )
 
 
+def _stream_read(stream: str) -> tuple[str, ...]:
+    """Read a stream's messages one by one, by sequence and subject (the API's `logs`), never write them."""
+    return (_info(stream), f"$JS.API.STREAM.MSG.GET.{stream}")
+
+
 def _durable(stream: str, consumer: str) -> tuple[str, ...]:
     """Pull from and acknowledge one durable consumer the operator made (Bus.bind_consumer)."""
     return (
@@ -133,14 +138,18 @@ def _nodes() -> tuple[str, ...]:
 def _objects(store: str) -> tuple[str, ...]:
     """Copy objects in and out of an object store (nats-py: chunks and meta on `$O.<store>.>`, the
     meta read by direct get, a read through an ordered consumer, old chunks purged)."""
+    return (*_objects_read(store), f"$JS.API.STREAM.PURGE.OBJ_{store}", f"$O.{store}.>")
+
+
+def _objects_read(store: str) -> tuple[str, ...]:
+    """Copy objects out of an object store, never into it: the meta by direct get, the chunks through
+    an ordered consumer."""
     stream = f"OBJ_{store}"
     return (
         _info(stream),
         f"$JS.API.STREAM.MSG.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}.>",
-        f"$JS.API.STREAM.PURGE.{stream}",
-        f"$O.{store}.>",
         *_follow(stream),
     )
 
@@ -221,7 +230,8 @@ ROLES: dict[str, Permissions] = {
     # The user API: it answers the logins, judges their own submissions from the intake stream as
     # it judges a request, stores the valid ones, the refusals and cancel orders, marks the ids it
     # stores (the owners' KV), asks the executors for the records and, with real executors, reads
-    # which applications the live node agents run.
+    # which applications the live node agents run; it reads jobs' output to their submitters, and
+    # stores the code archives logins upload (checked first: a login never writes JetStream itself).
     "api": _service(
         "api",
         publish=(
@@ -235,6 +245,8 @@ ROLES: dict[str, Permissions] = {
             *_dead_letters(subjects.INTAKE_CONSUMER),
             *_kv(subjects.JOB_OWNERS_BUCKET),
             *_kv_read(subjects.NODES_BUCKET),
+            *_stream_read(subjects.LOGS_STREAM),
+            *_objects(subjects.CODE_STORE),
         ),
         subscribe=subjects.API_SUBJECTS,
     ),
@@ -252,6 +264,7 @@ ROLES: dict[str, Permissions] = {
             *_kv(subjects.JOB_OWNERS_BUCKET),
             *_kv_read(subjects.NODES_BUCKET),
             subjects.node_subject("*", "profile"),
+            subjects.EXECUTOR_NODES,  # which nodes train jobs: a run goes to one that trains none
         ),
         subscribe=(subjects.CANCEL,),  # cancel orders: a cancelled job is not profiled
     ),
@@ -261,7 +274,8 @@ ROLES: dict[str, Permissions] = {
         subscribe=(subjects.PROFILES, subjects.OBSERVE, subjects.MODELS, subjects.ESTIMATOR_STATUS),
     ),
     # The executors, and the node agents of real ones (they share this role): the executor service
-    # drives the agents' workers, each agent renews its node in KV and answers for it.
+    # drives the agents' workers, each agent renews its node in KV, answers for it and stores what its
+    # workers print.
     "executor": _service(
         "executor",
         publish=(
@@ -272,6 +286,9 @@ ROLES: dict[str, Permissions] = {
             *_nodes(),
             *_kv(subjects.DRAINED_BUCKET),
             *_objects(subjects.CHECKPOINTS_STORE),
+            *_objects_read(subjects.CODE_STORE),  # jobs' own code, which the agents unpack and run
+            *subjects.LOGS_SUBJECTS,
+            _info(subjects.LOGS_STREAM),
             *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
             _info(JOBS),
             *_durable(JOBS, subjects.EXECUTOR_CONSUMER),

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any, Awaitable, Callable
 
 from nats import micro
@@ -24,12 +28,37 @@ from shared.tracing import setup_tracing
 
 # The pid of the process that started this service and whose end stops it (`goodput up` sets it).
 PARENT_ENV = "GOODPUT_PARENT_PID"
-PARENT_POLL_S = 1.0
+PARENT_POLL_S = 0.2
+# An orphan's stop is bounded: its NATS server goes with the same parent, so requests it would make
+# to stop cleanly (a node agent's workers checkpointing) can only wait out their timeouts.
+ORPHAN_STOP_S = 3.0
 
 VERSION = "0.1.0"
 log = logging.getLogger(__name__)
 
 Start = Callable[[Bus, argparse.Namespace], Awaitable[micro.Service]]
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """A `preexec_fn`: the child is sent `sig` when `parent` (the process starting it) ends, killed -9
+    included (Linux's parent-death signal; elsewhere nothing). It is the starting thread's end that
+    counts: start such a child from the main thread."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0)
+    if os.getppid() != parent:  # gone before the signal was asked for
+        os.kill(os.getpid(), sig)
+
+
+def ended_with_this_process(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for a child that must not outlive this process (`die_with_parent`); None off
+    the main thread, whose end, not the process's, would send the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return functools.partial(die_with_parent, os.getpid(), sig)
 
 
 def positive_float(text: str) -> float:
@@ -116,7 +145,8 @@ async def serve(name: str, start: Start, args: argparse.Namespace, **options: An
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if os.environ.get(PARENT_ENV, "").isdigit():
-        loop.create_task(_stop_without_parent(int(os.environ[PARENT_ENV]), stop))
+        parent = int(os.environ[PARENT_ENV])
+        threading.Thread(target=_stop_without_parent, args=(parent, loop, stop, name), daemon=True).start()
     service = await start(bus, args)
     await service.start()
     log.info("%s %s ready on %s", name, VERSION, args.server)
@@ -126,9 +156,16 @@ async def serve(name: str, start: Start, args: argparse.Namespace, **options: An
     await bus.close()
 
 
-async def _stop_without_parent(parent: int, stop: asyncio.Event) -> None:
-    """Set `stop` once the process that started this one is gone (this one is then another's child)."""
+def _stop_without_parent(parent: int, loop: asyncio.AbstractEventLoop, stop: asyncio.Event, name: str) -> None:
+    """Set `stop` once the process that started this one is gone (this one is then another's
+    child), and leave ORPHAN_STOP_S later if still here. A thread: neither the watch nor the bound
+    waits for an event loop that a stop in hand may hold."""
     while os.getppid() == parent:
-        await asyncio.sleep(PARENT_POLL_S)
+        time.sleep(PARENT_POLL_S)
     log.warning("the process that started this service (pid %d) is gone: stopping", parent)
-    stop.set()
+    with contextlib.suppress(RuntimeError):  # the loop closed: the process is leaving anyway
+        loop.call_soon_threadsafe(stop.set)
+    time.sleep(ORPHAN_STOP_S)
+    log.warning("%s: not stopped within %.0f s of its parent's end: leaving now", name, ORPHAN_STOP_S)
+    logging.shutdown()
+    os._exit(1)

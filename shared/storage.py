@@ -42,6 +42,7 @@ DAY_S = 24 * 3600.0
 MAX_SUBMISSION_BYTES = 64 * KIB  # a JobSpec is a few hundred bytes; anything this large is not one
 MAX_INTAKE_BYTES = 16 * KIB  # ... and one a login stores itself, raw, at most this
 LEASE_TTL_S = 5.0  # the policy lease: a dead leader is replaced within this
+LOG_BATCHES_PER_RANK = 1_000  # a rank's output kept: this many batches (each at most 64 lines, 32 KiB)
 SETUP_HINT = (
     "the operator creates it: `goodput up` does at start, a deployment runs `python -m launcher.setup` "
     "(the setup job in the manifests)"
@@ -146,6 +147,19 @@ STREAMS = {
                 "discard": api.DiscardPolicy.OLD,
             },
         ),
+        # What jobs print, per rank: rotated, a rank's oldest batches going first past its bound, any
+        # job's past the stream's bytes or age, so one chatty job neither fills the disk nor refuses.
+        Stream(
+            subjects.LOGS_STREAM,
+            subjects.LOGS_SUBJECTS,
+            {
+                "max_bytes": 256 * MIB,
+                "max_age": 7 * DAY_S,
+                "max_msgs_per_subject": LOG_BATCHES_PER_RANK,
+                "max_msg_size": 64 * KIB,
+                "discard": api.DiscardPolicy.OLD,
+            },
+        ),
     )
 }
 
@@ -165,7 +179,10 @@ BUCKETS = {
 
 # Object stores: name -> max bytes. The checkpoints of jobs on clusters with no shared folder
 # (`--checkpoints jetstream:`): enough for small models; larger ones belong on a shared volume.
-OBJECT_STORES = {subjects.CHECKPOINTS_STORE: 1 * GIB}
+# Jobs' own code: archives of at most 32 MiB (shared.code_archive), named by their digest, kept as
+# long as a submission is (an older job's code is gone with it); a full store refuses the next upload.
+OBJECT_STORES = {subjects.CHECKPOINTS_STORE: 1 * GIB, subjects.CODE_STORE: 512 * MIB}
+OBJECT_STORE_MAX_AGE_S = {subjects.CODE_STORE: 30 * DAY_S}  # the others keep what they hold
 
 CONSUMERS = {
     c.name: c
@@ -204,7 +221,10 @@ async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
     for name, max_bytes in OBJECT_STORES.items():
         await _patiently(
             lambda n=name, m=max_bytes: bus.js.create_object_store(
-                n, config=api.ObjectStoreConfig(bucket=n, max_bytes=m, replicas=bus.replicas)
+                n,
+                config=api.ObjectStoreConfig(
+                    bucket=n, max_bytes=m, replicas=bus.replicas, ttl=OBJECT_STORE_MAX_AGE_S.get(n)
+                ),
             )
         )
     for durable in CONSUMERS.values():

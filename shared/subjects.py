@@ -89,7 +89,11 @@ API_JOB = f"{PREFIX}.api.job"  # JobRequest -> JobStatus
 API_JOBS = f"{PREFIX}.api.jobs"  # JobsRequest -> JobsPage
 API_CANCEL = f"{PREFIX}.api.cancel"  # JobRequest -> CancelAnswer
 API_SCHEMAS = f"{PREFIX}.api.schemas"  # Ack -> {message name: its JSON Schema}
-API_SUBJECTS = (API_SUBMIT, API_JOB, API_JOBS, API_CANCEL, API_SCHEMAS)
+API_LOGS = f"{PREFIX}.api.logs"  # LogsRequest -> LogsPage
+# A job's own code into the code store: CodeChunk -> CodeAnswer (chunks of an archive), CodeRequest -> CodeAnswer.
+API_CODE_PUT = f"{PREFIX}.api.code.put"
+API_CODE_HAS = f"{PREFIX}.api.code.has"
+API_SUBJECTS = (API_SUBMIT, API_JOB, API_JOBS, API_CANCEL, API_SCHEMAS, API_LOGS, API_CODE_PUT, API_CODE_HAS)
 
 # Services (nats.micro names; replicas of one service share its queue group).
 PLACER_SERVICE = "placer"
@@ -121,6 +125,21 @@ DRAINED_BUCKET = "goodput_drained"  # KV: node name -> DrainRequest, while it is
 # Jobs' checkpoints for clusters without a folder every node shares (`--checkpoints jetstream:`):
 # JetStream's object store, an object per job, which the node agents copy in and out.
 CHECKPOINTS_STORE = "goodput_checkpoints"
+# Jobs' own code (`goodput submit --code DIR`): an archive per object, named by its sha256; the API
+# stores what logins upload (API_CODE_PUT), the node agents read it.
+CODE_STORE = "goodput_code"
+# What jobs print: each rank's stdout and stderr lines, in batches (LogBatch) its node agent stores on
+# `job_logs(job, rank)`; a rank's oldest go first (the plan's limits), and the API reads them to the
+# job's submitter (API_LOGS). The rank is the last token, so `job_logs(job)` matches one job only.
+LOGS_STREAM = "GOODPUT_LOGS"
+LOGS = f"{PREFIX}.logs"
+LOGS_SUBJECTS = (f"{LOGS}.>",)
+PROFILE_RANK = "profile"  # the rank token of a job's profiling runs' output
+
+
+def job_logs(job_id: str, rank: int | str = "*") -> str:
+    """Where a job's rank's output lines are stored (`*`: every rank's)."""
+    return f"{LOGS}.{job_id}.{rank}"
 
 
 def node_subject(node: str, endpoint: str) -> str:

@@ -15,11 +15,12 @@ ID_RULES = (
 )
 SMALLEST_SUBMISSION = (
     'a submission names at least its id and application: {"id": "my-job-1", "application": '
-    '"cifar10"} (an empty body is the empty object)'
+    '"cifar10"}, or its id and its own code: {"id": "my-job-1", "code": "<the archive\'s sha256>", '
+    '"entrypoint": "train.py"} (an empty body is the empty object)'
 )
 SUBMISSION_RULES = (
-    "a submission may not carry commands or file paths: the job's code is named by `application`, "
-    "a model or job module the cluster knows"
+    "a submission may not carry commands: the job's code is named by `application`, a model or job "
+    "module the cluster knows, or is its own archive in the code store (`code`, `entrypoint`, `args`)"
 )
 
 
@@ -62,12 +63,19 @@ def malformed_reason(error: Exception) -> str:
 
 
 def submission_problem(
-    spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None, live: bool
+    spec: JobSpec, cluster: Cluster, models: Mapping[str, Iterable[str]] | None, live: bool, own_code: bool = False
 ) -> str | None:
     """Why a well-formed submission cannot be scheduled on `cluster` (None if it can): an application
     with no profile (`models`, application -> its GPU types; None: profiles are measured, any
     application may be), GPU types this cluster does not have (or none the application runs on), a
-    GPU count larger than the GPUs it may use, or a submit time on a live submission."""
+    GPU count larger than the GPUs it may use, or a submit time on a live submission. A job that
+    carries its code runs where executors run a job's own code (`own_code`: real ones), whatever
+    the applications its nodes list."""
+    if spec.code is not None and not own_code:
+        return (
+            "a job that carries its code runs on real executors (`goodput up --executors real`); this "
+            "cluster is simulated: name an application instead"
+        )
     if live and spec.submit_s is not None:
         return "submit_s is for replayed workloads; a live submission arrives when it is submitted: leave submit_s out"
     if not live and spec.submit_s is None:
@@ -77,7 +85,7 @@ def submission_problem(
     if unknown:
         return f"unknown GPU type(s) {', '.join(unknown)}; this cluster has {described(cluster.gpu_types)}"
     allowed = set(named) or known_types
-    if models is not None:
+    if models is not None and spec.code is None:
         if spec.application not in models:
             near = sorted(models)
             return f"unknown application {spec.application!r}: no profile for it (known: {', '.join(near)})"

@@ -38,13 +38,15 @@ def loose_umask():
 
 
 def readable_by_others(*folders: Path) -> str:
-    """The folders and what is under them that the group or others may read, write or enter (links
-    aside), a line each with its mode; "" when none."""
+    """The folders and what is under them that the group or others may read or write, or run (links
+    aside), a line each with its mode; "" when none. A folder they may only enter, not list (0711),
+    is on the way to a job's own folder, for the job's user (as root, DATA and DATA/work are)."""
     return "\n".join(
         f"{oct(stat.S_IMODE(mode))} {path}"
         for folder in folders
         for path in (folder, *folder.rglob("*"))
-        if not stat.S_ISLNK(mode := path.lstat().st_mode) and stat.S_IMODE(mode) & 0o077
+        if not stat.S_ISLNK(mode := path.lstat().st_mode)
+        and stat.S_IMODE(mode) & (0o066 if stat.S_ISDIR(mode) else 0o077)
     )
 
 

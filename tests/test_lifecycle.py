@@ -11,6 +11,7 @@ S = JobState
 def test_the_states_are_the_strings_records_carry_in_the_order_status_counts_them():
     assert [str(state) for state in JobState] == [
         "queued",
+        "unschedulable",
         "profiling",
         "running",
         "finished",
@@ -42,6 +43,12 @@ def test_a_job_moves_from_profiling_through_the_queue_to_an_end():
         (S.CANCELLED, S.FINISHED),  # ... as its cancel stopped them
         (S.FAILED, S.FINISHED),
         (S.REJECTED, S.FAILED),  # refused by the executors on submission, accepted by the profiler after all
+        (S.QUEUED, S.UNSCHEDULABLE),  # its nodes were drained or lost
+        (S.RUNNING, S.UNSCHEDULABLE),  # ... while it ran on them
+        (S.PROFILING, S.UNSCHEDULABLE),  # accepted, and the live nodes cannot take it
+        (S.UNSCHEDULABLE, S.QUEUED),  # a node joined, a drain was lifted
+        (S.UNSCHEDULABLE, S.RUNNING),  # ... and the same round placed it
+        (S.UNSCHEDULABLE, S.CANCELLED),
     ],
 )
 def test_the_moves_a_job_makes(before, after):
@@ -58,6 +65,9 @@ def test_the_moves_a_job_makes(before, after):
         (S.FAILED, S.RUNNING),
         (S.PROFILING, S.RUNNING),  # it waits in the queue first
         (S.QUEUED, S.PROFILING),
+        (S.UNSCHEDULABLE, S.PROFILING),
+        (S.FINISHED, S.UNSCHEDULABLE),
+        (S.REJECTED, S.UNSCHEDULABLE),
     ],
 )
 def test_an_illegal_move_raises_a_value_error_naming_the_job(before, after):
@@ -66,14 +76,18 @@ def test_an_illegal_move_raises_a_value_error_naming_the_job(before, after):
     assert issubclass(IllegalTransition, ValueError)
 
 
-def known(finished=False, cancelled=False, failed=False, profiled=True, placed=False) -> JobState:
-    return job_state(finished=finished, cancelled=cancelled, failed=failed, profiled=profiled, placed=placed)
+def known(finished=False, cancelled=False, failed=False, profiled=True, placed=False, fits=True) -> JobState:
+    return job_state(finished=finished, cancelled=cancelled, failed=failed, profiled=profiled, placed=placed, fits=fits)
 
 
 def test_a_jobs_state_from_what_is_known_of_it():
     assert known(profiled=False) == S.PROFILING
     assert known() == S.QUEUED
     assert known(placed=True) == S.RUNNING
+    assert known(fits=False) == S.UNSCHEDULABLE
+    assert known(fits=False, placed=True) == S.RUNNING  # placed all the same: it runs
+    assert known(fits=False, profiled=False) == S.PROFILING
+    assert known(fits=False, failed=True) == S.FAILED
     assert known(finished=True, placed=True) == S.FINISHED
     assert known(failed=True) == S.FAILED
     assert known(failed=True, profiled=False) == S.REJECTED

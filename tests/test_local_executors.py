@@ -74,7 +74,10 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
         r"tiny_lm\)",
     ):
         local_executors(None).add("c", "common")
-    with pytest.raises(ValueError, match=r"its jobs: environment, huge, profile_stalls, quick, raises, writes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"its jobs: contract, environment, huge, probes, profile_stalls, quick, raises, says, writes\)",
+    ):
         job_module("small", "tests.jobs")  # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
         job_module("x", "no_such_package")
@@ -295,6 +298,59 @@ def test_a_queued_jobs_status_says_it_waits_for_gpus_behind_those_submitted_befo
         "c": ("profiling", "waiting for its profiling run (its script on one GPU of each type it may use)"),
         "d": ("queued", "waiting for GPUs: the last round gave it none; 2 queued jobs submitted before it"),
     }, reasons
+
+
+def test_a_job_the_live_nodes_cannot_take_is_unschedulable_until_they_change():
+    """A rigid job of 2 slots on two nodes of one: queued, with why it waits while another job holds
+    a node; unschedulable once a node is drained (the reason says which drain), queued again when
+    the drain is lifted. Every move is one the lifecycle allows."""
+    from services.executor.real import RealExecutors
+    from shared.schema import JobSpec, Profiled
+
+    agent = RealExecutors(local_executors(None))
+    agent.submitted(JobSpec("rigid", "tiny_lm", requested_gpus=2, rigid=True), 1)
+    agent.submitted(JobSpec("small", "tiny_lm"), 2)
+    members = {name: NodeInfo(name, "cpu", 1, "127.0.0.1") for name in ("cpu-0", "cpu-1")}
+    agent.serve_nodes(members, set())
+    agent.profiled(Profiled("rigid", 16, 256, submission=1))
+    agent.profiled(Profiled("small", 16, 256, submission=2))
+    agent.arrive(0.0)
+    small = agent.executors.jobs["small"]  # as if a round placed it on cpu-1 (no processes here)
+    small.placement, small.parts, small.running = (("cpu-1", 1),), (("cpu-1", (0,)),), True
+
+    def seen():
+        return next((r.state, r.reason) for r in agent.records() if r.name == "rigid")
+
+    assert seen() == ("queued", "needs 2 cpu GPUs on 2 whole nodes, and 1 is wholly free")
+    agent.serve_nodes(members, {"cpu-1"})  # its workers stop; the job waits with the other
+    state, reason = seen()
+    assert state == "unschedulable" and reason.startswith("needs 2 GPUs of one type; "), reason
+    assert reason.endswith("it would fit without the drains of cpu-1"), reason
+    assert agent.facts(1.0, ["rigid"]).facts  # the rounds still see it: it starts when nodes return
+    agent.serve_nodes(members, set())
+    assert seen() == ("queued", "waiting for the next round: 2 GPUs of its types are free and fit it")
+
+
+def test_a_profiling_run_takes_a_gpu_from_the_round_on_a_node_that_trains_nothing():
+    """Two nodes of one slot, one profiling a job: the round places on the other only (a job that
+    needs both waits, queued, not unschedulable); once the profiler's verdict is in, on both. A
+    node training a job is left whole: its placements stand."""
+    from services.executor.real import RealExecutors, lent_to_profiling
+    from shared.schema import JobSpec, Profiled
+
+    agent = RealExecutors(local_executors(None))
+    members = {name: NodeInfo(name, "cpu", 1, "127.0.0.1") for name in ("cpu-0", "cpu-1")}
+    agent.submitted(JobSpec("rigid", "tiny_lm", requested_gpus=2, rigid=True), 1)
+    agent.profiled(Profiled("rigid", 16, 256, submission=1))
+    agent.submitted(JobSpec("new", "tiny_lm"), 2)
+    agent.profile_asked("new", "cpu-1")
+    assert [n.name for n in agent.serve_nodes(members, set())] == ["cpu-0"]
+    agent.arrive(0.0)
+    assert next(r.state for r in agent.records() if r.name == "rigid") == "queued"
+    agent.profiled(Profiled("new", 16, 256, submission=2))
+    assert [n.name for n in agent.serve_nodes(members, set())] == ["cpu-0", "cpu-1"]
+    four = [NodeInfo("a", "cpu", 4, "127.0.0.1"), NodeInfo("b", "cpu", 4, "127.0.0.1")]
+    assert [(i.name, i.gpus) for i in lent_to_profiling(four, ["a", "b"], {"b"})] == [("a", 3), ("b", 4)]
 
 
 def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(tmp_path):

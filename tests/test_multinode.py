@@ -130,7 +130,7 @@ async def cluster(nats_server, connect_bus, tmp_path, name_prefix):
 async def test_a_job_moves_spans_two_nodes_survives_a_lost_one_and_finishes_where_one_joined(cluster, tmp_path):
     agents, executors, nodes, poll = cluster
     a, b, c = (agents.name(n) for n in "abc")
-    checkpoint = tmp_path / "checkpoints" / "lm.pt"
+    checkpoint = tmp_path / "checkpoints" / "lm" / "lm.pt"  # a job's checkpoints: a folder of its own
     agents.start("a")
     agents.start("b")
     await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
@@ -250,6 +250,6 @@ async def test_without_a_shared_folder_a_job_resumes_on_another_node_from_jetstr
     epochs = job.stats.epochs
     await asyncio.to_thread(executors.apply, {name: ((b, 1),)})
     await until(lambda: _stepped_past(poll, job, stored["steps"]), "training again on node b")
-    assert job.stats.epochs > epochs and (tmp_path / "b" / "checkpoints" / f"{name}.pt").exists()
+    assert job.stats.epochs > epochs and (tmp_path / "b" / "jobs" / name / f"{name}.pt").exists()
     await asyncio.to_thread(executors.apply, {})
     assert not (tmp_path / "checkpoints").exists()  # nothing went through a shared folder

@@ -38,3 +38,37 @@ async def test_a_watch_cancelled_while_it_reads_the_membership_ends_even_if_the_
     watch.cancel()
     await asyncio.wait({watch}, timeout=60)
     assert watch.cancelled() and members.reads == 1, (watch, members.reads)
+
+
+class Members:
+    """The membership KV, its values only."""
+
+    def __init__(self, *nodes: NodeInfo):
+        self.nodes = {node.name: node for node in nodes}
+
+    async def values(self):
+        return dict(self.nodes)
+
+
+async def test_a_profiling_run_takes_a_node_that_trains_no_job_and_any_when_that_is_not_known():
+    import nats.errors
+
+    members = Members(*(NodeInfo(f"cpu-{i}", "cpu", 1, "127.0.0.1") for i in range(4)))
+
+    async def training():
+        return {"cpu-0", "cpu-1", "cpu-3"}
+
+    for _ in range(20):  # at random among the idle ones: cpu-2 is the only one
+        turns = measure.NodeTurns(members, training)
+        assert (await turns.take("cpu")).name == "cpu-2"
+
+    async def all_train():
+        return {"cpu-0", "cpu-1", "cpu-2", "cpu-3"}
+
+    async def away():
+        raise nats.errors.NoRespondersError
+
+    for busy in (all_train, away):  # every node trains, or the executor does not answer: any will do
+        turns = measure.NodeTurns(members, busy)
+        taken = {(await turns.take("cpu")).name for _ in range(4)}
+        assert taken == {"cpu-0", "cpu-1", "cpu-2", "cpu-3"}  # each lent once

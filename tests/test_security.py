@@ -465,7 +465,10 @@ def test_permission_table() -> None:
     for role, allowed in permissions.ROLES.items():
         if role != "policy":
             assert not allocations & set(allowed.publish), role
-            assert not any(subject.startswith("goodput.") and subject.endswith(">") for subject in allowed.publish)
+            # No wildcard that could reach an allocation: the one subtree a role publishes in whole is
+            # the node agents' store of what jobs print (job ids have dots: a token count cannot bound it).
+            wide = [s for s in allowed.publish if s.startswith("goodput.") and s.endswith(">")]
+            assert wide == ([*subjects.LOGS_SUBJECTS] if role == "executor" else []), (role, wide)
     # The user API is its own service's: no other role answers it, or takes the logins' intake.
     for role, allowed in permissions.ROLES.items():
         assert role == "api" or not set(subjects.API_SUBJECTS) & set(allowed.subscribe), role
@@ -615,8 +618,8 @@ async def test_tls_with_a_ca_file(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reason(tmp_path: Path) -> None:
-    """A JobSpec names the job's code by `application` and has no field for a command or a file: a
-    submission with one is refused by the API, the reason recorded for its login, and the profiler
+    """A JobSpec names the job's code by `application` (or by its own archive in the code store) and
+    has no field for a command or a file: a submission with one is refused by the API, the reason recorded for its login, and the profiler
     goes on to profile the next good submission. (Its own server: it reads every refusal.)"""
     from launcher.stack import Stack, service_arguments
     from shared.schema import Ack, Count, Rejected
@@ -676,7 +679,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     assert "unknown field `command`" in reasons["bad-command"].reason
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason
-    assert all("may not carry commands or file paths" in r.reason for r in rejected)
+    assert all("may not carry commands" in r.reason for r in rejected)
     for service in ("api", "profiler"):
         assert "Traceback" not in logs[service], logs[service]
 
@@ -783,6 +786,6 @@ async def test_a_service_refuses_a_stream_that_is_not_as_the_plan_says(tmp_path:
                 await storage.open_stream(operator, subjects.JOBS_STREAM)
             await storage.provision(operator)  # the operator brings it back to the plan
             await storage.open_stream(operator, subjects.JOBS_STREAM)
-            assert storage.total_bytes() < 6 * storage.GIB
+            assert storage.total_bytes() < 7 * storage.GIB
         finally:
             await operator.close()

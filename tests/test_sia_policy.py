@@ -168,3 +168,35 @@ def test_of_equal_new_jobs_on_a_full_cluster_the_first_submitted_start(policy):
     started = make_policy(policy).allocate(round_state(jobs, cluster)).allocations
     first = sorted(range(6), key=lambda i: submitted[i])[: len(started)]
     assert set(started) == {f"c{i}" for i in first} and 2 <= len(started) < 6, started
+
+
+@pytest.mark.parametrize("policy", ["sia", "goodput"])
+def test_a_job_waiting_past_max_wait_s_must_run_and_a_rigid_job_holding_the_cluster_makes_room(policy):
+    """One node of 4 GPUs held by a rigid job that restarted so often that its restart factor pins
+    it: a one-GPU job waits behind it for an hour, unbounded; with max_wait_s it starts once it has
+    waited that long, the rigid job left out (it cannot shrink)."""
+    cluster = load_cluster("pollux-homo-64")
+    cluster = type(cluster)("four", cluster.nodes[:1])
+    node = cluster.nodes[0]
+    rigid = job_view(
+        "rigid",
+        "imagenet",
+        cluster,
+        age_s=3000,
+        restarts=12,
+        restart_cost_s=250,
+        current=Config(node.gpu_type, 1, 4),
+        placement=((node.name, 4),),
+        requested_gpus=4,
+        max_gpus_seen=4,
+        fixed_gpus=4,
+        progress=1e5,
+    )
+    waiting = job_view("waiting", "ncf", cluster, submit_s=0.0, age_s=3600.0, requested_gpus=1)
+    state = round_state([rigid, waiting], cluster, now_s=3600.0)
+    assert make_policy(policy).allocate(state).allocations == {"rigid": Config(node.gpu_type, 1, 4)}
+    assert make_policy(policy, max_wait_s=7200.0).allocate(state).allocations == {"rigid": Config(node.gpu_type, 1, 4)}
+    decided = make_policy(policy, max_wait_s=1800.0).allocate(state).allocations
+    assert set(decided) == {"waiting"}, decided
+    with pytest.raises(ValueError, match="max_wait_s must be positive"):
+        make_policy(policy, max_wait_s=0)

@@ -137,6 +137,29 @@ async def test_service_endpoint_span_is_child_of_requester_span(connect_bus, nam
     await service.stop()
 
 
+async def test_a_periodic_endpoint_starts_no_trace_of_its_own_but_is_traced_within_one(
+    connect_bus, name_prefix, traced
+):
+    """`new_traces=False` (node.poll, asked every half second): a request outside any trace gets no
+    span; one made within a trace (a round's) is its child as any other."""
+    from nats import micro
+
+    provider, exporter = traced
+    server = await connect_bus("server", tracer_provider=provider)
+    client = await connect_bus("client", tracer_provider=provider)
+    subject = f"{name_prefix}.poll"
+    service = await micro.add_service(server.nc, name=name_prefix.replace(".", "_"), version="0.1.0")
+    await server.add_endpoint(
+        service, "poll", subject, Ping, lambda ping: Ping(ping.n + 1), span_name="node.poll", new_traces=False
+    )
+    for n in range(5):
+        assert await client.request(subject, Ping(n), Ping, timeout=TIMEOUT_S) == Ping(n + 1)
+    with provider.get_tracer("test").start_as_current_span("executor.advance"):
+        assert await client.request(subject, Ping(7), Ping, timeout=TIMEOUT_S) == Ping(8)
+    assert_child_of(await finished_span(exporter, "node.poll"), await finished_span(exporter, "executor.advance"))
+    await service.stop()
+
+
 async def test_jetstream_pull_span_is_child_of_publisher_span(connect_bus, name_prefix, traced):
     provider, exporter = traced
     bus = await connect_bus(tracer_provider=provider)
@@ -609,17 +632,11 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     bus = await connect_bus("profiler", tracer_provider=provider)
     await storage.provision(bus)
     gpu_type = f"{name_prefix}-gpu"  # a type only this test's node has (the server is shared)
-    agent = await node.start(
-        bus,
-        argparse.Namespace(
-            node=f"{name_prefix}-n",
-            gpus=1,
-            gpu_type=gpu_type,
-            address="127.0.0.1",
-            workdir=str(tmp_path),
-            jobs_package="tests.jobs",
-        ),
-    )
+    parser = argparse.ArgumentParser()
+    node.add_arguments(parser)  # the agent's options, at their defaults
+    options = parser.parse_args(["--gpus", "1", "--gpu-type", gpu_type])
+    options.node, options.workdir, options.jobs_package = f"{name_prefix}-n", str(tmp_path), "tests.jobs"
+    agent = await node.start(bus, options)
     await agent.start()
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     with provider.get_tracer("test").start_as_current_span("profiler.consume"):

@@ -1,16 +1,19 @@
 """The loop every example job shares: train until the target, stop cleanly on SIGTERM, print one
-line with the outcome (`goodput-outcome ` and JSON: the executor and the tests read it)."""
+line with the outcome (`goodput-outcome ` and JSON: the tests read it, and its numbers are the
+job's metrics in `goodput status`). Under the executor the outcome line is optional: the exit code
+says how the run ended (docs/jobs.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Callable
 
 import torch
 
 from goodput_train import AdaptiveTraining
-from goodput_train.protocol import OUTCOME_PREFIX
+from goodput_train.protocol import CHECKPOINT_PATH_ENV, OUTCOME_PREFIX
 
 
 def job_arguments(
@@ -24,7 +27,11 @@ def job_arguments(
     parser.add_argument(
         "--epochs", type=float, default=epochs, help="statistical epochs to train (default: %(default)s)"
     )
-    parser.add_argument("--checkpoint", help="checkpoint file (resume from it if present)")
+    parser.add_argument(
+        "--checkpoint",
+        default=os.environ.get(CHECKPOINT_PATH_ENV),
+        help=f"checkpoint file, resumed from if present (default: ${CHECKPOINT_PATH_ENV}, which the executor sets)",
+    )
     if extra:
         extra(parser)
     return parser.parse_args(argv)

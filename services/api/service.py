@@ -21,6 +21,12 @@ another login looks it up, lists it or cancels it in vain ("not found"); the ope
 - `job`: {"id"} -> its JobStatus (404 when the login has no job of that id); `jobs`: filters and
   paging (a page at most MAX_PAGE jobs and PAGE_BYTES, asked of the executors as a page).
 - `cancel`: {"id"} -> CancelAnswer: the order goes to the jobs stream, the executors end the job.
+- `code.put`, `code.has`: a job's own code, uploaded in chunks, checked whole and stored in the
+  code store under its sha256 (`services.api.code`); a submission naming `code` is refused unless
+  that archive is there.
+- `logs`: {"id", "rank", "after", "limit"} -> LogsPage: what the job's ranks printed, stored by their
+  node agents, a page at a time from the cursor `after` (`services.api.logs`); 404 unless it is
+  the login's job.
 - `schemas`: every request's and answer's JSON Schema (generated from the Structs).
 
 What a login keeps is bounded (`shared.storage.LoginLimits`, counted by JetStream under its
@@ -46,6 +52,8 @@ import msgspec
 from nats import micro
 from opentelemetry import trace
 
+from services.api.code import CodeGate
+from services.api.logs import read_page, stream_reader
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.cluster import Cluster, load_cluster
@@ -59,6 +67,9 @@ from shared.schema import (
     Ack,
     Cancel,
     CancelAnswer,
+    CodeAnswer,
+    CodeChunk,
+    CodeRequest,
     JobOwner,
     JobRecords,
     JobRequest,
@@ -67,6 +78,8 @@ from shared.schema import (
     JobsQuery,
     JobsRequest,
     JobStatus,
+    LogsPage,
+    LogsRequest,
     NodeInfo,
     SubmitAnswer,
     job_status,
@@ -127,6 +140,21 @@ ENDPOINTS = (
         "cancel a job: queued, it never starts; running, its workers checkpoint and stop",
     ),
     Endpoint("schemas", subjects.API_SCHEMAS, Ack, dict, "the JSON Schema of every request and answer"),
+    Endpoint(
+        "logs",
+        subjects.API_LOGS,
+        LogsRequest,
+        LogsPage,
+        "a job's output, to its submitter: each rank's stdout and stderr lines, a page at a time",
+    ),
+    Endpoint(
+        "code-put",
+        subjects.API_CODE_PUT,
+        CodeChunk,
+        CodeAnswer,
+        "upload a job's code archive in chunks; checked whole, then stored under its sha256",
+    ),
+    Endpoint("code-has", subjects.API_CODE_HAS, CodeRequest, CodeAnswer, "whether an archive is stored already"),
 )
 
 
@@ -265,9 +293,17 @@ class Room:
 class Gate:
     """The API's handlers, each a method; `login` the requester's, as the server says."""
 
-    def __init__(self, bus: Bus, owners: TypedKV[JobOwner], problem: Problem, kept: Kept | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        owners: TypedKV[JobOwner],
+        problem: Problem,
+        kept: Kept | None = None,
+        code: CodeGate | None = None,
+    ) -> None:
         self.bus, self.owners, self.problem = bus, owners, problem
         self.kept = kept or Kept(bus)
+        self.code = code  # the code store (None: jobs may not carry their code here)
 
     async def records(self, query: JobsQuery) -> JobRecords:
         try:
@@ -342,12 +378,23 @@ class Gate:
         reason = self.problem(spec)
         if inspect.isawaitable(reason):
             reason = await reason
+        if reason is None and spec.code is not None:
+            reason = await self.code_problem(spec.code)
         if reason is not None:
             return await self.refuse(data, reason, who, spec.id, came)
         async with self.kept.room(who, subjects.STORED) as room:
             if room.refusal is not None:
                 return await self.refuse(data, room.refusal, who, spec.id, came)
             return await self.store(spec, who, room, data, came)
+
+    async def code_problem(self, archive: str) -> str | None:
+        """Why a job may not name `archive` as its code: it is not in the code store."""
+        if self.code is not None and await self.code.stored(archive):
+            return None
+        return (
+            f"no archive {archive} in the code store: upload it first (`goodput submit --code DIR` does; "
+            "docs/api.md says how with any NATS client)"
+        )
 
     async def store(self, spec: JobSpec, who: str, room: Room, data: bytes, came: str) -> SubmitAnswer:
         """Store a valid submission of `who`'s (`data`, that `came` on that subject), unless its id is
@@ -407,6 +454,20 @@ class Gate:
         if found is None:
             raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
         return found
+
+    async def logs(self, request: LogsRequest) -> LogsPage:
+        return await self.logs_of(request, login())
+
+    async def logs_of(self, request: LogsRequest, who: str) -> LogsPage:
+        """The page of what the job `request.id` of `who`'s printed (404 for another's: no one learns
+        of another's jobs); `end` is read first, so an ended job's last lines are in its pages."""
+        now = await self.status_of(request.id, who)
+        if now is None:
+            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
+        ended = now.state in (*ENDED, JobState.CANCELLED)
+        subject = subjects.job_logs(request.id, "*" if request.rank is None else request.rank)
+        lines, cursor, more = await read_page(stream_reader(self.bus), subject, request.after, request.limit)
+        return LogsPage(tuple(lines), cursor, more, ended)
 
     async def jobs(self, request: JobsRequest) -> JobsPage:
         if request.state is not None and request.state not in JOB_STATES:
@@ -477,12 +538,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_profile_arguments(parser, "an application is known when a live node agent says it runs it")
 
 
-def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]]) -> Problem:
+def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]], own_code: bool = False) -> Problem:
     """Why a live submission cannot be scheduled on `cluster`, as the profiler would judge it;
-    `models()`: application -> the GPU types it has profiles on (None: any application may be)."""
+    `models()`: application -> the GPU types it has profiles on (None: any application may be);
+    `own_code`: the executors run a job's own code (real ones)."""
 
     async def problem(spec: JobSpec) -> str | None:
-        return submission_problem(spec, cluster, await models(), live=True)
+        return submission_problem(spec, cluster, await models(), live=True, own_code=own_code)
 
     return problem
 
@@ -504,8 +566,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             return types
 
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    await storage.open_stream(bus, subjects.LOGS_STREAM)  # what jobs print, read to their submitters
     owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
-    return (await open_gate(bus, owners, live_problem(cluster, models)))[1]
+    return (await open_gate(bus, owners, live_problem(cluster, models, own_code=args.executors == "real")))[1]
 
 
 async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tuple[Gate, micro.Service]:
@@ -513,13 +576,16 @@ async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tu
     submissions from the intake stream judged from now on. `problem(spec)`: why a well-formed live
     submission cannot be scheduled on this cluster, or None (a coroutine function when it asks,
     e.g. which applications the live node agents run)."""
-    gate = Gate(bus, owners, problem)
+    gate = Gate(bus, owners, problem, code=CodeGate(bus))
     handlers = {
         "submit": gate.answered,
         "job": gate.job,
         "jobs": gate.jobs,
         "cancel": gate.cancel,
         "schemas": lambda _: schemas(),
+        "logs": gate.logs,
+        "code-put": lambda chunk: gate.code.put(chunk, login()),
+        "code-has": lambda request: gate.code.has(request, login()),
     }
     request_types = {"submit": msgspec.Raw}  # decoded by `submit` itself, to answer a bad body
     service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")

@@ -7,15 +7,17 @@ the others are told it (torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MA
 MASTER_PORT; GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE). A changed placement stops the
 workers everywhere (SIGTERM: the library checkpoints, every rank at the same step) and starts them
 on the new one (the library resumes from the checkpoint at the new world size); checkpoints are
-files in a folder every node reads (`--checkpoints`), or objects in JetStream's object store that
-the agents copy in and out (`--checkpoints jetstream:`).
+files in a folder every node reads (`--checkpoints`; a job's in a folder of its own there,
+`<job>/<job>.pt`, its user's alone), or objects in JetStream's object store that the agents copy in
+and out (`--checkpoints jetstream:`).
 
-It collects the `JobStats` the workers print and notices when a job finishes — every worker has
-exited and one printed its outcome — or crashes: a worker that exits with an error, on any node,
-takes the job's others down everywhere (they would wait for it in a collective, at most the
-library's collective timeout) and the job restarts from its last checkpoint; after `max_crashes`
-it fails, with the last line its worker wrote to stderr. Workers that stopped unasked (their agent
-went away: the lifeline) restart without a crash counted. A node that is lost takes its jobs'
+It collects the `JobStats` and metrics the workers print and notices when a job finishes — every
+worker has exited with code 0, none after the library's stopped mark (an outcome line is optional:
+its numbers are metrics too) — or crashes: a worker that exits with an error, on any node, takes
+the job's others down everywhere (they would wait for it in a collective, at most the library's
+collective timeout) and the job restarts from its last checkpoint; after `max_crashes` it fails,
+with the last lines its worker wrote to stderr. Workers that stopped unasked (the stopped mark:
+their agent went away, the lifeline) restart without a crash counted. A node that is lost takes its jobs'
 workers with it: those jobs stop everywhere and the next round places them again.
 
 It is blocking code (the executor service runs it in a thread); `Nodes` is how it reaches the
@@ -28,7 +30,8 @@ import asyncio
 import base64
 import json
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol
 
@@ -44,6 +47,7 @@ from goodput_train.protocol import (
     REPORT_ENV,
     REPORT_EVERY_S,
     STATS_PREFIX,
+    clean_metrics,
 )
 from services.executor.node import NodeWorkers
 from services.executor.processes import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
@@ -122,13 +126,20 @@ class LocalJob:
     generation: int = 0  # one per start of its workers (a node ignores an older order)
     running: bool = False  # its workers of this generation were started, not yet seen ended
     stats: JobStats | None = None
-    result: dict | None = None  # its outcome line, once it has finished
+    result: dict | None = None  # once it has finished: its outcome line ({} without one)
+    outcome: dict | None = None  # the outcome line its workers of this run printed, if any
+    metrics: dict[str, float | str] = field(default_factory=dict)  # the latest value of each it reported
+    rate: float | None = None  # statistical epochs per second, over its current run's reports
+    first_heard: tuple[float, float] | None = None  # (monotonic time, epochs) of its run's first report
     restarts: int = 0
     crashes: int = 0
     failure: str | None = None
     announced: bool = False  # its finish returned by `poll` once
     heard: bool = False  # its workers have reported since they were last started
     adaptive: bool = True  # its workers re-tune their batch (else they keep it)
+    code: str = ""  # its own code: the archive in the code store ("": `application` is a job module)
+    entrypoint: str = ""  # ... what in it runs, with these arguments
+    args: tuple[str, ...] = ()
 
     def batch(self) -> int | None:
         """The total batch its running workers train at, from a report of this run of theirs and its
@@ -171,12 +182,17 @@ class LocalExecutors:
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False  # stopping for good: a worker that exits is not restarted
 
-    def add(self, job_id: str, application: str) -> None:
+    def add(
+        self, job_id: str, application: str, code: str = "", entrypoint: str = "", args: tuple[str, ...] = ()
+    ) -> None:
+        """A job to run: a module of the jobs package (`application`), or its own code (`code`, the
+        archive its node agents fetch; `entrypoint` and `args`, what they run of it)."""
         try:
-            job_module(application, self.jobs_package)
+            if not code:
+                job_module(application, self.jobs_package)
         except ValueError as error:
             raise ValueError(f"job {job_id}: {error}") from None
-        self.jobs.setdefault(job_id, LocalJob(job_id, application))
+        self.jobs.setdefault(job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args))
 
     def apply(self, placements: Mapping[str, Spots]) -> None:
         """Give each job its placement: every changed one stops its workers first (they checkpoint,
@@ -231,11 +247,11 @@ class LocalExecutors:
                     )
                     job.failure = (
                         f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
-                        f"the last error: {crashed.error or 'no error output'}"
+                        f"the end of its stderr:\n{crashed.error or 'no error output'}"
                     )
                     job.placement = ()
                     continue
-            else:  # stopped unasked (an agent went away, or restarted and stopped what it found)
+            else:  # stopped unasked (the stopped mark: an agent went away, or restarted and stopped them)
                 job.restarts += 1
             self._start(job)  # from its last checkpoint
         finished = [
@@ -290,7 +306,7 @@ class LocalExecutors:
         world = sum(gpus for _, gpus in parts)
         gpu_type = self.cluster.placement_type(job.placement) or ""
         job.generation += 1
-        job.heard = False
+        job.heard, job.outcome, job.first_heard = False, None, None
         env = {REPORT_ENV: str(self.report_every_s), ADAPTIVE_ENV: str(int(job.adaptive))}
         if self.checkpoint_every_s is not None:
             env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
@@ -310,10 +326,13 @@ class LocalExecutors:
                     world,
                     len(parts),
                     gpu_type,
-                    "" if self.checkpoints is None else str(self.checkpoints / f"{job.job_id}.pt"),
+                    "" if self.checkpoints is None else str(self.checkpoints / job.job_id / f"{job.job_id}.pt"),
                     env,
                     *((rendezvous.address, rendezvous.port) if rendezvous else ()),
                     store=f"{job.job_id}.pt" if self.checkpoints is None else "",
+                    code=job.code,
+                    entrypoint=job.entrypoint,
+                    args=job.args,
                 )
                 answer = self.nodes.start(node, order)
                 rendezvous = rendezvous or answer
@@ -331,7 +350,9 @@ class LocalExecutors:
     def _stop(
         self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S, skip: set[str] = frozenset()
     ) -> None:
-        """Stop its workers on every node they run on (not `skip`: lost), and read their last word."""
+        """Stop its workers on every node they run on (not `skip`: lost), and read their last word:
+        it finished if every one of them had exited with code 0, none after the stopped mark."""
+        reports = []
         for node, _ in job.parts:
             if node in skip:
                 continue
@@ -342,18 +363,46 @@ class LocalExecutors:
                 continue
             if report.generation == job.generation:
                 self._take(job, report)
+                reports.append(report)
+        if job.result is None and finished(job.parts, reports):
+            job.result = job.outcome or {}
         job.parts, job.running = (), False
 
     def _take(self, job: LocalJob, report: WorkersReport) -> None:
-        """What a node's workers of the job printed: its latest stats, its outcome."""
+        """What a node's workers of the job printed: its latest stats (and the epoch rate since its
+        run's first), its metrics, its outcome (whose numbers and short strings are metrics too)."""
+        if report.metrics:
+            job.metrics = clean_metrics({**job.metrics, **report.metrics})[0]
         try:
             if report.stats:
                 stats = msgspec.msgpack.decode(base64.b64decode(report.stats[len(STATS_PREFIX) :]), type=JobStats)
                 if stats != job.stats:
                     job.stats, job.heard = stats, True
+                    self._measure_rate(job, stats)
             if report.outcome:
                 outcome = json.loads(report.outcome[len(OUTCOME_PREFIX) :])
+                if not isinstance(outcome, dict):
+                    raise ValueError(f"an outcome is a JSON object, not {type(outcome).__name__}")
                 if not outcome.get("stopped"):  # a SIGTERM's outcome: it will be started again
-                    job.result = outcome
+                    job.outcome = outcome
+                    values = {k: v for k, v in outcome.items() if k != "stopped" and isinstance(v, (int, float, str))}
+                    job.metrics = clean_metrics({**job.metrics, **values})[0]
         except (ValueError, msgspec.DecodeError) as error:  # a job's own output must not stop us
             log.warning("job %s: unreadable report: %s", job.job_id, error)
+
+    @staticmethod
+    def _measure_rate(job: LocalJob, stats: JobStats) -> None:
+        """Epochs per second over this run's reports (a new placement trains at its own rate)."""
+        now = time.monotonic()
+        if job.first_heard is None:
+            job.first_heard = (now, stats.epochs)
+        elif now > job.first_heard[0] and stats.epochs > job.first_heard[1]:
+            job.rate = (stats.epochs - job.first_heard[1]) / (now - job.first_heard[0])
+
+
+def finished(parts: tuple[tuple[str, tuple[int, ...]], ...], reports: list[WorkersReport]) -> bool:
+    """Whether a job's workers (its `parts`) all exited with code 0, none after the stopped mark,
+    as the nodes' `reports` of this run say: a job's end is its exit code, as for a Kubernetes Job."""
+    ranks = {rank for _, ranks in parts for rank in ranks}
+    exited = {rank for report in reports for rank, code in zip(report.ranks, report.codes) if code == 0}
+    return bool(ranks) and exited == ranks and not any(report.stopped for report in reports)

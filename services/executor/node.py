@@ -25,14 +25,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import json
 import logging
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +43,34 @@ import msgspec
 import nats.js.errors
 from nats import micro
 
-from goodput_train.protocol import OUTCOME_PREFIX, PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STATS_PREFIX
+from goodput_train.protocol import (
+    CHECKPOINT_PATH_ENV,
+    METRICS_PREFIX,
+    OUTCOME_PREFIX,
+    PROFILE_ENV,
+    PROFILE_PREFIX,
+    PROTOCOL_PREFIXES,
+    SLOT_MEMORY_ENV,
+    STATS_PREFIX,
+    STOPPED_MARK,
+    clean_metrics,
+)
+from services.executor.code import JobCode, store_fetcher
+from services.executor.isolation import (
+    JOB_UID_BASE,
+    Limits,
+    Sandbox,
+    closed_to_others,
+    default_memory_mb,
+    job_uid,
+    make_own,
+    read_owned,
+    write_owned,
+)
+from services.executor.output import Output, Storing, copy_lines, wake_on
 from services.executor.processes import (
     JOBS_PACKAGE,
+    ROOT,
     STOP_TIMEOUT_S,
     declared_jobs,
     free_port,
@@ -54,7 +82,7 @@ from services.executor.processes import (
 )
 from shared import storage, subjects
 from shared.bus import Bus
-from shared.files import make_private
+from shared.files import make_passable, make_private
 from shared.runner import new_service
 from shared.schema import (
     Ack,
@@ -73,6 +101,8 @@ NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a subject token and a KV key
 CPU_SLOTS = 4  # a node without CUDA: this many CPU slots, by default
 COPY_EVERY_S = 1.0  # how often new checkpoints are copied to the store (no shared folder)
 COPY_TIMEOUT_S = 300.0
+PROFILE_STDERR_KEPT = 64 * 1024  # bytes: the end of a profiling run's stderr kept with its output
+READ_REST_S = 2.0  # how long a report waits for an exited worker's readers to reach the end of its output
 log = logging.getLogger(__name__)
 
 
@@ -92,8 +122,9 @@ class StoredCheckpoints:
             self._store = await self.bus.js.object_store(subjects.CHECKPOINTS_STORE)
         return self._store
 
-    def fetch(self, name: str, path: Path) -> bool:
-        """The stored checkpoint into `path` (atomically); False, and no file there, if it has none."""
+    def fetch(self, name: str, path: Path, uid: int | None = None) -> bool:
+        """The stored checkpoint into `path` (atomically, a file of `uid`'s: the job's user, None:
+        ours); False, and no file there, if it has none."""
 
         async def fetch() -> bytes | None:
             try:
@@ -106,13 +137,11 @@ class StoredCheckpoints:
             path.unlink(missing_ok=True)  # a copy of an older job under the id is not this one's
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.fetched")
-        partial.write_bytes(data)
-        os.replace(partial, path)
+        write_owned(path, data, uid)  # in the job's folder: through no link it left there
         return True
 
-    def push(self, name: str, path: Path) -> None:
-        data = path.read_bytes()  # the library renames a whole checkpoint into place
+    def push(self, name: str, path: Path, uid: int | None = None) -> None:
+        data = read_owned(path, uid)  # the library renames a whole checkpoint into place
 
         async def push() -> None:
             await (await self._opened()).put(name, data)
@@ -128,10 +157,14 @@ class Workers:
     rendezvous: Rendezvous
     devices: tuple[str, ...]
     checkpoint: Path
+    uid: int | None = None  # the job's user here (None: the agent's)
     processes: list[subprocess.Popen] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
     stats: str = ""  # the latest report line (rank 0's, where it is here)
     outcome: str = ""  # the outcome line of this node's first rank
+    stopped: bool = False  # one of them printed the library's stopped mark: it is to be resumed
+    metrics: dict[str, float | str] = field(default_factory=dict)  # the latest value of each (rank 0's)
+    dropped: set[str] = field(default_factory=set)  # metrics refused, each logged once
     pushed: float | None = None  # the modification time of the checkpoint last copied to the store
 
     @property
@@ -147,12 +180,22 @@ class NodeWorkers:
         jobs_package: str = JOBS_PACKAGE,
         devices: tuple[str, ...] = (),
         store: StoredCheckpoints | None = None,
+        output: Output | None = None,
+        uid_base: int | None = None,
+        limits: Limits | None = None,
+        python: str = sys.executable,
+        code: JobCode | None = None,
     ):
         self.info = info
         self.workdir = workdir
         self.jobs_package = jobs_package
         self.devices = devices  # CUDA device ids, one per GPU; none: CPU slots
         self.store = store  # where jobs' checkpoints are kept when no folder is shared
+        self.output = output  # what the workers print, kept for their submitters (None: only stderr, in files)
+        self.uid_base = uid_base  # each job's workers as a user of its own (`job_uid`); None: as the agent
+        self.limits = limits or Limits(memory_mb=default_memory_mb(info.gpus))
+        self.python = python  # the workers' interpreter
+        self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
         self.jobs: dict[str, Workers] = {}
         self.profiling: set[subprocess.Popen] = set()
         self.lock = threading.Lock()  # the table of jobs; a stop waits outside it
@@ -162,7 +205,8 @@ class NodeWorkers:
 
     def start(self, order: StartWorkers) -> Rendezvous:
         """Start a job's workers for a generation (the same order again: the same answer)."""
-        module = job_module(order.application, self.jobs_package)  # ValueError: refused with the reason
+        # ValueError: refused with the reason (no such job module, its code not stored or unsafe)
+        target, code = self._target(order.job_id, order.application, order.code, order.entrypoint)
         with self.lock:
             current = self.jobs.get(order.job_id)
         if current is not None:
@@ -174,12 +218,15 @@ class NodeWorkers:
                     f"{current.order.generation} running here"
                 )
             self._stop(current, STOP_TIMEOUT_S, kill=False)
+        sandbox = self.sandbox(order.job_id)
         checkpoint = Path(order.checkpoint)
-        if order.store:  # no shared folder: this node's copy of the stored one
+        if order.store:  # no shared folder: this node's copy of the stored one, in the job's folder
             if self.store is None:
                 raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
-            checkpoint = self.workdir / "checkpoints" / order.store
-            self.store.fetch(order.store, checkpoint)
+            checkpoint = sandbox.folder / order.store
+            self.store.fetch(order.store, checkpoint, sandbox.uid)
+        else:
+            self._checkpoint_folder(order.job_id, checkpoint.parent, sandbox.uid)
         with self.lock:
             if self.closing:
                 raise ValueError(f"node {self.info.name} is stopping")
@@ -189,21 +236,39 @@ class NodeWorkers:
                 if order.master_addr
                 else (self.info.address, free_port(self.info.address))
             )
-            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices, checkpoint)
+            workers = self.jobs[order.job_id] = Workers(
+                order, Rendezvous(address, port), devices, checkpoint, sandbox.uid
+            )
             self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
                 env = {
                     **torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
                     **order.env,
+                    CHECKPOINT_PATH_ENV: str(checkpoint),
                 }
                 if devices:
                     env["CUDA_VISIBLE_DEVICES"] = devices[local]
-                with open(self.log_path(order.job_id, rank), "w") as log_file:
-                    process = worker(module, ["--checkpoint", str(checkpoint)], env, log_file, lifeline=True)
+                log_file = open(self.log_path(order.job_id, rank), "w")  # noqa: SIM115 - its reader closes it
+                process = worker(
+                    target,
+                    list(order.args),
+                    env,
+                    subprocess.PIPE,
+                    lifeline=True,
+                    sandbox=sandbox,
+                    checkpoint=checkpoint,
+                    code=code,
+                )
                 workers.processes.append(process)
-                reader = threading.Thread(target=_forward, args=(process, workers, local == 0), daemon=True)
-                reader.start()
-                workers.readers.append(reader)
+                for read, args in (
+                    (_forward, (process, workers, local == 0, self._keeper(order.job_id, rank, "stdout"))),
+                    (copy_lines, (process.stderr, log_file, self._keeper(order.job_id, rank, "stderr"))),
+                ):
+                    reader = threading.Thread(
+                        target=read, args=args, name=_reader_name(order.job_id, rank), daemon=True
+                    )
+                    reader.start()
+                    workers.readers.append(reader)
                 self._file(order.job_id, "pids").write_text(" ".join(str(p.pid) for p in workers.processes))
         return workers.rendezvous
 
@@ -224,7 +289,7 @@ class NodeWorkers:
     def profile(self, request: ProfileRequest) -> ProfileAnswer:
         """Run the job's script in profiling mode on one GPU of this node; what it measured, or why not."""
         try:
-            module = job_module(request.application, self.jobs_package)
+            target, code = self._target(request.job_id, request.application, request.code, request.entrypoint)
         except ValueError as error:
             return ProfileAnswer(failure=str(error))
         env = {**torchrun_env(0, 1, 1, 0, request.job_id, self.info.gpu_type), PROFILE_ENV: "1"}
@@ -235,7 +300,7 @@ class NodeWorkers:
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
         gpu_type = self.info.gpu_type
         with open(log_path, "w") as log_file:
-            process = worker(module, [], env, log_file)
+            process = worker(target, list(request.args), env, log_file, sandbox=self.sandbox(request.job_id), code=code)
             self.profiling.add(process)
             try:
                 out, _ = process.communicate(timeout=request.timeout_s)
@@ -247,6 +312,7 @@ class NodeWorkers:
                 )
             finally:
                 self.profiling.discard(process)
+        self._keep_profile(request.job_id, out, log_path)
         if process.returncode != 0:
             return ProfileAnswer(
                 failure=f"its script failed while profiling on {gpu_type} (exit code "
@@ -276,13 +342,16 @@ class NodeWorkers:
         if not workers.order.store or 0 not in workers.order.ranks or self.store is None:
             return
         try:
-            saved = workers.checkpoint.stat().st_mtime
+            saved = workers.checkpoint.lstat().st_mtime
         except FileNotFoundError:
             return
         if saved != workers.pushed:
             try:
-                self.store.push(workers.order.store, workers.checkpoint)
+                self.store.push(workers.order.store, workers.checkpoint, workers.uid)
                 workers.pushed = saved
+            except OSError as error:  # not a file of the job's (a link it made): told once, not copied
+                workers.pushed = saved
+                log.warning("job %s: its checkpoint is not copied to the store: %s", workers.order.job_id, error)
             except Exception:
                 log.exception("job %s: its checkpoint could not be copied to the store", workers.order.job_id)
 
@@ -336,6 +405,7 @@ class NodeWorkers:
     def _report(self, workers: Workers) -> WorkersReport:
         codes = tuple(p.poll() for p in workers.processes)
         crashed = next((rank for rank, code in zip(workers.order.ranks, codes) if code not in (None, 0)), None)
+        _read_to_end(workers, [rank for rank, code in zip(workers.order.ranks, codes) if code is not None])
         error = last_error(self.log_path(workers.order.job_id, crashed)) if crashed is not None else ""
         if crashed is not None or None not in codes:
             self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
@@ -347,25 +417,136 @@ class NodeWorkers:
             workers.stats,
             workers.outcome,
             error,
+            workers.stopped,
+            workers.metrics,
         )
+
+    def _keeper(self, job_id: str, rank: int | str, stream: str) -> Callable[[str], None] | None:
+        return None if self.output is None else self.output.keeper(job_id, rank, stream)
+
+    def _keep_profile(self, job_id: str, out: str, log_path: Path) -> None:
+        """A profiling run's output once it has ended, as the job's "profile" rank's: its stdout but
+        the protocol's, the end of its stderr (read back from its file)."""
+        if self.output is None:
+            return
+        with open(log_path, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - PROFILE_STDERR_KEPT))
+            stderr = file.read().decode(errors="replace").splitlines()
+        stdout = [line for line in out.splitlines() if not line.startswith(PROTOCOL_PREFIXES)]
+        for stream, lines in (("stdout", stdout), ("stderr", stderr)):
+            keep = self.output.keeper(job_id, subjects.PROFILE_RANK, stream)
+            for line in lines:
+                keep(line)
+
+    # ---- each job's own folder and user --------------------------------------------------------
+
+    def job_folder(self, job_id: str) -> Path:
+        """The job's folder on this node: its HOME and working directory, its TMPDIR (`tmp/`), the
+        node's copy of its stored checkpoint; its user's alone."""
+        return self.workdir / "jobs" / job_id
+
+    def sandbox(self, job_id: str) -> Sandbox:
+        """Where and as whom the job's workers run here, its folder made (or given back) to its user."""
+        uid = None
+        if self.uid_base is not None:
+            with self.lock:
+                taken = {w.uid for w in self.jobs.values() if w.order.job_id != job_id}
+            uid = job_uid(job_id, self.uid_base, taken)
+            make_passable(self.workdir, self.workdir / "jobs")  # the agent made them 0700 when it started
+        sandbox = Sandbox(self.job_folder(job_id), uid, self.limits.rlimits(uid is not None), self.python)
+        make_own(sandbox.folder, uid)  # all of it: an earlier run of the job may have had another user
+        make_own(sandbox.tmp, uid)
+        return sandbox
+
+    def _checkpoint_folder(self, job_id: str, folder: Path, uid: int | None) -> None:
+        """The job's checkpoint folder in the shared one: the job's user's alone (the agent, root,
+        still reads it). With a user of its own, a job writes only in a folder named after it."""
+        if uid is None:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return
+        if folder.name != job_id:
+            raise ValueError(
+                f"job {job_id}: its checkpoint must be in a folder of its own, named {job_id}, not {folder}"
+            )
+        make_passable(folder.parent)
+        make_own(folder, uid)
+
+    def _target(self, job_id: str, application: str, code: str, entrypoint: str) -> tuple[str, Path | None]:
+        """What the job's workers run: a module of the jobs package (no folder), or the entrypoint of
+        its own code, unpacked in its folder (that folder); ValueError with why it cannot run here."""
+        if not code:
+            return job_module(application, self.jobs_package), None
+        if self.code is None:
+            raise ValueError(f"node {self.info.name} runs no job's own code (it reaches no code store)")
+        folder = self.code.prepare(self.job_folder(job_id), code, entrypoint, self._file(job_id, "code"))
+        return entrypoint, folder
 
     def log_path(self, job_id: str, rank: int) -> Path:
         return self.workdir / f"{job_id}.rank{rank}.log"
 
     def _file(self, job_id: str, kind: str) -> Path:
         """`<job>.pids`: its workers' process ids while they run (an agent that died leaves them for
-        the next: `stop_leftovers`); `<job>.checkpoint`: the checkpoint argument that marks them."""
+        the next: `stop_leftovers`); `<job>.checkpoint`: the checkpoint argument that marks them;
+        `<job>.code`: the archive its own code in its folder was unpacked from."""
         return self.workdir / f"{job_id}.{kind}"
 
 
-def _forward(process: subprocess.Popen, workers: Workers, first: bool) -> None:
-    """A worker's stdout, line by line: the latest report (rank 0 prints them), the first rank's outcome."""
+def _reader_name(job_id: str, rank: int) -> str:
+    return f"{job_id}/{rank}"
+
+
+def _read_to_end(workers: Workers, ranks: list[int], timeout_s: float = READ_REST_S) -> None:
+    """The readers of workers that have exited, waited for (at most `timeout_s` in all): what a report
+    reads of them (the last lines of their stderr file, their last protocol lines) is then all there."""
+    deadline = time.monotonic() + timeout_s
+    names = {_reader_name(workers.order.job_id, rank) for rank in ranks}
+    for reader in workers.readers:
+        if reader.name in names:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+
+def _forward(
+    process: subprocess.Popen, workers: Workers, first: bool, keep: Callable[[str], None] | None = None
+) -> None:
+    """A worker's stdout, line by line: the latest report (rank 0 prints them), the first rank's
+    outcome, its metrics, the stopped mark; every other line to `keep` (the job's own output)."""
     for line in process.stdout:
+        if keep is not None and not line.startswith(PROTOCOL_PREFIXES):
+            keep(line.rstrip("\r\n"))
         line = line.strip()
         if line.startswith(STATS_PREFIX):
             workers.stats = line
         elif line.startswith(OUTCOME_PREFIX) and (first or not workers.outcome):
             workers.outcome = line
+        elif line.startswith(METRICS_PREFIX):
+            _take_metrics(workers, line[len(METRICS_PREFIX) :])
+        elif line == STOPPED_MARK:
+            workers.stopped = True
+
+
+MAX_METRICS_LINE = 16_384  # characters: MAX_METRICS short names and values fit many times over
+MAX_DROPS_LOGGED = 100  # per job's workers: a script that keeps sending bad ones is not a log flood
+
+
+def _take_metrics(workers: Workers, text: str) -> None:
+    """A metrics line's values over the ones before (the latest of each name, at most MAX_METRICS
+    names); what is refused is logged once per reason."""
+    try:
+        if len(text) > MAX_METRICS_LINE:
+            raise ValueError(f"a line of {len(text)} characters, over {MAX_METRICS_LINE}")
+        values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ValueError(f"a metrics line is a JSON object, not {type(values).__name__}")
+    except ValueError as error:
+        values, problems = {}, [f"unreadable metrics: {error}"]
+    else:
+        problems = []
+    kept, dropped = clean_metrics({**workers.metrics, **values})
+    workers.metrics = kept  # replaced whole: the poll reads it from another thread
+    for why in (*problems, *dropped):
+        if why not in workers.dropped and len(workers.dropped) < MAX_DROPS_LOGGED:
+            workers.dropped.add(why)
+            log.warning("job %s: metric dropped: %s", workers.order.job_id, why[:200])
 
 
 # ---- the service ---------------------------------------------------------------------------------
@@ -383,6 +564,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="node: the address its workers listen on for their peers on other nodes (a pod IP; default: %(default)s)",
     )
+    parser.add_argument(
+        "--job-users",
+        default="auto",
+        help="node: each job's workers as a user of its own: 'auto' (when the agent is root and other users "
+        "can reach the interpreter, the project and --workdir; else as the agent, said in its log), 'off', "
+        f"or the first uid of their range (default: %(default)s, from {JOB_UID_BASE})",
+    )
+    parser.add_argument(
+        "--worker-memory",
+        type=float,
+        help="node: each worker's memory in MB (its data, RLIMIT_DATA; default: the machine's shared by its GPUs; 0: none)",
+    )
+    parser.add_argument(
+        "--worker-processes",
+        type=int,
+        default=Limits.processes,
+        help="node: processes and threads of a job's user on the node (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--worker-file-size",
+        type=float,
+        default=Limits.file_mb,
+        help="node: the largest file a worker may write, in MB (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--worker-python", default=sys.executable, help="node: the workers' interpreter (default: the agent's)"
+    )
+
+
+def job_users(choice: str, workdir: Path, python: str) -> tuple[int | None, str]:
+    """The first uid of the jobs' users (None: the workers run as the agent) for --job-users, and why."""
+    if choice == "off":
+        return None, "off (--job-users off)"
+    if os.geteuid() != 0:
+        if choice != "auto":
+            raise SystemExit(f"--job-users {choice}: only an agent that runs as root can start workers as other users")
+        return None, "off: the agent is not root (keeping jobs apart is the deployment's: one agent per container)"
+    base = JOB_UID_BASE if choice == "auto" else int(choice) if choice.isdigit() else None
+    if base is None or base == 0:
+        raise SystemExit(f"--job-users {choice!r}: 'auto', 'off' or a uid above 0")
+    closed = next(filter(None, (closed_to_others(path) for path in (Path(python), ROOT, workdir.parent))), None)
+    if closed is not None:
+        why = (
+            f"other users cannot enter {closed} (mode {oct(closed.stat().st_mode & 0o777)}), on the way "
+            f"to the workers' interpreter, the project or {workdir}"
+        )
+        if choice != "auto":
+            raise SystemExit(f"--job-users {choice}: {why}")
+        return None, f"off, UNSAFE for code that is not yours: {why}; open it (chmod o+x) or pass --job-users off"
+    return base, f"uids from {base}"
 
 
 def detected_gpus() -> tuple[str, tuple[str, ...]]:
@@ -412,8 +643,26 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     )
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
     make_private(workdir)  # with the logs and checkpoint copies an agent before this one left
+    uid_base, users = job_users(args.job_users, workdir, args.worker_python)
+    limits = Limits(
+        args.worker_processes,
+        memory_mb=(args.worker_memory or None) if args.worker_memory is not None else default_memory_mb(gpus),
+        file_mb=args.worker_file_size or None,
+    )
+    await storage.open_stream(bus, subjects.LOGS_STREAM)  # where what the workers print is kept
+    woken = asyncio.Event()
+    storing = Storing(bus, Output(wake_on(asyncio.get_running_loop(), woken)))
     node = NodeWorkers(
-        info, workdir, args.jobs_package, devices[:gpus], StoredCheckpoints(bus, asyncio.get_running_loop())
+        info,
+        workdir,
+        args.jobs_package,
+        devices[:gpus],
+        StoredCheckpoints(bus, asyncio.get_running_loop()),
+        storing.output,
+        uid_base,
+        limits,
+        args.worker_python,
+        JobCode(workdir / "archives", store_fetcher(bus, asyncio.get_running_loop())),
     )
     await asyncio.to_thread(stop_leftovers, workdir)  # what a killed agent before this one left
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
@@ -421,7 +670,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     async def heartbeat() -> None:
         while True:
             try:
-                await members.put(info.name, info)
+                # Its jobs as they are now: a module added to the jobs package is found without a restart.
+                jobs = tuple(await asyncio.to_thread(declared_jobs, args.jobs_package))
+                await members.put(info.name, msgspec.structs.replace(info, applications=jobs))
             except Exception:
                 log.exception("renewing node %s failed", info.name)
             await asyncio.sleep(subjects.NODE_HEARTBEAT_S)
@@ -435,6 +686,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         beating.cancel()
         copying.cancel()
         await asyncio.to_thread(node.stop_all)
+        keeping.cancel()
+        await storing.store()  # the last lines of the workers just stopped
         try:
             await members.delete(info.name)  # gone now, not in NODE_TTL_S
         except Exception:  # noqa: BLE001 - it lapses on its own
@@ -464,10 +717,14 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
             lambda request, handle=handle: asyncio.to_thread(handle, request),
             span_name=f"node.{endpoint}",
             concurrency=8,
+            new_traces=endpoint != "poll",  # the executor looks every half second: a round's look is traced
         )
     await members.put(info.name, info)
     beating = asyncio.get_running_loop().create_task(heartbeat())
     copying = asyncio.get_running_loop().create_task(copy_checkpoints())
+    keeping = asyncio.get_running_loop().create_task(storing.keep_storing(woken))
     bus.on_close(leave)
     log.info("node %s: %d %s, workers on %s, work in %s", info.name, gpus, info.gpu_type, info.address, workdir)
+    unsafe = uid_base is None and args.job_users == "auto" and os.geteuid() == 0  # root's workers as root
+    (log.warning if unsafe else log.info)("node %s: job users %s", info.name, users)
     return service

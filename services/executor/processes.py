@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
+from services.executor.isolation import Sandbox
 from shared.files import PRIVATE_UMASK
 
 JOBS_PACKAGE = "examples.jobs"  # the code submissions may run by default: a module of this package
@@ -67,13 +68,14 @@ def declares_job(path: str | Path | None) -> bool:
 
 
 def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
-    """The modules of `package` that declare themselves jobs."""
+    """The modules of `package` that declare themselves jobs, as they are now (one added since is found)."""
     try:
         spec = importlib.util.find_spec(package)
     except ModuleNotFoundError:
         spec = None
     if spec is None or not spec.submodule_search_locations:
         return []
+    rescan(spec.submodule_search_locations)
     return sorted(
         info.name
         for info in pkgutil.iter_modules(spec.submodule_search_locations)
@@ -81,9 +83,19 @@ def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
     )
 
 
+def rescan(locations) -> None:
+    """Forget what the import system remembers of these folders' files (each folder's finder), so a
+    module added to them since is found; nothing else's caches are touched."""
+    for location in locations:
+        finder = sys.path_importer_cache.get(location)
+        if finder is not None:
+            finder.invalidate_caches()
+
+
 def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
     """The module a job's `application` names; ValueError unless it is one of `package`'s declared jobs."""
     module = f"{package}.{application}"
+    rescan(getattr(sys.modules.get(package), "__path__", None) or ())  # a module added since is found
     try:
         spec = importlib.util.find_spec(module) if application.isidentifier() else None
     except ModuleNotFoundError:  # the package itself is not there
@@ -115,25 +127,67 @@ def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dic
     }
 
 
-def worker(module: str, arguments: list[str], env: dict[str, str], log: IO, lifeline: bool = False) -> subprocess.Popen:
-    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log`; with
-    `lifeline`, its stdin held by us (the library stops when it ends). It finds the jobs package
-    from ROOT, its working directory (`-m` puts that first on sys.path), or from PYTHONPATH; run
-    through `job_main`, it exits quietly once we are gone. What it writes (its checkpoints, any file of
-    its own code) is its owner's only, whatever the umask of the process that starts it."""
+def worker(
+    module: str,
+    arguments: list[str],
+    env: dict[str, str],
+    log: IO | int,
+    lifeline: bool = False,
+    sandbox: Sandbox | None = None,
+    checkpoint: Path | None = None,
+    code: Path | None = None,
+) -> subprocess.Popen:
+    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log` (a file,
+    or subprocess.PIPE: for us too); with `lifeline`, its stdin held by us (the library stops when it
+    ends). In its `sandbox` (its user, folder and limits; none: ours, in ROOT) it finds the project
+    and the jobs package on PYTHONPATH only (`import_path`), read-only for it; run through
+    `job_main`, it exits quietly once we are gone.
+    What it writes (its checkpoints, any file of its own code) is its owner's only, whatever the
+    umask of the process that starts it. `checkpoint`: a training worker's, its mark (`job_arguments`).
+    `code`: the folder of the job's own code, its working directory; `module` is then its entrypoint
+    there (a script or a module)."""
     if lifeline:
         env = {**env, LIFELINE_ENV: "1"}
+    env = {**env, **(sandbox.env() if sandbox else {}), "PYTHONPATH": import_path(module if code is None else "")}
     return subprocess.Popen(
-        [sys.executable, "-m", JOB_MAIN, module, *arguments],
+        # Nothing of the job's folder is imported before `job_main` has set the limits: not the
+        # working directory (-P; `-m` would put it first on sys.path), not the user site packages of
+        # its HOME (-s).
+        [
+            sandbox.python if sandbox else sys.executable,
+            *("-P", "-s", "-m", JOB_MAIN),
+            *job_arguments(module, arguments, checkpoint, code is not None),
+        ],
         env=worker_env(env),
         stdout=subprocess.PIPE,
         stderr=log,
         stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
         text=True,
         errors="replace",
-        cwd=ROOT,
+        cwd=code or (sandbox.folder if sandbox else ROOT),
         umask=PRIVATE_UMASK,
+        **(sandbox.user() if sandbox else {}),
     )
+
+
+def job_arguments(target: str, arguments: list[str], checkpoint: Path | None = None, code: bool = False) -> list[str]:
+    """`job_main`'s arguments: its own first (the checkpoint mark, whether the target is the job's own
+    code), then the target and the job's arguments, which it passes on."""
+    own = [*(("--checkpoint", str(checkpoint)) if checkpoint is not None else ()), *(("--code",) if code else ())]
+    return [*own, target, *arguments]
+
+
+def import_path(module: str, parent: dict[str, str] | None = None) -> str:
+    """A worker's PYTHONPATH: ROOT (the project, `job_main`), the folder that holds `module`'s top
+    package (the operator's jobs package, wherever the agent found it), then the agent's own."""
+    parent = os.environ if parent is None else parent
+    try:
+        spec = importlib.util.find_spec(module.partition(".")[0])
+    except (ImportError, ValueError):
+        spec = None
+    found = [str(Path(place).parent) for place in (spec.submodule_search_locations or [])] if spec else []
+    paths = [str(ROOT), *found, *filter(None, parent.get("PYTHONPATH", "").split(os.pathsep))]
+    return os.pathsep.join(dict.fromkeys(paths))
 
 
 def torchrun_env(
@@ -166,26 +220,35 @@ def free_port(address: str) -> int:
         return probe.getsockname()[1]
 
 
-def last_error(log: Path) -> str:
-    """The last line a worker wrote to stderr (a traceback's ends with the exception)."""
-    lines = (
-        [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.exists() else []
-    )
-    return lines[-1] if lines else "no error output"
+ERROR_LINES = 10  # a crash's reason: the end of its stderr (a traceback's last frames and the exception)
+ERROR_LINE_CHARS = 300
+ERROR_TAIL_BYTES = 64 * 1024  # read from the log's end only: it may be long
+
+
+def last_error(log: Path, lines: int = ERROR_LINES) -> str:
+    """The last `lines` non-empty lines a worker wrote to stderr, each cut to ERROR_LINE_CHARS."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - ERROR_TAIL_BYTES))
+            text = file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "no error output"
+    kept = [line.rstrip()[:ERROR_LINE_CHARS] for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(kept) if kept else "no error output"
 
 
 def stop_leftovers(workdir: Path, mark: str = "--checkpoint") -> None:
     """Workers an agent before this one left running (it was killed; their lifeline makes them
     stop too): each told to stop — it checkpoints — and waited for. `<workdir>/*.pids` name them; a
-    process id is taken for a worker of ours only while its command line holds `mark` and the
-    job's checkpoint argument (ids are reused)."""
+    process id is taken for a worker of ours only while its command line runs `job_main` with `mark`
+    and the job's checkpoint as its own first arguments (ids are reused)."""
     leftovers = []
     for pids in workdir.glob("*.pids"):
         checkpoint = pids.with_suffix(".checkpoint").read_text() if pids.with_suffix(".checkpoint").exists() else ""
-        expected = f"{mark}\0{checkpoint}\0".encode()
+        expected = f"\0{JOB_MAIN}\0{mark}\0{checkpoint}\0".encode()
         for pid in (int(p) for p in pids.read_text().split() if p.isdigit() and int(p) != os.getpid()):
             try:
-                if checkpoint and Path(f"/proc/{pid}/cmdline").read_bytes().endswith(expected):
+                if checkpoint and expected in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGTERM)
                     leftovers.append(pid)
             except (FileNotFoundError, ProcessLookupError):

@@ -25,6 +25,7 @@ import math
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import msgspec
@@ -35,10 +36,11 @@ from goodput_train.protocol import REPORT_EVERY_S
 from services.executor import node
 from services.executor.local import BusNodes, LocalExecutors
 from services.executor.processes import JOBS_PACKAGE
+from services.executor.progress import job_progress, main_metric, trained_batches
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus, TypedKV
-from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_nodes
+from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_node, real_nodes
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.runner import executors_kind, positive_float
 from shared.schema import (
@@ -68,6 +70,7 @@ from shared.schema import (
     unnamed_key,
     verdict_for,
 )
+from shared.waits import Needs, needs_of, unschedulable, wait_reason
 
 POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this
 UNREADABLE = "unreadable"  # the application of a job whose submission could not be read
@@ -92,6 +95,10 @@ class RealExecutors:
         self.seen: dict[str, NodeInfo] = {}  # every node served since this executor started
         self.profiling: dict[str, str] = {}  # job -> the node the profiler last asked to profile it
         self._misfits: set[str] = set()  # nodes told off once for not being in `spec`
+        self.served = False  # whether a round has served the live nodes yet (before: no job is judged)
+        self.drained_nodes: tuple[Node, ...] = ()  # the live nodes drained, as the round would see them
+        self.schedulable: tuple[Node, ...] = ()  # the live nodes undrained, profiling runs or not
+        self._unfit: dict[Needs, str | None] = {}  # why the nodes served cannot take such a job, if so
         self.latest_s = -math.inf  # the newest round applied or run: an older one is stale
         self._clock = (0.0, time.monotonic())
 
@@ -119,7 +126,29 @@ class RealExecutors:
             failed=bool(job.failure),
             profiled=job.profiled is not None,
             placed=bool(local.placement if local is not None else job.placement),
+            fits=self.unfit(job) is None,
         )
+
+    def unfit(self, job: NodeJob) -> str | None:
+        """Why the live nodes, as the last round saw them, cannot take the job however the others
+        move (shared/waits.py); None when they can, or before a round has served them."""
+        if not self.served:
+            return None
+        spec = job.spec
+        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
+        if needs not in self._unfit:
+            self._unfit[needs] = unschedulable(needs, self.schedulable, self.drained_nodes)
+        return self._unfit[needs]
+
+    def why_waiting(self, job: NodeJob, ahead: int) -> str:
+        """What a queued job waits for: free GPUs that fit it, behind `ahead` queued jobs submitted
+        before it (of equal worth to the policy, the longest-waiting start first)."""
+        if not self.served:
+            return _queued_reason(ahead)
+        spec = job.spec
+        held = {name: local.placement for name, local in self.executors.jobs.items() if local.placement}
+        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
+        return wait_reason(needs, self.cluster.nodes, held, ahead)
 
     def _states(self) -> dict[str, JobState]:
         return {key: self.state_of(job) for key, job in self.jobs.items()}
@@ -144,9 +173,10 @@ class RealExecutors:
                     local.crashes,
                     local.stats,
                 )
-                job.generation, job.parts = local.generation, local.parts
+                job.generation, job.parts, job.metrics = local.generation, local.parts, local.metrics
                 if local.result is not None:
-                    job.metric, job.batches = local.result.get("metric"), tuple(local.result.get("batches", ()))
+                    job.metric = main_metric(local.result, local.metrics)
+                    job.batches = tuple(local.result.get("batches") or trained_batches(local.stats))
         return list(self.jobs.values())
 
     def restore(self, job: NodeJob) -> None:
@@ -156,16 +186,17 @@ class RealExecutors:
         if job.unnamed:  # a refusal listed on its own: nothing ever runs
             return
         try:
-            self.executors.add(job.spec.id, job.spec.application)
+            self.executors.add(job.spec.id, job.spec.model, *job.spec.own_code)
         except ValueError as error:  # refused on submission, or its code is gone since
             job.failure = job.failure or str(error)
             return
         local = self.executors.jobs[job.spec.id]
-        local.crashes, local.stats, local.failure, local.generation = (
+        local.crashes, local.stats, local.failure, local.generation, local.metrics = (
             job.crashes,
             job.stats,
             job.failure,
             job.generation,
+            dict(job.metrics),
         )
         if job.finish_s is not None or job.failure is not None:
             local.restarts, local.placement = job.restarts, job.placement  # as it ended
@@ -190,7 +221,7 @@ class RealExecutors:
             spec, submission=sequence, seen=sequence, trace=trace, submitted_at=time.time(), owner=owner
         )
         try:
-            self.executors.add(spec.id, spec.application)
+            self.executors.add(spec.id, spec.model, *spec.own_code)
         except ValueError as error:
             job.failure = str(error)
 
@@ -214,6 +245,14 @@ class RealExecutors:
     def profile_asked(self, job_id: str, node: str) -> None:
         """The profiler asked `node` for a run of the job (what its status says while it is profiled)."""
         self.profiling[job_id] = node
+
+    def profiling_nodes(self) -> list[str]:
+        """The nodes running a profile now: of the jobs still waiting for the profiler's verdict."""
+        return [
+            node
+            for job_id, node in self.profiling.items()
+            if (job := self.jobs.get(job_id)) is not None and job.profiled is None and job.failure is None
+        ]
 
     def waiting_for(self, job: NodeJob) -> str:
         """What a job being profiled waits for, as far as the executor sees it."""
@@ -293,7 +332,11 @@ class RealExecutors:
                     ", ".join(sorted(gone)),
                 )
         self.members, self.drained = usable, set(drained)
-        nodes, real = cluster_nodes(usable.values())
+        self.schedulable = cluster_nodes(usable.values())[0]
+        self.drained_nodes = cluster_nodes(info for name, info in members.items() if name in drained)[0]
+        self.served, self._unfit = True, {}
+        training = {real_node(n) for local in self.executors.jobs.values() for n, _ in (*local.placement, *local.parts)}
+        nodes, real = cluster_nodes(lent_to_profiling(usable.values(), self.profiling_nodes(), training))
         self.executors.cluster, self.executors.real = Cluster("live", nodes), real
         return nodes
 
@@ -365,7 +408,7 @@ class RealExecutors:
         steps = stats.steps if stats else 0
         return JobFacts(
             job_id=spec.id,
-            application=spec.application,
+            application=spec.model,
             submit_s=job.arrival_s,
             age_s=now - job.arrival_s,
             requested_gpus=spec.requested_gpus,
@@ -495,7 +538,7 @@ class RealExecutors:
             records.append(
                 JobRecord(
                     "" if job.unnamed else job.spec.id,
-                    job.spec.application,
+                    job.spec.model,
                     submit,
                     job.finish_s,
                     job.restarts,
@@ -511,10 +554,19 @@ class RealExecutors:
                     placements=job.placements,
                     reason=self.waiting_for(job)
                     if state == JobState.PROFILING
-                    else _queued_reason(queued)
+                    else self.why_waiting(job, queued)
                     if state == JobState.QUEUED
+                    else self.unfit(job)
+                    if state == JobState.UNSCHEDULABLE
                     else None,
                     owner=job.owner,
+                    metrics=job.metrics,
+                    progress=job_progress(
+                        job.stats,
+                        job.profiled.init_batch if job.profiled else None,
+                        local.parts if local and local.heard and state == JobState.RUNNING else (),
+                        local.rate if local else None,
+                    ),
                 )
             )
             queued += state == JobState.QUEUED
@@ -538,6 +590,20 @@ EVENTS = {
     subjects.REFUSED: (RealExecutors.rejected, Rejected),
     subjects.CANCEL: (RealExecutors.cancelled, Cancel),
 }
+
+
+def lent_to_profiling(members, profiling: Iterable[str], training: Collection[str]) -> list[NodeInfo]:
+    """The nodes a round may place jobs on while profiling runs go on: each run takes one GPU of a
+    node that trains no job (a node of one is left out); a node training jobs is left whole (their
+    placements stand, and the profiler takes a node that trains nothing when there is one)."""
+    runs: dict[str, int] = {}
+    for name in profiling:
+        runs[name] = runs.get(name, 0) + 1
+    lent = [
+        info if info.name in training else msgspec.structs.replace(info, gpus=info.gpus - runs.get(info.name, 0))
+        for info in members
+    ]
+    return [info for info in lent if info.gpus > 0]
 
 
 def cluster_nodes(members) -> tuple[tuple[Node, ...], dict[str, str]]:

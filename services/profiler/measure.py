@@ -24,9 +24,10 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 
 import nats.errors
+from nats.micro.request import ServiceError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -55,10 +56,13 @@ class NodeUnavailable(RuntimeError):
 
 
 class NodeTurns:
-    """The live nodes (the membership KV), each lent to one profiling run at a time."""
+    """The live nodes (the membership KV), each lent to one profiling run at a time; of those,
+    a node that trains no job first (`training`: the nodes training jobs now, as the executor says),
+    so a run takes an idle GPU rather than share a busy node's."""
 
-    def __init__(self, members: TypedKV[NodeInfo]):
+    def __init__(self, members: TypedKV[NodeInfo], training: Callable[[], Awaitable[Collection[str]]] | None = None):
         self.members = members
+        self.training = training
         self.busy: set[str] = set()
         self._freed = asyncio.Condition()
 
@@ -72,7 +76,8 @@ class NodeTurns:
             nodes = [info for info in (await self.members.values()).values() if info.gpu_type == gpu_type]
             idle = [info for info in nodes if info.name not in self.busy]
             if idle:
-                info = random.choice(idle)
+                training = await self._training() if len(idle) > 1 else set()
+                info = random.choice([info for info in idle if info.name not in training] or idle)
                 self.busy.add(info.name)
                 return info
             if nodes:
@@ -84,6 +89,16 @@ class NodeTurns:
             async with self._freed:  # a run ends, or a second passes (a node joins)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._freed.wait(), 1.0)
+
+    async def _training(self) -> Collection[str]:
+        """The nodes training jobs now; none known when the executor does not say (any node will do)."""
+        if self.training is None:
+            return set()
+        try:
+            return await self.training()
+        except (nats.errors.Error, ServiceError, TimeoutError) as error:  # the executor away: any node will do
+            log.info("which nodes train jobs is not known (%s): any idle node profiles", error)
+            return set()
 
     async def give_back(self, node: str) -> None:
         self.busy.discard(node)
@@ -123,12 +138,14 @@ async def profiling_run(
     node_wait_s: float = NODE_WAIT_S,
     cancelled: Callable[[], bool] = lambda: False,
     tracer_provider: trace.TracerProvider | None = None,
+    code: tuple[str, str, tuple[str, ...]] = ("", "", ()),
 ) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
     turns, shared by the runs of one profiler, or the membership alone). A job `cancelled()` once
     its turn on a node comes: ProfilingCancelled, and the node goes to the next run. The run is a
-    `profiler.run` span with what it measured or why it failed."""
+    `profiler.run` span with what it measured or why it failed. `code`: the job's own (archive,
+    entrypoint, args), which the node agent fetches and runs; none: `application`, a job module."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span(
@@ -147,7 +164,7 @@ async def profiling_run(
                     if cancelled():
                         raise ProfilingCancelled(f"job {job_id} was cancelled before its profiling run on {gpu_type}")
                     answer = await _run_on(
-                        bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb, timeout_s)
+                        bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb, timeout_s, *code)
                     )
                     break
                 except NodeUnavailable as error:

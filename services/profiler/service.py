@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+from functools import partial
 
 from nats import micro
 
@@ -27,11 +28,13 @@ from shared.cluster import Cluster, load_cluster
 from shared.profiles import ProfileSource, profile_source
 from shared.runner import add_profile_arguments, new_service, positive_float
 from shared.schema import (
+    Ack,
     Cancel,
     JobOwner,
     JobProfiles,
     JobSpec,
     NodeInfo,
+    NodeStatuses,
     Profiled,
     ProfileRun,
     Stored,
@@ -144,13 +147,14 @@ class Profiler:
                 self.bus,
                 self.turns,
                 spec.id,
-                spec.application,
+                spec.model,
                 gpu_type,
                 self.slot_memory,
                 cancelled=lambda: spec.id in self.cancels,
+                code=spec.own_code,
             )
             memory = f"{self.slot_memory:g} MB memory" if self.slot_memory else "memory"
-            profiles.append(measured_profile(spec.id, spec.application, gpu_type, run, memory))
+            profiles.append(measured_profile(spec.id, spec.model, gpu_type, run, memory))
         return tuple(profiles), run
 
     async def on_submission(self, spec: JobSpec, delivery) -> None:
@@ -165,6 +169,7 @@ class Profiler:
             self.cluster,
             None if self.real else self.source.types,
             live=subjects.of_login(delivery.subject)[0] == subjects.STORED,
+            own_code=self.real,
         )
         if problem is not None:
             await self.reject(spec, problem, delivery)
@@ -208,6 +213,12 @@ class Profiler:
         )
 
 
+async def nodes_training(bus: Bus) -> set[str]:
+    """The nodes whose workers train jobs now, as the executor says (`goodput.executor.nodes`)."""
+    statuses = await bus.request(subjects.EXECUTOR_NODES, Ack(), NodeStatuses, timeout=5)
+    return {status.name for status in statuses.nodes if status.jobs}
+
+
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     real = args.executors == "real"
     profiler = Profiler(
@@ -215,7 +226,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         load_cluster(args.cluster),
         await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner),
         source=None if real else profile_source(args.reference, args.zoo),
-        turns=NodeTurns(await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)) if real else None,
+        turns=NodeTurns(await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo), partial(nodes_training, bus))
+        if real
+        else None,
         slot_memory=args.slot_memory,
     )
     bus.on_close(profiler.stop_runs)

@@ -24,6 +24,7 @@ from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
+from shared.waits import needs_of, unschedulable
 
 
 class SimulatedJob(msgspec.Struct):
@@ -59,6 +60,7 @@ class SimulatedJob(msgspec.Struct):
     cancelled: bool = False  # its user cancelled it (its failure says so)
     trace: str = ""  # its submission's traceparent
     ended_in: float | None = None  # the round (its now_s) that was told it failed
+    unfit: str | None = None  # why the cluster cannot take it (shared/waits.py), if it cannot
 
     @property
     def name(self) -> str:
@@ -91,6 +93,7 @@ class SimulatedJob(msgspec.Struct):
             failed=bool(self.failure),
             profiled=True,
             placed=bool(self.placement),
+            fits=self.unfit is None,
         )
 
     def record(self) -> JobRecord:
@@ -108,6 +111,7 @@ class SimulatedJob(msgspec.Struct):
             state=state,
             gpu_type=self.config.gpu_type if state == JobState.RUNNING else None,
             batch=self.batch if state == JobState.RUNNING else None,
+            reason=self.unfit if state == JobState.UNSCHEDULABLE else None,
         )
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
@@ -330,11 +334,20 @@ class SimulatedExecutors:
         usable = self.add(as_workload_job(spec, truth), truth, rigid=spec.rigid)
         self.jobs[spec.id].live = spec.submit_s is None
         self.jobs[spec.id].min_gpus = spec.min_gpus
+        self.judge(self.jobs[spec.id], usable)
         return usable
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:
         self.jobs[job.name] = job
         self.truths[job.name] = truth
+        self.judge(job, [t for t in self.cluster.gpu_types if t in truth.types])
+
+    def judge(self, job: SimulatedJob, types: list[str]) -> None:
+        """Whether the cluster, which does not change, can ever take the job (a rigid job of 3 GPUs
+        on nodes of 4 cannot); a hybrid-parallel job's counts are replicas, left to the policy."""
+        if not job.group_gpus:
+            gpus = job.rigid[0] if job.rigid else job.min_gpus
+            job.unfit = unschedulable(needs_of(gpus, gpus, job.rigid is not None, types), self.cluster.nodes)
 
     def facts(self, now: float, names) -> list[JobFacts]:
         return [self.jobs[name].facts(self.truths[name], now) for name in names]

@@ -5,6 +5,7 @@ JSON client) and a plain subscription's messages."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ import msgspec
 from nats import micro
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import INVALID_SPAN, SpanKind
+from opentelemetry.trace import get_current_span as trace_of
 
 from shared.bus.encoding import NotFound, Refused, T, answers_in_json, explained
 from shared.bus.requesters import (
@@ -56,16 +58,24 @@ class Endpoints:
         kind: SpanKind,
         attributes: dict[str, Any],
         report_invalid: InvalidHandler,
+        new_traces: bool = True,
     ) -> _Outcome | None:
         """Decode and handle one message inside a span parented on the producer's; None when the
-        handler failed (recorded on the span and logged: one bad message must not stop the rest)."""
-        with self._tracer.start_as_current_span(
-            name,
-            context=extract_trace_context(headers),
-            kind=kind,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
+        handler failed (recorded on the span and logged: one bad message must not stop the rest).
+        `new_traces=False`: a message that carries no trace context is handled without a span."""
+        context = extract_trace_context(headers)
+        untraced = not new_traces and not trace_of(context).get_span_context().is_valid
+        with (
+            contextlib.nullcontext(INVALID_SPAN)
+            if untraced
+            else self._tracer.start_as_current_span(
+                name,
+                context=context,
+                kind=kind,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
         ) as span:
             try:
                 message = self.decode(data, msg_type)
@@ -109,6 +119,7 @@ class Endpoints:
         metadata: dict[str, str] | None = None,
         concurrency: int = 1,
         limits: RequesterLimits = RequesterLimits(),
+        new_traces: bool = True,
     ) -> None:
         """A typed request endpoint of a NATS service (`nats.micro`: it shows in $SRV.INFO and
         $SRV.STATS): `handler(request)` returns the reply. A request that does not decode is
@@ -123,7 +134,10 @@ class Endpoints:
         requests are served at once (1: one after another, in the order they came; more, for a
         handler that mostly waits on other services: each in a task, the next one waiting while
         that many are in hand). `limits`: what each requester the server names (`requester()`) may
-        ask of this replica; beyond them a request is answered error 429 with why, undecoded."""
+        ask of this replica; beyond them a request is answered error 429 with why, undecoded.
+        `new_traces=False`: a request outside any trace is served without a span (a periodic call,
+        such as the executor's look at the workers every half second, would flood the traces);
+        one made within a trace (a round's) is traced as any other."""
         span = span_name or f"{subject} receive"
         report_invalid = on_invalid or self._on_invalid
         gate = asyncio.Semaphore(concurrency) if concurrency > 1 else None
@@ -185,6 +199,7 @@ class Endpoints:
                 SpanKind.SERVER,
                 {"messaging.destination.name": request.subject},
                 report_invalid,
+                new_traces,
             )
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")

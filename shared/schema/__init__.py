@@ -4,12 +4,14 @@ conversation's messages (its docstring says who sends and who answers); every na
 
 - `base`: the schema version, ids and a submission's bounds, the cluster's shapes, plain answers
 - `jobs`: the jobs stream: submissions, the profiler's claims and verdicts, cancels
+- `code`: a job's own code, uploaded to the code store through the user API
 - `records`: the executors' records of jobs and the queries they answer
 - `api`: the user API (goodput.api.*), each job as a JobStatus
 - `estimates`: what the estimator learns (profiles, observations) and keeps
 - `rounds`: one scheduling round: facts, models, placement, apply, advance
 - `runs`: a run of the rounds: request, checkpoint, lease, steps, status
 - `nodes`: node agents and the executor's nodes
+- `logs`: what jobs print, stored by their node agents and read through the API
 """
 
 # The messages a job prints for its executor are the training library's (written once, there).
@@ -43,6 +45,7 @@ from shared.schema.base import (
     Spots,
     Stored,
 )
+from shared.schema.code import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
 from shared.schema.estimates import (
     EstimateRecord,
     JobProfiles,
@@ -65,6 +68,7 @@ from shared.schema.jobs import (
     submission_msg_id,
     verdict_for,
 )
+from shared.schema.logs import LogBatch, LogLine, LogsPage, LogsRequest, OutputLine
 from shared.schema.nodes import (
     NODE_STATES,
     DrainAnswer,
@@ -89,6 +93,7 @@ from shared.schema.records import (
     JobsQuery,
     NodeJob,
     Placed,
+    Progress,
     job_rows,
     select,
     unnamed_key,
@@ -128,8 +133,12 @@ __all__ = [
     "ApplyRequest",
     "BatchSize",
     "CANCELLED",
+    "CHUNK_BYTES",
     "Cancel",
     "CancelAnswer",
+    "CodeAnswer",
+    "CodeChunk",
+    "CodeRequest",
     "Config",
     "Count",
     "DecidedRound",
@@ -158,6 +167,10 @@ __all__ = [
     "Lease",
     "LiveJobs",
     "LiveJobsRequest",
+    "LogBatch",
+    "LogLine",
+    "LogsPage",
+    "LogsRequest",
     "MARK_TTL_S",
     "MAX_BATCH",
     "MAX_GPUS",
@@ -176,8 +189,10 @@ __all__ = [
     "NodeStatus",
     "NodeStatuses",
     "Observed",
+    "OutputLine",
     "PlaceRequest",
     "Placed",
+    "Progress",
     "PlacementResult",
     "PolicyStatus",
     "Profile",

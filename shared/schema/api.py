@@ -9,7 +9,7 @@ import msgspec
 
 from shared.lifecycle import JobState
 from shared.schema.base import Identifier
-from shared.schema.records import JobRecord, job_rows
+from shared.schema.records import JobRecord, Progress, job_rows
 
 
 class JobStatus(msgspec.Struct, frozen=True):
@@ -31,6 +31,8 @@ class JobStatus(msgspec.Struct, frozen=True):
     jct_s: float | None = None
     restarts: int = 0
     gpu_seconds: float = 0.0
+    metrics: dict[str, float | str] = {}  # a real job's own (`training.report`), the latest of each
+    progress: Progress | None = None  # a real job's steps and epochs of its target, speed, expected end
 
 
 def job_status(record: JobRecord) -> JobStatus:
@@ -56,6 +58,8 @@ def job_status(record: JobRecord) -> JobStatus:
         None if record.finish_s is None or submitted is None else record.finish_s - submitted,
         record.restarts,
         round(record.gpu_seconds, 3),
+        metrics=record.metrics,
+        progress=record.progress,
     )
 
 

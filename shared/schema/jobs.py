@@ -18,6 +18,7 @@ from shared.schema.base import (
     GpuName,
     Identifier,
 )
+from shared.schema.code import Arguments, Digest, Entrypoint
 
 
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -30,7 +31,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     id: Identifier
-    application: Identifier  # the model: a profile name (zoo or reference data)
+    # The model: a profile name (zoo or reference data), or the operator's job module. A job that
+    # carries its code (`code`) names one only to be profiled as that model.
+    application: Identifier | None = None
     requested_gpus: GpuCount = 1
     requested_batch: BatchSize | None = None
     min_gpus: GpuCount = 1
@@ -39,15 +42,42 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpu_types: Annotated[tuple[GpuName, ...], msgspec.Meta(max_length=MAX_GPU_TYPES)] = ()  # allowed; empty: any
     # A replayed workload's submission time; None: live (now). Only replays may set it.
     submit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SUBMIT_S)] | None = None
+    # Its own code (`goodput submit --code DIR`): the archive in the code store (its digest), what in
+    # it runs (a script or module), and that script's arguments.
+    code: Digest | None = None
+    entrypoint: Entrypoint | None = None
+    args: Arguments = ()
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        from shared.code_archive import entrypoint_problem
+
+        if self.code is None and self.application is None:
+            raise ValueError("a job names its application, or carries its code (code and entrypoint)")
+        if (self.code is None) != (self.entrypoint is None):
+            raise ValueError("a job that carries its code names both the archive (code) and its entrypoint")
+        if self.code is None and self.args:
+            raise ValueError("args are for a job that carries its code (its entrypoint's arguments)")
+        if self.entrypoint is not None and (problem := entrypoint_problem(self.entrypoint)) is not None:
+            raise ValueError(problem)
         if self.strong_scaling and self.requested_batch is None:
             raise ValueError("a strong-scaling job needs requested_batch")
         if self.min_gpus > self.requested_gpus and self.rigid:
             raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
         if len(set(self.gpu_types)) != len(self.gpu_types):
             raise ValueError("gpu_types lists a type twice")
+
+    @property
+    def model(self) -> str:
+        """What the job is known as among models (its profiles, the policy's settings): its application,
+        else its entrypoint."""
+        return self.application or str(self.entrypoint)
+
+    @property
+    def own_code(self) -> tuple[str, str, tuple[str, ...]]:
+        """Its own code as the node agents take it (StartWorkers, ProfileRequest): (archive,
+        entrypoint, args); ("", "", ()) for a job module's."""
+        return (self.code, str(self.entrypoint), self.args) if self.code else ("", "", ())
 
 
 class Rejected(msgspec.Struct, frozen=True):

@@ -54,6 +54,11 @@ class StartWorkers(msgspec.Struct, frozen=True):
     # The checkpoint's object in the checkpoints store (no shared folder): the agent copies it in
     # before the workers start and, where rank 0 runs, out whenever the workers save a new one.
     store: str = ""
+    # A job that carries its code: the archive in the code store (its digest; "": the application is
+    # a module of the agent's jobs package), what in it runs and that script's arguments.
+    code: str = ""
+    entrypoint: str = ""
+    args: tuple[str, ...] = ()
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -80,7 +85,9 @@ class WorkersReport(msgspec.Struct, frozen=True):
     codes: tuple[int | None, ...]
     stats: str = ""
     outcome: str = ""
-    error: str = ""  # the last line a crashed worker wrote to stderr
+    error: str = ""  # the last lines a crashed worker wrote to stderr
+    stopped: bool = False  # one printed the library's stopped mark: an exit 0 is a stop, not the end
+    metrics: dict[str, float | str] = {}  # the latest value of each metric rank 0 reported
 
 
 class NodeReport(msgspec.Struct, frozen=True):
@@ -95,6 +102,9 @@ class ProfileRequest(msgspec.Struct, frozen=True):
     application: str
     slot_memory_mb: float | None = None
     timeout_s: PositiveFloat = 300.0
+    code: str = ""  # as StartWorkers': the job's own code, when it carries it
+    entrypoint: str = ""
+    args: tuple[str, ...] = ()
 
 
 class ProfileAnswer(msgspec.Struct, frozen=True):

@@ -38,6 +38,8 @@ class JobRecord(msgspec.Struct, frozen=True):
     placements: tuple[Placed, ...] = ()  # a real job's placements over time, each from its start
     reason: str | None = None  # a job not ended: what it waits for (where it is profiled)
     owner: str = ""  # the login that submitted it ("": the operator's)
+    metrics: dict[str, float | str] = {}  # a real job's own metrics, the latest value of each
+    progress: Progress | None = None  # a real job's, once its workers have reported
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
@@ -45,6 +47,17 @@ class Placed(msgspec.Struct, frozen=True, array_like=True):
 
     at_s: float
     spots: tuple[tuple[str, int], ...]
+
+
+class Progress(msgspec.Struct, frozen=True):
+    """A real job's progress, as its workers last reported it (`goodput status JOB`)."""
+
+    steps: int  # optimizer steps taken
+    epochs: float  # statistical epochs: progress in M0-examples over the dataset's size
+    target_epochs: float | None = None  # where it ends (None: it has no target)
+    throughput: float | None = None  # examples per second, measured at its current batch and GPUs
+    goodput: float | None = None  # ... times its statistical efficiency at that batch, once it is known
+    remaining_s: float | None = None  # to its target, at its epoch rate since its workers last started
 
 
 class JobsQuery(msgspec.Struct, frozen=True):
@@ -127,6 +140,7 @@ class NodeJob(msgspec.Struct):
     crashes: int = 0
     stats: JobStats | None = None
     metric: float | None = None  # its own measure of success, once finished
+    metrics: dict[str, float | str] = {}  # the latest value of each metric it reported
     batches: tuple[int, ...] = ()  # the total batches it trained at, once finished
     unnamed: bool = False  # a refusal whose id could not be read (its spec: a stand-in)
 

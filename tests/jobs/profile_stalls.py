@@ -1,11 +1,10 @@
 """A job whose first profiling run stalls until its node agent dies (the profiler has to notice the
 node is lost and run it again on another); every other run is the quick job's. The stall says so on
-stderr (the agent's profiling log), and a marker under the temporary folder, named after the job,
-says it happened."""
+stderr (the agent's profiling log), and a marker in /tmp, named after the job, says it happened (not
+under its TMPDIR: that is in its folder on one node, and the run it stalls is measured again on another)."""
 
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ STALLING = "stalling until the agent dies"
 
 
 def marker(job_id: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"goodput-stalled-{job_id}"
+    return Path("/tmp") / f"goodput-stalled-{job_id}"
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 beside it, then its outcome (the file-modes test: all it writes must be its owner's only)."""
 
 import json
-import sys
+import os
 from pathlib import Path
 
 from goodput_train import checkpoint
-from goodput_train.protocol import OUTCOME_PREFIX
+from goodput_train.protocol import CHECKPOINT_PATH_ENV, OUTCOME_PREFIX
 
 GOODPUT_JOB = True
 
 if __name__ == "__main__":
-    path = Path(sys.argv[sys.argv.index("--checkpoint") + 1])
+    path = Path(os.environ[CHECKPOINT_PATH_ENV])  # the agent's choice
     checkpoint.save({"steps": 1}, path)
     notes = path.parent / f"{path.stem}.notes"
     notes.mkdir()

@@ -32,10 +32,43 @@ LIFELINE_ENV = "GOODPUT_LIFELINE"
 COLLECTIVE_TIMEOUT_ENV = "GOODPUT_COLLECTIVE_TIMEOUT_S"
 COLLECTIVE_TIMEOUT_S = 60.0  # a CPU slot's memory, for the profiling run
 
+# The file a job checkpoints to and resumes from (the agent's choice; `AdaptiveTraining` reads it).
+CHECKPOINT_PATH_ENV = "GOODPUT_CHECKPOINT"
+
 # Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
 STATS_PREFIX = "goodput-stats "  # JobStats, from rank 0
 PROFILE_PREFIX = "goodput-profile "  # ProfileRun
-OUTCOME_PREFIX = "goodput-outcome "  # then JSON: how the run ended ({"stopped": true} on SIGTERM)
+# Optional, then JSON: how the run ended; its numbers and short strings become the job's metrics.
+OUTCOME_PREFIX = "goodput-outcome "
+METRICS_PREFIX = "goodput-metrics "  # then JSON: {name: number or short string}, from rank 0
+# The library stopped the job (SIGTERM, or its lifeline's end), checkpointed: a worker that exits 0
+# after this line is resumed, not finished. Exit 0 without it is the job's end; non-zero, a crash.
+STOPPED_MARK = "goodput-stopped"
+# Every line above is the executor's, not the job's output: the agent keeps only the others (`goodput logs`).
+PROTOCOL_PREFIXES = (STATS_PREFIX, PROFILE_PREFIX, OUTCOME_PREFIX, METRICS_PREFIX, STOPPED_MARK)
+
+MAX_METRICS = 32  # names kept per job: a job's metrics are a summary, not a log
+MAX_METRIC_NAME = 64
+MAX_METRIC_TEXT = 128  # a string value's length
+
+
+def clean_metrics(values: dict) -> tuple[dict[str, float | str], list[str]]:
+    """The metrics to keep of `values` (numbers as floats, short strings), and what was dropped,
+    each with why. Names past MAX_METRICS are dropped in their order."""
+    kept: dict[str, float | str] = {}
+    dropped = []
+    for name, value in values.items():
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_METRIC_NAME:
+            dropped.append(f"{str(name)[:MAX_METRIC_NAME]!r}: a name is 1-{MAX_METRIC_NAME} characters")
+        elif isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            dropped.append(f"{name}: {type(value).__name__} is neither a number nor a string")
+        elif isinstance(value, str) and len(value) > MAX_METRIC_TEXT:
+            dropped.append(f"{name}: a string value is at most {MAX_METRIC_TEXT} characters")
+        elif len(kept) >= MAX_METRICS and name not in kept:
+            dropped.append(f"{name}: a job keeps at most {MAX_METRICS} metrics")
+        else:
+            kept[name] = value if isinstance(value, str) else float(value)
+    return kept, dropped
 
 
 class ProfilePoint(msgspec.Struct, frozen=True):
@@ -60,6 +93,7 @@ class JobStats(msgspec.Struct, frozen=True):
     m: PositiveInt
     s: int
     skipped: int = 0  # steps with a non-finite gradient, never learned from
+    target_epochs: NonNegativeFloat | None = None  # where it stops (None: it has no target)
 
 
 class ProfileRun(msgspec.Struct, frozen=True):

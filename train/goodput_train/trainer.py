@@ -2,9 +2,13 @@
 
     training = AdaptiveTraining(model, optimizer, dataset, init_batch=128, target_epochs=20)
     training.run(lambda model, batch: loss_fn(model(batch[0]), batch[1]))
+    training.report(accuracy=evaluate(model))  # any metrics, under any name
 
 (`run` is the loop below, with a clean stop on SIGTERM, and the profiling run when the profiler
-started the script: `profile`.)
+started the script: `profile`.) Under goodput the script needs nothing more: the checkpoint file
+comes from GOODPUT_CHECKPOINT (so a rescaled job resumes where it stopped), its place from
+torchrun's variables, and its exit code is its word: 0 is done (or stopped, when the library
+printed its stopped mark: see `Stopped`), anything else a crash. docs/jobs.md has the contract.
 
     while not training.done():
         for inputs, targets in training.micro_batches():
@@ -27,8 +31,8 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
   step times, its gradient statistics and its statistical progress (rank 0 only).
 
 `save()` checkpoints atomically (model, optimizer, data position, noise scale, progress, what it
-measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save and
-raise `Stopped`, so a rescale or a preemption loses at most one step; a checkpoint every
+measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save, print
+the stopped mark and raise `Stopped`, so a rescale or a preemption loses at most one step; a checkpoint every
 `checkpoint_every_s` (5 min) bounds what a crash loses. Both are agreed by all replicas through
 the last gradient bucket's all-reduce, so all save at the same step.
 """
@@ -36,6 +40,8 @@ the last gradient bucket's all-reduce, so all save at the same step.
 from __future__ import annotations
 
 import base64
+import json
+import logging
 import math
 import os
 import signal
@@ -63,29 +69,45 @@ from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, squa
 from goodput_train.protocol import (
     ADAPTIVE_ENV,
     CHECKPOINT_ENV,
+    CHECKPOINT_PATH_ENV,
     COLLECTIVE_TIMEOUT_ENV,
     COLLECTIVE_TIMEOUT_S,
     GPU_TYPE_ENV,
     JOB_ENV,
     LIFELINE_ENV,
+    METRICS_PREFIX,
     PROFILE_ENV,
     PROFILE_PREFIX,
     REPORT_ENV,
     REPORT_EVERY_S,
     SLOT_MEMORY_ENV,
     STATS_PREFIX,
+    STOPPED_MARK,
     JobStats,
     ProfilePoint,
     ProfileRun,
+    clean_metrics,
 )
 
 RETUNE_EVERY = 20  # steps between re-fits of the throughput model
 CHECKPOINT_EVERY_S = 300.0  # a periodic checkpoint: what a crash can lose at most
 TIMINGS_KEPT = 5  # step times kept per configuration (their median is the observation)
+# max_batch by default: the largest per-GPU batch (max_local) on this many replicas
+MAX_BATCH_REPLICAS = 16
+log = logging.getLogger(__name__)
 
 
-class Stopped(Exception):
-    """SIGTERM arrived; the state was saved. Exit cleanly (the executor restarts the job)."""
+class Stopped(SystemExit):
+    """SIGTERM arrived (or the lifeline ended): the state was saved and the stopped mark printed.
+    Uncaught, it ends the script with exit code 0, and the executor resumes the job; a SystemExit,
+    so no `except Exception` in the script's own loop swallows it."""
+
+    def __init__(self, reason: str = "stopped: state saved"):
+        super().__init__(0)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 @dataclass(frozen=True)
@@ -163,7 +185,42 @@ def _print_stats(stats: JobStats) -> None:
     _print_line(STATS_PREFIX, stats)
 
 
+def _say(line: str) -> bool:
+    """A line on stdout for the executor; False if no one reads it any more (the agent is gone):
+    stdout then goes to /dev/null, so what is left in its buffer fails no later print, nor the exit."""
+    try:
+        print(line, flush=True)
+        return True
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+
+
+def _plain(value: Any) -> Any:
+    """A metric's value as JSON takes it: a one-element tensor or a NumPy scalar as a number."""
+    if not isinstance(value, (str, int, float)) and hasattr(value, "item"):
+        try:
+            return value.item()
+        except (ValueError, RuntimeError):  # more than one element: dropped as it is
+            return value
+    return value
+
+
 class AdaptiveTraining:
+    """Adaptive data-parallel training of `model` on `dataset` (see the module doc).
+
+    - `init_batch`: the total batch the job is tuned for (M0), its first and smallest.
+    - `max_batch`: the largest total batch it may grow to. By default what the profile allows:
+      the largest per-GPU batch (`max_local`, by default `max_batch`, else `init_batch`: the
+      profiling run sweeps up to it and finds what fits in memory) on MAX_BATCH_REPLICAS (16)
+      replicas, at least `init_batch`. The goodput model grows the batch only while it pays.
+    - `target_epochs`: statistical epochs to train (None: until stopped); `run` ends there.
+    - `checkpoint_path`: the file it saves to and resumes from; by default GOODPUT_CHECKPOINT,
+      which the executor sets (None, unset: no checkpoints).
+    - `report`, `report_every_s`: where its `JobStats` go, and how often (the executor's choice
+      by default: printed, every GOODPUT_REPORT_S). Metrics of the script's own: `report(...)`.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -195,13 +252,15 @@ class AdaptiveTraining:
         )
         self.dataset, self.collate = dataset, collate
         self.optimizer = optimizer
+        max_local = max_local or max_batch or init_batch
         self.limits = BatchLimits(
-            init_batch, max_batch or init_batch, min_local, max_local or (max_batch or init_batch)
+            init_batch, max_batch or max(init_batch, max_local * MAX_BATCH_REPLICAS), min_local, max_local
         )
         self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self._group_of = self._groups()
         self.target_epochs = target_epochs
+        checkpoint_path = checkpoint_path or os.environ.get(CHECKPOINT_PATH_ENV)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.checkpoint_every_s = float(os.environ.get(CHECKPOINT_ENV, 0)) or checkpoint_every_s
         self._saved = time.monotonic()
@@ -209,7 +268,7 @@ class AdaptiveTraining:
         self.adaptive = adaptive and os.environ.get(ADAPTIVE_ENV) != "0"
         if report is None and os.environ.get(REPORT_ENV):
             report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
-        self.report, self.report_every_s = report, report_every_s
+        self._reporter, self.report_every_s = report, report_every_s
         self._reported = time.monotonic()
         self.order = ElasticOrder(len(dataset), seed)
         self.noise = NoiseScale(init_batch)
@@ -261,7 +320,7 @@ class AdaptiveTraining:
             raise ValueError(f"a profiling run takes one GPU, not {self.placement.world}")
         if os.environ.get(SLOT_MEMORY_ENV):
             profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
-        self.adaptive, self.report = False, None  # the batch is ours to choose; nothing to report
+        self.adaptive, self._reporter = False, None  # the batch is ours to choose; nothing to report
         measured, out_of_memory, spent = [], None, 0.0
         for m in profiling.batch_sizes(self.limits.min_local, self.limits.max_local, points):
             self.m, self.s = m, 0
@@ -324,7 +383,9 @@ class AdaptiveTraining:
             self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
             self.optimizer.zero_grad(set_to_none=False)
             self.save()
-            raise Stopped("SIGTERM: state saved")
+            if not _say(STOPPED_MARK):
+                self._reporter = None
+            raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
         batch = self.batch
         params = self._parameters()
         grads = [p.grad.detach() for p in params]
@@ -356,6 +417,19 @@ class AdaptiveTraining:
     def done(self) -> bool:
         return self.target_epochs is not None and self.epochs >= self.target_epochs
 
+    def report(self, **metrics: float | str) -> None:
+        """The script's own metrics, under any name: `training.report(test_mse=0.12, accuracy=0.9)`.
+        Rank 0 prints them (a line for the executor, which keeps the latest value of each name and
+        shows them in `goodput status`); the other ranks' are ignored. Numbers (a one-element
+        tensor too) or short strings, at most MAX_METRICS names; anything else is dropped, logged."""
+        if self.placement.rank != 0 or os.environ.get(PROFILE_ENV):
+            return
+        kept, dropped = clean_metrics({name: _plain(value) for name, value in metrics.items()})
+        for why in dropped:
+            log.warning("metric dropped: %s", why)
+        if kept and not _say(METRICS_PREFIX + json.dumps(kept)):
+            self._reporter, self._stop = None, True  # the executor is gone: stop, checkpointed
+
     @property
     def epochs(self) -> float:
         """Statistical epochs: progress in M0-examples over the dataset's size."""
@@ -385,6 +459,7 @@ class AdaptiveTraining:
             self.m,
             self.s,
             self.skipped,
+            self.target_epochs,
         )
 
     def observations(self) -> list[Observation]:
@@ -549,12 +624,12 @@ class AdaptiveTraining:
     def _report(self) -> None:
         """Hand `report` what it measured (rank 0). If the executor reading the reports is gone,
         stop (checkpointed) at the next step: no one would know what this job does."""
-        if self.report and self.placement.rank == 0:
+        if self._reporter and self.placement.rank == 0:
             self._reported = time.monotonic()
             try:
-                self.report(self.stats())
+                self._reporter(self.stats())
             except BrokenPipeError:
-                self.report, self._stop = None, True
+                self._reporter, self._stop = None, True
 
     def _resume(self) -> None:
         state = checkpoint.load(self.checkpoint_path) if self.checkpoint_path else None

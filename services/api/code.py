@@ -1,0 +1,187 @@
+"""The user API's code endpoints (`goodput.api.code.put`, `goodput.api.code.has`): a login's archive
+comes in chunks, is checked whole (its sha256 against the digest it was sent under, then
+`shared.code_archive.check`: no path out of its folder, no link, no device, the caps) and only then
+stored in the code store, under its digest. A login never writes the store itself.
+
+`Uploads` is the API's memory of the uploads under way (pure: a clock passed in): each a login's,
+named by the digest it will have. What one login holds at once is bounded (UPLOADS_PER_LOGIN
+uploads, BYTES_PER_LOGIN bytes, each reserved whole at its first chunk), as is what all hold
+(BYTES_IN_ALL); an upload that has not moved for IDLE_S is dropped. `CodeGate` is the shell around
+it: the object store, and the endpoints' handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+
+from shared import subjects
+from shared.bus import Bus
+from shared.code_archive import LIMITS, ArchiveRefused, check, digest
+from shared.schema import CodeAnswer, CodeChunk, CodeRequest
+from shared.storage import MIB, SETUP_HINT
+
+UPLOADS_PER_LOGIN = 4
+BYTES_PER_LOGIN = 2 * LIMITS.compressed
+BYTES_IN_ALL = 512 * MIB
+IDLE_S = 120.0  # an upload with no chunk for this long is dropped
+
+
+@dataclass
+class Upload:
+    size: int
+    data: bytearray
+    touched: float
+
+
+class Uploads:
+    """The uploads under way: (login, digest) -> what has come of it."""
+
+    def __init__(
+        self,
+        per_login: int = UPLOADS_PER_LOGIN,
+        bytes_per_login: int = BYTES_PER_LOGIN,
+        bytes_in_all: int = BYTES_IN_ALL,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_login, self.bytes_per_login, self.bytes_in_all = per_login, bytes_per_login, bytes_in_all
+        self.idle_s, self.clock = idle_s, clock
+        self.uploads: dict[tuple[str, str], Upload] = {}
+
+    def sweep(self) -> None:
+        """Drop the uploads that have not moved for idle_s."""
+        now = self.clock()
+        for key in [k for k, u in self.uploads.items() if now - u.touched > self.idle_s]:
+            del self.uploads[key]
+
+    def received(self, who: str, archive: str) -> int:
+        """The bytes of `who`'s upload of `archive` held now (0: none under way)."""
+        self.sweep()
+        upload = self.uploads.get((who, archive))
+        return len(upload.data) if upload else 0
+
+    def drop(self, who: str, archive: str) -> None:
+        self.uploads.pop((who, archive), None)
+
+    def add(self, who: str, chunk: CodeChunk) -> bytes | int:
+        """Take a chunk of `who`'s: the whole archive once this chunk completes it (the upload is then
+        over), else the bytes held so far. ValueError with why a chunk is refused (nothing of it kept)."""
+        self.sweep()
+        key = (who, chunk.digest)
+        upload = self.uploads.get(key)
+        if upload is not None and upload.size != chunk.size:
+            raise ValueError(
+                f"upload of {chunk.digest[:12]}: it was begun as {upload.size:,} bytes, not {chunk.size:,}; "
+                "send it again from offset 0 with its size"
+            )
+        if chunk.offset == 0:
+            if upload is not None:  # begun again: what came before is dropped
+                del self.uploads[key]
+            self._room(who, chunk.size)
+            upload = self.uploads[key] = Upload(chunk.size, bytearray(), self.clock())
+        elif upload is None:
+            raise ValueError(
+                f"no upload of {chunk.digest[:12]} under way from you (none begun, or dropped after "
+                f"{self.idle_s:.0f} s without a chunk): begin it at offset 0"
+            )
+        if chunk.offset != len(upload.data):
+            raise ValueError(
+                f"upload of {chunk.digest[:12]}: {len(upload.data):,} bytes have come; send the chunk at "
+                f"offset {len(upload.data):,}, not {chunk.offset:,}"
+            )
+        if chunk.offset + len(chunk.data) > upload.size:
+            raise ValueError(f"upload of {chunk.digest[:12]}: this chunk runs past its size of {upload.size:,} bytes")
+        if not chunk.data and chunk.offset < upload.size:
+            raise ValueError(f"upload of {chunk.digest[:12]}: an empty chunk before its end")
+        upload.data += chunk.data
+        upload.touched = self.clock()
+        if len(upload.data) < upload.size:
+            return len(upload.data)
+        del self.uploads[key]
+        return bytes(upload.data)
+
+    def _room(self, who: str, size: int) -> None:
+        mine = [u for (login, _), u in self.uploads.items() if login == who]
+        if len(mine) >= self.per_login:
+            raise ValueError(
+                f"over your limit: at most {self.per_login} uploads under way at once; finish one "
+                f"(or wait {self.idle_s:.0f} s for an abandoned one to be dropped)"
+            )
+        if sum(u.size for u in mine) + size > self.bytes_per_login:
+            raise ValueError(
+                f"over your limit: your uploads under way may hold {self.bytes_per_login:,} bytes "
+                f"({self.bytes_per_login / MIB:.0f} MiB) at once"
+            )
+        if sum(u.size for u in self.uploads.values()) + size > self.bytes_in_all:
+            raise ValueError("the API holds as many uploads as it may now; try again in a minute")
+
+
+class CodeGate:
+    """The code store, as the API reaches it: what is there, and uploads checked before they go in."""
+
+    def __init__(self, bus: Bus, uploads: Uploads | None = None) -> None:
+        self.bus, self.uploads = bus, uploads or Uploads()
+        self._store = None
+
+    async def store(self):
+        if self._store is None:
+            try:
+                self._store = await self.bus.js.object_store(subjects.CODE_STORE)
+            except nats.js.errors.NotFoundError:
+                raise ValueError(f"the code store {subjects.CODE_STORE} does not exist: {SETUP_HINT}") from None
+        return self._store
+
+    async def stored(self, archive: str) -> bool:
+        """Whether the archive is in the code store."""
+        try:
+            info = await (await self.store()).get_info(archive)
+        except nats.js.errors.ObjectNotFoundError:
+            return False
+        return not info.deleted
+
+    async def has(self, request: CodeRequest, who: str) -> CodeAnswer:
+        if await self.stored(request.digest):
+            return CodeAnswer(request.digest, True)
+        return CodeAnswer(request.digest, False, self.uploads.received(who, request.digest))
+
+    async def put(self, chunk: CodeChunk, who: str) -> CodeAnswer:
+        """A chunk of `who`'s; the archive stored once it is whole and passed every check. One already
+        stored is not taken again: the answer to its first chunk says it is stored."""
+        if chunk.offset == 0 and await self.stored(chunk.digest):
+            self.uploads.drop(who, chunk.digest)
+            return CodeAnswer(chunk.digest, True, reason="stored before: not uploaded again")
+        whole = self.uploads.add(who, chunk)
+        if isinstance(whole, int):
+            return CodeAnswer(chunk.digest, False, whole)
+        refusal = await asyncio.to_thread(problem, whole, chunk.digest)
+        if refusal is not None:
+            raise ValueError(refusal)
+        try:
+            await (await self.store()).put(chunk.digest, whole)
+        except (nats.js.errors.Error, nats.errors.Error) as error:
+            raise ValueError(
+                f"the code store did not take archive {chunk.digest[:12]} ({type(error).__name__}: {error}); "
+                "it may be full: ask the operator"
+            ) from None
+        return CodeAnswer(chunk.digest, True, len(whole))
+
+
+def problem(data: bytes, expected: str) -> str | None:
+    """Why a whole upload may not be stored under `expected`, or None."""
+    actual = digest(data)
+    if actual != expected:
+        return (
+            f"the archive's sha256 is {actual}, not {expected} as it was sent under: it changed on the way, or "
+            "its digest was computed over other bytes; nothing is stored"
+        )
+    try:
+        check(data)
+    except ArchiveRefused as refused:
+        return f"archive {expected[:12]} refused: {refused}; nothing is stored"
+    return None

@@ -1,0 +1,258 @@
+"""A job's own code as an archive: packed by `goodput submit --code DIR`, kept in the code store
+under its digest, checked by the API before it is stored and unpacked by the node agent that runs it.
+
+An archive is a gzipped tar, made the same from the same files (`pack`: members sorted, times,
+owners and modes zeroed or normalised, no `__pycache__` or `.git`), so its sha256 (`digest`) names
+its content. What may be in one is narrow, and whatever else is refused with the reason
+(`ArchiveRefused`), never skipped: regular files and folders only (no symbolic or hard links, no
+devices or fifos), relative paths that stay inside the folder (no `/...`, no `..`), each name once,
+and caps on the compressed size, the unpacked size, one file's size and the number of files. The
+gzip stream is read through a counter, so a small archive that unpacks to a huge one is refused
+before it is read whole. `unpack` writes into a fresh folder beside the destination and renames it
+into place only when every member passed: a refused archive leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+KIB, MIB = 1024, 1024**2
+SKIPPED = frozenset({"__pycache__", ".git"})  # folders `pack` leaves out
+SKIPPED_SUFFIXES = (".pyc",)
+MAX_ENTRYPOINT = 256
+MAX_ARGS = 64  # a job's arguments, each at most MAX_ARG characters
+MAX_ARG = 1024
+MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+DIGEST = re.compile(r"^[0-9a-f]{64}$")
+COPY_CHUNK = 64 * KIB
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one archive may be."""
+
+    compressed: int = 32 * MIB  # the archive as stored
+    unpacked: int = 128 * MIB  # all its files together
+    files: int = 2_000  # files and folders
+    file: int = 64 * MIB  # one file
+
+    @property
+    def stream(self) -> int:
+        """The most the gzip stream may inflate to: the files, a header (and a long name's) per member, the end."""
+        return self.unpacked + self.files * 3 * 512 + 20 * 512
+
+
+LIMITS = Limits()
+
+
+class ArchiveRefused(ValueError):
+    """An archive that is not one goodput runs; the message says why."""
+
+
+def digest(data: bytes) -> str:
+    """The archive's name in the code store: its sha256, in hex."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def entrypoint_problem(entrypoint: str) -> str | None:
+    """Why `entrypoint` cannot name what a job runs: a `.py` script by its path inside the archive
+    (relative, no `..`), or a module by its dotted name (`python -m`); None when it can."""
+    if not entrypoint or len(entrypoint) > MAX_ENTRYPOINT:
+        return f"an entrypoint is 1 to {MAX_ENTRYPOINT} characters"
+    if entrypoint.endswith(".py"):
+        problem = path_problem(entrypoint)
+        return None if problem is None else f"entrypoint {entrypoint!r}: {problem}"
+    if MODULE.match(entrypoint):
+        return None
+    return (
+        f"entrypoint {entrypoint!r} is neither a script (a relative path inside the code ending in .py, "
+        "e.g. train.py) nor a module's dotted name (e.g. trainer.main)"
+    )
+
+
+def path_problem(name: str) -> str | None:
+    """Why a member's path cannot be unpacked inside the folder; None when it can."""
+    if "\0" in name or "\\" in name:
+        return "its path holds a NUL or a backslash"
+    if name.startswith("/"):
+        return "an absolute path"
+    if ".." in PurePosixPath(name).parts:
+        return "a path with '..' (it would reach outside its folder)"
+    return None
+
+
+def pack(directory: str | Path, limits: Limits = LIMITS) -> bytes:
+    """The archive of `directory`'s files (not `__pycache__`, `.git`, `.pyc`), the same bytes for the
+    same files. ArchiveRefused for a link or a special file in it (name it, or copy the file in its
+    place), or when it is over the caps."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise ArchiveRefused(f"{root} is not a folder")
+    buffer = io.BytesIO()
+    with (
+        gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as zipped,
+        tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for path in _walk(root):
+            relative = path.relative_to(root).as_posix()
+            info = tarfile.TarInfo(relative)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            mode = path.lstat().st_mode
+            if stat.S_ISDIR(mode):
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.size, info.mode = path.stat().st_size, 0o755 if mode & stat.S_IXUSR else 0o644
+                with path.open("rb") as file:
+                    tar.addfile(info, file)
+    data = buffer.getvalue()
+    check(data, limits)
+    return data
+
+
+def _walk(root: Path):
+    """The files and folders under `root`, sorted, skipping SKIPPED; a link or special file refused."""
+    for path in sorted(root.iterdir(), key=lambda p: p.name):
+        mode = path.lstat().st_mode
+        if path.name in SKIPPED or path.name.endswith(SKIPPED_SUFFIXES):
+            continue
+        if stat.S_ISLNK(mode):
+            raise ArchiveRefused(
+                f"{path} is a symbolic link: a job's code holds files only (copy the file in its place)"
+            )
+        if stat.S_ISDIR(mode):
+            yield path
+            yield from _walk(path)
+        elif stat.S_ISREG(mode):
+            yield path
+        else:
+            raise ArchiveRefused(f"{path} is not a regular file (a device, fifo or socket)")
+
+
+class _Inflated(io.RawIOBase):
+    """The gzip stream of an archive, inflated as it is read, refused past `limit` bytes."""
+
+    def __init__(self, data: bytes, limit: int) -> None:
+        self.source, self.limit, self.count = gzip.GzipFile(fileobj=io.BytesIO(data)), limit, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            chunk = self.source.read(len(buffer))
+        except (OSError, EOFError, gzip.BadGzipFile) as error:
+            raise ArchiveRefused(f"not a gzipped tar archive ({error})") from None
+        self.count += len(chunk)
+        if self.count > self.limit:
+            raise ArchiveRefused(f"it unpacks to more than {self.limit // MIB} MiB")
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+
+def _members(data: bytes, limits: Limits):
+    """Each member of the archive, with the tar it is read from, once it passed every rule."""
+    if len(data) > limits.compressed:
+        raise ArchiveRefused(
+            f"an archive is at most {limits.compressed // MIB} MiB; this one is {len(data) / MIB:.1f} MiB"
+        )
+    try:
+        tar = tarfile.open(fileobj=io.BufferedReader(_Inflated(data, limits.stream)), mode="r|")
+    except tarfile.TarError as error:
+        raise ArchiveRefused(f"not a gzipped tar archive ({error})") from None
+    seen: set[str] = set()
+    files: set[str] = set()  # a path that is a file may not also be a folder
+    total = 0
+    with tar:
+        try:
+            for member in tar:
+                name = member.name
+                problem = path_problem(name)
+                if problem is not None:
+                    raise ArchiveRefused(f"member {name!r}: {problem}")
+                if member.issym() or member.islnk():
+                    raise ArchiveRefused(f"member {name!r} is a link (to {member.linkname!r}): links are refused")
+                if not (member.isfile() or member.isdir()):
+                    raise ArchiveRefused(f"member {name!r} is a device, fifo or other special file: refused")
+                parts = PurePosixPath(name).parts
+                if not parts:  # the folder itself ("." or "./")
+                    continue
+                key = "/".join(parts)
+                if key in seen:
+                    raise ArchiveRefused(f"member {name!r} is in the archive twice")
+                seen.add(key)
+                if any("/".join(parts[:i]) in files for i in range(1, len(parts))):
+                    raise ArchiveRefused(f"member {name!r} is a file and a folder")
+                if member.isfile():
+                    files.add(key)
+                if len(seen) > limits.files:
+                    raise ArchiveRefused(f"an archive holds at most {limits.files:,} files and folders")
+                if member.size > limits.file:
+                    raise ArchiveRefused(
+                        f"member {name!r} is {member.size / MIB:.1f} MiB; one file is at most {limits.file // MIB} MiB"
+                    )
+                total += member.size
+                if total > limits.unpacked:
+                    raise ArchiveRefused(f"it unpacks to more than {limits.unpacked // MIB} MiB")
+                yield tar, member, PurePosixPath(*parts)
+        except tarfile.TarError as error:
+            raise ArchiveRefused(f"a broken tar archive ({error})") from None
+
+
+def check(data: bytes, limits: Limits = LIMITS) -> int:
+    """Whether the archive may be unpacked (ArchiveRefused with the reason when not), without writing
+    anything; the number of its files and folders."""
+    return sum(1 for _ in _members(data, limits))
+
+
+def unpack(data: bytes, destination: str | Path, limits: Limits = LIMITS) -> Path:
+    """Unpack the archive into `destination` (a folder that must not exist yet): all of it, or, refused
+    with the reason (ArchiveRefused), nothing. Files are readable by all and executable as they were
+    packed; nothing else of the archive's modes or owners is taken."""
+    destination = Path(destination)
+    if destination.exists():
+        raise FileExistsError(f"{destination} exists")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    try:
+        for tar, member, relative in _members(data, limits):
+            target = staging.joinpath(*relative.parts)
+            if member.isdir():
+                _make_folder(target, staging)
+                continue
+            _make_folder(target.parent, staging)
+            source = tar.extractfile(member)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            mode = 0o755 if member.mode & stat.S_IXUSR else 0o644
+            with os.fdopen(os.open(target, flags, mode), "wb") as out:
+                shutil.copyfileobj(source, out, COPY_CHUNK)
+            os.chmod(target, mode)  # whatever the umask
+        staging.chmod(0o755)
+        os.rename(staging, destination)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return destination
+
+
+def _make_folder(path: Path, root: Path) -> None:
+    """A folder of the archive's, inside `root`; a member that is a file where a folder must be is refused."""
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        if current.is_dir() and not current.is_symlink():
+            continue
+        if current.exists() or current.is_symlink():
+            raise ArchiveRefused(f"member {current.relative_to(root).as_posix()!r} is a file and a folder")
+        current.mkdir(mode=0o755)
+        current.chmod(0o755)

@@ -1,0 +1,146 @@
+"""shared.code_archive: a job's code packed the same way every time, and every hostile archive
+refused with its reason, nothing of it left on disk."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from shared.code_archive import (
+    ArchiveRefused,
+    Limits,
+    check,
+    digest,
+    entrypoint_problem,
+    pack,
+    unpack,
+)
+
+
+def code_folder(root: Path) -> Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "train.py").write_text("print('hello')\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "model.py").write_text("WIDTH = 3\n")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "train.cpython-311.pyc").write_bytes(b"\0")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    return root
+
+
+def archive(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    """A gzipped tar of hand-made members, hostile ones included."""
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb") as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
+        for info, content in members:
+            if content is not None:
+                info.size = len(content)
+            tar.addfile(info, io.BytesIO(content) if content is not None else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, content: bytes | None = b"x", link: str = "") -> tuple:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info, content if kind == tarfile.REGTYPE else None
+
+
+def test_a_folder_round_trips_without_caches_and_keeps_its_executable_bit(tmp_path: Path) -> None:
+    data = pack(code_folder(tmp_path / "code"))
+    assert check(data) == 5  # train.py, run.sh, pkg/ and its two files
+    out = unpack(data, tmp_path / "job" / "code")
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert files == ["pkg", "pkg/__init__.py", "pkg/model.py", "run.sh", "train.py"]
+    assert (out / "train.py").read_text() == "print('hello')\n"
+    assert os.access(out / "run.sh", os.X_OK) and not os.access(out / "train.py", os.X_OK)
+    assert [p.name for p in (tmp_path / "job").iterdir()] == ["code"]  # no staging folder left
+
+
+def test_the_digest_is_the_same_for_the_same_files_and_changes_with_them(tmp_path: Path) -> None:
+    first = pack(code_folder(tmp_path / "a"))
+    os.utime(tmp_path / "a" / "train.py", (1, 1))  # times are not content
+    second = pack(code_folder(tmp_path / "b"))
+    assert digest(first) == digest(pack(tmp_path / "a")) == digest(second)
+    assert len(digest(first)) == 64
+    (tmp_path / "b" / "train.py").write_text("print('changed')\n")
+    assert digest(pack(tmp_path / "b")) != digest(first)
+
+
+def test_pack_refuses_a_link_in_the_folder(tmp_path: Path) -> None:
+    root = code_folder(tmp_path / "code")
+    (root / "secrets").symlink_to("/etc/passwd")
+    with pytest.raises(ArchiveRefused, match="symbolic link"):
+        pack(root)
+
+
+@pytest.mark.parametrize(
+    ("members", "reason"),
+    [
+        ((member("/etc/cron.d/job"),), "an absolute path"),
+        ((member("../outside.py"),), "'..'"),
+        ((member("code/../../outside.py"),), "'..'"),
+        ((member("evil", tarfile.SYMTYPE, link="/etc/passwd"),), "is a link"),
+        ((member("inside", tarfile.SYMTYPE, link="train.py"),), "is a link"),
+        ((member("train.py"), member("hard", tarfile.LNKTYPE, link="train.py")), "is a link"),
+        ((member("disk", tarfile.BLKTYPE),), "device, fifo"),
+        ((member("tty", tarfile.CHRTYPE),), "device, fifo"),
+        ((member("pipe", tarfile.FIFOTYPE),), "device, fifo"),
+        ((member("train.py"), member("train.py")), "twice"),
+        ((member("a"), member("a/b.py")), "a file and a folder"),
+    ],
+)
+def test_a_hostile_archive_is_refused_with_its_reason_and_leaves_nothing(
+    tmp_path: Path, members: tuple, reason: str
+) -> None:
+    data = archive(member("ok.py"), *members)
+    with pytest.raises(ArchiveRefused, match=reason):
+        check(data)
+    with pytest.raises(ArchiveRefused, match=reason):
+        unpack(data, tmp_path / "job" / "code")
+    assert list((tmp_path / "job").iterdir()) == []  # not even the good member before it
+    assert not (tmp_path / "outside.py").exists()
+
+
+def test_the_caps_are_enforced(tmp_path: Path) -> None:
+    small = Limits(compressed=64 * 1024, unpacked=10_000, files=3, file=4_000)
+    with pytest.raises(ArchiveRefused, match="at most 3 files"):
+        check(archive(*(member(f"f{i}") for i in range(4))), small)
+    with pytest.raises(ArchiveRefused, match="one file is at most"):
+        check(archive(member("big", content=b"0" * 5_000)), small)
+    with pytest.raises(ArchiveRefused, match="unpacks to more than"):
+        check(archive(*(member(f"f{i}", content=b"0" * 3_900) for i in range(3))), small)
+    with pytest.raises(ArchiveRefused, match="an archive is at most"):
+        check(os.urandom(70 * 1024), small)
+    # A small archive that inflates to a large one is refused while it is read, not after.
+    header = tarfile.TarInfo("pax")
+    header.type, header.size = tarfile.XHDTYPE, 8 * small.stream  # a header tarfile would read whole
+    bomb = gzip.compress(header.tobuf(tarfile.USTAR_FORMAT) + b"\0" * header.size)
+    assert len(bomb) < 64 * 1024
+    with pytest.raises(ArchiveRefused, match="unpacks to more than"):
+        check(bomb, small)
+    with pytest.raises(ArchiveRefused, match="not a gzipped tar"):
+        check(b"plain text, not an archive")
+
+
+def test_unpack_never_writes_over_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "code").mkdir()
+    with pytest.raises(FileExistsError):
+        unpack(archive(member("ok.py")), tmp_path / "code")
+
+
+@pytest.mark.parametrize("entrypoint", ["train.py", "src/train.py", "./train.py", "trainer", "trainer.main"])
+def test_an_entrypoint_is_a_script_inside_or_a_module(entrypoint: str) -> None:
+    assert entrypoint_problem(entrypoint) is None
+
+
+@pytest.mark.parametrize("entrypoint", ["/abs/train.py", "../train.py", "a/../../b.py", "rm -rf /", "", "x" * 300])
+def test_an_entrypoint_outside_the_code_is_refused(entrypoint: str) -> None:
+    assert entrypoint_problem(entrypoint) is not None

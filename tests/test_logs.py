@@ -1,0 +1,251 @@
+"""A job's output: lines cut and batched (pure functions), held by a node agent until stored and
+read back a page at a time; goodput.api.logs answers only the job's submitter. No server here: the
+end-to-end test is tests/test_job_output.py."""
+
+from __future__ import annotations
+
+import io
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.api.logs import read_page, stream_reader
+from services.executor import node
+from services.executor.output import Output, Storing, copy_lines
+from shared import subjects
+from shared.bus import NotFound
+from shared.schema import JobOwner, JobRecord, JobRecords, LogBatch, LogsRequest, OutputLine
+from shared.schema.logs import BATCH_LINES, MAX_LINE_BYTES, batches, cut
+from tests.test_api_handlers import MemoryKV, RecordingBus
+
+# ---- cut and batched ---------------------------------------------------------------------------
+
+
+def test_a_line_within_the_limit_is_kept_whole_and_a_longer_one_is_cut_saying_so() -> None:
+    assert cut("hello") == "hello"
+    long = "é" * 5000  # two bytes each: cut on a character's boundary
+    kept = cut(long)
+    assert len(kept.encode()) <= MAX_LINE_BYTES
+    assert kept.endswith(f"[goodput: line cut at {MAX_LINE_BYTES} bytes of 10000]")
+    assert kept.startswith("é" * 100)
+
+
+def test_lines_are_batched_in_order_by_count_and_by_bytes() -> None:
+    lines = [OutputLine(float(n), "stdout", str(n)) for n in range(130)]
+    found = batches(lines)
+    assert [len(b.lines) for b in found] == [BATCH_LINES, BATCH_LINES, 2]
+    assert [line.text for b in found for line in b.lines] == [str(n) for n in range(130)]
+    heavy = [OutputLine(0.0, "stderr", "x" * 1000) for _ in range(10)]
+    assert [len(b.lines) for b in batches(heavy, max_bytes=3000)] == [2, 2, 2, 2, 2]
+    assert batches([]) == []
+
+
+# ---- held by the agent ---------------------------------------------------------------------------
+
+
+def test_output_holds_lines_per_rank_wakes_on_a_full_batch_and_says_what_it_dropped() -> None:
+    woken = []
+    output = Output(lambda: woken.append(1), clock=lambda: 7.0, max_pending=BATCH_LINES + 1)
+    keep = output.keeper("lm-1", 0, "stdout")
+    for n in range(BATCH_LINES):
+        keep(f"step {n}")
+    assert woken == [1]  # a full batch: stored without waiting for the interval
+    output.keeper("lm-1", 1, "stderr")("Traceback")
+    output.keeper("lm-1", 1, "stderr")("dropped: over the bound")
+    taken = output.take()
+    assert [subject for subject, _ in taken] == [subjects.job_logs("lm-1", 0), subjects.job_logs("lm-1", 1)]
+    assert [line.text for line in taken[0][1].lines] == [f"step {n}" for n in range(BATCH_LINES)]
+    [first, last] = taken[1][1].lines
+    assert (first.stream, first.text) == ("stderr", "Traceback")
+    assert "1 lines dropped here" in last.text
+    assert output.take() == []  # taken once
+
+
+async def test_the_agent_stores_each_ranks_batches_and_a_store_that_fails_loses_only_those_lines(caplog) -> None:
+    stored: list[tuple[str, LogBatch]] = []
+
+    class Stream:
+        async def js_publish(self, subject: str, batch: LogBatch, **_: Any) -> None:
+            if "broken" in subject:
+                raise TimeoutError("no answer")
+            stored.append((subject, batch))
+
+    output = Output()
+    storing = Storing(Stream(), output)
+    output.keeper("lm-1", 0, "stdout")("epoch 1")
+    output.keeper("broken", 0, "stdout")("lost")
+    await storing.store()
+    assert [(subject, [line.text for line in batch.lines]) for subject, batch in stored] == [
+        (subjects.job_logs("lm-1", 0), ["epoch 1"])
+    ]
+    assert "1 lines of jobs' output could not be stored" in caplog.text
+    await storing.store()
+    assert len(stored) == 1  # nothing held twice
+
+
+def test_a_workers_stderr_goes_to_its_file_and_is_kept_a_long_line_in_parts(tmp_path) -> None:
+    kept: list[str] = []
+    path = tmp_path / "job.rank0.log"
+    long = "y" * (MAX_LINE_BYTES + 10)
+    copy_lines(io.StringIO(f"warning: slow\n{long}\nlast"), open(path, "w"), kept.append)
+    assert path.read_text() == f"warning: slow\n{long}\nlast"
+    assert kept == ["warning: slow", "y" * MAX_LINE_BYTES, "y" * 10, "last"]
+
+
+def test_a_workers_stdout_is_kept_but_the_protocols_lines() -> None:
+    process = SimpleNamespace(stdout=io.StringIO("epoch 1 loss 0.5\ngoodput-stats abc\n  indented\ngoodput-stopped\n"))
+    workers = SimpleNamespace(stats="", outcome="", stopped=False)
+    kept: list[str] = []
+    node._forward(process, workers, True, kept.append)
+    assert kept == ["epoch 1 loss 0.5", "  indented"]
+    assert workers.stats == "goodput-stats abc"
+
+
+def test_a_real_worker_prints_on_both_streams_and_both_are_kept(tmp_path) -> None:
+    """Through NodeWorkers' own readers: a job of tests.jobs that prints, run as an agent runs it."""
+    output = Output()
+    info = SimpleNamespace(name="cpu-0", gpu_type="cpu", gpus=1, address="127.0.0.1")
+    workers = node.NodeWorkers(info, tmp_path, "tests.jobs", output=output)
+    from shared.schema import StartWorkers
+
+    order = StartWorkers("says-1", "says", 1, (0,), 1, 1, "cpu", str(tmp_path / "ckpt"))
+    lines: list[tuple[str, str]] = []
+    deadline = time.monotonic() + 60
+    try:
+        workers.start(order)
+        while not {("stdout", "hello from says"), ("stderr", "a warning from says")} <= set(lines):
+            assert time.monotonic() < deadline, lines
+            lines += [(line.stream, line.text) for _, batch in output.take() for line in batch.lines]
+            time.sleep(0.05)
+    finally:
+        workers.stop_all()
+    assert "a warning from says" in workers.log_path("says-1", 0).read_text()  # its file on the node too
+
+
+# ---- read back a page at a time ------------------------------------------------------------------
+
+
+class StoredLogs:
+    """The logs stream in memory: what `NextMessage` reads, with subject wildcards."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[int, str, bytes]] = []
+        self.asked = 0
+
+    def store(self, job_id: str, rank: int | str, *texts: str) -> int:
+        batch = LogBatch(tuple(OutputLine(1.0, "stdout", text) for text in texts))
+        self.messages.append((len(self.messages) + 1, subjects.job_logs(job_id, rank), msgspec.msgpack.encode(batch)))
+        return len(self.messages)
+
+    async def next_message(self, sequence: int, subject: str) -> tuple[int, str, bytes] | None:
+        self.asked += 1
+        return next((m for m in self.messages if m[0] >= sequence and _matches(subject, m[1])), None)
+
+    async def get_msg(self, stream: str, *, seq: int, subject: str, next: bool) -> Any:
+        assert stream == subjects.LOGS_STREAM and next
+        found = await self.next_message(seq, subject)
+        if found is None:
+            import nats.js.errors
+
+            raise nats.js.errors.NotFoundError
+        return SimpleNamespace(seq=found[0], subject=found[1], data=found[2])
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    want, have = pattern.split("."), subject.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+async def test_pages_hold_whole_batches_up_to_the_limit_and_the_cursor_goes_on_from_there() -> None:
+    logs = StoredLogs()
+    logs.store("lm-1", 0, "a", "b")
+    logs.store("lm-1.x", 0, "another job's")  # its id begins the same: not this job's
+    logs.store("lm-1", 1, "c")
+    logs.store("lm-1", "profile", "d", "e")
+    lines, cursor, more = await read_page(logs.next_message, subjects.job_logs("lm-1"), 0, limit=3)
+    assert [(line.rank, line.text) for line in lines] == [(0, "a"), (0, "b"), (1, "c")] and more
+    lines, cursor, more = await read_page(logs.next_message, subjects.job_logs("lm-1"), cursor, limit=3)
+    assert [(line.rank, line.text) for line in lines] == [("profile", "d"), ("profile", "e")] and not more
+    assert cursor == 4
+    lines, cursor, more = await read_page(logs.next_message, subjects.job_logs("lm-1"), cursor, limit=3)
+    assert (lines, cursor, more) == ([], 4, False)  # nothing new: the same cursor
+    logs.store("lm-1", 1, "f")
+    lines, _, _ = await read_page(logs.next_message, subjects.job_logs("lm-1", 1), 0, limit=10)
+    assert [line.text for line in lines] == ["c", "f"]  # one rank's
+    big = [str(n) for n in range(BATCH_LINES)]
+    logs.store("big", 0, *big)
+    lines, _, more = await read_page(logs.next_message, subjects.job_logs("big"), 0, limit=5)
+    assert [line.text for line in lines] == big and not more  # a batch over the limit comes whole
+
+
+async def test_a_page_is_bounded_in_bytes() -> None:
+    logs = StoredLogs()
+    for _ in range(5):
+        logs.store("lm-1", 0, "z" * 1000)
+    lines, cursor, more = await read_page(logs.next_message, subjects.job_logs("lm-1"), 0, 100, page_bytes=2500)
+    assert len(lines) == 2 and cursor == 2 and more
+
+
+# ---- goodput.api.logs: the submitter's only ----------------------------------------------------
+
+
+class LogsBus(RecordingBus):
+    """The API's bus, with the logs stream and the executors' records of `ended` jobs."""
+
+    def __init__(self, logs: StoredLogs, ended: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.logs, self.ended = logs, ended
+
+    async def get_msg(self, *args: Any, **options: Any) -> Any:
+        return await self.logs.get_msg(*args, **options)
+
+    async def request(self, subject: str, message: Any, answer_type: type, **_: Any) -> Any:
+        owner = getattr(message, "owner", None)
+        return JobRecords(
+            tuple(
+                JobRecord(name, "quick", 0.0, 5.0, 0, 1.0, None, state="finished", owner="alice")
+                for name in self.ended
+                if owner in (None, "alice")
+            )
+        )
+
+
+async def test_only_the_jobs_submitter_reads_its_output_and_the_page_says_when_it_has_ended() -> None:
+    from services.api import service as api
+
+    logs = StoredLogs()
+    logs.store("lm-1", 0, "epoch 1")
+    logs.store("done-1", 0, "finished at epoch 3")
+    owners = MemoryKV()
+    for job_id in ("lm-1", "done-1"):
+        await owners.create(job_id, JobOwner(1, "digest", subjects.stored("alice")))
+    gate = api.Gate(LogsBus(logs, ended=("done-1",)), owners, lambda spec: None)
+    page = await gate.logs_of(LogsRequest("lm-1"), "alice")
+    assert [line.text for line in page.lines] == ["epoch 1"] and not page.end and not page.more
+    assert page.next == 1
+    page = await gate.logs_of(LogsRequest("done-1"), "alice")
+    assert [line.text for line in page.lines] == ["finished at epoch 3"] and page.end
+    for job_id in ("lm-1", "done-1", "nosuch"):
+        with pytest.raises(NotFound, match=f"no job '{job_id}' of yours"):
+            await gate.logs_of(LogsRequest(job_id), "bob")
+    operator = await gate.logs_of(LogsRequest("lm-1", rank=0), subjects.OPERATOR)  # the operator sees all
+    assert [line.text for line in operator.lines] == ["epoch 1"]
+
+
+async def test_stream_reader_asks_jetstream_for_the_next_message_on_the_subject() -> None:
+    logs = StoredLogs()
+    logs.store("lm-1", 0, "a")
+    bus = SimpleNamespace(js=logs)
+    read = stream_reader(bus)
+    assert (await read(1, subjects.job_logs("lm-1")))[0] == 1
+    assert await read(2, subjects.job_logs("lm-1")) is None
+
+
+def test_a_request_names_a_rank_or_the_profiling_runs() -> None:
+    assert msgspec.json.decode(b'{"id": "a", "rank": "profile"}', type=LogsRequest).rank == "profile"
+    for bad in (b'{"id": "a", "rank": -1}', b'{"id": "a", "rank": "x"}', b'{"id": "a", "limit": 0}'):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(bad, type=LogsRequest)
