@@ -125,7 +125,7 @@ def test_a_script_written_from_the_docs_is_submitted_with_its_code_moved_resumed
         assert len(starts) >= 2 and starts == sorted(starts) and starts[-1] > 0, starts  # resumed, never back
 
         # An archive that reaches out of its folder is refused at upload, with the reason.
-        options = credentials.connect_options(credentials.user_environment({}, data=up.folder))
+        options = credentials.connect_options(environ=credentials.user_environment({}, data=up.folder))
         with pytest.raises(ServiceError, match=r"\.\."):
             asyncio.run(upload(escaping_archive(), up.server, **options))
 
