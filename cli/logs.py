@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from typing import TextIO
 
@@ -18,6 +19,8 @@ from shared import credentials
 
 POLL_S = 1.0  # --follow: how often it asks for new lines
 SETTLE_S = 2.0  # --follow: once the job has ended, its agents' last lines are stored within this
+# Control characters but tab (C0, DEL, C1): a job's text must not drive the terminal (escape sequences).
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +98,7 @@ async def show(server: str, request, follow: bool, as_json: bool, out: TextIO = 
 
 
 def _shown(line, marked: bool, as_json: bool) -> str:
+    """A line as printed: as stored with --json (escaped there), else without control characters."""
     if as_json:
         return json.dumps(msgspec.to_builtins(line))
-    return f"[{line.rank}] {line.text}" if marked else line.text
+    return CONTROL.sub("", f"[{line.rank}] {line.text}" if marked else line.text)

@@ -14,6 +14,7 @@ into place only when every member passed: a refused archive leaves nothing behin
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -62,6 +63,30 @@ class ArchiveRefused(ValueError):
 def digest(data: bytes) -> str:
     """The archive's name in the code store: its sha256, in hex."""
     return hashlib.sha256(data).hexdigest()
+
+
+STORED_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\.([0-9a-f]{64})$")
+
+
+def stored_name(login: str, archive: str) -> str:
+    """The name in the code store of `login`'s archive whose digest is `archive`: each login's are its
+    own there (counted in its share of the store, run only by its jobs)."""
+    return f"{login}.{archive}"
+
+
+def owned(code: tuple[str, str, tuple[str, ...]], login: str) -> tuple[str, str, tuple[str, ...]]:
+    """A job's own code as the node agents take it (`JobSpec.own_code`), its archive named as its
+    owner's in the code store; ("", "", ()) for a job module's."""
+    archive, entrypoint, args = code
+    return (stored_name(login, archive) if archive else "", entrypoint, args)
+
+
+def stored_digest(name: str) -> str:
+    """The digest in a code store's name (`stored_name`); ValueError when it is not one."""
+    matched = STORED_NAME.match(name)
+    if matched is None:
+        raise ValueError(f"{name!r} names no archive in the code store (a login, a dot and a sha256 in hex)")
+    return matched.group(1)
 
 
 def entrypoint_problem(entrypoint: str) -> str | None:
@@ -172,11 +197,14 @@ def _members(data: bytes, limits: Limits):
         raise ArchiveRefused(f"not a gzipped tar archive ({error})") from None
     seen: set[str] = set()
     files: set[str] = set()  # a path that is a file may not also be a folder
-    total = 0
+    total = count = 0
     with tar:
         try:
             for member in tar:
                 name = member.name
+                count += 1  # every member, the folder itself too: each costs the reading
+                if count > limits.files:
+                    raise ArchiveRefused(f"an archive holds at most {limits.files:,} files and folders")
                 problem = path_problem(name)
                 if problem is not None:
                     raise ArchiveRefused(f"member {name!r}: {problem}")
@@ -185,7 +213,12 @@ def _members(data: bytes, limits: Limits):
                 if not (member.isfile() or member.isdir()):
                     raise ArchiveRefused(f"member {name!r} is a device, fifo or other special file: refused")
                 parts = PurePosixPath(name).parts
-                if not parts:  # the folder itself ("." or "./")
+                if not parts:  # the folder itself ("." or "./"): once, as a folder
+                    if "." in seen or not member.isdir():
+                        raise ArchiveRefused(
+                            f"member {name!r} (the folder itself) is in the archive twice or as a file"
+                        )
+                    seen.add(".")
                     continue
                 key = "/".join(parts)
                 if key in seen:
@@ -195,8 +228,6 @@ def _members(data: bytes, limits: Limits):
                     raise ArchiveRefused(f"member {name!r} is a file and a folder")
                 if member.isfile():
                     files.add(key)
-                if len(seen) > limits.files:
-                    raise ArchiveRefused(f"an archive holds at most {limits.files:,} files and folders")
                 if member.size > limits.file:
                     raise ArchiveRefused(
                         f"member {name!r} is {member.size / MIB:.1f} MiB; one file is at most {limits.file // MIB} MiB"
@@ -220,39 +251,133 @@ def unpack(data: bytes, destination: str | Path, limits: Limits = LIMITS) -> Pat
     with the reason (ArchiveRefused), nothing. Files are readable by all and executable as they were
     packed; nothing else of the archive's modes or owners is taken."""
     destination = Path(destination)
-    if destination.exists():
+    if os.path.lexists(destination):
         raise FileExistsError(f"{destination} exists")
     destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    # Everything is made through folders' descriptors, never by a path: whoever else may write
+    # beside the destination cannot turn a step of the way into a link to elsewhere.
+    parent = os.open(destination.parent, _FOLDER)
     try:
-        for tar, member, relative in _members(data, limits):
-            target = staging.joinpath(*relative.parts)
-            if member.isdir():
-                _make_folder(target, staging)
-                continue
-            _make_folder(target.parent, staging)
-            source = tar.extractfile(member)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-            mode = 0o755 if member.mode & stat.S_IXUSR else 0o644
-            with os.fdopen(os.open(target, flags, mode), "wb") as out:
-                shutil.copyfileobj(source, out, COPY_CHUNK)
-            os.chmod(target, mode)  # whatever the umask
-        staging.chmod(0o755)
-        os.rename(staging, destination)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staging = os.path.basename(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+        try:
+            root = os.open(staging, _FOLDER, dir_fd=parent)
+            try:
+                for tar, member, relative in _members(data, limits):
+                    folder = _open_folder(root, relative.parts if member.isdir() else relative.parts[:-1])
+                    try:
+                        if member.isfile():
+                            _write(tar, member, relative.name, folder)
+                    finally:
+                        os.close(folder)
+                os.fchmod(root, 0o755)
+            finally:
+                os.close(root)
+            os.rename(staging, destination.name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            shutil.rmtree(staging, dir_fd=parent, ignore_errors=True)
+            raise
+    finally:
+        os.close(parent)
     return destination
 
 
-def _make_folder(path: Path, root: Path) -> None:
-    """A folder of the archive's, inside `root`; a member that is a file where a folder must be is refused."""
-    current = root
-    for part in path.relative_to(root).parts:
-        current = current / part
-        if current.is_dir() and not current.is_symlink():
-            continue
-        if current.exists() or current.is_symlink():
-            raise ArchiveRefused(f"member {current.relative_to(root).as_posix()!r} is a file and a folder")
-        current.mkdir(mode=0o755)
-        current.chmod(0o755)
+_FOLDER = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+def _open_folder(root: int, parts: tuple[str, ...]) -> int:
+    """The folder `parts` below the folder `root` (made when missing), opened through no link; the
+    caller closes it. A member that is a file where a folder must be is refused."""
+    current = os.dup(root)
+    try:
+        for depth, part in enumerate(parts, 1):
+            try:
+                os.mkdir(part, 0o755, dir_fd=current)
+                made = True
+            except FileExistsError:
+                made = False
+            try:
+                step = os.open(part, _FOLDER, dir_fd=current)
+            except OSError as error:
+                if error.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+                raise ArchiveRefused(
+                    f"member {'/'.join(parts[:depth])!r} is not a folder where one must be ({error.strerror})"
+                ) from None
+            os.close(current)
+            current = step
+            if made:
+                os.fchmod(current, 0o755)  # whatever the umask
+        return current
+    except BaseException:
+        os.close(current)
+        raise
+
+
+def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, name: str, folder: int) -> None:
+    """A file member into the folder `folder`, a new file (never through a link)."""
+    mode = 0o755 if member.mode & stat.S_IXUSR else 0o644
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=folder)
+    with os.fdopen(fd, "wb") as out:
+        shutil.copyfileobj(tar.extractfile(member), out, COPY_CHUNK)
+        os.fchmod(fd, mode)  # whatever the umask
+
+
+def entrypoint_missing(code: Path, entrypoint: str) -> str | None:
+    """Why `entrypoint` names nothing in the unpacked `code`; None when it names a script or module there."""
+    if entrypoint.endswith(".py"):
+        candidates = [PurePosixPath(entrypoint)]
+    else:
+        parts = entrypoint.split(".")
+        candidates = [
+            PurePosixPath(*parts[:-1], f"{parts[-1]}.py"),
+            PurePosixPath(*parts, "__main__.py"),
+        ]
+    if any(code.joinpath(*c.parts).is_file() for c in candidates):
+        return None
+    found = sorted(p.relative_to(code).as_posix() for p in code.rglob("*.py"))[:10]
+    return (
+        f"entrypoint {entrypoint!r} is not in the job's code (looked for {' or '.join(map(str, candidates))}; "
+        f"its Python files: {', '.join(found) or 'none'})"
+    )
+
+
+def remove(path: Path) -> None:
+    """Whatever is at `path` (a folder with all in it, a file, a link: not what it points to) removed."""
+    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+REFUSED, MISSING = 2, 3  # `main`'s exit codes: the archive refused (nothing unpacked); no such entrypoint in it
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -P -s -m shared.code_archive unpack FOLDER ENTRYPOINT`: the archive on stdin unpacked
+    into FOLDER (what was there removed first), then ENTRYPOINT looked for in it; `find FOLDER
+    ENTRYPOINT`: only looked for. A node agent that runs as root runs this as the job's user, so that
+    it does no more in the job's folder than the job itself could. The reason of a refusal on stderr."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] not in ("unpack", "find"):
+        print("usage: python -m shared.code_archive unpack|find FOLDER ENTRYPOINT", file=sys.stderr)
+        return 64
+    command, folder, entrypoint = args[0], Path(args[1]), args[2]
+    if command == "unpack":
+        try:
+            data = sys.stdin.buffer.read(LIMITS.compressed + 1)
+            remove(folder)
+            unpack(data, folder)
+        except (ArchiveRefused, OSError) as error:
+            print(error, file=sys.stderr)
+            return REFUSED
+    missing = entrypoint_missing(folder, entrypoint)
+    if missing is not None:
+        print(missing, file=sys.stderr)
+        return MISSING
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

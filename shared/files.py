@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 PRIVATE_UMASK = 0o077  # no bit for the group or others: files 0600, folders 0700
@@ -40,24 +40,40 @@ def private_files() -> Iterator[None]:
         os.umask(previous)
 
 
-def make_private(folder: Path) -> Path:
+def make_private(folder: Path, skip: Collection[str] = ()) -> Path:
     """`folder` (made if missing, as the umask makes the folders above it) and everything in it
-    readable by its owner only: each folder 0700, each file without its group and other bits.
-    Symbolic links are not followed; what vanishes meanwhile (a running server's file) is passed by."""
+    readable by its owner only: each folder 0700, each file without its group and other bits; the
+    folders of it named in `skip` left as they are, with all in them. Nothing is followed: not a
+    symbolic link, not a folder swapped for one meanwhile (each is entered by its handle), and a
+    file is changed through its own (not one with more names: a hard link to someone else's). What
+    vanishes meanwhile (a running server's file) is passed by."""
     folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
-    os.chmod(folder, PRIVATE_FOLDER)
-    for root, folders, files in os.walk(folder):
-        for name in folders + files:
-            path = os.path.join(root, name)
-            try:
-                mode = os.lstat(path).st_mode
-                if stat.S_ISDIR(mode):
-                    os.chmod(path, PRIVATE_FOLDER)
-                elif stat.S_ISREG(mode) and stat.S_IMODE(mode) & PRIVATE_UMASK:
-                    os.chmod(path, stat.S_IMODE(mode) & ~PRIVATE_UMASK)
-            except FileNotFoundError:
-                pass
+    top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for root, folders, files, at in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+            if root == ".":
+                folders[:] = [name for name in folders if name not in skip]
+            os.fchmod(at, PRIVATE_FOLDER)
+            for name in files:
+                _tighten(name, at)
+    finally:
+        os.close(top)
     return folder
+
+
+def _tighten(name: str, folder: int) -> None:
+    """A regular file of `folder` (a handle) without its group and other bits, opened without
+    following a link or waiting (a FIFO)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except OSError:  # a link, a socket, gone, or not readable even by its owner
+        return
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and stat.S_IMODE(info.st_mode) & PRIVATE_UMASK:
+            os.fchmod(fd, stat.S_IMODE(info.st_mode) & ~PRIVATE_UMASK)
+    finally:
+        os.close(fd)
 
 
 def make_passable(*folders: Path) -> None:

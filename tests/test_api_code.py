@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import io
 import tarfile
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,18 +23,28 @@ from shared.schema import CodeChunk, CodeRequest, JobSpec
 
 
 class Store:
-    """An object store in memory: get_info and put as CodeGate uses them."""
+    """An object store in memory: get_info, list and put as CodeGate uses them."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
+        self.put_at: dict[str, float] = {}
+
+    def info(self, name: str) -> SimpleNamespace:  # what CodeGate reads of nats-py's ObjectInfo
+        when = datetime.fromtimestamp(self.put_at[name], timezone.utc).isoformat()
+        return SimpleNamespace(name=name, size=len(self.objects[name]), mtime=when, deleted=False)
 
     async def get_info(self, name: str) -> SimpleNamespace:
         if name not in self.objects:
             raise nats.js.errors.ObjectNotFoundError
-        return SimpleNamespace(deleted=False)  # of nats-py's ObjectInfo, only `deleted` is read
+        return self.info(name)
+
+    async def list(self, ignore_deletes: bool = False) -> list[SimpleNamespace]:
+        if not self.objects:
+            raise nats.js.errors.NotFoundError
+        return [self.info(name) for name in self.objects]
 
     async def put(self, name: str, data: bytes) -> None:
-        self.objects[name] = data
+        self.objects[name], self.put_at[name] = data, time.time()
 
 
 def code_gate(uploads: Uploads | None = None) -> tuple[CodeGate, Store]:
@@ -76,9 +88,10 @@ async def test_an_archive_sent_in_chunks_is_stored_whole_and_not_uploaded_twice(
         assert not (await code.put(part, "alice")).stored
     assert store.objects == {}  # nothing is stored before the whole archive has come and passed
     last = await code.put(parts[-1], "alice")
-    assert last.stored and store.objects == {digest(data): data}
-    assert (await code.has(CodeRequest(digest(data)), "bob")).stored
-    again = await code.put(parts[0], "bob")  # stored before: the first chunk's answer says so
+    assert last.stored and store.objects == {f"alice.{digest(data)}": data}  # alice's own
+    assert (await code.has(CodeRequest(digest(data)), "alice")).stored
+    assert not (await code.has(CodeRequest(digest(data)), "bob")).stored  # not bob's: his jobs may not run it
+    again = await code.put(parts[0], "alice")  # stored before: the first chunk's answer says so
     assert again.stored and "not uploaded again" in again.reason
     assert code.uploads.uploads == {}
 
@@ -145,9 +158,12 @@ async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: 
     data = archive_of(tmp_path, files=2)
     spec = JobSpec("mine-1", code=digest(data), entrypoint="m0.py", args=("--epochs", "2"))
     answer = await judge.submit(msgspec.json.encode(spec), "alice")
-    assert not answer.accepted and f"no archive {digest(data)} in the code store" in answer.reason, answer
+    assert not answer.accepted and f"no archive {digest(data)} of yours in the code store" in answer.reason, answer
     assert bus.stored() == []
-    store.objects[digest(data)] = data
+    await store.put(f"bob.{digest(data)}", data)  # another login's is not alice's
+    answer = await judge.submit(msgspec.json.encode(JobSpec("mine-3", code=digest(data), entrypoint="m0.py")), "alice")
+    assert not answer.accepted and "of yours" in answer.reason, answer
+    await store.put(f"alice.{digest(data)}", data)
     answer = await judge.submit(msgspec.json.encode(JobSpec("mine-2", code=digest(data), entrypoint="m0.py")), "alice")
     assert answer.accepted, answer
     assert bus.stored()[0][1].code == digest(data)
@@ -169,3 +185,34 @@ async def test_a_code_submission_that_is_malformed_is_refused_with_the_reason(bo
     answer = await judge.submit(body, "alice")
     assert not answer.accepted and reason in answer.reason, answer
     assert bus.stored() == []
+
+
+async def test_a_login_keeps_at_most_its_share_of_the_store_and_others_are_not_held_by_it(tmp_path: Path) -> None:
+    code, store = code_gate()
+    data = archive_of(tmp_path, files=2)
+    code.stored_per_login = len(data) + 500
+    await store.put(f"alice.{'1' * 64}", b"x" * 600)  # alice holds 600 bytes already
+    await store.put(f"bob.{'2' * 64}", b"x" * len(data))
+    with pytest.raises(ValueError, match="over your share of the code store: your archives there hold"):
+        await code.put(CodeChunk(digest(data), len(data), 0, data), "alice")
+    assert f"alice.{digest(data)}" not in store.objects and code.uploads.uploads == {}
+    assert (await code.put(CodeChunk(digest(data), len(data), 0, data), "carol")).stored  # bob's are not carol's
+
+
+async def test_an_archive_about_to_age_out_is_not_taken_as_stored_and_is_stored_anew(tmp_path: Path) -> None:
+    code, store = code_gate()
+    data = archive_of(tmp_path, files=2)
+    name = f"alice.{digest(data)}"
+    await store.put(name, data)
+    store.put_at[name] = time.time() - 24 * 86400  # 30 days' age: it goes in 6
+    assert not (await code.has(CodeRequest(digest(data)), "alice")).stored
+    again = await code.put(CodeChunk(digest(data), len(data), 0, data), "alice")
+    assert again.stored and again.reason == "" and time.time() - store.put_at[name] < 60
+
+
+def test_a_refused_first_chunk_holds_no_room() -> None:
+    uploads = Uploads(per_login=1, bytes_per_login=1000)
+    with pytest.raises(ValueError, match="runs past its size"):
+        uploads.add("alice", CodeChunk("a" * 64, 2, 0, b"xyz"))
+    assert uploads.uploads == {}
+    assert uploads.add("alice", CodeChunk("b" * 64, 900, 0, b"x")) == 1  # the room is alice's still

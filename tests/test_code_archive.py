@@ -14,6 +14,7 @@ import pytest
 from shared.code_archive import (
     ArchiveRefused,
     Limits,
+    _open_folder,
     check,
     digest,
     entrypoint_problem,
@@ -128,6 +129,36 @@ def test_the_caps_are_enforced(tmp_path: Path) -> None:
         check(bomb, small)
     with pytest.raises(ArchiveRefused, match="not a gzipped tar"):
         check(b"plain text, not an archive")
+
+
+def test_every_member_counts_and_the_folder_itself_comes_once_as_a_folder(tmp_path: Path) -> None:
+    small = Limits(files=3)
+    with pytest.raises(ArchiveRefused, match="at most 3 files"):  # the folder itself counts too
+        check(archive(member(".", tarfile.DIRTYPE), *(member(f"f{i}") for i in range(3))), small)
+    with pytest.raises(ArchiveRefused, match="twice or as a file"):
+        check(archive(member("./", tarfile.DIRTYPE), member(".", tarfile.DIRTYPE)))
+    with pytest.raises(ArchiveRefused, match="twice or as a file"):
+        check(archive(member(".")))
+    assert check(archive(member("./", tarfile.DIRTYPE), member("./a.py"))) == 1  # as `tar -C DIR .` makes it
+    unpack(archive(member("./", tarfile.DIRTYPE), member("./a.py")), tmp_path / "code")
+    assert (tmp_path / "code" / "a.py").read_bytes() == b"x"
+
+
+def test_a_folder_is_made_and_entered_through_no_link(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "pkg").symlink_to(tmp_path / "elsewhere")  # what a job could swap in while it is unpacked
+    root = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ArchiveRefused, match="'pkg' is not a folder where one must be"):
+            _open_folder(root, ("pkg", "sub"))
+        inner = _open_folder(root, ("a", "b"))
+        os.close(inner)
+    finally:
+        os.close(root)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    assert (staging / "a" / "b").is_dir() and (staging / "a" / "b").stat().st_mode & 0o777 == 0o755
 
 
 def test_unpack_never_writes_over_a_folder(tmp_path: Path) -> None:

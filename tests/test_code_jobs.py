@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import gzip
 import io
+import os
+import shutil
+import sys
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +29,7 @@ from services.executor.job_main import parse
 from services.executor.processes import job_arguments, worker
 from shared import permissions, storage, subjects
 from shared.bus import Bus
-from shared.code_archive import digest, pack
+from shared.code_archive import digest, pack, stored_name
 from shared.schema import JobOwner, JobRecords, JobSpec, JobsQuery, SubmitAnswer
 
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permissions.ROLES, "user"))}
@@ -105,7 +109,8 @@ async def test_a_login_uploads_its_code_through_the_api_and_a_node_agent_runs_it
         # The node agent's side: fetched (as the executor's role), checked, unpacked, run.
         code = JobCode(tmp_path / "archives", store_fetcher(executor, asyncio.get_running_loop()))
         job_folder = tmp_path / "jobs" / "mine-1"
-        folder = await asyncio.to_thread(code.prepare, job_folder, spec.code, spec.entrypoint, tmp_path / "mine-1.code")
+        archive = stored_name("user", spec.code)  # the login's own: as the executor names it from the job's owner
+        folder = await asyncio.to_thread(code.prepare, job_folder, archive, spec.entrypoint, tmp_path / "mine-1.code")
         assert folder == job_folder / "code" and (folder / "helper.py").is_file()
         with open(tmp_path / "worker.log", "w") as log:
             process = worker(spec.entrypoint, list(spec.args), {}, log, code=folder)
@@ -113,9 +118,15 @@ async def test_a_login_uploads_its_code_through_the_api_and_a_node_agent_runs_it
         assert process.returncode == 0, (tmp_path / "worker.log").read_text()
         assert out.strip() == "hello from my own code ['--epochs', '2'] code"
         with pytest.raises(ValueError, match="entrypoint 'nope.py' is not in the job's code"):
-            await asyncio.to_thread(code.prepare, job_folder, spec.code, "nope.py", tmp_path / "mine-1.code")
+            await asyncio.to_thread(code.prepare, job_folder, archive, "nope.py", tmp_path / "mine-1.code")
         with pytest.raises(ValueError, match="no archive"):
-            await asyncio.to_thread(code.prepare, tmp_path / "jobs" / "x", "e" * 64, "train.py", tmp_path / "x.code")
+            await asyncio.to_thread(
+                code.prepare, tmp_path / "jobs" / "x", f"user.{'e' * 64}", "train.py", tmp_path / "x.code"
+            )
+        with pytest.raises(ValueError, match="no archive"):  # another login's is not fetched as this one's
+            await asyncio.to_thread(
+                code.prepare, tmp_path / "jobs" / "y", f"other.{spec.code}", "train.py", tmp_path / "y.code"
+            )
     finally:
         await executor.close()
         await service.close()
@@ -187,3 +198,47 @@ def test_a_job_file_of_an_id_and_an_entrypoint_with_its_code_folder_is_a_whole_j
         load_job(job, PLACEHOLDER)
     job.write_text(f"id: mine-4\nentrypoint: train.py\ncode: {'b' * 64}\n")  # an archive stored before
     assert code_folder(job) is None and load_job(job).code == "b" * 64
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a job's own user needs an agent that runs as root")
+def test_a_job_with_a_user_has_its_code_unpacked_by_that_user_never_by_root(tmp_path: Path) -> None:
+    from services.executor.isolation import make_own
+    from shared.files import make_passable
+
+    data = pack(code_folder(tmp_path / "src"))
+    archive, uid = stored_name("user", digest(data)), 4_000_777
+    code = JobCode(tmp_path / "archives", {archive: data}.get)
+    open_folder = Path(tempfile.mkdtemp(prefix="goodput-code-"))  # pytest's tmp_path is closed to other users
+    try:
+        make_passable(open_folder)
+        job_folder = make_own(open_folder / "job", uid)
+        folder = code.prepare(job_folder, archive, "train.py", tmp_path / "job.code", uid, sys.executable)
+        assert (folder / "helper.py").read_text() == "GREETING = 'hello from my own code'\n"
+        assert {p.stat().st_uid for p in (folder, folder / "train.py", folder / "helper.py")} == {uid}
+        assert code.prepare(job_folder, archive, "train.py", tmp_path / "job.code", uid, sys.executable) == folder
+        with pytest.raises(ValueError, match="entrypoint 'nope.py' is not in the job's code"):
+            code.prepare(job_folder, archive, "nope.py", tmp_path / "job.code", uid, sys.executable)
+        # A folder its user may not write in stays as it is: the unpacking has the job's rights, not ours.
+        closed = open_folder / "closed"
+        closed.mkdir(mode=0o755)
+        with pytest.raises(ValueError, match="Permission denied"):
+            code.prepare(closed, archive, "train.py", tmp_path / "closed.code", uid, sys.executable)
+        assert list(closed.iterdir()) == [] and not (tmp_path / "closed.code").exists()
+    finally:
+        shutil.rmtree(open_folder, ignore_errors=True)
+
+
+def test_the_kept_archives_are_evicted_past_one_that_vanished_meanwhile(tmp_path: Path, monkeypatch) -> None:
+    from services.executor import code as job_code
+
+    monkeypatch.setattr(job_code, "CACHED", 1)
+    stored = {stored_name("user", digest(bytes([n]))): bytes([n]) for n in range(3)}
+    code = JobCode(tmp_path / "archives", stored.get)
+    first, second, third = stored
+    code.archive(first)
+    (tmp_path / "archives" / f"user.{'f' * 64}").symlink_to(tmp_path / "gone")  # as if renamed away while listed
+    assert code.archive(second) == stored[second]
+    assert code.archive(third) == stored[third]
+    assert not (tmp_path / "archives" / first).exists()
+    with pytest.raises(ValueError, match="names no archive in the code store"):
+        code.archive("../../etc/passwd")

@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from services.executor.isolation import (
     Limits,
     closed_to_others,
     job_uid,
+    make_own,
     read_owned,
     render_limits,
     write_owned,
@@ -36,13 +38,16 @@ from shared.schema import NodeInfo, StartWorkers, StopWorkers
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_each_job_gets_a_user_of_its_own_from_its_id():
-    uid = job_uid("train-1")
-    assert uid == job_uid("train-1") and JOB_UID_BASE <= uid < JOB_UID_BASE + JOB_UID_SPAN
-    assert len({job_uid(f"job-{n}") for n in range(100)}) == 100
-    assert job_uid("train-1", base=5_000_000) - 5_000_000 == uid - JOB_UID_BASE
-    # another job of the node has its number: the next one, never the same
-    assert job_uid("train-1", taken={uid}) not in (uid, 0) and job_uid("train-1", taken={uid}) >= JOB_UID_BASE
+def test_each_job_gets_a_user_of_its_own_from_its_submission_not_its_id():
+    # the executor's number for it (its submission's), the same on every node; its id plays no part
+    assert job_uid(7) == JOB_UID_BASE + 7 == job_uid(7, job_id="a") == job_uid(7, job_id="b")
+    assert job_uid(JOB_UID_SPAN + 7) == JOB_UID_BASE + 7 and job_uid(7, base=5_000_000) == 5_000_007
+    assert len({job_uid(n) for n in range(100)}) == 100
+    # another job of the node has its number (JOB_UID_SPAN submissions before): the next one
+    assert job_uid(7, taken={JOB_UID_BASE + 7}) == JOB_UID_BASE + 8
+    # an older executor's order, without one: a hash of the id, in the range
+    uid = job_uid(None, job_id="train-1")
+    assert uid == job_uid(None, job_id="train-1") and JOB_UID_BASE <= uid < JOB_UID_BASE + JOB_UID_SPAN
 
 
 def test_a_workers_limits():
@@ -121,9 +126,63 @@ def test_the_agent_follows_no_link_a_job_left_in_its_folder(tmp_path):
         read_owned(folder / "link.pt", None)
     if os.geteuid() == 0:  # a file of another user (a hard link the job made to it): not the job's
         with pytest.raises(PermissionError, match="not a file of the job's"):
-            read_owned(folder / "job.pt", job_uid("job"))
-        write_owned(folder / "job.pt", b"resumed", job_uid("job"))
-        assert (folder / "job.pt").stat().st_uid == job_uid("job")
+            read_owned(folder / "job.pt", job_uid(1))
+        write_owned(folder / "job.pt", b"resumed", job_uid(1))
+        assert (folder / "job.pt").stat().st_uid == job_uid(1)
+
+
+def test_the_agent_neither_waits_on_a_fifo_nor_reads_a_file_past_its_limit(tmp_path):
+    """A FIFO where the job's checkpoint should be would block the read for ever: refused at once."""
+    os.mkfifo(tmp_path / "job.pt")
+    with pytest.raises(PermissionError, match="not a file of the job's"):
+        read_owned(tmp_path / "job.pt", None)  # the old read blocked here, with no writer
+    (tmp_path / "big.pt").write_bytes(b"x" * 11)
+    with pytest.raises(PermissionError, match="11 bytes, over the 10"):
+        read_owned(tmp_path / "big.pt", None, limit=10)
+    assert read_owned(tmp_path / "big.pt", None, limit=11) == b"x" * 11
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root gives files to another user")
+def test_giving_a_job_its_folder_follows_no_link_and_takes_no_file_of_ours(tmp_path):
+    """What a job left in its folder (a link where its tmp/ goes, links in it, a hard link to a file
+    of ours) does not make the agent give a file of its own to the job's user."""
+    ours = tmp_path / "etc"
+    ours.mkdir()
+    (ours / "shadow").write_text("root's")
+    folder = tmp_path / "job"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "tmp").symlink_to(ours)  # where the agent makes the job's TMPDIR
+    (folder / "sub" / "link").symlink_to(ours / "shadow")
+    os.link(ours / "shadow", folder / "sub" / "hard")  # as fs.protected_hardlinks=0 would let the job
+    (folder / "mine").write_text("the job's")
+    uid = job_uid(3)
+    make_own(folder, uid)
+    make_own(folder / "tmp", uid)
+    assert (ours / "shadow").stat().st_uid == 0 and ours.stat().st_uid == 0
+    assert (folder / "tmp").is_dir() and not (folder / "tmp").is_symlink() and (folder / "tmp").stat().st_uid == uid
+    assert (folder / "sub" / "link").lstat().st_uid == uid and (folder / "mine").stat().st_uid == uid
+    assert (folder / "sub").stat().st_uid == uid and folder.stat().st_uid == uid
+
+
+def test_making_a_folder_private_follows_no_link_and_leaves_what_it_is_told_to(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o755)
+    (outside / "file").write_text("another's")
+    os.chmod(outside / "file", 0o644)
+    folder = tmp_path / "work"
+    (folder / "jobs" / "a").mkdir(parents=True)
+    (folder / "jobs" / "a" / "notes").write_text("a job's")
+    os.chmod(folder / "jobs" / "a" / "notes", 0o644)
+    (folder / "log").write_text("ours")
+    os.chmod(folder / "log", 0o644)
+    (folder / "linked").symlink_to(outside)
+    (folder / "file-link").symlink_to(outside / "file")
+    os.link(outside / "file", folder / "hard")
+    os.mkfifo(folder / "fifo")  # opened without waiting for a writer
+    make_private(folder, skip=("jobs",))
+    assert stat.S_IMODE((folder / "log").stat().st_mode) == 0o600
+    assert stat.S_IMODE((outside / "file").stat().st_mode) == 0o644 and stat.S_IMODE(outside.stat().st_mode) == 0o755
+    assert stat.S_IMODE((folder / "jobs" / "a" / "notes").stat().st_mode) == 0o644
 
 
 # ---- a job that tries, as root's workers run it ------------------------------------------------
@@ -212,7 +271,7 @@ def test_a_job_cannot_read_the_stacks_secrets_or_another_jobs_files_nor_pass_its
     allowed = {probe: result for probe, result in got.items() if not probe.startswith("own:")}
     assert all(result.startswith("denied") for result in allowed.values()), json.dumps(allowed, indent=1)
     assert all(result.startswith("ALLOWED") for probe, result in got.items() if probe.startswith("own:")), got
-    uid = job_uid("probe-1")  # no job of the node had its number
+    uid = job_uid(None, job_id="probe-1")  # an order without the executor's number: the id's hash
     assert got["own: its user"] == f"ALLOWED: uid {uid} gid {uid} groups []"
     assert "after" in got["start processes"] and "Errno 11" in got["start processes"]
     assert got["own: its limits"] == "ALLOWED: core (0, 0)"

@@ -4,6 +4,7 @@ name reach the job's record; the checkpoint path comes from the environment. The
 runs as a worker would, is stopped, and resumes to its end."""
 
 import base64
+import io
 import json
 import re
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -19,6 +21,7 @@ import torch
 from goodput_train.protocol import (
     CHECKPOINT_PATH_ENV,
     METRICS_PREFIX,
+    OUTCOME_PREFIX,
     REPORT_ENV,
     STATS_PREFIX,
     STOPPED_MARK,
@@ -26,7 +29,7 @@ from goodput_train.protocol import (
     clean_metrics,
 )
 from launcher.nats import free_loopback_port
-from services.executor.local import InProcessNodes, LocalExecutors, finished
+from services.executor.local import InProcessNodes, LocalExecutors, LocalJob, finished
 from services.executor.node import NodeWorkers
 from services.executor.processes import torchrun_env, worker_env
 from services.executor.progress import job_progress, main_metric
@@ -129,9 +132,10 @@ def test_exit_0_without_an_outcome_line_is_the_end_and_its_metrics_reach_the_rec
 
 
 @pytest.mark.e2e
-def test_the_stopped_mark_restarts_the_job_without_a_crash(tmp_path):
-    """Exit 0 after the library's stopped mark is a stop (its agent went away, say): the job is
-    started again from its checkpoint, no crash counted, and its next exit 0 is its end."""
+def test_the_stopped_mark_restarts_the_job_and_unasked_counts_toward_its_crashes(tmp_path):
+    """Exit 0 after the library's stopped mark is a stop: the job is started again from its
+    checkpoint and its next exit 0 is its end; goodput asked no stop (a SIGTERM from outside it),
+    so the stop counts toward max_crashes."""
     executors = local_executors(tmp_path)
     executors.add("stopped-1", "contract")
     try:
@@ -140,8 +144,90 @@ def test_the_stopped_mark_restarts_the_job_without_a_crash(tmp_path):
     finally:
         executors.stop_all()
     job = executors.jobs["stopped-1"]
-    assert (job.restarts, job.crashes, job.failure, job.result) == (1, 0, None, {})
+    assert (job.restarts, job.crashes, job.failure, job.result) == (0, 1, None, {})
     assert job.metrics["runs"] == 2.0  # the second run found its checkpoint
+
+
+@pytest.mark.e2e
+def test_workers_that_keep_stopping_unasked_fail_the_job_after_max_crashes(tmp_path):
+    executors = local_executors(tmp_path)
+    executors.add("unasked-1", "contract")
+    try:
+        executors.apply({"unasked-1": (("local-0", 1),)})
+        run_to_end(executors, "unasked-1")
+    finally:
+        executors.stop_all()
+    job = executors.jobs["unasked-1"]
+    assert (job.crashes, job.result, job.placement) == (3, None, ())
+    assert job.failure.startswith("its workers stopped 3 times without being asked (")
+    assert "SIGTERM from outside goodput?)" in job.failure
+
+
+def poll_until(executors: LocalExecutors, done, timeout_s: float = 60) -> None:
+    """Poll until `done()` (the executor's loop polls every 0.5 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"not yet, after {timeout_s} s"
+        executors.poll()
+        time.sleep(0.05)
+
+
+@pytest.mark.e2e
+def test_an_exit_0_after_a_stop_goodput_asked_for_is_a_stop_and_the_job_ends_at_its_own_end(tmp_path):
+    """A script that exits 0 on SIGTERM without the stopped mark: a rescale stops it, and it is
+    started again (no crash counted); it finishes when it exits 0 by itself."""
+    executors = local_executors(tmp_path)
+    executors.add("sigterm-1", "contract")
+    job = executors.jobs["sigterm-1"]
+    try:
+        executors.apply({"sigterm-1": (("local-0", 1),)})
+        poll_until(executors, lambda: job.metrics.get("runs") == 1.0)  # running, its SIGTERM handler set
+        executors.apply({"sigterm-1": (("local-0", 2),)})  # a rescale: SIGTERM, and it exits 0
+        assert (job.result, job.restarts, job.running) == (None, 1, True)
+        poll_until(executors, lambda: job.metrics.get("runs") == 2.0)
+        (tmp_path / "sigterm-1" / "end").touch()
+        run_to_end(executors, "sigterm-1")
+    finally:
+        executors.stop_all()
+    assert (job.result, job.restarts, job.crashes, job.failure) == ({}, 1, 0, None)
+
+
+@pytest.mark.e2e
+def test_a_cancelled_job_ends_cancelled_though_its_workers_exit_0(tmp_path):
+    from services.executor.real import RealExecutors
+    from shared.schema import CANCELLED, Cancel, JobSpec, Profiled
+
+    agent = RealExecutors(local_executors(tmp_path))
+    agent.submitted(JobSpec("sigterm-2", "contract"), 1)
+    agent.profiled(Profiled("sigterm-2", 8, 64, submission=1))
+    agent.arrive(0.0)
+    try:
+        agent.apply(0.0, {"sigterm-2": (("local-0", 1),)})
+        job = agent.executors.jobs["sigterm-2"]
+        poll_until(agent.executors, lambda: job.metrics.get("runs") == 1.0)
+        agent.cancelled(Cancel("sigterm-2"))  # SIGTERM: it exits 0
+        agent.poll()
+    finally:
+        agent.executors.stop_all()
+    assert (job.result, job.running, job.failure) == (None, False, CANCELLED)
+    (record,) = agent.records()
+    assert record.state == "cancelled"
+
+
+@pytest.mark.e2e
+def test_output_nested_too_deep_stops_neither_the_poll_nor_the_jobs_reports(tmp_path):
+    """An outcome and a metrics line of 1000 '[': unreadable, dropped; the agent reads on (its next
+    metrics line is kept) and the job finishes."""
+    executors = local_executors(tmp_path)
+    executors.add("deep-1", "contract")
+    try:
+        executors.apply({"deep-1": (("local-0", 1),)})
+        run_to_end(executors, "deep-1")
+    finally:
+        executors.stop_all()
+    job = executors.jobs["deep-1"]
+    assert (job.result, job.crashes, job.failure) == ({}, 0, None)
+    assert job.metrics == {"test_mse": 0.125, "phase": "first", "runs": 1.0}
 
 
 @pytest.mark.e2e
@@ -158,6 +244,22 @@ def test_the_third_crash_fails_the_job_with_the_end_of_its_stderr(tmp_path):
     head, tail = job.failure.split("\n", 1)
     assert head == "its workers crashed 3 times (exit code 3 on rank 0); the end of its stderr:"
     assert tail.splitlines() == [f"stderr line {n}" for n in range(2, 12)]  # its last 10 lines
+
+
+def test_an_outcome_line_over_its_bound_is_dropped_and_a_deep_one_read_as_unreadable(caplog):
+    from services.executor.node import MAX_OUTCOME_LINE, _forward
+
+    long = OUTCOME_PREFIX + json.dumps({"metric": 1.0, "pad": "x" * MAX_OUTCOME_LINE})
+    short = OUTCOME_PREFIX + json.dumps({"metric": 0.5})
+    process = SimpleNamespace(stdout=io.StringIO(f"{short}\n{long}\n{long}\n"))
+    workers = SimpleNamespace(stats="", outcome="", stopped=False, dropped=set(), order=SimpleNamespace(job_id="j"))
+    _forward(process, workers, True)
+    assert workers.outcome == short
+    assert caplog.text.count(f"over {MAX_OUTCOME_LINE}") == 1  # told once
+    job = LocalJob("j", "contract")
+    deep = WorkersReport("j", 0, (0,), (0,), outcome=OUTCOME_PREFIX + "[" * 1000)
+    LocalExecutors(InProcessNodes({}), None)._take(job, deep)
+    assert job.outcome is None and "unreadable report" in caplog.text
 
 
 def report(ranks, codes, stopped=False, generation=1) -> WorkersReport:

@@ -76,7 +76,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
         local_executors(None).add("c", "common")
     with pytest.raises(
         ValueError,
-        match=r"its jobs: contract, environment, huge, probes, profile_stalls, quick, raises, says, writes\)",
+        match=r"its jobs: contract, environment, huge, leaves, probes, profile_stalls, quick, raises, says, writes\)",
     ):
         job_module("small", "tests.jobs")  # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):

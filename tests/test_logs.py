@@ -189,6 +189,19 @@ async def test_a_page_is_bounded_in_bytes() -> None:
     assert len(lines) == 2 and cursor == 2 and more
 
 
+async def test_a_page_is_bounded_by_its_encoded_reply_where_control_characters_weigh_6_bytes() -> None:
+    from shared.schema import LogsPage
+    from shared.schema.logs import LOG_PAGE_BYTES
+
+    logs = StoredLogs()
+    for _ in range(30):  # 16 KB of text a batch, 96 KB of JSON
+        logs.store("lm-1", 0, *["\x01" * 4000] * 4)
+    lines, cursor, more = await read_page(logs.next_message, subjects.job_logs("lm-1"), 0, 5000)
+    reply = msgspec.json.encode(LogsPage(tuple(lines), cursor, more, False))
+    assert more and len(reply) <= LOG_PAGE_BYTES < len(reply) + 100_000  # as full as whole batches allow
+    assert len(msgspec.msgpack.encode(LogsPage(tuple(lines), cursor, more, False))) <= len(reply)
+
+
 # ---- goodput.api.logs: the submitter's only ----------------------------------------------------
 
 
@@ -249,3 +262,17 @@ def test_a_request_names_a_rank_or_the_profiling_runs() -> None:
     for bad in (b'{"id": "a", "rank": -1}', b'{"id": "a", "rank": "x"}', b'{"id": "a", "limit": 0}'):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(bad, type=LogsRequest)
+
+
+def test_goodput_logs_prints_a_jobs_text_without_control_characters_and_json_exactly() -> None:
+    import json
+
+    from cli.logs import _shown
+    from shared.schema.logs import LogLine
+
+    text = "\x1b]0;owned\x07\x1b[2J\x9b31mred\tok\r\x7f"
+    line = LogLine(0, 1.0, "stdout", text)
+    assert _shown(line, False, False) == "]0;owned[2J31mred\tok"
+    assert _shown(line, True, False) == "[0] ]0;owned[2J31mred\tok"
+    shown = _shown(line, True, True)
+    assert json.loads(shown)["text"] == text and shown.isascii() and shown.isprintable()

@@ -1,7 +1,10 @@
 """The user API's code endpoints (`goodput.api.code.put`, `goodput.api.code.has`): a login's archive
 comes in chunks, is checked whole (its sha256 against the digest it was sent under, then
 `shared.code_archive.check`: no path out of its folder, no link, no device, the caps) and only then
-stored in the code store, under its digest. A login never writes the store itself.
+stored in the code store, under the login's name and its digest (`stored_name`): a login's jobs run
+only its own archives, and what it keeps there is bounded (STORED_PER_LOGIN). An archive about to
+age out of the store (within REFRESH_S) is not taken as stored: uploaded again, it is stored anew.
+A login never writes the store itself.
 
 `Uploads` is the API's memory of the uploads under way (pure: a clock passed in): each a login's,
 named by the digest it will have. What one login holds at once is bounded (UPLOADS_PER_LOGIN
@@ -16,20 +19,24 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 import nats.errors
 import nats.js.errors
 
 from shared import subjects
 from shared.bus import Bus
-from shared.code_archive import LIMITS, ArchiveRefused, check, digest
+from shared.code_archive import LIMITS, ArchiveRefused, check, digest, stored_name
 from shared.schema import CodeAnswer, CodeChunk, CodeRequest
-from shared.storage import MIB, SETUP_HINT
+from shared.storage import DAY_S, MIB, OBJECT_STORE_MAX_AGE_S, SETUP_HINT
 
 UPLOADS_PER_LOGIN = 4
 BYTES_PER_LOGIN = 2 * LIMITS.compressed
 BYTES_IN_ALL = 512 * MIB
 IDLE_S = 120.0  # an upload with no chunk for this long is dropped
+STORED_PER_LOGIN = 128 * MIB  # a login's archives in the store: a quarter of it
+STORE_MAX_AGE_S = OBJECT_STORE_MAX_AGE_S[subjects.CODE_STORE]
+REFRESH_S = 7 * DAY_S  # an archive this close to aging out is uploaded again, not taken as stored
 
 
 @dataclass
@@ -80,25 +87,27 @@ class Uploads:
                 f"upload of {chunk.digest[:12]}: it was begun as {upload.size:,} bytes, not {chunk.size:,}; "
                 "send it again from offset 0 with its size"
             )
+        if chunk.offset != 0 and upload is None:
+            raise ValueError(
+                f"no upload of {chunk.digest[:12]} under way from you (none begun, or dropped after "
+                f"{self.idle_s:.0f} s without a chunk): begin it at offset 0"
+            )
+        held = len(upload.data) if upload is not None and chunk.offset != 0 else 0
+        if chunk.offset != held:
+            raise ValueError(
+                f"upload of {chunk.digest[:12]}: {held:,} bytes have come; send the chunk at "
+                f"offset {held:,}, not {chunk.offset:,}"
+            )
+        # The chunk is checked whole before any room is taken for it: a refused one holds none.
+        if chunk.offset + len(chunk.data) > chunk.size:
+            raise ValueError(f"upload of {chunk.digest[:12]}: this chunk runs past its size of {chunk.size:,} bytes")
+        if not chunk.data and chunk.offset < chunk.size:
+            raise ValueError(f"upload of {chunk.digest[:12]}: an empty chunk before its end")
         if chunk.offset == 0:
             if upload is not None:  # begun again: what came before is dropped
                 del self.uploads[key]
             self._room(who, chunk.size)
             upload = self.uploads[key] = Upload(chunk.size, bytearray(), self.clock())
-        elif upload is None:
-            raise ValueError(
-                f"no upload of {chunk.digest[:12]} under way from you (none begun, or dropped after "
-                f"{self.idle_s:.0f} s without a chunk): begin it at offset 0"
-            )
-        if chunk.offset != len(upload.data):
-            raise ValueError(
-                f"upload of {chunk.digest[:12]}: {len(upload.data):,} bytes have come; send the chunk at "
-                f"offset {len(upload.data):,}, not {chunk.offset:,}"
-            )
-        if chunk.offset + len(chunk.data) > upload.size:
-            raise ValueError(f"upload of {chunk.digest[:12]}: this chunk runs past its size of {upload.size:,} bytes")
-        if not chunk.data and chunk.offset < upload.size:
-            raise ValueError(f"upload of {chunk.digest[:12]}: an empty chunk before its end")
         upload.data += chunk.data
         upload.touched = self.clock()
         if len(upload.data) < upload.size:
@@ -125,8 +134,16 @@ class Uploads:
 class CodeGate:
     """The code store, as the API reaches it: what is there, and uploads checked before they go in."""
 
-    def __init__(self, bus: Bus, uploads: Uploads | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        uploads: Uploads | None = None,
+        stored_per_login: int = STORED_PER_LOGIN,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.bus, self.uploads = bus, uploads or Uploads()
+        self.stored_per_login, self.clock = stored_per_login, clock
+        self.storing = asyncio.Lock()
         self._store = None
 
     async def store(self):
@@ -137,39 +154,69 @@ class CodeGate:
                 raise ValueError(f"the code store {subjects.CODE_STORE} does not exist: {SETUP_HINT}") from None
         return self._store
 
-    async def stored(self, archive: str) -> bool:
-        """Whether the archive is in the code store."""
+    async def stored(self, who: str, archive: str) -> bool:
+        """Whether `who`'s archive is in the code store, and not about to age out (within REFRESH_S):
+        one that is must be uploaded again, which stores it anew."""
         try:
-            info = await (await self.store()).get_info(archive)
+            info = await (await self.store()).get_info(stored_name(who, archive))
         except nats.js.errors.ObjectNotFoundError:
             return False
-        return not info.deleted
+        return not info.deleted and self.clock() - put_at(info) < STORE_MAX_AGE_S - REFRESH_S
 
     async def has(self, request: CodeRequest, who: str) -> CodeAnswer:
-        if await self.stored(request.digest):
+        if await self.stored(who, request.digest):
             return CodeAnswer(request.digest, True)
         return CodeAnswer(request.digest, False, self.uploads.received(who, request.digest))
 
     async def put(self, chunk: CodeChunk, who: str) -> CodeAnswer:
-        """A chunk of `who`'s; the archive stored once it is whole and passed every check. One already
-        stored is not taken again: the answer to its first chunk says it is stored."""
-        if chunk.offset == 0 and await self.stored(chunk.digest):
-            self.uploads.drop(who, chunk.digest)
-            return CodeAnswer(chunk.digest, True, reason="stored before: not uploaded again")
+        """A chunk of `who`'s; the archive stored once it is whole and passed every check, under the
+        login's name (`stored_name`) and within its share of the store. One already stored is not
+        taken again: the answer to its first chunk says it is stored."""
+        if chunk.offset == 0:
+            if await self.stored(who, chunk.digest):
+                self.uploads.drop(who, chunk.digest)
+                return CodeAnswer(chunk.digest, True, reason="stored before: not uploaded again")
+            await self.room(who, chunk.digest, chunk.size)  # refused before it is sent
         whole = self.uploads.add(who, chunk)
         if isinstance(whole, int):
             return CodeAnswer(chunk.digest, False, whole)
         refusal = await asyncio.to_thread(problem, whole, chunk.digest)
         if refusal is not None:
             raise ValueError(refusal)
-        try:
-            await (await self.store()).put(chunk.digest, whole)
-        except (nats.js.errors.Error, nats.errors.Error) as error:
-            raise ValueError(
-                f"the code store did not take archive {chunk.digest[:12]} ({type(error).__name__}: {error}); "
-                "it may be full: ask the operator"
-            ) from None
+        async with self.storing:  # one login's archives cannot pass its share together
+            await self.room(who, chunk.digest, len(whole))
+            try:
+                await (await self.store()).put(stored_name(who, chunk.digest), whole)
+            except (nats.js.errors.Error, nats.errors.Error) as error:
+                raise ValueError(
+                    f"the code store did not take archive {chunk.digest[:12]} ({type(error).__name__}: {error}); "
+                    "it may be full: ask the operator"
+                ) from None
         return CodeAnswer(chunk.digest, True, len(whole))
+
+    async def room(self, who: str, archive: str, size: int) -> None:
+        """ValueError when `who`'s archives in the store, with this one (in place of any it replaces),
+        would be more than its share."""
+        try:
+            infos = await (await self.store()).list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # an empty store
+            infos = []
+        name, prefix = stored_name(who, archive), stored_name(who, "")
+        held = sum(i.size or 0 for i in infos if i.name.startswith(prefix) and i.name != name and not i.deleted)
+        if held + size > self.stored_per_login:
+            raise ValueError(
+                f"over your share of the code store: your archives there hold {held / MIB:.1f} MiB, and this "
+                f"one of {size / MIB:.1f} MiB would pass the {self.stored_per_login / MIB:.0f} MiB a login may "
+                f"keep; each ages out {STORE_MAX_AGE_S / DAY_S:.0f} days after it was stored, or ask the operator"
+            )
+
+
+def put_at(info) -> float:
+    """When an object of the store was put (its meta's time), as time.time(); 0.0 when it says not."""
+    try:
+        return datetime.fromisoformat(info.mtime).timestamp()
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def problem(data: bytes, expected: str) -> str | None:

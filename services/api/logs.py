@@ -11,7 +11,7 @@ import nats.js.errors
 
 from shared import subjects
 from shared.bus import Bus
-from shared.schema.logs import LOG_PAGE_BYTES, LogBatch, LogLine, line_bytes
+from shared.schema.logs import LOG_PAGE_BYTES, LogBatch, LogLine
 
 MAX_BATCHES_READ = 256  # stored batches one page reads at most (each one request to JetStream)
 
@@ -33,6 +33,12 @@ def stream_reader(bus: Bus) -> NextMessage:
     return next_message
 
 
+def reply_bytes(line: LogLine) -> int:
+    """What a line takes in the page's reply: its JSON, the larger encoding (a control character
+    is 6 bytes there, `\\u0001`), and a comma."""
+    return len(msgspec.json.encode(line)) + 1
+
+
 def rank_of(subject: str) -> int | str:
     """The rank a logs subject names: its last token (a number, or "profile")."""
     token = subject.rpartition(".")[2]
@@ -43,8 +49,8 @@ async def read_page(
     next_message: NextMessage, subject: str, after: int, limit: int, page_bytes: int = LOG_PAGE_BYTES
 ) -> tuple[list[LogLine], int, bool]:
     """The lines stored on `subject` after the cursor `after`: at most `limit` lines and `page_bytes`
-    (whole batches; a first batch larger than that, alone), the cursor after them, and whether more
-    are stored past it."""
+    of the reply, as it is encoded (whole batches; a first batch larger than that, alone), the
+    cursor after them, and whether more are stored past it."""
     lines: list[LogLine] = []
     size, cursor = 0, after
     for _ in range(MAX_BATCHES_READ):
@@ -58,9 +64,10 @@ async def read_page(
             cursor = sequence
             continue
         rank = rank_of(where)
-        weight = sum(line_bytes(line) for line in batch.lines)
+        read = [LogLine(rank, line.time, line.stream, line.text) for line in batch.lines]
+        weight = sum(reply_bytes(line) for line in read)
         if lines and (len(lines) + len(batch.lines) > limit or size + weight > page_bytes):
             return lines, cursor, True
-        lines += [LogLine(rank, line.time, line.stream, line.text) for line in batch.lines]
+        lines += read
         size, cursor = size + weight, sequence
     return lines, cursor, True

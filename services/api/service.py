@@ -152,9 +152,9 @@ ENDPOINTS = (
         subjects.API_CODE_PUT,
         CodeChunk,
         CodeAnswer,
-        "upload a job's code archive in chunks; checked whole, then stored under its sha256",
+        "upload a job's code archive in chunks; checked whole, then stored under your login and its sha256",
     ),
-    Endpoint("code-has", subjects.API_CODE_HAS, CodeRequest, CodeAnswer, "whether an archive is stored already"),
+    Endpoint("code-has", subjects.API_CODE_HAS, CodeRequest, CodeAnswer, "whether your archive is stored already"),
 )
 
 
@@ -379,7 +379,7 @@ class Gate:
         if inspect.isawaitable(reason):
             reason = await reason
         if reason is None and spec.code is not None:
-            reason = await self.code_problem(spec.code)
+            reason = await self.code_problem(who, spec.code)
         if reason is not None:
             return await self.refuse(data, reason, who, spec.id, came)
         async with self.kept.room(who, subjects.STORED) as room:
@@ -387,13 +387,14 @@ class Gate:
                 return await self.refuse(data, room.refusal, who, spec.id, came)
             return await self.store(spec, who, room, data, came)
 
-    async def code_problem(self, archive: str) -> str | None:
-        """Why a job may not name `archive` as its code: it is not in the code store."""
-        if self.code is not None and await self.code.stored(archive):
+    async def code_problem(self, who: str, archive: str) -> str | None:
+        """Why a job of `who`'s may not name `archive` as its code: it is not one of `who`'s in the
+        code store (another login's is not), or it is about to age out."""
+        if self.code is not None and await self.code.stored(who, archive):
             return None
         return (
-            f"no archive {archive} in the code store: upload it first (`goodput submit --code DIR` does; "
-            "docs/api.md says how with any NATS client)"
+            f"no archive {archive} of yours in the code store, or it ages out within a week: upload it "
+            "(again) first (`goodput submit --code DIR` does; docs/api.md says how with any NATS client)"
         )
 
     async def store(self, spec: JobSpec, who: str, room: Room, data: bytes, came: str) -> SubmitAnswer:

@@ -1,26 +1,42 @@
-"""A job's own code on a node: the archive its submission names (by digest), fetched from the code
-store once per node and checked against that digest, kept in the agent's folder (the newest
-CACHED), and unpacked safely (`shared.code_archive.unpack`) into the job's folder, `code/`, where its
-workers run it. It is unpacked again only when the job names another archive: a job's restarts and
-rescales on the node run what is there. `store_fetcher` reads the store from the agent's threads.
+"""A job's own code on a node: the archive its submission names (its owner's, by digest:
+`stored_name`), fetched from the code store once per node and checked against that digest, kept in
+the agent's folder (the newest CACHED), and unpacked safely (`shared.code_archive.unpack`) into the
+job's folder, `code/`, where its workers run it; by a process of the job's user when it has one, so
+that the unpacking can do no more there than the job itself. It is unpacked again only when the job
+names another archive: a job's restarts and rescales on the node run what is there.
+`store_fetcher` reads the store from the agent's threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import nats.js.errors
 
 from shared import subjects
 from shared.bus import Bus
-from shared.code_archive import digest, unpack
+from shared.code_archive import (
+    KIB,
+    MISSING,
+    REFUSED,
+    digest,
+    entrypoint_missing,
+    remove,
+    stored_digest,
+    unpack,
+)
 
 CACHED = 32  # archives a node keeps (each at most 32 MiB)
 FETCH_TIMEOUT_S = 300.0
+UNPACK_TIMEOUT_S = 120.0
+ROOT = Path(__file__).resolve().parents[2]  # the project, where the job's user finds `shared`
 CODE_FOLDER = "code"  # in the job's folder
 
 
@@ -32,61 +48,103 @@ class JobCode:
         self.folder, self.fetch = folder, fetch
 
     def archive(self, archive: str) -> bytes:
-        """The archive's bytes, fetched unless kept; ValueError when it is not stored or not what its
-        digest says."""
+        """The archive's bytes (by its name in the store, `stored_name`), fetched unless kept;
+        ValueError when it is not stored or not what its digest says."""
+        expected = stored_digest(archive)  # also what makes it a plain file name here
         kept = self.folder / archive
-        if kept.is_file():
+        try:
             os.utime(kept)  # the newest are kept
             return kept.read_bytes()
+        except FileNotFoundError:
+            pass
         data = self.fetch(archive)
         if data is None:
             raise ValueError(f"no archive {archive} in the code store (it ages out after 30 days): submit it again")
-        if digest(data) != archive:
+        if digest(data) != expected:
             raise ValueError(f"the code store's archive {archive} has the sha256 {digest(data)}: refused")
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial = kept.with_name(f".{archive}.fetched")
-        partial.write_bytes(data)
-        os.replace(partial, kept)
-        for old in sorted(self.folder.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)[CACHED:]:
-            old.unlink(missing_ok=True)
+        # A name of its own: starts of other jobs fetch and evict at the same time, in other threads.
+        with tempfile.NamedTemporaryFile(
+            dir=self.folder, prefix=f".{archive}.", suffix=".fetched", delete=False
+        ) as file:
+            file.write(data)
+        os.replace(file.name, kept)
+        self._evict()
         return data
 
-    def prepare(self, job_folder: Path, archive: str, entrypoint: str, marker: Path) -> Path:
+    def _evict(self) -> None:
+        """All but the newest CACHED archives removed; one another thread renamed or removed meanwhile is passed over."""
+        kept = []
+        for path in self.folder.iterdir():
+            if path.name.startswith("."):  # being fetched
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                kept.append((path.stat().st_mtime, path))
+        for _, old in sorted(kept, reverse=True)[CACHED:]:
+            old.unlink(missing_ok=True)
+
+    def prepare(
+        self,
+        job_folder: Path,
+        archive: str,
+        entrypoint: str,
+        marker: Path,
+        uid: int | None = None,
+        python: str = sys.executable,
+    ) -> Path:
         """The job's code, unpacked into `job_folder`/code (again when `marker`, the agent's note of
-        what is there, names another archive); ValueError when it cannot be, or its entrypoint is not in it."""
+        what is there, names another archive); ValueError when it cannot be, or its entrypoint is not
+        in it. With `uid` (the job's user), unpacked and looked into by a process of that user's
+        (`python`: an interpreter it may run): never by us as root in a folder the job may change."""
         code = job_folder / CODE_FOLDER
-        if not (marker.is_file() and marker.read_text() == archive and code.is_dir() and not code.is_symlink()):
-            data = self.archive(archive)
-            if code.is_symlink() or code.is_file():
-                code.unlink()
-            elif code.exists():
-                shutil.rmtree(code)
+        unpacked = marker.is_file() and marker.read_text() == archive and code.is_dir() and not code.is_symlink()
+        data = None if unpacked else self.archive(archive)
+        if data is not None:
             marker.unlink(missing_ok=True)
-            unpack(data, code)
-            marker.write_text(archive)
-        missing = entrypoint_missing(code, entrypoint)
+        if uid is None:
+            if data is not None:
+                remove(code)
+                unpack(data, code)
+                marker.write_text(archive)
+            missing = entrypoint_missing(code, entrypoint)
+        else:
+            status, missing = _as_user(uid, python, code, entrypoint, data)
+            if data is not None and status in (0, MISSING):
+                marker.write_text(archive)
         if missing is not None:
             raise ValueError(missing)
         return code
 
 
-def entrypoint_missing(code: Path, entrypoint: str) -> str | None:
-    """Why `entrypoint` names nothing in the unpacked `code`; None when it names a script or module there."""
-    if entrypoint.endswith(".py"):
-        candidates = [PurePosixPath(entrypoint)]
-    else:
-        parts = entrypoint.split(".")
-        candidates = [
-            PurePosixPath(*parts[:-1], f"{parts[-1]}.py"),
-            PurePosixPath(*parts, "__main__.py"),
-        ]
-    if any(code.joinpath(*c.parts).is_file() for c in candidates):
-        return None
-    found = sorted(p.relative_to(code).as_posix() for p in code.rglob("*.py"))[:10]
-    return (
-        f"entrypoint {entrypoint!r} is not in the job's code (looked for {' or '.join(map(str, candidates))}; "
-        f"its Python files: {', '.join(found) or 'none'})"
-    )
+def _as_user(uid: int, python: str, code: Path, entrypoint: str, data: bytes | None) -> tuple[int, str | None]:
+    """`shared.code_archive`'s `main` run as `uid`: the archive `data` unpacked into `code` (None:
+    what is there kept), and `entrypoint` looked for. Its exit status, and why it failed (None: it did not)."""
+    command = [python, "-P", "-s", "-m", "shared.code_archive", "find" if data is None else "unpack"]
+    with tempfile.TemporaryFile() as errors:  # on disk: what it says is not held in our memory
+        try:
+            done = subprocess.run(
+                [*command, str(code), entrypoint],
+                input=data or b"",
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                env={"PYTHONPATH": str(ROOT), "PATH": os.defpath},  # nothing else of ours
+                cwd="/",
+                umask=0o022,
+                timeout=UNPACK_TIMEOUT_S,
+                user=uid,
+                group=uid,
+                extra_groups=[],
+            )
+        except subprocess.TimeoutExpired:
+            return -1, f"unpacking the job's code as its user (uid {uid}) took over {UNPACK_TIMEOUT_S:.0f} s"
+        if done.returncode == 0:
+            return 0, None
+        errors.seek(max(0, os.fstat(errors.fileno()).st_size - 4 * KIB))
+        said = errors.read().decode(errors="replace").strip().splitlines()
+    reason = said[-1] if said else f"exit status {done.returncode}"
+    if done.returncode in (REFUSED, MISSING):
+        return done.returncode, reason
+    return done.returncode, f"unpacking the job's code as its user (uid {uid}) failed: {reason}"
 
 
 def store_fetcher(bus: Bus, loop: asyncio.AbstractEventLoop) -> Callable[[str], bytes | None]:

@@ -1,7 +1,8 @@
 """What keeps a job's code away from the stack and from other jobs on its node.
 
 A node agent that runs as root starts each job's workers as a user and group of the job's own
-(`job_uid`: a number derived from the job's id, no account needed), with no other group, in a
+(`job_uid`: a number from the job's submission, which the executor and the profiler give every
+node of the job alike, no account needed), with no other group, in a
 folder of the job's own (`JobFolder`: its HOME, its TMPDIR, its working directory, 0700 and
 owned by that user), and under limits (`Limits`, set by `job_main` before the job's code runs, soft
 and hard alike, so the job cannot raise them). Another job's user cannot read that folder or signal
@@ -10,17 +11,22 @@ checkpoints) is its owner's, root's, alone. An agent that is not root cannot swi
 workers run as it does, and keeping jobs apart is then the deployment's (one agent per container).
 
 The agent still reads and writes in a job's folder (it copies checkpoints in and out), always
-without following a link the job may have put there (`read_owned`, `write_owned`).
+without following a link the job may have put there (`read_owned`, `write_owned`), and gives it
+to the job's user only once no process of that user is left to change it meanwhile (`end_user`,
+then `make_own`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
 import resource
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +36,20 @@ JOB_UID_SPAN = 1 << 24  # jobs' users are JOB_UID_BASE + [0, JOB_UID_SPAN)
 LIMITS_ENV = "GOODPUT_WORKER_LIMITS"  # the limits `job_main` sets, NAME=VALUE,... (resource.RLIMIT_NAME)
 PRIVATE = 0o700
 MB = 1 << 20
+MAX_OWNED_BYTES = 1 << 30  # the largest file the agent reads from a job's folder: the checkpoints store's size
+KILL_TRIES = 3  # `end_user`'s sweeps: a process that forks while one runs is caught by the next
+KILL_WAIT_S = 5.0  # ... and how long each waits for the killed to be gone (one in the kernel ends its call first)
 
 
-def job_uid(job_id: str, base: int = JOB_UID_BASE, taken: Collection[int] = ()) -> int:
-    """The user (and group) a job's workers run as: `base` plus a hash of its id, the next hash
-    where another job of the node has that one (`taken`), so two jobs never share one."""
-    for salt in itertools.count():
-        digest = hashlib.sha256(f"{job_id}\0{salt}".encode()).digest()
-        uid = base + int.from_bytes(digest[:8], "big") % JOB_UID_SPAN
+def job_uid(slot: int | None, base: int = JOB_UID_BASE, taken: Collection[int] = (), job_id: str = "") -> int:
+    """The user (and group) a job's workers run as: `base` plus its `slot` (its submission's number,
+    which the executor gives: the same on every node of the job, and no submitter picks another
+    job's), the next one where another job of the node has that (`taken`, after JOB_UID_SPAN
+    submissions). Without a slot (an order of an older executor): a hash of its id."""
+    if slot is None:
+        slot = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big")
+    for step in itertools.count():
+        uid = base + (slot + step) % JOB_UID_SPAN
         if uid not in taken:
             return uid
     raise AssertionError("unreachable")
@@ -110,16 +122,76 @@ class Sandbox:
 
 
 def make_own(folder: Path, uid: int | None) -> Path:
-    """`folder` (made, 0700) and all in it given to `uid` (None: left to us). Links are changed,
-    never followed. The folder above must be ours: the job cannot move this one away."""
+    """`folder` (made, 0700; what stands there that is not a folder, a link the job left, removed
+    first) and all in it given to `uid` (None: left to us). Nothing is followed: a link is changed
+    itself, each folder is entered by its handle (`os.fwalk`), not by a path a link could redirect.
+    A file with more than one name (a hard link the job made to a file of ours) is left as it is.
+    The folder above must be ours, and no process of the job's left (`end_user`): nothing is
+    swapped while it is given."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            folder.unlink()
     folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
-    if uid is not None:
-        for root, folders, files in os.walk(folder):
-            for name in (*folders, *files):
-                os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
-        os.chown(folder, uid, uid)
-    os.chmod(folder, PRIVATE)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if uid is not None:
+            for _, folders, files, at in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+                for name in (*folders, *files):
+                    with contextlib.suppress(FileNotFoundError):
+                        info = os.stat(name, dir_fd=at, follow_symlinks=False)
+                        if stat.S_ISDIR(info.st_mode) or info.st_nlink == 1:
+                            os.chown(name, uid, uid, dir_fd=at, follow_symlinks=False)
+            os.fchown(fd, uid, uid)
+        os.fchmod(fd, PRIVATE)
+    finally:
+        os.close(fd)
     return folder
+
+
+def user_processes(uid: int) -> list[int]:
+    """The processes of `uid` (its real, effective or saved id) still running (not zombies)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                status = Path(entry.path, "status").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if str(uid) in fields.get("Uid", "").split()[:3] and not fields.get("State", "").strip().startswith("Z"):
+                found.append(int(entry.name))
+    return found
+
+
+def end_user(uid: int | None, python: str = sys.executable) -> bool:
+    """Every process of the job's user killed (whatever it started, in any session): a helper that
+    runs as `uid` kills all it may signal, which are that user's only. Whether none is left."""
+    if uid is None:
+        return True
+    for _ in range(KILL_TRIES):
+        if not user_processes(uid):
+            return True
+        subprocess.run(
+            [python, "-S", "-c", _KILL_ALL],
+            user=uid,
+            group=uid,
+            extra_groups=[],
+            env={},
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=KILL_WAIT_S,
+            check=False,
+        )
+        deadline = time.monotonic() + KILL_WAIT_S
+        while user_processes(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return not user_processes(uid)
+
+
+# kill(-1): every process the caller may signal but itself; none left is no error
+_KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
 
 
 def closed_to_others(path: Path) -> Path | None:
@@ -135,15 +207,21 @@ def closed_to_others(path: Path) -> Path | None:
     return None
 
 
-def read_owned(path: Path, uid: int | None) -> bytes:
-    """A file the job wrote in its folder, read without following a link; with `uid`, only a
-    regular file of the job's user (not a hard link it made to a file of ours). OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+def read_owned(path: Path, uid: int | None, limit: int = MAX_OWNED_BYTES) -> bytes:
+    """A file the job wrote in its folder, read without following a link, nor waiting on what is
+    not a file (a FIFO would block the read for ever); with `uid`, only a regular file of the job's
+    user (not a hard link it made to a file of ours); at most `limit` bytes. OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or (uid is not None and info.st_uid != uid):
             raise PermissionError(f"{path} is not a file of the job's (uid {uid})")
-        return file.read()
+        if info.st_size > limit:
+            raise PermissionError(f"{path} has {info.st_size} bytes, over the {limit} a job's file may have")
+        data = file.read(limit + 1)
+        if len(data) > limit:  # grown since
+            raise PermissionError(f"{path} has over the {limit} bytes a job's file may have")
+        return data
 
 
 def write_owned(path: Path, data: bytes, uid: int | None) -> None:

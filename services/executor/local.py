@@ -16,9 +16,12 @@ worker has exited with code 0, none after the library's stopped mark (an outcome
 its numbers are metrics too) — or crashes: a worker that exits with an error, on any node, takes
 the job's others down everywhere (they would wait for it in a collective, at most the library's
 collective timeout) and the job restarts from its last checkpoint; after `max_crashes` it fails,
-with the last lines its worker wrote to stderr. Workers that stopped unasked (the stopped mark:
-their agent went away, the lifeline) restart without a crash counted. A node that is lost takes its jobs'
-workers with it: those jobs stop everywhere and the next round places them again.
+with the last lines its worker wrote to stderr. A stop it asked for is never the end: a worker
+that was still running when its agent signalled it is to be resumed, whatever its exit code.
+Workers that stopped unasked (the stopped mark, their agents alive: a SIGTERM from outside goodput)
+restart, and each such stop counts toward `max_crashes`, so they cannot restart forever; workers a
+node no longer knows (its agent restarted) restart with nothing counted. A node that is lost takes
+its jobs' workers with it: those jobs stop everywhere and the next round places them again.
 
 It is blocking code (the executor service runs it in a thread); `Nodes` is how it reaches the
 agents: over the bus (`BusNodes`), or `NodeWorkers` in this process (`InProcessNodes`).
@@ -132,7 +135,8 @@ class LocalJob:
     rate: float | None = None  # statistical epochs per second, over its current run's reports
     first_heard: tuple[float, float] | None = None  # (monotonic time, epochs) of its run's first report
     restarts: int = 0
-    crashes: int = 0
+    crashes: int = 0  # its workers' crashes, and their stops nobody asked for (`unasked`)
+    unasked: int = 0
     failure: str | None = None
     announced: bool = False  # its finish returned by `poll` once
     heard: bool = False  # its workers have reported since they were last started
@@ -140,6 +144,7 @@ class LocalJob:
     code: str = ""  # its own code: the archive in the code store ("": `application` is a job module)
     entrypoint: str = ""  # ... what in it runs, with these arguments
     args: tuple[str, ...] = ()
+    user: int | None = None  # its user's number on the nodes (its submission's: StartWorkers.user)
 
     def batch(self) -> int | None:
         """The total batch its running workers train at, from a report of this run of theirs and its
@@ -183,16 +188,25 @@ class LocalExecutors:
         self.closing = False  # stopping for good: a worker that exits is not restarted
 
     def add(
-        self, job_id: str, application: str, code: str = "", entrypoint: str = "", args: tuple[str, ...] = ()
+        self,
+        job_id: str,
+        application: str,
+        code: str = "",
+        entrypoint: str = "",
+        args: tuple[str, ...] = (),
+        user: int | None = None,
     ) -> None:
         """A job to run: a module of the jobs package (`application`), or its own code (`code`, the
-        archive its node agents fetch; `entrypoint` and `args`, what they run of it)."""
+        archive its node agents fetch; `entrypoint` and `args`, what they run of it). `user`: the
+        number of its workers' user on every node (its submission's; None: each node hashes its id)."""
         try:
             if not code:
                 job_module(application, self.jobs_package)
         except ValueError as error:
             raise ValueError(f"job {job_id}: {error}") from None
-        self.jobs.setdefault(job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args))
+        self.jobs.setdefault(
+            job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args, user=user)
+        )
 
     def apply(self, placements: Mapping[str, Spots]) -> None:
         """Give each job its placement: every changed one stops its workers first (they checkpoint,
@@ -251,7 +265,17 @@ class LocalExecutors:
                     )
                     job.placement = ()
                     continue
-            else:  # stopped unasked (the stopped mark: an agent went away, or restarted and stopped them)
+            elif len(current) == len(mine):  # the stopped mark, no stop asked and its agents alive
+                job.crashes, job.unasked = job.crashes + 1, job.unasked + 1
+                if job.crashes >= self.max_crashes:
+                    job.failure = (
+                        f"its workers stopped {job.unasked} times without being asked (the library's stopped "
+                        "mark, but goodput asked no stop: a SIGTERM from outside goodput?)"
+                        + ("" if job.unasked == job.crashes else f"; it also crashed {job.crashes - job.unasked} times")
+                    )
+                    job.placement = ()
+                    continue
+            else:  # a node no longer knows them (its agent restarted and stopped them): not the job's doing
                 job.restarts += 1
             self._start(job)  # from its last checkpoint
         finished = [
@@ -280,7 +304,8 @@ class LocalExecutors:
         job = self.jobs[job_id]
         if job.running:
             self._stop(job)
-        job.failure, job.placement = CANCELLED, ()
+        # Cancelled, never finished: also when its workers ended as they were being stopped.
+        job.failure, job.placement, job.result = CANCELLED, (), None
 
     def stop_leftovers(self) -> None:
         """After the executor restarted: the workers its predecessor left running on the nodes
@@ -333,6 +358,7 @@ class LocalExecutors:
                     code=job.code,
                     entrypoint=job.entrypoint,
                     args=job.args,
+                    user=job.user,
                 )
                 answer = self.nodes.start(node, order)
                 rendezvous = rendezvous or answer
@@ -351,7 +377,8 @@ class LocalExecutors:
         self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S, skip: set[str] = frozenset()
     ) -> None:
         """Stop its workers on every node they run on (not `skip`: lost), and read their last word:
-        it finished if every one of them had exited with code 0, none after the stopped mark."""
+        it finished if every one of them had exited with code 0 before it was signalled, none after
+        the stopped mark (a node says `stopped` of workers it signalled while one ran)."""
         reports = []
         for node, _ in job.parts:
             if node in skip:
@@ -387,7 +414,7 @@ class LocalExecutors:
                     job.outcome = outcome
                     values = {k: v for k, v in outcome.items() if k != "stopped" and isinstance(v, (int, float, str))}
                     job.metrics = clean_metrics({**job.metrics, **values})[0]
-        except (ValueError, msgspec.DecodeError) as error:  # a job's own output must not stop us
+        except (ValueError, RecursionError, msgspec.DecodeError) as error:  # a job's own output must not stop us
             log.warning("job %s: unreadable report: %s", job.job_id, error)
 
     @staticmethod
@@ -401,8 +428,9 @@ class LocalExecutors:
 
 
 def finished(parts: tuple[tuple[str, tuple[int, ...]], ...], reports: list[WorkersReport]) -> bool:
-    """Whether a job's workers (its `parts`) all exited with code 0, none after the stopped mark,
-    as the nodes' `reports` of this run say: a job's end is its exit code, as for a Kubernetes Job."""
+    """Whether a job's workers (its `parts`) all exited with code 0, none after the stopped mark nor
+    after a stop the executor asked for (`stopped`, either way), as the nodes' `reports` of this run
+    say: a job's end is its exit code, as for a Kubernetes Job."""
     ranks = {rank for _, ranks in parts for rank in ranks}
     exited = {rank for report in reports for rank, code in zip(report.ranks, report.codes) if code == 0}
     return bool(ranks) and exited == ranks and not any(report.stopped for report in reports)

@@ -29,15 +29,18 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import msgspec
 import nats.js.errors
@@ -62,6 +65,7 @@ from services.executor.isolation import (
     Sandbox,
     closed_to_others,
     default_memory_mb,
+    end_user,
     job_uid,
     make_own,
     read_owned,
@@ -73,11 +77,14 @@ from services.executor.processes import (
     ROOT,
     STOP_TIMEOUT_S,
     declared_jobs,
+    ended,
     free_port,
     job_module,
     last_error,
+    signal_group,
     stop_leftovers,
     torchrun_env,
+    wait_ended,
     worker,
 )
 from shared import storage, subjects
@@ -102,6 +109,9 @@ CPU_SLOTS = 4  # a node without CUDA: this many CPU slots, by default
 COPY_EVERY_S = 1.0  # how often new checkpoints are copied to the store (no shared folder)
 COPY_TIMEOUT_S = 300.0
 PROFILE_STDERR_KEPT = 64 * 1024  # bytes: the end of a profiling run's stderr kept with its output
+MAX_STDOUT_LINE = 1 << 20  # characters of a worker's stdout line read; the rest of a longer one is dropped
+PROFILE_STDOUT_KEPT = 1000  # lines: the end of a profiling run's stdout kept with its output
+PROFILES_KEPT = 4  # profile lines of a profiling run kept (the first is its profile)
 READ_REST_S = 2.0  # how long a report waits for an exited worker's readers to reach the end of its output
 log = logging.getLogger(__name__)
 
@@ -162,14 +172,17 @@ class Workers:
     readers: list[threading.Thread] = field(default_factory=list)
     stats: str = ""  # the latest report line (rank 0's, where it is here)
     outcome: str = ""  # the outcome line of this node's first rank
-    stopped: bool = False  # one of them printed the library's stopped mark: it is to be resumed
+    # One printed the library's stopped mark, or the agent stopped them while one ran (`_asked`): an
+    # exit 0 is then a stop, to be resumed, not the job's end.
+    stopped: bool = False
     metrics: dict[str, float | str] = field(default_factory=dict)  # the latest value of each (rank 0's)
     dropped: set[str] = field(default_factory=set)  # metrics refused, each logged once
     pushed: float | None = None  # the modification time of the checkpoint last copied to the store
+    drained: set[int] = field(default_factory=set)  # ranks whose readers a report has waited for (`_read_to_end`)
 
     @property
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.processes)
+        return any(ended(p) is None for p in self.processes)
 
 
 class NodeWorkers:
@@ -205,8 +218,6 @@ class NodeWorkers:
 
     def start(self, order: StartWorkers) -> Rendezvous:
         """Start a job's workers for a generation (the same order again: the same answer)."""
-        # ValueError: refused with the reason (no such job module, its code not stored or unsafe)
-        target, code = self._target(order.job_id, order.application, order.code, order.entrypoint)
         with self.lock:
             current = self.jobs.get(order.job_id)
         if current is not None:
@@ -218,7 +229,9 @@ class NodeWorkers:
                     f"{current.order.generation} running here"
                 )
             self._stop(current, STOP_TIMEOUT_S, kill=False)
-        sandbox = self.sandbox(order.job_id)
+        sandbox = self.sandbox(order.job_id, order.user)
+        # ValueError: refused with the reason (no such job module, its code not stored or unsafe)
+        target, code = self._target(order.job_id, order.application, order.code, order.entrypoint, sandbox)
         checkpoint = Path(order.checkpoint)
         if order.store:  # no shared folder: this node's copy of the stored one, in the job's folder
             if self.store is None:
@@ -288,10 +301,6 @@ class NodeWorkers:
 
     def profile(self, request: ProfileRequest) -> ProfileAnswer:
         """Run the job's script in profiling mode on one GPU of this node; what it measured, or why not."""
-        try:
-            target, code = self._target(request.job_id, request.application, request.code, request.entrypoint)
-        except ValueError as error:
-            return ProfileAnswer(failure=str(error))
         env = {**torchrun_env(0, 1, 1, 0, request.job_id, self.info.gpu_type), PROFILE_ENV: "1"}
         if request.slot_memory_mb is not None:
             env[SLOT_MEMORY_ENV] = str(request.slot_memory_mb)
@@ -299,30 +308,47 @@ class NodeWorkers:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]  # the last: starts take the first free ones
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
         gpu_type = self.info.gpu_type
+        try:
+            sandbox = self.sandbox(request.job_id, request.user)
+            target, code = self._target(request.job_id, request.application, request.code, request.entrypoint, sandbox)
+        except ValueError as error:
+            return ProfileAnswer(failure=str(error))
+        profiles: list[str] = []
+        tail: deque[str] = deque(maxlen=PROFILE_STDOUT_KEPT)
         with open(log_path, "w") as log_file:
-            process = worker(target, list(request.args), env, log_file, sandbox=self.sandbox(request.job_id), code=code)
+            process = worker(target, list(request.args), env, log_file, sandbox=sandbox, code=code)
             self.profiling.add(process)
+            reader = threading.Thread(
+                target=_read_profile,
+                args=(process.stdout, profiles, tail),
+                name=f"{request.job_id}/profile",
+                daemon=True,
+            )
+            reader.start()
             try:
-                out, _ = process.communicate(timeout=request.timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
-                return ProfileAnswer(
-                    failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s"
-                )
+                returncode = wait_ended(process, request.timeout_s)
+                signal_group(process, signal.SIGKILL)  # still running: past its time
+                wait_ended(process, STOP_TIMEOUT_S)
+                if not end_user(sandbox.uid, self.python):  # what left its group
+                    log.warning("job %s: a process of its user %s outlives SIGKILL", request.job_id, sandbox.uid)
+                reader.join(READ_REST_S)  # not longer: a process that left its group may hold its stdout
             finally:
                 self.profiling.discard(process)
+        if returncode is None:
+            return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s")
+        # What it read so far (a reader still reading, held up by a process that left the group, is not waited for).
+        profiles, out = list(profiles), "" if reader.is_alive() else "".join(tail)
         self._keep_profile(request.job_id, out, log_path)
         if process.returncode != 0:
             return ProfileAnswer(
                 failure=f"its script failed while profiling on {gpu_type} (exit code "
                 f"{process.returncode}): {last_error(log_path)}"
             )
-        for line in out.splitlines():
+        for line in profiles:
             if line.startswith(PROFILE_PREFIX):
                 try:
                     return ProfileAnswer(
-                        msgspec.msgpack.decode(base64.b64decode(line[len(PROFILE_PREFIX) :]), type=ProfileRun)
+                        msgspec.msgpack.decode(base64.b64decode(line.strip()[len(PROFILE_PREFIX) :]), type=ProfileRun)
                     )
                 except (ValueError, msgspec.DecodeError) as error:
                     return ProfileAnswer(failure=f"its profiling run printed an unreadable profile: {error}")
@@ -361,11 +387,11 @@ class NodeWorkers:
             self.closing = True
             jobs, self.jobs = list(self.jobs.values()), {}
         for process in list(self.profiling):
-            process.kill()
+            signal_group(process, signal.SIGKILL)
         for workers in jobs:  # every job told at once: their checkpoints overlap
+            _asked(workers)
             for process in workers.processes:
-                if process.poll() is None:
-                    process.terminate()
+                signal_group(process, signal.SIGTERM)
         for workers in jobs:
             self._stop(workers, STOP_TIMEOUT_S, kill=False)
 
@@ -384,18 +410,20 @@ class NodeWorkers:
         return tuple(d for d in self.devices if d not in taken)[: len(order.ranks)] if self.devices else ()
 
     def _stop(self, workers: Workers, grace_s: float, kill: bool) -> None:
-        for process in workers.processes:
-            if process.poll() is None:
-                process.kill() if kill else process.terminate()
+        _asked(workers)
+        for process in workers.processes:  # each with what it started (its group)
+            signal_group(process, signal.SIGKILL if kill else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in workers.processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for reader in workers.readers:
-            reader.join(timeout=STOP_TIMEOUT_S)
+            if wait_ended(process, max(0.0, deadline - time.monotonic())) is None:
+                signal_group(process, signal.SIGKILL)
+                if wait_ended(process, STOP_TIMEOUT_S) is None:
+                    log.warning("job %s: worker %d outlives SIGKILL", workers.order.job_id, process.pid)
+        if not end_user(workers.uid, self.python):  # what left the workers' groups, before their files are read
+            log.warning("job %s: a process of its user %s outlives SIGKILL", workers.order.job_id, workers.uid)
+        # What is still there to read, waited for a little only: a process that left the group keeps
+        # the pipe open, and its reader waits for it, not the stop.
+        _read_to_end(workers, list(workers.order.ranks))
         for process in workers.processes:
             if process.stdin:
                 process.stdin.close()
@@ -403,7 +431,7 @@ class NodeWorkers:
         self._push(workers)  # the checkpoint it stopped with, before anyone starts it elsewhere
 
     def _report(self, workers: Workers) -> WorkersReport:
-        codes = tuple(p.poll() for p in workers.processes)
+        codes = tuple(ended(p) for p in workers.processes)
         crashed = next((rank for rank, code in zip(workers.order.ranks, codes) if code not in (None, 0)), None)
         _read_to_end(workers, [rank for rank, code in zip(workers.order.ranks, codes) if code is not None])
         error = last_error(self.log_path(workers.order.job_id, crashed)) if crashed is not None else ""
@@ -445,18 +473,29 @@ class NodeWorkers:
         node's copy of its stored checkpoint; its user's alone."""
         return self.workdir / "jobs" / job_id
 
-    def sandbox(self, job_id: str) -> Sandbox:
-        """Where and as whom the job's workers run here, its folder made (or given back) to its user."""
+    def sandbox(self, job_id: str, slot: int | None = None) -> Sandbox:
+        """Where and as whom the job's workers run here (`slot`: the executor's number for its user,
+        `job_uid`), its folder made (or given back) to its user once no process of that user is
+        left: nothing of the job's changes the folder while the agent, root, walks it."""
         uid = None
         if self.uid_base is not None:
             with self.lock:
-                taken = {w.uid for w in self.jobs.values() if w.order.job_id != job_id}
-            uid = job_uid(job_id, self.uid_base, taken)
+                others = [w for w in self.jobs.values() if w.order.job_id != job_id]
+                mine = self.jobs.get(job_id)
+            uid = job_uid(slot, self.uid_base, {w.uid for w in others}, job_id)
+            if mine is not None and mine.running:
+                raise ValueError(f"job {job_id}: its workers run on node {self.info.name}; it is not started again")
+            self._end_user(job_id, uid)
             make_passable(self.workdir, self.workdir / "jobs")  # the agent made them 0700 when it started
         sandbox = Sandbox(self.job_folder(job_id), uid, self.limits.rlimits(uid is not None), self.python)
         make_own(sandbox.folder, uid)  # all of it: an earlier run of the job may have had another user
         make_own(sandbox.tmp, uid)
         return sandbox
+
+    def _end_user(self, job_id: str, uid: int | None) -> None:
+        """Every process of the job's user here ended (`end_user`); ValueError if one outlives it."""
+        if not end_user(uid, self.python):
+            raise ValueError(f"job {job_id}: a process of its user {uid} outlives SIGKILL on node {self.info.name}")
 
     def _checkpoint_folder(self, job_id: str, folder: Path, uid: int | None) -> None:
         """The job's checkpoint folder in the shared one: the job's user's alone (the agent, root,
@@ -471,14 +510,18 @@ class NodeWorkers:
         make_passable(folder.parent)
         make_own(folder, uid)
 
-    def _target(self, job_id: str, application: str, code: str, entrypoint: str) -> tuple[str, Path | None]:
+    def _target(
+        self, job_id: str, application: str, code: str, entrypoint: str, sandbox: Sandbox
+    ) -> tuple[str, Path | None]:
         """What the job's workers run: a module of the jobs package (no folder), or the entrypoint of
-        its own code, unpacked in its folder (that folder); ValueError with why it cannot run here."""
+        its own code, unpacked in its folder by its user (that folder); ValueError with why it cannot
+        run here."""
         if not code:
             return job_module(application, self.jobs_package), None
         if self.code is None:
             raise ValueError(f"node {self.info.name} runs no job's own code (it reaches no code store)")
-        folder = self.code.prepare(self.job_folder(job_id), code, entrypoint, self._file(job_id, "code"))
+        marker = self._file(job_id, "code")
+        folder = self.code.prepare(sandbox.folder, code, entrypoint, marker, sandbox.uid, sandbox.python)
         return entrypoint, folder
 
     def log_path(self, job_id: str, rank: int) -> Path:
@@ -495,11 +538,42 @@ def _reader_name(job_id: str, rank: int) -> str:
     return f"{job_id}/{rank}"
 
 
+def _asked(workers: Workers) -> None:
+    """Before the agent signals a job's workers: if one still runs, their exits are a stop it asked
+    for (reported `stopped`), not the job's end; workers that had all exited before were done."""
+    if workers.running:
+        workers.stopped = True
+
+
+def _lines(stream: IO[str], limit: int = MAX_STDOUT_LINE) -> Iterator[str]:
+    """Each line of a worker's stdout, at most its first `limit` characters (the rest of a longer one
+    is read and dropped): what a job prints never fills the agent's memory."""
+    while line := stream.readline(limit):
+        if len(line) == limit and not line.endswith("\n"):
+            while (rest := stream.readline(limit)) and not rest.endswith("\n"):
+                pass
+        yield line
+
+
+def _read_profile(stream: IO[str], profiles: list[str], tail: deque[str]) -> None:
+    """A profiling run's stdout: its profile lines (the first PROFILES_KEPT), the last lines of the
+    rest (`tail`, bounded)."""
+    for line in _lines(stream):
+        if line.startswith(PROFILE_PREFIX):
+            if len(profiles) < PROFILES_KEPT:
+                profiles.append(line)
+        else:
+            tail.append(line)
+
+
 def _read_to_end(workers: Workers, ranks: list[int], timeout_s: float = READ_REST_S) -> None:
     """The readers of workers that have exited, waited for (at most `timeout_s` in all): what a report
-    reads of them (the last lines of their stderr file, their last protocol lines) is then all there."""
+    reads of them (the last lines of their stderr file, their last protocol lines) is then all there.
+    Each rank's once: a reader held up by a process that still has the pipe open (one that left the
+    worker's group) does not hold up every report after."""
     deadline = time.monotonic() + timeout_s
-    names = {_reader_name(workers.order.job_id, rank) for rank in ranks}
+    names = {_reader_name(workers.order.job_id, rank) for rank in ranks if rank not in workers.drained}
+    workers.drained.update(ranks)
     for reader in workers.readers:
         if reader.name in names:
             reader.join(max(0.0, deadline - time.monotonic()))
@@ -510,14 +584,18 @@ def _forward(
 ) -> None:
     """A worker's stdout, line by line: the latest report (rank 0 prints them), the first rank's
     outcome, its metrics, the stopped mark; every other line to `keep` (the job's own output)."""
-    for line in process.stdout:
+    for line in _lines(process.stdout):
         if keep is not None and not line.startswith(PROTOCOL_PREFIXES):
             keep(line.rstrip("\r\n"))
         line = line.strip()
         if line.startswith(STATS_PREFIX):
             workers.stats = line
         elif line.startswith(OUTCOME_PREFIX) and (first or not workers.outcome):
-            workers.outcome = line
+            if len(line) <= MAX_OUTCOME_LINE:  # it travels in every report of the job
+                workers.outcome = line
+            elif "outcome" not in workers.dropped:
+                workers.dropped.add("outcome")
+                log.warning("job %s: outcome lines over %d characters dropped", workers.order.job_id, MAX_OUTCOME_LINE)
         elif line.startswith(METRICS_PREFIX):
             _take_metrics(workers, line[len(METRICS_PREFIX) :])
         elif line == STOPPED_MARK:
@@ -525,6 +603,7 @@ def _forward(
 
 
 MAX_METRICS_LINE = 16_384  # characters: MAX_METRICS short names and values fit many times over
+MAX_OUTCOME_LINE = 16_384  # characters: a few numbers and the batches it trained at
 MAX_DROPS_LOGGED = 100  # per job's workers: a script that keeps sending bad ones is not a log flood
 
 
@@ -537,7 +616,7 @@ def _take_metrics(workers: Workers, text: str) -> None:
         values = json.loads(text)
         if not isinstance(values, dict):
             raise ValueError(f"a metrics line is a JSON object, not {type(values).__name__}")
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep
         values, problems = {}, [f"unreadable metrics: {error}"]
     else:
         problems = []
@@ -642,7 +721,11 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12], applications=jobs
     )
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
-    make_private(workdir)  # with the logs and checkpoint copies an agent before this one left
+    # What a killed agent before this one left running is stopped first: nothing of a job's is left
+    # to change its folder while it is walked. Jobs' folders are their users' (`sandbox` gives them
+    # back): only the agent's own files are made private.
+    await asyncio.to_thread(stop_leftovers, workdir)
+    make_private(workdir, skip=("jobs",))  # with the logs and checkpoint copies an agent before this one left
     uid_base, users = job_users(args.job_users, workdir, args.worker_python)
     limits = Limits(
         args.worker_processes,
@@ -664,7 +747,6 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         args.worker_python,
         JobCode(workdir / "archives", store_fetcher(bus, asyncio.get_running_loop())),
     )
-    await asyncio.to_thread(stop_leftovers, workdir)  # what a killed agent before this one left
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
 
     async def heartbeat() -> None:

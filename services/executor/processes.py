@@ -5,6 +5,8 @@ Only a module that declares itself a job (`GOODPUT_JOB = True` at its top level,
 source, never run here) may be started: the package's helpers are not jobs. A worker gets a minimal
 environment (`worker_env`), never the agent's: its NATS credentials stay with the agent. Its stdin
 is its lifeline (the library stops, checkpointed, when it ends), so no worker outlives its agent.
+Each worker leads a session of its own: it is signalled with every process it started
+(`signal_group`), and what is left of its group once it has exited is killed (`ended`).
 """
 
 from __future__ import annotations
@@ -166,8 +168,40 @@ def worker(
         errors="replace",
         cwd=code or (sandbox.folder if sandbox else ROOT),
         umask=PRIVATE_UMASK,
+        start_new_session=True,  # its group is all it starts: a stop reaches them too
         **(sandbox.user() if sandbox else {}),
     )
+
+
+def ended(process: subprocess.Popen) -> int | None:
+    """A worker's exit code (None: it runs). Once it has exited, what is left of its process group
+    (children that would keep its files, its GPU and its output pipe) is killed first, while its
+    exited leader, not yet reaped, still holds the group's id: no other process's group is hit."""
+    if process.returncode is None:
+        try:
+            exited = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already, by the caller that killed its group
+            exited = False
+        if exited:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    return process.poll()
+
+
+def signal_group(process: subprocess.Popen, sig: int) -> None:
+    """`sig` to a worker and every process of its group, while it runs (once it has exited, `ended`
+    kills the rest)."""
+    if ended(process) is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+
+
+def wait_ended(process: subprocess.Popen, timeout_s: float) -> int | None:
+    """A worker's exit code once it has exited (`ended`), None if it still runs after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (code := ended(process)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return code
 
 
 def job_arguments(target: str, arguments: list[str], checkpoint: Path | None = None, code: bool = False) -> list[str]:
@@ -249,7 +283,7 @@ def stop_leftovers(workdir: Path, mark: str = "--checkpoint") -> None:
         for pid in (int(p) for p in pids.read_text().split() if p.isdigit() and int(p) != os.getpid()):
             try:
                 if checkpoint and expected in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    os.kill(pid, signal.SIGTERM)
+                    _signal_leftover(pid, signal.SIGTERM)
                     leftovers.append(pid)
             except (FileNotFoundError, ProcessLookupError):
                 pass  # gone already
@@ -259,7 +293,13 @@ def stop_leftovers(workdir: Path, mark: str = "--checkpoint") -> None:
         time.sleep(0.1)
     for pid in leftovers:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            _signal_leftover(pid, signal.SIGKILL)
+
+
+def _signal_leftover(pid: int, sig: int) -> None:
+    """A leftover worker signalled with its group (its children), where it leads one (an older
+    agent's workers did not)."""
+    os.killpg(pid, sig) if os.getpgid(pid) == pid else os.kill(pid, sig)
 
 
 def alive(pid: int) -> bool:

@@ -41,6 +41,7 @@ from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus, TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_node, real_nodes
+from shared.code_archive import owned
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.runner import executors_kind, positive_float
 from shared.schema import (
@@ -186,7 +187,7 @@ class RealExecutors:
         if job.unnamed:  # a refusal listed on its own: nothing ever runs
             return
         try:
-            self.executors.add(job.spec.id, job.spec.model, *job.spec.own_code)
+            self.executors.add(job.spec.id, job.spec.model, *owned(job.spec.own_code, job.owner), user=job.submission)
         except ValueError as error:  # refused on submission, or its code is gone since
             job.failure = job.failure or str(error)
             return
@@ -221,7 +222,7 @@ class RealExecutors:
             spec, submission=sequence, seen=sequence, trace=trace, submitted_at=time.time(), owner=owner
         )
         try:
-            self.executors.add(spec.id, spec.model, *spec.own_code)
+            self.executors.add(spec.id, spec.model, *owned(spec.own_code, owner), user=sequence)
         except ValueError as error:
             job.failure = str(error)
 

@@ -139,13 +139,15 @@ async def profiling_run(
     cancelled: Callable[[], bool] = lambda: False,
     tracer_provider: trace.TracerProvider | None = None,
     code: tuple[str, str, tuple[str, ...]] = ("", "", ()),
+    user: int | None = None,
 ) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
     turns, shared by the runs of one profiler, or the membership alone). A job `cancelled()` once
     its turn on a node comes: ProfilingCancelled, and the node goes to the next run. The run is a
     `profiler.run` span with what it measured or why it failed. `code`: the job's own (archive,
-    entrypoint, args), which the node agent fetches and runs; none: `application`, a job module."""
+    entrypoint, args), which the node agent fetches and runs; none: `application`, a job module.
+    `user`: the number of the job's user on the node (its submission's, as the executor gives it)."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span(
@@ -163,9 +165,8 @@ async def profiling_run(
                 try:
                     if cancelled():
                         raise ProfilingCancelled(f"job {job_id} was cancelled before its profiling run on {gpu_type}")
-                    answer = await _run_on(
-                        bus, turns, info, ProfileRequest(job_id, application, slot_memory_mb, timeout_s, *code)
-                    )
+                    request = ProfileRequest(job_id, application, slot_memory_mb, timeout_s, *code, user=user)
+                    answer = await _run_on(bus, turns, info, request)
                     break
                 except NodeUnavailable as error:
                     lost[info.name] = str(error)

@@ -25,6 +25,7 @@ from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFa
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
+from shared.code_archive import owned
 from shared.profiles import ProfileSource, profile_source
 from shared.runner import add_profile_arguments, new_service, positive_float
 from shared.schema import (
@@ -137,8 +138,11 @@ class Profiler:
         while len(self.cancels) > CANCELS_KEPT:
             del self.cancels[next(iter(self.cancels))]
 
-    async def measure(self, spec: JobSpec, types: list[str]) -> tuple[tuple, ProfileRun | None]:
-        """The job run on one slot of each type: its profiles, and the batch sizes it declares."""
+    async def measure(
+        self, spec: JobSpec, types: list[str], owner: str, user: int | None = None
+    ) -> tuple[tuple, ProfileRun | None]:
+        """The job run on one slot of each type: its profiles, and the batch sizes it declares
+        (`user`: its submission's number, its user's on the nodes)."""
         profiles, run = [], None
         for gpu_type in types:
             if self.stopping.is_set():
@@ -151,7 +155,8 @@ class Profiler:
                 gpu_type,
                 self.slot_memory,
                 cancelled=lambda: spec.id in self.cancels,
-                code=spec.own_code,
+                code=owned(spec.own_code, owner),  # its login's archive
+                user=user,
             )
             memory = f"{self.slot_memory:g} MB memory" if self.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.model, gpu_type, run, memory))
@@ -178,7 +183,9 @@ class Profiler:
         if self.real:
             types = [t for t in self.cluster.gpu_types if not named or t in named]
             try:
-                profiles, run = await self.measure(spec, types)
+                profiles, run = await self.measure(
+                    spec, types, subjects.of_login(delivery.subject)[1], delivery.stream_sequence
+                )
             except ProfilingCancelled as cancelled:
                 log.info("%s", cancelled)
                 return

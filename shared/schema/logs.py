@@ -16,7 +16,7 @@ CUT_MARK = " [goodput: line cut at {limit} bytes of {length}]"
 BATCH_LINES = 64  # a batch is stored when it has this many lines ...
 BATCH_BYTES = 32 * KIB  # ... or this much text, or after the agent's flush interval
 MAX_LOG_LINES = 5000  # the most lines one page holds
-LOG_PAGE_BYTES = 512 * KIB  # ... and the most text (under the server's 1 MiB max payload)
+LOG_PAGE_BYTES = 512 * KIB  # ... and the most reply, as encoded (under the server's 1 MiB max payload)
 Stream = Literal["stdout", "stderr"]
 # A worker's rank, or PROFILE_RANK ("profile"): the job's profiling runs.
 Rank = Annotated[int, msgspec.Meta(ge=0)] | Literal["profile"]

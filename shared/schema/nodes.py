@@ -59,6 +59,9 @@ class StartWorkers(msgspec.Struct, frozen=True):
     code: str = ""
     entrypoint: str = ""
     args: tuple[str, ...] = ()
+    # The number of the job's user on every node (its submission's, never the submitter's choice: its
+    # workers' uid is the agent's first plus it); None: an older executor's order (a hash of the id).
+    user: int | None = None
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -86,7 +89,9 @@ class WorkersReport(msgspec.Struct, frozen=True):
     stats: str = ""
     outcome: str = ""
     error: str = ""  # the last lines a crashed worker wrote to stderr
-    stopped: bool = False  # one printed the library's stopped mark: an exit 0 is a stop, not the end
+    # One printed the library's stopped mark, or the agent was asked to stop them while one ran: an
+    # exit 0 is a stop, not the end.
+    stopped: bool = False
     metrics: dict[str, float | str] = {}  # the latest value of each metric rank 0 reported
 
 
@@ -105,6 +110,7 @@ class ProfileRequest(msgspec.Struct, frozen=True):
     code: str = ""  # as StartWorkers': the job's own code, when it carries it
     entrypoint: str = ""
     args: tuple[str, ...] = ()
+    user: int | None = None  # as StartWorkers'
 
 
 class ProfileAnswer(msgspec.Struct, frozen=True):

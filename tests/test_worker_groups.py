@@ -1,0 +1,145 @@
+"""No process of a job outlives its stop, and none holds up its node agent: a worker leads a process
+group of its own, stopped whole; with a user of its own, every process of that user is ended; what
+the workers print is read in bounded lines (tests/jobs/leaves.py leaves children behind)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.executor.isolation import JOB_UID_BASE, Limits, closed_to_others
+from services.executor.node import NodeWorkers, _lines
+from services.executor.processes import alive
+from shared.files import make_passable
+from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
+from tests.test_isolation import reachable_python
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def open_folder():
+    """A folder other users may enter (a job's user reaches its folder through it), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="goodput-groups-"))
+    make_passable(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def children(node: NodeWorkers, job_id: str, timeout_s: float = 60) -> list[int]:
+    """The process ids the job wrote once it had started its children."""
+    path = node.job_folder(job_id) / "children"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"job {job_id} did not start its children"
+        time.sleep(0.05)
+    return [int(pid) for pid in path.read_text().split()]
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def order(job_id: str, folder: Path, user: int | None = None, **env: str) -> StartWorkers:
+    checkpoint = folder / "checkpoints" / job_id / f"{job_id}.pt"
+    return StartWorkers(job_id, "leaves", 1, (0,), 1, 1, "cpu", str(checkpoint), env, user=user)
+
+
+def test_a_line_of_any_length_is_read_in_bounded_parts():
+    stream = io.StringIO("a" * 100 + "\nshort\n" + "b" * 25 + "\n" + "c" * 7)
+    assert list(_lines(stream, limit=10)) == ["a" * 10, "short\n", "b" * 10, "c" * 7]
+
+
+@pytest.mark.e2e
+def test_a_stop_ends_the_workers_group_and_holds_up_neither_the_stop_nor_the_polls(open_folder):
+    """Without a user of its own: the child in the worker's group is killed with it; the one that
+    left the group keeps the worker's stdout open, yet a poll waits for its reader once only and a
+    stop does not wait for it."""
+    node = NodeWorkers(NodeInfo("grp-0", "cpu", 1, "127.0.0.1"), open_folder / "node", "tests.jobs")
+    node.start(order("exits-1", open_folder, LEAVES_EXIT="1"))
+    pids = children(node, "exits-1")
+    try:
+        deadline = time.monotonic() + 60
+        while node.poll().jobs[0].codes != (0,):
+            assert time.monotonic() < deadline, "the worker did not exit"
+        assert not alive(pids[0])  # its group's, killed once it had exited
+        began = time.monotonic()
+        node.poll()  # the reader held up by the child that left: waited for before, not again
+        assert time.monotonic() - began < 1.0
+        node.stop(StopWorkers("exits-1", grace_s=5))
+        node.start(order("sleeps-1", open_folder))
+        more = children(node, "sleeps-1")
+        pids += more
+        began = time.monotonic()
+        report = node.stop(StopWorkers("sleeps-1", grace_s=5))
+        assert time.monotonic() - began < 15, "the stop waited for a reader held up by a child"
+        assert report.codes == (-signal.SIGTERM,) and not alive(more[0])
+    finally:
+        kill_all(pids)
+
+
+def job_users_node(folder: Path) -> NodeWorkers:
+    python = reachable_python()
+    if python is None or closed_to_others(ROOT):
+        pytest.skip("another user can run no interpreter here, or not reach the project")
+    return NodeWorkers(
+        NodeInfo("grp-1", "cpu", 1, "127.0.0.1"),
+        folder / "node",
+        "tests.jobs",
+        uid_base=JOB_UID_BASE,
+        limits=Limits(processes=64, memory_mb=None),
+        python=python,
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(os.geteuid() != 0, reason="workers change user only when their agent is root; this test is not")
+def test_with_a_user_of_its_own_no_process_of_the_job_outlives_its_stop(open_folder):
+    node = job_users_node(open_folder)
+    node.start(order("users-1", open_folder, user=41))
+    pids = children(node, "users-1")
+    try:
+        assert node.job_folder("users-1").stat().st_uid == JOB_UID_BASE + 41  # the executor's number
+        report = node.stop(StopWorkers("users-1", grace_s=5))
+        assert report.codes == (-signal.SIGTERM,)
+        assert not any(alive(pid) for pid in pids), "a process of the job outlived its stop"
+    finally:
+        kill_all(pids)
+
+
+@pytest.mark.e2e
+def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
+    """The run exits, its child that left its group sleeps on with the run's stdout: the answer comes
+    all the same (the old one waited for the child)."""
+    users = os.geteuid() == 0
+    node = (
+        job_users_node(open_folder)
+        if users
+        else NodeWorkers(NodeInfo("grp-2", "cpu", 1, "127.0.0.1"), open_folder / "node", "tests.jobs")
+    )
+    answers = []
+    run = threading.Thread(target=lambda: answers.append(node.profile(ProfileRequest("prof-1", "leaves", user=42))))
+    run.start()
+    pids = children(node, "prof-1")
+    try:
+        run.join(60)
+        assert answers, "the profiling run's answer waited for a child of the run"
+        assert "printed no profile" in answers[0].failure
+        if users:  # every process of its user ended
+            assert not any(alive(pid) for pid in pids)
+    finally:
+        kill_all(pids)
+        run.join()
