@@ -143,3 +143,53 @@ def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
     finally:
         kill_all(pids)
         run.join()
+
+
+# A fake agent: a process that starts a child of the job's user and ends that user's processes when
+# told (a line on its stdin), as an agent does after a stop; it says how many of its own are left.
+FAKE_AGENT = """
+import os, subprocess, sys
+from services.executor.isolation import become_subreaper, end_user, user_processes
+become_subreaper()
+uid = int(sys.argv[1])
+child = subprocess.Popen(["sleep", "300"], user=uid, group=uid, extra_groups=[])
+print(child.pid, flush=True)
+if sys.stdin.readline().strip() == "end":
+    ended = end_user(uid)
+    child.wait()
+    print(ended, len(user_processes(uid, os.getpid())), flush=True)
+else:
+    child.kill()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="workers change user only when their agent is root; this test is not")
+def test_an_agent_ends_only_the_processes_of_the_jobs_user_it_started(tmp_path):
+    """Two agents on one machine run ranks of one job as the same user: when one ends that user's
+    processes (after its ranks stopped), the other's ranks go on."""
+    import subprocess
+    import sys
+
+    uid = JOB_UID_BASE + 4242
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-c", FAKE_AGENT, str(uid)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        first, second = (int(agent.stdout.readline()) for agent in agents)
+        agents[0].stdin.write("end\n")
+        agents[0].stdin.flush()
+        assert agents[0].stdout.readline().split() == ["True", "0"]
+        assert not alive(first) and alive(second)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(BrokenPipeError, ValueError):
+                agent.stdin.write("stop\n")
+                agent.stdin.close()
+            agent.wait(timeout=60)

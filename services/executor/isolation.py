@@ -23,8 +23,8 @@ import hashlib
 import itertools
 import os
 import resource
+import signal
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Collection
@@ -37,6 +37,7 @@ LIMITS_ENV = "GOODPUT_WORKER_LIMITS"  # the limits `job_main` sets, NAME=VALUE,.
 PRIVATE = 0o700
 MB = 1 << 20
 MAX_OWNED_BYTES = 1 << 30  # the largest file the agent reads from a job's folder: the checkpoints store's size
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 KILL_TRIES = 3  # `end_user`'s sweeps: a process that forks while one runs is caught by the next
 KILL_WAIT_S = 5.0  # ... and how long each waits for the killed to be gone (one in the kernel ends its call first)
 
@@ -148,50 +149,78 @@ def make_own(folder: Path, uid: int | None) -> Path:
     return folder
 
 
-def user_processes(uid: int) -> list[int]:
-    """The processes of `uid` (its real, effective or saved id) still running (not zombies)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                status = Path(entry.path, "status").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if str(uid) in fields.get("Uid", "").split()[:3] and not fields.get("State", "").strip().startswith("Z"):
-                found.append(int(entry.name))
-    return found
+def _status(pid: int | str) -> dict[str, str]:
+    """A process's /proc status fields ({} when it is gone)."""
+    try:
+        status = Path("/proc", str(pid), "status").read_text()
+    except OSError:
+        return {}
+    return {name: value.strip() for name, value in (line.split(":", 1) for line in status.splitlines() if ":" in line)}
 
 
-def end_user(uid: int | None, python: str = sys.executable) -> bool:
-    """Every process of the job's user killed (whatever it started, in any session): a helper that
-    runs as `uid` kills all it may signal, which are that user's only. Whether none is left."""
+def user_processes(uid: int, ancestor: int | None = None) -> list[int]:
+    """The processes of `uid` (its real, effective or saved id) still running (not zombies); with
+    `ancestor`, only those that descend from it."""
+    table = {int(entry.name): _status(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()}
+
+    def descends(pid: int) -> bool:
+        for _ in range(len(table)):
+            pid = int(table.get(pid, {}).get("PPid", "0") or 0)
+            if pid == ancestor:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return [
+        pid
+        for pid, fields in table.items()
+        if str(uid) in fields.get("Uid", "").split()[:3]
+        and not fields.get("State", "").startswith("Z")
+        and (ancestor is None or descends(pid))
+    ]
+
+
+def become_subreaper() -> None:
+    """What a worker starts and leaves (a daemon in a session of its own) is re-parented to this
+    process, not to init (Linux's child subreaper): `end_user` finds it among this agent's own."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def end_user(uid: int | None) -> bool:
+    """Every process of the job's user that this agent's workers started, in any session (a
+    subreaper's orphans are its own), killed, and those orphans reaped; whether none is left. A
+    process of the user under another agent of the machine (the job's ranks of another node) is
+    that agent's to end, not this one's."""
     if uid is None:
         return True
+    me = os.getpid()
     for _ in range(KILL_TRIES):
-        if not user_processes(uid):
-            return True
-        subprocess.run(
-            [python, "-S", "-c", _KILL_ALL],
-            user=uid,
-            group=uid,
-            extra_groups=[],
-            env={},
-            cwd="/",
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=KILL_WAIT_S,
-            check=False,
-        )
+        found = user_processes(uid, me)
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
-        while user_processes(uid) and time.monotonic() < deadline:
+        while user_processes(uid, me) and time.monotonic() < deadline:
             time.sleep(0.05)
-    return not user_processes(uid)
+    _reap(uid)
+    return not user_processes(uid, me)
 
 
-# kill(-1): every process the caller may signal but itself; none left is no error
-_KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
+def _reap(uid: int) -> None:
+    """The ended orphans of `uid` re-parented to this process. A worker's own process is never one:
+    its Popen waits for it, and it has been waited for before its user is ended."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        fields = _status(entry.name) if entry.name.isdigit() else {}
+        if fields.get("PPid") == me and fields.get("State", "").startswith("Z") and str(uid) in fields.get("Uid", ""):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry.name), os.WNOHANG)
 
 
 def closed_to_others(path: Path) -> Path | None:

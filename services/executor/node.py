@@ -63,6 +63,7 @@ from services.executor.isolation import (
     JOB_UID_BASE,
     Limits,
     Sandbox,
+    become_subreaper,
     closed_to_others,
     default_memory_mb,
     end_user,
@@ -206,6 +207,8 @@ class NodeWorkers:
         self.store = store  # where jobs' checkpoints are kept when no folder is shared
         self.output = output  # what the workers print, kept for their submitters (None: only stderr, in files)
         self.uid_base = uid_base  # each job's workers as a user of its own (`job_uid`); None: as the agent
+        if uid_base is not None:  # a job's daemons are ours to end, not init's (`end_user`)
+            become_subreaper()
         self.limits = limits or Limits(memory_mb=default_memory_mb(info.gpus))
         self.python = python  # the workers' interpreter
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
@@ -329,7 +332,7 @@ class NodeWorkers:
                 returncode = wait_ended(process, request.timeout_s)
                 signal_group(process, signal.SIGKILL)  # still running: past its time
                 wait_ended(process, STOP_TIMEOUT_S)
-                if not end_user(sandbox.uid, self.python):  # what left its group
+                if not end_user(sandbox.uid):  # what left its group
                     log.warning("job %s: a process of its user %s outlives SIGKILL", request.job_id, sandbox.uid)
                 reader.join(READ_REST_S)  # not longer: a process that left its group may hold its stdout
             finally:
@@ -419,7 +422,7 @@ class NodeWorkers:
                 signal_group(process, signal.SIGKILL)
                 if wait_ended(process, STOP_TIMEOUT_S) is None:
                     log.warning("job %s: worker %d outlives SIGKILL", workers.order.job_id, process.pid)
-        if not end_user(workers.uid, self.python):  # what left the workers' groups, before their files are read
+        if not end_user(workers.uid):  # what left the workers' groups, before their files are read
             log.warning("job %s: a process of its user %s outlives SIGKILL", workers.order.job_id, workers.uid)
         # What is still there to read, waited for a little only: a process that left the group keeps
         # the pipe open, and its reader waits for it, not the stop.
@@ -494,7 +497,7 @@ class NodeWorkers:
 
     def _end_user(self, job_id: str, uid: int | None) -> None:
         """Every process of the job's user here ended (`end_user`); ValueError if one outlives it."""
-        if not end_user(uid, self.python):
+        if not end_user(uid):
             raise ValueError(f"job {job_id}: a process of its user {uid} outlives SIGKILL on node {self.info.name}")
 
     def _checkpoint_folder(self, job_id: str, folder: Path, uid: int | None) -> None:
