@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from shared.lifecycle import JobState
+
 
 def duration(seconds: float) -> str:
     """`45 s`, `12 min`, `1 h 20 min`: as precise as an estimate deserves."""
@@ -63,3 +65,16 @@ def job_lines(job: dict) -> list[str]:
         lines.append(f"restarts: {job['restarts']}")
     lines += (job.get("reason") or "").splitlines()[1:]
     return lines
+
+
+def job_row(j: dict) -> str:
+    """A job's row in `goodput status`: where it runs (or why it waits, or how it ended: the first
+    line of a crash's stderr; `goodput status JOB` shows the rest), then its progress."""
+    where = (
+        f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
+        f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
+        if j["state"] == JobState.RUNNING
+        else (j["reason"] or "").split("\n", 1)[0]
+    )
+    shown = "; ".join(filter(None, (where, progress_note(j))))
+    return f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {shown}"

@@ -39,7 +39,6 @@ from pathlib import Path
 from cli.submit import add_connection_arguments
 from services.executor.processes import JOBS_PACKAGE
 from shared import credentials
-from shared.lifecycle import JobState
 from shared.runner import EXECUTORS, executors_kind, positive_float
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from sim.workload import BUILT_IN_WORKLOAD
@@ -545,7 +544,7 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from cli.job_view import job_lines, progress_note
+    from cli.job_view import job_lines, job_row
 
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
@@ -575,18 +574,7 @@ def _status(args: argparse.Namespace) -> int:
         + f"; policy leader: {run['leader'] or 'none'}"
     )
     for j in jobs:
-        where = (
-            f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
-            f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
-            if j["state"] == JobState.RUNNING
-            else j["reason"]
-        )
-        where = (where or "").split("\n", 1)[0]  # a crash's stderr lines: under it, with `goodput status JOB`
-        note = progress_note(j)
-        print(
-            f"  {j['id'] or '(unreadable)':<28} {j['application'] or '-':<12} {j['state']:<10} {where}"
-            + (f"; {note}" if note else "")
-        )
+        print(job_row(j))
         if args.id is not None:
             for line in job_lines(j):
                 print(f"      {line}")

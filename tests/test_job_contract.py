@@ -360,3 +360,19 @@ def test_status_shows_progress_speed_the_expected_end_and_metrics_readably():
     ]
     crashed = {"state": "failed", "reason": "its workers crashed 3 times; the end of its stderr:\nboom\nValueError: x"}
     assert progress_note(crashed) == "" and job_lines(crashed) == ["boom", "ValueError: x"]
+
+
+def test_a_status_row_joins_where_a_job_is_and_its_progress_with_nothing_dangling():
+    from cli.job_view import job_row
+
+    finished = {"id": "mine-1", "application": "train.py", "state": "finished", "reason": "", "batch": None}
+    finished["progress"] = {"steps": 12848, "epochs": 60.0, "target_epochs": 60.0}
+    assert job_row(finished).split("finished", 1)[1].strip() == "epoch 60.0 of 60 (100%)"
+    running = {**finished, "state": "running", "gpus": 2, "gpu_type": "CPU slot", "nodes": ["cpu-0"], "batch": 128}
+    running["progress"] = {"steps": 10, "epochs": 28.3, "target_epochs": 60.0, "remaining_s": 13.0}
+    assert job_row(running).endswith(
+        "running    2 CPU slots on cpu-0, batch 128; epoch 28.3 of 60 (47%), ends in ~13 s"
+    )
+    failed = {**finished, "state": "failed", "reason": "its workers crashed 3 times; the end of its stderr:\nboom"}
+    failed.pop("progress")
+    assert job_row(failed).endswith("failed     its workers crashed 3 times; the end of its stderr:")
