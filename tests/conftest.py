@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from launcher.nats import nats_from_binary
 from shared.bus import Bus
+from shared.files import make_passable
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +115,15 @@ async def connect_bus(nats_server: str) -> AsyncIterator[Callable[..., Awaitable
     yield connect
     for bus in reversed(buses):
         await bus.close()
+
+
+@pytest.fixture
+def open_folder():
+    """A folder other users may enter (a job's user reaches its folder through it; pytest's tmp_path
+    lies in one closed to them), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="goodput-open-"))
+    make_passable(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

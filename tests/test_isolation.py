@@ -90,17 +90,6 @@ def test_job_main_sets_the_limits_before_the_jobs_code_and_the_job_cannot_raise_
     assert lines[1] == "raise refused" or os.geteuid() == 0  # root may raise its hard limits; a job's user may not
 
 
-@pytest.fixture
-def open_folder():
-    """A folder other users may enter (pytest's tmp_path lies in one closed to them), removed after."""
-    folder = Path(tempfile.mkdtemp(prefix="goodput-isolation-"))
-    make_passable(folder)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def test_the_way_to_a_folder_is_open_or_the_first_closed_step_is_named(open_folder):
     way = open_folder / "a" / "b"
     way.mkdir(parents=True)

@@ -7,9 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -19,22 +17,10 @@ import pytest
 from services.executor.isolation import JOB_UID_BASE, Limits, closed_to_others
 from services.executor.node import NodeWorkers, _lines
 from services.executor.processes import alive
-from shared.files import make_passable
 from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
 from tests.test_isolation import reachable_python
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def open_folder():
-    """A folder other users may enter (a job's user reaches its folder through it), removed after."""
-    folder = Path(tempfile.mkdtemp(prefix="goodput-groups-"))
-    make_passable(folder)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def children(node: NodeWorkers, job_id: str, timeout_s: float = 60) -> list[int]:
