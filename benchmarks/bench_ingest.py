@@ -30,7 +30,7 @@ async def publish_all(bus: Bus, specs: list[JobSpec], in_flight: int) -> tuple[f
     async def one(spec: JobSpec) -> None:
         nonlocal duplicates
         async with gate:
-            ack = await bus.js_publish(subjects.stored(subjects.OPERATOR), spec, msg_id=spec.id)
+            ack = await bus.js_publish(subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), spec, msg_id=spec.id)
             duplicates += bool(ack.duplicate)
 
     start = time.perf_counter()

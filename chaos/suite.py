@@ -227,7 +227,7 @@ async def bad_messages(trial: Trial, at: int, examples: int = 20) -> None:
         for data in invalid_payloads(message_type, examples):
             answers[await _answer(trial.bus, subject, data)] += 1
     for data in invalid_payloads(JobSpec, examples):
-        await trial.bus.js.publish(subjects.stored(subjects.OPERATOR), data)
+        await trial.bus.js.publish(subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), data)
     genuine = [(s, d) for s, d in seen if not subjects.is_submission(s)][-REPEATED:]
     for subject, data in genuine + genuine[::-1]:
         await _answer(trial.bus, subject, data)

@@ -132,7 +132,9 @@ async def submit(spec, server: str, **options) -> bool:
             )
         try:
             ack = await bus.js_publish(
-                subjects.submit(options.get("user") or subjects.OPERATOR),
+                subjects.submit(options["user"])
+                if options.get("user")
+                else subjects.intake(subjects.DEFAULT_TEAM, subjects.OPERATOR),
                 spec,
                 msg_id=submission_msg_id(spec),
                 timeout=10,

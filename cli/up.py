@@ -456,7 +456,9 @@ async def _submit_local(bus, specs) -> None:
                 flush=True,
             )
             continue
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), spec, msg_id=submission_msg_id(spec))
+        await bus.js_publish(
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), spec, msg_id=submission_msg_id(spec)
+        )
         print(f"  submitted {spec.id} ({spec.application}): profiling it on one slot", flush=True)
 
 

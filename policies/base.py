@@ -23,8 +23,9 @@ from typing import Iterable, Mapping, Protocol
 import numpy as np
 
 from shared.cluster import Cluster, Config, Spots
-from shared.schema import JobFacts, JobModels
+from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
 from shared.table import GoodputTable, goodput_table
+from shared.teams import Teams
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class JobView:
     idle_since_s: float | None = (
         None  # when it last stopped running (its submit time if it never ran); None while running
     )
+    team: str = DEFAULT_TEAM  # the team it belongs to (shared/teams.py)
+    priority: int = 0  # within its team: higher gets the team's guarantee first
 
 
 def job_view(facts: JobFacts, models: JobModels, cluster: Cluster, restart_cost_s: float) -> JobView:
@@ -73,6 +76,8 @@ def job_view(facts: JobFacts, models: JobModels, cluster: Cluster, restart_cost_
         iterations=facts.iterations,
         slice_iterations=facts.slice_iterations,
         idle_since_s=facts.idle_since_s,
+        team=facts.team,
+        priority=facts.priority,
     )
 
 
@@ -81,6 +86,7 @@ class RoundState:
     now_s: float
     cluster: Cluster
     jobs: tuple[JobView, ...]
+    teams: Teams | None = None  # the teams' guarantees (None: one team, no quotas)
 
     @cached_property
     def table(self) -> GoodputTable:
@@ -110,6 +116,10 @@ class Decision:
     allocations: dict[str, Config]
     placements: dict[str, Spots] | None = None
     events: tuple[str, ...] = field(default_factory=tuple)  # e.g. solver time-outs, for logs and traces
+    # With teams: the GPUs each job holds beyond its team's guarantee (absent: none), and the jobs
+    # this decision shrinks or stops to give a team back GPUs of its guarantee.
+    borrowed: Mapping[str, int] = field(default_factory=dict)
+    reclaims: Mapping[str, Reclaim] = field(default_factory=dict)
     # Per job, what the policy expected (for traces only: never part of what a decision is).
     predictions: Mapping[str, Prediction] = field(default_factory=dict, compare=False)
 
@@ -123,6 +133,7 @@ class Policy(Protocol):
     name: str
     round_s: float  # how often it re-decides (allocations hold in between)
     adaptive_batch: bool  # jobs re-tune (m, s) to their allocation; False: they keep the requested batch
+    honours_teams: bool  # holds each team's guarantees and borrowing limits (`RoundState.teams`)
 
     def allocate(self, state: RoundState) -> Decision: ...
 

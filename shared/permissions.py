@@ -69,11 +69,30 @@ LOGINS_ACCOUNT = "LOGINS"
 DEFAULT_LOGIN = "user"  # the login `goodput up` makes; `goodput login add` makes more
 RESPONSES = "_R_.>"  # where the server maps the reply of a request that came through an import
 # What GOODPUT lets the logins ask (each a service export, imported into LOGINS with share: true).
-EXPORTS = (*subjects.API_SUBJECTS, subjects.POLICY_STATUS, f"{subjects.SUBMIT}.*")
+EXPORTS = (*subjects.API_SUBJECTS, subjects.POLICY_STATUS)
+# A login's own intake subject, `goodput.jobs.submit.<login>` in its account, lands in GOODPUT as
+# `goodput.jobs.submit.<team>.<login>`: the import maps it, so the team is the server's word.
+INTAKE_EXPORT = subjects.intake("*", "*")
 DISCOVERY = "$SRV.>"  # exported with streamed responses: every service answers a ping
 PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"  # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
 # A login's name: a NATS user and a subject token, so no dots or wildcards; never a role's name.
 LOGIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+
+
+TEAM_ACCOUNT_PREFIX = "TEAM_"  # + a team's name: the account of that team's logins
+
+
+def team_account(team: str) -> str:
+    """The account of `team`'s logins (those of DEFAULT_TEAM: LOGINS_ACCOUNT)."""
+    return LOGINS_ACCOUNT if team == subjects.DEFAULT_TEAM else TEAM_ACCOUNT_PREFIX + team
+
+
+def account_team(account: str) -> str | None:
+    """The team whose logins an account holds (the server names the account of every request that
+    came through an import); None for any other account (the services' own: the operator)."""
+    if account == LOGINS_ACCOUNT:
+        return subjects.DEFAULT_TEAM
+    return account.removeprefix(TEAM_ACCOUNT_PREFIX) if account.startswith(TEAM_ACCOUNT_PREFIX) else None
 
 
 def inbox_prefix(role: str) -> str:
@@ -235,8 +254,8 @@ ROLES: dict[str, Permissions] = {
     "api": _service(
         "api",
         publish=(
-            f"{subjects.STORED}.*",
-            f"{subjects.REFUSED}.*",
+            f"{subjects.STORED}.*.*",
+            f"{subjects.REFUSED}.*.*",
             subjects.CANCEL,
             subjects.RECORDS,
             _info(JOBS),
@@ -332,8 +351,8 @@ ROLES: dict[str, Permissions] = {
     subjects.OPERATOR: Permissions(
         publish=(
             *_provision(),
-            subjects.stored(subjects.OPERATOR),
-            subjects.submit(subjects.OPERATOR),
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR),
+            subjects.intake(subjects.DEFAULT_TEAM, subjects.OPERATOR),
             subjects.REPLAY_SUBMIT,
             *_follow(JOBS),
             *_follow(subjects.RUN_LOG_STREAM),
@@ -412,7 +431,7 @@ def render_accounts(
             raise ValueError(f"unknown NATS role {role!r}; the roles are {', '.join(roles)}")
         lines += _user(role, password, roles[role])
     lines += ["    ]", "    exports: ["]
-    lines += [f"      {{service: {json.dumps(subject)}}}" for subject in EXPORTS]
+    lines += [f"      {{service: {json.dumps(subject)}}}" for subject in (*EXPORTS, INTAKE_EXPORT)]
     lines += [
         f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}",
         "    ]",
@@ -432,6 +451,10 @@ def render_accounts(
         f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
         for subject in (*EXPORTS, DISCOVERY)
     ]
+    lines.append(
+        f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subjects.intake(subjects.DEFAULT_TEAM, '*'))}}}, "
+        f"to: {json.dumps(subjects.submit('*'))}, share: true}}"
+    )
     lines += ["    ]", "  }", "}"]
     return "\n".join(lines) + "\n"
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from goodput_train.goodput import RETUNE_THRESHOLD
 
+DEFAULT_POLICY = "goodput"  # what `goodput up`, `simulate` and the manifests run unless told otherwise
 ROUND_S = 60.0  # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
 

@@ -174,6 +174,7 @@ BUCKETS = {
         Bucket(subjects.JOB_OWNERS_BUCKET, 128 * MIB),
         Bucket(subjects.NODES_BUCKET, 16 * MIB, ttl_s=subjects.NODE_TTL_S),  # an agent that stops renewing is lost
         Bucket(subjects.DRAINED_BUCKET, 16 * MIB),
+        Bucket(subjects.TEAMS_BUCKET, 1 * MIB),
     )
 }
 

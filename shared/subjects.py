@@ -8,22 +8,24 @@ from __future__ import annotations
 PREFIX = "goodput"
 
 # What the server lets a login publish, of submissions: its own `goodput.jobs.submit.<login>`, durable and
-# fire-and-forget. Each waits in the intake stream (a login's backlog there bounded) until the gate (the
-# profiler, as for the API's submit) judges it; only a valid one is stored in the jobs stream.
+# fire-and-forget. The server maps it into the services' account as `goodput.jobs.submit.<team>.<login>`
+# (`intake`: the login's account says its team, shared/permissions.py), where it waits in the intake
+# stream (a login's backlog there bounded) until the gate (the API, as for its submit) judges it; only a
+# valid one is stored in the jobs stream.
 SUBMIT = f"{PREFIX}.jobs.submit"
 INTAKE_STREAM = "GOODPUT_INTAKE"
-INTAKE_SUBJECTS = (f"{SUBMIT}.*",)
+INTAKE_SUBJECTS = (f"{SUBMIT}.*.*",)
 INTAKE_CONSUMER = "intake"
-# The jobs stream: a login's valid submissions as the gate stored them (`stored(login)`), de-duplicated
-# on the job id and body (Nats-Msg-Id) within DEDUP_WINDOW_S, and the API's record of each body it
-# refused (`refused(login)`, nothing else stored). The login is the subject's last token: what a login
-# keeps there is what JetStream counts under its subjects.
+# The jobs stream: a login's valid submissions as the gate stored them (`stored(team, login)`),
+# de-duplicated on the job id and body (Nats-Msg-Id) within DEDUP_WINDOW_S, and the API's record of each
+# body it refused (`refused(team, login)`, nothing else stored). The team and the login are the subject's
+# last tokens: what a team or a login keeps there is what JetStream counts under its subjects.
 STORED = f"{PREFIX}.jobs.stored"
 REFUSED = f"{PREFIX}.jobs.refused"
 # A replayed workload's submissions (`goodput simulate --bus nats`, `goodput up`'s start-up replay):
 # they carry their submit time on the run's clock, which a live submission may not.
 REPLAY_SUBMIT = f"{PREFIX}.jobs.replay"
-SUBMISSIONS = (f"{STORED}.*", REPLAY_SUBMIT)
+SUBMISSIONS = (f"{STORED}.*.*", REPLAY_SUBMIT)
 # The profiler's verdict on each submission, exactly one: refused (the Rejected record, with the
 # reason), or accepted (`Profiled`: its profiles are with the estimator, the executors may run it).
 REJECTED = f"{PREFIX}.jobs.rejected"
@@ -31,25 +33,38 @@ PROFILED = f"{PREFIX}.jobs.profiled"
 # An order to stop a job (`Cancel`, from the API, its owner's): the executors end it as cancelled.
 CANCEL = f"{PREFIX}.jobs.cancel"
 JOBS_STREAM = "GOODPUT_JOBS"
-JOBS_STREAM_SUBJECTS = (f"{STORED}.*", REPLAY_SUBMIT, REJECTED, f"{REFUSED}.*", PROFILED, CANCEL)
+JOBS_STREAM_SUBJECTS = (f"{STORED}.*.*", REPLAY_SUBMIT, REJECTED, f"{REFUSED}.*.*", PROFILED, CANCEL)
 # Who submits without a login the server knows (the operator, a service; every client of an
 # insecure stack): not one of the logins, which may not take the name.
 OPERATOR = "operator"
+# The team of the operator's jobs and of the logins without one (shared/teams.py).
+DEFAULT_TEAM = "default"
 
 
 def submit(login: str) -> str:
-    """Where `login` publishes a submission itself (the intake stream)."""
+    """Where `login` publishes a submission itself, in its own account (the intake stream)."""
     return f"{SUBMIT}.{login}"
 
 
-def stored(login: str) -> str:
-    """Where the gate stores a valid submission of `login`'s."""
-    return f"{STORED}.{login}"
+def intake(team: str, login: str) -> str:
+    """Where a submission `login` published itself lands in the services' account (the operator,
+    who is there, publishes on it directly)."""
+    return f"{SUBMIT}.{team}.{login}"
 
 
-def refused(login: str) -> str:
-    """Where the API records a body of `login`'s it refused."""
-    return f"{REFUSED}.{login}"
+def stored(team: str, login: str) -> str:
+    """Where the gate stores a valid submission of `login`'s, of `team`."""
+    return f"{STORED}.{team}.{login}"
+
+
+def refused(team: str, login: str) -> str:
+    """Where the API records a body of `login`'s, of `team`, it refused."""
+    return f"{REFUSED}.{team}.{login}"
+
+
+def of_team(team: str) -> str:
+    """Every subject of the jobs stream that `team`'s logins keep."""
+    return f"{PREFIX}.jobs.*.{team}.*"
 
 
 def is_submission(subject: str) -> bool:
@@ -57,11 +72,20 @@ def is_submission(subject: str) -> bool:
     return subject == REPLAY_SUBMIT or of_login(subject)[0] == STORED
 
 
+def owner_of(subject: str) -> tuple[str, str, str]:
+    """(the subject without its team and login, the team, the login) for a login's subject
+    (`stored`, `refused`, `intake`); (subject, "", "") for any other."""
+    parts = subject.rsplit(".", 2)
+    if len(parts) == 3 and parts[0] in (STORED, REFUSED, SUBMIT):
+        return parts[0], parts[1], parts[2]
+    return subject, "", ""
+
+
 def of_login(subject: str) -> tuple[str, str]:
-    """(the subject without its login, the login) for a login's subject (`stored`, `refused`,
-    `submit`); (subject, "") for any other."""
-    base, _, login = subject.rpartition(".")
-    return (base, login) if base in (STORED, REFUSED, SUBMIT) else (subject, "")
+    """(the subject without its team and login, the login) for a login's subject (`stored`,
+    `refused`, `intake`); (subject, "") for any other."""
+    base, _, login = owner_of(subject)
+    return base, login
 
 
 DEDUP_WINDOW_S = 24 * 3600.0
@@ -93,7 +117,19 @@ API_LOGS = f"{PREFIX}.api.logs"  # LogsRequest -> LogsPage
 # A job's own code into the code store: CodeChunk -> CodeAnswer (chunks of an archive), CodeRequest -> CodeAnswer.
 API_CODE_PUT = f"{PREFIX}.api.code.put"
 API_CODE_HAS = f"{PREFIX}.api.code.has"
-API_SUBJECTS = (API_SUBMIT, API_JOB, API_JOBS, API_CANCEL, API_SCHEMAS, API_LOGS, API_CODE_PUT, API_CODE_HAS)
+# Each team's guarantee, use and lending per GPU type (the operator sees every team; a login its own).
+API_TEAMS = f"{PREFIX}.api.teams"
+API_SUBJECTS = (
+    API_SUBMIT,
+    API_JOB,
+    API_JOBS,
+    API_CANCEL,
+    API_SCHEMAS,
+    API_LOGS,
+    API_CODE_PUT,
+    API_CODE_HAS,
+    API_TEAMS,
+)
 
 # Services (nats.micro names; replicas of one service share its queue group).
 PLACER_SERVICE = "placer"
@@ -183,3 +219,7 @@ ESTIMATES_BUCKET = "goodput_estimates"  # KV: job id -> EstimateRecord
 EXECUTOR_BUCKET = "goodput_executor_jobs"  # KV: job id -> the simulated job's whole state
 NODE_JOBS_BUCKET = "goodput_node_jobs"  # KV: job id -> NodeJob, a real job as its node agent keeps it
 JOB_OWNERS_BUCKET = "goodput_job_owners"  # KV: job id -> JobOwner, the submission that holds the id
+# The operator's team file (shared/teams.py), as `goodput up --teams` or `goodput teams apply` stored it:
+# the policy reads it at every round, the API to answer `teams`.
+TEAMS_BUCKET = "goodput_teams"  # KV: TEAMS_KEY -> TeamFile
+TEAMS_KEY = "teams"

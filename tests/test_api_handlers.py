@@ -107,7 +107,7 @@ async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_store
     assert bus.stored() == [] and owners.entries == {}
     # The refusal is recorded for its login, with the reason it was answered.
     [(subject, record, _)] = bus.published
-    assert subject == subjects.refused("alice") and isinstance(record, Rejected)
+    assert subject == subjects.refused(subjects.DEFAULT_TEAM, "alice") and isinstance(record, Rejected)
     assert (record.job_id, record.reason, record.subject) == ("typo-1", answer.reason, subjects.API_SUBMIT)
 
 
@@ -116,7 +116,7 @@ async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -
     answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), "alice")
     assert not answer.accepted and answer.reason == "unknown application 'nosuchjob'", answer
     assert bus.stored() == [] and owners.entries == {}
-    assert [subject for subject, _, _ in bus.published] == [subjects.refused("alice")]
+    assert [subject for subject, _, _ in bus.published] == [subjects.refused(subjects.DEFAULT_TEAM, "alice")]
 
 
 async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None:
@@ -124,10 +124,10 @@ async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None
     spec = JobSpec("lm-1", "cifar10", requested_gpus=2)
     answer = await judge.submit(msgspec.json.encode(spec), "alice")
     assert answer.accepted and answer.state == "profiling" and answer.id == "lm-1", answer
-    assert bus.stored() == [("goodput.jobs.stored.alice", spec, submission_msg_id(spec))]
+    assert bus.stored() == [("goodput.jobs.stored.default.alice", spec, submission_msg_id(spec))]
     held = owners.entries["lm-1"][0]  # the id is this submission's: its stream sequence, its login
     assert isinstance(held, JobOwner) and not held.marking
-    assert (held.submission, held.subject, held.login) == (1, "goodput.jobs.stored.alice", "alice")
+    assert (held.submission, held.subject, held.login) == (1, "goodput.jobs.stored.default.alice", "alice")
     again = await judge.submit(msgspec.json.encode(spec), "alice")  # the same body: a repeat
     assert again.accepted and "not stored again" in again.reason, again
     assert len(bus.stored()) == 1

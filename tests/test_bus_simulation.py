@@ -145,11 +145,15 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
     with running_services(nats_server, arguments, tmp_path) as stack:
         await stack.wait_ready(bus)
         before = (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n
-        await bus.js.publish(subjects.stored(subjects.OPERATOR), b"\x93 not a job")  # malformed
+        await bus.js.publish(subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), b"\x93 not a job")  # malformed
         await bus.js_publish(
-            subjects.stored(subjects.OPERATOR), JobSpec("alexnet-1", "alexnet"), msg_id="alexnet-1"
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR),
+            JobSpec("alexnet-1", "alexnet"),
+            msg_id="alexnet-1",
         )  # unknown model
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("ok-1", "cifar10"), msg_id="ok-1")  # fine
+        await bus.js_publish(
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), JobSpec("ok-1", "cifar10"), msg_id="ok-1"
+        )  # fine
         for _ in range(100):
             if (await bus.request(subjects.ESTIMATOR_STATUS, Ack(), Count, timeout=5)).n == before + 1:
                 break

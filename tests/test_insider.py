@@ -25,7 +25,7 @@ TARGETS = (
     "$KV.goodput_estimates.x",
     "goodput.jobs.submit",
     "goodput.jobs.cancel",
-    "goodput.jobs.stored.user",
+    "goodput.jobs.stored.default.user",
     "$JS.API.STREAM.DELETE.GOODPUT_JOBS",
 )
 
@@ -143,7 +143,9 @@ def test_no_reply_a_login_names_lands_in_storage_and_a_restart_keeps_every_job(s
     # Only the job's own submission and verdict were stored: no answer reached a stream or a key.
     assert after.get("$KV.goodput_job_owners.x", 0) == after.get("$KV.goodput_estimates.x", 0) == 0, after
     assert after.get("goodput.jobs.cancel", 0) == before.get("goodput.jobs.cancel", 0), after
-    assert after.get("goodput.jobs.stored.user", 0) == before.get("goodput.jobs.stored.user", 0) + 1, after
+    assert after.get("goodput.jobs.stored.default.user", 0) == before.get("goodput.jobs.stored.default.user", 0) + 1, (
+        after
+    )
     logs = {path.name: path.read_text() for path in data.glob("*.log") if path.name != "nats-server.log"}
     for text in ("another leader", "unreadable checkpoint", "Traceback"):
         assert not [name for name, log in logs.items() if text in log], (text, logs)
@@ -258,7 +260,7 @@ def test_one_login_flooding_or_paging_leaves_another_served(stack):
     # The flooder was told "over your limit" (429), and kept at most its bound of refusals.
     assert codes.get("429", 0) > 0 and codes.get("500", 0) == 0, codes
     kept = asyncio.run(stored(data))
-    assert kept.get("goodput.jobs.refused.user", 0) <= 1_000, kept
+    assert kept.get("goodput.jobs.refused.default.user", 0) <= 1_000, kept
 
     async def pages(login: dict) -> int:
         nc = await nats.connect(**login)

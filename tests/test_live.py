@@ -37,14 +37,18 @@ async def live_stack(tmp_path, **request):
 async def test_jobs_submitted_live_are_scheduled_and_finish(tmp_path, capsys):
     async with live_stack(tmp_path) as (nats, stack, bus):
         started = time.monotonic()
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec("ncf-live", "ncf"), msg_id="ncf-live")
+        await bus.js_publish(
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), JobSpec("ncf-live", "ncf"), msg_id="ncf-live"
+        )
         steps, late_submitted = [], False
         async for step in follow_run_steps(bus, subjects.LIVE_RUN, idle_timeout_s=60):
             steps.append(step)
             if not late_submitted and step.record and "ncf-live" in step.record.gpus:
                 # A second job, submitted while the first runs, joins at a later round.
                 await bus.js_publish(
-                    subjects.stored(subjects.OPERATOR), JobSpec("cifar10-live", "cifar10"), msg_id="cifar10-live"
+                    subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR),
+                    JobSpec("cifar10-live", "cifar10"),
+                    msg_id="cifar10-live",
                 )
                 late_submitted = True
             finished = {job for s in steps for job in s.finished}
@@ -87,7 +91,9 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
 
     async with live_stack(tmp_path, request_timeout_s=1.0) as (nats, stack, bus):
         await bus.js_publish(
-            subjects.stored(subjects.OPERATOR), JobSpec("imagenet-live", "imagenet"), msg_id="imagenet-live"
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR),
+            JobSpec("imagenet-live", "imagenet"),
+            msg_id="imagenet-live",
         )
         while await _state(bus, "imagenet-live") != "running":
             await asyncio.sleep(0.1)

@@ -112,14 +112,18 @@ async def _live_stack(folder, cluster="local", **options):
 
 async def _submit(bus, jobs: dict[str, str]) -> None:
     for job_id, application in jobs.items():
-        await bus.js_publish(subjects.stored(subjects.OPERATOR), JobSpec(job_id, application), msg_id=job_id)
+        await bus.js_publish(
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), JobSpec(job_id, application), msg_id=job_id
+        )
 
 
 async def _bad_inputs(folder):
     async with _live_stack(folder, slot_memory_mb=64, jobs_package="tests.jobs") as (bus, stack, _):
         await _submit(bus, {"breaks": "raises", "too-big": "huge", "no-code": "nosuchjob", "good": "quick"})
         unknown_field = {"id": "typo", "application": "quick", "requested_gpu": 2}
-        await bus.nc.publish(subjects.stored(subjects.OPERATOR), msgspec.msgpack.encode(unknown_field))
+        await bus.nc.publish(
+            subjects.stored(subjects.DEFAULT_TEAM, subjects.OPERATOR), msgspec.msgpack.encode(unknown_field)
+        )
         await records_once_ended(bus, ["breaks", "too-big", "no-code", "good", "typo"], timeout_s=300)
         records = {r.name: r for r in (await bus.request(subjects.RECORDS, Ack(), JobRecords)).jobs}
         alive = [name for name, process in stack.processes.items() if process.poll() is None]

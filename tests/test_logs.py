@@ -234,7 +234,7 @@ async def test_only_the_jobs_submitter_reads_its_output_and_the_page_says_when_i
     logs.store("done-1", 0, "finished at epoch 3")
     owners = MemoryKV()
     for job_id in ("lm-1", "done-1"):
-        await owners.create(job_id, JobOwner(1, "digest", subjects.stored("alice")))
+        await owners.create(job_id, JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, "alice")))
     gate = api.Gate(LogsBus(logs, ended=("done-1",)), owners, lambda spec: None)
     page = await gate.logs_of(LogsRequest("lm-1"), "alice")
     assert [line.text for line in page.lines] == ["epoch 1"] and not page.end and not page.more

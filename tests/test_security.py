@@ -120,7 +120,7 @@ async def test_profiler_cannot_publish_on_apply(secured: str) -> None:
     [
         ("api", subjects.PROFILED),  # a verdict is the profiler's alone
         ("api", subjects.PROFILES),
-        ("profiler", subjects.stored("user")),  # storing a login's submission is the API's alone
+        ("profiler", subjects.stored(subjects.DEFAULT_TEAM, "user")),  # storing a login's submission is the API's alone
         ("profiler", subjects.CANCEL),
     ],
 )
@@ -141,7 +141,7 @@ async def test_user_submission_is_stored_in_jetstream(secured: str) -> None:
     reader = await connect(secured, "api")  # as the gate reads it: its durable consumer of the intake
     try:
         info = await reader.js.stream_info(subjects.INTAKE_STREAM, subjects_filter=">")
-        assert info.state.subjects == {subjects.submit("user"): 1}  # under the login's own subject
+        assert info.state.subjects == {subjects.intake(subjects.DEFAULT_TEAM, "user"): 1}  # the login's own, its team's
         consumer = await storage.open_consumer(reader, subjects.INTAKE_CONSUMER, JobSpec)
         [delivery] = await consumer.fetch(1, timeout=2)
         assert delivery.message == spec
@@ -659,7 +659,9 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
                 subjects.submit("user"), JobSpec(id="good-after", application="cifar10"), msg_id="good-after"
             )
             rejected: list[Rejected] = []
-            async for record in operator.follow(subjects.refused("user"), Rejected, idle_timeout=30):
+            async for record in operator.follow(
+                subjects.refused(subjects.DEFAULT_TEAM, "user"), Rejected, idle_timeout=30
+            ):
                 rejected.append(record)
                 if len(rejected) == len(bad):
                     break
@@ -675,7 +677,7 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
             stack.stop()
     reasons = {next(job for job in bad if job in r.payload): r for r in rejected}
     assert set(reasons) == set(bad), rejected
-    assert all(r.subject == subjects.submit("user") for r in rejected)  # where it came
+    assert all(r.subject == subjects.intake(subjects.DEFAULT_TEAM, "user") for r in rejected)  # where it came
     assert "unknown field `command`" in reasons["bad-command"].reason
     assert "unknown field `script`" in reasons["bad-script"].reason
     assert "$.application" in reasons["bad-application"].reason

@@ -225,7 +225,7 @@ class Kept:
         if now - when >= KEPT_TTL_S:
             before = {subject: self.added.get((who, subject), 0) for subject in (subjects.STORED, subjects.REFUSED)}
             info = await self.bus.js.stream_info(
-                subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.{who}"
+                subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.*.{who}"
             )
             fresh = {subjects.of_login(subject)[0]: n for subject, n in (info.state.subjects or {}).items()}
             # Those stored here while JetStream was asked may be in its count or not: taken as not.
@@ -338,7 +338,9 @@ class Gate:
                 return SubmitAnswer(
                     False, job_id, JobState.REJECTED, reason, notes=(f"this refusal is not recorded: {room.refusal}",)
                 )
-            await self.bus.js_publish(subjects.refused(who), rejection(came, reason, data, job_id))
+            await self.bus.js_publish(
+                subjects.refused(subjects.DEFAULT_TEAM, who), rejection(came, reason, data, job_id)
+            )
             room.stored()
         return SubmitAnswer(False, job_id, JobState.REJECTED, reason)
 
@@ -407,7 +409,9 @@ class Gate:
         if isinstance(mark, SubmitAnswer):
             return mark
         try:
-            ack = await self.bus.js_publish(subjects.stored(who), spec, msg_id=submission_msg_id(spec), timeout=10)
+            ack = await self.bus.js_publish(
+                subjects.stored(subjects.DEFAULT_TEAM, who), spec, msg_id=submission_msg_id(spec), timeout=10
+            )
         except BaseException:
             with contextlib.suppress(Exception):  # not stored: the id is free again
                 await self.owners.delete(spec.id, mark)
@@ -418,7 +422,9 @@ class Gate:
             return await self.repeat(spec.id, who)
         room.stored()
         try:  # the mark becomes this submission's claim, unless one stored before took the id
-            await self.owners.update(spec.id, JobOwner(ack.seq, digest, subjects.stored(who)), mark)
+            await self.owners.update(
+                spec.id, JobOwner(ack.seq, digest, subjects.stored(subjects.DEFAULT_TEAM, who)), mark
+            )
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
@@ -428,7 +434,7 @@ class Gate:
     async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer | None:
         """Mark the id as being stored (the mark's revision), or, when it is held, a repeat's answer
         (the same body of the same login's), or None (another body's)."""
-        mark = JobOwner(0, digest, subjects.stored(who), since=time.time())
+        mark = JobOwner(0, digest, subjects.stored(subjects.DEFAULT_TEAM, who), since=time.time())
         for _ in range(3):
             try:
                 return await self.owners.create(job_id, mark)

@@ -28,10 +28,12 @@ from shared.schema.api import (
     job_statuses,
 )
 from shared.schema.base import (
+    DEFAULT_TEAM,
     MAX_BATCH,
     MAX_GPU_TYPES,
     MAX_GPUS,
     MAX_ID,
+    MAX_PRIORITY,
     MAX_SUBMIT_S,
     SCHEMA_VERSION,
     Ack,
@@ -44,6 +46,7 @@ from shared.schema.base import (
     Node,
     Spots,
     Stored,
+    TeamName,
 )
 from shared.schema.code import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
 from shared.schema.estimates import (
@@ -112,6 +115,7 @@ from shared.schema.rounds import (
     ModelsRequest,
     PlacementResult,
     PlaceRequest,
+    Reclaim,
 )
 from shared.schema.runs import (
     DecidedRound,
@@ -141,6 +145,7 @@ __all__ = [
     "CodeRequest",
     "Config",
     "Count",
+    "DEFAULT_TEAM",
     "DecidedRound",
     "DrainAnswer",
     "DrainRequest",
@@ -177,6 +182,7 @@ __all__ = [
     "MAX_GPU_TYPES",
     "MAX_ID",
     "MAX_PAGE",
+    "MAX_PRIORITY",
     "MAX_RECORDED_PAYLOAD",
     "MAX_SUBMIT_S",
     "ModelsReply",
@@ -192,7 +198,6 @@ __all__ = [
     "OutputLine",
     "PlaceRequest",
     "Placed",
-    "Progress",
     "PlacementResult",
     "PolicyStatus",
     "Profile",
@@ -201,6 +206,8 @@ __all__ = [
     "ProfileRequest",
     "ProfileRun",
     "Profiled",
+    "Progress",
+    "Reclaim",
     "Rejected",
     "Rendezvous",
     "RoundRecord",
@@ -216,6 +223,7 @@ __all__ = [
     "StopWorkers",
     "Stored",
     "SubmitAnswer",
+    "TeamName",
     "UNNAMED",
     "WorkersReport",
     "job_rows",

@@ -11,6 +11,7 @@ from typing import Annotated
 import msgspec
 
 from goodput_train.protocol import PositiveInt
+from shared.subjects import DEFAULT_TEAM  # noqa: F401 - the schema's default team
 
 SCHEMA_VERSION = 1
 
@@ -30,6 +31,10 @@ GpuCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_GPUS)]
 # A GPU type as a user names it: the cluster's key (`aws`) or the hardware ("T4", "RTX 2080 Ti").
 GpuName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._-]*(?![\s\S])", max_length=64)]
 BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
+# A team's name (shared/teams.py): a login's and a subject token, lower-case letters, digits, '_', '-'.
+TEAM_NAME = r"^[a-z0-9][a-z0-9_-]{0,31}(?![\s\S])"
+TeamName = Annotated[str, msgspec.Meta(pattern=TEAM_NAME)]
+MAX_PRIORITY = 1000  # a job's priority within its team: -MAX_PRIORITY to MAX_PRIORITY
 
 
 Spots = tuple[tuple[str, int], ...]  # a physical placement: ((node name, GPUs on it), ...), sorted by node

@@ -11,12 +11,14 @@ import msgspec
 from goodput_train.protocol import PositiveInt
 from shared.schema.base import (
     MAX_GPU_TYPES,
+    MAX_PRIORITY,
     MAX_SUBMIT_S,
     SCHEMA_VERSION,
     BatchSize,
     GpuCount,
     GpuName,
     Identifier,
+    TeamName,
 )
 from shared.schema.code import Arguments, Digest, Entrypoint
 
@@ -47,6 +49,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: Digest | None = None
     entrypoint: Entrypoint | None = None
     args: Arguments = ()
+    # The team it belongs to: the login's, as the server says (the API sets it; a body naming another
+    # team is refused), DEFAULT_TEAM's for the operator's jobs. `priority` orders who gets the team's
+    # guarantee first (higher first); jobs of equal priority share by goodput.
+    team: TeamName | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

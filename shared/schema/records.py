@@ -10,8 +10,9 @@ import msgspec
 # The messages a job prints for its executor are the training library's (written once, there).
 from goodput_train.protocol import JobStats
 from shared.lifecycle import JobState
-from shared.schema.base import Spots
+from shared.schema.base import DEFAULT_TEAM, Spots
 from shared.schema.jobs import JobSpec, Profiled
+from shared.schema.rounds import Reclaim
 
 # A job's lifecycle: submitted and being profiled, then queued (accepted, waiting for GPUs), running,
 # and one of the ends; `rejected` is the profiler's refusal of a submission.
@@ -40,6 +41,9 @@ class JobRecord(msgspec.Struct, frozen=True):
     owner: str = ""  # the login that submitted it ("": the operator's)
     metrics: dict[str, float | str] = {}  # a real job's own metrics, the latest value of each
     progress: Progress | None = None  # a real job's, once its workers have reported
+    team: str = DEFAULT_TEAM  # the team it belongs to (its name is `team.id` unless DEFAULT_TEAM's)
+    borrowed: int = 0  # of its GPUs now, those beyond its team's guarantee
+    reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for another team's guarantee
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
@@ -63,7 +67,7 @@ class Progress(msgspec.Struct, frozen=True):
 class JobsQuery(msgspec.Struct, frozen=True):
     """-> executors: their jobs (JobRecords, `select`) or how many have the profiler's verdict
     (Count), of those whose id begins with `prefix` (all: ""); `owner`: only that login's (None:
-    every login's); `state`, `application`, `offset` and `limit`: one page of those. An `Ack`
+    every login's); `team`: only that team's (None: every team's); `state`, `application`, `offset` and `limit`: one page of those. An `Ack`
     reads as the query for all."""
 
     prefix: str = ""
@@ -72,6 +76,7 @@ class JobsQuery(msgspec.Struct, frozen=True):
     application: str | None = None
     offset: int = 0
     limit: int | None = None
+    team: str | None = None
 
 
 class JobRecords(msgspec.Struct, frozen=True):
@@ -96,7 +101,11 @@ def select(records: Iterable[JobRecord], query: JobsQuery) -> JobRecords:
     """What the executors answer a query with: the records of its owner's jobs whose id begins with
     its prefix; with a state, an application or a limit, one page of the rows a user sees
     (`job_rows`) and how many match in all."""
-    chosen = [r for r in records if r.name.startswith(query.prefix) and query.owner in (None, r.owner)]
+    chosen = [
+        r
+        for r in records
+        if r.name.startswith(query.prefix) and query.owner in (None, r.owner) and query.team in (None, r.team)
+    ]
     if query.limit is None and query.state is None and query.application is None:
         return JobRecords(tuple(chosen))
     rows = [

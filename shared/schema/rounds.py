@@ -8,7 +8,7 @@ import msgspec
 
 from goodput_train.goodput import GoodputModel, ThroughputParams
 from goodput_train.protocol import NonNegativeFloat, PositiveInt
-from shared.schema.base import Config, Node, Spots
+from shared.schema.base import DEFAULT_TEAM, Config, Node, Spots
 
 
 class JobFacts(msgspec.Struct, frozen=True):
@@ -38,6 +38,8 @@ class JobFacts(msgspec.Struct, frozen=True):
     grad_var: float | None = None
     estimate_revision: int = 0  # the estimator's record of the job is at least this new
     trace: str = ""  # its submission's W3C traceparent ("" when none came)
+    team: str = DEFAULT_TEAM  # the team it belongs to, and its priority there (its JobSpec's)
+    priority: int = 0
 
 
 class JobModels(msgspec.Struct, frozen=True):
@@ -130,16 +132,31 @@ class PlacementResult(msgspec.Struct, frozen=True):
     evicted: tuple[str, ...] = ()
 
 
+class Reclaim(msgspec.Struct, frozen=True):
+    """A job shrunk or stopped in a round so that another team got back GPUs of its guarantee."""
+
+    round: int
+    at_s: float
+    by_team: str  # whose guarantee
+    gpu_type: str
+    gpus_before: int
+    gpus_after: int
+
+
 class ApplyRequest(msgspec.Struct, frozen=True):
     """Policy -> executors: the round's placements (jobs absent get nothing) and each job's models,
     which adaptive jobs re-tune their batch size with; `failed`: jobs the round gave up on, and why
-    (the executors record them as failed)."""
+    (the executors record them as failed). With teams: `borrowed`, the GPUs each job holds beyond
+    its team's guarantee (absent: none), and `reclaims`, the jobs this round shrank or stopped to
+    give a team back its guarantee."""
 
     now_s: float
     placements: dict[str, Spots]
     models: dict[str, JobModels]
     adaptive: bool
     failed: dict[str, str] = {}
+    borrowed: dict[str, int] = {}
+    reclaims: dict[str, Reclaim] = {}
 
 
 class AdvanceRequest(msgspec.Struct, frozen=True):
