@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Protocol
 import numpy as np
 
 from shared.cluster import Cluster, Config, Spots
-from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
+from shared.schema import DEFAULT_TEAM, JobFacts, JobModels
 from shared.table import GoodputTable, goodput_table
 from shared.teams import Teams
 
@@ -116,10 +116,6 @@ class Decision:
     allocations: dict[str, Config]
     placements: dict[str, Spots] | None = None
     events: tuple[str, ...] = field(default_factory=tuple)  # e.g. solver time-outs, for logs and traces
-    # With teams: the GPUs each job holds beyond its team's guarantee (absent: none), and the jobs
-    # this decision shrinks or stops to give a team back GPUs of its guarantee.
-    borrowed: Mapping[str, int] = field(default_factory=dict)
-    reclaims: Mapping[str, Reclaim] = field(default_factory=dict)
     # Per job, what the policy expected (for traces only: never part of what a decision is).
     predictions: Mapping[str, Prediction] = field(default_factory=dict, compare=False)
 
