@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from shared.reference import reference_root
+from shared.settings import DEFAULT_POLICY
 from sim.run import job_sources, simulate
 
 
@@ -22,7 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", help="workload CSV (default: the Sia Philly workload-1, 160 jobs)")
     parser.add_argument("--zoo", action="store_true", help="the model zoo as the jobs' truth")
-    parser.add_argument("--policy", default="sia")
+    parser.add_argument("--policy", default=DEFAULT_POLICY)
     args = parser.parse_args()
     workload = args.workload or str(Path(reference_root()) / "sia/sia-simulator/workloads/philly/workload-1.csv")
     sources = job_sources(use_zoo=args.zoo)

@@ -1,6 +1,6 @@
 """Load: thousands of jobs queued at once on the 2,048-GPU cluster, through the six services over NATS.
 
-    .venv/bin/python benchmarks/bench_load.py [--jobs 10000] [--rounds 8] [--policy sia]
+    .venv/bin/python benchmarks/bench_load.py [--jobs 10000] [--rounds 8] [--policy goodput]
 
 All jobs are submitted at t = 0 (a mix of zoo models, `sim.workload.generate_workload`) and replayed
 on `sia-hetero-2048` by the embedded stack (a NATS server and the six services as processes) for
@@ -29,7 +29,7 @@ import numpy as np
 
 from launcher.nats import embedded_nats
 from launcher.stack import replay, running_services, service_arguments
-from shared.settings import FEEDBACK_ITERATIONS, settings_for
+from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS, settings_for
 from sim.workload import generate_workload
 
 CLUSTER = "sia-hetero-2048"
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=8, help="rounds of the virtual clock to run (default: %(default)s)"
     )
-    parser.add_argument("--policy", default="sia")
+    parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.jobs < 1 or args.rounds < 2:

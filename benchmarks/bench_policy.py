@@ -1,6 +1,7 @@
 """Benchmark of the policies' runtime and the simulator, measured inside simulator runs on the reference data.
 
     .venv/bin/python benchmarks/bench_policy.py [--policies sia goodput] [--scale-hours 1.0] [--reference DIR]
+        [--teams FILE]
 
 Each policy in turn (default `sia`, then `goodput`), so their figures come from one run:
 
@@ -9,16 +10,31 @@ Each policy in turn (default `sia`, then `goodput`), so their figures come from 
 2. The scale workload scale_32x (5,120 jobs) on the 2,048-GPU sia-hetero-2048 cluster, its first
    hours simulated: the policy's time per round (target p95 <= 1 s), and the whole round's
    (goodput matrix + policy + placer).
+
+With `--teams FILE` (a team file for sia-hetero-64), the same two runs measure what teams cost the
+policy instead: every round is decided twice, on the round's state without teams and with them (in
+alternating order, on one goodput matrix evaluated before either is timed), and the run goes on
+with the decision with teams. Each job's team is the file's first or second by crc32 of its id
+(mod the teams' count); on sia-hetero-2048 every quota and borrowing limit is scaled by the ratio
+of the two clusters' GPUs of its type (x32). Target: at most +20% policy time with teams.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+import zlib
 from pathlib import Path
+from unittest import mock
 
-from policies.base import policy_spec
+import numpy as np
+
+import sim.run
+from policies.base import Decision, RoundState, make_policy, policy_spec
+from shared.cluster import Cluster, load_cluster
 from shared.reference import reference_root
+from shared.teams import TeamFile, Teams, TeamSpec, load_team_file, resolve
 from sim.run import job_sources, simulate
 
 
@@ -33,11 +49,93 @@ def report(label: str, result: dict, took: float) -> None:
     print(f"  round ms   p50 {rnd['p50']:8.1f}   p95 {rnd['p95']:8.1f}   max {rnd['max']:8.1f}")
 
 
+class SideBySide:
+    """A policy that decides every round twice, without teams and with them, and times both; the run
+    goes on with the decision with teams."""
+
+    honours_teams = True
+
+    def __init__(self, policy: str, teams: Teams):
+        self.inner = make_policy(*policy_spec(policy)[:1], **policy_spec(policy)[1])
+        self.name, self.round_s, self.adaptive_batch = self.inner.name, self.inner.round_s, self.inner.adaptive_batch
+        self.teams, self.names = teams, list(teams.teams)
+        self.plain_ms: list[float] = []
+        self.teams_ms: list[float] = []
+        self.differ = 0  # rounds where the teams changed the decision
+        self.seen: set[str] = set()  # every job scheduled
+
+    def team_of(self, job_id: str) -> str:
+        return self.names[zlib.crc32(job_id.encode()) % len(self.names)]
+
+    def allocate(self, state: RoundState) -> Decision:
+        self.seen.update(j.job_id for j in state.jobs)
+        plain = RoundState(state.now_s, state.cluster, state.jobs)
+        jobs = tuple(dataclasses.replace(j, team=self.team_of(j.job_id)) for j in state.jobs)
+        with_teams = RoundState(state.now_s, state.cluster, jobs, self.teams)
+        with_teams.__dict__["table"] = plain.table  # one matrix (the teams do not change it), outside the timing
+        order = [(plain, self.plain_ms), (with_teams, self.teams_ms)]
+        decided = {}
+        for one, times in order if len(self.plain_ms) % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            decided[id(one)] = self.inner.allocate(one)
+            times.append((time.perf_counter() - start) * 1e3)
+        self.differ += decided[id(plain)].allocations != decided[id(with_teams)].allocations
+        return decided[id(with_teams)]
+
+
+def scaled_teams(file: TeamFile, small: Cluster, large: Cluster) -> Teams:
+    """The team file resolved on `small`, every quota and borrowing limit scaled by `large`'s GPUs of
+    the type over `small`'s, resolved on `large`."""
+    teams = resolve(file, small)
+    factor = {t: large.capacity(t) // small.capacity(t) for t in small.gpu_types}
+    return resolve(
+        TeamFile(
+            {
+                name: TeamSpec(
+                    {t: n * factor[t] for t, n in team.quota.items()},
+                    {t: n * factor[t] for t, n in team.borrow.items() if n is not None},
+                    team.weight,
+                )
+                for name, team in teams.teams.items()
+            }
+        ),
+        large,
+    )
+
+
+def side_by_side(label: str, policy: str, teams: Teams, workload: Path, cluster: str, **options) -> None:
+    """One run with every round decided without teams and with them; their times and ratio."""
+    measured = SideBySide(policy, teams)
+    start = time.perf_counter()
+    with mock.patch.object(sim.run, "make_policy", lambda *_, **__: measured):
+        result = simulate(workload, cluster, policy, fairness=False, **options)
+    plain, with_teams = np.array(measured.plain_ms), np.array(measured.teams_ms)
+    counts = {name: 0 for name in measured.names}
+    for job_id in measured.seen:
+        counts[measured.team_of(job_id)] += 1
+    print(label)
+    print(
+        f"  rounds {len(plain)}, mean active jobs {result['contention']:.0f}, jobs by team "
+        + ", ".join(f"{n} {c}" for n, c in counts.items())
+        + f" (crc32 of the id); teams changed the decision in {measured.differ} rounds; wall {time.perf_counter() - start:.0f} s"
+    )
+    for name, ms in (("without teams", plain), ("with teams", with_teams)):
+        p50, p95 = np.percentile(ms, [50, 95])
+        print(f"  {name:14s} policy ms  p50 {p50:8.1f}   p95 {p95:8.1f}   max {ms.max():8.1f}   mean {ms.mean():8.1f}")
+    ratios = [
+        f"{q}: {np.percentile(with_teams, v) / np.percentile(plain, v):.3f}" for q, v in (("p50", 50), ("p95", 95))
+    ]
+    ratios.append(f"mean: {with_teams.mean() / plain.mean():.3f}")
+    ratios.append(f"median of per-round ratios: {np.median(with_teams / plain):.3f}")
+    print("  with / without teams  " + ", ".join(ratios) + "  (target <= 1.20)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", help="reference folder (default: $GOODPUT_REFERENCE, else ../shared/reference)")
     parser.add_argument("--scale-hours", type=float, default=1.0, help="simulated hours of the scale run")
     parser.add_argument("--policies", nargs="+", default=["sia", "goodput"], help="policies to measure, in turn")
+    parser.add_argument("--teams", help="a team file for sia-hetero-64: measure the policy with and without teams")
     args = parser.parse_args()
     for policy in args.policies:  # a bad name refused before minutes of runs
         try:
@@ -47,6 +145,34 @@ def main() -> None:
     root = reference_root(args.reference)
     workloads = Path(root) / "sia" / "sia-simulator" / "workloads"
     sources = job_sources(args.reference)
+    if args.teams:
+        try:
+            file = load_team_file(args.teams)
+            small, large = load_cluster("sia-hetero-64"), load_cluster("sia-hetero-2048")
+            teams, teams_large = resolve(file, small), scaled_teams(file, small, large)
+        except ValueError as error:
+            parser.error(str(error))
+        for policy in args.policies:
+            side_by_side(
+                f"{policy} with and without teams {args.teams}, Philly workload-1 (160 jobs), sia-hetero-64",
+                policy,
+                teams,
+                workloads / "philly" / "workload-1.csv",
+                "sia-hetero-64",
+                sources=sources,
+            )
+        for policy in args.policies:
+            side_by_side(
+                f"{policy} with and without teams {args.teams} (quotas x32), scale_32x workload-1, "
+                f"sia-hetero-2048, first {args.scale_hours:g} h",
+                policy,
+                teams_large,
+                workloads / "scale" / "scale_32x" / "workload-1.csv",
+                "sia-hetero-2048",
+                sources=sources,
+                horizon_s=args.scale_hours * 3600,
+            )
+        return
 
     for policy in args.policies:
         start = time.perf_counter()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from policies.base import Decision, RoundState, make_policy, restore_policy, snapshot_policy
+from policies.base import Decision, RoundState, make_policy, refuse_teams, restore_policy, snapshot_policy
 
 HOW = ("raise", "timeout")
 DEFAULT_STALL_S = 5.0
@@ -29,10 +29,14 @@ class ChaosPolicy:
             raise ValueError(f"chaos: how must be one of {HOW}, got {how!r}")
         self.inner = make_policy(policy, **options)
         self.round_s, self.adaptive_batch = self.inner.round_s, self.inner.adaptive_batch
+        # It decides as the policy it wraps, teams included: that one honours them or refuses them.
+        self.honours_teams = getattr(self.inner, "honours_teams", False)
         self.fail_round, self.how = int(fail_round), how
         self.stall_s = stall_s if stall_s is not None else getattr(self.inner, "time_limit_s", DEFAULT_STALL_S)
 
     def allocate(self, state: RoundState) -> Decision:
+        if not self.honours_teams:
+            refuse_teams(f"chaos over {self.inner.name}", state)
         if round(state.now_s / self.round_s) != self.fail_round:
             return self.inner.allocate(state)
         if self.how == "timeout":

@@ -1,6 +1,6 @@
 """`goodput logs JOB [--rank N] [--follow]` — what a job printed (each rank's stdout and stderr, as
 its node agents stored them), read through the user API (goodput.api.logs) as the login's: another
-login's job is unknown to it."""
+team's job is unknown to it."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ COMMANDS = [
     "logs",
     "up",
     "login",
+    "teams",
     "chaos",
 ]
 

@@ -14,8 +14,12 @@ from cli.output import default_out, write_results
 from policies.base import POLICIES, policy_spec
 from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
-from shared.settings import FEEDBACK_ITERATIONS, PRESETS
+from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS, PRESETS
 from sim.workload import BUILT_IN_WORKLOAD
+
+# What `goodput compare` runs unless told: the default policy against the peers' (with --teams: the
+# policies that hold teams' guarantees).
+COMPARED = [DEFAULT_POLICY, *(p for p in ("sia", "pollux", "gavel") if p != DEFAULT_POLICY)]
 
 
 def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +82,12 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="the simulator's round in seconds (default 60); fifo, tiresias and timeslice decide every round",
     )
+    parser.add_argument(
+        "--teams",
+        metavar="FILE",
+        help="team file (docs/teams.md): each team's guaranteed GPUs per type, held every round; the "
+        "workload's `team` column names each job's team; the results have each team's",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -85,12 +95,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--workload",
         default=str(BUILT_IN_WORKLOAD),
-        help="workload CSV (name,time,application,num_replicas,batch_size; default: the built-in "
-        f"40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})",
+        help="workload CSV (name,time,application,num_replicas,batch_size, optionally team,priority; "
+        f"default: the built-in 40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})",
     )
     sim.add_argument(
         "--policy",
-        default="sia",
+        default=DEFAULT_POLICY,
         metavar="NAME[:KEY=VALUE,...]",
         help=f"one of {', '.join(POLICIES)}, with options, e.g. gavel:objective=max_sum_throughput "
         "(default: %(default)s)",
@@ -107,7 +117,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=default_out("simulate", "simulation.json"),
         help="result JSON, its folder created (default: %(default)s)",
     )
-    sim.add_argument("--plot", help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF")
+    sim.add_argument(
+        "--plot",
+        help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF; "
+        "with --teams, each team's GPUs over time against its quota",
+    )
     add_simulation_arguments(sim)
     sim.set_defaults(func=_simulate)
 
@@ -118,7 +132,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="workload CSVs or folders of them (each folder is one set; cells are means over its files)",
     )
-    cmp.add_argument("--policies", nargs="+", default=["sia", "pollux", "gavel"], metavar="NAME[:KEY=VALUE,...]")
+    cmp.add_argument(
+        "--policies",
+        nargs="+",
+        metavar="NAME[:KEY=VALUE,...]",
+        help=f"default: {' '.join(COMPARED)}; with --teams, the policies that hold teams' guarantees",
+    )
     cmp.add_argument(
         "--out",
         default=default_out("compare", "compare.json"),
@@ -162,9 +181,36 @@ def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progre
         fairness=args.fairness,
         interference=args.interference,
         profile_request=args.profile_request,
+        teams=getattr(args, "team_file", None) or getattr(args, "teams", None),
     )
     result["policy_spec"] = spec
     return result
+
+
+def check_team_run(args: argparse.Namespace, specs: list[str], workloads: list[str]) -> None:
+    """With --teams: the team file read and resolved against the cluster, every policy one that
+    holds teams' guarantees and every workload's teams named in it, before any truth is loaded
+    (ValueError saying what is wrong); the file kept on `args.team_file` for the runs."""
+    args.team_file = None
+    if not getattr(args, "teams", None):
+        return
+    from policies.base import make_policy
+    from shared.cluster import load_cluster
+    from shared.reference import load_workload
+    from shared.teams import load_team_file
+    from sim.run import check_teams
+
+    args.team_file = load_team_file(args.teams)
+    cluster = load_cluster(args.cluster)
+    source = f"team file {args.teams}"
+    for spec in specs:
+        policy, options = policy_spec(spec)
+        check_teams(args.team_file, cluster, make_policy(policy, **options), source=source)
+    for workload in workloads:
+        try:
+            check_teams(args.team_file, cluster, jobs=load_workload(workload), source=source)
+        except ValueError as error:
+            raise ValueError(f"{workload}: {error}") from None
 
 
 def _hours(seconds) -> str:
@@ -175,6 +221,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from sim.run import job_sources
 
     policy_spec(args.policy)  # a bad name or option refused before the truth is loaded
+    check_team_run(args, [args.policy], [args.workload])
     sources = job_sources(args.reference, args.zoo)
     start = time.perf_counter()
     # On a terminal a bar; in a log or a pipe a plain line every few seconds (sim.run.progress_reporter).
@@ -214,6 +261,13 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
         print(
             f"  finish-time fairness: max rho {result['rho_max']:.2f}, p99 {result['rho_p99']:.2f}, "
             f"rho > 1 for {100 * result['rho_over_1']:.1f}% of jobs"
+        )
+    for name, team in (result.get("teams") or {}).items():
+        quota = ", ".join(f"{t} {n}" for t, n in team["quota"].items()) or "none"
+        print(
+            f"  team {name}: {team['jobs']} jobs, avg JCT {_hours(team['avg_jct_s'])} h, p99 JCT "
+            f"{_hours(team['p99_jct_s'])} h, {team['gpu_hours']:.1f} GPU-hours ({team['borrowed_gpu_hours']:.1f} "
+            f"borrowed), reclaimed {team['reclaimed']} times; quota {quota}"
         )
     for event in result["events"][:10]:
         print(f"  event: {event}")
@@ -260,10 +314,19 @@ def _compare(args: argparse.Namespace) -> int:
     from sim.run import job_sources
 
     sets = workload_sets(args.workloads)
-    sources = job_sources(args.reference, args.zoo)
-    rows, everything = [], []
+    if args.policies is None:
+        from services.policy.rounds import team_policies
+
+        args.policies = COMPARED if not args.teams else [p for p in COMPARED if p in team_policies()]
     for spec in args.policies:
         policy_spec(spec)  # refuse a bad name before hours of runs
+    check_team_run(args, args.policies, [f for files in sets.values() for f in files])
+    sources = job_sources(args.reference, args.zoo)
+    rows, everything = [], []
+    # With teams, each team's average JCT too (a column per team).
+    team_metrics = [
+        (f"{name}_avg_jct_s", f"{name} avg JCT h", 3600) for name in (args.team_file.teams if args.team_file else ())
+    ]
     for name, files in sets.items():
         for policy in args.policies:
             runs = []
@@ -275,6 +338,9 @@ def _compare(args: argparse.Namespace) -> int:
                 print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
             everything.extend(runs)
             cells = {key: _mean([r.get(key) for r in runs]) for key, _, _ in METRICS}  # no rho: --no-fairness
+            for key, _, _ in team_metrics:
+                team = key.removesuffix("_avg_jct_s")
+                cells[key] = _mean([r["teams"][team]["avg_jct_s"] for r in runs if team in r.get("teams", {})])
             policy_ms = [r["policy_runtime_ms"] for r in runs]
             rows.append(
                 {
@@ -288,7 +354,9 @@ def _compare(args: argparse.Namespace) -> int:
                     "took_s": float(np.mean([r["took_s"] for r in runs])),
                 }
             )
-    metrics = [m for m in METRICS if any(row[m[0]] is not None for row in rows)]  # columns some run measured
+    metrics = [
+        m for m in METRICS + team_metrics if any(row[m[0]] is not None for row in rows)
+    ]  # columns some run measured
     header = (
         "| workloads | policy | " + " | ".join(label for _, label, _ in metrics) + " | policy ms p50/p95 | run took |"
     )

@@ -5,7 +5,10 @@ for an answer (durable, fire-and-forget: taken even while the profiler is down).
 A job that carries its code (`--code DIR`, or `code: DIR` in the job file, relative to it) has the
 folder packed (`shared.code_archive`), uploaded through the API in chunks unless the code store
 has it already, and submitted naming the archive's digest: `id` and `entrypoint` are then a whole
-job file."""
+job file.
+
+`teams_status` answers `goodput status --teams`: each team's guaranteed GPUs, their use and their
+lending per GPU type, from `goodput.api.teams`."""
 
 from __future__ import annotations
 
@@ -343,6 +346,25 @@ def _drain(args: argparse.Namespace) -> int:
     else:
         moving = f"; its jobs move in the next round: {', '.join(answer.jobs)}" if answer.jobs else ""
         print(f"node {args.node}{where}: drained, nothing new is placed there{moving}")
+    return 0
+
+
+def teams_status(args: argparse.Namespace) -> int:
+    """`goodput status --teams`: per team and GPU type, its guarantee, what its running jobs use, how
+    many of those are borrowed and how many of its guarantee are lent now (the login's own team;
+    every team for the operator); `--json`: the answer as one JSON document."""
+    import json
+
+    from cli.job_view import teams_lines
+    from shared import subjects
+    from shared.schema import TeamsAnswer, TeamsRequest
+
+    document = msgspec.to_builtins(_call(args, subjects.API_TEAMS, TeamsRequest(), TeamsAnswer))
+    if getattr(args, "json", False):
+        print(json.dumps(document, indent=2))
+        return 0
+    for line in teams_lines(document):
+        print(line)
     return 0
 
 

@@ -12,6 +12,12 @@ start under DATA/secrets and kept; `goodput up` writes DATA/user.env, with which
 in as `user` (`goodput submit` and `goodput status` read the default data folder's by themselves).
 Anonymous clients are refused. --insecure turns authentication off, and says so at every start.
 
+With `--teams FILE` the teams share the cluster (shared/teams.py): the file is checked against the
+cluster, and the policy must honour teams, before anything starts; it is kept as DATA/teams.yaml
+(the file in force, which a later start on DATA goes on with, and `goodput teams apply` changes) and
+stored for the policy and the API; each team gets its own login, DATA/teams/TEAM.env. Without a
+team file every job is the default team's.
+
 The data folder is kept: started again on it, `goodput up` goes on with every job of the live run
 (the start-up replay is not run again); --fresh starts from an empty store. One `goodput up` holds
 a data folder at a time, and a taken port is refused before anything starts.
@@ -41,6 +47,7 @@ from services.executor.processes import JOBS_PACKAGE
 from shared import credentials
 from shared.runner import EXECUTORS, executors_kind, positive_float
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
+from shared.settings import DEFAULT_POLICY
 from sim.workload import BUILT_IN_WORKLOAD
 
 LOCK_FILE = "goodput-up.lock"  # held by the `goodput up` serving from a data folder
@@ -64,7 +71,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=str(BUILT_IN_WORKLOAD),
         help="workload CSV to replay (default: the built-in 40-job workload); 'none' to replay nothing",
     )
-    up.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
+    up.add_argument(
+        "--policy", default=DEFAULT_POLICY, help="policy, with options as NAME:KEY=VALUE (default: %(default)s)"
+    )
+    up.add_argument(
+        "--teams",
+        type=Path,
+        help="team file (YAML): each team's guaranteed GPUs per type, borrowing and weight, and a login "
+        "each (default: the one in force on --data, if any)",
+    )
     up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
     up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
     up.add_argument(
@@ -140,6 +155,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     status.add_argument(
         "--json", action="store_true", help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)'
     )
+    status.add_argument(
+        "--teams",
+        action="store_true",
+        help="each team's guarantee, use and lending per GPU type (your team's; every team for the operator)",
+    )
     add_connection_arguments(status)
     status.set_defaults(func=_status)
 
@@ -188,6 +208,7 @@ def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
     if os.geteuid() == 0:  # its agents run jobs as users of their own: the way to their folders in DATA/work
         make_passable(data, data / "work")
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if real else "sia-hetero-64")
+    teams = _teams_in_force(args, data)  # refused here, before anything starts
     with _holding(data):
         orphan = stop_orphan_server(data)
         if orphan is not None:
@@ -204,13 +225,52 @@ def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
                 f"127.0.0.1:{args.port} may act as any service (submit, place, delete every stream)",
                 flush=True,
             )
+        _keep_teams(args, data, teams)
         try:
             with embedded_nats(data, args.port, secure=not args.insecure, sync_always=args.sync_always) as nats:
-                asyncio.run(_serve(args, nats, data, resumed))
+                asyncio.run(_serve(args, nats, data, resumed, teams))
         except KeyboardInterrupt:  # Ctrl-C while NATS was starting: nothing was running yet
             pass
     print("goodput is down")
     return 0
+
+
+def _teams_in_force(args: argparse.Namespace, data: Path):
+    """The team file this start goes on with (--teams FILE, else the one in force on DATA, else
+    None), checked against the cluster; ValueError, before anything starts, for an invalid one, a
+    policy that cannot honour teams, or a team whose login would take another login's name."""
+    from launcher.nats import SECRETS, TEAM_FILE, Access
+    from launcher.setup import checked_teams, refuse_policy_without_teams
+
+    path = args.teams or (data / TEAM_FILE if (data / TEAM_FILE).is_file() else None)
+    if path is None:
+        return None
+    teams = checked_teams(str(path), args.cluster)
+    try:
+        refuse_policy_without_teams(args.policy, teams, args.cluster)
+    except ValueError as error:
+        raise ValueError(f"{error} (the teams: {path})") from None
+    if not args.insecure and (data / SECRETS).is_dir():
+        problems = Access(data / SECRETS).team_login_problems(teams.teams)
+        if problems:
+            raise ValueError("; ".join(problems))
+    return teams
+
+
+def _keep_teams(args: argparse.Namespace, data: Path, teams) -> None:
+    """Record the cluster for `goodput teams apply`; keep the team file given as the one in force,
+    and give each team its own login (made the first time; with this start's URL)."""
+    from cli.teams import record_cluster
+    from launcher.nats import SECRETS, TEAM_FILE, Access
+    from shared.permissions import write_private
+
+    record_cluster(data, args.cluster)
+    if teams is None:
+        return
+    if args.teams is not None:
+        write_private(data / TEAM_FILE, args.teams.read_text())
+    if not args.insecure:
+        Access.kept_in(data / SECRETS).add_team_logins(teams.teams, f"nats://127.0.0.1:{args.port}")
 
 
 def _port_taken(port: int) -> str:
@@ -256,19 +316,19 @@ def _holding(data: Path):
         lock.close()
 
 
-async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
+async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool, teams) -> None:
     """Start the services, replay, serve; Ctrl-C (or SIGTERM) at any moment stops everything."""
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     try:
-        await _stack(args, nats, data, resumed)
+        await _stack(args, nats, data, resumed, teams)
     except asyncio.CancelledError:
         print("stopping goodput ...", flush=True)
 
 
-async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> None:
+async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, teams) -> None:
     from launcher.live_run import describe, live_request
     from launcher.stack import (
         ensure_run,
@@ -300,7 +360,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
         LIVE_RUN, args.policy, args.cluster, args.round, args.speed, {"round_s": args.round} if real else None
     )
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas, "api": args.api_replicas}
-    with running_services(nats, arguments, data, replicas, agents=agents) as stack:
+    # The team file is stored before the services start (None: none stored), so every round has it.
+    with running_services(nats, arguments, data, replicas, agents=agents, teams=teams) as stack:
         bus = await nats.connect("goodput-up")
         supervising = None
         try:
@@ -334,6 +395,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool) -> N
                     print(f"the live run goes on as it was created ({describe(existing)}), not with {describe(live)}")
                 running = existing or live
                 print(_how_to_connect(data, user_env))
+                if teams is not None:
+                    print(_teams_line(data, teams, nats.access))
                 print(
                     f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
                     f"{describe(running)}; Ctrl-C stops everything",
@@ -408,6 +471,20 @@ def _how_to_connect(data: Path, user_env: Path) -> str:
         f"as a user ({user_env} holds the URL and login; other clients: its user, password file and "
         f"inbox prefix): {found}`goodput submit JOB.yaml`, `goodput status`"
     )
+
+
+def _teams_line(data: Path, teams, access) -> str:
+    """The teams in force, and where each team's login is."""
+    from launcher.nats import TEAM_FILE
+
+    logins = (
+        "; each team's login: "
+        + ", ".join(f"{team} {access.teams_folder / (team + '.env')}" for team in teams.teams)
+        + f" (export {credentials.LOGIN_ENV}=FILE)"
+        if access is not None
+        else " (no logins: --insecure)"
+    )
+    return f"teams ({data / TEAM_FILE}, `goodput teams apply FILE` changes them): {', '.join(teams.teams)}{logins}"
 
 
 def _job(path: str):
@@ -546,8 +623,12 @@ def _status(args: argparse.Namespace) -> int:
 
     import msgspec
 
-    from cli.job_view import job_lines, job_row
+    from cli.job_view import job_lines, job_table
 
+    if args.teams:
+        from cli.submit import teams_status
+
+        return teams_status(args)
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
     try:
@@ -558,7 +639,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.id is not None:
         jobs = [j for j in jobs if j["id"] == args.id]
         if not jobs:
-            raise ValueError(f"no job {args.id!r} of this login's is known to the executors")
+            raise ValueError(f"no job {args.id!r} of your team's is known to the executors")
     run = run_document(policy)
     if args.json:
         print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
@@ -575,11 +656,11 @@ def _status(args: argparse.Namespace) -> int:
         + (f" ({run['reason']})" if run["reason"] else "")
         + f"; policy leader: {run['leader'] or 'none'}"
     )
-    for j in jobs:
-        print(job_row(j))
-        if args.id is not None:
-            for line in job_lines(j):
-                print(f"      {line}")
+    for row in job_table(jobs):
+        print(row)
+    if args.id is not None:
+        for line in job_lines(jobs[0]):
+            print(f"      {line}")
     return 0
 
 

@@ -13,6 +13,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--hours", type=float, default=2.0, help="arrival window in hours (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--teams",
+        metavar="NAME,NAME",
+        help="each job belongs to one of these teams, drawn uniformly (a `team` column; docs/teams.md)",
+    )
+    parser.add_argument(
         "--out",
         default=default_out("workload", "workload.csv"),
         help="CSV to write, its folder created (default: %(default)s)",
@@ -23,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from sim.workload import generate_workload, write_workload
 
-    jobs = generate_workload(args.jobs, args.hours, args.seed)
+    teams = tuple(name.strip() for name in args.teams.split(",")) if args.teams else ()
+    jobs = generate_workload(args.jobs, args.hours, args.seed, teams=teams)
     write_workload(jobs, args.out)
-    print(f"wrote {args.out}: {len(jobs)} jobs over {args.hours:g} h (seed {args.seed})")
+    among = f" among teams {', '.join(teams)}" if teams else ""
+    print(f"wrote {args.out}: {len(jobs)} jobs over {args.hours:g} h (seed {args.seed}){among}")
     return 0

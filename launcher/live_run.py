@@ -1,4 +1,4 @@
-"""Hand a deployed stack its live run: `python -m launcher.live_run --policy sia --round 60`.
+"""Hand a deployed stack its live run: `python -m launcher.live_run --policy goodput --round 60`.
 
 The policy leader schedules only the runs it finds in the KV bucket `goodput_runs`; `goodput up`
 creates its live run itself (cli/up.py). A deployed stack (Kubernetes, compose) has no such driver,
@@ -23,6 +23,7 @@ from shared import storage
 from shared.bus import Bus
 from shared.credentials import connect_options
 from shared.schema import RunRequest
+from shared.settings import DEFAULT_POLICY
 from shared.subjects import LIVE_RUN
 
 
@@ -86,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
     )
     parser.add_argument("--run-id", default=LIVE_RUN, help="the run's id (default: %(default)s)")
-    parser.add_argument("--policy", default="sia", help="policy, with options as NAME:KEY=VALUE (default: %(default)s)")
+    parser.add_argument(
+        "--policy", default=DEFAULT_POLICY, help="policy, with options as NAME:KEY=VALUE (default: %(default)s)"
+    )
     parser.add_argument(
         "--cluster",
         default="sia-hetero-64",

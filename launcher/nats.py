@@ -4,11 +4,13 @@
 bound to loopback on a free port, JetStream data in a folder of the caller's, no monitoring port.
 
 `embedded_nats` is the secured one `goodput up` runs: the services' account, one NATS user per role
-with its permissions, and the logins' account (shared/permissions.py). Each role's password, and the
-default login `user`'s, is made at first start in `<folder>/secrets/<role>` (readable by its owner
-only) and kept for the next; the logins the operator adds are `<folder>/logins/<name>.env`
-(`add_login`), taken in without a restart: the accounts are rendered into `<folder>/auth.conf`,
-which the server reads again on SIGHUP (`reload`). Anonymous clients are refused. The JetStream
+with its permissions, and an account per team of logins (shared/permissions.py). Each role's
+password, and the default login `user`'s, is made at first start in `<folder>/secrets/<role>`
+(readable by its owner only) and kept for the next; the logins the operator adds are
+`<folder>/logins/<name>.env` (`add_login`, of a team or not), each team's own login
+`<folder>/teams/<team>.env` (`add_team_logins`), taken in without a restart: the accounts are
+rendered into `<folder>/auth.conf`, which the server reads again on SIGHUP (`reload`; a team's new
+account takes two, see there). Anonymous clients are refused. The JetStream
 store is bounded by the storage plan's limits (shared/storage.py). Data is written to the OS at once
 and fsynced every SYNC_INTERVAL (nats-server's default): a killed process loses nothing, a power
 cut at most that much; `sync_always` fsyncs every write.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -26,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +40,13 @@ SERVER_START_TIMEOUT_S = 10.0
 PID_FILE = "nats-server.pid"  # under the server's folder while it serves: a killed owner's server is found
 SECRETS = "secrets"  # under the data folder: one password file per role
 LOGINS = "logins"  # under the data folder: one file per login the operator added, NAME.env
+TEAMS = "teams"  # under the data folder: one file per team's own login, TEAM.env (`goodput up --teams`)
+TEAM_FILE = "teams.yaml"  # under the data folder: the team file in force (`goodput up --teams`, `teams apply`)
 AUTH_CONF = "auth.conf"  # under the data folder: the accounts, included by nats.conf, reloaded on SIGHUP
 SYNC_INTERVAL = '"2m"'  # nats-server's default fsync period (quoted: a duration, not a number)
+SERVER_LOG = "nats-server.log"  # under the server's folder
+RELOADED = "Reloaded server configuration"  # what the server's log says once it has read its configuration again
+RELOAD_FAILED = "Failed to reload server configuration"  # ... or that it kept the one it had
 
 
 def nats_server_binary() -> Path:
@@ -101,7 +109,7 @@ def nats_from_binary(workdir: Path, port: int | None = None, config: str | None 
     address, port, JetStream and its folder given here win over it."""
     binary = nats_server_binary()
     port = port or free_loopback_port()
-    log_path = workdir / "nats-server.log"
+    log_path = workdir / SERVER_LOG
     store = workdir / "jetstream"
     command = [str(binary), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
     if config is not None:
@@ -178,7 +186,8 @@ def _running(pid: int) -> bool:
 @dataclass(frozen=True)
 class Access:
     """How each role and login logs in to a secured server: the roles' (and the default login's)
-    password files in `folder`, the added logins' files beside it (`logins_folder`)."""
+    password files in `folder`, the added logins' files beside it (`logins_folder`), and each
+    team's own login's (`teams_folder`). A login's name is unique among them all."""
 
     folder: Path
 
@@ -198,6 +207,10 @@ class Access:
     def logins_folder(self) -> Path:
         return self.folder.parent / LOGINS
 
+    @property
+    def teams_folder(self) -> Path:
+        return self.folder.parent / TEAMS
+
     def password_file(self, role: str) -> Path:
         return self.folder / role
 
@@ -205,47 +218,112 @@ class Access:
         """The environment a process of this role connects with (shared/credentials.py)."""
         return {"GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(self.password_file(role).resolve())}
 
+    def login_files(self) -> dict[str, Path]:
+        """Each login's file but the default one's: each team's own (`teams_folder`), then the added ones."""
+        files: dict[str, Path] = {}
+        for file in (*sorted(self.teams_folder.glob("*.env")), *sorted(self.logins_folder.glob("*.env"))):
+            name = file.name.removesuffix(".env")
+            if name in files:
+                raise ValueError(f"login {name!r} has two files, {files[name]} and {file}: remove one")
+            files[name] = file
+        return files
+
     def logins(self) -> dict[str, str]:
-        """Every login's password: the default one's, and each added login's file."""
+        """Every login's password: the default one's, and each file's."""
         from shared.credentials import PASSWORD_ENV, read_env
         from shared.permissions import DEFAULT_LOGIN
 
         logins = {DEFAULT_LOGIN: self.password_file(DEFAULT_LOGIN).read_text().strip()}
-        for file in sorted(self.logins_folder.glob("*.env")):
-            logins[file.name.removesuffix(".env")] = read_env(file).get(PASSWORD_ENV, "")
+        for name, file in self.login_files().items():
+            logins[name] = read_env(file).get(PASSWORD_ENV, "")
         return logins
 
-    def add_login(self, name: str, url: str) -> Path:
-        """A new login: its file in `logins_folder` (0600, whole in itself: the URL, the login, its
-        password). ValueError for a name that cannot be one, or one taken."""
-        from shared.credentials import write_login_env
+    def teams(self) -> dict[str, str]:
+        """Every login's team: a team's own login's is its team; an added login's, what its file
+        says; the default login's, DEFAULT_TEAM."""
+        from shared.credentials import login_team
+        from shared.permissions import DEFAULT_LOGIN
+        from shared.subjects import DEFAULT_TEAM
+
+        teams = {DEFAULT_LOGIN: DEFAULT_TEAM}
+        for name, file in self.login_files().items():
+            teams[name] = name if file.parent == self.teams_folder else login_team(file)
+        return teams
+
+    def login_problem(self, name: str) -> str | None:
+        """Why a new login may not be called `name` (one that cannot be a login, or one taken), or None."""
         from shared.permissions import DEFAULT_LOGIN, login_problem
 
         problem = login_problem(name)
         if problem is not None:
+            return problem
+        if name == DEFAULT_LOGIN:
+            return f"login {name!r} exists already: it is `goodput up`'s own"
+        taken = self.login_files().get(name)
+        return None if taken is None else f"login {name!r} exists already ({taken})"
+
+    def add_login(self, name: str, url: str, team: str | None = None) -> Path:
+        """A new login, of `team` (None: DEFAULT_TEAM): its file in `logins_folder` (0600, whole in
+        itself: the URL, the login, its password, its team). ValueError for a name that cannot be
+        one, or one taken."""
+        from shared.credentials import write_login_env
+
+        problem = self.login_problem(name)
+        if problem is not None:
             raise ValueError(problem)
-        path = self.logins_folder / f"{name}.env"
-        if name == DEFAULT_LOGIN or path.exists():
-            raise ValueError(f"login {name!r} exists already ({DEFAULT_LOGIN!r} is `goodput up`'s own)")
         self.logins_folder.mkdir(mode=0o700, exist_ok=True)
-        return write_login_env(path, url, name, secrets.token_urlsafe(24))
+        return write_login_env(self.logins_folder / f"{name}.env", url, name, secrets.token_urlsafe(24), team)
+
+    def team_login_problems(self, teams: Iterable[str]) -> list[str]:
+        """Why some of `teams` cannot have their own login (named after the team): [] when all can."""
+        have = self.login_files()
+        problems = []
+        for team in teams:
+            if have.get(team) == self.teams_folder / f"{team}.env":
+                continue  # it has its login already
+            problem = self.login_problem(team)
+            if problem is not None:
+                problems.append(f"team {team}'s own login takes the team's name: {problem}")
+        return problems
+
+    def add_team_logins(self, teams: Iterable[str], url: str) -> list[str]:
+        """Each team's own login, named after it (`teams_folder`/TEAM.env, 0600), made for the teams
+        without one, which are returned; every team's file is given `url`. ValueError, and nothing
+        made, when a team's name is another login's or cannot be one."""
+        from shared.credentials import PASSWORD_ENV, read_env, write_login_env
+
+        teams = list(teams)
+        problems = self.team_login_problems(teams)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.teams_folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.teams_folder, 0o700)
+        made = []
+        for team in teams:
+            path = self.teams_folder / f"{team}.env"
+            password = read_env(path).get(PASSWORD_ENV) if path.is_file() else None
+            if password is None:
+                made.append(team)
+            write_login_env(path, url, team, password or secrets.token_urlsafe(24), team)
+        return made
 
     def remove_login(self, name: str) -> None:
-        """Forget a login the operator added (ValueError for one there is not)."""
+        """Forget a login the operator added, or a team's own (ValueError for one there is not)."""
         from shared.permissions import DEFAULT_LOGIN
 
-        path = self.logins_folder / f"{name}.env"
         if name == DEFAULT_LOGIN:
             raise ValueError(f"{DEFAULT_LOGIN!r} is `goodput up`'s own login (DATA/user.env); it stays")
-        if "/" in name or not path.is_file():
+        path = self.login_files().get(name)
+        if path is None:
             raise ValueError(f"no login {name!r}; the logins are {', '.join(self.logins())}")
         path.unlink()
 
     def accounts(self) -> str:
-        """The accounts block of the server's configuration, every role and login in it."""
+        """The accounts block of the server's configuration, every role and login in it, each
+        login in its team's account."""
         from shared.permissions import ROLES, passwords_from, render_accounts
 
-        return render_accounts(passwords_from(ROLES, self.folder, environ={}), self.logins())
+        return render_accounts(passwords_from(ROLES, self.folder, environ={}), self.logins(), teams=self.teams())
 
 
 @dataclass(frozen=True)
@@ -320,15 +398,47 @@ async def taken(url: str, options: dict[str, Any]):
 
 
 def reload(workdir: Path, access: Access) -> bool:
-    """Render the accounts again and have the server serving `workdir` read them (SIGHUP): a login
-    added is taken in, one removed is disconnected, and no one else notices. False: no server
-    serves the folder now (the next start reads them)."""
+    """Render the accounts again and have the server serving `workdir` read them (SIGHUP), and
+    return once it has: a login added is taken in, one removed is disconnected, and no one else
+    notices. An account the reload adds (a new team's) reaches the services only at the next
+    reload: nats-server subscribes a new account's service imports when it starts, or when a reload
+    finds the account there already, not when a reload makes it (server.go, `configureAccounts`),
+    so its requests would find no responders; the server then reads them twice. False: no server
+    serves the folder now (the next start reads them). RuntimeError with the server's reason when
+    it refuses them."""
+    before = _accounts(workdir / AUTH_CONF)
     write_accounts(workdir, access)
     pid = serving_pid(workdir)
     if pid is None:
         return False
-    os.kill(pid, signal.SIGHUP)
+    _reloaded(workdir, pid)
+    if _accounts(workdir / AUTH_CONF) - before:
+        _reloaded(workdir, pid)
     return True
+
+
+def _accounts(auth_conf: Path) -> set[str]:
+    """The accounts a rendered accounts block names (shared.permissions.render_accounts)."""
+    return set(re.findall(r"^  (\S+) \{$", auth_conf.read_text(), re.M)) if auth_conf.is_file() else set()
+
+
+def _reloaded(workdir: Path, pid: int) -> None:
+    """Signal the server to read its configuration again, and wait until its log says it has."""
+    log = workdir / SERVER_LOG
+    offset = log.stat().st_size
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        with log.open("rb") as file:
+            file.seek(offset)
+            for line in file.read().decode(errors="replace").splitlines():
+                if RELOAD_FAILED in line:
+                    raise RuntimeError(f"nats-server kept its accounts as they were: {line.split('] ', 1)[-1]}")
+                if RELOADED in line:
+                    return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nats-server did not read its configuration again within {SERVER_START_TIMEOUT_S:g} s")
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
 """The operator's one-shot setup: every stream, KV bucket and durable consumer of the storage plan
-(shared/storage.py), created or brought to the plan. No service may create them.
+(shared/storage.py), created or brought to the plan, and the team file stored in its KV bucket. No
+service may create them.
 
 `goodput up` and the embedded stacks run it before they start the services (`provision_now`); the
-manifests' and compose's `live-run` one-shot runs it first (launcher/live_run.py); `python -m
-launcher.setup` runs it alone, with the operator's credentials (shared/credentials.py).
+manifests' and compose's `live-run` one-shot runs it first (launcher/live_run.py), the manifests'
+with the team file of their ConfigMap (`--teams FILE --cluster CLUSTER`); `python -m launcher.setup`
+runs it alone, with the operator's credentials (shared/credentials.py).
 """
 
 from __future__ import annotations
@@ -12,24 +14,75 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+from types import EllipsisType
 from typing import Any
 
-from shared import credentials, storage
+from shared import credentials, storage, subjects
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
+from shared.teams import TeamFile
 
 
-async def provision(server: str, lease_ttl_s: float = storage.LEASE_TTL_S, **options: Any) -> None:
+async def store_teams(bus: Bus, teams: TeamFile | None) -> None:
+    """The operator's team file into its KV bucket, which the policy reads at every round and the
+    API to answer; None: no teams (the key deleted). Check it against the cluster first
+    (shared.teams.resolve): this stores what it is given."""
+    bucket = await storage.open_kv(bus, subjects.TEAMS_BUCKET, TeamFile)
+    if teams is not None:
+        await bucket.put(subjects.TEAMS_KEY, teams)
+    elif await bucket.get(subjects.TEAMS_KEY) is not None:
+        await bucket.delete(subjects.TEAMS_KEY)
+
+
+async def provision(
+    server: str,
+    lease_ttl_s: float = storage.LEASE_TTL_S,
+    teams: TeamFile | None | EllipsisType = ...,
+    **options: Any,
+) -> None:
+    """Set up the storage; then store `teams` (None: no teams; left out: the stored one as it is)."""
     bus = await Bus.connect_once(server, "goodput-setup", **options)
     try:
         await storage.provision(bus, lease_ttl_s)
+        if teams is not ...:
+            await store_teams(bus, teams)
     finally:
         await bus.close()
 
 
-def provision_now(server: str, lease_ttl_s: float = storage.LEASE_TTL_S, **options: Any) -> None:
+def provision_now(
+    server: str,
+    lease_ttl_s: float = storage.LEASE_TTL_S,
+    teams: TeamFile | None | EllipsisType = ...,
+    **options: Any,
+) -> None:
     """`provision`, finished before this returns, from synchronous code (even inside an event loop)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, provision(server, lease_ttl_s, **options)).result()
+        pool.submit(asyncio.run, provision(server, lease_ttl_s, teams, **options)).result()
+
+
+def checked_teams(path: str, cluster: str) -> TeamFile:
+    """The team file at `path`, checked against `cluster` (a preset or a cluster file): ValueError
+    with the reason for a missing or invalid one."""
+    from shared.cluster import load_cluster
+    from shared.teams import load_team_file, resolve
+
+    teams = load_team_file(path)
+    resolve(teams, load_cluster(cluster))
+    return teams
+
+
+def refuse_policy_without_teams(spec: str, teams: TeamFile, cluster: str, options: dict | None = None) -> None:
+    """ValueError when the policy `spec` (NAME or NAME:KEY=VALUE,...; `options` on top) cannot
+    honour the teams' guarantees and borrowing limits (its `honours_teams`), as the policy service
+    would refuse them at its first round."""
+    from policies.base import make_policy, policy_spec, refuse_teams
+    from shared.cluster import load_cluster
+    from shared.teams import resolve
+
+    name, given = policy_spec(spec)
+    policy = make_policy(name, **{**given, **(options or {})})
+    if not getattr(policy, "honours_teams", False):
+        refuse_teams(name, resolve(teams, load_cluster(cluster)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,19 +98,34 @@ def main(argv: list[str] | None = None) -> int:
         default=storage.LEASE_TTL_S,
         help="seconds the policy leader's lease lasts unrenewed: a standby takes over within it (default: %(default)s)",
     )
+    parser.add_argument(
+        "--teams",
+        help="the team file (YAML) to store, checked against --cluster first (default: the stored one stays)",
+    )
+    parser.add_argument("--cluster", help="the cluster the services run (preset or YAML file): needed with --teams")
+    parser.add_argument(
+        "--policy",
+        help="with --teams: the live run's policy (NAME or NAME:KEY=VALUE,...), refused unless it honours teams",
+    )
     credentials.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.lease_ttl <= 0:
         parser.error("--lease-ttl must be positive")
+    if args.teams and not args.cluster:
+        parser.error("--teams needs --cluster: the team file is checked against the cluster's GPUs")
     try:
+        teams = checked_teams(args.teams, args.cluster) if args.teams else ...
+        if args.teams and args.policy:
+            refuse_policy_without_teams(args.policy, teams, args.cluster)
         options = credentials.connect_options(credentials.from_args(args))
     except ValueError as error:
         parser.error(str(error))
-    asyncio.run(provision(args.server, args.lease_ttl, **options))
+    asyncio.run(provision(args.server, args.lease_ttl, teams, **options))
     print(
         f"storage ready on {credentials.redact(args.server)}: {len(storage.STREAMS)} streams, "
         f"{len(storage.BUCKETS)} KV buckets, {len(storage.CONSUMERS)} consumers, "
         f"at most {storage.total_bytes() / storage.GIB:.1f} GiB"
+        + (f"; teams stored: {', '.join(teams.teams)}" if isinstance(teams, TeamFile) else "")
     )
     return 0
 

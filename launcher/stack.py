@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import EllipsisType
 
 import msgspec
 import nats.errors
@@ -38,6 +39,7 @@ from shared.schema import (
     RunRequest,
     RunStep,
 )
+from shared.teams import TeamFile
 
 SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")
 NODE_PREFIX = "node-"  # a node agent's instance name: node-<its node>
@@ -199,13 +201,15 @@ def running_services(
     replicas: Mapping[str, int] | None = None,
     lease_ttl_s: float = storage.LEASE_TTL_S,
     agents: Mapping[str, Sequence[str]] | None = None,
+    teams: TeamFile | None | EllipsisType = ...,
 ) -> Iterator[Stack]:
-    """Set up the storage (as the operator), then start `python -m services.<name> --server URL
-    <arguments>` for each service, `replicas[name]` times (once by default), and each node agent of
-    `agents` (instance -> its `services.executor` options), each logged in as its role on a secured
-    embedded server; stop them all after."""
+    """Set up the storage (as the operator) and store `teams` (launcher.setup.provision: None, no
+    teams; left out, the stored team file as it is), then start `python -m services.<name> --server
+    URL <arguments>` for each service, `replicas[name]` times (once by default), and each node agent
+    of `agents` (instance -> its `services.executor` options), each logged in as its role on a
+    secured embedded server; stop them all after."""
     nats = server if isinstance(server, EmbeddedNats) else EmbeddedNats(server, None)
-    provision_now(nats.url, lease_ttl_s, **nats.options("operator"))
+    provision_now(nats.url, lease_ttl_s, teams, **nats.options("operator"))
     # Whatever credentials this process holds are not the services' (each has its role's).
     inherited = {key: value for key, value in os.environ.items() if not key.startswith(CREDENTIALS_ENV_PREFIX)}
     instances = {
@@ -487,14 +491,14 @@ async def follow_run(
     )
 
 
-async def another_login(folder: Path, name: str, url: str):
-    """A login added to the embedded stack on `folder` while it serves (as `goodput login add` does),
-    connected with nats-py alone once the server has taken it."""
+async def another_login(folder: Path, name: str, url: str, team: str | None = None):
+    """A login (of `team`; None: DEFAULT_TEAM) added to the embedded stack on `folder` while it
+    serves (as `goodput login add` does), connected with nats-py alone once the server has taken it."""
     from launcher.nats import SECRETS, Access, reload, taken
     from shared.credentials import connect_options, read_env
 
     access = Access(folder / SECRETS)
-    settings = read_env(access.add_login(name, url))
+    settings = read_env(access.add_login(name, url, team))
     reload(folder, access)
     return await taken(url, connect_options(environ=settings))
 

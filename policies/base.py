@@ -154,6 +154,17 @@ def refuse_hybrid(policy: str, jobs: Iterable[JobView]) -> None:
         )
 
 
+def refuse_teams(policy: str, state: RoundState | Teams | None) -> None:
+    """ValueError for a policy that cannot honour teams (`honours_teams` False) given a round with
+    teams (`state` a RoundState, or the Teams themselves)."""
+    teams = state.teams if isinstance(state, RoundState) else state
+    if teams is not None:
+        raise ValueError(
+            f"policy {policy!r} cannot honour the teams' guarantees, borrowing limits and priorities "
+            f"({len(teams.teams)} teams in the team file): use the goodput or sia policy, or run without a team file"
+        )
+
+
 def snapshot_policy(policy: Policy) -> bytes:
     """The policy's state between rounds (b"" for a policy without any)."""
     snapshot = getattr(policy, "snapshot", None)

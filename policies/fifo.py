@@ -22,7 +22,7 @@ treated as waiting and re-placed at its request.
 
 from __future__ import annotations
 
-from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid, refuse_teams
 from policies.rigid import arrival_order, fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 from shared.settings import ROUND_S
@@ -33,6 +33,7 @@ class FifoPolicy:
 
     name = "fifo"
     adaptive_batch = False
+    honours_teams = False  # refuses a round with teams (policies.base.refuse_teams)
 
     def __init__(self, backfill: bool = False, round_s: float = ROUND_S):
         self.backfill = backfill
@@ -40,6 +41,7 @@ class FifoPolicy:
 
     def allocate(self, state: RoundState) -> Decision:
         refuse_hybrid(self.name, state.jobs)
+        refuse_teams(self.name, state)
         cluster = state.cluster
         placements: dict[str, Spots] = {j.job_id: j.placement for j in state.jobs if holds_request(j, cluster)}
         free = free_gpus(cluster, placements)

@@ -57,7 +57,16 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from policies.base import Decision, JobView, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.base import (
+    Decision,
+    JobView,
+    RoundState,
+    decision_from_placements,
+    free_gpus,
+    pack,
+    refuse_hybrid,
+    refuse_teams,
+)
 from policies.rigid import holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 
@@ -210,6 +219,7 @@ class GavelPolicy:
 
     name = "gavel"
     adaptive_batch = False
+    honours_teams = False  # refuses a round with teams (policies.base.refuse_teams)
 
     OBJECTIVES = ("max_min_fairness", "max_sum_throughput")
 
@@ -222,6 +232,7 @@ class GavelPolicy:
 
     def allocate(self, state: RoundState) -> Decision:
         refuse_hybrid(self.name, state.jobs)
+        refuse_teams(self.name, state)
         cluster = state.cluster
         types = cluster.gpu_types
         jobs = sorted(state.jobs, key=lambda j: (j.submit_s, j.job_id))  # canonical: input order never matters

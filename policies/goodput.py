@@ -56,6 +56,7 @@ class GoodputPolicy(SiaPolicy):
                     else view
                     for view in state.jobs
                 ),
+                state.teams,
             )
         )
 

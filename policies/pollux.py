@@ -67,7 +67,15 @@ from typing import Sequence
 import msgspec
 import numpy as np
 
-from policies.base import Decision, Prediction, RoundState, decision_from_placements, refuse_hybrid, restart_factor
+from policies.base import (
+    Decision,
+    Prediction,
+    RoundState,
+    decision_from_placements,
+    refuse_hybrid,
+    refuse_teams,
+    restart_factor,
+)
 from shared.cluster import Cluster, Spots
 from shared.schema import JobModels
 from shared.settings import ROUND_S
@@ -393,6 +401,7 @@ class PolluxPolicy:
 
     name = "pollux"
     adaptive_batch = True
+    honours_teams = False  # refuses a round with teams (policies.base.refuse_teams)
 
     def __init__(
         self,
@@ -426,6 +435,7 @@ class PolluxPolicy:
 
     def allocate(self, state: RoundState) -> Decision:
         refuse_hybrid(self.name, state.jobs)
+        refuse_teams(self.name, state)
         if not state.jobs:
             self._previous = None
             return Decision({}, {})

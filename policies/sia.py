@@ -8,6 +8,9 @@ it: the factor steps from 1 to about 1/2 at T_i = S_i), applied to
 every column but a running job's current one (a waiting job starts wherever it goes, so it pays
 nothing extra), and the lock that keeps a job mid-restart where it is.
 
+With teams (`RoundState.teams`), the ILP holds each team's guarantee and borrowing limits, and weighs
+each job by its team's weight and its priority within the team (policies/teams.py).
+
 Hybrid-parallel jobs (Sia §5.3) need nothing more here: the matrix holds only the configurations
 whose nodes take whole model-parallel groups, valued at their replicas.
 """
@@ -20,12 +23,14 @@ import numpy as np
 
 from policies.base import Decision, Prediction, RoundState, restart_factor
 from policies.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
+from policies.teams import borrowed_gpus, ilp_teams
 from shared.settings import ROUND_S
 
 
 class SiaPolicy:
     name = "sia"
     adaptive_batch = True
+    honours_teams = True  # inside the ILP: policies/sia_ilp.py, "Teams"
 
     def __init__(
         self,
@@ -74,12 +79,13 @@ class SiaPolicy:
                 ),
                 1.0,
             ),
-            locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid,
+            locked=np.array([v.mid_restart for v in jobs], dtype=bool) & running_valid & ~borrowing(state),
             config_type=np.array([types.index(c.gpu_type) for c in table.configs], dtype=int),
             config_gpus=np.array([c.gpus for c in table.configs], dtype=int),
             capacity=np.array([state.cluster.capacity(t) for t in types], dtype=int),
             waited=waited,
             must_run=waited > self.max_wait_s if math.isfinite(self.max_wait_s) else None,
+            **ilp_teams(state),
         )
 
     def allocate(self, state: RoundState) -> Decision:
@@ -121,3 +127,29 @@ class SiaPolicy:
                 restart_factor=factors[i],
             )
         return out
+
+
+def borrowing(state: RoundState) -> np.ndarray:
+    """(J,) bool: the jobs that hold GPUs of a type beyond their team's guarantee while a waiting job
+    of another team that holds a guarantee of that type could run there. Such a job is not pinned
+    while it restarts: the owner's guarantee comes back in the round it is wanted, and a borrower
+    stopped mid-restart loses only the start it has not finished."""
+    flags = np.zeros(len(state.jobs), dtype=bool)
+    if state.teams is None:
+        return flags
+    held = {v.job_id: v.current for v in state.jobs if v.current is not None}
+    lent = borrowed_gpus(state.teams, state.jobs, held)
+    if not lent:
+        return flags
+    table, types = state.table, [c.gpu_type for c in state.table.configs]
+    wanted = {
+        (v.team, types[j])
+        for i, v in enumerate(state.jobs)
+        if v.current is None
+        for j in np.flatnonzero(table.valid[i])
+        if state.teams.quota(v.team, types[j]) > 0
+    }
+    for i, v in enumerate(state.jobs):
+        if v.job_id in lent:
+            flags[i] = any(t == v.current.gpu_type and team != v.team for team, t in wanted)
+    return flags

@@ -31,6 +31,32 @@ Of two waiting jobs whose entries are worth the same, the one that waited longer
 not Sia's): the solver picks among equals arbitrarily, and a burst of equal jobs on a full cluster
 then ran newest first.
 
+Teams (not Sia's; `job_team`, `team_quota`, `team_borrow`, `job_weight`; docs/policy.md, "Teams"):
+team k's jobs hold u_kt GPUs of type t. Reserved for it, r_kt: what its jobs would take alone on its
+quota (its pinned jobs' GPUs, then each other job, the higher weight first, its best entry that fits
+in what is left of the quota: `_reserve`). The rest, lend_t = capacity_t - sum_k r_kt, is lent. With
+a borrow b_kt (continuous), the rows
+
+                 u_kt - b_kt <= r_kt,   0 <= b_kt <= quota_kt - r_kt + borrow_kt,
+                 sum_k b_kt <= lend_t   for every team k and type t.
+
+    The guarantee: team k finds r_kt GPUs of t that no other team can hold, whatever the solver
+    does: sum_{j != k} u_jt <= sum_{j != k} (r_jt + b_jt) <= sum_{j != k} r_jt + lend_t
+    = capacity_t - r_kt. And no team holds more than quota_kt + borrow_kt (its borrowing limit).
+    What no team's jobs want is lent; when an owner's job wants its GPUs back, r_kt grows and lend_t
+    shrinks in that very round, and the solver shrinks or stops borrowers, the cheapest moves first
+    (the restart factors price every move). Reserving per type the most any job could take there
+    would hold a job's GPUs on every type it can run on, while it runs on one. A pinned job's GPUs
+    beyond its team's reservation stay lent until its restart ends (lend_t and its b's bound are at
+    least what they hold), so the problem stays feasible.
+
+Each job's whole term (value and leave-out cost) is multiplied by its weight w_i: its team's weight
+(which shares what is lent) times PRIORITY_STEP ** (the rank of its priority among its team's:
+policies/teams.py). The team rows enter only for the types where some allocation of the entries
+could break them, and lazily (`solve`): a round where they do not bind solves the problem without
+them. A row alone in its type, or one that may not borrow, needs no b (its bound joins its
+right-hand side); a capacity row that a type's team rows imply is left out.
+
 Numerics, and where this departs from the artifact:
 - The artifact rounds A to 2 decimals and clips it at 3000. For p = -0.5, A lies in (0, 1] for
   un-discounted entries, so 2 decimals keep one or two significant digits: a step of 0.01 at
@@ -54,7 +80,9 @@ Exact reductions before the solver (each keeps the optimal objective value):
 - within one (job, GPU type), an entry that uses more GPUs than another and is not strictly better is
   dropped (swapping to the smaller one frees GPUs and loses nothing), which also breaks exact ties
   toward fewer GPUs;
-- if every job's best remaining entry fits together, that is the optimum and no solver runs.
+- with teams, entries of more GPUs than their team could hold of the type are dropped;
+- if every job's best remaining entry fits together (the teams' rows included), that is the
+  optimum and no solver runs.
 
 Speed (benchmarks/bench_sia_ilp.py has the figures):
 - Up to `LARGE_MODEL_ENTRIES` surviving entries the MILP goes to the solver directly: one boolean
@@ -148,6 +176,12 @@ class IlpProblem:
     waited: (J,) float or None, seconds each job not running has waited: of two waiting jobs whose
         entries are worth the same, the one that waited longer starts (the solver's choice between
         equals is arbitrary; a queue of equal jobs should be first come, first served).
+    job_team, team_quota, team_borrow (all three or none): the teams' guarantees (module docstring,
+        "Teams"). job_team: (J,) int, the team in [0, K) of each job; team_quota: (K, T) int >= 0,
+        GPUs of each type guaranteed to each team; team_borrow: (K, T) float >= 0, how many more it
+        may borrow (inf: any idle).
+    job_weight: (J,) float > 0 or None (all 1): multiplies each job's whole term, value and
+        leave-out cost alike (its team's weight times its priority's).
     """
 
     goodput: np.ndarray
@@ -161,6 +195,10 @@ class IlpProblem:
     must_run: np.ndarray | None = None
     shrink_floor: float = 0.0
     waited: np.ndarray | None = None
+    job_team: np.ndarray | None = None
+    team_quota: np.ndarray | None = None
+    team_borrow: np.ndarray | None = None
+    job_weight: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         goodput = np.asarray(self.goodput, dtype=float)
@@ -210,7 +248,18 @@ class IlpProblem:
             j = int(np.flatnonzero(config_gpus < 1)[0])
             raise ValueError(f"config_gpus[{j}] = {config_gpus[j]}: a configuration uses at least one GPU")
 
+        job_team, team_quota, team_borrow = _team_arrays(self.job_team, self.team_quota, self.team_borrow, J, T)
+        job_weight = None if self.job_weight is None else np.asarray(self.job_weight, dtype=float)
+        if job_weight is not None and (
+            job_weight.shape != (J,) or not (np.isfinite(job_weight) & (job_weight > 0)).all()
+        ):
+            raise ValueError(f"job_weight must be ({J},) finite weights > 0, one per job, got {self.job_weight!r}")
+
         for name, value in (
+            ("job_team", job_team),
+            ("team_quota", team_quota),
+            ("team_borrow", team_borrow),
+            ("job_weight", job_weight),
             ("goodput", goodput),
             ("valid", valid),
             ("current", current),
@@ -242,6 +291,11 @@ class IlpProblem:
         """(J,) bool: jobs that must keep their current configuration (locked and running)."""
         return self.locked & (self.current >= 0)
 
+    @property
+    def weight(self) -> np.ndarray:
+        """(J,) each job's weight (1 without `job_weight`)."""
+        return np.ones(self.jobs) if self.job_weight is None else self.job_weight
+
 
 @dataclass(frozen=True, eq=False)
 class IlpSolution:
@@ -268,6 +322,29 @@ def _int_array(name: str, value, shape) -> np.ndarray:
     if shape is not None and arr.shape != shape:
         raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
     return arr
+
+
+def _team_arrays(job_team, team_quota, team_borrow, J: int, T: int):
+    """The three team arrays checked and normalised, or three Nones."""
+    given = [a is not None for a in (job_team, team_quota, team_borrow)]
+    if not any(given):
+        return None, None, None
+    if not all(given):
+        raise ValueError("job_team, team_quota and team_borrow come together: give all three or none")
+    team_quota = _int_array("team_quota", team_quota, None)
+    if team_quota.ndim != 2 or team_quota.shape[1] != T:
+        raise ValueError(f"team_quota must be (teams, {T}) GPUs per team and type, got shape {team_quota.shape}")
+    K = team_quota.shape[0]
+    job_team = _int_array("job_team", job_team, (J,))
+    if ((job_team < 0) | (job_team >= K)).any():
+        i = int(np.flatnonzero((job_team < 0) | (job_team >= K))[0])
+        raise ValueError(f"job_team[{i}] = {job_team[i]} is not a team index in [0, {K})")
+    if (team_quota < 0).any():
+        raise ValueError("team_quota holds a negative guarantee")
+    team_borrow = np.asarray(team_borrow, dtype=float)
+    if team_borrow.shape != (K, T) or not (team_borrow >= 0).all():  # NaN fails too
+        raise ValueError(f"team_borrow must be ({K}, {T}) GPUs >= 0 (inf: any), got {team_borrow!r}")
+    return job_team, team_quota, team_borrow
 
 
 def _check_params(p: float, lam: float) -> None:
@@ -329,19 +406,33 @@ def objective(problem: IlpProblem, choice: np.ndarray, p: float = DEFAULT_P, lam
     _check_params(p, lam)
     choice = np.asarray(choice)
     A = value_matrix(problem, p)
+    w = problem.weight
     on = np.flatnonzero(choice >= 0)
-    total = float(np.sum(A[on, choice[on]]))
-    left_out = float(np.sum(np.where(choice < 0, _left_out_costs(problem, A, lam), 0.0)))
+    total = float(np.sum(w[on] * A[on, choice[on]]))
+    left_out = float(np.sum(np.where(choice < 0, w * _left_out_costs(problem, A, lam), 0.0)))
     return total + left_out if p < 0 else total - left_out
 
 
 def _left_out_costs(problem: IlpProblem, A: np.ndarray, lam: float) -> np.ndarray:
-    """(J,) lam_i: what leaving each job out costs; for a `must_run` job more than any entry of the
-    value matrix `A` is worth."""
+    """(J,) lam_i: what leaving each job out costs (before its weight); for a `must_run` job, once
+    weighted, more than any weighted entry of the value matrix `A` of a job of no greater weight is
+    worth (so a higher priority's growth may still outweigh it)."""
     if not problem.must_run.any():
         return np.full(problem.jobs, lam)
-    top = float(np.nanmax(A)) if np.isfinite(A).any() else 0.0
-    return np.where(problem.must_run, MUST_RUN_FACTOR * (top + abs(lam)), lam)
+    w = problem.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a row without a usable cell has no top: nan, taken as 0
+        row_top = np.nan_to_num(np.nanmax(w[:, None] * A, axis=1) if A.size else np.zeros(problem.jobs))
+    order = np.argsort(w, kind="stable")
+    top_upto = np.maximum.accumulate(row_top[order])  # the top of the jobs of weight <= each's
+    top = top_upto[np.searchsorted(w[order], w, side="right") - 1]
+    return np.where(problem.must_run, MUST_RUN_FACTOR * (top + abs(lam) * w) / w, lam)
+
+
+def _weighted_costs(problem: IlpProblem, A: np.ndarray, p: float, lam: float) -> np.ndarray:
+    """(J, C) per-entry cost in minimisation form, each job's row times its weight."""
+    cost = _cost_matrix(A, p, _left_out_costs(problem, A, lam))
+    return cost if problem.job_weight is None else cost * problem.job_weight[:, None]
 
 
 def _cost_matrix(A: np.ndarray, p: float, lam) -> np.ndarray:
@@ -371,6 +462,68 @@ def _candidates(problem: IlpProblem, cost: np.ndarray, free: np.ndarray) -> np.n
         )
         keep[:, cols] &= sub < before
     return keep
+
+
+def _team_rows(problem: IlpProblem, keep: np.ndarray, choice: np.ndarray, cost: np.ndarray) -> _TeamRows | None:
+    """The teams' rows for this solve (module docstring, "Teams"), or None when no allocation of the
+    entries in `keep` could break them. Drops from `keep` the entries larger than their team could
+    ever hold of the type (exact: no feasible allocation has them). `choice` holds the pinned jobs."""
+    quota, team, types, gpus = problem.team_quota, problem.job_team, problem.config_type, problem.config_gpus
+    K, T = quota.shape
+    pinned = np.flatnonzero(problem.pinned)
+    held = np.zeros((K, T))
+    np.add.at(held, (team[pinned], types[choice[pinned]]), gpus[choice[pinned]])
+    reserved = _reserve(problem, keep, cost, np.minimum(held, quota))
+    # A pinned job's GPUs beyond its team's reservation stay where they are this round: lent,
+    # whatever else wants them, so the problem stays feasible.
+    pinned_beyond = np.maximum(held - reserved, 0.0)
+    unreserved = problem.capacity - reserved.sum(axis=0)
+    lend = np.maximum(unreserved, pinned_beyond.sum(axis=0))
+    borrow = np.minimum(np.maximum(quota - reserved + problem.team_borrow, pinned_beyond), lend[None, :])
+    keep &= gpus[None, :] <= (reserved - held + borrow)[team][:, types]
+    per_job = np.stack(
+        [np.max(np.where(keep[:, types == t], gpus[types == t], 0), axis=1, initial=0) for t in range(T)], axis=1
+    )
+    most = held.copy()  # the most each team's jobs could hold of each type
+    np.add.at(most, team, per_job)
+    need = most - reserved
+    binding = np.any(need > borrow, axis=0) | (np.maximum(need, 0.0).sum(axis=0) > lend)
+    rows = (need > 0) & binding[None, :]
+    if not rows.any():
+        return None
+    row_team, row_type = np.nonzero(rows)
+    row_of = np.full((K, T), -1, dtype=np.int64)
+    row_of[row_team, row_type] = np.arange(row_team.size)
+    return _TeamRows(reserved, held, borrow, lend, unreserved, row_team, row_type, row_of)
+
+
+def _reserve(problem: IlpProblem, keep: np.ndarray, cost: np.ndarray, reserved: np.ndarray) -> np.ndarray:
+    """(K, T) GPUs of each type reserved for each team: what its jobs would take alone on its quota.
+    From `reserved` (what its pinned jobs hold, up to its quota), each of its other jobs in turn (the
+    higher weight first, then the running ones, then the longest waiting) takes its best entry that
+    fits in what is left of the team's quota; a job with none takes nothing."""
+    quota, team, types, gpus = problem.team_quota, problem.job_team, problem.config_type, problem.config_gpus
+    left = quota - reserved
+    open_teams = int(np.count_nonzero(left.any(axis=1)))
+    if open_teams == 0:
+        return reserved
+    waited = problem.waited if problem.waited is not None else np.zeros(problem.jobs)
+    movable = np.flatnonzero(keep.any(axis=1) & (quota.sum(axis=1) > 0)[team])
+    order = movable[np.lexsort((-waited[movable], problem.current[movable] < 0, -problem.weight[movable]))]
+    for i in order:
+        room = left[team[i]]
+        if not room.any():
+            continue
+        cells = np.flatnonzero(keep[i])
+        cells = cells[gpus[cells] <= room[types[cells]]]
+        if cells.size:
+            j = cells[np.argmin(cost[i, cells])]
+            room[types[j]] -= gpus[j]
+            if not room.any():
+                open_teams -= 1
+                if open_teams == 0:
+                    break  # every quota is reserved: the other jobs take nothing
+    return quota - left
 
 
 @functools.cache
@@ -428,6 +581,93 @@ def _solver_options(solver: str, time_limit_s: float) -> dict:
 
 
 @dataclass(frozen=True, eq=False)
+class _TeamRows:
+    """The teams' guarantees for one solve (module docstring, "Teams"): per team k and type t, the
+    GPUs its jobs hold, less a borrow b_kt in [0, borrow_kt], stay within its reservation r_kt; the
+    borrows of a type stay within what it lends. Rows are kept only for the (team, type) pairs of the
+    types where some could bind; on the others any allocation of the entries satisfies them."""
+
+    reserved: np.ndarray  # (K, T) r_kt: GPUs reserved for each team (float)
+    held: np.ndarray  # (K, T) GPUs the pinned jobs hold
+    borrow: np.ndarray  # (K, T) float, most a team may hold beyond its reservation (finite)
+    lend: np.ndarray  # (T,) float, GPUs of a type lent in all
+    unreserved: np.ndarray  # (T,) capacity_t - sum_k r_kt (lend_t, unless pinned jobs hold more)
+    row_team: np.ndarray  # (R,) team of each kept row
+    row_type: np.ndarray  # (R,) type of each kept row
+    row_of: np.ndarray  # (K, T) kept row of a (team, type), -1 where none
+
+    @property
+    def rows(self) -> int:
+        return self.row_team.size
+
+    @functools.cached_property
+    def row_borrow(self) -> np.ndarray:
+        return self.borrow[self.row_team, self.row_type]
+
+    @functools.cached_property
+    def b_rows(self) -> np.ndarray:
+        """The rows with a borrow variable: those that may borrow, of a type with two or more such.
+        A row alone in its type folds its borrow into its right-hand side (b <= borrow <= lend), as
+        does one that may not borrow."""
+        may = self.row_borrow > 0
+        sharing = np.bincount(self.row_type[may], minlength=self.lend.size)[self.row_type] > 1
+        return np.flatnonzero(may & sharing)
+
+    @functools.cached_property
+    def lend_types(self) -> np.ndarray:
+        """(S,) the types with a lending row: those of the borrow variables."""
+        return np.unique(self.row_type[self.b_rows])
+
+    @functools.cached_property
+    def row_rhs(self) -> np.ndarray:
+        """(R,) each team row's right-hand side over the movable jobs' GPUs."""
+        rhs = (self.reserved - self.held)[self.row_team, self.row_type] + self.row_borrow
+        rhs[self.b_rows] -= self.row_borrow[self.b_rows]
+        return rhs
+
+    @functools.cached_property
+    def implied_capacity(self) -> np.ndarray:
+        """(T,) bool: the types whose capacity row the team rows imply (left out of the solver's rows:
+        every team holds at most its reservation, its borrow and the lent GPUs add up to at most what
+        was left unreserved)."""
+        T = self.lend.size
+        folded = np.setdiff1d(np.arange(self.rows), self.b_rows)
+        beyond = np.bincount(self.row_type[folded], weights=self.row_borrow[folded], minlength=T).astype(float)
+        beyond[self.lend_types] += self.lend[self.lend_types]
+        with_rows = np.bincount(self.row_type, minlength=T) > 0
+        return with_rows & (beyond <= self.unreserved)
+
+    def broken(self, team: np.ndarray, kind: np.ndarray, gpus: np.ndarray) -> np.ndarray:
+        """(T,) bool: the types on which an allocation (each allocated job's team, GPU type and
+        GPUs, the pinned jobs left out: they are in `held`) breaks a guarantee."""
+        use = self.held.copy()
+        np.add.at(use, (team, kind), gpus)
+        beyond = use - self.reserved
+        return np.any(beyond > self.borrow, axis=0) | (np.maximum(beyond, 0).sum(axis=0) > self.lend)
+
+    def holds(self, team: np.ndarray, kind: np.ndarray, gpus: np.ndarray) -> bool:
+        return not self.broken(team, kind, gpus).any()
+
+    def of_types(self, types: np.ndarray) -> _TeamRows | None:
+        """These rows restricted to the types in the bool mask `types` (None: no row left)."""
+        kept = types[self.row_type]
+        if not kept.any():
+            return None
+        row_of = np.full(self.row_of.shape, -1, dtype=np.int64)
+        row_of[self.row_team[kept], self.row_type[kept]] = np.arange(int(kept.sum()))
+        return _TeamRows(
+            self.reserved,
+            self.held,
+            self.borrow,
+            self.lend,
+            self.unreserved,
+            self.row_team[kept],
+            self.row_type[kept],
+            row_of,
+        )
+
+
+@dataclass(frozen=True, eq=False)
 class _Reduced:
     """The ILP after the exact reductions: one entry per surviving (job, configuration) pair."""
 
@@ -438,10 +678,17 @@ class _Reduced:
     kind: np.ndarray  # (n,) GPU type
     free: np.ndarray  # (T,) float GPUs of each type left after the pinned jobs
     jobs: int
+    teams: _TeamRows | None = None
+    row: np.ndarray | None = None  # (n,) the team row of each entry, -1 where none (with `teams`)
 
     @property
     def types(self) -> int:
         return self.free.shape[0]
+
+    @property
+    def prices(self) -> int:
+        """Rows with a price in the Lagrangian: the capacity rows, then any team and lending rows."""
+        return self.types + (0 if self.teams is None else self.teams.rows + self.teams.lend_types.size)
 
 
 class _SolverFailure(Exception):
@@ -452,19 +699,62 @@ class _SolverFailure(Exception):
         self.status = status
 
 
-def _constraints(m: _Reduced, idx: np.ndarray) -> tuple[sp.csr_matrix, np.ndarray]:
-    """K x <= b over entries `idx`: a one-configuration row for each job with two or more entries
-    (a job with one entry is held by the variable's bound), then one capacity row per GPU type."""
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """K v <= rhs over v = (the entries `idx`, then the teams' borrows b: none without teams): a
+    one-configuration row for each job with two or more entries (a job with one entry is held by
+    the variable's bound), one capacity row per GPU type, then any team rows and lending rows. The
+    rows after the one-configuration rows are the ones that carry a price (`_Reduced.prices`)."""
+
+    K: sp.csr_matrix
+    rhs: np.ndarray
+    job_rows: int
+
+
+def _constraints(m: _Reduced, idx: np.ndarray) -> _Rows:
     job = m.job[idx]
     per_job = np.bincount(job, minlength=m.jobs)
     multi = per_job[job] > 1
     job_row = np.cumsum(per_job > 1) - 1
     n_job_rows = int(np.count_nonzero(per_job > 1))
-    rows = np.concatenate([job_row[job[multi]], n_job_rows + m.kind[idx]])
-    cols = np.concatenate([np.flatnonzero(multi), np.arange(idx.size)])
-    vals = np.concatenate([np.ones(np.count_nonzero(multi)), m.gpus[idx]])
-    K = sp.csr_matrix((vals, (rows, cols)), shape=(n_job_rows + m.types, idx.size))
-    return K, np.concatenate([np.ones(n_job_rows), m.free])
+    tr = m.teams
+    counted = np.arange(idx.size) if tr is None else np.flatnonzero(~tr.implied_capacity[m.kind[idx]])
+    rows = [job_row[job[multi]], n_job_rows + m.kind[idx][counted]]
+    cols = [np.flatnonzero(multi), counted]
+    vals = [np.ones(np.count_nonzero(multi)), m.gpus[idx][counted]]
+    rhs = [np.ones(n_job_rows), m.free]
+    if tr is not None:
+        first = n_job_rows + m.types  # team rows, then lending rows
+        on = np.flatnonzero(m.row[idx] >= 0)
+        b, R = tr.b_rows, tr.rows
+        borrows = idx.size + np.arange(b.size)  # b_r: -1 in its team row, +1 in its type's lending row
+        rows += [first + m.row[idx][on], first + b, first + R + np.searchsorted(tr.lend_types, tr.row_type[b])]
+        cols += [on, borrows, borrows]
+        vals += [m.gpus[idx][on], -np.ones(b.size), np.ones(b.size)]
+        rhs += [tr.row_rhs, tr.lend[tr.lend_types]]
+    K = sp.csr_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(m.prices + n_job_rows, idx.size + (0 if tr is None else tr.b_rows.size)),
+    )
+    return _Rows(K, np.concatenate(rhs).astype(float), n_job_rows)
+
+
+def _program(m: _Reduced, idx: np.ndarray, boolean: bool) -> tuple[cp.Variable, cp.Constraint, cp.Problem]:
+    """The MILP (`boolean`) or its LP relaxation over entries `idx`: (its variables, its rows, the
+    problem). The first idx.size variables are the entries'; with teams, the borrows follow them in
+    the same vector (one variable, one product: cvxpy compiles it about as fast as without teams)."""
+    rows = _constraints(m, idx)
+    if m.teams is None:
+        x = cp.Variable(idx.size, boolean=True) if boolean else cp.Variable(idx.size, bounds=[0, 1])
+        constraint = rows.K @ x <= rows.rhs
+        return x, constraint, cp.Problem(cp.Minimize(m.cost[idx] @ x), [constraint])
+    R = m.teams.b_rows.size
+    upper = np.concatenate([np.ones(idx.size), m.teams.row_borrow[m.teams.b_rows]])
+    x = cp.Variable(
+        idx.size + R, integer=(np.arange(idx.size),) if boolean else False, bounds=[np.zeros(upper.size), upper]
+    )
+    constraint = rows.K @ x <= rows.rhs
+    return x, constraint, cp.Problem(cp.Minimize(np.concatenate([m.cost[idx], np.zeros(R)]) @ x), [constraint])
 
 
 def _run(program: cp.Problem, solver: str, time_limit_s: float) -> None:
@@ -503,12 +793,11 @@ def _milp(m: _Reduced, idx: np.ndarray, solver: str, deadline: float) -> np.ndar
     """The MILP over entries `idx`; returns the chosen entries (indices into the reduced model)."""
     if idx.size == 0:
         return idx
-    K, b = _constraints(m, idx)
-    x = cp.Variable(idx.size, boolean=True)
-    _run(cp.Problem(cp.Minimize(m.cost[idx] @ x), [K @ x <= b]), solver, deadline - time.perf_counter())
+    x, _, program = _program(m, idx, boolean=True)
+    _run(program, solver, deadline - time.perf_counter())
     if x.value is None:
         raise _SolverFailure(f"solver_error: {solver} reported optimal but returned no solution")
-    chosen = idx[np.asarray(x.value).reshape(-1) > 0.5]
+    chosen = idx[np.asarray(x.value).reshape(-1)[: idx.size] > 0.5]
     if np.bincount(m.job[chosen], minlength=m.jobs).max(initial=0) > 1:
         raise _SolverFailure(f"solver_error: {solver} gave a job two configurations")
     return chosen
@@ -529,17 +818,40 @@ def _milp(m: _Reduced, idx: np.ndarray, solver: str, deadline: float) -> np.ndar
 # optimum); a MILP over the entries with rc <= delta gives U; if some dropped entry has
 # rc <= U - L, one more MILP over all entries with rc <= U - L, which is then provably optimal
 # (up to the solver's gap), like the direct MILP.
+#
+# With teams, the prices y are those of every row after the one-configuration rows: mu (capacity),
+# nu (team rows u_kt - b_kt <= quota_kt - held_kt) and sigma (lending rows sum_k b_kt <= lend_t).
+# An entry of team k and type t then pays mu_t + nu_kt a GPU, and the borrows add
+# sum_kt borrow_kt * min(0, sigma_t - nu_kt) (each b_kt at the end of its box that costs least).
+# With nu = sigma = 0 (the price ascent's prices) this is L(mu) with the team rows dropped, still a
+# lower bound: dropping rows of a minimisation only lowers its optimum. The LP's duals price them.
 
 
-def _lagrangian(m: _Reduced, mu: np.ndarray) -> tuple[float, np.ndarray]:
-    v = m.cost + mu[m.kind] * m.gpus
+def _lagrangian(m: _Reduced, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """L(y) and every entry's reduced cost, for prices y >= 0 of the rows `_Reduced.prices` counts."""
+    mu = y[: m.types]
+    price = mu[m.kind]
+    constant = -float(mu @ m.free)
+    tr = m.teams
+    if tr is not None:
+        nu, sigma = y[m.types : m.types + tr.rows], y[m.types + tr.rows :]
+        price = price + np.where(m.row >= 0, nu[np.maximum(m.row, 0)], 0.0)
+        b = tr.b_rows
+        sigma_of_b = sigma[np.searchsorted(tr.lend_types, tr.row_type[b])]
+        constant += float(
+            -nu @ tr.row_rhs
+            - sigma @ tr.lend[tr.lend_types]
+            + np.sum(tr.row_borrow[b] * np.minimum(0.0, sigma_of_b - nu[b]))
+        )
+    v = m.cost + price * m.gpus
     best = np.zeros(m.jobs)
     np.minimum.at(best, m.job, v)
-    return float(best.sum() - mu @ m.free), v - best[m.job]
+    return float(best.sum() + constant), v - best[m.job]
 
 
 def _price_ascent(m: _Reduced) -> np.ndarray:
-    """Capacity prices by cyclic coordinate ascent on L(mu), each coordinate by bisection."""
+    """Capacity prices by cyclic coordinate ascent on L(mu), each coordinate by bisection (any team
+    rows priced 0)."""
     configs, column = np.unique(m.config, return_inverse=True)
     dense = np.full((m.jobs, configs.size), np.inf)
     dense[m.job, column] = m.cost
@@ -574,21 +886,19 @@ def _price_ascent(m: _Reduced) -> np.ndarray:
             mu[t] = hi
         if np.allclose(mu, before, rtol=1e-4, atol=1e-12):
             break
-    return mu
+    return np.concatenate([mu, np.zeros(m.prices - m.types)])
 
 
 def _lp_prices(m: _Reduced, idx: np.ndarray, deadline: float) -> tuple[np.ndarray, float]:
-    """Capacity duals and value of the LP relaxation over entries `idx` (HiGHS, through cvxpy)."""
+    """The duals of the priced rows and the value of the LP relaxation over entries `idx` (HiGHS,
+    through cvxpy)."""
     if idx.size == 0:
-        return np.zeros(m.types), 0.0
-    K, b = _constraints(m, idx)
-    x = cp.Variable(idx.size, bounds=[0, 1])
-    rows = K @ x <= b
-    lp = cp.Problem(cp.Minimize(m.cost[idx] @ x), [rows])
+        return np.zeros(m.prices), 0.0
+    _, rows, lp = _program(m, idx, boolean=False)
     _run(lp, "HIGHS", deadline - time.perf_counter())
     if rows.dual_value is None:
         raise _SolverFailure("solver_error: HIGHS returned no duals for the LP relaxation")
-    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.types :], 0.0), float(lp.value)
+    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.prices :], 0.0), float(lp.value)
 
 
 def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
@@ -637,6 +947,8 @@ def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.n
     # never taken back, and only the jobs that gave theirs up leave `starting`.
     for k in sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: -problem.waited[i]):
         younger = starting[problem.waited[starting] < problem.waited[k]]
+        if problem.job_team is not None:  # a swap within a team leaves every team's use as it was
+            younger = younger[problem.job_team[younger] == problem.job_team[k]]
         cells = choice[younger]
         equal = younger[problem.valid[k, cells] & (cost[k, cells] <= cost[younger, cells])]
         if equal.size:
@@ -687,44 +999,67 @@ def solve(
         )
 
     values = value_matrix(problem, p)
-    cost = _cost_matrix(values, p, _left_out_costs(problem, values, lam))
+    cost = _weighted_costs(problem, values, p, lam)
     keep = _candidates(problem, cost, free)
+    teams = None if problem.job_team is None else _team_rows(problem, keep, choice, cost)
 
     # Exact shortcut: if every job's best entry fits together, that is the optimum (no solver).
     best = np.where(keep, cost, np.inf)
     pick = np.argmin(best, axis=1) if problem.configs else np.zeros(J, dtype=np.int64)
     has = keep.any(axis=1)
     use = np.bincount(problem.config_type[pick[has]], weights=problem.config_gpus[pick[has]], minlength=T)
-    if np.all(use <= free):
+    binding = np.zeros(T, dtype=bool)  # the types whose team rows enter the solver
+    if teams is not None:
+        binding = teams.broken(problem.job_team[has], problem.config_type[pick[has]], problem.config_gpus[pick[has]])
+    if np.all(use <= free) and not binding.any():
         choice[has] = pick[has]
         return IlpSolution(
             _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
         )
 
     job, config = np.nonzero(keep)
-    m = _Reduced(
-        job,
-        config,
-        cost[job, config],
-        problem.config_gpus[config].astype(float),
-        problem.config_type[config],
-        free.astype(float),
-        J,
-    )
+    kind = problem.config_type[config]
     deadline = time.perf_counter() + time_limit_s
-    try:
-        if job.size > LARGE_MODEL_ENTRIES and "HIGHS" in _installed_milp_solvers():
-            chosen = _solve_large(m, solver, deadline)
-        else:
-            chosen = _milp(m, np.arange(job.size), solver, deadline)
-    except _SolverFailure as failure:
-        return _fallback(problem, failure.status, start, exc_info=failure.__cause__ is not None)
+    # The team rows enter lazily: those of the types where the jobs' best entries break them, then
+    # those of any type the answer breaks, until it keeps them all. An answer without some rows that
+    # keeps them is the optimum with them too (a relaxation's optimum that is feasible).
+    while True:
+        rows = None if teams is None else teams.of_types(binding)
+        m = _Reduced(
+            job,
+            config,
+            cost[job, config],
+            problem.config_gpus[config].astype(float),
+            kind,
+            free.astype(float),
+            J,
+            rows,
+            None if rows is None else rows.row_of[problem.job_team[job], kind],
+        )
+        try:
+            if job.size > LARGE_MODEL_ENTRIES and "HIGHS" in _installed_milp_solvers():
+                chosen = _solve_large(m, solver, deadline)
+            else:
+                chosen = _milp(m, np.arange(job.size), solver, deadline)
+        except _SolverFailure as failure:
+            return _fallback(problem, failure.status, start, exc_info=failure.__cause__ is not None)
+        if teams is None:
+            break
+        broken = teams.broken(problem.job_team[m.job[chosen]], m.kind[chosen], problem.config_gpus[m.config[chosen]])
+        if not (broken & ~binding).any():
+            break  # none broken, or only where the rows already are: the check below refuses it
+        binding |= broken
 
     choice[m.job[chosen]] = m.config[chosen]
     on = choice >= 0
     used = np.bincount(problem.config_type[choice[on]], weights=problem.config_gpus[choice[on]], minlength=T)
     if np.any(used > problem.capacity):
         return _fallback(problem, f"solver_error: {solver}'s allocation exceeds capacity", start)
+    moved = on & ~problem.pinned
+    if teams is not None and not teams.holds(
+        problem.job_team[moved], problem.config_type[choice[moved]], problem.config_gpus[choice[moved]]
+    ):
+        return _fallback(problem, f"solver_error: {solver}'s allocation breaks a team's guarantee", start)
     return IlpSolution(
         _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
     )

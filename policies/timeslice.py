@@ -15,7 +15,7 @@ than a round, shorten the round (`--round-s`).
 
 from __future__ import annotations
 
-from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid, refuse_teams
 from policies.rigid import fastest_type, holds_request, requested_throughput_matrix, type_room
 from shared.cluster import Spots
 from shared.settings import ROUND_S
@@ -26,6 +26,7 @@ DEFAULT_QUANTUM = 100  # iterations
 class TimeslicePolicy:
     name = "timeslice"
     adaptive_batch = False
+    honours_teams = False  # refuses a round with teams (policies.base.refuse_teams)
 
     def __init__(self, quantum: int = DEFAULT_QUANTUM, round_s: float = ROUND_S):
         if quantum < 1:
@@ -35,6 +36,7 @@ class TimeslicePolicy:
 
     def allocate(self, state: RoundState) -> Decision:
         refuse_hybrid(self.name, state.jobs)
+        refuse_teams(self.name, state)
         cluster = state.cluster
         running = [j for j in state.jobs if holds_request(j, cluster)]
         keep: dict[str, Spots] = {j.job_id: j.placement for j in running if j.slice_iterations < self.quantum}

@@ -25,7 +25,7 @@ mid checkpoint-restart is treated like any other running job (Pollux's simulator
 
 from __future__ import annotations
 
-from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid
+from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid, refuse_teams
 from policies.rigid import fastest_type, holds_request, requested_throughput_matrix
 from shared.cluster import Spots
 from shared.settings import ROUND_S
@@ -38,6 +38,7 @@ class TiresiasPolicy:
 
     name = "tiresias"
     adaptive_batch = False
+    honours_teams = False  # refuses a round with teams (policies.base.refuse_teams)
 
     def __init__(self, threshold_gpu_h: float = THRESHOLD_GPU_H, round_s: float = ROUND_S):
         if threshold_gpu_h < 0:
@@ -51,6 +52,7 @@ class TiresiasPolicy:
 
     def allocate(self, state: RoundState) -> Decision:
         refuse_hybrid(self.name, state.jobs)
+        refuse_teams(self.name, state)
         cluster = state.cluster
         order = sorted(state.jobs, key=lambda j: (self.queue(j.attained_gpu_s), j.submit_s, j.job_id))
         matrix = requested_throughput_matrix(order, cluster)

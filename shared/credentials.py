@@ -20,10 +20,12 @@ password, from the environment), never from the command line, where `ps` would s
 A file that is named but missing or empty is a ValueError naming the option and the path.
 
 `goodput up` writes DATA/user.env (`write_user_env`): the URL and the default login, `user`; `goodput
-login add NAME` writes DATA/logins/NAME.env (`write_login_env`), a login's file to hand to its
-person. The user's commands (`goodput submit`, `status`, `cancel`) read the login file that
-$GOODPUT_LOGIN names, else the default data folder's user.env, by themselves (`user_environment`),
-when no GOODPUT_NATS_* variable is set.
+login add NAME` writes DATA/logins/NAME.env, and `goodput up --teams` DATA/teams/TEAM.env for each
+team's login (`write_login_env`): a login's file to hand to its person or team, whole in itself
+(it says its team too, for the reader: the server knows it by the login's account). The user's
+commands (`goodput submit`, `status`, `cancel`) read the login file that $GOODPUT_LOGIN names, else
+the default data folder's user.env, by themselves (`user_environment`), when no GOODPUT_NATS_*
+variable is set.
 Credentials in the URL (nats://USER:PASSWORD@HOST:4222) still connect, but their replies use
 nats-py's default inbox: against the per-role permissions, give --nats-inbox-prefix _INBOX_<USER> too.
 """
@@ -48,7 +50,8 @@ __all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
 USER_ENV = "user.env"  # in `goodput up`'s data folder
-LOGIN_ENV = "GOODPUT_LOGIN"  # a login's file (DATA/user.env, DATA/logins/NAME.env) for every command
+LOGIN_ENV = "GOODPUT_LOGIN"  # a login's file (DATA/user.env, DATA/logins/NAME.env, DATA/teams/TEAM.env)
+TEAM_ENV = "GOODPUT_TEAM"  # in a login's file: its team, for the reader (no client sends it)
 DEFAULT_DATA = Path("out/stack")  # `goodput up`'s default data folder
 
 # field -> (option, environment variable, help)
@@ -150,8 +153,9 @@ def connect_options(credentials: Credentials | None = None, environ: Mapping[str
     named = environ.get(LOGIN_ENV)
     if named and not Path(named).expanduser().is_file():
         raise ValueError(
-            f"${LOGIN_ENV} names {named}, which is not a file (a login's file: DATA/{USER_ENV}, or "
-            f"DATA/logins/NAME.env that `goodput login add NAME` wrote)"
+            f"${LOGIN_ENV} names {named}, which is not a file (a login's file: DATA/{USER_ENV}, "
+            f"DATA/logins/NAME.env that `goodput login add NAME` wrote, or DATA/teams/TEAM.env that "
+            f"`goodput up --teams` wrote)"
         )
     credentials = from_env(environ) if credentials is None else credentials
     options: dict[str, Any] = {}
@@ -259,20 +263,24 @@ def write_user_env(data: Path, url: str, password_file: Path | None) -> Path:
     return path
 
 
-def write_login_env(path: Path, url: str, login: str, password: str) -> Path:
-    """A login's file (0600), whole in itself: the URL, the login and its password."""
+def write_login_env(path: Path, url: str, login: str, password: str, team: str | None = None) -> Path:
+    """A login's file (0600), whole in itself: the URL, the login and its password, and the team
+    it belongs to (`team`; DEFAULT_TEAM's without one), for the reader."""
     from shared.permissions import inbox_prefix, write_private
+    from shared.subjects import DEFAULT_TEAM
 
+    team = team or DEFAULT_TEAM
     write_private(
         path,
         "\n".join(
             [
-                f"# Written by `goodput login add {login}`: {login}'s login to this goodput. For goodput's commands: "
+                f"# Written by goodput: {login}'s login to this goodput, of team {team}. For goodput's commands: "
                 f"export {LOGIN_ENV}=THIS_FILE; in a shell: set -a; . THIS_FILE; set +a",
                 f'# Other NATS clients: user "{login}", the password below, inbox prefix {inbox_prefix(login)}',
                 f"GOODPUT_NATS_URL={url}",
                 f"GOODPUT_NATS_USER={login}",
                 f"{PASSWORD_ENV}={password}",
+                f"{TEAM_ENV}={team}",
             ]
         )
         + "\n",
@@ -280,14 +288,21 @@ def write_login_env(path: Path, url: str, login: str, password: str) -> Path:
     return path
 
 
-def read_env(file: Path) -> dict[str, str]:
-    """The GOODPUT_NATS_* settings of a login's file."""
+def read_env(file: Path, prefix: str = ENV_PREFIX) -> dict[str, str]:
+    """The GOODPUT_NATS_* settings of a login's file (`prefix`: those of another prefix)."""
     settings = {}
     for line in file.read_text().splitlines():
         key, sep, value = line.partition("=")
-        if sep and not key.startswith("#") and key.strip().startswith(ENV_PREFIX):
+        if sep and not key.startswith("#") and key.strip().startswith(prefix):
             settings[key.strip()] = value.strip()
     return settings
+
+
+def login_team(file: Path) -> str:
+    """The team a login's file says its login is of (DEFAULT_TEAM when it says none)."""
+    from shared.subjects import DEFAULT_TEAM
+
+    return read_env(file, TEAM_ENV).get(TEAM_ENV) or DEFAULT_TEAM
 
 
 def user_environment(

@@ -1,21 +1,34 @@
 """Who may publish and subscribe to what: one table, next to the subjects, rendered into nats-server's
 `accounts { ... }` block.
 
-Two accounts, and the server keeps them apart:
+The server keeps the services apart from the people, and each team apart from the others, in
+accounts:
 
 - `GOODPUT` (SERVICE_ACCOUNT): the six services and `operator` (who sets up the storage and drives
   replays and live runs), each one NATS user, named after its role, with its own subjects. All of
   JetStream is here.
-- `LOGINS` (LOGINS_ACCOUNT): one NATS user per person or team (a login: `user`, made by `goodput
-  up`, and those the operator adds), each with its own inboxes. A login reaches the services only
-  through what GOODPUT exports (`EXPORTS`: the user API, the policy's status, the service discovery,
-  its own intake subject), imported with `share: true`, so every request carries the server's word
-  of who sent it (the `Nats-Request-Info` header: the account and the user, set by the server over
-  whatever the client wrote). The answer travels on the server's response mapping (`_R_.…` in
-  GOODPUT, back to the requester's reply subject in LOGINS): whatever reply subject a login names,
-  nothing a service answers can land in a stream, a KV key or another service, since those are all
-  in GOODPUT, where no login publishes. That holds for every responder, `$SRV.PING|INFO|STATS` of
-  `nats.micro` included, without any handler checking.
+- one account per team of logins (`team_account`): `LOGINS` (LOGINS_ACCOUNT) for DEFAULT_TEAM's
+  (`user`, made by `goodput up`, and the logins added without a team), `TEAM_<team>` for each other
+  team's (its login named after it, made by `goodput up --teams`, and those added with `--team`).
+  A login is one NATS user, with its own inboxes, and a user name no other account holds. A login
+  reaches the services only through what GOODPUT exports (`EXPORTS`: the user API, the policy's
+  status, the service discovery, the intake), imported with `share: true`, so every request
+  carries the server's word of who sent it (the `Nats-Request-Info` header: the account and the
+  user, set by the server over whatever the client wrote). The answer travels on the server's
+  response mapping (`_R_.…` in GOODPUT, back to the requester's reply subject in its account):
+  whatever reply subject a login names, nothing a service answers can land in a stream, a KV key
+  or another service, since those are all in GOODPUT, where no login publishes. That holds for
+  every responder, `$SRV.PING|INFO|STATS` of `nats.micro` included, without any handler checking.
+
+Why an account per team, and not per-team subjects in one account: the team is then the server's
+word in the same header that names the login (`account_team` of its account), on every request and
+every submission, with nothing for a handler to map or to remember. A team's logins publish their
+submissions on `goodput.jobs.submit.<login>` in their account, and the account's import maps that
+to `goodput.jobs.submit.<team>.<login>` in GOODPUT (`subjects.intake`): the subject it lands on
+names the team, which no login can choose, since no account imports another team's intake.
+Per-team subjects would put the team in a subject the client writes, held to it by an allow list
+per login, and every endpoint (the API's, `nats.micro`'s own) would need a subject per team to say
+what the account says by itself.
 
 Within GOODPUT the rules, beyond each role's own subjects:
 
@@ -24,7 +37,8 @@ Within GOODPUT the rules, beyond each role's own subjects:
   `allow_responses` is not used: it lets a responder publish to whatever reply subject a request
   names, past the responder's allow list.
 - Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
-  plan, launcher/setup.py). The services read a stream's info, pull from and acknowledge their own
+  plan, launcher/setup.py), and writes the team file (`TEAMS_BUCKET`), which the policy and the
+  API read. The services read a stream's info, pull from and acknowledge their own
   durable consumer, and read and write their own buckets (a KV write is a publish on
   `$KV.<bucket>.<key>`); a reader of a stream's log creates ordered consumers on that stream only
   (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
@@ -80,6 +94,7 @@ LOGIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
 
 
 TEAM_ACCOUNT_PREFIX = "TEAM_"  # + a team's name: the account of that team's logins
+TEAM_LOGIN_SEPARATOR = "."  # a login's password file `TEAM.LOGIN` (logins_from): a login of TEAM
 
 
 def team_account(team: str) -> str:
@@ -264,6 +279,7 @@ ROLES: dict[str, Permissions] = {
             *_dead_letters(subjects.INTAKE_CONSUMER),
             *_kv(subjects.JOB_OWNERS_BUCKET),
             *_kv_read(subjects.NODES_BUCKET),
+            *_kv_read(subjects.TEAMS_BUCKET),  # each team's guarantee, for `goodput.api.teams`
             *_stream_read(subjects.LOGS_STREAM),
             *_objects(subjects.CODE_STORE),
         ),
@@ -341,13 +357,15 @@ ROLES: dict[str, Permissions] = {
             *_kv(subjects.RUNS_BUCKET),
             *_follow(f"KV_{subjects.RUNS_BUCKET}"),
             *_kv(subjects.LEASE_BUCKET),
+            *_kv_read(subjects.TEAMS_BUCKET),  # the operator's team file, read at every round
             subjects.POLICY_STATUS,
         ),  # its readiness probe asks how the live run is
         subscribe=(subjects.POLICY_STATUS,),
     ),
     # Whoever sets up the storage and drives replays and live runs (`goodput up`, launcher/setup.py,
-    # launcher/live_run.py): makes the streams, buckets and consumers, submits, creates runs in KV,
-    # follows their logs and the submissions, asks the services how they are.
+    # launcher/live_run.py, `goodput teams apply`): makes the streams, buckets and consumers, stores
+    # the team file, submits, creates runs in KV, follows their logs and the submissions, asks the
+    # services how they are.
     subjects.OPERATOR: Permissions(
         publish=(
             *_provision(),
@@ -357,6 +375,7 @@ ROLES: dict[str, Permissions] = {
             *_follow(JOBS),
             *_follow(subjects.RUN_LOG_STREAM),
             *_kv(subjects.RUNS_BUCKET),
+            *_kv(subjects.TEAMS_BUCKET),  # the team file (`goodput up --teams`, `goodput teams apply`)
             *STATUS_SUBJECTS,
             *SERVICE_API,
             *subjects.API_SUBJECTS,
@@ -420,11 +439,20 @@ def _user(name: str, password: str, permissions: Permissions) -> list[str]:
 
 
 def render_accounts(
-    passwords: Mapping[str, str], logins: Mapping[str, str], roles: Mapping[str, Permissions] = ROLES
+    passwords: Mapping[str, str],
+    logins: Mapping[str, str],
+    roles: Mapping[str, Permissions] = ROLES,
+    teams: Mapping[str, str] | None = None,
 ) -> str:
     """nats-server's `accounts { ... }` block: SERVICE_ACCOUNT with a user per role in `passwords`
-    (with JetStream, exporting EXPORTS and the discovery), LOGINS_ACCOUNT with a user per login in
-    `logins` (importing them, the requester's info shared)."""
+    (with JetStream, exporting EXPORTS, the intake and the discovery), and an account per team of
+    the logins (`team_account`; LOGINS_ACCOUNT, DEFAULT_TEAM's, always), with a user per login of
+    `logins` of that team (`teams`: login -> its team; DEFAULT_TEAM for a login it does not name),
+    importing the exports (the requester's info shared) and the intake of its own team only."""
+    teams = teams or {}
+    strangers = sorted(set(teams) - set(logins))
+    if strangers:
+        raise ValueError(f"teams are given for logins there are not: {', '.join(strangers)}")
     lines = ["accounts {", f"  {SERVICE_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
     for role, password in passwords.items():
         if role not in roles:
@@ -432,13 +460,24 @@ def render_accounts(
         lines += _user(role, password, roles[role])
     lines += ["    ]", "    exports: ["]
     lines += [f"      {{service: {json.dumps(subject)}}}" for subject in (*EXPORTS, INTAKE_EXPORT)]
-    lines += [
-        f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}",
-        "    ]",
-        "  }",
-        f"  {LOGINS_ACCOUNT} {{",
-        "    users: [",
-    ]
+    lines += [f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}", "    ]", "  }"]
+    by_team: dict[str, dict[str, str]] = {subjects.DEFAULT_TEAM: {}}
+    for login, password in logins.items():
+        by_team.setdefault(teams.get(login, subjects.DEFAULT_TEAM), {})[login] = password
+    for team in sorted(by_team, key=lambda name: (name != subjects.DEFAULT_TEAM, name)):
+        lines += _login_account(team, by_team[team])
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _login_account(team: str, logins: Mapping[str, str]) -> list[str]:
+    """The account of `team`'s logins: a user each, and the imports of what GOODPUT exports."""
+    from shared.teams import team_problem
+
+    problem = None if team == subjects.DEFAULT_TEAM else team_problem(team)
+    if problem is not None:
+        raise ValueError(problem)
+    lines = [f"  {team_account(team)} {{", "    users: ["]
     for login, password in logins.items():
         problem = login_problem(login)
         if problem is not None:
@@ -446,24 +485,29 @@ def render_accounts(
         lines += _user(login, password, login_permissions(login))
     lines += ["    ]", "    imports: ["]
     # Every import shares the requester's info, so no request from a login reaches a service
-    # without the server's word of who sent it (a header a login wrote itself is replaced).
+    # without the server's word of who sent it and of its team (a header a login wrote itself is
+    # replaced).
     lines += [
         f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
         for subject in (*EXPORTS, DISCOVERY)
     ]
+    # The login's `submit(login)` lands on its own team's intake subject: the team is the account's.
     lines.append(
-        f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subjects.intake(subjects.DEFAULT_TEAM, '*'))}}}, "
+        f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subjects.intake(team, '*'))}}}, "
         f"to: {json.dumps(subjects.submit('*'))}, share: true}}"
     )
-    lines += ["    ]", "  }", "}"]
-    return "\n".join(lines) + "\n"
+    return [*lines, "    ]", "  }"]
 
 
 def render_server_config(
-    passwords: Mapping[str, str], logins: Mapping[str, str], max_payload: int = MAX_PAYLOAD_BYTES
+    passwords: Mapping[str, str],
+    logins: Mapping[str, str],
+    max_payload: int = MAX_PAYLOAD_BYTES,
+    teams: Mapping[str, str] | None = None,
 ) -> str:
-    """The security part of a nats-server config: the message size limit and the accounts."""
-    return f"max_payload: {max_payload}\n" + render_accounts(passwords, logins)
+    """The security part of a nats-server config: the message size limit and the accounts (`teams`:
+    each login's team, as `render_accounts` takes them)."""
+    return f"max_payload: {max_payload}\n" + render_accounts(passwords, logins, teams=teams)
 
 
 def write_private(path: str | Path, text: str) -> None:
@@ -473,27 +517,47 @@ def write_private(path: str | Path, text: str) -> None:
         file.write(text)
 
 
-def logins_from(directory: str | Path | None) -> dict[str, str]:
-    """Each login's password: the files of `directory`, one per login, named after it."""
+def logins_from(directory: str | Path | None, team_logins_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    """Each login's password, and the team of each login of a team, from the files of `directory`:
+    one per login, holding its password, named after it (a login of DEFAULT_TEAM) or `TEAM.LOGIN`
+    (a login of TEAM: a Secret's key may hold a dot, a login's name may not). `team_logins_only`:
+    the `TEAM.LOGIN` files alone (in a folder that holds the roles' passwords too)."""
+    passwords: dict[str, str] = {}
+    teams: dict[str, str] = {}
     if directory is None:
-        return {}
-    return {
-        file.name: file.read_text().strip()
-        for file in sorted(Path(directory).iterdir())
-        if file.is_file() and not file.name.startswith(".")
-    }
+        return passwords, teams
+    for file in sorted(Path(directory).iterdir()):
+        if not file.is_file() or file.name.startswith("."):
+            continue
+        team, dot, login = file.name.rpartition(TEAM_LOGIN_SEPARATOR)
+        if team_logins_only and not dot:
+            continue
+        if login in passwords:
+            raise ValueError(f"login {login!r} has two files in {directory}: a login is one user, in one team")
+        passwords[login] = file.read_text().strip()
+        if dot:
+            teams[login] = team
+    return passwords, teams
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m shared.permissions [--passwords DIR] [--logins DIR] [--out FILE]`: the config block
-    (each role's password from $GOODPUT_NATS_PASSWORD_<ROLE> or DIR/<role>; each login's from a file
-    of the logins' folder named after it, the default login `user` from DIR/user when there is
-    one), to include from nats-server's configuration."""
+    (each role's password from $GOODPUT_NATS_PASSWORD_<ROLE> or DIR/<role>, the default login `user`'s
+    from DIR/user when there is one, and each team's logins' from DIR/TEAM.LOGIN; each login's of the
+    logins' folder from a file named after it, or TEAM.LOGIN for a login of TEAM), to include from
+    nats-server's configuration."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m shared.permissions", description=main.__doc__)
-    parser.add_argument("--passwords", help="folder with one file per role, named after it, holding its password")
-    parser.add_argument("--logins", help="folder with one file per login, named after it, holding its password")
+    parser.add_argument(
+        "--passwords",
+        help="folder with one file per role, named after it, holding its password (and `user`, and TEAM.LOGIN "
+        "for the logins of a team)",
+    )
+    parser.add_argument(
+        "--logins",
+        help="folder with one file per login holding its password, named after it, or TEAM.LOGIN for a login of TEAM",
+    )
     parser.add_argument("--roles", default=",".join(ROLES), help="comma-separated roles to render (default: all)")
     parser.add_argument("--max-payload", type=int, default=MAX_PAYLOAD_BYTES, help="largest message in bytes")
     parser.add_argument("--out", help="write the block to this file, readable by its owner only (default: stdout)")
@@ -502,7 +566,15 @@ def main(argv: list[str] | None = None) -> int:
         passwords = passwords_from([role for role in args.roles.split(",") if role], args.passwords)
         default = Path(args.passwords or ".") / DEFAULT_LOGIN
         logins = {DEFAULT_LOGIN: default.read_text().strip()} if args.passwords and default.is_file() else {}
-        config = render_server_config(passwords, {**logins, **logins_from(args.logins)}, args.max_payload)
+        teams: dict[str, str] = {}
+        for folder, team_logins_only in ((args.passwords, True), (args.logins, False)):
+            found, their_teams = logins_from(folder, team_logins_only)
+            twice = sorted(set(found) & set(logins))
+            if twice:
+                raise ValueError(f"logins with two files: {', '.join(twice)}; a login is one user, in one team")
+            logins.update(found)
+            teams.update(their_teams)
+        config = render_server_config(passwords, logins, args.max_payload, teams)
     except (ValueError, OSError) as error:
         parser.error(str(error))
     if args.out:

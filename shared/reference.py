@@ -5,8 +5,9 @@ repository: it is read by path at run time. The folder is found in this order: a
 CLI's ``--reference`` flag), the ``GOODPUT_REFERENCE`` environment variable, then
 ``<repo root>/../shared/reference``.
 
-Only ``numpy`` and ``csv`` are used. Columns are always read by name, because the column order
-differs between GPU types in the Sia traces (e.g. ``placements-rtx.csv`` puts ``placement`` last).
+The data is read with ``numpy`` and ``csv`` (a workload's team names are checked by shared/teams.py).
+Columns are always read by name, because the column order differs between GPU types in the Sia
+traces (e.g. ``placements-rtx.csv`` puts ``placement`` last).
 
 Hybrid-parallel models (gpt_pmp: a 2.8B GPT in a GPipe pipeline, 2 stages on dgx-ext, 8 on rtx) are
 measured differently: the smallest placement of a type is one model-parallel replica (its GPUs, one
@@ -29,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from goodput_train.goodput import Observation
+from shared.schema.base import DEFAULT_TEAM, MAX_PRIORITY
+from shared.teams import team_problem
 
 DEFAULT_ENV = "GOODPUT_REFERENCE"
 
@@ -387,17 +390,22 @@ def discover_models(root: str | os.PathLike | None = None) -> dict[str, ModelTra
 
 @dataclass(frozen=True)
 class WorkloadJob:
-    """One job submission from a workload file; num_replicas/batch_size are the user's request."""
+    """One job submission from a workload file; num_replicas/batch_size are the user's request,
+    `team` the team it belongs to and `priority` its order within the team (docs/teams.md)."""
 
     name: str
     time: float
     application: str
     num_replicas: int
     batch_size: int
+    team: str = DEFAULT_TEAM
+    priority: int = 0
 
 
 def load_workload(path: str | os.PathLike) -> list[WorkloadJob]:
-    """Read a workload CSV (columns by name, extra columns ignored), sorted by submit time."""
+    """Read a workload CSV (columns by name, extra columns ignored), sorted by submit time. The
+    optional columns `team` (empty: the default team) and `priority` (an integer, empty: 0) say
+    whose each job is and its order within its team; a name that cannot be a team's is refused."""
     path = Path(path)
     _, rows = _read_columns(path, _WORKLOAD_COLUMNS)
     jobs = []
@@ -412,6 +420,13 @@ def load_workload(path: str | os.PathLike) -> list[WorkloadJob]:
         batch_size = _parse(path, line, "batch_size", row["batch_size"], int)
         if num_replicas < 1 or batch_size < 1:
             raise ValueError(f"{path}, line {line}: num_replicas and batch_size must be >= 1")
-        jobs.append(WorkloadJob(row["name"], time, row["application"], num_replicas, batch_size))
+        team = row.get("team") or DEFAULT_TEAM
+        problem = None if team == DEFAULT_TEAM else team_problem(team)
+        if problem is not None:
+            raise ValueError(f"{path}, line {line}: column 'team': {problem}")
+        priority = _parse(path, line, "priority", row["priority"], int) if row.get("priority") else 0
+        if abs(priority) > MAX_PRIORITY:
+            raise ValueError(f"{path}, line {line}: priority {priority} is not within -{MAX_PRIORITY}..{MAX_PRIORITY}")
+        jobs.append(WorkloadJob(row["name"], time, row["application"], num_replicas, batch_size, team, priority))
     jobs.sort(key=lambda j: j.time)  # stable: ties keep file order
     return jobs

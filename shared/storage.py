@@ -16,8 +16,10 @@ waits in the intake stream, at most LoginLimits.backlog messages of it at once (
 the next: "maximum messages per subject exceeded"); in the jobs stream a login keeps at most
 `submissions` valid submissions and `refusals` records of refused bodies (counted by JetStream,
 under the login's subjects: they leave as they age out), and all logins together at most
-USERS_SHARE of the stream, so there is always room for the profiler's verdicts. How fast a login
-may ask is the bus's (`shared.bus.RequesterLimits`, on every endpoint).
+USERS_SHARE of the stream, so there is always room for the profiler's verdicts. A team's logins
+together keep at most `TEAM_LIMITS` (counted under the team's subjects), so one team flooding with
+many logins fills only its own share. How fast a login may ask is the bus's
+(`shared.bus.RequesterLimits`, on every endpoint).
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ class LoginLimits:
 
 
 LOGIN_LIMITS = LoginLimits()
+
+
+@dataclass(frozen=True)
+class TeamLimits:
+    """What one team's logins keep together, so that a team that floods fills only its own share of
+    the jobs stream and the other teams still submit (DEFAULT_TEAM's logins are one team too)."""
+
+    submissions: int = 100_000  # valid submissions kept in the jobs stream; ~1 KiB each at most
+    refusals: int = 5_000  # records of its refused bodies kept there (beyond: answered, not recorded)
+
+
+TEAM_LIMITS = TeamLimits()
 USERS_SHARE = 0.75  # of the jobs stream: what logins' records may fill; the rest is the verdicts'
 
 

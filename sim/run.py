@@ -11,16 +11,19 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Awaitable, Callable, TextIO
+from typing import Awaitable, Callable, Iterable, TextIO
 
 import numpy as np
 
-from policies.base import make_policy
+from policies.base import Policy, make_policy
+from services.policy.rounds import check_honours_teams
 from services.simulated.truth import JobSources, job_sources
-from shared.cluster import load_cluster
+from shared.cluster import Cluster, load_cluster
+from shared.hardware import hardware_name
 from shared.reference import WorkloadJob, load_workload
-from shared.schema import JobRecord
+from shared.schema import DEFAULT_TEAM, JobRecord, RoundRecord
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings, simulation_settings
+from shared.teams import TeamFile, Teams, load_team_file, resolve
 from sim.fairness import AloneRuns, finish_time_fairness
 from sim.simulator import Simulator
 
@@ -51,8 +54,11 @@ def simulate(
     fairness: bool = True,
     interference: float = 0.0,
     profile_request: bool = False,
+    teams: str | Path | TeamFile | None = None,
 ) -> dict:
-    """Run one workload and return the result document. `restart_delay_s` replaces every model's
+    """Run one workload and return the result document. `teams`: a team file (its path, or the file)
+    in force every round, checked first (`check_teams`); the document then has each team's results
+    (`team_results`). `restart_delay_s` replaces every model's
     checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
     `progress` True reports on stderr as the run goes (`progress_reporter`), or is a callback
     (simulated time, jobs done, jobs in all);
@@ -69,6 +75,10 @@ def simulate(
         calibration, cluster, restart_delay_s, round_s, horizon_s, interference, profile_request
     )
     pol = make_policy(policy, **(policy_options or {}))
+    team_file = load_team_file(teams) if isinstance(teams, (str, Path)) else teams
+    resolved = None
+    if team_file is not None:
+        resolved = check_teams(team_file, spec, pol, jobs, f"team file {teams}" if team_file is not teams else "")
     sources = sources or job_sources(reference, use_zoo)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
@@ -90,13 +100,18 @@ def simulate(
                 interference,
                 sources.origin,
                 show,
+                **({"teams": team_file} if team_file is not None else {}),
             )
         )
-        result = replay_results(jobs, spec, pol, settings, feedback_iterations, report, records, name, sources.origin)
+        result = replay_results(
+            jobs, spec, pol, settings, feedback_iterations, report, records, name, sources.origin, resolved
+        )
     else:
-        sim = Simulator(jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations)
+        sim = Simulator(
+            jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations, teams=team_file
+        )
         sim.run(show)
-        result = results(sim, name, sources.origin)
+        result = results(sim, name, sources.origin, teams=resolved)
     if fairness:
         add_fairness(
             result,
@@ -110,6 +125,31 @@ def simulate(
             progress=fairness_reporter(result) if progress is True else None,
         )
     return result
+
+
+def check_teams(
+    file: TeamFile, cluster: Cluster, policy: Policy | None = None, jobs: Iterable[WorkloadJob] = (), source: str = ""
+) -> Teams:
+    """A run's team file, checked before anything runs: resolved against the cluster, a `policy`
+    that holds teams' guarantees, and every job's team one the file names (or the default team).
+    ValueError saying what is wrong; `source` names the file in it."""
+    source = source or "the team file"
+    try:
+        teams = resolve(file, cluster)
+    except ValueError as error:
+        raise ValueError(f"{source} does not fit cluster {cluster.name}: {error}") from None
+    if policy is not None:
+        check_honours_teams(policy, teams)
+    unknown = {}
+    for job in jobs:
+        if job.team != DEFAULT_TEAM and job.team not in teams.teams:
+            unknown.setdefault(job.team, job.name)
+    if unknown:
+        named = ", ".join(f"{team!r} (job {job})" for team, job in sorted(unknown.items()))
+        raise ValueError(
+            f"the workload names teams that {source} does not: {named}; its teams: {', '.join(teams.teams)}"
+        )
+    return teams
 
 
 def fairness_reporter(result: dict, stream: TextIO | None = None, **options) -> Progress:
@@ -170,13 +210,13 @@ class _Replayed:
 
 
 def replay_results(
-    jobs, cluster, policy, settings, feedback_iterations, report, records, workload, origin: str
+    jobs, cluster, policy, settings, feedback_iterations, report, records, workload, origin: str, teams=None
 ) -> dict:
     """The result document of a replay the policy leader ran over NATS (its rounds and events, the
     executors' job records)."""
     sim = Simulator(jobs, cluster, policy, settings, feedback_iterations=feedback_iterations, wiring=_Replayed())
     sim.loop.rounds, sim.loop.events = list(report.rounds), list(report.events)
-    return results(sim, workload, origin, list(records.jobs))
+    return results(sim, workload, origin, list(records.jobs), teams)
 
 
 Progress = Callable[[float | None, int, int], None]  # (simulated time s or None, jobs done, jobs in all)
@@ -239,8 +279,11 @@ def _progress_bar(total: int, stream: TextIO, what: str = "jobs done"):
     return show
 
 
-def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | None = None) -> dict:
-    """The result document (DESIGN §6) of a finished run; `records` when the jobs ran elsewhere."""
+def results(
+    sim: Simulator, workload, origin: str, records: list[JobRecord] | None = None, teams: Teams | None = None
+) -> dict:
+    """The result document (DESIGN §6) of a finished run; `records` when the jobs ran elsewhere;
+    with `teams` (or jobs of teams), each team's results (`team_results`)."""
     jobs = []
     for j in sorted(records if records is not None else sim.records(), key=lambda r: (r.submit_s, r.name)):
         jct = None if j.finish_s is None else j.finish_s - j.submit_s
@@ -248,6 +291,7 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
             {
                 "name": j.name,
                 "application": j.application,
+                "team": j.team,
                 "submit_s": j.submit_s,
                 "finish_s": j.finish_s,
                 "jct_s": jct,
@@ -259,7 +303,14 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
     done = [j for j in jobs if j["jct_s"] is not None]
     jcts = np.array([j["jct_s"] for j in done]) if done else np.zeros(0)
     finished = [j["finish_s"] for j in done]
-    return {
+    timeline = [{"t": r.now_s, "active": r.active, "gpus": r.gpus} for r in sim.rounds]
+    for entry, r in zip(timeline, sim.rounds):
+        if r.team_gpus:  # each team's GPUs by type (the names people know), and those borrowed
+            entry["teams"] = {
+                team: {hardware_name(t): n for t, n in held.items()} for team, held in r.team_gpus.items()
+            }
+            entry["borrowed"] = dict(r.team_borrowed)
+    result = {
         "policy": sim.policy.name,
         "cluster": sim.cluster.name,
         "workload": str(workload),
@@ -280,9 +331,47 @@ def results(sim: Simulator, workload, origin: str, records: list[JobRecord] | No
         "round_runtime_ms": _quantiles([r.round_ms for r in sim.rounds]),
         "rounds": len(sim.rounds),
         "contention": round(float(np.mean([r.active for r in sim.rounds])), 3) if sim.rounds else 0.0,
-        "timeline": [{"t": r.now_s, "active": r.active, "gpus": r.gpus} for r in sim.rounds],
+        "timeline": timeline,
         "events": sim.events,
     }
+    if teams is not None or any(j["team"] != DEFAULT_TEAM for j in jobs):
+        result["teams"] = team_results(jobs, sim.rounds, teams, sim.policy.round_s)
+    return result
+
+
+def team_results(jobs: list[dict], rounds: list[RoundRecord], teams: Teams | None, decision_s: float) -> dict:
+    """Each team's results: its jobs and how many finished, their average and p99 JCT, the
+    GPU-hours they used, the GPU-hours of them beyond its guarantee (each decision's borrowed GPUs
+    held until the next decision, at most `decision_s`), how often its jobs were shrunk or stopped
+    for another team, and its quota per GPU type (the names people know)."""
+    names = list(teams.teams) if teams is not None else []
+    names += sorted({j["team"] for j in jobs} - set(names))
+    borrowed_s = dict.fromkeys(names, 0.0)
+    reclaimed = dict.fromkeys(names, 0)
+    for r, after in zip(rounds, [*rounds[1:], None]):
+        held_s = decision_s if after is None else min(after.now_s - r.now_s, decision_s)
+        for team, gpus in r.team_borrowed.items():
+            borrowed_s[team] = borrowed_s.get(team, 0.0) + gpus * held_s
+        for team, count in r.team_reclaimed.items():
+            reclaimed[team] = reclaimed.get(team, 0) + count
+    out = {}
+    for name in names:
+        mine = [j for j in jobs if j["team"] == name]
+        jcts = np.array([j["jct_s"] for j in mine if j["jct_s"] is not None])
+        team = teams.teams.get(name) if teams is not None else None
+        out[name] = {
+            "jobs": len(mine),
+            "jobs_finished": len(jcts),
+            "avg_jct_s": float(jcts.mean()) if len(jcts) else None,
+            "p99_jct_s": float(np.percentile(jcts, 99)) if len(jcts) else None,
+            "gpu_hours": round(sum(j["gpu_seconds"] for j in mine) / 3600, 3),
+            "borrowed_gpu_hours": round(borrowed_s.get(name, 0.0) / 3600, 3),
+            "reclaimed": reclaimed.get(name, 0),
+            "quota": {hardware_name(t): n for t, n in team.quota.items() if n} if team else {},
+            "borrow": {hardware_name(t): n for t, n in team.borrow.items() if n is not None} if team else {},
+            "weight": team.weight if team else None,
+        }
+    return out
 
 
 # Every application known to the zoo and the reference data, in a fixed order: each keeps its colour
@@ -322,7 +411,8 @@ def run_title(result: dict) -> str:
 
 def plot(result: dict, path: str | Path) -> None:
     """GPUs in use by each application over time (stacked), the JCT CDF, and the finish-time
-    fairness CDF when the result has it; titled with the workload, the policy and the cluster."""
+    fairness CDF when the result has it; with teams, below them each team's GPUs over time against
+    its quota (`draw_team_use`); titled with the workload, the policy and the cluster."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,7 +425,14 @@ def plot(result: dict, path: str | Path) -> None:
         [[sum(g for name, g in r["gpus"].items() if app_of[name] == a) for r in result["timeline"]] for a in apps]
     )
     rhos = np.sort([j["rho"] for j in result["jobs"] if j.get("rho") is not None])
-    fig, axes = plt.subplots(1, 3 if len(rhos) else 2, figsize=(19 if len(rhos) else 13, 4.5))
+    width = 19 if len(rhos) else 13
+    if has_team_use(result):
+        fig = plt.figure(figsize=(width, 9), layout="constrained")
+        top, bottom = fig.subfigures(2, 1)
+        draw_team_use(result, bottom)
+    else:
+        fig = top = plt.figure(figsize=(width, 4.5))
+    axes = top.subplots(1, 3 if len(rhos) else 2)
     ax1, ax2 = axes[:2]
     if len(t):
         ax1.stackplot(t, stack, labels=apps, colors=[application_colour(a) for a in apps], step="post")
@@ -359,6 +456,49 @@ def plot(result: dict, path: str | Path) -> None:
         ax3.set_title(f"rho CDF (max {rhos[-1]:.2f}, {100 * np.mean(rhos > 1 + 1e-9):.0f}% above 1)")
         ax3.grid(alpha=0.3)
     fig.suptitle(run_title(result))
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def has_team_use(result: dict) -> bool:
+    """Whether a result holds each team's GPUs over time (a run with teams)."""
+    return bool(result.get("teams")) and any("teams" in r for r in result["timeline"])
+
+
+def draw_team_use(result: dict, figure) -> None:
+    """Each team's GPUs over time, stacked in the team file's order, against the quotas (dashed: where
+    each team's guarantee ends, stacked the same way) in `figure` (a Figure or SubFigure): one panel
+    per GPU type, then one for all types when there are several. A band above its dashed line is
+    borrowed; one below it leaves part of the guarantee to others."""
+    timeline, teams = result["timeline"], result["teams"]
+    t = np.array([r["t"] for r in timeline]) / 3600
+    types = sorted(
+        {gpu_type for r in timeline for held in r.get("teams", {}).values() for gpu_type in held}
+        | {gpu_type for team in teams.values() for gpu_type in team["quota"]}
+    )
+    panels = [*types, None] if len(types) > 1 else types  # None: all types
+    axes = np.atleast_1d(figure.subplots(1, len(panels), sharex=True))
+    colours = [f"C{k}" for k in range(len(teams))]
+    for ax, gpu_type in zip(axes, panels):
+        used, quotas = [], []
+        for name, team in teams.items():
+            held = [r.get("teams", {}).get(name, {}) for r in timeline]
+            if gpu_type is None:
+                used.append([sum(h.values()) for h in held])
+                quotas.append(sum(team["quota"].values()))
+            else:
+                used.append([h.get(gpu_type, 0) for h in held])
+                quotas.append(team["quota"].get(gpu_type, 0))
+        labels = [f"{name} (quota {quota})" for name, quota in zip(teams, quotas)]
+        if len(t):
+            ax.stackplot(t, used, labels=labels, colors=colours, step="post", alpha=0.75)
+        for boundary, quota, colour in zip(np.cumsum(quotas), quotas, colours):
+            if quota:
+                ax.axhline(boundary, color=colour, linestyle="--", linewidth=1.2)
+        ax.set_title(f"{gpu_type or 'all'} GPUs held per team", fontsize=10)
+        ax.set_xlabel("time (h)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    axes[0].set_ylabel("GPUs held (stacked; dashed: quotas)")

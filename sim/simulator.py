@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 from policies.base import Policy
 from services.estimator.core import Estimator
 from services.placer.core import place
-from services.policy.rounds import Arrival, RoundLoop, Wiring
+from services.policy.rounds import Arrival, FixedTeams, RoundLoop, Wiring
 from services.simulated.truth import ModelTruth
 from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
 from shared.cluster import Cluster, Config, Node, Spots
@@ -41,6 +41,7 @@ from shared.schema import (
     RoundRecord,
 )
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings
+from shared.teams import TeamFile
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,10 @@ class Simulator:
         profiles: Callable[[str, str], Profile] | None = None,
         feedback_iterations: int = FEEDBACK_ITERATIONS,
         wiring: Wiring | None = None,
+        teams: TeamFile | None = None,
     ):
-        """Over `wiring`, or, without one, a DirectWiring built from the jobs' `truths` and `profiles`."""
+        """Over `wiring`, or, without one, a DirectWiring built from the jobs' `truths` and `profiles`;
+        `teams`: the team file in force every round (checked by the caller: `sim.run.check_teams`)."""
         if feedback_iterations < 1:
             raise ValueError(f"feedback iterations must be at least 1, got {feedback_iterations}")
         self.cluster = cluster
@@ -125,7 +128,14 @@ class Simulator:
         self.settings = settings
         self.feedback_iterations = feedback_iterations
         self.wiring = wiring or DirectWiring(workload, cluster, settings, truths, profiles, feedback_iterations)
-        self.loop = RoundLoop([Arrival(j.name, j.time) for j in workload], cluster, policy, settings, self.wiring)
+        self.loop = RoundLoop(
+            [Arrival(j.name, j.time) for j in workload],
+            cluster,
+            policy,
+            settings,
+            self.wiring,
+            teams=FixedTeams(teams) if teams is not None else None,
+        )
 
     @property
     def rounds(self) -> list[RoundRecord]:

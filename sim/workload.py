@@ -1,4 +1,5 @@
-"""Synthetic workloads in the reference format (`name,time,application,num_replicas,batch_size`).
+"""Synthetic workloads in the reference format (`name,time,application,num_replicas,batch_size`,
+and `team,priority` when the jobs have them).
 
 The embedded default needs a workload without the reference data. This one follows the shape of
 the Philly-derived workloads: arrivals spread uniformly over a window (a Poisson process given its
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.reference import WorkloadJob
+from shared.schema import DEFAULT_TEAM
+from shared.teams import scoped_id, team_problem
 from shared.zoo import load_zoo
 
 # The built-in workload (40 jobs of the zoo's models over 2 hours): what `goodput up` and
@@ -27,10 +30,20 @@ REQUESTED_WEIGHTS = (0.4, 0.3, 0.2, 0.1)
 
 
 def generate_workload(
-    jobs: int = 40, hours: float = 2.0, seed: int = 0, mix: dict[str, float] | None = None
+    jobs: int = 40,
+    hours: float = 2.0,
+    seed: int = 0,
+    mix: dict[str, float] | None = None,
+    teams: tuple[str, ...] = (),
 ) -> list[WorkloadJob]:
+    """`jobs` jobs of the zoo's models over `hours`; with `teams`, each job is one of theirs, drawn
+    uniformly (its name `team.model-i`)."""
     if jobs < 1 or hours <= 0:
         raise ValueError("a workload needs at least one job and a positive window")
+    for team in teams:
+        problem = team_problem(team)
+        if problem is not None:
+            raise ValueError(problem)
     mix = mix or DEFAULT_MIX
     zoo = load_zoo()
     unknown = sorted(set(mix) - set(zoo))
@@ -42,18 +55,23 @@ def generate_workload(
     times = np.sort(rng.uniform(0, hours * 3600, size=jobs)).round()
     apps = rng.choice(names, size=jobs, p=weights / weights.sum())
     gpus = rng.choice(REQUESTED_GPUS, size=jobs, p=REQUESTED_WEIGHTS)
+    owners = rng.choice(teams, size=jobs) if teams else [DEFAULT_TEAM] * jobs  # drawn last: the rest as without
     out = []
-    for i, (t, app, g) in enumerate(zip(times, apps, gpus)):
+    for i, (t, app, g, team) in enumerate(zip(times, apps, gpus, owners)):
         model = zoo[app]
         batch = int(min(model.init_batch * g, model.max_batch))
-        out.append(WorkloadJob(f"{app}-{i}", float(t), str(app), int(g), batch))
+        out.append(WorkloadJob(scoped_id(str(team), f"{app}-{i}"), float(t), str(app), int(g), batch, str(team)))
     return out
 
 
 def write_workload(jobs: list[WorkloadJob], path: str | Path) -> None:
+    """The jobs as a workload CSV; with `team` and `priority` columns when any job has a team or a
+    priority other than the default."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
+    teams = any(j.team != DEFAULT_TEAM or j.priority for j in jobs)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["name", "time", "application", "num_replicas", "batch_size"])
+        writer.writerow(["name", "time", "application", "num_replicas", "batch_size"] + ["team", "priority"] * teams)
         for j in jobs:
-            writer.writerow([j.name, int(j.time), j.application, j.num_replicas, j.batch_size])
+            row = [j.name, int(j.time), j.application, j.num_replicas, j.batch_size]
+            writer.writerow(row + [j.team, j.priority] * teams)

@@ -235,7 +235,7 @@ async def serve_api(connect_bus, problem=lambda spec: None):
     bus = await connect_bus()
     await bus.subscribe(subjects.RECORDS, JobsQuery, lambda query: JobRecords(()))
     recorded: asyncio.Queue[Rejected] = asyncio.Queue()
-    await bus.subscribe(f"{subjects.REFUSED}.*", Rejected, recorded.put_nowait)  # each login's refusals
+    await bus.subscribe(f"{subjects.REFUSED}.*.*", Rejected, recorded.put_nowait)  # each team and login's refusals
     await api.serve(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), problem)
     return bus, recorded
 

@@ -17,6 +17,7 @@ import nats.js.errors
 import pytest
 from test_api_handlers import gate
 
+from services.api import service as api
 from services.api.code import CodeGate, Uploads
 from shared.code_archive import digest, pack
 from shared.schema import CodeChunk, CodeRequest, JobSpec
@@ -157,14 +158,18 @@ async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: 
     judge.code, store = code_gate()
     data = archive_of(tmp_path, files=2)
     spec = JobSpec("mine-1", code=digest(data), entrypoint="m0.py", args=("--epochs", "2"))
-    answer = await judge.submit(msgspec.json.encode(spec), "alice")
+    answer = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))
     assert not answer.accepted and f"no archive {digest(data)} of yours in the code store" in answer.reason, answer
     assert bus.stored() == []
     await store.put(f"bob.{digest(data)}", data)  # another login's is not alice's
-    answer = await judge.submit(msgspec.json.encode(JobSpec("mine-3", code=digest(data), entrypoint="m0.py")), "alice")
+    answer = await judge.submit(
+        msgspec.json.encode(JobSpec("mine-3", code=digest(data), entrypoint="m0.py")), api.Who("alice")
+    )
     assert not answer.accepted and "of yours" in answer.reason, answer
     await store.put(f"alice.{digest(data)}", data)
-    answer = await judge.submit(msgspec.json.encode(JobSpec("mine-2", code=digest(data), entrypoint="m0.py")), "alice")
+    answer = await judge.submit(
+        msgspec.json.encode(JobSpec("mine-2", code=digest(data), entrypoint="m0.py")), api.Who("alice")
+    )
     assert answer.accepted, answer
     assert bus.stored()[0][1].code == digest(data)
 
@@ -182,7 +187,7 @@ async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: 
 )
 async def test_a_code_submission_that_is_malformed_is_refused_with_the_reason(body: bytes, reason: str) -> None:
     judge, bus, _ = gate()
-    answer = await judge.submit(body, "alice")
+    answer = await judge.submit(body, api.Who("alice"))
     assert not answer.accepted and reason in answer.reason, answer
     assert bus.stored() == []
 

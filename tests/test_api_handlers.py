@@ -101,7 +101,7 @@ def gate(problem: api.Problem = lambda spec: None) -> tuple[api.Gate, RecordingB
 async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_stored() -> None:
     judge, bus, owners = gate()
     body = b'{"id": "typo-1", "application": "cifar10", "requestd_gpus": 2}'
-    answer = await judge.submit(body, "alice")
+    answer = await judge.submit(body, api.Who("alice"))
     assert not answer.accepted and answer.state == "rejected" and answer.id == "typo-1", answer
     assert "unknown field `requestd_gpus`" in answer.reason and "did you mean `requested_gpus`" in answer.reason
     assert bus.stored() == [] and owners.entries == {}
@@ -113,7 +113,7 @@ async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_store
 
 async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -> None:
     judge, bus, owners = gate(lambda spec: f"unknown application {spec.application!r}")
-    answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), "alice")
+    answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), api.Who("alice"))
     assert not answer.accepted and answer.reason == "unknown application 'nosuchjob'", answer
     assert bus.stored() == [] and owners.entries == {}
     assert [subject for subject, _, _ in bus.published] == [subjects.refused(subjects.DEFAULT_TEAM, "alice")]
@@ -122,16 +122,17 @@ async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -
 async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None:
     judge, bus, owners = gate()
     spec = JobSpec("lm-1", "cifar10", requested_gpus=2)
-    answer = await judge.submit(msgspec.json.encode(spec), "alice")
+    answer = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))
     assert answer.accepted and answer.state == "profiling" and answer.id == "lm-1", answer
-    assert bus.stored() == [("goodput.jobs.stored.default.alice", spec, submission_msg_id(spec))]
+    stored = msgspec.structs.replace(spec, team=subjects.DEFAULT_TEAM)  # the server's word of its team
+    assert bus.stored() == [("goodput.jobs.stored.default.alice", stored, submission_msg_id(stored))]
     held = owners.entries["lm-1"][0]  # the id is this submission's: its stream sequence, its login
     assert isinstance(held, JobOwner) and not held.marking
     assert (held.submission, held.subject, held.login) == (1, "goodput.jobs.stored.default.alice", "alice")
-    again = await judge.submit(msgspec.json.encode(spec), "alice")  # the same body: a repeat
+    again = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))  # the same body: a repeat
     assert again.accepted and "not stored again" in again.reason, again
     assert len(bus.stored()) == 1
-    other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), "bob")  # another body, the id taken
+    other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), api.Who("bob"))  # the id taken
     assert not other.accepted and "already exists" in other.reason, other
     assert len(bus.stored()) == 1 and owners.entries["lm-1"][0] == held
 

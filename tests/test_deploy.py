@@ -46,6 +46,7 @@ from shared.cluster import load_cluster
 from shared.credentials import connect_options
 from shared.runner import new_service
 from shared.schema import RunCheckpoint
+from shared.teams import load_team_file
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -167,8 +168,9 @@ def role_problems(workload: dict, role: str) -> list[str]:
     container = pod["containers"][0]
     env = env_of(container)
     problems = []
-    if password_mounts(workload) != {container["name"]: {role}}:
-        problems.append(f"mounts the password keys {password_mounts(workload)}, not only {role!r}")
+    mounts = password_mounts(workload)  # its init containers' too: each may mount its role's key, no other
+    if mounts.get(container["name"]) != {role} or any(keys - {role} for keys in mounts.values()):
+        problems.append(f"mounts the password keys {mounts}, not only {role!r}")
     if env.get("GOODPUT_NATS_USER", {}).get("value") != role:
         problems.append(f"GOODPUT_NATS_USER is not {role!r}")
     password_file = Path(env.get("GOODPUT_NATS_PASSWORD_FILE", {}).get("value", "/nowhere/x"))
@@ -203,8 +205,8 @@ def test_every_yaml_under_k8s_parses_and_every_object_passes_the_schema():
         for doc in docs:
             if doc.get("kind") == "Kustomization":
                 continue  # kustomize's own file: built below
-            if "apiVersion" not in doc:  # a data file a generator reads: the cluster spec
-                load_cluster(str(path))
+            if "apiVersion" not in doc:  # a data file a generator reads: the team file, the cluster spec
+                load_team_file(path) if "teams" in doc else load_cluster(str(path))
                 continue
             checked += 1
             if (error := schema_errors(doc)) is not None:
@@ -316,6 +318,38 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
         float(settings["GOODPUT_SPEED"]),
     )
     float(settings["GOODPUT_LEASE_TTL_S"])
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_team_file_reaches_the_setup_that_stores_it_before_the_live_run(build, tmp_path):
+    """The live-run Job's init container stores the ConfigMap's team file, checked against the cluster
+    spec the services run (as the operator), before its container creates the live run."""
+    from launcher.setup import checked_teams
+    from launcher.setup import main as setup
+
+    configmaps = {name.rsplit("-", 1)[0]: cm for name, cm in objects(build, "ConfigMap").items()}
+    pod = objects(build, "Job")["live-run"]["spec"]["template"]["spec"]
+    [init] = pod["initContainers"]
+    assert init["args"][:3] == ["python", "-m", "launcher.setup"]
+    assert env_of(init)["GOODPUT_NATS_USER"]["value"] == "operator"
+    assert init["envFrom"] == containers(objects(build, "Job")["live-run"])[0]["envFrom"]
+    for match in re.findall(r"\$\((\w+)\)", " ".join(init["args"])):
+        assert match in configmaps["goodput-settings"]["data"] or match in env_of(init), match
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    files = {}
+    for option_name in ("--teams", "--cluster"):
+        path = Path(option(init, option_name))
+        mount = next(m for m in init["volumeMounts"] if m["mountPath"] == str(path.parent))
+        data = configmaps[volumes[mount["name"]]["configMap"]["name"].rsplit("-", 1)[0]]["data"]
+        files[option_name] = tmp_path / option_name.strip("-") / path.name
+        files[option_name].parent.mkdir()
+        files[option_name].write_text(data[path.name])
+    teams = checked_teams(str(files["--teams"]), str(files["--cluster"]))
+    assert len(teams.teams) >= 2
+    assert configmaps["goodput-settings"]["data"]["GOODPUT_POLICY"] == "goodput"  # the default policy
+    with pytest.raises(SystemExit):  # --teams is checked against a cluster, so it needs one
+        setup(["--teams", str(files["--teams"])])
 
 
 @pytest.mark.e2e

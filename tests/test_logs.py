@@ -236,15 +236,15 @@ async def test_only_the_jobs_submitter_reads_its_output_and_the_page_says_when_i
     for job_id in ("lm-1", "done-1"):
         await owners.create(job_id, JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, "alice")))
     gate = api.Gate(LogsBus(logs, ended=("done-1",)), owners, lambda spec: None)
-    page = await gate.logs_of(LogsRequest("lm-1"), "alice")
+    page = await gate.logs_of(LogsRequest("lm-1"), api.Who("alice"))
     assert [line.text for line in page.lines] == ["epoch 1"] and not page.end and not page.more
     assert page.next == 1
-    page = await gate.logs_of(LogsRequest("done-1"), "alice")
+    page = await gate.logs_of(LogsRequest("done-1"), api.Who("alice"))
     assert [line.text for line in page.lines] == ["finished at epoch 3"] and page.end
     for job_id in ("lm-1", "done-1", "nosuch"):
         with pytest.raises(NotFound, match=f"no job '{job_id}' of yours"):
-            await gate.logs_of(LogsRequest(job_id), "bob")
-    operator = await gate.logs_of(LogsRequest("lm-1", rank=0), subjects.OPERATOR)  # the operator sees all
+            await gate.logs_of(LogsRequest(job_id), api.Who("bob"))
+    operator = await gate.logs_of(LogsRequest("lm-1", rank=0), api.OPERATOR)  # the operator sees all
     assert [line.text for line in operator.lines] == ["epoch 1"]
 
 

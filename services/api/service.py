@@ -5,9 +5,14 @@ gate of submissions, which validates one as the profiler would before anything i
 the profiles on a simulated cluster; with real executors, against the applications the live node
 agents say they run).
 
-Every request is a login's (`login()`: the server's word, `shared.bus.requester`; a request from
-within the services' own account is the operator's), and a job is the login's that submitted it:
-another login looks it up, lists it or cancels it in vain ("not found"); the operator sees all.
+Every request is a login's, of its team (`login()`: the server's word, `shared.bus.requester`,
+whose account names the team; a request from within the services' own account is the operator's).
+A job belongs to its team: the API sets its `team` and stores it under `team.id`
+(`shared.teams.scoped_id`), so ids are unique per team, and answers with the id as the team knows
+it. A team's logins look up, list, follow and cancel the team's jobs; DEFAULT_TEAM's logins (a
+stack without teams) each their own; anyone else looks one up, lists it or cancels it in vain
+("not found", the very answer an unknown id gets); the operator sees all, by their ids within the
+cluster.
 
 - `submit`: a JobSpec -> SubmitAnswer. Only a valid submission is stored (in the jobs stream, on
   the login's own subject) under the Nats-Msg-Id `<id>.<digest of the body>`: a refused body
@@ -27,12 +32,17 @@ another login looks it up, lists it or cancels it in vain ("not found"); the ope
 - `logs`: {"id", "rank", "after", "limit"} -> LogsPage: what the job's ranks printed, stored by their
   node agents, a page at a time from the cursor `after` (`services.api.logs`); 404 unless it is
   the login's job.
+- `teams`: each team's guaranteed GPUs per type, what its running jobs use, how many of those are
+  borrowed and how many of its guarantee are lent to others now (`team_statuses`: the team file
+  in KV against the live cluster, and the executors' records); a login's own team's, the
+  operator's every team's.
 - `schemas`: every request's and answer's JSON Schema (generated from the Structs).
 
-What a login keeps is bounded (`shared.storage.LoginLimits`, counted by JetStream under its
-subjects: `Kept`): beyond its submissions a submit is refused "over your limit"; a refusal is
-recorded (so `job` shows why) while the login keeps fewer than its refusals' bound, and answered
-all the same beyond it.
+What a login and a team keep is bounded (`shared.storage.LoginLimits` and `TeamLimits`, counted by
+JetStream under their subjects: `Kept`): beyond its submissions a submit is refused "over your
+limit", beyond its team's "over your team's limit" (a team that floods fills only its own share,
+and the other teams' logins still submit); a refusal is recorded (so `job` shows why) while the
+login and its team keep fewer than their refusals' bounds, and answered all the same beyond them.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, NamedTuple
 
 import msgspec
 from nats import micro
@@ -57,13 +67,16 @@ from services.api.logs import read_page, stream_reader
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.cluster import Cluster, load_cluster
+from shared.hardware import hardware_name
 from shared.lifecycle import JobState
-from shared.permissions import LOGINS_ACCOUNT
+from shared.permissions import account_team
 from shared.profiles import profile_source
 from shared.runner import add_profile_arguments, new_service
 from shared.schema import (
+    DEFAULT_TEAM,
     JOB_STATES,
     MARK_TTL_S,
+    MAX_ID,
     Ack,
     Cancel,
     CancelAnswer,
@@ -71,6 +84,7 @@ from shared.schema import (
     CodeChunk,
     CodeRequest,
     JobOwner,
+    JobRecord,
     JobRecords,
     JobRequest,
     JobsPage,
@@ -80,8 +94,13 @@ from shared.schema import (
     JobStatus,
     LogsPage,
     LogsRequest,
+    Node,
     NodeInfo,
     SubmitAnswer,
+    TeamGpus,
+    TeamsAnswer,
+    TeamsRequest,
+    TeamStatus,
     job_status,
     job_statuses,
     readable_fields,
@@ -89,8 +108,9 @@ from shared.schema import (
     spec_digest,
     submission_msg_id,
 )
-from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, USERS_SHARE, LoginLimits
+from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, TEAM_LIMITS, USERS_SHARE, LoginLimits, TeamLimits
 from shared.submissions import agents_models, id_taken, malformed_reason, submission_problem
+from shared.teams import TeamFile, Teams, resolve, scoped_id, user_id
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +165,7 @@ ENDPOINTS = (
         subjects.API_LOGS,
         LogsRequest,
         LogsPage,
-        "a job's output, to its submitter: each rank's stdout and stderr lines, a page at a time",
+        "a job's output, to its team: each rank's stdout and stderr lines, a page at a time",
     ),
     Endpoint(
         "code-put",
@@ -155,6 +175,13 @@ ENDPOINTS = (
         "upload a job's code archive in chunks; checked whole, then stored under your login and its sha256",
     ),
     Endpoint("code-has", subjects.API_CODE_HAS, CodeRequest, CodeAnswer, "whether your archive is stored already"),
+    Endpoint(
+        "teams",
+        subjects.API_TEAMS,
+        TeamsRequest,
+        TeamsAnswer,
+        "each team's guaranteed GPUs per type, their use, what it borrows and what it lends (your team's)",
+    ),
 )
 
 
@@ -196,44 +223,89 @@ def notes(spec: JobSpec) -> tuple[str, ...]:
 Problem = Callable[[JobSpec], str | None | Awaitable[str | None]]
 Models = Mapping[str, Iterable[str]]  # application -> the GPU types it has profiles on
 PAGE_BYTES = 256 * 1024  # a page of `jobs` is cut short (its next_offset says where to go on) past this
-KEPT_TTL_S = 1.0  # how long JetStream's count of a login's records is taken as it is
+KEPT_TTL_S = 1.0  # how long JetStream's count of a team's records is taken as it is
 
 
-def login() -> str:
-    """Whose request is being handled: the login the server names, or the operator."""
+class Who(NamedTuple):
+    """Whose request is being handled: a login and its team, as the server says. The operator's
+    (OPERATOR, of DEFAULT_TEAM) sees every team's jobs, by their ids within the cluster."""
+
+    login: str
+    team: str = DEFAULT_TEAM
+
+    @property
+    def everyone(self) -> bool:
+        return self.login == subjects.OPERATOR
+
+    def scoped(self, job_id: str) -> str:
+        """The id within the cluster of the job this requester names `job_id`."""
+        return job_id if self.everyone else scoped_id(self.team, job_id)
+
+    def shown(self, scoped: str) -> str:
+        """The id this requester knows the job `scoped` by."""
+        return scoped if self.everyone else user_id(self.team, scoped)
+
+    def query(self, prefix: str = "", **filters: Any) -> JobsQuery:
+        """The executors' records this requester may see, of those whose id (as it names them) begins
+        with `prefix`: its team's (DEFAULT_TEAM's logins: each its own), every one for the operator."""
+        if self.everyone:
+            return JobsQuery(prefix, None, team=None, **filters)
+        own = self.login if self.team == DEFAULT_TEAM else None
+        return JobsQuery(scoped_id(self.team, prefix), own, team=self.team, **filters)
+
+    def sees(self, subject: str) -> bool:
+        """Whether a submission stored on `subject` (a JobOwner's) is one this requester may see."""
+        _, team, login = subjects.owner_of(subject)
+        return self.everyone or (team == self.team and (team != DEFAULT_TEAM or login == self.login))
+
+    def status(self, status: JobStatus) -> JobStatus:
+        """A job's status with its id as this requester knows it."""
+        return status if status.id is None else msgspec.structs.replace(status, id=self.shown(status.id))
+
+
+OPERATOR = Who(subjects.OPERATOR)
+
+
+def login() -> Who:
+    """Whose request is being handled: the login the server names, of the team its account holds;
+    the operator for a request from within the services' own account."""
     who = requester()
-    return who.user if who is not None and who.account == LOGINS_ACCOUNT else subjects.OPERATOR
+    team = account_team(who.account) if who is not None else None
+    return OPERATOR if team is None else Who(who.user, team)
 
 
 class Kept:
-    """What each login keeps in the jobs stream, as JetStream counts it under the login's subjects
-    (asked at most every KEPT_TTL_S a login, and counted on here meanwhile), and how full the stream
-    is. `room` holds a place while a record is being stored, so that requests in hand at once cannot
-    pass a bound together."""
+    """What each login and each team keeps in the jobs stream, as JetStream counts it under the
+    team's subjects (asked at most every KEPT_TTL_S a team, and counted on here meanwhile), and how
+    full the stream is. `room` holds a place while a record is being stored, so that requests in
+    hand at once cannot pass a bound together. The operator's records count for no one."""
 
-    def __init__(self, bus: Bus, limits: LoginLimits = LOGIN_LIMITS) -> None:
-        self.bus, self.limits = bus, limits
-        self.counts: dict[str, tuple[float, dict[str, int]]] = {}
-        self.added: dict[tuple[str, str], int] = {}  # (login, subject) -> stored here, ever
-        self.pending: dict[tuple[str, str], int] = {}  # ... being stored now
+    def __init__(self, bus: Bus, limits: LoginLimits = LOGIN_LIMITS, team_limits: TeamLimits = TEAM_LIMITS) -> None:
+        self.bus, self.limits, self.team_limits = bus, limits, team_limits
+        self.counts: dict[str, tuple[float, dict[tuple[str, str], int]]] = {}  # team -> (when, its counts)
+        self.added: dict[tuple[str, str, str], int] = {}  # (team, login, subject) -> stored here, ever
+        self.pending: dict[tuple[str, str, str], int] = {}  # ... being stored now
         self.fullness: tuple[float, float] = (-KEPT_TTL_S, 0.0)
 
-    async def of(self, who: str) -> dict[str, int]:
-        """Subject (STORED, REFUSED) -> how many the login keeps."""
+    async def of(self, team: str) -> dict[tuple[str, str], int]:
+        """(login, subject (STORED, REFUSED)) -> how many that login of `team` keeps."""
         now = time.monotonic()
-        when, counts = self.counts.get(who, (-KEPT_TTL_S, {}))
+        when, counts = self.counts.get(team, (-KEPT_TTL_S, {}))
         if now - when >= KEPT_TTL_S:
-            before = {subject: self.added.get((who, subject), 0) for subject in (subjects.STORED, subjects.REFUSED)}
-            info = await self.bus.js.stream_info(
-                subjects.JOBS_STREAM, subjects_filter=f"{subjects.PREFIX}.jobs.*.*.{who}"
-            )
-            fresh = {subjects.of_login(subject)[0]: n for subject, n in (info.state.subjects or {}).items()}
+            before = self._added(team)
+            info = await self.bus.js.stream_info(subjects.JOBS_STREAM, subjects_filter=subjects.of_team(team))
+            fresh: dict[tuple[str, str], int] = {}
+            for subject, n in (info.state.subjects or {}).items():
+                base, _, who = subjects.owner_of(subject)
+                fresh[who, base] = fresh.get((who, base), 0) + n
             # Those stored here while JetStream was asked may be in its count or not: taken as not.
-            counts = {
-                subject: fresh.get(subject, 0) + self.added.get((who, subject), 0) - n for subject, n in before.items()
-            }
-            self.counts[who] = (now, counts)
+            added = self._added(team)
+            counts = {key: fresh.get(key, 0) + added.get(key, 0) - before.get(key, 0) for key in {*fresh, *added}}
+            self.counts[team] = (now, counts)
         return counts
+
+    def _added(self, team: str) -> dict[tuple[str, str], int]:
+        return {(who, subject): n for (of, who, subject), n in self.added.items() if of == team}
 
     async def full(self) -> float:
         """How full the jobs stream is (0 to 1)."""
@@ -244,13 +316,16 @@ class Kept:
         return self.fullness[1]
 
     @contextlib.asynccontextmanager
-    async def room(self, who: str, subject: str) -> AsyncIterator[Room]:
+    async def room(self, who: Who, subject: str) -> AsyncIterator[Room]:
         """A place for one more record of `who`'s on `subject` (STORED, REFUSED), held until the block
         ends; `Room.refusal` says why there is none (the operator always has one). The block says
         `Room.stored()` once the record is stored."""
-        counts, fullness = await self.of(who), await self.full()
-        place = Room(self._refusal(who, subject, counts.get(subject, 0), fullness))
-        key = (who, subject)
+        counts, fullness = await self.of(who.team), await self.full()
+        key = (who.team, who.login, subject)
+        mine = counts.get((who.login, subject), 0) + self.pending.get(key, 0)
+        teams = sum(n for (login, base), n in counts.items() if base == subject and login != subjects.OPERATOR)
+        teams += sum(n for (team, _, base), n in self.pending.items() if team == who.team and base == subject)
+        place = Room(self._refusal(who, subject, mine, teams, fullness))
         if place.refusal is None:
             self.pending[key] = self.pending.get(key, 0) + 1
         try:
@@ -260,18 +335,28 @@ class Kept:
                 self.pending[key] -= 1
             if place.kept:
                 self.added[key] = self.added.get(key, 0) + 1
-                if who in self.counts:
-                    self.counts[who][1][subject] = self.counts[who][1].get(subject, 0) + 1
+                if who.team in self.counts:
+                    held = self.counts[who.team][1]
+                    held[who.login, subject] = held.get((who.login, subject), 0) + 1
 
-    def _refusal(self, who: str, subject: str, count: int, fullness: float) -> str | None:
-        if who == subjects.OPERATOR:
+    def _refusal(self, who: Who, subject: str, count: int, team_count: int, fullness: float) -> str | None:
+        """Why `who` may not keep one more record on `subject`, keeping `count` and its team
+        `team_count` (those being stored included)."""
+        if who.everyone:
             return None
-        limit = self.limits.submissions if subject == subjects.STORED else self.limits.refusals
-        what = "submissions" if subject == subjects.STORED else "records of refused submissions"
-        if count + self.pending.get((who, subject), 0) >= limit:
+        stored = subject == subjects.STORED
+        limit = self.limits.submissions if stored else self.limits.refusals
+        team_limit = self.team_limits.submissions if stored else self.team_limits.refusals
+        what = "submissions" if stored else "records of refused submissions"
+        if count >= limit:
             return (
-                f"over your limit: login {who} keeps {limit:,} {what} in the jobs stream at most (they leave "
+                f"over your limit: login {who.login} keeps {limit:,} {what} in the jobs stream at most (they leave "
                 "as they age out, after 30 days); the operator may raise it"
+            )
+        if team_count >= team_limit:
+            return (
+                f"over your team's limit: team {who.team}'s logins keep {team_limit:,} {what} in the jobs stream "
+                "at most, together (they leave as they age out, after 30 days); the operator may raise it"
             )
         if fullness >= USERS_SHARE:
             return (
@@ -291,7 +376,9 @@ class Room:
 
 
 class Gate:
-    """The API's handlers, each a method; `login` the requester's, as the server says."""
+    """The API's handlers, each a method; `login` the requester's, as the server says. `teams`: the
+    KV holding the operator's team file (None: no teams); `cluster()`: the cluster as it is now,
+    which the team file is read against."""
 
     def __init__(
         self,
@@ -300,10 +387,13 @@ class Gate:
         problem: Problem,
         kept: Kept | None = None,
         code: CodeGate | None = None,
+        teams: TypedKV[TeamFile] | None = None,
+        cluster: Callable[[], Awaitable[Cluster]] | None = None,
     ) -> None:
         self.bus, self.owners, self.problem = bus, owners, problem
         self.kept = kept or Kept(bus)
         self.code = code  # the code store (None: jobs may not carry their code here)
+        self.teams, self.cluster = teams, cluster
 
     async def records(self, query: JobsQuery) -> JobRecords:
         try:
@@ -311,26 +401,41 @@ class Gate:
         except Exception as error:  # noqa: BLE001 - no executor answers: the caller is told so
             raise ValueError(f"the executors do not answer ({type(error).__name__}); try again") from None
 
-    async def status_of(self, job_id: str, who: str) -> JobStatus | None:
-        """The job `job_id` of `who`'s (any login's, for the operator); None when there is none."""
-        trace.get_current_span().set_attribute("job.id", job_id)
-        everyone = who == subjects.OPERATOR
-        records = await self.records(JobsQuery(job_id, owner=None if everyone else who))
-        found = next((j for j in job_statuses(records.jobs) if j.id == job_id), None)
+    async def team_file(self) -> TeamFile | None:
+        """The operator's team file, as the teams' KV holds it; None without one."""
+        if self.teams is None:
+            return None
+        try:
+            held = await self.teams.get(subjects.TEAMS_KEY)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            log.warning("the team file in KV cannot be read (%s): taken as none", error)
+            return None
+        return None if held is None else held.value
+
+    async def status_of(self, job_id: str, who: Who) -> JobStatus | None:
+        """The job `who` names `job_id`: its team's (DEFAULT_TEAM's logins: their own; any job, for
+        the operator), with its id as `who` knows it; None when there is none. Another team's job
+        takes the very same steps as an unknown id: none is found."""
+        scoped = who.scoped(job_id)
+        trace.get_current_span().set_attribute("job.id", scoped)
+        records = await self.records(who.query(job_id))
+        found = next((j for j in job_statuses(records.jobs) if j.id == scoped), None)
         if found is None or found.state == JobState.REJECTED:
-            held = await self.owners.get(job_id)
+            held = await self.owners.get(scoped)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
             # refused stored submission gives the id up): the corrected one is profiling.
-            if held is not None and (everyone or held.value.login == who) and (found is None or not held.value.marking):
-                return JobStatus(job_id, JobState.PROFILING)
-        return found
+            if held is not None and who.sees(held.value.subject) and (found is None or not held.value.marking):
+                team = subjects.owner_of(held.value.subject)[1] or DEFAULT_TEAM
+                return JobStatus(job_id, JobState.PROFILING, team=team)
+        return None if found is None else who.status(found)
 
     async def refuse(
-        self, data: bytes, reason: str, who: str, job_id: str | None = None, came: str = subjects.API_SUBMIT
+        self, data: bytes, reason: str, who: Who, job_id: str | None = None, came: str = subjects.API_SUBMIT
     ) -> SubmitAnswer:
-        """Record the refusal as the profiler records one (listed for its login, with what could be read
-        of the body: its id and application, and where it `came`), while the login keeps fewer than
-        its bound; answer it."""
+        """Record the refusal as the profiler records one (listed for its login and team, with what
+        could be read of the body: its id, within its team, and application, and where it `came`),
+        while the login and its team keep fewer than their bound; answer it (`job_id` as `who`
+        names it)."""
         if job_id is None:
             job_id = readable_fields(data).get("id")
         async with self.kept.room(who, subjects.REFUSED) as room:
@@ -338,13 +443,15 @@ class Gate:
                 return SubmitAnswer(
                     False, job_id, JobState.REJECTED, reason, notes=(f"this refusal is not recorded: {room.refusal}",)
                 )
+            scoped = None if job_id is None else scoped_id(who.team, job_id)
             await self.bus.js_publish(
-                subjects.refused(subjects.DEFAULT_TEAM, who), rejection(came, reason, data, job_id)
+                subjects.refused(who.team, who.login),
+                rejection(came, reason, data, scoped if scoped is None or len(scoped) <= MAX_ID else None),
             )
             room.stored()
         return SubmitAnswer(False, job_id, JobState.REJECTED, reason)
 
-    async def repeat(self, job_id: str, who: str) -> SubmitAnswer:
+    async def repeat(self, job_id: str, who: Who) -> SubmitAnswer:
         now = await self.status_of(job_id, who)
         if now is not None and now.state == JobState.REJECTED:  # within JetStream's day, the same body refused before
             return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
@@ -362,9 +469,9 @@ class Gate:
             raise Refused(answer.reason, answer)
         return answer
 
-    async def submit(self, data: bytes, who: str, came: str = subjects.API_SUBMIT) -> SubmitAnswer:
-        """Judge a body of `who`'s (that `came` on that subject): refused with the reason, or stored on
-        its login's subject and accepted."""
+    async def submit(self, data: bytes, who: Who, came: str = subjects.API_SUBMIT) -> SubmitAnswer:
+        """Judge a body of `who`'s (that `came` on that subject): refused with the reason, or stored,
+        as its team's job under its id within the team, on its login's subject and accepted."""
         if len(data) > MAX_SUBMISSION_BYTES:
             return await self.refuse(
                 data,
@@ -376,42 +483,61 @@ class Gate:
             spec = self.bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
             return await self.refuse(data, malformed_reason(explained(error, data)), who, came=came)
-        trace.get_current_span().set_attribute("job.id", spec.id)
-        reason = self.problem(spec)
-        if inspect.isawaitable(reason):
-            reason = await reason
+        trace.get_current_span().set_attribute("job.id", scoped_id(who.team, spec.id))
+        reason = await self.team_problem(spec, who)
+        if reason is None:
+            reason = self.problem(spec)
+            if inspect.isawaitable(reason):
+                reason = await reason
         if reason is None and spec.code is not None:
-            reason = await self.code_problem(who, spec.code)
+            reason = await self.code_problem(who.login, spec.code)
         if reason is not None:
             return await self.refuse(data, reason, who, spec.id, came)
         async with self.kept.room(who, subjects.STORED) as room:
             if room.refusal is not None:
                 return await self.refuse(data, room.refusal, who, spec.id, came)
-            return await self.store(spec, who, room, data, came)
+            scoped = msgspec.structs.replace(spec, id=scoped_id(who.team, spec.id), team=who.team)
+            return await self.store(scoped, who, room, data, came)
 
-    async def code_problem(self, who: str, archive: str) -> str | None:
-        """Why a job of `who`'s may not name `archive` as its code: it is not one of `who`'s in the
+    async def team_problem(self, spec: JobSpec, who: Who) -> str | None:
+        """Why `who`'s job cannot be its team's as it stands: it names another team, its id within
+        the team is too long, or (DEFAULT_TEAM's) its id begins with a team's name and a dot: that
+        team's ids look so within the cluster."""
+        if spec.team is not None and spec.team != who.team:
+            return f"job {spec.id} names team {spec.team}; your login belongs to team {who.team}"
+        scoped = scoped_id(who.team, spec.id)
+        if len(scoped) > MAX_ID:
+            return (
+                f"job {spec.id}: within the cluster a job of team {who.team} is {who.team}.<id>, and an id is at "
+                f"most {MAX_ID} characters, so your team's ids are at most {MAX_ID - len(who.team) - 1}"
+            )
+        first, dot, _ = spec.id.partition(".")
+        if who.team == DEFAULT_TEAM and dot and (file := await self.team_file()) is not None and first in file.teams:
+            return f"job {spec.id}: ids beginning {first}. are team {first}'s within the cluster; choose another id"
+        return None
+
+    async def code_problem(self, login: str, archive: str) -> str | None:
+        """Why a job of `login`'s may not name `archive` as its code: it is not one of `login`'s in the
         code store (another login's is not), or it is about to age out."""
-        if self.code is not None and await self.code.stored(who, archive):
+        if self.code is not None and await self.code.stored(login, archive):
             return None
         return (
             f"no archive {archive} of yours in the code store, or it ages out within a week: upload it "
             "(again) first (`goodput submit --code DIR` does; docs/api.md says how with any NATS client)"
         )
 
-    async def store(self, spec: JobSpec, who: str, room: Room, data: bytes, came: str) -> SubmitAnswer:
-        """Store a valid submission of `who`'s (`data`, that `came` on that subject), unless its id is
-        held: its answer (a repeat's, or the refusal, recorded)."""
+    async def store(self, spec: JobSpec, who: Who, room: Room, data: bytes, came: str) -> SubmitAnswer:
+        """Store a valid submission of `who`'s (`spec`, its id within the cluster; `data`, that `came`
+        on that subject), unless its id is held: its answer (a repeat's, or the refusal, recorded)."""
+        job_id, subject = who.shown(spec.id), subjects.stored(who.team, who.login)
         digest = spec_digest(spec)
         mark = await self.claim(spec.id, digest, who)
         if mark is None:
-            return await self.refuse(data, id_taken(spec.id), who, spec.id, came)
+            return await self.refuse(data, id_taken(job_id), who, job_id, came)
         if isinstance(mark, SubmitAnswer):
             return mark
         try:
-            ack = await self.bus.js_publish(
-                subjects.stored(subjects.DEFAULT_TEAM, who), spec, msg_id=submission_msg_id(spec), timeout=10
-            )
+            ack = await self.bus.js_publish(subject, spec, msg_id=submission_msg_id(spec), timeout=10)
         except BaseException:
             with contextlib.suppress(Exception):  # not stored: the id is free again
                 await self.owners.delete(spec.id, mark)
@@ -419,37 +545,36 @@ class Gate:
         if ack.duplicate:  # stored before, and then refused (else it would hold the id)
             with contextlib.suppress(RevisionConflict):
                 await self.owners.delete(spec.id, mark)
-            return await self.repeat(spec.id, who)
+            return await self.repeat(job_id, who)
         room.stored()
         try:  # the mark becomes this submission's claim, unless one stored before took the id
-            await self.owners.update(
-                spec.id, JobOwner(ack.seq, digest, subjects.stored(subjects.DEFAULT_TEAM, who)), mark
-            )
+            await self.owners.update(spec.id, JobOwner(ack.seq, digest, subject), mark)
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
-                return SubmitAnswer(False, spec.id, JobState.REJECTED, id_taken(spec.id))  # the profiler refuses it
-        return SubmitAnswer(True, spec.id, JobState.PROFILING, notes=notes(spec))
+                return SubmitAnswer(False, job_id, JobState.REJECTED, id_taken(job_id))  # the profiler refuses it
+        return SubmitAnswer(True, job_id, JobState.PROFILING, notes=notes(spec))
 
-    async def claim(self, job_id: str, digest: str, who: str) -> int | SubmitAnswer | None:
-        """Mark the id as being stored (the mark's revision), or, when it is held, a repeat's answer
-        (the same body of the same login's), or None (another body's)."""
-        mark = JobOwner(0, digest, subjects.stored(subjects.DEFAULT_TEAM, who), since=time.time())
+    async def claim(self, scoped: str, digest: str, who: Who) -> int | SubmitAnswer | None:
+        """Mark the id (within the cluster) as being stored (the mark's revision), or, when it is held,
+        a repeat's answer (the same body of the same login's), or None (another body's)."""
+        subject = subjects.stored(who.team, who.login)
+        mark = JobOwner(0, digest, subject, since=time.time())
         for _ in range(3):
             try:
-                return await self.owners.create(job_id, mark)
+                return await self.owners.create(scoped, mark)
             except RevisionConflict:
-                held = await self.owners.get(job_id)
+                held = await self.owners.get(scoped)
             if held is None:
                 continue
             if held.value.marking and time.time() - held.value.since > MARK_TTL_S:  # its replica died
                 with contextlib.suppress(RevisionConflict):
-                    return await self.owners.update(job_id, mark, held.revision)
+                    return await self.owners.update(scoped, mark, held.revision)
                 continue
-            if held.value.digest == digest and held.value.login == who:
-                return await self.repeat(job_id, who)
+            if held.value.digest == digest and held.value.subject == subject:
+                return await self.repeat(who.shown(scoped), who)
             return None
-        raise RuntimeError(f"job {job_id}: its id changes hands too fast to claim")
+        raise RuntimeError(f"job {scoped}: its id changes hands too fast to claim")
 
     async def unreadable(self, _: str, data: bytes, error: Exception) -> None:
         """A body that is no JSON object nor msgpack map: refused like any malformed one."""
@@ -457,53 +582,61 @@ class Gate:
         raise Refused(answer.reason, answer)
 
     async def job(self, request: JobRequest) -> JobStatus:
-        found = await self.status_of(request.id, login())
+        return await self.job_of(request, login())
+
+    async def job_of(self, request: JobRequest, who: Who) -> JobStatus:
+        found = await self.status_of(request.id, who)
         if found is None:
-            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
+            raise NotFound(not_found(request.id, who))
         return found
 
     async def logs(self, request: LogsRequest) -> LogsPage:
         return await self.logs_of(request, login())
 
-    async def logs_of(self, request: LogsRequest, who: str) -> LogsPage:
-        """The page of what the job `request.id` of `who`'s printed (404 for another's: no one learns
-        of another's jobs); `end` is read first, so an ended job's last lines are in its pages."""
+    async def logs_of(self, request: LogsRequest, who: Who) -> LogsPage:
+        """The page of what the job `request.id` of `who`'s team printed (404 for another's: no one
+        learns of another's jobs); `end` is read first, so an ended job's last lines are in its pages."""
         now = await self.status_of(request.id, who)
         if now is None:
-            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
+            raise NotFound(not_found(request.id, who))
         ended = now.state in (*ENDED, JobState.CANCELLED)
-        subject = subjects.job_logs(request.id, "*" if request.rank is None else request.rank)
+        subject = subjects.job_logs(who.scoped(request.id), "*" if request.rank is None else request.rank)
         lines, cursor, more = await read_page(stream_reader(self.bus), subject, request.after, request.limit)
         return LogsPage(tuple(lines), cursor, more, ended)
 
     async def jobs(self, request: JobsRequest) -> JobsPage:
+        return await self.jobs_of(request, login())
+
+    async def jobs_of(self, request: JobsRequest, who: Who) -> JobsPage:
         if request.state is not None and request.state not in JOB_STATES:
             raise ValueError(f"unknown state {request.state!r}: one of {', '.join(JOB_STATES)}")
-        who = login()
         page = await self.records(
-            JobsQuery(
+            who.query(
                 request.prefix,
-                None if who == subjects.OPERATOR else who,
-                request.state,
-                request.application,
-                request.offset,
-                request.limit,
+                state=request.state,
+                application=request.application,
+                offset=request.offset,
+                limit=request.limit,
             )
         )
-        return cut(tuple(job_status(r) for r in page.jobs), request.offset, page.total or 0, self.bus.encode)
+        statuses = tuple(who.status(job_status(r)) for r in page.jobs)
+        return cut(statuses, request.offset, page.total or 0, self.bus.encode)
 
     async def cancel(self, request: JobRequest) -> CancelAnswer:
-        who = login()
+        return await self.cancel_of(request, login())
+
+    async def cancel_of(self, request: JobRequest, who: Who) -> CancelAnswer:
         now = await self.status_of(request.id, who)
         if now is None:
-            raise NotFound(f"no job {request.id!r} of yours: none was submitted under this id by this login")
+            raise NotFound(not_found(request.id, who))
         if now.state == JobState.CANCELLED:
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
         if now.state in ENDED:
             return CancelAnswer(
                 False, request.id, now.state, f"job {request.id} has ended ({now.state}): nothing to cancel"
             )
-        await self.bus.js_publish(subjects.CANCEL, Cancel(request.id), msg_id=f"{request.id}.cancel", timeout=10)
+        scoped = who.scoped(request.id)
+        await self.bus.js_publish(subjects.CANCEL, Cancel(scoped), msg_id=f"{scoped}.cancel", timeout=10)
         deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
         while now is not None and now.state != JobState.CANCELLED and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(CANCEL_POLL_S)
@@ -517,16 +650,109 @@ class Gate:
             "the order is stored; the executors end the job as they read it",
         )
 
+    async def team_gpus(self, _: TeamsRequest) -> TeamsAnswer:
+        return await self.teams_of(login())
+
+    async def teams_of(self, who: Who) -> TeamsAnswer:
+        """Each team's GPUs per type now (`team_statuses`): `who`'s team's, every team's for the
+        operator. The team file is read against the cluster as it is now."""
+        file = await self.team_file()
+        cluster = await self.cluster() if self.cluster is not None else Cluster("none", ())
+        teams, note = None, ""
+        if file is None:
+            note = f"no team file: every job is team {DEFAULT_TEAM}'s, and no team has guaranteed GPUs"
+        else:
+            try:
+                teams = resolve(file, cluster)
+            except ValueError as error:
+                note = f"the team file does not fit the cluster as it is now, so no guarantee is shown: {error}"
+        running = (await self.records(JobsQuery(state=JobState.RUNNING))).jobs
+        named = list(file.teams) if file is not None else []
+        rows = team_statuses(teams, named if who.everyone else [*named, who.team], cluster, running)
+        return TeamsAnswer(tuple(row for row in rows if who.everyone or row.team == who.team), note)
+
     async def judge(self, data: msgspec.Raw, delivery) -> None:
-        """A login's own submission from the intake stream, judged as `submit` judges one."""
-        who = subjects.of_login(delivery.subject)[1]
+        """A login's own submission from the intake stream, judged as `submit` judges one: its team
+        and login are the subject's (the server's mapping)."""
+        who = intake_owner(delivery.subject)
         answer = await self.submit(bytes(data), who, delivery.subject)
         if not answer.accepted:
-            log.info("%s's submission %s from the intake stream refused: %s", who, answer.id, answer.reason)
+            log.info("%s's submission %s from the intake stream refused: %s", who.login, answer.id, answer.reason)
 
     async def unjudgeable(self, subject: str, data: bytes, error: Exception) -> None:
         """A body on the intake stream that is not even msgpack or JSON: refused, recorded for its login."""
-        await self.refuse(data, malformed_reason(error), subjects.of_login(subject)[1], came=subject)
+        await self.refuse(data, malformed_reason(error), intake_owner(subject), came=subject)
+
+
+def not_found(job_id: str, who: Who) -> str:
+    """What a lookup of an id `who` has no job under is answered: the same for an unknown id and
+    another's job."""
+    whose = "by this login" if who.team == DEFAULT_TEAM else f"by team {who.team}"
+    return f"no job {job_id!r} of yours: none was submitted under this id {whose}"
+
+
+def intake_owner(subject: str) -> Who:
+    """Whose submission came on an intake subject (`goodput.jobs.submit.<team>.<login>`)."""
+    _, team, who = subjects.owner_of(subject)
+    return Who(who, team or DEFAULT_TEAM)
+
+
+def team_statuses(
+    teams: Teams | None, named: Iterable[str], cluster: Cluster, running: Iterable[JobRecord]
+) -> tuple[TeamStatus, ...]:
+    """Each team's GPUs per type now: the teams `named` (the team file's), then any other whose jobs
+    run (DEFAULT_TEAM's); DEFAULT_TEAM alone when there is none. Per type of the cluster (and any a
+    job holds besides): its guarantee (`teams`; None: none), what its `running` jobs use and how many
+    of those are borrowed (the round's word, on each record), and how many of its guarantee other
+    teams' jobs hold. Borrowers take first what no team is guaranteed; what they hold beyond it
+    is lent by the teams whose guarantee is idle, in proportion to their idle GPUs."""
+    used: dict[tuple[str, str], int] = {}
+    borrowed: dict[tuple[str, str], int] = {}
+    for record in running:
+        if record.state != JobState.RUNNING or record.gpu_type is None:
+            continue
+        key, gpus = (record.team or DEFAULT_TEAM, record.gpu_type), sum(g for _, g in record.placement)
+        used[key] = used.get(key, 0) + gpus
+        borrowed[key] = borrowed.get(key, 0) + min(record.borrowed, gpus)
+    names = list(dict.fromkeys([*named, *(team for team, _ in used)])) or [DEFAULT_TEAM]
+    types = list(dict.fromkeys([*cluster.gpu_types, *(gpu_type for _, gpu_type in used)]))
+    rows: dict[str, list[TeamGpus]] = {name: [] for name in names}
+    for gpu_type in types:
+        quota = {name: teams.quota(name, gpu_type) if teams is not None else 0 for name in names}
+        idle = {
+            name: max(0, quota[name] - used.get((name, gpu_type), 0) + borrowed.get((name, gpu_type), 0))
+            for name in names
+        }
+        unguaranteed = max(0, cluster.capacity(gpu_type) - sum(quota.values()))
+        taken = sum(borrowed.get((name, gpu_type), 0) for name in names)
+        lent = _shares(min(sum(idle.values()), max(0, taken - unguaranteed)), idle)
+        for name in names:
+            rows[name].append(
+                TeamGpus(
+                    hardware_name(gpu_type),
+                    gpu_type,
+                    quota[name],
+                    used.get((name, gpu_type), 0),
+                    borrowed.get((name, gpu_type), 0),
+                    lent[name],
+                    teams.borrow_limit(name, gpu_type) if teams is not None else None,
+                )
+            )
+    return tuple(
+        TeamStatus(name, tuple(gpus), teams.weight(name) if teams is not None else 1.0) for name, gpus in rows.items()
+    )
+
+
+def _shares(total: int, weights: Mapping[str, int]) -> dict[str, int]:
+    """`total` shared in proportion to `weights`, in whole numbers (the largest remainders round up)."""
+    whole = sum(weights.values())
+    if not total or not whole:
+        return {name: 0 for name in weights}
+    exact = {name: total * w / whole for name, w in weights.items()}
+    shares = {name: int(x) for name, x in exact.items()}
+    for name in sorted(weights, key=lambda n: shares[n] - exact[n])[: total - sum(shares.values())]:
+        shares[name] += 1
+    return shares
 
 
 def cut(jobs: tuple[JobStatus, ...], offset: int, total: int, encode: Callable[[Any], bytes]) -> JobsPage:
@@ -558,7 +784,8 @@ def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     """The API service of `python -m services.api`: the applications it knows are the profiles'
-    (simulated executors) or those the live node agents say they run (real ones)."""
+    (simulated executors) or those the live node agents say they run (real ones), and the cluster
+    the team file is read against is `--cluster` (simulated) or the live nodes (real ones)."""
     cluster = load_cluster(args.cluster)
     if args.executors == "real":
         nodes = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
@@ -566,24 +793,39 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         async def models() -> Models | None:
             return agents_models((await nodes.values()).values(), cluster.gpu_types)
 
+        async def now() -> Cluster:
+            live = tuple(Node(n.name, n.gpu_type, n.gpus) for n in (await nodes.values()).values() if n.gpus > 0)
+            return Cluster("live", live) if live else cluster
+
     else:
         types = profile_source(args.reference, args.zoo).types
 
         async def models() -> Models | None:
             return types
 
+        async def now() -> Cluster:
+            return cluster
+
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     await storage.open_stream(bus, subjects.LOGS_STREAM)  # what jobs print, read to their submitters
     owners = await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner)
-    return (await open_gate(bus, owners, live_problem(cluster, models, own_code=args.executors == "real")))[1]
+    teams = await storage.open_kv(bus, subjects.TEAMS_BUCKET, TeamFile)
+    problem = live_problem(cluster, models, own_code=args.executors == "real")
+    return (await open_gate(bus, owners, problem, teams, now))[1]
 
 
-async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tuple[Gate, micro.Service]:
+async def open_gate(
+    bus: Bus,
+    owners: TypedKV[JobOwner],
+    problem: Problem,
+    teams: TypedKV[TeamFile] | None = None,
+    cluster: Callable[[], Awaitable[Cluster]] | None = None,
+) -> tuple[Gate, micro.Service]:
     """The API's endpoints on a service of their own (for the caller to start), and the logins' own
     submissions from the intake stream judged from now on. `problem(spec)`: why a well-formed live
     submission cannot be scheduled on this cluster, or None (a coroutine function when it asks,
-    e.g. which applications the live node agents run)."""
-    gate = Gate(bus, owners, problem, code=CodeGate(bus))
+    e.g. which applications the live node agents run); `teams`, `cluster`: Gate's."""
+    gate = Gate(bus, owners, problem, code=CodeGate(bus), teams=teams, cluster=cluster)
     handlers = {
         "submit": gate.answered,
         "job": gate.job,
@@ -591,11 +833,14 @@ async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tu
         "cancel": gate.cancel,
         "schemas": lambda _: schemas(),
         "logs": gate.logs,
-        "code-put": lambda chunk: gate.code.put(chunk, login()),
-        "code-has": lambda request: gate.code.has(request, login()),
+        "code-put": lambda chunk: gate.code.put(chunk, login().login),
+        "code-has": lambda request: gate.code.has(request, login().login),
+        "teams": gate.team_gpus,
     }
     request_types = {"submit": msgspec.Raw}  # decoded by `submit` itself, to answer a bad body
-    service = new_service(bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs")
+    service = new_service(
+        bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs; each team's GPUs"
+    )
     for endpoint in ENDPOINTS:
         await bus.add_endpoint(
             service,
@@ -620,10 +865,16 @@ async def open_gate(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> tu
     return gate, service
 
 
-async def serve(bus: Bus, owners: TypedKV[JobOwner], problem: Problem) -> Gate:
+async def serve(
+    bus: Bus,
+    owners: TypedKV[JobOwner],
+    problem: Problem,
+    teams: TypedKV[TeamFile] | None = None,
+    cluster: Callable[[], Awaitable[Cluster]] | None = None,
+) -> Gate:
     """`open_gate`, its service started at once and stopped with the bus: the API within another
     process (a test's)."""
-    gate, service = await open_gate(bus, owners, problem)
+    gate, service = await open_gate(bus, owners, problem, teams, cluster)
     await service.start()
     bus.on_close(service.stop)
     return gate

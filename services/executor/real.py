@@ -12,6 +12,10 @@ with their measured step times, to the estimator, and the jobs that finished or 
 last. A job the profiler refused is kept as failed, with the profiler's reason. Every job is kept
 in KV (`NodeJob`), so an agent started again (kill -9, an upgrade) goes on with them.
 
+With teams, a job's facts carry its team and priority (its JobSpec's: the API's word), and its
+record what the round said of it: the GPUs it holds beyond its team's guarantee (`borrowed`, each
+apply's) and the last MAX_RECLAIMS times it was shrunk or stopped for another team's guarantee.
+
 `RealExecutors` is the bookkeeping, without the bus; `RealExecutorService` answers the bus over
 it, a handler a method; `start` builds it and wires the handlers to the bus.
 """
@@ -46,6 +50,7 @@ from shared.lifecycle import JobState, check_transition, job_state
 from shared.runner import executors_kind, positive_float
 from shared.schema import (
     CANCELLED,
+    DEFAULT_TEAM,
     Ack,
     AdvanceReply,
     AdvanceRequest,
@@ -67,6 +72,7 @@ from shared.schema import (
     Placed,
     Profiled,
     ProfileRequest,
+    Reclaim,
     Rejected,
     unnamed_key,
     verdict_for,
@@ -75,6 +81,7 @@ from shared.waits import Needs, needs_of, unschedulable, wait_reason
 
 POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this
 UNREADABLE = "unreadable"  # the application of a job whose submission could not be read
+MAX_RECLAIMS = 5  # the reclaims a job's record keeps, the latest
 log = logging.getLogger(__name__)
 
 
@@ -210,14 +217,17 @@ class RealExecutors:
 
     # ---- what the other services tell it ----------------------------------------------------
 
-    # They come in the stream's order: a job's submission before its Profiled or Rejected.
+    # They come in the stream's order: a job's submission before its Profiled or Rejected. Each
+    # takes the message, its stream sequence, its trace, and the login and team of its subject.
 
-    def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "", owner: str = "") -> None:
+    def submitted(self, spec: JobSpec, sequence: int = 0, trace: str = "", owner: str = "", team: str = "") -> None:
         known = self.jobs.get(spec.id)
         if known is not None and not (known.failure is not None and known.profiled is None and not known.cancelled):
             return  # another submission holds the id (a refused one gives it up)
         self.executors.jobs.pop(spec.id, None)  # what a refused one under the id left
         self.jobs.pop(spec.id, None)  # ... listed where this one came
+        if spec.team is None and team:  # the API sets it; a replay may leave it to the subject
+            spec = msgspec.structs.replace(spec, team=team)
         job = self.jobs[spec.id] = NodeJob(
             spec, submission=sequence, seen=sequence, trace=trace, submitted_at=time.time(), owner=owner
         )
@@ -226,7 +236,7 @@ class RealExecutors:
         except ValueError as error:
             job.failure = str(error)
 
-    def profiled(self, message: Profiled, _: int = 0, trace: str = "", __: str = "") -> None:
+    def profiled(self, message: Profiled, _: int = 0, trace: str = "", *__: str) -> None:
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:
@@ -267,7 +277,7 @@ class RealExecutors:
             )
         return f"profiling on node {node}"
 
-    def cancelled(self, message: Cancel, _: int = 0, __: str = "", ___: str = "") -> None:
+    def cancelled(self, message: Cancel, *_: int | str) -> None:
         """Its user's order: a job not yet ended ends cancelled; its workers checkpoint and stop now
         (blocking), and the next round hears it ended, so its GPUs go back."""
         job = self.jobs.get(message.job_id)
@@ -279,21 +289,28 @@ class RealExecutors:
         job.failure, job.cancelled = CANCELLED, True
         check_transition(before, self.state_of(job), job.key)
 
-    def rejected(self, message: Rejected, sequence: int = 0, _: str = "", owner: str = "") -> None:
+    def rejected(self, message: Rejected, sequence: int = 0, _: str = "", owner: str = "", team: str = "") -> None:
         """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
-        (rejected, with its application when it could be read) when no job was read from it."""
+        (rejected, with its application when it could be read, for its login and team) when no job
+        was read from it."""
         application = message.application or UNREADABLE
-        owner = owner or subjects.of_login(message.subject)[1]  # the API's record, or the submission judged
+        # The API's record says whose on its subject; else the subject of the submission judged does.
+        _, came_team, came_login = subjects.owner_of(message.subject)
+        owner, team = owner or came_login, team or came_team or DEFAULT_TEAM
         if message.job_id is None:  # its id could not be read either: listed under its place in the stream
             self.jobs[unnamed_key(sequence)] = NodeJob(
-                JobSpec(UNREADABLE, application), failure=message.reason, seen=sequence, unnamed=True, owner=owner
+                JobSpec(UNREADABLE, application, team=team),
+                failure=message.reason,
+                seen=sequence,
+                unnamed=True,
+                owner=owner,
             )
             return
         self.profiling.pop(message.job_id, None)
         job = self.jobs.get(message.job_id)
         if job is None:  # its submission could not be read (malformed): kept as failed all the same
             self.jobs[message.job_id] = NodeJob(
-                JobSpec(message.job_id, application), failure=message.reason, seen=sequence, owner=owner
+                JobSpec(message.job_id, application, team=team), failure=message.reason, seen=sequence, owner=owner
             )
         elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
             # A verdict on another submission (a second body under the id, a malformed message naming it):
@@ -431,18 +448,33 @@ class RealExecutors:
             grad_var=stats.grad_var if stats else None,
             estimate_revision=job.estimate_revision,
             trace=job.trace,
+            team=spec.team or DEFAULT_TEAM,
+            priority=spec.priority,
         )
 
     def apply(
-        self, now: float, placements: dict[str, Spots], adaptive: bool = True, failed: dict[str, str] | None = None
+        self,
+        now: float,
+        placements: dict[str, Spots],
+        adaptive: bool = True,
+        failed: dict[str, str] | None = None,
+        borrowed: dict[str, int] | None = None,
+        reclaims: dict[str, Reclaim] | None = None,
     ) -> None:
         """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
         policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
         their batch. An older round's placements (a late or repeated apply: a deposed leader's)
-        never undo a newer's."""
+        never undo a newer's. `borrowed` (each job's GPUs beyond its team's guarantee: absent, none)
+        and `reclaims` (the jobs the round shrank or stopped for a team's guarantee) are the round's
+        word on its jobs, kept for their records."""
         if now < self.latest_s:
             return
         self.latest_s = now
+        for name, job in self.jobs.items():
+            job.borrowed = (borrowed or {}).get(name, 0)
+            reclaim = (reclaims or {}).get(name)
+            if reclaim is not None and reclaim not in job.reclaims:  # the same round applied again adds it once
+                job.reclaims = (*job.reclaims, reclaim)[-MAX_RECLAIMS:]
         before = self._states()
         for name, reason in (failed or {}).items():  # the round gave up on it (or heard it was cancelled)
             job = self.jobs.get(name)
@@ -561,6 +593,9 @@ class RealExecutors:
                     if state == JobState.UNSCHEDULABLE
                     else None,
                     owner=job.owner,
+                    team=job.spec.team or DEFAULT_TEAM,
+                    borrowed=job.borrowed if state == JobState.RUNNING else 0,
+                    reclaims=job.reclaims,
                     metrics=job.metrics,
                     progress=job_progress(
                         job.stats,
@@ -745,21 +780,31 @@ class RealExecutorService:
 
     async def on_event(self, message: msgspec.Raw, delivery) -> None:
         """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""
-        subject, owner = subjects.of_login(delivery.raw.subject)
+        subject, team, owner = subjects.owner_of(delivery.raw.subject)
         take, kind = EVENTS[subject]
         try:
             event = self.bus.decode(message, kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # a malformed submission: the profiler records it, with the reason
         async with self.turn:  # in a thread: a cancel waits for its workers to checkpoint
-            await asyncio.to_thread(take, self.agent, event, delivery.stream_sequence, delivery.traceparent, owner)
+            await asyncio.to_thread(
+                take, self.agent, event, delivery.stream_sequence, delivery.traceparent, owner, team
+            )
             await self.save()
 
     async def on_apply(self, request: ApplyRequest) -> Ack:
         agent = self.agent
         async with self.turn:
             agent.tick(request.now_s)
-            await asyncio.to_thread(agent.apply, request.now_s, request.placements, request.adaptive, request.failed)
+            await asyncio.to_thread(
+                agent.apply,
+                request.now_s,
+                request.placements,
+                request.adaptive,
+                request.failed,
+                request.borrowed,
+                request.reclaims,
+            )
             await self.save()
         return Ack()
 

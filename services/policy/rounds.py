@@ -7,7 +7,10 @@ Every round:
 1. jobs whose submit time has come join the queue (a live run: the jobs the executors say arrived);
 2. on a policy round, the executors' `JobFacts` and the estimator's `JobModels` make the policy's
    views, the policy decides, the placer (or the policy itself) picks physical GPUs, and the
-   executors apply the placements;
+   executors apply the placements; with teams (a team file, resolved against the round's cluster),
+   the policy holds their guarantees, and the round's ledger (`policies.teams.ledger`) tells the
+   executors, the trace and the metrics what each job borrows and which jobs it shrank or stopped
+   to give a team back its guarantee;
 3. the executors run the round and report the jobs that ended.
 
 One job's trouble is never the round's: a job the executors cannot run yet, or the estimator has no
@@ -20,6 +23,7 @@ solve, or whose decision does not fit the cluster, costs a round: every job keep
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections import defaultdict
@@ -31,6 +35,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from policies.base import (
+    POLICIES,
     Decision,
     HybridRefused,
     Policy,
@@ -38,9 +43,11 @@ from policies.base import (
     RoundState,
     decision_from_placements,
     job_view,
+    refuse_teams,
     restore_policy,
     snapshot_policy,
 )
+from policies.teams import ledger
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.hardware import hardware_name
 from shared.schema import (
@@ -53,11 +60,13 @@ from shared.schema import (
     JobModels,
     ModelsReply,
     PlacementResult,
+    Reclaim,
     RoundRecord,
     RunClock,
     RunStep,
 )
 from shared.settings import SimSettings
+from shared.teams import TeamFile, Teams, resolve
 from shared.tracing import span_context_of
 
 TRACER_NAME = "goodput.round"
@@ -110,6 +119,49 @@ class LiveFeed(Protocol):
     nodes: tuple[Node, ...] | None
 
 
+class TeamSource(Protocol):
+    """Where a run's teams come from: the team file in force at a round (None: no teams), or
+    ValueError when the one there cannot be read (the loop then keeps the last it could use)."""
+
+    async def team_file(self) -> TeamFile | None: ...
+
+
+class FixedTeams:
+    """Teams given once for the whole run (`goodput simulate --teams`, a replay's request)."""
+
+    def __init__(self, file: TeamFile | None):
+        self.file = file
+
+    async def team_file(self) -> TeamFile | None:
+        return self.file
+
+
+def team_policies() -> list[str]:
+    """The policies that hold each team's guarantees and borrowing limits (`honours_teams`)."""
+    honouring = []
+    for name, where in POLICIES.items():
+        module, cls = where.split(":")
+        if getattr(getattr(importlib.import_module(module), cls), "honours_teams", False):
+            honouring.append(name)
+    return honouring
+
+
+def check_honours_teams(policy: Policy, teams: Teams) -> None:
+    """ValueError for a policy started with `teams` that cannot hold their guarantees, naming those
+    that can (`policies.base.refuse_teams`)."""
+    if not getattr(policy, "honours_teams", False):
+        refuse_teams(policy.name, teams)
+
+
+def reclaim_event(now: float, job: str, reclaim: Reclaim) -> str:
+    """A reclaim as a run's event: whose job gave back what, for whom."""
+    what = "stopped" if reclaim.gpus_after == 0 else f"shrunk to {reclaim.gpus_after}"
+    return (
+        f"{now:.0f}s: {job} {what} (from {reclaim.gpus_before} {hardware_name(reclaim.gpu_type)} GPUs): "
+        f"team {reclaim.by_team} takes back its guarantee"
+    )
+
+
 @dataclass(frozen=True)
 class Arrival:
     """A replayed job: its id and submit time on the run's clock."""
@@ -137,8 +189,11 @@ class RoundLoop:
         wiring: Wiring,
         *,
         tracer_provider: trace.TracerProvider | None = None,
+        teams: TeamSource | None = None,
     ):
-        """`tracer_provider`: where the round's spans go (the process's global one unless given)."""
+        """`tracer_provider`: where the round's spans go (the process's global one unless given);
+        `teams`: where each decision's teams come from (None: no teams), resolved against the
+        round's cluster; a file that cannot be used leaves the last one that could in force."""
         self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
         self.cluster = cluster
         self.policy = policy
@@ -148,6 +203,10 @@ class RoundLoop:
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
         self.dynamic = False  # the cluster is the executors' live nodes (the placer is told them)
+        self.team_source = teams
+        self.teams: Teams | None = None  # in force: the last team file that resolved
+        self._resolved: tuple[TeamFile, tuple[Node, ...]] | None = None  # ... from this file on these nodes
+        self._team_problem: str | None = None  # the last reason a team file could not be used (said once)
 
     async def run(
         self,
@@ -278,10 +337,76 @@ class RoundLoop:
         self.cluster = Cluster(self.cluster.name, nodes)
         self.dynamic = True
 
-    async def _decide(self, now: float, active: list[str], decisions: int, round_number: int) -> DecidedRound:
-        """The round's decision: facts, models, the policy, then the placer unless the policy placed."""
-        start = time.perf_counter()
+    async def _round_teams(self, now: float) -> tuple[Teams | None, list[str]]:
+        """The teams in force for this round's decision (the source's team file resolved against
+        this round's cluster), and what the round's events say of them. A file that cannot be read
+        or resolved (a node it counted on has gone) is said once, and the last that could be used
+        stays in force; no file: no teams."""
         events: list[str] = []
+        if self.team_source is None:
+            return None, events
+        try:
+            file = await self.team_source.team_file()
+            if file is None:
+                self.teams, self._resolved = None, None
+            elif self._resolved != (file, self.cluster.nodes):
+                self.teams, self._resolved = resolve(file, self.cluster), (file, self.cluster.nodes)
+                if not getattr(self.policy, "honours_teams", False):  # a live run's policy, given teams later
+                    event = (
+                        f"{now:.0f}s: policy {self.policy.name} cannot hold teams' guarantees; "
+                        "what each team holds is only recorded"
+                    )
+                    log.warning(event)
+                    events.append(event)
+            self._team_problem = None  # in use again: a later problem is said again
+        except ValueError as error:
+            if str(error) != self._team_problem:
+                self._team_problem = str(error)
+                kept = "the last valid one stays in force" if self.teams is not None else "no teams in force"
+                log.warning("the team file cannot be used (%s); %s", error, kept)
+                events.append(f"{now:.0f}s: the team file cannot be used ({error}); {kept}")
+        return self.teams, events
+
+    def _ledger(
+        self, now: float, views: Sequence, placements: Mapping[str, Spots], teams: Teams | None, round_number: int
+    ) -> tuple[dict[str, int], dict[str, Reclaim], tuple[str, ...]]:
+        """The round's ledger with teams (`policies.teams.ledger`): each job's GPUs beyond its team's
+        guarantee, the reclaims the round made, and their events; nothing without teams."""
+        if teams is None:
+            return {}, {}, ()
+        configs = {job: self.cluster.config_of(spots) for job, spots in placements.items() if spots}
+        try:
+            borrowed, reclaims = ledger(RoundState(now, self.cluster, tuple(views), teams), configs, round_number)
+        except Exception as error:  # noqa: BLE001 - an account that cannot be kept costs the round's ledger only
+            event = f"{now:.0f}s: the teams' ledger failed ({type(error).__name__}: {error}); borrowing not recorded"
+            log.warning(event)
+            return {}, {}, (event,)
+        events = tuple(reclaim_event(now, job, r) for job, r in sorted(reclaims.items()))
+        return {job: n for job, n in borrowed.items() if n}, dict(reclaims), events
+
+    @staticmethod
+    def _team_use(
+        views: Sequence, configs: Mapping[str, Config], teams: Teams, borrowed: Mapping[str, int], reclaims: Mapping
+    ) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, int]]:
+        """Per team after the decision: GPUs held of each type, those borrowed, its jobs reclaimed."""
+        team_of = {v.job_id: v.team for v in views}
+        gpus: dict[str, dict[str, int]] = {team: {} for team in teams.teams}
+        borrowing: dict[str, int] = {team: 0 for team in teams.teams}
+        reclaimed: dict[str, int] = {team: 0 for team in teams.teams}
+        for job, config in configs.items():
+            held = gpus.setdefault(team_of[job], {})
+            held[config.gpu_type] = held.get(config.gpu_type, 0) + config.gpus
+            borrowing[team_of[job]] = borrowing.get(team_of[job], 0) + borrowed.get(job, 0)
+        for job in reclaims:
+            if job in team_of:
+                reclaimed[team_of[job]] = reclaimed.get(team_of[job], 0) + 1
+        return gpus, borrowing, reclaimed
+
+    async def _decide(self, now: float, active: list[str], decisions: int, round_number: int) -> DecidedRound:
+        """The round's decision: facts, models, the policy, then the placer unless the policy placed;
+        with teams, the ledger of what each job borrows and what the round reclaimed."""
+        start = time.perf_counter()
+        teams, events = await self._round_teams(now)  # what it says of the teams opens the round's events
         known = await self.wiring.facts(now, active)
         failed = dict(known.failed)  # jobs that will never run: they leave the run
         held = dict(known.held)  # jobs that cannot run yet: they wait out this round
@@ -302,7 +427,10 @@ class RoundLoop:
                 failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
         events.extend(f"{now:.0f}s: {job} waits: {reason}" for job, reason in sorted(held.items()))
         policy_start = time.perf_counter()
-        decision, kept = await self._solve(now, facts, views, failed)
+        # A policy that cannot hold the teams' guarantees (a live run's, given a team file later)
+        # decides without them; the ledger still records what each team holds.
+        honoured = teams if getattr(self.policy, "honours_teams", False) else None
+        decision, kept = await self._solve(now, facts, views, failed, honoured)
         policy_ms = (time.perf_counter() - policy_start) * 1e3
         evicted: tuple[str, ...] = ()
         if decision.placements is None:
@@ -330,11 +458,34 @@ class RoundLoop:
         types = {job: self.cluster.placement_type(placements[job]) or "mixed" for job in gpus}
         batches = {job: p.batch for job, p in decision.predictions.items() if job in gpus and p.batch is not None}
         spread = {job: len(placements[job]) for job in gpus if len(placements[job]) > 1}
+        borrowed, reclaims, reclaimed = self._ledger(now, views, placements, teams, round_number)
+        events.extend(reclaimed)
+        configs = {job: self.cluster.config_of(placements[job]) for job in gpus}
+        team_use = self._team_use(views, configs, teams, borrowed, reclaims) if teams is not None else ({}, {}, {})
         record = RoundRecord(
-            now, len(active), len(gpus), policy_ms, (time.perf_counter() - start) * 1e3, gpus, types, batches, spread
+            now,
+            len(active),
+            len(gpus),
+            policy_ms,
+            (time.perf_counter() - start) * 1e3,
+            gpus,
+            types,
+            batches,
+            spread,
+            *team_use,
         )
-        apply = ApplyRequest(now, placements, {v.job_id: v.models for v in views}, self.policy.adaptive_batch, failed)
-        self._trace_decisions(round_number, active, known.facts, held, failed, decision, placements, evicted, kept)
+        apply = ApplyRequest(
+            now,
+            placements,
+            {v.job_id: v.models for v in views},
+            self.policy.adaptive_batch,
+            failed,
+            borrowed,
+            reclaims,
+        )
+        self._trace_decisions(
+            round_number, active, known.facts, held, failed, decision, placements, evicted, kept, teams, apply, record
+        )
         return DecidedRound(apply, record, tuple(events))
 
     def _trace_decisions(
@@ -348,9 +499,13 @@ class RoundLoop:
         placements: Mapping[str, Spots],
         evicted: Sequence[str],
         kept: str | None,
+        teams: Teams | None = None,
+        apply: ApplyRequest | None = None,
+        record: RoundRecord | None = None,
     ) -> None:
         """One `job.decision` span per job the round considered, a child of the round's span (and
-        linked to the job's submission when its facts carry that trace): what it got and why."""
+        linked to the job's submission when its facts carry that trace): what it got and why; with
+        `teams`, what each job borrows and whose reclaim shrank it, and each team's use on the round."""
         round_span = trace.get_current_span()
         if not round_span.is_recording():  # no one records this round: spare building the spans
             return
@@ -361,6 +516,13 @@ class RoundLoop:
             self._decision_attributes(job, by_id.get(job), held, failed, decision, placements, evicted, kept)
             for job in jobs
         ]
+        if teams is not None and apply is not None and record is not None:
+            for attributes, _ in decided:
+                attributes["borrowed"] = apply.borrowed.get(attributes["job.id"], 0)
+                reclaim = apply.reclaims.get(attributes["job.id"])
+                if reclaim is not None:
+                    attributes["reclaimed"] = reclaim.by_team
+            round_span.set_attributes(self._team_attributes(teams, record))
         if len(decided) > MAX_DECISION_SPANS:  # a huge round: what changed first, jobs left as they were last
             decided.sort(key=lambda d: d[0]["decision"] in ("allocated", "kept") and not d[0]["placement.changed"])
         for attributes, _ in decided[:MAX_DECISION_SPANS]:
@@ -381,6 +543,24 @@ class RoundLoop:
                 "job.decisions.omitted": max(0, len(decided) - MAX_DECISION_SPANS),
             }
         )
+
+    @staticmethod
+    def _team_attributes(teams: Teams, record: RoundRecord) -> dict:
+        """The round span's word on each team: GPUs held and borrowed, jobs reclaimed, and per GPU
+        type what it holds of its guarantee (`team.nlp.use: ["T4 12/12", "A100 10/8"]`)."""
+        attributes: dict = {}
+        for team, held in record.team_gpus.items():
+            quota = teams.teams[team].quota if team in teams.teams else {}
+            types = sorted(set(held) | {t for t, n in quota.items() if n})
+            attributes.update(
+                {
+                    f"team.{team}.gpus": sum(held.values()),
+                    f"team.{team}.borrowed": record.team_borrowed.get(team, 0),
+                    f"team.{team}.reclaimed": record.team_reclaimed.get(team, 0),
+                    f"team.{team}.use": [f"{hardware_name(t)} {held.get(t, 0)}/{teams.quota(team, t)}" for t in types],
+                }
+            )
+        return attributes
 
     def _decision_attributes(
         self,
@@ -405,7 +585,9 @@ class RoundLoop:
         previous: tuple = ()
         if f is not None:
             previous = tuple(sorted((node, gpus) for node, gpus in f.placement))
-            attributes.update({"job.application": f.application, "job.age_s": f.age_s, "job.restarts": f.restarts})
+            attributes.update(
+                {"job.application": f.application, "job.age_s": f.age_s, "job.restarts": f.restarts, "team": f.team}
+            )
             if f.mid_restart:
                 attributes["job.mid_restart"] = True
             if previous:
@@ -454,7 +636,7 @@ class RoundLoop:
         return attributes, restart
 
     async def _solve(
-        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]
+        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str], teams: Teams | None = None
     ) -> tuple[Decision, str | None]:
         """The policy's decision for `views`, and why every job was kept where it is instead (None
         when the policy decided). Jobs it refuses (a hybrid-parallel job under a policy that would
@@ -464,7 +646,7 @@ class RoundLoop:
             "policy.solve", attributes={"policy": self.policy.name, "jobs": len(views)}
         ) as span:
             before = len(failed)
-            decision, kept = await self._policy_decision(now, facts, views, failed)
+            decision, kept = await self._policy_decision(now, facts, views, failed, teams)
             span.set_attributes(
                 {
                     "jobs.scheduled": len(views),
@@ -482,12 +664,13 @@ class RoundLoop:
             return decision, kept
 
     async def _policy_decision(
-        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str]
+        self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str], teams: Teams | None = None
     ) -> tuple[Decision, str | None]:
         for _ in range(2):
             try:
                 # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
-                return await asyncio.to_thread(self.policy.allocate, RoundState(now, self.cluster, tuple(views))), None
+                state = RoundState(now, self.cluster, tuple(views), teams)
+                return await asyncio.to_thread(self.policy.allocate, state), None
             except HybridRefused as error:
                 refused = [v for v in views if v.models.group_gpus]
                 failed.update({v.job_id: str(error) for v in refused})

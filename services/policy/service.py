@@ -16,6 +16,10 @@ A round that fails as a whole (NATS away, a service gone) is retried from the ch
 first and then every RESUME_MAX_S; a replay that fails RESUME_TRIES times in a row at one round
 fails with the reason, a live run never does: meanwhile its checkpoint says why it cannot go on
 (`problem`), which `goodput status` and the readiness probe show.
+
+A replay's teams come with its request; a live run's are the operator's team file in the teams' KV
+bucket, read at every decision (`services.policy.wiring.KvTeams`): a change is in force the next
+round, and one that cannot be used leaves the last that could.
 """
 
 from __future__ import annotations
@@ -34,14 +38,15 @@ from nats import micro
 
 from policies.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
-from services.policy.rounds import Arrival, RoundLoop
-from services.policy.wiring import RETRY_S, BusWiring, LiveFeed
+from services.policy.rounds import Arrival, FixedTeams, RoundLoop, TeamSource, check_honours_teams
+from services.policy.wiring import RETRY_S, BusWiring, KvTeams, LiveFeed
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.runner import new_service
 from shared.schema import Ack, PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
 from shared.settings import simulation_settings
+from shared.teams import resolve
 
 # With no run to lead, the runs are looked at again when the runs bucket changes, or after IDLE_POLL_S.
 IDLE_POLL_S = 5.0
@@ -115,13 +120,20 @@ class RunJournal:
 
 
 async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal, clock: RunClock) -> None:
-    """Run (or resume) one replay to its end."""
+    """Run (or resume) one replay to its end. Its teams: a replay's, from its request (checked
+    against the cluster and the policy first); a live run's, the operator's team file in KV."""
     request = journal.request
+    teams: TeamSource | None = None
     try:
         policy = make_policy(request.policy, **request.policy_options)
         settings = simulation_settings(
             request.calibration, cluster_arg, round_s=request.round_s, horizon_s=request.horizon_s
         )
+        if request.live:
+            teams = KvTeams(bus)
+        elif request.teams is not None:
+            check_honours_teams(policy, resolve(request.teams, cluster))
+            teams = FixedTeams(request.teams)
     except ValueError as error:
         await journal.fail(str(error))
         return
@@ -131,7 +143,9 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
     wiring = BusWiring(
         bus, request.request_timeout_s, LIVE_RETRIES * request.request_timeout_s if request.live else RETRY_S
     )
-    loop = RoundLoop([Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring)
+    loop = RoundLoop(
+        [Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring, teams=teams
+    )
     live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
     log.info(
         "run %s: %s from round %d (%d jobs done)",

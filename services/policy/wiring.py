@@ -12,10 +12,11 @@ import asyncio
 import logging
 import time
 
+import msgspec
 import nats.errors
 
-from shared import subjects
-from shared.bus import Bus
+from shared import storage, subjects
+from shared.bus import Bus, TypedKV
 from shared.cluster import Config, Node, Spots
 from shared.schema import (
     Ack,
@@ -32,6 +33,7 @@ from shared.schema import (
     PlacementResult,
     PlaceRequest,
 )
+from shared.teams import TeamFile
 
 REQUEST_TIMEOUT_S = 10.0
 RETRY_S = 120.0
@@ -109,3 +111,27 @@ class LiveFeed:
         live = await self.wiring.live_jobs(now)
         self.nodes = live.nodes
         return list(live.jobs)
+
+
+class KvTeams:
+    """A live run's teams: the operator's team file (`goodput teams apply`), read from the teams'
+    KV bucket at every decision, so a change is in force the round after it. No key: no teams; a
+    value that cannot be read, or no bucket, is a ValueError (the round loop says it once and keeps
+    the last team file it could use)."""
+
+    def __init__(self, bus: Bus):
+        self.bus = bus
+        self.kv: TypedKV[TeamFile] | None = None
+
+    async def team_file(self) -> TeamFile | None:
+        where = f"KV {subjects.TEAMS_BUCKET}/{subjects.TEAMS_KEY}"
+        if self.kv is None:
+            try:
+                self.kv = await storage.open_kv(self.bus, subjects.TEAMS_BUCKET, TeamFile)
+            except storage.StorageMismatch as error:
+                raise ValueError(f"the teams cannot be read: {error}") from None
+        try:
+            entry = await self.kv.get(subjects.TEAMS_KEY)
+        except msgspec.DecodeError as error:
+            raise ValueError(f"the team file in {where} cannot be read: {error}") from None
+        return None if entry is None else entry.value

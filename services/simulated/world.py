@@ -23,8 +23,11 @@ from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.reference import WorkloadJob
-from shared.schema import CANCELLED, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec
+from shared.schema import CANCELLED, DEFAULT_TEAM, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec, Reclaim
 from shared.waits import needs_of, unschedulable
+
+# A job's record keeps its last this many reclaims (who took GPUs back from it, and when).
+KEPT_RECLAIMS = 8
 
 
 class SimulatedJob(msgspec.Struct):
@@ -61,6 +64,8 @@ class SimulatedJob(msgspec.Struct):
     trace: str = ""  # its submission's traceparent
     ended_in: float | None = None  # the round (its now_s) that was told it failed
     unfit: str | None = None  # why the cluster cannot take it (shared/waits.py), if it cannot
+    borrowed: int = 0  # of its GPUs, those beyond its team's guarantee (the last round's word)
+    reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for another team
 
     @property
     def name(self) -> str:
@@ -112,6 +117,9 @@ class SimulatedJob(msgspec.Struct):
             gpu_type=self.config.gpu_type if state == JobState.RUNNING else None,
             batch=self.batch if state == JobState.RUNNING else None,
             reason=self.unfit if state == JobState.UNSCHEDULABLE else None,
+            team=self.spec.team,
+            borrowed=self.borrowed if self.placement else 0,
+            reclaims=self.reclaims,
         )
 
     def facts(self, truth: ModelTruth, now: float) -> JobFacts:
@@ -143,6 +151,8 @@ class SimulatedJob(msgspec.Struct):
             grad_var=var,
             estimate_revision=self.estimate_revision,
             trace=self.trace,
+            team=spec.team,
+            priority=spec.priority,
         )
 
     def apply(
@@ -265,7 +275,13 @@ def as_workload_job(spec: JobSpec, truth: ModelTruth) -> WorkloadJob:
     names one; one without submit_s arrives when a live round first sees it (time inf until then)."""
     batch = spec.requested_batch or truth.init_batch * spec.requested_gpus
     return WorkloadJob(
-        spec.id, math.inf if spec.submit_s is None else spec.submit_s, spec.application, spec.requested_gpus, batch
+        spec.id,
+        math.inf if spec.submit_s is None else spec.submit_s,
+        spec.application,
+        spec.requested_gpus,
+        batch,
+        spec.team or DEFAULT_TEAM,
+        spec.priority,
     )
 
 
@@ -383,6 +399,10 @@ class SimulatedExecutors:
                 job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
                 job.placement, job.config, job.m, job.s = (), None, 0, 0
             check_transition(before, job.state, name)
+            job.borrowed = request.borrowed.get(name, 0)
+            reclaim = request.reclaims.get(name)
+            if reclaim is not None and reclaim not in job.reclaims:  # an apply asked twice records it once
+                job.reclaims = (*job.reclaims, reclaim)[-KEPT_RECLAIMS:]
 
     def cancel(self, name: str) -> bool:
         """End a job that has not ended, as its user asked: it leaves its GPUs at once."""

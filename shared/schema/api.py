@@ -8,8 +8,9 @@ from typing import Annotated, Iterable
 import msgspec
 
 from shared.lifecycle import JobState
-from shared.schema.base import Identifier
+from shared.schema.base import DEFAULT_TEAM, Identifier
 from shared.schema.records import JobRecord, Progress, job_rows
+from shared.schema.rounds import Reclaim
 
 
 class JobStatus(msgspec.Struct, frozen=True):
@@ -33,6 +34,9 @@ class JobStatus(msgspec.Struct, frozen=True):
     gpu_seconds: float = 0.0
     metrics: dict[str, float | str] = {}  # a real job's own (`training.report`), the latest of each
     progress: Progress | None = None  # a real job's steps and epochs of its target, speed, expected end
+    team: str = DEFAULT_TEAM  # the team it belongs to (the server's word of who submitted it)
+    borrowed: int = 0  # while running: of its `gpus`, those beyond its team's guarantee (lent by others)
+    reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for a team's guarantee
 
 
 def job_status(record: JobRecord) -> JobStatus:
@@ -60,6 +64,9 @@ def job_status(record: JobRecord) -> JobStatus:
         round(record.gpu_seconds, 3),
         metrics=record.metrics,
         progress=record.progress,
+        team=record.team or DEFAULT_TEAM,
+        borrowed=record.borrowed if running else 0,
+        reclaims=record.reclaims,
     )
 
 
@@ -114,3 +121,33 @@ class CancelAnswer(msgspec.Struct, frozen=True):
     id: str
     state: str
     reason: str = ""
+
+
+class TeamsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """-> goodput.api.teams: each team's guaranteed GPUs, their use and their lending, per GPU type
+    (a login: its own team's; the operator: every team's)."""
+
+
+class TeamGpus(msgspec.Struct, frozen=True):
+    """A team's GPUs of one type, now."""
+
+    gpu_type: str  # the hardware (T4, A100, ...)
+    gpu_alias: str  # ... and the type's key in the cluster (aws, dgx-ext, ...)
+    quota: int  # guaranteed to it
+    used: int  # held by its running jobs
+    borrowed: int  # of `used`, those beyond its guarantee (lent by others, or no one's)
+    lent: int  # of `quota`, those other teams' jobs hold now (it gets them back within a round)
+    borrow_limit: int | None = None  # beyond `quota` it holds at most this many (None: any idle)
+
+
+class TeamStatus(msgspec.Struct, frozen=True):
+    """One team, as `goodput status --teams` shows it."""
+
+    team: str
+    gpus: tuple[TeamGpus, ...]  # one per GPU type of the cluster, and any its jobs hold besides
+    weight: float = 1.0  # its share of what lies beyond all guarantees
+
+
+class TeamsAnswer(msgspec.Struct, frozen=True):
+    teams: tuple[TeamStatus, ...]
+    note: str = ""  # no team file (one team, no guarantees), or why its guarantees cannot be shown

@@ -152,6 +152,8 @@ class NodeJob(msgspec.Struct):
     metrics: dict[str, float | str] = {}  # the latest value of each metric it reported
     batches: tuple[int, ...] = ()  # the total batches it trained at, once finished
     unnamed: bool = False  # a refusal whose id could not be read (its spec: a stand-in)
+    borrowed: int = 0  # of its GPUs, those beyond its team's guarantee, as the last round said
+    reclaims: tuple[Reclaim, ...] = ()  # the latest times it was shrunk or stopped for another team's guarantee
 
     @property
     def key(self) -> str:

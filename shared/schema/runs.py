@@ -12,6 +12,19 @@ from shared.schema.base import Identifier
 from shared.schema.rounds import ApplyRequest
 
 
+class _TeamFiles:
+    """shared.teams, imported when msgspec first reads a field typed with it: shared.teams imports
+    the cluster, which imports this schema, so it cannot be imported here."""
+
+    def __getattr__(self, name: str):
+        from shared import teams
+
+        return getattr(teams, name)
+
+
+team_files = _TeamFiles()
+
+
 class RoundRecord(msgspec.Struct):
     """One scheduling round, for the metrics: jobs active and running, and what deciding cost."""
 
@@ -24,6 +37,11 @@ class RoundRecord(msgspec.Struct):
     types: dict[str, str] = {}  # ... their GPU type
     batches: dict[str, int] = {}  # ... the total batch the policy planned, when it plans one
     nodes: dict[str, int] = {}  # ... the nodes of each job spread over more than one
+    # With teams: each team's GPUs of each type after the decision, of them those beyond its
+    # guarantee, and how many of its jobs were shrunk or stopped for another team's guarantee.
+    team_gpus: dict[str, dict[str, int]] = {}
+    team_borrowed: dict[str, int] = {}
+    team_reclaimed: dict[str, int] = {}
 
 
 class RunRequest(msgspec.Struct, frozen=True):
@@ -40,6 +58,9 @@ class RunRequest(msgspec.Struct, frozen=True):
     request_timeout_s: float = 10.0  # each stage's request; a restarted service is asked again
     live: bool = False  # no end: the jobs submitted live, rounds paced by the wall clock
     speed: PositiveFloat = 1.0  # live: virtual seconds per wall-clock second
+    # A replay's teams (the leader resolves them against its cluster); a live run reads the operator's
+    # from the teams' KV bucket every round instead.
+    teams: team_files.TeamFile | None = None
 
 
 class DecidedRound(msgspec.Struct, frozen=True):
