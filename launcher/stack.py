@@ -360,12 +360,14 @@ async def replay(
     request_timeout_s: float = 10.0,
     run_id: str | None = None,
     progress: Callable[[float, int, int], None] | None = None,
+    teams: TeamFile | None = None,
 ) -> tuple[RunReport, JobRecords]:
     """Submit a workload through JetStream, wait for the profiler's verdict on every job, create
     the run for the policy leader and follow its log to the end (whichever replica leads, and
     however often leadership changes on the way). The jobs' ids are the run's own (`<run id>.<name>`),
     so a replay never meets another's jobs or a user's on the same stack; the report and records
-    name them as the workload does."""
+    name them as the workload does. `teams`: the team file the leader holds the run to (each job's
+    team and priority are the workload's)."""
     run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
     prefix = replay_prefix(run_id)
     for job in jobs:
@@ -375,6 +377,8 @@ async def replay(
             requested_gpus=job.num_replicas,
             requested_batch=job.batch_size,
             submit_s=job.time,
+            team=job.team,
+            priority=job.priority,
         )
         await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
     while await _count(bus, subjects.EXECUTOR_STATUS, prefix) < len(jobs):
@@ -388,6 +392,7 @@ async def replay(
         round_s,
         horizon_s,
         request_timeout_s,
+        teams=teams,
     )
     await create_run(bus, request)
     try:
@@ -541,8 +546,10 @@ async def replay_over_nats(
     interference,
     origin,
     progress,
+    teams=None,
 ):
-    """Replay `jobs` through the services on a NATS server of our own (a virtual clock)."""
+    """Replay `jobs` through the services on a NATS server of our own (a virtual clock), held to the
+    team file `teams` (None: no teams)."""
     import tempfile
 
     from launcher.nats import embedded_nats
@@ -563,7 +570,16 @@ async def replay_over_nats(
             try:
                 await stack.wait_ready(bus)
                 return await replay(
-                    bus, stack, jobs, policy, policy_options, settings.name, round_s, horizon_s, progress=progress
+                    bus,
+                    stack,
+                    jobs,
+                    policy,
+                    policy_options,
+                    settings.name,
+                    round_s,
+                    horizon_s,
+                    progress=progress,
+                    teams=teams,
                 )
             finally:
                 await bus.close()

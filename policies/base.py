@@ -198,7 +198,7 @@ def restart_factor(age_s, restarts, restart_cost_s, free_while_young: bool = Fal
 # name -> "module:class"; modules are imported on first use.
 POLICIES: dict[str, str] = {
     "sia": "policies.sia:SiaPolicy",
-    "goodput": "policies.goodput:GoodputPolicy",  # in progress: docs/policy.md
+    "goodput": "policies.goodput:GoodputPolicy",  # the default (shared.settings.DEFAULT_POLICY): docs/policy.md
     "pollux": "policies.pollux:PolluxPolicy",
     "gavel": "policies.gavel:GavelPolicy",
     "tiresias": "policies.tiresias:TiresiasPolicy",

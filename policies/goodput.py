@@ -1,4 +1,5 @@
-"""The `goodput` policy (in progress: docs/policy.md): Sia's ILP with three changes.
+"""The `goodput` policy, the default (docs/policy.md): Sia's ILP with three changes; teams' guarantees
+hold as in sia (policies/teams.py).
 
 1. A new job's first allocation may go up to the GPUs its user asked for rather than one. Sia lets a
    job at most twice the most GPUs it ever had, and a new job one: a job asked to run on 8 climbs

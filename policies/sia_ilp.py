@@ -34,7 +34,7 @@ then ran newest first.
 Teams (not Sia's; `job_team`, `team_quota`, `team_borrow`, `job_weight`; docs/policy.md, "Teams"):
 team k's jobs hold u_kt GPUs of type t. Reserved for it, r_kt: what its jobs would take alone on its
 quota (its pinned jobs' GPUs, then each other job, the higher weight first, its best entry that fits
-in what is left of the quota: `_reserve`). The rest, lend_t = capacity_t - sum_k r_kt, is lent. With
+in what is left of the quota, a running job's on the type it runs on: `_reserve`). The rest, lend_t = capacity_t - sum_k r_kt, is lent. With
 a borrow b_kt (continuous), the rows
 
                  u_kt - b_kt <= r_kt,   0 <= b_kt <= quota_kt - r_kt + borrow_kt,
@@ -501,7 +501,9 @@ def _reserve(problem: IlpProblem, keep: np.ndarray, cost: np.ndarray, reserved: 
     """(K, T) GPUs of each type reserved for each team: what its jobs would take alone on its quota.
     From `reserved` (what its pinned jobs hold, up to its quota), each of its other jobs in turn (the
     higher weight first, then the running ones, then the longest waiting) takes its best entry that
-    fits in what is left of the team's quota; a job with none takes nothing."""
+    fits in what is left of the team's quota, a running job on the type it runs on (reserving it
+    another type too would hold GPUs back from lending that the team's own answer leaves idle);
+    a job with none takes nothing."""
     quota, team, types, gpus = problem.team_quota, problem.job_team, problem.config_type, problem.config_gpus
     left = quota - reserved
     open_teams = int(np.count_nonzero(left.any(axis=1)))
@@ -516,6 +518,8 @@ def _reserve(problem: IlpProblem, keep: np.ndarray, cost: np.ndarray, reserved: 
             continue
         cells = np.flatnonzero(keep[i])
         cells = cells[gpus[cells] <= room[types[cells]]]
+        if problem.current[i] >= 0:
+            cells = cells[types[cells] == types[problem.current[i]]]
         if cells.size:
             j = cells[np.argmin(cost[i, cells])]
             room[types[j]] -= gpus[j]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Mapping
+from typing import Mapping
 
 import msgspec
 import yaml
@@ -33,12 +33,14 @@ from shared.cluster import Cluster
 from shared.hardware import described, hardware_name, types_named
 from shared.schema.base import DEFAULT_TEAM
 from shared.schema.base import TEAM_NAME as TEAM_NAME_PATTERN
+from shared.schema.teams import Team, TeamFile, Teams, TeamSpec
 
 __all__ = [
     "DEFAULT_TEAM",
     "MAX_TEAMS",
     "Team",
     "TeamFile",
+    "TeamSpec",
     "Teams",
     "load_team_file",
     "parse_team_file",
@@ -52,50 +54,6 @@ MAX_TEAMS = 64
 # A team's name is a login's (`goodput up --teams` makes one login per team, named after it) and a
 # subject token: lower-case letters, digits, '_' and '-'.
 TEAM_NAME = re.compile(TEAM_NAME_PATTERN)
-Gpus = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
-TypeName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-
-
-class TeamSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One team as the file names it: GPU types by any name the cluster knows them by."""
-
-    quota: dict[TypeName, Gpus] = {}
-    borrow: dict[TypeName, Gpus] = {}  # a type not named: it may borrow any idle GPU of it
-    weight: float = 1.0
-
-
-class TeamFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The operator's team file."""
-
-    teams: dict[str, TeamSpec]
-
-
-class Team(msgspec.Struct, frozen=True):
-    """One team against a cluster: every GPU type by the cluster's key."""
-
-    quota: dict[str, int]  # guaranteed GPUs of each type (0 for a type it holds none of)
-    borrow: dict[str, int | None]  # at most this many more of each type (None: any idle)
-    weight: float = 1.0
-
-
-class Teams(msgspec.Struct, frozen=True):
-    """The teams of a cluster, checked: what the policies read each round."""
-
-    teams: dict[str, Team]
-
-    def quota(self, team: str, gpu_type: str) -> int:
-        found = self.teams.get(team)
-        return found.quota.get(gpu_type, 0) if found is not None else 0
-
-    def borrow_limit(self, team: str, gpu_type: str) -> int | None:
-        """How many GPUs of `gpu_type` beyond its quota `team` may hold (None: any idle); a team the
-        file does not name (DEFAULT_TEAM's jobs) borrows like one without limits."""
-        found = self.teams.get(team)
-        return found.borrow.get(gpu_type) if found is not None else None
-
-    def weight(self, team: str) -> float:
-        found = self.teams.get(team)
-        return found.weight if found is not None else 1.0
 
 
 def team_problem(name: str) -> str | None:

@@ -100,7 +100,7 @@ def simulate(
                 interference,
                 sources.origin,
                 show,
-                **({"teams": team_file} if team_file is not None else {}),
+                teams=team_file,
             )
         )
         result = replay_results(

@@ -2,12 +2,14 @@
 the direct wiring gives, job for job."""
 
 import contextlib
+import dataclasses
 
 import pytest
 
 from launcher.stack import replay_over_nats
 from shared import subjects
 from shared.reference import WorkloadJob
+from shared.teams import parse_team_file
 from sim.run import job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
@@ -27,6 +29,19 @@ def test_nats_wiring_reproduces_the_direct_schedule():
     assert direct["jobs_unfinished"] == 0
     assert over_nats["jobs"] == direct["jobs"]  # same JCTs, restarts, GPU time, feedback
     assert over_nats["rounds"] == direct["rounds"]
+    assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
+
+
+@pytest.mark.e2e
+def test_nats_wiring_reproduces_the_direct_schedule_with_teams():
+    """The team file travels in the replay's request to the leader: the same guarantees, the same
+    schedule, the same per-team results."""
+    teams = parse_team_file("teams: {a: {quota: {T4: 8}}, b: {quota: {A100: 8}, borrow: {T4: 4}}}")
+    jobs = [dataclasses.replace(job, team="ab"[i % 2], priority=i % 3) for i, job in enumerate(WORKLOAD)]
+    direct = simulate(jobs, "sia-hetero-64", "goodput", sources=ZOO, teams=teams)
+    over_nats = simulate(jobs, "sia-hetero-64", "goodput", sources=ZOO, teams=teams, over=replay_over_nats)
+    assert direct["jobs_unfinished"] == 0 and set(direct["teams"]) == {"a", "b"}
+    assert over_nats["jobs"] == direct["jobs"] and over_nats["teams"] == direct["teams"]
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
 
 

@@ -10,19 +10,7 @@ import msgspec
 from goodput_train.protocol import PositiveFloat
 from shared.schema.base import Identifier
 from shared.schema.rounds import ApplyRequest
-
-
-class _TeamFiles:
-    """shared.teams, imported when msgspec first reads a field typed with it: shared.teams imports
-    the cluster, which imports this schema, so it cannot be imported here."""
-
-    def __getattr__(self, name: str):
-        from shared import teams
-
-        return getattr(teams, name)
-
-
-team_files = _TeamFiles()
+from shared.schema.teams import TeamFile
 
 
 class RoundRecord(msgspec.Struct):
@@ -60,7 +48,7 @@ class RunRequest(msgspec.Struct, frozen=True):
     speed: PositiveFloat = 1.0  # live: virtual seconds per wall-clock second
     # A replay's teams (the leader resolves them against its cluster); a live run reads the operator's
     # from the teams' KV bucket every round instead.
-    teams: team_files.TeamFile | None = None
+    teams: TeamFile | None = None
 
 
 class DecidedRound(msgspec.Struct, frozen=True):
