@@ -132,9 +132,29 @@ async def _store(url: str, options: dict, teams, cluster: str) -> None:
         if live is not None:
             request = live.value.request
             refuse_policy_without_teams(request.policy, teams, cluster, dict(request.policy_options))
+        await refuse_held_names(bus, teams)
         await store_teams(bus, teams)
     finally:
         await bus.close()
+
+
+async def refuse_held_names(bus, teams) -> None:
+    """ValueError when jobs of the default team hold ids that begin with a team's name and a dot:
+    within the cluster those are that team's ids (`shared.teams.scoped_id`), so the team could
+    neither use them nor be told why without learning of the default team's jobs."""
+    from shared import subjects
+    from shared.schema import JobRecords, JobsQuery
+
+    for team in teams.teams:
+        query = JobsQuery(f"{team}.", team=subjects.DEFAULT_TEAM, limit=3)
+        held = (await bus.request(subjects.RECORDS, query, JobRecords, timeout=10)).jobs
+        if held:
+            names = ", ".join(record.name for record in held)
+            raise ValueError(
+                f"team {team}: jobs of the default team hold ids beginning with {team}. ({names}); within "
+                "the cluster those are the team's own ids: choose another name for the team, or let those "
+                "jobs end and age out first"
+            )
 
 
 async def _taken(access, teams: list[str]) -> None:

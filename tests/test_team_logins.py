@@ -13,6 +13,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
@@ -31,6 +32,7 @@ from launcher.setup import provision_now
 from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
 from shared.bus.requesters import requester_of
+from shared.schema import JobRecord, JobsQuery, select
 from shared.teams import TeamFile, load_team_file
 
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate(permissions.ROLES)}
@@ -169,6 +171,21 @@ async def answering_who_asks(url: str, password: str) -> nats.NATS:
     return api
 
 
+async def answering_records(url: str, password: str, held: list[JobRecord]) -> nats.NATS:
+    """The executors' role answering the records of `held` as the executors select them."""
+    executor = await nats.connect(
+        url, user="executor", password=password, inbox_prefix=permissions.inbox_prefix("executor")
+    )
+
+    async def records(msg) -> None:
+        query = msgspec.msgpack.decode(msg.data, type=JobsQuery)
+        await msg.respond(msgspec.msgpack.encode(select(held, query)))
+
+    await executor.subscribe(subjects.RECORDS, cb=records)
+    await executor.flush()
+    return executor
+
+
 async def asked_as(url: str, name: str, options: dict | None = None) -> list[str]:
     """The account and user the server named for `name`'s request (`options`: its connect options)."""
     client = await (nats.connect(url, **options) if options else login(url, name))
@@ -290,6 +307,8 @@ async def test_teams_apply_refuses_a_bad_file_changes_nothing_and_puts_a_good_on
     data, server = stack_data
     api_password = server.access.password_file("api").read_text().strip()
     api = await answering_who_asks(server.url, api_password)
+    held: list[JobRecord] = []  # the executors' records
+    executor = await answering_records(server.url, server.access.password_file("executor").read_text().strip(), held)
     apply = ["teams", "apply", str(tmp_path / "teams.yaml"), "--data", str(data)]
     nothing = {"stored": None, "in force": False, "team logins": False}
 
@@ -339,6 +358,14 @@ async def test_teams_apply_refuses_a_bad_file_changes_nothing_and_puts_a_good_on
             subjects.intake("nlp", "nlp"): 1,
         }
 
+        # A default-team job holds `carol.x`: a team carol could neither use that id nor be told why.
+        held.append(JobRecord("carol.x", "cifar10", 0.0, None, 0, 0.0, None, state="queued"))
+        (tmp_path / "teams.yaml").write_text(GOOD + "  carol: {quota: {RTX 2080 Ti: 8}}\n")
+        code, _, err = await asyncio.to_thread(run_goodput, apply, capsys)
+        assert code == 2 and "jobs of the default team hold ids beginning with carol. (carol.x)" in err, err
+        assert (data / TEAM_FILE).read_text() == GOOD and not (data / "teams" / "carol.env").exists()
+        held.clear()
+
         # The live run's policy must honour teams: else the file is refused, and the one in force stays.
         from launcher.live_run import live_request
         from launcher.stack import create_run
@@ -352,5 +379,7 @@ async def test_teams_apply_refuses_a_bad_file_changes_nothing_and_puts_a_good_on
         code, _, err = await asyncio.to_thread(run_goodput, apply, capsys)
         assert code == 2 and "policy 'no-teams' cannot honour" in err
         assert await stored_teams(server) == load_team_file(data / TEAM_FILE) and (data / TEAM_FILE).read_text() == GOOD
+
     finally:
         await api.close()
+        await executor.close()
