@@ -24,6 +24,7 @@ from nats import micro
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
 from shared.files import private_umask
+from shared.metrics import MetricsPortTaken, setup_metrics
 from shared.tracing import setup_tracing
 
 # The pid of the process that started this service and whose end stops it (`goodput up` sets it).
@@ -98,6 +99,23 @@ def add_profile_arguments(parser: argparse.ArgumentParser, real_help: str) -> No
     )
 
 
+METRICS_PORT_ENV = "GOODPUT_METRICS_PORT"
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a process serves its metrics for Prometheus (shared/metrics.py): none unless a port is given."""
+    port = os.environ.get(METRICS_PORT_ENV, "")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(port) if port.isdigit() else None,
+        help=f"serve Prometheus metrics on this port (default: ${METRICS_PORT_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--metrics-host", default="127.0.0.1", help="the metrics endpoint's address (default: %(default)s)"
+    )
+
+
 def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
     """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
     config = micro.ServiceConfig(
@@ -119,6 +137,7 @@ def service_main(
         help=f"NATS URL (default: ${SERVER_ENV}, else {DEFAULT_SERVER})",
     )
     credentials.add_arguments(parser)
+    add_metrics_arguments(parser)
     if add_arguments:
         add_arguments(parser)
     args = parser.parse_args(argv)
@@ -128,6 +147,10 @@ def service_main(
         parser.error(str(error))  # exits 2 with the reason, before anything starts
     private_umask()  # what the service writes, and the jobs a node agent starts, is its owner's only
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    try:
+        setup_metrics(f"goodput-{name}", args.metrics_port, args.metrics_host)
+    except MetricsPortTaken as error:
+        parser.error(str(error))
     provider = setup_tracing(f"goodput-{name}")
     try:
         asyncio.run(serve(name, start, args, **options))

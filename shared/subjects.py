@@ -119,6 +119,10 @@ API_CODE_PUT = f"{PREFIX}.api.code.put"
 API_CODE_HAS = f"{PREFIX}.api.code.has"
 # Each team's guarantee, use and lending per GPU type (the operator sees every team; a login its own).
 API_TEAMS = f"{PREFIX}.api.teams"
+# Why a job has what it has, in sentences, from the rounds' recorded decisions: ExplainRequest -> Explanation.
+API_EXPLAIN = f"{PREFIX}.api.explain"
+# The last rounds, as the dashboard shows them, and the nodes of the latest: RoundsRequest -> RoundsPage.
+API_ROUNDS = f"{PREFIX}.api.rounds"
 API_SUBJECTS = (
     API_SUBMIT,
     API_JOB,
@@ -129,6 +133,8 @@ API_SUBJECTS = (
     API_CODE_PUT,
     API_CODE_HAS,
     API_TEAMS,
+    API_EXPLAIN,
+    API_ROUNDS,
 )
 
 # Services (nats.micro names; replicas of one service share its queue group).
@@ -205,6 +211,22 @@ LIVE_RUN = "live"  # the run that schedules the jobs submitted live
 RUN_LOG_STREAM = "GOODPUT_RUNS"
 RUN_LOG_SUBJECTS = (f"{PREFIX}.runs.*.log",)
 RUN_LOG_DEDUP_S = 600.0  # a new leader repeating a round logs it once
+
+
+# The policy leader's record of each decided round, kept for a bounded time: each job's JobDecision on
+# `job_decisions(key)` (its cluster id, `team.id`), and the round's RoundSummary on ROUND_DECISIONS. The
+# API reads them to explain a job (API_EXPLAIN) and to show the last rounds (API_ROUNDS).
+DECISIONS_STREAM = "GOODPUT_DECISIONS"
+DECISIONS = f"{PREFIX}.decisions"
+ROUND_DECISIONS = f"{DECISIONS}.round"
+DECISIONS_SUBJECTS = (f"{DECISIONS}.>",)
+DECISIONS_MAX_AGE_S = 7 * 24 * 3600.0
+DECISIONS_PER_SUBJECT = 500  # a job's last decisions, the last rounds' summaries
+
+
+def job_decisions(job_key: str) -> str:
+    """Where a job's decisions are recorded (`job_key`: its id in the cluster, `team.id`)."""
+    return f"{DECISIONS}.job.{job_key}"
 
 
 def run_log(run_id: str) -> str:

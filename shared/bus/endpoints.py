@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +30,13 @@ from shared.bus.requesters import (
     requester_of,
 )
 from shared.bus.spans import InvalidHandler, _mark_failed, _mark_invalid, _receive_attributes, _settle
+from shared.metrics import BUS_DURATION, BUS_REQUESTS, instrument
 from shared.tracing import extract_trace_context
 
 log = logging.getLogger(__package__)  # "shared.bus" in every file: one logger to configure
+
+# A refusal's service error code, as `goodput_bus_requests_total`'s outcome says it.
+_OUTCOMES = {"404": "not_found", TOO_MANY: "throttled", "500": "error"}
 
 
 @dataclass
@@ -151,6 +156,7 @@ class Endpoints:
             if who is not None and is_inbox(reply):
                 refusal = admission.refusal(who)
                 if refusal is not None:
+                    instrument(BUS_REQUESTS).add(1, {"endpoint": name, "outcome": _OUTCOMES[TOO_MANY]})
                     await request.respond_error(TOO_MANY, refusal)
                     return
             served = self._receive(
@@ -188,6 +194,7 @@ class Endpoints:
             who: Requester | None,
         ) -> None:
             _current_requester.set(who)
+            started = time.perf_counter()
             # An empty request is the empty object: every field its default (`nats req SUBJECT ''`).
             outcome = await self._handle(
                 request.subject,
@@ -200,6 +207,11 @@ class Endpoints:
                 {"messaging.destination.name": request.subject},
                 report_invalid,
                 new_traces,
+            )
+            code = "500" if outcome is None else outcome.code if outcome.refusal is not None else ""
+            instrument(BUS_DURATION).record(time.perf_counter() - started, {"endpoint": name})
+            instrument(BUS_REQUESTS).add(
+                1, {"endpoint": name, "outcome": _OUTCOMES.get(code, "refused" if code else "ok")}
             )
             if outcome is None:
                 await request.respond_error("500", f"{name} failed on this request")

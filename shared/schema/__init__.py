@@ -12,6 +12,7 @@ conversation's messages (its docstring says who sends and who answers); every na
 - `runs`: a run of the rounds: request, checkpoint, lease, steps, status
 - `nodes`: node agents and the executor's nodes
 - `logs`: what jobs print, stored by their node agents and read through the API
+- `decisions`: the rounds' recorded decisions, and the API that explains them
 """
 
 # The messages a job prints for its executor are the training library's (written once, there).
@@ -53,6 +54,18 @@ from shared.schema.base import (
     TeamName,
 )
 from shared.schema.code import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
+from shared.schema.decisions import (
+    CHANGES,
+    MAX_HOLDERS,
+    OUTCOMES,
+    ExplainRequest,
+    Explanation,
+    Holder,
+    JobDecision,
+    RoundsPage,
+    RoundsRequest,
+    RoundSummary,
+)
 from shared.schema.estimates import (
     EstimateRecord,
     JobProfiles,
@@ -135,6 +148,16 @@ from shared.schema.runs import (
 )
 
 __all__ = [
+    "CHANGES",
+    "MAX_HOLDERS",
+    "OUTCOMES",
+    "ExplainRequest",
+    "Explanation",
+    "Holder",
+    "JobDecision",
+    "RoundsPage",
+    "RoundsRequest",
+    "RoundSummary",
     "Ack",
     "AdvanceReply",
     "AdvanceRequest",

@@ -37,6 +37,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     team: str = DEFAULT_TEAM  # the team it belongs to (the server's word of who submitted it)
     borrowed: int = 0  # while running: of its `gpus`, those beyond its team's guarantee (lent by others)
     reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for a team's guarantee
+    placement: tuple[tuple[str, int], ...] = ()  # while running: (node, GPUs) on each of its `nodes`
 
 
 def job_status(record: JobRecord) -> JobStatus:
@@ -67,6 +68,7 @@ def job_status(record: JobRecord) -> JobStatus:
         team=record.team or DEFAULT_TEAM,
         borrowed=record.borrowed if running else 0,
         reclaims=record.reclaims,
+        placement=tuple(record.placement) if running else (),
     )
 
 

@@ -1,0 +1,267 @@
+"""Every metric goodput exports, in one catalog, and the OpenTelemetry metrics setup of a process.
+
+Each service records through the OpenTelemetry metrics API (`instrument(METRIC)`); `setup_metrics`
+installs the process's meter provider once, with a Prometheus reader that an HTTP endpoint serves
+(`--metrics-port`) and, when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._METRICS_ENDPOINT`) is set, an
+OTLP exporter beside it. Without a provider the instruments are the API's no-op ones, so a handler
+called in a test records nothing and costs nothing.
+
+Names follow Prometheus's conventions once exported: the catalog's `goodput.round.duration` in
+seconds is `goodput_round_duration_seconds`, a counter gets `_total`, a unit in braces (`{job}`) adds
+nothing. Labels are bounded sets (a state, a GPU type, a stage, an endpoint), never a job's id.
+`python -m shared.metrics` prints the table docs/metrics.md holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import metrics as otel_metrics
+
+__all__ = [
+    "CATALOG",
+    "Metric",
+    "MetricsPortTaken",
+    "instrument",
+    "prometheus_names",
+    "scrape",
+    "setup_metrics",
+]
+
+METER_NAME = "goodput"
+OTLP_METRICS_VARIABLES = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+# Histogram buckets, in the metric's unit: seconds from a millisecond to ten minutes, bytes from a KiB to 64 GiB.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+BYTES_BUCKETS = tuple(float(1024 * 4**k) for k in range(14))
+
+# Prometheus's unit suffixes for the catalog's UCUM units (what the OpenTelemetry exporter appends).
+_UNIT_SUFFIX = {"s": "seconds", "By": "bytes"}  # "1" and "{thing}" add none
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric: its OpenTelemetry name, instrument kind, unit (UCUM), labels and meaning, and the
+    processes that export it."""
+
+    name: str
+    kind: str  # counter | histogram | gauge | updown
+    unit: str
+    labels: tuple[str, ...]
+    meaning: str
+    exporters: tuple[str, ...]  # the processes that export it (policy, api, executor, node, every)
+
+    @property
+    def prometheus(self) -> str:
+        """The name a Prometheus scrape shows (without a histogram's `_bucket`/`_sum`/`_count`)."""
+        base = self.name.replace(".", "_")
+        suffix = _UNIT_SUFFIX.get(self.unit)
+        if suffix and not base.endswith(f"_{suffix}"):
+            base = f"{base}_{suffix}"
+        return f"{base}_total" if self.kind == "counter" else base
+
+    @property
+    def series(self) -> tuple[str, ...]:
+        """Every series name a scrape shows of it."""
+        if self.kind == "histogram":
+            return tuple(f"{self.prometheus}_{part}" for part in ("bucket", "sum", "count"))
+        return (self.prometheus,)
+
+
+# The catalog: every metric a goodput process exports. A new one is added here first.
+JOBS = Metric(
+    "goodput.jobs", "gauge", "{job}", ("state",), "jobs by state (queued, running, finished, ...)", ("executor",)
+)
+SUBMISSIONS = Metric(
+    "goodput.submissions",
+    "counter",
+    "{submission}",
+    ("outcome",),
+    "submissions answered: accepted, duplicate or refused",
+    ("api",),
+)
+REFUSALS = Metric(
+    "goodput.refusals",
+    "counter",
+    "{submission}",
+    ("reason",),
+    "submissions refused, by reason (invalid, too_many, id_taken, team, code, other)",
+    ("api",),
+)
+VERDICTS = Metric(
+    "goodput.verdicts",
+    "counter",
+    "{submission}",
+    ("verdict",),
+    "the profiler's verdicts: accepted or rejected",
+    ("profiler",),
+)
+GPUS = Metric(
+    "goodput.gpus",
+    "gauge",
+    "{gpu}",
+    ("gpu_type", "state"),
+    "GPUs by type after the latest round: allocated, idle, borrowed (with teams; of the allocated)",
+    ("policy",),
+)
+ROUNDS = Metric("goodput.rounds", "counter", "{round}", (), "rounds decided", ("policy",))
+ROUND_DURATION = Metric(
+    "goodput.round.duration", "histogram", "s", (), "a round's decision, from facts to placement", ("policy",)
+)
+STAGE_DURATION = Metric(
+    "goodput.round.stage.duration",
+    "histogram",
+    "s",
+    ("stage",),
+    "each stage of a round: facts, models, solve, place, apply, advance",
+    ("policy",),
+)
+SOLVER_DURATION = Metric(
+    "goodput.solver.duration", "histogram", "s", ("policy",), "the policy's decision itself", ("policy",)
+)
+OBJECTIVE = Metric(
+    "goodput.round.objective",
+    "gauge",
+    "1",
+    ("policy",),
+    "the policy's objective value in the latest round (when it reports one)",
+    ("policy",),
+)
+RESTARTS_ORDERED = Metric(
+    "goodput.restarts.ordered",
+    "counter",
+    "{restart}",
+    (),
+    "jobs whose placement a round changed (each a restart)",
+    ("policy",),
+)
+CLUSTER_GOODPUT = Metric(
+    "goodput.cluster.goodput",
+    "gauge",
+    "1",
+    (),
+    "the running jobs' predicted goodput, summed (samples/s x statistical efficiency)",
+    ("policy",),
+)
+UTILIZATION = Metric(
+    "goodput.cluster.utilization", "gauge", "1", (), "the share of the cluster's GPUs allocated", ("policy",)
+)
+WORKERS = Metric("goodput.workers.running", "gauge", "{worker}", (), "the workers (ranks) running on a node", ("node",))
+JOB_RESTARTS = Metric(
+    "goodput.job.restarts", "counter", "{restart}", (), "job restarts carried out by the executors", ("executor",)
+)
+CHECKPOINT_DURATION = Metric(
+    "goodput.checkpoint.duration",
+    "histogram",
+    "s",
+    (),
+    "a job's checkpoint, from the stop order to its exit",
+    ("node",),
+)
+CHECKPOINT_SIZE = Metric("goodput.checkpoint.size", "histogram", "By", (), "a job's checkpoint on disk", ("node",))
+NODES = Metric("goodput.nodes", "gauge", "{node}", ("state",), "node agents: alive, lost, drained", ("executor",))
+BUS_REQUESTS = Metric(
+    "goodput.bus.requests",
+    "counter",
+    "{request}",
+    ("endpoint", "outcome"),
+    "requests served, by endpoint and outcome (ok, refused, not_found, throttled, error)",
+    ("every",),
+)
+BUS_DURATION = Metric(
+    "goodput.bus.request.duration", "histogram", "s", ("endpoint",), "a request's handling time", ("every",)
+)
+
+CATALOG: tuple[Metric, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Metric))
+
+
+def prometheus_names() -> set[str]:
+    """Every series name the catalog's metrics show in a scrape."""
+    return {name for metric in CATALOG for name in metric.series}
+
+
+@functools.cache
+def instrument(metric: Metric) -> Any:
+    """The process's instrument for `metric` (created once; a no-op until `setup_metrics` runs, then
+    recording into the installed provider: the API's proxy meter hands over)."""
+    meter = otel_metrics.get_meter(METER_NAME)
+    if metric.kind == "counter":
+        return meter.create_counter(metric.name, unit=metric.unit, description=metric.meaning)
+    if metric.kind == "updown":
+        return meter.create_up_down_counter(metric.name, unit=metric.unit, description=metric.meaning)
+    if metric.kind == "gauge":
+        return meter.create_gauge(metric.name, unit=metric.unit, description=metric.meaning)
+    buckets = BYTES_BUCKETS if metric.unit == "By" else SECONDS_BUCKETS
+    return meter.create_histogram(
+        metric.name, unit=metric.unit, description=metric.meaning, explicit_bucket_boundaries_advisory=buckets
+    )
+
+
+class MetricsPortTaken(OSError):
+    """The metrics endpoint's port is in use (or cannot be bound): the process says so and stops."""
+
+
+_provider: Any = None
+_server: Any = None
+
+
+def setup_metrics(
+    service_name: str, port: int | None = None, host: str = "127.0.0.1", environ: Mapping[str, str] | None = None
+) -> Any:
+    """Install this process's meter provider once (later calls return it), serving Prometheus's text
+    format on `host:port` when a port is given (0: any free one; `metrics_address()` tells which).
+    Raises MetricsPortTaken, with the port, when it cannot be bound."""
+    global _provider, _server
+    if _provider is not None:
+        return _provider
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    readers: list = [PrometheusMetricReader()]
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in OTLP_METRICS_VARIABLES):
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    if port is not None:
+        from prometheus_client import start_http_server
+
+        try:
+            _server, _ = start_http_server(port, addr=host)
+        except OSError as error:
+            raise MetricsPortTaken(f"metrics port {host}:{port} cannot be served: {error.strerror or error}") from None
+    _provider = MeterProvider(metric_readers=readers, resource=Resource.create({SERVICE_NAME: service_name}))
+    otel_metrics.set_meter_provider(_provider)
+    return _provider
+
+
+def metrics_address() -> tuple[str, int] | None:
+    """(host, port) the metrics endpoint serves on, or None when none does."""
+    return None if _server is None else _server.server_address[:2]
+
+
+def scrape() -> str:
+    """What the metrics endpoint answers now (Prometheus's text format), read in-process."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    return generate_latest(REGISTRY).decode()
+
+
+def markdown_table() -> str:
+    """The catalog as docs/metrics.md's table."""
+    rows = ["| name | type | unit | labels | exported by | meaning |", "|---|---|---|---|---|---|"]
+    for m in CATALOG:
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "—"
+        kind = "gauge" if m.kind == "updown" else m.kind
+        rows.append(f"| `{m.prometheus}` | {kind} | {m.unit} | {labels} | {', '.join(m.exporters)} | {m.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
