@@ -216,16 +216,19 @@ def test_a_login_sees_and_touches_only_its_own_jobs_and_replies(stack):
         asyncio.run(ask({**bob, "allow_reconnect": False, "max_reconnect_attempts": 1}, "goodput.api.jobs", {}))
 
 
-async def flood(options: dict, seconds: float) -> tuple[int, dict[str, int]]:
+async def flood(options: dict, seconds: float) -> tuple[int, dict[str, int], bytes]:
     """60 KiB submissions to the API as fast as one connection publishes them: how many were sent,
-    and the answers' error codes ("" for none) as they came."""
+    the answers' error codes ("" for none) as they came, and the body of a 429."""
     body = json.dumps({"id": "flood", "application": "cifar10", "pad": " " * 60_000}).encode()
     sent, codes, deadline = 0, {}, time.monotonic() + seconds
+    over: list[bytes] = []
     nc = await nats.connect(**options)
 
     async def answered(msg) -> None:
         code = (msg.headers or {}).get("Nats-Service-Error-Code", "")
         codes[code] = codes.get(code, 0) + 1
+        if code == "429":
+            over[:] = [msg.data]
 
     try:
         inbox = nc.new_inbox()
@@ -239,7 +242,7 @@ async def flood(options: dict, seconds: float) -> tuple[int, dict[str, int]]:
         await asyncio.sleep(1.0)
     finally:
         await nc.close()
-    return sent, codes
+    return sent, codes, over[0] if over else b""
 
 
 async def submit_during(options: dict, other: dict, attack, job_id: str) -> tuple[dict, int]:
@@ -253,12 +256,13 @@ async def submit_during(options: dict, other: dict, attack, job_id: str) -> tupl
 def test_one_login_flooding_or_paging_leaves_another_served(stack):
     _, data, _ = stack
     bob = login_file(add_login(data, "bob"))
-    answer, (sent, codes) = asyncio.run(
+    answer, (sent, codes, over) = asyncio.run(
         submit_during(bob, user_login(data), lambda login: flood(login, 20.0), "bobs-flood")
     )
     assert answer["accepted"] is True and sent > 1000, (answer, sent)
     # The flooder was told "over your limit" (429), and kept at most its bound of refusals.
     assert codes.get("429", 0) > 0 and codes.get("500", 0) == 0, codes
+    assert json.loads(over)["code"] == 429 and "limit" in json.loads(over)["error"], over  # why, in JSON too
     kept = asyncio.run(stored(data))
     assert kept.get("goodput.jobs.refused.default.user", 0) <= 1_000, kept
 

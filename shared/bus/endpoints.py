@@ -157,7 +157,9 @@ class Endpoints:
                 refusal = admission.refusal(who)
                 if refusal is not None:
                     instrument(BUS_REQUESTS).add(1, {"endpoint": name, "outcome": _OUTCOMES[TOO_MANY]})
-                    await request.respond_error(TOO_MANY, refusal)
+                    # Not decoded (that is what it would cost): a JSON client still reads why in the body.
+                    body = self.encode({"error": refusal, "code": int(TOO_MANY)}, json=True)
+                    await request.respond_error(TOO_MANY, refusal, body if answers_in_json(request.data) else b"")
                     return
             served = self._receive(
                 request.subject,
