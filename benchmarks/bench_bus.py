@@ -14,6 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
+from launcher.stack import replay_over_nats
 from shared.reference import reference_root
 from shared.settings import DEFAULT_POLICY
 from sim.run import job_sources, simulate
@@ -30,9 +31,9 @@ def main() -> None:
     walls, runs = {}, {}
     for bus in ("direct", "nats"):
         start = time.perf_counter()
-        runs[bus] = simulate(
-            workload, "sia-hetero-64", args.policy, sources=sources, bus=bus, fairness=False
-        )  # the alone runs are the same work either way
+        over = replay_over_nats if bus == "nats" else None
+        # No fairness: the alone runs are the same work either way.
+        runs[bus] = simulate(workload, "sia-hetero-64", args.policy, sources=sources, over=over, fairness=False)
         walls[bus] = time.perf_counter() - start
     rounds = runs["direct"]["rounds"]
     same = runs["nats"]["jobs"] == runs["direct"]["jobs"]

@@ -89,7 +89,7 @@ REFUSALS = Metric(
     "counter",
     "{submission}",
     ("reason",),
-    "submissions refused, by reason (invalid, too_many, id_taken, team, code, other)",
+    "submissions refused, by reason (malformed, too_large, unschedulable, team, code, over_limit, id_taken)",
     ("api",),
 )
 VERDICTS = Metric(

@@ -36,6 +36,11 @@ cluster.
   borrowed and how many of its guarantee are lent to others now (`team_statuses`: the team file
   in KV against the live cluster, and the executors' records); a login's own team's, the
   operator's every team's.
+- `explain`: {"id", "rounds"} -> Explanation: why the job has what it has, in sentences, from the
+  decisions the policy leader recorded for it (`services.api.explain`); 404 unless it is the
+  login's job; other teams' jobs it names are named by their team only.
+- `rounds`: {"limit"} -> RoundsPage: the last rounds' summaries and the nodes of the latest (their
+  events, which name jobs, to the operator only).
 - `schemas`: every request's and answer's JSON Schema (generated from the Structs).
 
 What a login and a team keep is bounded (`shared.storage.LoginLimits` and `TeamLimits`, counted by
@@ -63,12 +68,14 @@ from nats import micro
 from opentelemetry import trace
 
 from services.api.code import CodeGate
+from services.api.explain import explanation, read_last
 from services.api.logs import read_page, stream_reader
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.cluster import Cluster, load_cluster
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
+from shared.metrics import REFUSALS, SUBMISSIONS, instrument
 from shared.permissions import account_team
 from shared.profiles import profile_source
 from shared.runner import add_profile_arguments, new_service
@@ -108,6 +115,7 @@ from shared.schema import (
     spec_digest,
     submission_msg_id,
 )
+from shared.schema.decisions import ExplainRequest, Explanation, JobDecision, RoundsPage, RoundsRequest, RoundSummary
 from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, TEAM_LIMITS, USERS_SHARE, LoginLimits, TeamLimits
 from shared.submissions import agents_models, id_taken, malformed_reason, submission_problem
 from shared.teams import TeamFile, Teams, resolve, scoped_id, user_id
@@ -181,6 +189,20 @@ ENDPOINTS = (
         TeamsRequest,
         TeamsAnswer,
         "each team's guaranteed GPUs per type, their use, what it borrows and what it lends (your team's)",
+    ),
+    Endpoint(
+        "explain",
+        subjects.API_EXPLAIN,
+        ExplainRequest,
+        Explanation,
+        "why a job has what it has, in sentences, from the rounds' recorded decisions (your team's jobs)",
+    ),
+    Endpoint(
+        "rounds",
+        subjects.API_ROUNDS,
+        RoundsRequest,
+        RoundsPage,
+        "the last rounds' summaries (GPUs by type and state, goodput, times) and the latest's nodes",
     ),
 )
 
@@ -366,6 +388,20 @@ class Kept:
         return None
 
 
+# Why a submission is refused, as goodput_refusals_total counts it (a bounded set: the reason's
+# text names the job): unreadable or not a JobSpec; over MAX_SUBMISSION_BYTES; not schedulable on
+# this cluster (the profiler's checks); its team or id within the team; its code archive; over its
+# login's, its team's or the stream's bound; its id held by another submission.
+REFUSAL_CAUSES = ("malformed", "too_large", "unschedulable", "team", "code", "over_limit", "id_taken")
+
+
+def count_submission(outcome: str, cause: str | None = None) -> None:
+    """One submission answered (accepted, duplicate or refused), and a refusal's cause."""
+    instrument(SUBMISSIONS).add(1, {"outcome": outcome})
+    if cause is not None:
+        instrument(REFUSALS).add(1, {"reason": cause})
+
+
 @dataclass
 class Room:
     refusal: str | None
@@ -430,12 +466,20 @@ class Gate:
         return None if found is None else who.status(found)
 
     async def refuse(
-        self, data: bytes, reason: str, who: Who, job_id: str | None = None, came: str = subjects.API_SUBMIT
+        self,
+        data: bytes,
+        reason: str,
+        who: Who,
+        job_id: str | None = None,
+        came: str = subjects.API_SUBMIT,
+        *,
+        cause: str,
     ) -> SubmitAnswer:
         """Record the refusal as the profiler records one (listed for its login and team, with what
         could be read of the body: its id, within its team, and application, and where it `came`),
         while the login and its team keep fewer than their bound; answer it (`job_id` as `who`
-        names it)."""
+        names it). `cause`: one of REFUSAL_CAUSES, counted."""
+        count_submission("refused", cause)
         if job_id is None:
             job_id = readable_fields(data).get("id")
         async with self.kept.room(who, subjects.REFUSED) as room:
@@ -452,6 +496,7 @@ class Gate:
         return SubmitAnswer(False, job_id, JobState.REJECTED, reason)
 
     async def repeat(self, job_id: str, who: Who) -> SubmitAnswer:
+        count_submission("duplicate")  # the same body again, whatever the first one's answer
         now = await self.status_of(job_id, who)
         if now is not None and now.state == JobState.REJECTED:  # within JetStream's day, the same body refused before
             return SubmitAnswer(False, job_id, now.state, f"the same submission was refused before: {now.reason}")
@@ -478,24 +523,25 @@ class Gate:
                 f"a submission is at most {MAX_SUBMISSION_BYTES // 1024} KiB; this one is {len(data) / 1024:.0f} KiB",
                 who,
                 came=came,
+                cause="too_large",
             )
         try:
             spec = self.bus.decode(data, JobSpec)
         except msgspec.DecodeError as error:
-            return await self.refuse(data, malformed_reason(explained(error, data)), who, came=came)
+            return await self.refuse(data, malformed_reason(explained(error, data)), who, came=came, cause="malformed")
         trace.get_current_span().set_attribute("job.id", scoped_id(who.team, spec.id))
-        reason = await self.team_problem(spec, who)
+        reason, cause = await self.team_problem(spec, who), "team"
         if reason is None:
-            reason = self.problem(spec)
+            reason, cause = self.problem(spec), "unschedulable"
             if inspect.isawaitable(reason):
                 reason = await reason
         if reason is None and spec.code is not None:
-            reason = await self.code_problem(who.login, spec.code)
+            reason, cause = await self.code_problem(who.login, spec.code), "code"
         if reason is not None:
-            return await self.refuse(data, reason, who, spec.id, came)
+            return await self.refuse(data, reason, who, spec.id, came, cause=cause)
         async with self.kept.room(who, subjects.STORED) as room:
             if room.refusal is not None:
-                return await self.refuse(data, room.refusal, who, spec.id, came)
+                return await self.refuse(data, room.refusal, who, spec.id, came, cause="over_limit")
             scoped = msgspec.structs.replace(spec, id=scoped_id(who.team, spec.id), team=who.team)
             return await self.store(scoped, who, room, data, came)
 
@@ -533,7 +579,7 @@ class Gate:
         digest = spec_digest(spec)
         mark = await self.claim(spec.id, digest, who)
         if mark is None:
-            return await self.refuse(data, id_taken(job_id), who, job_id, came)
+            return await self.refuse(data, id_taken(job_id), who, job_id, came, cause="id_taken")
         if isinstance(mark, SubmitAnswer):
             return mark
         try:
@@ -552,7 +598,9 @@ class Gate:
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
+                count_submission("refused", "id_taken")
                 return SubmitAnswer(False, job_id, JobState.REJECTED, id_taken(job_id))  # the profiler refuses it
+        count_submission("accepted")
         return SubmitAnswer(True, job_id, JobState.PROFILING, notes=notes(spec))
 
     async def claim(self, scoped: str, digest: str, who: Who) -> int | SubmitAnswer | None:
@@ -578,7 +626,7 @@ class Gate:
 
     async def unreadable(self, _: str, data: bytes, error: Exception) -> None:
         """A body that is no JSON object nor msgpack map: refused like any malformed one."""
-        answer = await self.refuse(data, malformed_reason(error), login())
+        answer = await self.refuse(data, malformed_reason(error), login(), cause="malformed")
         raise Refused(answer.reason, answer)
 
     async def job(self, request: JobRequest) -> JobStatus:
@@ -671,6 +719,44 @@ class Gate:
         rows = team_statuses(teams, named if who.everyone else [*named, who.team], cluster, running)
         return TeamsAnswer(tuple(row for row in rows if who.everyone or row.team == who.team), note)
 
+    async def explain(self, request: ExplainRequest) -> Explanation:
+        return await self.explain_of(request, login())
+
+    async def explain_of(self, request: ExplainRequest, who: Who) -> Explanation:
+        """Why the job `request.id` of `who`'s has what it has, from its last `request.rounds` recorded
+        decisions (404 for another's: the same answer as an unknown id)."""
+        now = await self.status_of(request.id, who)
+        if now is None:
+            raise NotFound(not_found(request.id, who))
+        subject = subjects.job_decisions(who.scoped(request.id))
+        decisions, kept = await read_last(self.bus, subject, request.rounds, JobDecision)
+        shown = await self.known_jobs({h.job: h.team for d in decisions for h in d.holders}, who)
+        return explanation(request.id, now, decisions, shown, who.team, complete=kept <= request.rounds)
+
+    async def known_jobs(self, jobs: Mapping[str, str], who: Who) -> dict[str, str]:
+        """Of `jobs` (cluster id -> its team), those `who` may know, by the id `who` knows each by: its
+        team's (DEFAULT_TEAM's logins: their own, as the owners' KV says), every one for the operator."""
+        known = {}
+        for job, team in jobs.items():
+            if who.everyone or (team == who.team and team != DEFAULT_TEAM):
+                known[job] = who.shown(job)
+            elif team == who.team:
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    held = await self.owners.get(job)
+                    if held is not None and who.sees(held.value.subject):
+                        known[job] = job
+        return known
+
+    async def rounds(self, request: RoundsRequest) -> RoundsPage:
+        return await self.rounds_of(request, login())
+
+    async def rounds_of(self, request: RoundsRequest, who: Who) -> RoundsPage:
+        """The last `request.limit` rounds' summaries, oldest first, and the latest's nodes once (not
+        in each summary); their events name jobs, so only the operator has them."""
+        summaries, _ = await read_last(self.bus, subjects.ROUND_DECISIONS, request.limit, RoundSummary)
+        shown = tuple(msgspec.structs.replace(s, nodes=(), events=s.events if who.everyone else ()) for s in summaries)
+        return RoundsPage(shown, summaries[-1].nodes if summaries else ())
+
     async def judge(self, data: msgspec.Raw, delivery) -> None:
         """A login's own submission from the intake stream, judged as `submit` judges one: its team
         and login are the subject's (the server's mapping)."""
@@ -681,7 +767,7 @@ class Gate:
 
     async def unjudgeable(self, subject: str, data: bytes, error: Exception) -> None:
         """A body on the intake stream that is not even msgpack or JSON: refused, recorded for its login."""
-        await self.refuse(data, malformed_reason(error), intake_owner(subject), came=subject)
+        await self.refuse(data, malformed_reason(error), intake_owner(subject), came=subject, cause="malformed")
 
 
 def not_found(job_id: str, who: Who) -> str:
@@ -836,6 +922,8 @@ async def open_gate(
         "code-put": lambda chunk: gate.code.put(chunk, login().login),
         "code-has": lambda request: gate.code.has(request, login().login),
         "teams": gate.team_gpus,
+        "explain": gate.explain,
+        "rounds": gate.rounds,
     }
     request_types = {"submit": msgspec.Raw}  # decoded by `submit` itself, to answer a bad body
     service = new_service(

@@ -57,6 +57,7 @@ from services.executor.processes import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots
+from shared.metrics import JOB_RESTARTS, instrument
 from shared.schema import CANCELLED, Ack, JobStats, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 
 MAX_CRASHES = 3
@@ -146,6 +147,11 @@ class LocalJob:
     args: tuple[str, ...] = ()
     user: int | None = None  # its user's number on the nodes (its submission's: StartWorkers.user)
 
+    def restarted(self) -> None:
+        """Its workers were stopped to start again from their checkpoint: one restart, counted."""
+        self.restarts += 1
+        instrument(JOB_RESTARTS).add(1)
+
     def batch(self) -> int | None:
         """The total batch its running workers train at, from a report of this run of theirs and its
         replicas (None until they report: the last run's word is not theirs, e.g. before it grew)."""
@@ -222,7 +228,7 @@ class LocalExecutors:
             if job.running:
                 self._stop(job)
                 if job.result is None:  # else it finished as it was being stopped
-                    job.restarts += 1
+                    job.restarted()
         for job in changed:
             if job.result is None:
                 job.placement = tuple(placements.get(job.job_id, ()))
@@ -276,7 +282,7 @@ class LocalExecutors:
                     job.placement = ()
                     continue
             else:  # a node no longer knows them (its agent restarted and stopped them): not the job's doing
-                job.restarts += 1
+                job.restarted()
             self._start(job)  # from its last checkpoint
         finished = [
             job for job in self.jobs.values() if job.result is not None and not job.running and not job.announced
@@ -296,7 +302,7 @@ class LocalExecutors:
             self._stop(job, grace_s=LOST_GRACE_S if touches_lost else STOP_TIMEOUT_S, skip=lost)
             if job.result is None:
                 job.placement = ()
-                job.restarts += 1
+                job.restarted()
         return [job.job_id for job in hit]
 
     def cancel(self, job_id: str) -> None:
@@ -314,7 +320,7 @@ class LocalExecutors:
             if job.running:
                 self._stop(job)
                 if job.result is None:
-                    job.restarts += 1
+                    job.restarted()
                     job.placement = ()
 
     def stop_all(self) -> None:

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -91,6 +92,7 @@ from services.executor.processes import (
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.files import make_passable, make_private
+from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
 from shared.runner import new_service
 from shared.schema import (
     Ack,
@@ -180,6 +182,7 @@ class Workers:
     dropped: set[str] = field(default_factory=set)  # metrics refused, each logged once
     pushed: float | None = None  # the modification time of the checkpoint last copied to the store
     drained: set[int] = field(default_factory=set)  # ranks whose readers a report has waited for (`_read_to_end`)
+    asked_at: float | None = None  # when the agent first signalled them while one ran (monotonic)
 
     @property
     def running(self) -> bool:
@@ -286,6 +289,7 @@ class NodeWorkers:
                     reader.start()
                     workers.readers.append(reader)
                 self._file(order.job_id, "pids").write_text(" ".join(str(p.pid) for p in workers.processes))
+        self._record_workers()
         return workers.rendezvous
 
     def stop(self, request: StopWorkers) -> WorkersReport:
@@ -295,12 +299,21 @@ class NodeWorkers:
         if workers is None:
             return WorkersReport(request.job_id, -1, (), ())
         self._stop(workers, request.grace_s, request.kill)
+        self._record_workers()
         return self._report(workers)
 
     def poll(self) -> NodeReport:
         with self.lock:
             jobs = list(self.jobs.values())
-        return NodeReport(self.info.name, tuple(self._report(w) for w in jobs))
+        reports = tuple(self._report(w) for w in jobs)
+        instrument(WORKERS).set(sum(code is None for report in reports for code in report.codes))
+        return NodeReport(self.info.name, reports)
+
+    def _record_workers(self) -> None:
+        """goodput_workers_running: the ranks whose processes run on this node now."""
+        with self.lock:
+            jobs = list(self.jobs.values())
+        instrument(WORKERS).set(sum(ended(process) is None for workers in jobs for process in workers.processes))
 
     def profile(self, request: ProfileRequest) -> ProfileAnswer:
         """Run the job's script in profiling mode on one GPU of this node; what it measured, or why not."""
@@ -397,6 +410,7 @@ class NodeWorkers:
                 signal_group(process, signal.SIGTERM)
         for workers in jobs:
             self._stop(workers, STOP_TIMEOUT_S, kill=False)
+        self._record_workers()
 
     # ---- processes ----------------------------------------------------------------------------
 
@@ -422,6 +436,8 @@ class NodeWorkers:
                 signal_group(process, signal.SIGKILL)
                 if wait_ended(process, STOP_TIMEOUT_S) is None:
                     log.warning("job %s: worker %d outlives SIGKILL", workers.order.job_id, process.pid)
+        if not kill:
+            _record_checkpoint(workers)
         if not end_user(workers.uid):  # what left the workers' groups, before their files are read
             log.warning("job %s: a process of its user %s outlives SIGKILL", workers.order.job_id, workers.uid)
         # What is still there to read, waited for a little only: a process that left the group keeps
@@ -546,6 +562,24 @@ def _asked(workers: Workers) -> None:
     for (reported `stopped`), not the job's end; workers that had all exited before were done."""
     if workers.running:
         workers.stopped = True
+        if workers.asked_at is None:
+            workers.asked_at = time.monotonic()
+
+
+def _record_checkpoint(workers: Workers) -> None:
+    """A gentle stop of running workers, once they exited: goodput_checkpoint_duration_seconds from
+    the agent's signal, and goodput_checkpoint_size_bytes of the job's checkpoint file, when there is
+    one. Recorded by the node of rank 0 only (it writes the checkpoint), so each stop of a job
+    counts once."""
+    if workers.asked_at is None or 0 not in workers.order.ranks:
+        return
+    instrument(CHECKPOINT_DURATION).record(time.monotonic() - workers.asked_at)
+    try:
+        saved = workers.checkpoint.lstat()
+    except OSError:  # none written (yet): its size is not known
+        return
+    if stat.S_ISREG(saved.st_mode):  # not a link or folder the job left in its place
+        instrument(CHECKPOINT_SIZE).record(saved.st_size)
 
 
 def _lines(stream: IO[str], limit: int = MAX_STDOUT_LINE) -> Iterator[str]:

@@ -47,6 +47,7 @@ from shared.bus import Bus, TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_node, real_nodes
 from shared.code_archive import owned
 from shared.lifecycle import JobState, check_transition, job_state
+from shared.metrics import JOBS, NODES, instrument
 from shared.runner import executors_kind, positive_float
 from shared.schema import (
     CANCELLED,
@@ -356,6 +357,7 @@ class RealExecutors:
         training = {real_node(n) for local in self.executors.jobs.values() for n, _ in (*local.placement, *local.parts)}
         nodes, real = cluster_nodes(lent_to_profiling(usable.values(), self.profiling_nodes(), training))
         self.executors.cluster, self.executors.real = Cluster("live", nodes), real
+        record_nodes(members, drained, self.seen)
         return nodes
 
     def _in_spec(self, info: NodeInfo) -> bool:
@@ -609,6 +611,17 @@ class RealExecutors:
         return records
 
 
+def record_nodes(members: Collection[str], drained: Collection[str], seen: Iterable[str]) -> None:
+    """goodput_nodes: the live nodes (`members`) alive or drained, and those `seen` since this
+    executor started that are gone (lost), as `node_statuses` tells them."""
+    counts = dict.fromkeys(("alive", "drained", "lost"), 0)
+    for name in seen:
+        counts["lost" if name not in members else "drained" if name in drained else "alive"] += 1
+    nodes = instrument(NODES)
+    for state, count in counts.items():
+        nodes.set(count, {"state": state})
+
+
 def _queued_reason(ahead: int) -> str:
     """What a queued job waits for: GPUs, behind the queued jobs submitted before it (of equal
     worth to the policy, the longest-waiting start first)."""
@@ -772,11 +785,18 @@ class RealExecutorService:
         await asyncio.to_thread(self.agent.executors.stop_leftovers)
 
     async def save(self) -> None:
+        """Write the jobs that changed to KV; goodput_jobs counts them by state as they pass (every
+        state, zeros included: a state that empties reads 0)."""
+        by_state = dict.fromkeys(JobState, 0)
         for job in self.agent.saved():
-            state = msgspec.msgpack.encode(job)
-            if self.kept.get(job.key) != state:
+            by_state[self.agent.state_of(job)] += 1
+            encoded = msgspec.msgpack.encode(job)
+            if self.kept.get(job.key) != encoded:
                 await self.states.put(job.key, job)
-                self.kept[job.key] = state
+                self.kept[job.key] = encoded
+        jobs = instrument(JOBS)
+        for state, count in by_state.items():
+            jobs.set(count, {"state": state.value})
 
     async def on_event(self, message: msgspec.Raw, delivery) -> None:
         """A submission, or the profiler's word on one (in the stream's order), kept before it is acked."""

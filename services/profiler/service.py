@@ -26,6 +26,7 @@ from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.code_archive import owned
+from shared.metrics import VERDICTS, instrument
 from shared.profiles import ProfileSource, profile_source
 from shared.runner import add_profile_arguments, new_service, positive_float
 from shared.schema import (
@@ -97,6 +98,7 @@ class Profiler:
         await self.bus.js_publish(
             subjects.REJECTED, rejection(subject, malformed_reason(error), data, readable_id(data))
         )
+        instrument(VERDICTS).add(1, {"verdict": "rejected"})
 
     async def claim(self, spec: JobSpec, delivery) -> str | None:
         """Hold the job's id for this submission: None when it holds it (first, or delivered again),
@@ -128,6 +130,7 @@ class Profiler:
         await self.bus.js_publish(
             subjects.REJECTED, rejection(delivery.subject, reason, repr(spec), spec.id, delivery.stream_sequence)
         )
+        instrument(VERDICTS).add(1, {"verdict": "rejected"})
         held = await self.owners.get(spec.id) if release else None
         if held is not None and held.value.submission == delivery.stream_sequence:
             with contextlib.suppress(RevisionConflict):
@@ -209,6 +212,7 @@ class Profiler:
             else Profiled(spec.id, submission=sequence)
         )
         await self.bus.js_publish(subjects.PROFILED, verdict, msg_id=f"{spec.id}.profiled")  # not the submission's id
+        instrument(VERDICTS).add(1, {"verdict": "accepted"})
 
     async def on_dead(self, delivery, error: Exception) -> None:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.

@@ -29,6 +29,7 @@ from shared import storage, subjects
 from shared.bus import Bus, TypedKV
 from shared.cluster import load_cluster
 from shared.lifecycle import JobState, check_transition
+from shared.metrics import JOB_RESTARTS, JOBS, instrument
 from shared.schema import (
     Ack,
     AdvanceReply,
@@ -111,6 +112,10 @@ class SimulatedExecutorService:
         self.turn = asyncio.Lock()
         self.dirty: set[str] = set()  # changed here, not yet in KV
         self.unreported: list[Observed] = []  # measured, not yet with the estimator
+        # Each submission's state as last saved, and how many are in each: goodput_jobs, kept as
+        # entries change (every change is saved), never counted over all of them again.
+        self.counted: dict[str, JobState] = {}
+        self.by_state: dict[JobState, int] = dict.fromkeys(JobState, 0)
 
     async def load(self) -> None:
         """Take back what KV holds: the submissions, in the order they came, and their jobs."""
@@ -120,6 +125,8 @@ class SimulatedExecutorService:
             self.submitted[key] = value
             if value.job is not None:
                 self.executors.restore(value.job, self.sources.truths[value.job.spec.application])
+            self.count_state(key)
+        self.record_states()
 
     async def save(self, names=()) -> None:
         """Write what changed (now, or in an attempt that failed half-way) to KV."""
@@ -127,8 +134,25 @@ class SimulatedExecutorService:
         for name in sorted(self.dirty):
             entry = self.submitted[name]
             entry.job = self.executors.jobs.get(name)
+            self.count_state(name)
             await self.states.put(name, entry)
             self.dirty.discard(name)
+        self.record_states()
+
+    def count_state(self, name: str) -> None:
+        """Move the submission `name` to its state now in the count by state."""
+        state, before = self.state_of(self.submitted[name]), self.counted.get(name)
+        if state != before:
+            if before is not None:
+                self.by_state[before] -= 1
+            self.by_state[state] += 1
+            self.counted[name] = state
+
+    def record_states(self) -> None:
+        """goodput_jobs: every state's count, zeros included (a state that empties reads 0)."""
+        jobs = instrument(JOBS)
+        for state, count in self.by_state.items():
+            jobs.set(count, {"state": state.value})
 
     def state_of(self, entry: SubmittedJob) -> JobState:
         """A submission's state: its job's as the executors hold it (in the entry once saved)."""
@@ -277,8 +301,13 @@ class SimulatedExecutorService:
         return FactsReply(tuple(known), held, failed)
 
     async def on_apply(self, request: ApplyRequest) -> Ack:
+        jobs = self.executors.jobs
         async with self.turn:
+            placed = [name for name in request.models if name in jobs]  # only their placements change
+            restarts = sum(jobs[name].restarts for name in placed)
             self.executors.apply(request)
+            if (restarted := sum(jobs[name].restarts for name in placed) - restarts) > 0:
+                instrument(JOB_RESTARTS).add(restarted)
             await self.save(name for name in {*request.models, *request.failed} if name in self.submitted)
         return Ack()
 
