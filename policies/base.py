@@ -118,6 +118,8 @@ class Decision:
     events: tuple[str, ...] = field(default_factory=tuple)  # e.g. solver time-outs, for logs and traces
     # Per job, what the policy expected (for traces only: never part of what a decision is).
     predictions: Mapping[str, Prediction] = field(default_factory=dict, compare=False)
+    # The value of the policy's objective for this decision, when it optimises one (for the metrics only).
+    objective: float | None = field(default=None, compare=False)
 
 
 class Policy(Protocol):

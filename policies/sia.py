@@ -96,7 +96,12 @@ class SiaPolicy:
         configs = state.table.configs
         allocations = {v.job_id: configs[c] for v, c in zip(state.jobs, solution.choice) if c >= 0}
         events = (f"sia: previous allocation kept ({solution.status})",) if solution.fallback else ()
-        return Decision(allocations, events=events, predictions=self.predictions(state, problem, solution.choice))
+        return Decision(
+            allocations,
+            events=events,
+            predictions=self.predictions(state, problem, solution.choice),
+            objective=solution.objective,
+        )
 
     @staticmethod
     def predictions(state: RoundState, problem: IlpProblem, choice: np.ndarray) -> dict[str, Prediction]:

@@ -303,6 +303,7 @@ class IlpSolution:
     status: str  # "optimal", or why the previous allocation stands
     fallback: bool  # True when the previous allocation was kept
     solve_ms: float
+    objective: float | None = None  # Sia's objective of `choice` (`objective`); None when kept or not finite
 
 
 def _bool_array(name: str, value, shape) -> np.ndarray:
@@ -404,13 +405,27 @@ def value_matrix(problem: IlpProblem, p: float = DEFAULT_P) -> np.ndarray:
 def objective(problem: IlpProblem, choice: np.ndarray, p: float = DEFAULT_P, lam: float = DEFAULT_LAMBDA) -> float:
     """Sia's objective of an allocation (minimised for p < 0, maximised for p > 0), with the ILP's values."""
     _check_params(p, lam)
-    choice = np.asarray(choice)
-    A = value_matrix(problem, p)
+    return _objective_of(problem, value_matrix(problem, p), np.asarray(choice), p, lam)
+
+
+def _objective_of(problem: IlpProblem, A: np.ndarray, choice: np.ndarray, p: float, lam: float) -> float:
+    """`objective` with the value matrix `A` at hand."""
     w = problem.weight
     on = np.flatnonzero(choice >= 0)
     total = float(np.sum(w[on] * A[on, choice[on]]))
     left_out = float(np.sum(np.where(choice < 0, w * _left_out_costs(problem, A, lam), 0.0)))
     return total + left_out if p < 0 else total - left_out
+
+
+def _solved(
+    problem: IlpProblem, values: np.ndarray, cost: np.ndarray, choice: np.ndarray, p: float, lam: float, start: float
+) -> IlpSolution:
+    """The optimum `choice`, its waiting jobs started first come first served, with its objective."""
+    choice = _first_come_first_served(problem, cost, choice)
+    value = _objective_of(problem, values, choice, p, lam)
+    return IlpSolution(
+        choice, "optimal", False, (time.perf_counter() - start) * 1e3, value if np.isfinite(value) else None
+    )
 
 
 def _left_out_costs(problem: IlpProblem, A: np.ndarray, lam: float) -> np.ndarray:
@@ -1017,9 +1032,7 @@ def solve(
         binding = teams.broken(problem.job_team[has], problem.config_type[pick[has]], problem.config_gpus[pick[has]])
     if np.all(use <= free) and not binding.any():
         choice[has] = pick[has]
-        return IlpSolution(
-            _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
-        )
+        return _solved(problem, values, cost, choice, p, lam, start)
 
     job, config = np.nonzero(keep)
     kind = problem.config_type[config]
@@ -1064,6 +1077,4 @@ def solve(
         problem.job_team[moved], problem.config_type[choice[moved]], problem.config_gpus[choice[moved]]
     ):
         return _fallback(problem, f"solver_error: {solver}'s allocation breaks a team's guarantee", start)
-    return IlpSolution(
-        _first_come_first_served(problem, cost, choice), "optimal", False, (time.perf_counter() - start) * 1e3
-    )
+    return _solved(problem, values, cost, choice, p, lam, start)

@@ -282,6 +282,8 @@ ROLES: dict[str, Permissions] = {
             *_kv_read(subjects.TEAMS_BUCKET),  # each team's guarantee, for `goodput.api.teams`
             *_stream_read(subjects.LOGS_STREAM),
             *_objects(subjects.CODE_STORE),
+            _info(subjects.DECISIONS_STREAM),  # the rounds' decisions, for `explain` and `rounds`
+            *_follow(subjects.DECISIONS_STREAM),
         ),
         subscribe=subjects.API_SUBJECTS,
     ),
@@ -354,6 +356,8 @@ ROLES: dict[str, Permissions] = {
             subjects.LIVE_JOBS,
             *subjects.RUN_LOG_SUBJECTS,
             _info(subjects.RUN_LOG_STREAM),
+            *subjects.DECISIONS_SUBJECTS,  # the live run's decisions (services/policy/recorder.py)
+            _info(subjects.DECISIONS_STREAM),
             *_kv(subjects.RUNS_BUCKET),
             *_follow(f"KV_{subjects.RUNS_BUCKET}"),
             *_kv(subjects.LEASE_BUCKET),

@@ -174,6 +174,19 @@ STREAMS = {
                 "discard": api.DiscardPolicy.OLD,
             },
         ),
+        # The live run's decisions: each job's last rounds, and the rounds' summaries, for `goodput
+        # explain` and the dashboard; the oldest go first past a subject's bound, the age or the bytes.
+        Stream(
+            subjects.DECISIONS_STREAM,
+            subjects.DECISIONS_SUBJECTS,
+            {
+                "max_bytes": 256 * MIB,
+                "max_age": subjects.DECISIONS_MAX_AGE_S,
+                "max_msgs_per_subject": subjects.DECISIONS_PER_SUBJECT,
+                "max_msg_size": 1 * MIB,
+                "discard": api.DiscardPolicy.OLD,
+            },
+        ),
     )
 }
 

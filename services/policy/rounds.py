@@ -39,7 +39,6 @@ from policies.base import (
     Decision,
     HybridRefused,
     Policy,
-    Prediction,
     RoundState,
     decision_from_placements,
     job_view,
@@ -48,6 +47,14 @@ from policies.base import (
     snapshot_policy,
 )
 from policies.teams import ledger
+from services.policy.decisions import (
+    JobOutcome,
+    job_decisions,
+    job_outcome,
+    measured_goodput,
+    round_summary,
+    span_attributes,
+)
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.hardware import hardware_name
 from shared.schema import (
@@ -65,6 +72,7 @@ from shared.schema import (
     RunClock,
     RunStep,
 )
+from shared.schema.decisions import JobDecision, RoundSummary
 from shared.settings import SimSettings
 from shared.teams import TeamFile, Teams, resolve
 from shared.tracing import span_context_of
@@ -105,6 +113,15 @@ class Journal(Protocol):
     async def stepped(self, clock: RunClock, step: RunStep) -> None: ...  # a round has run
 
     async def idled(self, clock: RunClock) -> None: ...  # a live round had no jobs
+
+
+class Recorder(Protocol):
+    """Where a live run's decided rounds are recorded: the policy leader's decisions stream and round
+    metrics (`services.policy.recorder.DecisionRecorder`)."""
+
+    async def decided(self, summary: RoundSummary, decisions: Sequence[JobDecision]) -> None: ...
+
+    def stage(self, stage: str, seconds: float) -> None: ...  # a stage outside the decision (apply, advance)
 
 
 class LiveFeed(Protocol):
@@ -190,10 +207,12 @@ class RoundLoop:
         *,
         tracer_provider: trace.TracerProvider | None = None,
         teams: TeamSource | None = None,
+        recorder: Recorder | None = None,
     ):
         """`tracer_provider`: where the round's spans go (the process's global one unless given);
         `teams`: where each decision's teams come from (None: no teams), resolved against the
-        round's cluster; a file that cannot be used leaves the last one that could in force."""
+        round's cluster; a file that cannot be used leaves the last one that could in force;
+        `recorder`: where each decided round's summary and job decisions go (None: nowhere)."""
         self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
         self.cluster = cluster
         self.policy = policy
@@ -207,6 +226,12 @@ class RoundLoop:
         self.teams: Teams | None = None  # in force: the last team file that resolved
         self._resolved: tuple[TeamFile, tuple[Node, ...]] | None = None  # ... from this file on these nodes
         self._team_problem: str | None = None  # the last reason a team file could not be used (said once)
+        self.recorder = recorder
+        self._recorded: tuple[RoundSummary, list[JobDecision]] | None = None  # the last decision's, to record
+        # For the recorded decisions, from the rounds this loop decided (a new leader starts without):
+        # each job's predicted goodput, and its placement's start (spots, when, planned batch).
+        self._predicted: dict[str, float] = {}
+        self._placed: dict[str, tuple[Spots, float, int | None]] = {}
 
     async def run(
         self,
@@ -276,10 +301,17 @@ class RoundLoop:
                     if journal:
                         clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
                         await journal.decided(clock)
+                    if self.recorder is not None and self._recorded is not None:
+                        await self.recorder.decided(*self._recorded)
+                        self._recorded = None
                 given_up = clock.decided.apply.failed if clock.decided is not None else {}
                 if clock.decided is not None:
+                    started = time.perf_counter()
                     await self.wiring.apply(clock.decided.apply)
+                    self._stage("apply", started)
+                started = time.perf_counter()
                 ended = await self.wiring.advance(now, step, [j for j in clock.active if j not in given_up])
+                self._stage("advance", started)
             failed = {**given_up, **ended.failed}
             ended_jobs = set(ended.finished) | set(failed)  # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
@@ -318,6 +350,10 @@ class RoundLoop:
             if progress:
                 progress(clock.now_s, clock.done, total)
         return clock
+
+    def _stage(self, stage: str, started: float) -> None:
+        if self.recorder is not None:
+            self.recorder.stage(stage, time.perf_counter() - started)
 
     def _serve_nodes(self, nodes: tuple[Node, ...] | None, now: float) -> None:
         """A live round on the nodes the executors serve now: joined ones are used, lost ones not."""
@@ -406,11 +442,16 @@ class RoundLoop:
         """The round's decision: facts, models, the policy, then the placer unless the policy placed;
         with teams, the ledger of what each job borrows and what the round reclaimed."""
         start = time.perf_counter()
+        stages: dict[str, float] = {}
         teams, events = await self._round_teams(now)  # what it says of the teams opens the round's events
+        stage_start = time.perf_counter()
         known = await self.wiring.facts(now, active)
+        stages["facts"] = time.perf_counter() - stage_start
         failed = dict(known.failed)  # jobs that will never run: they leave the run
         held = dict(known.held)  # jobs that cannot run yet: they wait out this round
+        stage_start = time.perf_counter()
         estimated = await self.wiring.models(list(known.facts))
+        stages["models"] = time.perf_counter() - stage_start
         held.update(estimated.held)
         models = {m.job_id: m for m in estimated.models}
         facts, views = [], []
@@ -432,8 +473,10 @@ class RoundLoop:
         honoured = teams if getattr(self.policy, "honours_teams", False) else None
         decision, kept = await self._solve(now, facts, views, failed, honoured)
         policy_ms = (time.perf_counter() - policy_start) * 1e3
+        stages["solve"] = policy_ms / 1e3
         evicted: tuple[str, ...] = ()
         if decision.placements is None:
+            stage_start = time.perf_counter()
             previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
             placed = await self.wiring.place(
                 decisions + 1,
@@ -443,6 +486,7 @@ class RoundLoop:
                 self.cluster.nodes if self.dynamic else None,
             )
             placements, evicted = placed.placements, tuple(placed.evicted)
+            stages["place"] = time.perf_counter() - stage_start
             events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
         else:
             placements = decision.placements
@@ -483,19 +527,68 @@ class RoundLoop:
             borrowed,
             reclaims,
         )
-        self._trace_decisions(
-            round_number, active, known.facts, held, failed, decision, placements, evicted, kept, teams, apply, record
-        )
+        outcomes: list[JobOutcome] | None = None
+        if self.recorder is not None or trace.get_current_span().is_recording():
+            by_id, gone = {f.job_id: f for f in known.facts}, set(evicted)
+            outcomes = [
+                job_outcome(
+                    job, by_id.get(job), held, failed, decision, placements, gone, kept, self.cluster, self.policy.name
+                )
+                for job in dict.fromkeys([*active, *held, *failed])
+            ]
+            self._trace_decisions(round_number, outcomes, held, failed, placements, evicted, kept, teams, apply, record)
+        if self.recorder is not None and outcomes is not None:
+            summary = round_summary(
+                round_number,
+                now,
+                self.policy.name,
+                outcomes,
+                self.cluster,
+                apply.borrowed,
+                decision.objective,
+                stages,
+                record.round_ms / 1e3,
+                events,
+            )
+            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply))
         return DecidedRound(apply, record, tuple(events))
+
+    def _job_decisions(
+        self,
+        round_number: int,
+        now: float,
+        outcomes: Sequence[JobOutcome],
+        models: Mapping[str, JobModels],
+        apply: ApplyRequest,
+    ) -> list[JobDecision]:
+        """The round's JobDecisions, with what this loop remembers of the rounds before (each job's
+        last prediction, its placement's start); then it remembers this round's."""
+        measured = {}
+        for o in outcomes:
+            value = measured_goodput(o.facts, self._placed.get(o.job), models.get(o.job), now)
+            if value is not None:
+                measured[o.job] = value
+        decisions = job_decisions(
+            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured
+        )
+        self._predicted = {
+            o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None
+        }
+        placed = {}
+        for o in outcomes:
+            if o.spots and o.spots != o.previous:
+                placed[o.job] = (o.spots, now, o.prediction.batch)
+            elif o.spots and o.job in self._placed:
+                placed[o.job] = self._placed[o.job]
+        self._placed = placed
+        return decisions
 
     def _trace_decisions(
         self,
         round_number: int,
-        active: Sequence[str],
-        facts: Sequence[JobFacts],
+        outcomes: Sequence[JobOutcome],
         held: Mapping[str, str],
         failed: Mapping[str, str],
-        decision: Decision,
         placements: Mapping[str, Spots],
         evicted: Sequence[str],
         kept: str | None,
@@ -509,13 +602,8 @@ class RoundLoop:
         round_span = trace.get_current_span()
         if not round_span.is_recording():  # no one records this round: spare building the spans
             return
-        by_id = {f.job_id: f for f in facts}
-        evicted = set(evicted)
-        jobs = list(dict.fromkeys([*active, *held, *failed]))
-        decided = [
-            self._decision_attributes(job, by_id.get(job), held, failed, decision, placements, evicted, kept)
-            for job in jobs
-        ]
+        by_id = {o.job: o.facts for o in outcomes}
+        decided = [(span_attributes(o), o.restart) for o in outcomes]
         if teams is not None and apply is not None and record is not None:
             for attributes, _ in decided:
                 attributes["borrowed"] = apply.borrowed.get(attributes["job.id"], 0)
@@ -532,7 +620,7 @@ class RoundLoop:
             self.tracer.start_span("job.decision", attributes={"round": round_number, **attributes}, links=links).end()
         round_span.set_attributes(
             {
-                "jobs.considered": len(jobs),
+                "jobs.considered": len(outcomes),
                 "jobs.held": len(held),
                 "jobs.failed": len(failed),
                 "jobs.allocated": sum(1 for spots in placements.values() if spots),
@@ -561,79 +649,6 @@ class RoundLoop:
                 }
             )
         return attributes
-
-    def _decision_attributes(
-        self,
-        job: str,
-        f: JobFacts | None,
-        held: Mapping[str, str],
-        failed: Mapping[str, str],
-        decision: Decision,
-        placements: Mapping[str, Spots],
-        evicted: set[str],
-        kept: str | None,
-    ) -> tuple[dict, bool]:
-        """A `job.decision` span's attributes (docs/services.md), and whether the job restarts."""
-        spots = tuple(sorted(placements.get(job, ())))
-        attributes: dict = {"job.id": job, "gpu.count": sum(g for _, g in spots)}
-        if spots:
-            attributes["gpu.type"] = self.cluster.placement_type(spots) or "mixed"
-            attributes["gpu.name"] = hardware_name(attributes["gpu.type"])  # T4, A100: as people say
-            attributes["nodes"] = [node for node, _ in spots]
-            if len(spots) > 1:  # GPUs per node, when it spans several
-                attributes["placement"] = [f"{node}:{gpus}" for node, gpus in spots]
-        previous: tuple = ()
-        if f is not None:
-            previous = tuple(sorted((node, gpus) for node, gpus in f.placement))
-            attributes.update(
-                {"job.application": f.application, "job.age_s": f.age_s, "job.restarts": f.restarts, "team": f.team}
-            )
-            if f.mid_restart:
-                attributes["job.mid_restart"] = True
-            if previous:
-                attributes.update(
-                    {
-                        "previous.gpu.type": self.cluster.placement_type(previous) or "mixed",
-                        "previous.gpu.count": sum(g for _, g in previous),
-                        "previous.nodes": [node for node, _ in previous],
-                    }
-                )
-        restart = bool(previous) and bool(spots) and spots != previous
-        attributes.update({"placement.changed": spots != previous, "restart": restart})
-        if previous and not spots:
-            attributes["preempted"] = True
-        prediction = decision.predictions.get(job) or Prediction()
-        for name, value in (
-            ("goodput.predicted", prediction.goodput),
-            ("goodput.normalized", prediction.normalized_goodput),
-            ("speedup.predicted", prediction.speedup),
-            ("batch", prediction.batch),
-            ("batch.per_gpu", prediction.per_gpu_batch),
-            ("batch.accumulation_steps", prediction.accumulation_steps),
-            ("restart_factor", prediction.restart_factor),
-        ):
-            if value is not None and (spots or name == "restart_factor"):
-                attributes[name] = value
-        if job in failed:
-            outcome, reason = "failed", failed[job]
-        elif job in held:
-            outcome, reason = "waits", held[job]
-        elif f is None:
-            outcome, reason = "waits", "the executors reported nothing of it this round"
-        elif kept is not None:
-            outcome, reason = ("kept" if spots else "unallocated"), kept
-        elif job in evicted:
-            config = decision.allocations.get(job)
-            given = f"{config.gpus} {config.gpu_type} GPUs" if config else "GPUs"
-            outcome, reason = "evicted", f"allocated {given} by {self.policy.name}, but no node fits them"
-        elif spots:
-            outcome, reason = "allocated", None
-        else:
-            outcome, reason = "unallocated", f"no GPUs allocated by {self.policy.name}"
-        attributes["decision"] = outcome
-        if reason is not None:
-            attributes["reason"] = reason
-        return attributes, restart
 
     async def _solve(
         self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str], teams: Teams | None = None

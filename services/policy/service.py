@@ -38,6 +38,7 @@ from nats import micro
 
 from policies.base import make_policy
 from services.policy.lease import Leadership, LeaseLost
+from services.policy.recorder import DecisionRecorder
 from services.policy.rounds import Arrival, FixedTeams, RoundLoop, TeamSource, check_honours_teams
 from services.policy.wiring import RETRY_S, BusWiring, KvTeams, LiveFeed
 from shared import storage, subjects
@@ -144,7 +145,13 @@ async def run(bus: Bus, cluster: Cluster, cluster_arg: str, journal: RunJournal,
         bus, request.request_timeout_s, LIVE_RETRIES * request.request_timeout_s if request.live else RETRY_S
     )
     loop = RoundLoop(
-        [Arrival(name, submit_s) for name, submit_s in request.jobs], cluster, policy, settings, wiring, teams=teams
+        [Arrival(name, submit_s) for name, submit_s in request.jobs],
+        cluster,
+        policy,
+        settings,
+        wiring,
+        teams=teams,
+        recorder=DecisionRecorder(bus) if request.live else None,  # a replay's rounds are not the cluster's
     )
     live = LiveFeed(wiring, clock.now_s, request.speed) if request.live else None
     log.info(
@@ -297,6 +304,7 @@ def run_status(checkpoint: RunCheckpoint) -> RunStatus:
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     cluster = load_cluster(args.cluster)
     await storage.open_stream(bus, subjects.RUN_LOG_STREAM)
+    await storage.open_stream(bus, subjects.DECISIONS_STREAM)  # the live run's decisions, for goodput explain
     runs = await storage.open_kv(bus, subjects.RUNS_BUCKET, RunCheckpoint)
     holder = f"{socket.gethostname()}-{os.getpid()}"
     leadership = await Leadership.open(bus, subjects.LEASE_BUCKET, subjects.LEADER_KEY, holder)

@@ -51,6 +51,7 @@ class JobDecision(msgspec.Struct, frozen=True):
     holders: tuple[Holder, ...] = ()
     usable_types: tuple[str, ...] = ()  # the GPU types it may run on that the cluster has
     absent_types: tuple[str, ...] = ()  # the types it asked for that the cluster lacks
+    idle_gpus: int = 0  # waiting: the GPUs of its usable types that no job holds after the round
 
 
 MAX_HOLDERS = 5

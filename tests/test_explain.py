@@ -1,0 +1,330 @@
+"""`goodput explain`: the decisions the round loop records for each job (pure builders from what a
+round decided), the sentences made of them, the round metrics from each round's summary, and the
+round loop handing its decided rounds to a recorder. No server here: tests/test_explain_bus.py reads
+and writes the decisions stream, and asks `goodput explain` of a live stack."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from policies.base import Decision, Prediction
+from services.api.explain import Namer, explanation, number, sentences
+from services.policy.decisions import (
+    job_decisions,
+    job_outcome,
+    measured_goodput,
+    record_round_metrics,
+    round_summary,
+    span_attributes,
+    usable_and_absent,
+)
+from shared.cluster import Config, build_cluster
+from shared.lifecycle import JobState
+from shared.schema import JobFacts, JobStatus, Reclaim
+from shared.schema.decisions import Holder, JobDecision
+from sim.rounds import job_models
+
+A100_NODE = {"gpu_type": "dgx", "count": 1, "gpus_per_node": 8}
+T4_NODE = {"gpu_type": "aws", "count": 1, "gpus_per_node": 4}
+RUNNING = JobStatus("a", JobState.RUNNING)
+WAITING = JobStatus("w", JobState.QUEUED)
+
+
+def facts(job: str, placement=(), team: str = "default", **fields) -> JobFacts:
+    return JobFacts(job, "cifar10", 0.0, 600.0, 1, 128, False, 128, 4096, placement=placement, team=team, **fields)
+
+
+def decided(cluster, jobs, placements, predictions, held=None, failed=None, evicted=(), kept=None, policy="sia"):
+    """Each job's outcome of a round that gave `placements` (its facts say where each was before)."""
+    by_id = {f.job_id: f for f in jobs}
+    decision = Decision(
+        {j: cluster.config_of(s) for j, s in placements.items()}, dict(placements), predictions=predictions
+    )
+    names = [*by_id, *(held or {}), *(failed or {})]
+    return [
+        job_outcome(
+            j, by_id.get(j), held or {}, failed or {}, decision, placements, set(evicted), kept, cluster, policy
+        )
+        for j in dict.fromkeys(names)
+    ]
+
+
+def models_of(cluster, *jobs, gpu_types=None):
+    return {j: job_models(j, "cifar10", cluster, gpu_types=gpu_types) for j in jobs}
+
+
+# ---- the decisions -------------------------------------------------------------------------------
+
+
+def test_a_job_shrunk_for_another_names_the_taker_and_both_goodputs() -> None:
+    cluster = build_cluster("one-a100", [A100_NODE])
+    before = [facts("a", (("dgx-0", 8),)), facts("dana-7", team="vision")]
+    after = {"a": (("dgx-0", 4),), "dana-7": (("dgx-0", 4),)}
+    outcomes = decided(cluster, before, after, {"a": Prediction(goodput=800.0), "dana-7": Prediction(goodput=3100.0)})
+    a, d = job_decisions(
+        14, 840.0, outcomes, cluster, models_of(cluster, "a", "dana-7"), previous_goodput={"a": 2000.0}
+    )
+    assert (a.change, a.outcome, a.previous_gpus, a.gpus, a.gpu_type) == ("shrunk", "allocated", 8, 4, "dgx")
+    assert (a.goodput, a.previous_goodput) == (800.0, 2000.0)
+    assert a.holders == (Holder("dana-7", "vision", "dgx", 4, 3100.0),)
+    assert (d.change, d.holders, d.previous_goodput) == ("started", (), None)
+    [said] = sentences([a], RUNNING, Namer({"dana-7": "dana-7"}, "default"))[:1]
+    assert said == (
+        "In round 14 it was shrunk from 8 to 4 A100 GPUs: job dana-7's predicted goodput on them (3,100) "
+        "exceeded what it lost (1,200)."
+    )
+    # A login of another team sees the taker by its team only, in the sentence and in the decision.
+    other = explanation("a", RUNNING, [a], {}, "nlp")
+    assert "a job of team vision's predicted goodput" in other.sentences[0]
+    assert other.decisions[0].holders[0].job == "" and "dana" not in str(msgspec.to_builtins(other.decisions))
+
+
+def test_a_job_waiting_on_a_full_cluster_names_who_holds_each_of_its_types() -> None:
+    cluster = build_cluster("mixed", [A100_NODE, T4_NODE])
+    jobs = [facts("b", (("dgx-0", 8),)), facts("c", (("aws-0", 4),), team="vision"), facts("w")]
+    held = {"b": (("dgx-0", 8),), "c": (("aws-0", 4),)}
+    predictions = {"b": Prediction(goodput=5000.0), "c": Prediction(goodput=700.0)}
+    outcomes = decided(cluster, jobs, held, predictions)
+    decisions = job_decisions(12, 720.0, outcomes, cluster, models_of(cluster, "b", "c", "w"))
+    w = decisions[-1]
+    assert (w.change, w.outcome, w.gpus, w.idle_gpus) == ("waiting", "unallocated", 0, 0)
+    assert w.usable_types == ("dgx", "aws") and w.absent_types == ()
+    assert [(h.job, h.gpus, h.gpu_type) for h in w.holders] == [("b", 8, "dgx"), ("c", 4, "aws")]
+    later = msgspec.structs.replace(w, round=13, at_s=780.0)
+    said = sentences([w, later], WAITING, Namer({"b": "b"}, "default"))
+    assert said == (
+        "Waiting since round 12: the cluster's A100 and T4 GPUs are all held — job b holds 8 A100, "
+        "a job of team vision holds 4 T4.",
+    )
+    # Read from its 13th round on, of more kept: it may have waited longer.
+    assert sentences([later], WAITING, Namer({}, "default"), complete=False)[0].startswith(
+        "Waiting since round 13 or earlier: the cluster's A100 and T4 GPUs are all held — another job holds 8 A100"
+    )
+
+
+def test_a_job_asking_for_a_type_the_cluster_lacks_is_told_so() -> None:
+    with_v100 = build_cluster("v100", [{"gpu_type": "azure", "count": 1, "gpus_per_node": 4}, T4_NODE])
+    cluster = build_cluster("t4", [T4_NODE])
+    models = {"v": job_models("v", "cifar10", with_v100, gpu_types=("azure",))}
+    assert usable_and_absent(models["v"], cluster.gpu_types) == ((), ("azure",))
+    [v] = job_decisions(3, 180.0, decided(cluster, [facts("v")], {}, {}), cluster, models)
+    assert (v.change, v.usable_types, v.absent_types, v.holders) == ("waiting", (), ("azure",), ())
+    assert sentences([v], WAITING, Namer({}, "default")) == (
+        "Waiting since round 3: it asks only for V100 GPUs, which the cluster does not have.",
+    )
+
+
+def test_a_job_moved_to_a_faster_type_says_the_gain_was_worth_the_restart() -> None:
+    cluster = build_cluster("mixed", [A100_NODE, T4_NODE])
+    outcomes = decided(
+        cluster,
+        [facts("m", (("aws-0", 4),))],
+        {"m": (("dgx-0", 4),)},
+        {"m": Prediction(goodput=1900.0, batch=512, restart_factor=0.93)},
+    )
+    [m] = job_decisions(20, 1200.0, outcomes, cluster, models_of(cluster, "m"), previous_goodput={"m": 410.0})
+    assert (m.change, m.previous_type, m.gpu_type, m.restart_factor, m.batch) == ("moved", "aws", "dgx", 0.93, 512)
+    assert outcomes[0].restart and span_attributes(outcomes[0])["restart"] is True
+    assert sentences([m], RUNNING, Namer({}, "default"))[0] == (
+        "In round 20 it moved from T4 to A100: its predicted goodput 410 → 1,900 was worth the restart "
+        "(restart factor 0.93)."
+    )
+
+
+def test_a_job_stopped_for_a_teams_guarantee_and_one_held_by_the_executors_say_why() -> None:
+    cluster = build_cluster("one-a100", [A100_NODE])
+    jobs = [facts("s", (("dgx-0", 8),)), facts("g", team="nlp")]
+    outcomes = decided(cluster, jobs, {"g": (("dgx-0", 8),)}, {"g": Prediction(goodput=900.0)}, held={"q": "queued"})
+    reclaim = Reclaim(7, 420.0, "nlp", "dgx", 8, 0)
+    s, g, q = job_decisions(7, 420.0, outcomes, cluster, models_of(cluster, "s", "g"), {"s": reclaim})
+    assert (s.change, s.reason) == ("stopped", "team nlp took back GPUs of its guarantee")
+    assert sentences([s], WAITING, Namer({}, "default"))[0] == (
+        "In round 7 it was stopped (it held 8 A100 GPUs): team nlp took back GPUs of its guarantee."
+    )
+    assert (q.outcome, q.change, q.reason, q.holders) == ("waits", "waiting", "queued", ())
+    assert sentences([q], WAITING, Namer({}, "default")) == ("Waiting since round 7: queued.",)
+
+
+def test_predicted_against_measured_and_the_end() -> None:
+    cluster = build_cluster("one-a100", [A100_NODE])
+    models = models_of(cluster, "a")["a"]
+    running = facts("a", (("dgx-0", 4),), slice_iterations=100.0)
+    assert measured_goodput(running, ((("dgx-0", 4),), 0.0, 512), models, 60.0) <= 100 * 512 / 60
+    assert measured_goodput(running, ((("dgx-0", 2),), 0.0, 512), models, 60.0) is None  # another placement
+    assert measured_goodput(running, None, models, 60.0) is None  # its start is not known (a new leader)
+    d = JobDecision(5, 300.0, "a", gpus=4, gpu_type="dgx", change="same", goodput=1900.0, measured_goodput=1750.0)
+    said = sentences([d], RUNNING, Namer({}, "default"))
+    assert said == (
+        "It has run on 4 A100 GPUs since round 5 or earlier.",
+        "Predicted goodput 1,900 samples/s; measured 1,750 (92%).",
+    )
+    assert sentences([d], JobStatus("a", JobState.FINISHED), Namer({}, "default")) == ("It has finished.",)
+    assert sentences([], JobStatus("a", JobState.PROFILING, "profiled on T4"), Namer({}, "default")) == (
+        "No round has decided for it yet (profiling): profiled on T4.",
+    )
+    assert (number(3100.4), number(12.345), number(0.5)) == ("3,100", "12.3", "0.5")
+
+
+def test_a_round_recorded_twice_counts_once_newest_last() -> None:
+    first = JobDecision(4, 240.0, "a", change="waiting", reason="first")
+    again = msgspec.structs.replace(first, reason="again")
+    answer = explanation("a", WAITING, [JobDecision(5, 300.0, "a", change="waiting"), first, again], {})
+    assert [d.round for d in answer.decisions] == [4, 5] and answer.decisions[0].reason == "again"
+
+
+# ---- the round's summary and metrics -------------------------------------------------------------
+
+
+def test_the_round_summary_counts_gpus_per_type_and_state_and_the_metrics_show_every_one() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared.metrics import scrape, setup_metrics
+
+    cluster = build_cluster("mixed", [A100_NODE, T4_NODE])
+    outcomes = decided(
+        cluster,
+        [facts("b", (("dgx-0", 4),)), facts("c"), facts("w")],
+        {"b": (("dgx-0", 8),), "c": (("aws-0", 2),)},
+        {"b": Prediction(goodput=5000.0), "c": Prediction(goodput=700.0)},
+    )
+    stages = {"facts": 0.01, "models": 0.02, "solve": 0.3, "place": 0.04}
+    summary = round_summary(9, 540.0, "goodput", outcomes, cluster, {"b": 2}, 12.5, stages, 0.4, ["e"] * 60)
+    assert (summary.jobs, summary.allocated, summary.waiting, summary.restarts) == (3, 2, 1, 1)
+    assert summary.gpus_allocated == {"dgx": 8, "aws": 2} and summary.gpus_idle == {"dgx": 0, "aws": 2}
+    assert summary.gpus_borrowed == {"dgx": 2, "aws": 0} and summary.goodput == 5700.0
+    assert (summary.solve_s, summary.objective, summary.gpus_total) == (0.3, 12.5, 12)
+    assert len(summary.events) == 51 and summary.events[-1] == "... and 10 more events"
+
+    setup_metrics("test-explain")
+    seen: set[str] = {"rtx"}  # a type shown before that the cluster has no more
+    record_round_metrics(summary, seen)
+    samples = [sample for family in text_string_to_metric_families(scrape()) for sample in family.samples]
+    gpus = {(s.labels["gpu_type"], s.labels["state"]): s.value for s in samples if s.name == "goodput_gpus"}
+    assert gpus[("dgx", "allocated")] == 8 and gpus[("aws", "idle")] == 2 and gpus[("dgx", "borrowed")] == 2
+    assert all(gpus[("rtx", state)] == 0 for state in ("allocated", "idle", "borrowed"))
+    assert seen == {"rtx", "dgx", "aws"}
+    names = {s.name for s in samples}
+    for name in ("goodput_rounds_total", "goodput_round_objective", "goodput_cluster_utilization"):
+        assert name in names, name
+    stages = {s.labels["stage"] for s in samples if s.name == "goodput_round_stage_duration_seconds_count"}
+    assert stages >= {"facts", "models", "solve", "place"}
+
+
+# ---- the round loop hands each decided round to its recorder -------------------------------------
+
+
+class Recorded:
+    def __init__(self) -> None:
+        self.rounds: list = []
+        self.stages: list[str] = []
+
+    async def decided(self, summary, decisions) -> None:
+        self.rounds.append((summary, list(decisions)))
+
+    def stage(self, stage: str, seconds: float) -> None:
+        self.stages.append(stage)
+
+
+class KeepRunning:
+    """Two rounds of a fixed cluster: the executors' facts say where the last apply put each job and
+    that it trained 50 steps since; every job ends at the second round."""
+
+    def __init__(self, cluster, jobs) -> None:
+        self.cluster, self.placements, self.jobs, self.advanced = cluster, {}, jobs, 0
+
+    async def facts(self, now, jobs):
+        from shared.schema import FactsReply
+
+        return FactsReply(
+            tuple(
+                facts(j, self.placements.get(j, ()), slice_iterations=50.0 if self.placements.get(j) else 0.0)
+                for j in jobs
+            )
+        )
+
+    async def models(self, known):
+        from shared.schema import ModelsReply
+
+        return ModelsReply(tuple(job_models(f.job_id, "cifar10", self.cluster) for f in known))
+
+    async def place(self, round, allocations, previous, groups, nodes=None):
+        from services.placer.core import place
+        from shared.schema import PlacementResult
+
+        placed = place(self.cluster, allocations, previous, groups)
+        return PlacementResult(placed.placements, placed.restarts, ())
+
+    async def apply(self, request):
+        self.placements = {j: tuple(s) for j, s in request.placements.items() if s}
+
+    async def advance(self, now, step, jobs):
+        from shared.schema import AdvanceReply
+
+        self.advanced += 1
+        return AdvanceReply(tuple(jobs) if self.advanced >= 2 else ())
+
+
+class Predicting:
+    """Gives each job one A100 and predicts 100 samples/s of it, with its batch."""
+
+    name, round_s, adaptive_batch = "predicting", 60.0, True
+
+    def allocate(self, state):
+        return Decision(
+            {v.job_id: Config("dgx", 1, 1) for v in state.jobs},
+            predictions={v.job_id: Prediction(goodput=100.0, batch=256) for v in state.jobs},
+            objective=2.0,
+        )
+
+
+def test_the_round_loop_records_each_decided_round_with_the_last_rounds_prediction() -> None:
+    from services.policy.rounds import Arrival, RoundLoop
+    from shared.settings import SimSettings
+
+    cluster = build_cluster("one-a100", [A100_NODE])
+    recorder = Recorded()
+    loop = RoundLoop(
+        [Arrival("a", 0.0), Arrival("b", 0.0)],
+        cluster,
+        Predicting(),
+        SimSettings("test", round_s=60.0),
+        KeepRunning(cluster, ["a", "b"]),
+        recorder=recorder,
+    )
+    asyncio.run(loop.run())
+    [(first, one), (second, two)] = recorder.rounds
+    assert (first.round, second.round, first.objective, first.allocated) == (0, 1, 2.0, 2)
+    assert set(first.stages_s) == {"facts", "models", "solve", "place"}
+    assert first.gpus_allocated == {"dgx": 2} and first.gpus_idle == {"dgx": 6}
+    assert [(d.job, d.change, d.previous_goodput) for d in one] == [("a", "started", None), ("b", "started", None)]
+    assert [(d.change, d.previous_goodput) for d in two] == [("same", 100.0), ("same", 100.0)]
+    # 50 steps of batch 256 in the round's 60 s, times the batch's statistical efficiency.
+    assert all(0 < d.measured_goodput <= 50 * 256 / 60 for d in two)
+    assert recorder.stages == ["apply", "advance", "apply", "advance"]
+
+
+# ---- the policy's objective, and the command ------------------------------------------------------
+
+
+def test_the_ilp_policies_report_the_objective_of_their_decision() -> None:
+    from policies import sia_ilp
+    from policies.base import make_policy
+    from sim.rounds import job_view, round_state
+
+    cluster = build_cluster("small", [A100_NODE, T4_NODE])
+    state = round_state([job_view(f"j{i}", app, cluster) for i, app in enumerate(("cifar10", "bert", "ncf"))], cluster)
+    for name in ("sia", "goodput"):
+        policy = make_policy(name)
+        problem = policy.problem(state)
+        solution = sia_ilp.solve(problem, policy.p, policy.lam)
+        assert solution.objective == sia_ilp.objective(problem, solution.choice, policy.p, policy.lam)
+        assert policy.allocate(state).objective is not None
+
+
+def test_goodput_explain_refuses_a_bad_request_before_asking(capsys) -> None:
+    from cli.main import main
+
+    assert main(["explain", "a b"]) == 2 and "'a b' is not a job id" in capsys.readouterr().err
+    assert main(["explain", "lm-1", "--rounds", "0"]) == 2 and "--rounds 0: from 1 to 500" in capsys.readouterr().err
