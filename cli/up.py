@@ -5,7 +5,9 @@ API, profiler, estimator, policy, placer and executors) as child processes, on a
 everything is, replays a workload through them (the built-in one unless told otherwise, under ids
 of the replay's own) and prints the results; then, unless --once, it serves: jobs submitted with
 `goodput submit` are scheduled live, a round every --round seconds of the wall clock (each --speed
-times as long on the simulated cluster), and each decision is printed, until Ctrl-C.
+times as long on the simulated cluster), and each decision is printed, until Ctrl-C. While it
+serves, the live web dashboard (`goodput dashboard`'s page) is served on a free loopback port and its
+URL printed, its token in it (--dashboard-port chooses the port, --no-dashboard serves none).
 
 It is secured by default: each service logs in to NATS as its role, with a password made at first
 start under DATA/secrets and kept; `goodput up` writes DATA/user.env, with which a user's client logs
@@ -83,6 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--reference", help="reference folder for the jobs' true behaviour (default: the model zoo)")
     up.add_argument("--port", type=int, default=4222, help="NATS port on 127.0.0.1 (default: %(default)s)")
     up.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve each process's Prometheus metrics on 127.0.0.1, ports from this one on, listed in "
+        "DATA/metrics.json (default: none)",
+    )
+    up.add_argument(
         "--data",
         help=f"JetStream data, secrets and service logs (default: {credentials.DEFAULT_DATA}; with --once out/replay)",
     )
@@ -99,6 +107,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--out", default="out/up.json", help="the replay's result JSON (default: %(default)s)")
     up.add_argument("--once", action="store_true", help="stop after the replay instead of serving until Ctrl-C")
+    up.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=0,
+        help="while serving: the live web dashboard's port on 127.0.0.1, its URL printed (default: 0, any free one)",
+    )
+    up.add_argument("--no-dashboard", action="store_true", help="while serving: no web dashboard")
     up.add_argument(
         "--fresh",
         action="store_true",
@@ -191,6 +206,7 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError("real jobs run in real time: --speed must be 1 with --executors real")
     if real and args.once and not start_jobs(args.jobs, args.workload, args.jobs_package):
         raise ValueError("--once waits for the jobs submitted at start, and there are none: name them with --jobs")
+    _check_dashboard_port(args)
     data = Path(args.data or ("out/replay" if args.once and not real else credentials.DEFAULT_DATA))
     if not data.exists() and port_in_use(args.port):  # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
@@ -331,6 +347,7 @@ async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool, team
 async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, teams) -> None:
     from launcher.live_run import describe, live_request
     from launcher.stack import (
+        METRICS_FILE,
         ensure_run,
         live_run_exists,
         local_node_arguments,
@@ -361,7 +378,9 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
     )
     replicas = {"policy": args.policy_replicas, "estimator": args.estimator_replicas, "api": args.api_replicas}
     # The team file is stored before the services start (None: none stored), so every round has it.
-    with running_services(nats, arguments, data, replicas, agents=agents, teams=teams) as stack:
+    with running_services(
+        nats, arguments, data, replicas, agents=agents, teams=teams, metrics_port=args.metrics_port
+    ) as stack:
         bus = await nats.connect("goodput-up")
         supervising = None
         try:
@@ -374,6 +393,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
             )
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
+            if stack.metrics:
+                print(f"  metrics: each process's Prometheus endpoint is in {data / METRICS_FILE}")
             # A node agent that dies is started again, as a node's own supervisor would; a service is told of.
             supervising = asyncio.ensure_future(
                 stack.supervise(lambda name: name in agents, lambda line: print(f"  {line}", flush=True))
@@ -397,6 +418,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
                 print(_how_to_connect(data, user_env))
                 if teams is not None:
                     print(_teams_line(data, teams, nats.access))
+                dashboard = await _start_dashboard(args, nats.url, user_env)
                 print(
                     f"serving: {'resumed with its jobs; ' if existing else ''}submitted jobs are scheduled live with "
                     f"{describe(running)}; Ctrl-C stops everything",
@@ -413,6 +435,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
                         await asyncio.Event().wait()  # until Ctrl-C
                 finally:
                     watch.cancel()
+                    if dashboard is not None:
+                        await dashboard.aclose()
         finally:
             if supervising is not None:
                 supervising.cancel()
@@ -471,6 +495,42 @@ def _how_to_connect(data: Path, user_env: Path) -> str:
         f"as a user ({user_env} holds the URL and login; other clients: its user, password file and "
         f"inbox prefix): {found}`goodput submit JOB.yaml`, `goodput status`"
     )
+
+
+def _check_dashboard_port(args: argparse.Namespace) -> None:
+    """A --dashboard-port that cannot be had is refused before anything starts."""
+    from launcher.nats import port_in_use
+
+    port = args.dashboard_port
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--dashboard-port {port}: a port is 0 (any free one) to 65535")
+    if port and not args.no_dashboard and not args.once and port_in_use(port):
+        raise ValueError(
+            f"--dashboard-port {port}: port {port} on 127.0.0.1 is taken; choose another (0: any free one)"
+        )
+
+
+async def _start_dashboard(args: argparse.Namespace, url: str, user_env: Path):
+    """The web dashboard while serving (`goodput dashboard`'s), logged in with DATA/user.env's login:
+    what stops it, or None when not asked for; one that cannot start is said, and the stack serves on."""
+    if args.no_dashboard or args.once:
+        return None
+    from cli.dashboard import start
+    from dashboard.serve import listen
+
+    environ = credentials.read_env(user_env)
+    try:
+        sock = listen("127.0.0.1", args.dashboard_port)
+        try:
+            page, running = await start(url, credentials.connect_options(credentials.from_env(environ), environ), sock)
+        except BaseException:
+            sock.close()
+            raise
+    except ValueError as error:
+        print(f"dashboard: not served ({error})", flush=True)
+        return None
+    print(f"dashboard: {page} (the jobs {user_env}'s login sees; whoever has this URL gets in)", flush=True)
+    return running
 
 
 def _teams_line(data: Path, teams, access) -> str:

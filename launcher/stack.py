@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -18,14 +19,14 @@ from types import EllipsisType
 import msgspec
 import nats.errors
 
-from launcher.nats import EmbeddedNats
+from launcher.nats import EmbeddedNats, port_in_use
 from launcher.setup import provision_now
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.reference import WorkloadJob
-from shared.runner import PARENT_ENV, ended_with_this_process
+from shared.runner import METRICS_PORT_ENV, PARENT_ENV, ended_with_this_process
 from shared.schema import (
     Ack,
     Count,
@@ -49,6 +50,9 @@ WATCH_EVERY_S = 1.0  # how often `Stack.supervise` looks at its processes
 QUICK_EXIT_S = 30.0  # an instance that exits this soon after its start ...
 QUICK_EXITS = 3  # ... this many times in a row is not started again
 RUN_IDLE_TIMEOUT_S = 600.0  # no round logged for this long: the run is stuck
+METRICS_FILE = "metrics.json"  # beside the logs: each process's Prometheus endpoint, {instance: URL}
+METRICS_HOST = "127.0.0.1"  # the stack's metrics endpoints, like its NATS server, are loopback only
+LAST_PORT = 65535
 
 
 class Stack:
@@ -64,6 +68,7 @@ class Stack:
         self.processes: dict[str, subprocess.Popen] = {}
         self.started: dict[str, float] = {}  # instance -> when it was last started (monotonic)
         self.stopping = False
+        self.metrics: dict[str, str] = {}  # instance -> its metrics endpoint's URL (none without a port)
 
     def start(self, name: str) -> None:
         """Start (or start again) one service instance; its log is appended to."""
@@ -170,6 +175,27 @@ def instance_names(service: str, replicas: int) -> list[str]:
     return [service] + [f"{service}-{i}" for i in range(2, replicas + 1)]
 
 
+def metrics_ports(instances: Sequence[str], first: int) -> dict[str, int]:
+    """Each instance's metrics port, `first` on in their order. ValueError, before any of them
+    starts, when the range leaves the ports or a port of it is taken (saying which, and whose)."""
+    last = first + len(instances) - 1
+    wanted = f"its {len(instances)} processes take ports {first}-{last}"
+    if first < 1 or last > LAST_PORT:
+        raise ValueError(f"--metrics-port {first}: {wanted}, and ports run from 1 to {LAST_PORT}")
+    ports = {name: first + i for i, name in enumerate(instances)}
+    taken = [f"{port} (for {name})" for name, port in ports.items() if port_in_use(port)]
+    if taken:
+        raise ValueError(
+            f"--metrics-port {first}: {wanted}, and {', '.join(taken)} on {METRICS_HOST} "
+            f"{'is' if len(taken) == 1 else 'are'} taken; choose a free range with --metrics-port"
+        )
+    return ports
+
+
+def metrics_url(port: int) -> str:
+    return f"http://{METRICS_HOST}:{port}/metrics"
+
+
 async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
     """How many instances of `service` answer the service API's ping within `wait_s`."""
     inbox = bus.nc.new_inbox()
@@ -202,16 +228,23 @@ def running_services(
     lease_ttl_s: float = storage.LEASE_TTL_S,
     agents: Mapping[str, Sequence[str]] | None = None,
     teams: TeamFile | None | EllipsisType = ...,
+    metrics_port: int | None = None,
 ) -> Iterator[Stack]:
     """Set up the storage (as the operator) and store `teams` (launcher.setup.provision: None, no
     teams; left out, the stored team file as it is), then start `python -m services.<name> --server
     URL <arguments>` for each service, `replicas[name]` times (once by default), and each node agent
     of `agents` (instance -> its `services.executor` options), each logged in as its role on a
-    secured embedded server; stop them all after."""
+    secured embedded server; stop them all after. With `metrics_port`, each process serves its
+    metrics on a port of its own from it on (`metrics_ports`: a taken one is refused before any
+    starts), listed in `logs`/metrics.json and `Stack.metrics`."""
     nats = server if isinstance(server, EmbeddedNats) else EmbeddedNats(server, None)
-    provision_now(nats.url, lease_ttl_s, teams, **nats.options("operator"))
-    # Whatever credentials this process holds are not the services' (each has its role's).
-    inherited = {key: value for key, value in os.environ.items() if not key.startswith(CREDENTIALS_ENV_PREFIX)}
+    # Whatever credentials this process holds are not the services' (each has its role's), nor is
+    # a metrics port one for all (each has its own, or none).
+    inherited = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(CREDENTIALS_ENV_PREFIX) and key != METRICS_PORT_ENV
+    }
     instances = {
         instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))
     }
@@ -233,12 +266,22 @@ def running_services(
         }
     )
     roles = {**instances, **{instance: "executor" for instance in agents or {}}}  # agents log in as executors
+    ports = metrics_ports(list(commands), metrics_port) if metrics_port is not None else {}
+    for instance, port in ports.items():
+        commands[instance] += ["--metrics-port", str(port), "--metrics-host", METRICS_HOST]
+    provision_now(nats.url, lease_ttl_s, teams, **nats.options("operator"))
     # Each stops when this process is gone, killed -9 included: no service outlives its stack.
     stack = Stack(
         commands,
         logs,
         {instance: {**inherited, **nats.env(role), PARENT_ENV: str(os.getpid())} for instance, role in roles.items()},
     )
+    stack.metrics = {instance: metrics_url(port) for instance, port in ports.items()}
+    metrics_file = logs / METRICS_FILE
+    if ports:
+        metrics_file.write_text(json.dumps(stack.metrics, indent=2) + "\n")
+    else:  # an earlier start's endpoints are not this one's
+        metrics_file.unlink(missing_ok=True)
     try:
         for instance in stack.commands:
             (logs / f"{instance}.log").unlink(missing_ok=True)

@@ -68,6 +68,7 @@ PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"  # the shape docs/deploy.md makes
 ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)  # every role, and the default login: one key each
 PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(ACCESS)}
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
+METRICS_PORT = 9464  # where every service's pod serves its metrics (--metrics-port; docs/metrics.md)
 
 
 def tool(name: str) -> str:
@@ -180,6 +181,28 @@ def role_problems(workload: dict, role: str) -> list[str]:
         problems.append(f"GOODPUT_NATS_PASSWORD_FILE {password_file} is not its role's key")
     if "secretKeyRef" in json.dumps(container.get("env", [])) or "@" in env.get(SERVER_ENV, {}).get("value", ""):
         problems.append("a password in its environment or URL")
+    return problems
+
+
+def metrics_problems(workload: dict) -> list[str]:
+    """Why Prometheus would not scrape `workload`'s pods where its service serves metrics, or []: the
+    pod's scrape annotations, the container's port and its --metrics-port/--metrics-host."""
+    annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+    container = containers(workload)[0]
+    problems = []
+    expected = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    if {key: annotations.get(key) for key in expected} != expected:
+        problems.append(f"its pod's scrape annotations are {annotations}, not {expected}")
+    if option(container, "--metrics-port") != str(METRICS_PORT):
+        problems.append(f"--metrics-port is {option(container, '--metrics-port')}, not {METRICS_PORT}")
+    if option(container, "--metrics-host") != "0.0.0.0":  # the default, loopback, is out of Prometheus's reach
+        problems.append(f"--metrics-host is {option(container, '--metrics-host')}, not 0.0.0.0")
+    if {"name": "metrics", "containerPort": METRICS_PORT} not in container.get("ports", []):
+        problems.append(f"no container port `metrics` {METRICS_PORT}")
     return problems
 
 
@@ -377,6 +400,28 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_services_pods_serve_metrics_where_their_scrape_annotations_say(build):
+    workloads = service_workloads(build)
+    assert set(workloads) == set(SERVICES)
+    for found in workloads.values():
+        for workload in found:  # the node agents' DaemonSets among the executor's
+            assert metrics_problems(workload) == [], workload["metadata"]["name"]
+
+
+@pytest.mark.e2e
+def test_the_metrics_check_notices_a_pod_prometheus_would_miss():
+    placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
+    assert metrics_problems(placer) == []
+    placer["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = "9090"
+    assert "scrape annotations" in metrics_problems(placer)[0]
+    placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
+    args = containers(placer)[0]["args"]
+    del args[args.index("--metrics-host") : args.index("--metrics-host") + 2]
+    assert metrics_problems(placer) == ["--metrics-host is None, not 0.0.0.0"]
+
+
+@pytest.mark.e2e
 def test_the_role_check_notices_a_workload_with_another_roles_password():
     placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
     assert role_problems(placer, "placer") == []
@@ -555,6 +600,8 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
             assert (DEPLOY / volume.split(":")[0]).exists(), volume
         if name in SERVICES:
             assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "deploy.probe", SERVICE_NAMES[name]]
+            metrics = service["command"][service["command"].index("--metrics-port") :]
+            assert metrics[:4] == ["--metrics-port", str(METRICS_PORT), "--metrics-host", "0.0.0.0"], name
     assert services["policy"]["deploy"]["replicas"] >= 2
 
 

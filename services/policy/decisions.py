@@ -15,13 +15,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from goodput_train.goodput import pgns
 from policies.base import Decision, Prediction
 from shared import metrics
 from shared.cluster import Cluster, Spots
 from shared.hardware import hardware_name
 from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
-from train.goodput_train.goodput import pgns
 
 MAX_SUMMARY_EVENTS = 50  # a round's summary keeps its first events; the rest are counted
 GPU_STATES = ("allocated", "idle", "borrowed")  # the `state` label of goodput_gpus
