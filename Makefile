@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_abuse.py
 	$(PY) benchmarks/bench_api.py
 	$(PY) benchmarks/bench_trainer_overhead.py
+	$(PY) benchmarks/bench_metrics.py
 
 clean:
 	rm -rf $(VENV) out
