@@ -565,6 +565,8 @@ class RoundLoop:
         last prediction, its placement's start); then it remembers this round's."""
         measured = {}
         for o in outcomes:
+            if o.spots != o.previous:  # what it did was on the placement it leaves: not this prediction's
+                continue
             value = measured_goodput(o.facts, self._placed.get(o.job), models.get(o.job), now)
             if value is not None:
                 measured[o.job] = value
