@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_api.py
 	$(PY) benchmarks/bench_trainer_overhead.py
 	$(PY) benchmarks/bench_metrics.py
+	$(PY) benchmarks/bench_decisions.py
 
 clean:
 	rm -rf $(VENV) out
