@@ -13,6 +13,7 @@ from services.executor.real import RealExecutors, RealExecutorService
 from services.simulated.service import SimulatedExecutorService
 from services.simulated.truth import job_sources
 from services.simulated.world import SimulatedExecutors, SubmittedJob
+from shared import subjects
 from shared.cluster import Cluster, load_cluster
 from shared.lifecycle import TRANSITIONS, IllegalTransition, JobState
 from shared.schema import (
@@ -23,6 +24,7 @@ from shared.schema import (
     JobSpec,
     Node,
     Profiled,
+    Rejected,
     Rendezvous,
     StartWorkers,
     StopWorkers,
@@ -140,6 +142,24 @@ async def test_the_simulated_apply_handler_places_the_jobs_and_keeps_them_before
     assert service.submitted["a"].state == JobState.QUEUED and kv.held["a"].job.placement == ()
     assert service.on_cancel(Cancel("a"), 0, "", "") == "a"
     assert service.submitted["a"].state == JobState.CANCELLED and jobs["a"].failure == CANCELLED
+
+
+async def test_a_refusal_is_listed_for_its_logins_team_in_both_executors():
+    # The API's record of a refusal says whose on its subject (refused.<team>.<login>); the
+    # profiler's on the subject of the submission judged (stored.<team>.<login>).
+    api_refusal = Rejected(subjects.API_SUBMIT, "ids beginning vision. are team vision's", "nlp.vision.x")
+    judged = Rejected(subjects.stored("nlp", "ann"), "no GPU type it runs on", "nlp.y", application="cifar10")
+    service = await simulated_service()
+    service.on_rejected(api_refusal, 1, "", "ann", "nlp")
+    service.on_rejected(judged, 2, "", "")
+    real = RealExecutors(LocalExecutors(RecordingNodes(), None, SLOTS))
+    real.rejected(api_refusal, 1, "", "ann", "nlp")
+    real.rejected(judged, 2, "", "")
+    for records in (service.records(), real.records()):
+        assert {(r.name, r.team, r.owner, r.state) for r in records} == {
+            ("nlp.vision.x", "nlp", "ann", JobState.REJECTED),
+            ("nlp.y", "nlp", "ann", JobState.REJECTED),
+        }
 
 
 async def test_the_simulated_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):

@@ -10,6 +10,7 @@ import json
 import subprocess
 import time
 
+import msgspec
 import pytest
 from test_api_handlers import MemoryKV
 
@@ -115,6 +116,31 @@ async def test_a_login_without_a_team_knows_its_own_other_jobs_by_id_and_no_one_
         f"Waiting since round 3: the cluster's T4 GPUs are all held — job {own} holds 4 T4, another job holds 4 T4.",
     )
     assert [h.job for h in answer.decisions[0].holders] == [own, ""]
+
+
+async def test_a_refused_submission_under_another_teams_id_reads_none_of_its_decisions(
+    connect_bus, name_prefix
+) -> None:
+    # A login of the default team submits an id of team nlp's form: refused, and listed as its own
+    # under that very id. Explaining it must not read the nlp job's decisions.
+    bus = await connect_bus("api")
+    theirs = f"nlp.{name_prefix}-run"
+    decision = JobDecision(4, 240.0, theirs, "nlp", "allocated", "started", gpus=2, gpu_type="dgx", goodput=400.0)
+    await recorded(bus, [(summary(4), [decision])])
+    gate = api.Gate(bus, MemoryKV(), lambda spec: None)
+    refused = JobRecord(theirs, "imagenet", 0.0, None, 0, 0.0, None, failure="ids beginning nlp. are team nlp's")
+    running = JobRecord(theirs, "imagenet", 0.0, None, 0, 0.0, None, state="running", owner="ann", team="nlp")
+    both = (msgspec.structs.replace(refused, state="rejected", owner="alice"), running)
+
+    async def records(query):
+        return select(both, query)
+
+    gate.records = records
+    answer = await gate.explain_of(ExplainRequest(theirs), ALICE)
+    assert answer.state == "rejected" and answer.decisions == ()
+    assert not any("2 A100" in sentence or "400" in sentence for sentence in answer.sentences)
+    operator = await gate.explain_of(ExplainRequest(theirs), api.OPERATOR)
+    assert [d.goodput for d in operator.decisions] == [400.0]
 
 
 async def test_a_job_with_no_decision_recorded_yet_says_so(connect_bus, name_prefix) -> None:

@@ -5,6 +5,7 @@ end-to-end test is tests/test_job_output.py."""
 from __future__ import annotations
 
 import io
+import math
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -276,3 +277,29 @@ def test_goodput_logs_prints_a_jobs_text_without_control_characters_and_json_exa
     assert _shown(line, True, False) == "[0] ]0;owned[2J31mred\tok"
     shown = _shown(line, True, True)
     assert json.loads(shown)["text"] == text and shown.isascii() and shown.isprintable()
+
+
+class RefusedBus(LogsBus):
+    """The records hold alice's running lm-1 and bob's refused submission under the same id."""
+
+    async def request(self, subject: str, message: Any, answer_type: type, **_: Any) -> Any:
+        records = (
+            JobRecord("lm-1", "quick", 0.0, None, 0, 1.0, None, state="running", owner="alice"),
+            JobRecord("lm-1", "quick", math.nan, None, 0, 0.0, None, failure="id taken", state="rejected", owner="bob"),
+        )
+        owner = getattr(message, "owner", None)
+        return JobRecords(tuple(r for r in records if owner in (None, r.owner)))
+
+
+async def test_a_refused_submission_under_anothers_id_reads_none_of_that_jobs_output() -> None:
+    from services.api import service as api
+
+    logs = StoredLogs()
+    logs.store("lm-1", 0, "alice's secret")
+    owners = MemoryKV()
+    await owners.create("lm-1", JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, "alice")))
+    gate = api.Gate(RefusedBus(logs), owners, lambda spec: None)
+    page = await gate.logs_of(LogsRequest("lm-1"), api.Who("bob"))
+    assert page.lines == () and page.end and not page.more
+    mine = await gate.logs_of(LogsRequest("lm-1"), api.Who("alice"))
+    assert [line.text for line in mine.lines] == ["alice's secret"]

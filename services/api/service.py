@@ -248,6 +248,10 @@ PAGE_BYTES = 256 * 1024  # a page of `jobs` is cut short (its next_offset says w
 KEPT_TTL_S = 1.0  # how long JetStream's count of a team's records is taken as it is
 
 
+def refused(status: JobStatus) -> bool:
+    return status.state == JobState.REJECTED
+
+
 class Who(NamedTuple):
     """Whose request is being handled: a login and its team, as the server says. The operator's
     (OPERATOR, of DEFAULT_TEAM) sees every team's jobs, by their ids within the cluster."""
@@ -455,7 +459,8 @@ class Gate:
         scoped = who.scoped(job_id)
         trace.get_current_span().set_attribute("job.id", scoped)
         records = await self.records(who.query(job_id))
-        found = next((j for j in job_statuses(records.jobs) if j.id == scoped), None)
+        # The job under the id before a refusal recorded under it (the operator sees both).
+        found = min((j for j in job_statuses(records.jobs) if j.id == scoped), key=refused, default=None)
         if found is None or found.state == JobState.REJECTED:
             held = await self.owners.get(scoped)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a
@@ -464,6 +469,16 @@ class Gate:
                 team = subjects.owner_of(held.value.subject)[1] or DEFAULT_TEAM
                 return JobStatus(job_id, JobState.PROFILING, team=team)
         return None if found is None else who.status(found)
+
+    async def named_job(self, job_id: str, who: Who) -> tuple[JobStatus, str | None]:
+        """The job `who` names `job_id` (NotFound when none, as `status_of` finds it), and the id
+        under which the cluster keeps its output, decisions and orders: none for a refused
+        submission, which never became a job there (its id may be another's: a refusal of an id
+        that is taken, or of another team's prefix)."""
+        now = await self.status_of(job_id, who)
+        if now is None:
+            raise NotFound(not_found(job_id, who))
+        return now, None if refused(now) else who.scoped(job_id)
 
     async def refuse(
         self,
@@ -633,10 +648,7 @@ class Gate:
         return await self.job_of(request, login())
 
     async def job_of(self, request: JobRequest, who: Who) -> JobStatus:
-        found = await self.status_of(request.id, who)
-        if found is None:
-            raise NotFound(not_found(request.id, who))
-        return found
+        return (await self.named_job(request.id, who))[0]
 
     async def logs(self, request: LogsRequest) -> LogsPage:
         return await self.logs_of(request, login())
@@ -644,11 +656,11 @@ class Gate:
     async def logs_of(self, request: LogsRequest, who: Who) -> LogsPage:
         """The page of what the job `request.id` of `who`'s team printed (404 for another's: no one
         learns of another's jobs); `end` is read first, so an ended job's last lines are in its pages."""
-        now = await self.status_of(request.id, who)
-        if now is None:
-            raise NotFound(not_found(request.id, who))
+        now, scoped = await self.named_job(request.id, who)
         ended = now.state in (*ENDED, JobState.CANCELLED)
-        subject = subjects.job_logs(who.scoped(request.id), "*" if request.rank is None else request.rank)
+        if scoped is None:
+            return LogsPage((), request.after, False, ended)
+        subject = subjects.job_logs(scoped, "*" if request.rank is None else request.rank)
         lines, cursor, more = await read_page(stream_reader(self.bus), subject, request.after, request.limit)
         return LogsPage(tuple(lines), cursor, more, ended)
 
@@ -674,16 +686,13 @@ class Gate:
         return await self.cancel_of(request, login())
 
     async def cancel_of(self, request: JobRequest, who: Who) -> CancelAnswer:
-        now = await self.status_of(request.id, who)
-        if now is None:
-            raise NotFound(not_found(request.id, who))
+        now, scoped = await self.named_job(request.id, who)
         if now.state == JobState.CANCELLED:
             return CancelAnswer(True, request.id, now.state, "it was cancelled before")
-        if now.state in ENDED:
+        if now.state in ENDED or scoped is None:
             return CancelAnswer(
                 False, request.id, now.state, f"job {request.id} has ended ({now.state}): nothing to cancel"
             )
-        scoped = who.scoped(request.id)
         await self.bus.js_publish(subjects.CANCEL, Cancel(scoped), msg_id=f"{scoped}.cancel", timeout=10)
         deadline = asyncio.get_running_loop().time() + CANCEL_WAIT_S
         while now is not None and now.state != JobState.CANCELLED and asyncio.get_running_loop().time() < deadline:
@@ -725,11 +734,12 @@ class Gate:
     async def explain_of(self, request: ExplainRequest, who: Who) -> Explanation:
         """Why the job `request.id` of `who`'s has what it has, from its last `request.rounds` recorded
         decisions (404 for another's: the same answer as an unknown id)."""
-        now = await self.status_of(request.id, who)
-        if now is None:
-            raise NotFound(not_found(request.id, who))
-        subject = subjects.job_decisions(who.scoped(request.id))
-        decisions, kept = await read_last(self.bus, subject, request.rounds, JobDecision)
+        now, scoped = await self.named_job(request.id, who)
+        decisions, kept = (
+            ([], 0)
+            if scoped is None
+            else await read_last(self.bus, subjects.job_decisions(scoped), request.rounds, JobDecision)
+        )
         shown = await self.known_jobs({h.job: h.team for d in decisions for h in d.holders}, who)
         return explanation(request.id, now, decisions, shown, who.team, complete=kept <= request.rounds)
 

@@ -31,6 +31,7 @@ from shared.cluster import load_cluster
 from shared.lifecycle import JobState, check_transition
 from shared.metrics import JOB_RESTARTS, JOBS, instrument
 from shared.schema import (
+    DEFAULT_TEAM,
     Ack,
     AdvanceReply,
     AdvanceRequest,
@@ -161,7 +162,7 @@ class SimulatedExecutorService:
 
     # ---- the jobs stream: each takes an event, and names the entry it changed ---------------
 
-    def on_submitted(self, spec: JobSpec, sequence: int, trace: str, owner: str) -> str | None:
+    def on_submitted(self, spec: JobSpec, sequence: int, trace: str, owner: str, _: str = "") -> str | None:
         known = self.submitted.get(spec.id)
         if known is not None and (known.job is not None or known.rejected is None):
             return None  # another submission holds the id (a refused one gives it up)
@@ -171,7 +172,7 @@ class SimulatedExecutorService:
         )
         return spec.id
 
-    def on_profiled(self, verdict: Profiled, _: int, trace: str, __: str) -> str | None:
+    def on_profiled(self, verdict: Profiled, _: int, trace: str, __: str, ___: str = "") -> str | None:
         entry = self.submitted.get(verdict.job_id)
         if entry is None or entry.spec is None:
             log.warning("job %s profiled, but its submission was never read here; ignored", verdict.job_id)
@@ -202,19 +203,21 @@ class SimulatedExecutorService:
         else:
             self.executors.jobs[spec.id].trace = entry.trace or trace
 
-    def on_rejected(self, verdict: Rejected, sequence: int, _: str, owner: str) -> str | None:
+    def on_rejected(self, verdict: Rejected, sequence: int, _: str, owner: str, team: str = "") -> str | None:
         application = verdict.application or ""
-        owner = owner or subjects.of_login(verdict.subject)[1]  # the API's record, or the submission judged
+        # The API's record says whose on its subject; else the subject of the submission judged does.
+        _, came_team, came_login = subjects.owner_of(verdict.subject)
+        owner, team = owner or came_login, team or came_team or DEFAULT_TEAM
         if verdict.job_id is None:  # unreadable: kept under its place in the stream
             key = unnamed_key(sequence)
             self.submitted[key] = SubmittedJob(
-                "", None, verdict.reason, seen=sequence, application=application, owner=owner
+                "", None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
             )
             return key
         entry = self.submitted.get(verdict.job_id)
         if entry is None:  # its submission was never read as one: refused under its id
             self.submitted[verdict.job_id] = SubmittedJob(
-                verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner
+                verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
             )
             return verdict.job_id
         if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
@@ -226,11 +229,11 @@ class SimulatedExecutorService:
         # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
         key = unnamed_key(sequence)
         self.submitted[key] = SubmittedJob(
-            verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner
+            verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
         )
         return key
 
-    def on_cancel(self, order: Cancel, _: int, __: str, ___: str) -> str | None:
+    def on_cancel(self, order: Cancel, _: int, __: str, ___: str, ____: str = "") -> str | None:
         entry = self.submitted.get(order.job_id)
         if entry is None or entry.rejected is not None or entry.cancelled:
             return None
@@ -264,7 +267,7 @@ class SimulatedExecutorService:
         return revision
 
     async def on_event(self, message: msgspec.Raw, delivery) -> None:
-        subject, owner = subjects.of_login(delivery.subject)
+        subject, team, owner = subjects.owner_of(delivery.subject)
         take, kind = EVENTS[subject]
         try:
             event = self.bus.decode(message, kind)
@@ -272,7 +275,7 @@ class SimulatedExecutorService:
             return  # a malformed submission: the profiler's rejection of it follows
         async with self.turn:
             revision = await self.measured_at_request(event) if kind is Profiled else 0
-            changed = take(self, event, delivery.stream_sequence, delivery.traceparent, owner)
+            changed = take(self, event, delivery.stream_sequence, delivery.traceparent, owner, team)
             if revision and changed in self.executors.jobs:
                 self.executors.jobs[changed].estimate_revision = revision
             await self.save([changed] if changed is not None else [])

@@ -241,6 +241,7 @@ class SubmittedJob(msgspec.Struct):
     seen: int = 0  # the stream sequence it was first read from: listed in that order
     application: str = ""  # a refused submission's, when it could be read (spec: None)
     owner: str = ""  # the login that submitted it ("": the operator's)
+    team: str = DEFAULT_TEAM  # a refused submission's login's team (spec: its own)
 
     @property
     def state(self) -> JobState:
@@ -266,6 +267,7 @@ class SubmittedJob(msgspec.Struct):
             None,
             failure=CANCELLED if self.cancelled else self.rejected,
             state=state,
+            team=spec.team if spec else self.team,
             owner=self.owner,
         )
 
