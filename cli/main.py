@@ -14,6 +14,7 @@ COMMANDS = [
     "timeslice",
     "autoscale",
     "simulate",
+    "bound",
     "interference",
     "workload",
     "submit",

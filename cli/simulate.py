@@ -22,7 +22,8 @@ from sim.workload import BUILT_IN_WORKLOAD
 COMPARED = [DEFAULT_POLICY, *(p for p in ("sia", "pollux", "gavel") if p != DEFAULT_POLICY)]
 
 
-def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+def add_world_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated world: its cluster, its jobs' truth, its calibration, restarts and round."""
     parser.add_argument(
         "--cluster",
         default="sia-hetero-64",
@@ -41,6 +42,21 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         help="peer simulator calibration (default: sia on sia-hetero-64, pollux on pollux-homo-64)",
     )
+    parser.add_argument(
+        "--restart-delay",
+        type=float,
+        metavar="S",
+        help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's",
+    )
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        help="the simulator's round in seconds (default 60); fifo, tiresias and timeslice decide every round",
+    )
+
+
+def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    add_world_arguments(parser)
     parser.add_argument("--p", type=float, help="fairness exponent of sia (default -0.5) or pollux (default -1)")
     parser.add_argument(
         "--feedback-iterations",
@@ -51,12 +67,6 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantum", type=int, help=f"timeslice: iterations a job runs before it yields (default {DEFAULT_QUANTUM})"
-    )
-    parser.add_argument(
-        "--restart-delay",
-        type=float,
-        metavar="S",
-        help="every job's checkpoint-restart (switch) delay in seconds, instead of the calibration's",
     )
     parser.add_argument(
         "--interference",
@@ -76,11 +86,6 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         dest="fairness",
         action="store_false",
         help="skip finish-time fairness (it simulates each distinct job alone on its fair share)",
-    )
-    parser.add_argument(
-        "--round-s",
-        type=float,
-        help="the simulator's round in seconds (default 60); fifo, tiresias and timeslice decide every round",
     )
     parser.add_argument(
         "--teams",
@@ -304,6 +309,48 @@ METRICS = [
 ]
 
 
+# The bound on each set (its files' mean), and each policy's way from sia's average JCT to it.
+BOUND_METRICS = [("bound_s", "bound h", 3600), ("to_bound", "sia→bound", 1)]
+
+
+def compare_bounds(args: argparse.Namespace, sets: dict[str, list[str]], sources) -> dict[str, float]:
+    """Each file's infinite-cluster bound (sim.bound), in the runs' world."""
+    from sim.bound import workload_bounds
+
+    times: dict = {}  # each model's times, once for the whole comparison: one cluster, one world
+    return {
+        f: workload_bounds(
+            f,
+            args.cluster,
+            sources=sources,
+            calibration=args.calibration,
+            restart_delay_s=args.restart_delay,
+            round_s=args.round_s,
+            times=times,
+        )["infinite_cluster_s"]
+        for files in sets.values()
+        for f in files
+    }
+
+
+def add_way_to_bound(rows: list[dict], runs: list[dict], bound: dict[str, float], sets: dict[str, list[str]]) -> None:
+    """Each row's `to_bound`: the mean over its set's files of how far its average JCT went from
+    sia's (0) to the infinite-cluster bound (1); none where sia was not run."""
+    sia = {r["workload"]: r["avg_jct_s"] for r in runs if r["policy_spec"] == "sia"}
+    for row in rows:
+        ways = [
+            (sia[r["workload"]] - r["avg_jct_s"]) / (sia[r["workload"]] - bound[r["workload"]])
+            for r in runs
+            if r["policy_spec"] == row["policy"]
+            and r["workload"] in sets[row["workloads"]]
+            and r["workload"] in sia
+            and r["workload"] in bound
+            and None not in (sia[r["workload"]], r["avg_jct_s"])
+            and sia[r["workload"]] > bound[r["workload"]]
+        ]
+        row["to_bound"] = float(np.mean(ways)) if ways else None
+
+
 def _mean(values: list) -> float | None:
     """Mean over the files of a set, None when no file has a value (every job unfinished)."""
     present = [v for v in values if v is not None]
@@ -323,6 +370,7 @@ def _compare(args: argparse.Namespace) -> int:
     check_team_run(args, args.policies, [f for files in sets.values() for f in files])
     sources = job_sources(args.reference, args.zoo)
     rows, everything = [], []
+    bounds = compare_bounds(args, sets, sources)
     # With teams, each team's average JCT too (a column per team).
     team_metrics = [
         (f"{name}_avg_jct_s", f"{name} avg JCT h", 3600) for name in (args.team_file.teams if args.team_file else ())
@@ -348,14 +396,17 @@ def _compare(args: argparse.Namespace) -> int:
                     "files": len(files),
                     "policy": policy,
                     **cells,
+                    "bound_s": _mean([bounds[f] for f in files]),
+                    "to_bound": None,
                     "policy_ms_p50": float(np.mean([q["p50"] for q in policy_ms])),
                     "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
                     "unfinished": sum(r["jobs_unfinished"] for r in runs),
                     "took_s": float(np.mean([r["took_s"] for r in runs])),
                 }
             )
+    add_way_to_bound(rows, everything, bounds, sets)
     metrics = [
-        m for m in METRICS + team_metrics if any(row[m[0]] is not None for row in rows)
+        m for m in METRICS + team_metrics + BOUND_METRICS if any(row[m[0]] is not None for row in rows)
     ]  # columns some run measured
     header = (
         "| workloads | policy | " + " | ".join(label for _, label, _ in metrics) + " | policy ms p50/p95 | run took |"
