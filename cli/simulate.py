@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import sys
 import time
@@ -15,6 +17,7 @@ from policies.base import POLICIES, policy_spec
 from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
 from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS, PRESETS
+from sim.sweep import LOCAL, default_workers, sweep
 from sim.workload import BUILT_IN_WORKLOAD
 
 # What `goodput compare` runs unless told: the default policy against the peers' (with --teams: the
@@ -149,6 +152,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="all results as JSON, its folder created (default: %(default)s)",
     )
     cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
+    cmp.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        metavar="N",
+        help="simulations at once, each in a process of its own (default: this machine's cores, %(default)s); "
+        "1 runs them one after another in this process; the results are the same",
+    )
+    cmp.add_argument(
+        "--engine",
+        metavar="ADDRESS",
+        help=f"run the simulations on the Dask cluster whose scheduler is at ADDRESS (tcp://host:8786), "
+        f"or '{LOCAL}' for a Dask cluster of --workers processes started here; its workers need goodput "
+        "installed and the reference data at the same path",
+    )
     add_simulation_arguments(cmp)
     cmp.set_defaults(func=_compare)
 
@@ -190,6 +208,24 @@ def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progre
     )
     result["policy_spec"] = spec
     return result
+
+
+def compare_cell(args: argparse.Namespace, cell: tuple[str, str]) -> dict:
+    """One cell of `goodput compare`: a workload file under a policy, timed (sim.sweep runs it in
+    this process or another, on this machine or a Dask worker)."""
+    workload, spec = cell
+    start = time.perf_counter()
+    result = run_spec(args, workload, spec, sources_of(args.reference, args.zoo), progress=False)
+    result["took_s"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+@functools.cache
+def sources_of(reference: str | None, use_zoo: bool):
+    """The jobs' truth, read once a process."""
+    from sim.run import job_sources
+
+    return job_sources(reference, use_zoo)
 
 
 def check_team_run(args: argparse.Namespace, specs: list[str], workloads: list[str]) -> None:
@@ -358,8 +394,6 @@ def _mean(values: list) -> float | None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from sim.run import job_sources
-
     sets = workload_sets(args.workloads)
     if args.policies is None:
         from services.policy.rounds import team_policies
@@ -368,22 +402,33 @@ def _compare(args: argparse.Namespace) -> int:
     for spec in args.policies:
         policy_spec(spec)  # refuse a bad name before hours of runs
     check_team_run(args, args.policies, [f for files in sets.values() for f in files])
-    sources = job_sources(args.reference, args.zoo)
+    sources = sources_of(args.reference, args.zoo)
     rows, everything = [], []
     bounds = compare_bounds(args, sets, sources)
     # With teams, each team's average JCT too (a column per team).
     team_metrics = [
         (f"{name}_avg_jct_s", f"{name} avg JCT h", 3600) for name in (args.team_file.teams if args.team_file else ())
     ]
+    cells = [(f, policy) for files in sets.values() for policy in args.policies for f in files]
+
+    finished = itertools.count(1)
+
+    def done(i: int, r: dict) -> None:
+        f, policy = cells[i]
+        line = f"{policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)"
+        print(f"  [{next(finished)}/{len(cells)}] {line}", file=sys.stderr, flush=True)
+
+    # Each cell runs on absolute paths (a worker's folder is its own); its result names the file as given.
+    if args.reference:
+        args.reference = str(Path(args.reference).absolute())
+    tasks = [(str(Path(f).absolute()), policy) for f, policy in cells]
+    task = functools.partial(compare_cell, args)
+    runs_of = dict(zip(cells, sweep(task, tasks, workers=args.workers, engine=args.engine, done=done)))
+    for (f, _), r in runs_of.items():
+        r["workload"] = f
     for name, files in sets.items():
         for policy in args.policies:
-            runs = []
-            for f in files:
-                start = time.perf_counter()
-                r = run_spec(args, f, policy, sources, progress=False)
-                r["took_s"] = round(time.perf_counter() - start, 2)
-                runs.append(r)
-                print(f"  {policy:<9} {f}: avg JCT {_hours(r['avg_jct_s'])} h ({r['took_s']:.0f} s)", file=sys.stderr)
+            runs = [runs_of[f, policy] for f in files]
             everything.extend(runs)
             cells = {key: _mean([r.get(key) for r in runs]) for key, _, _ in METRICS}  # no rho: --no-fairness
             for key, _, _ in team_metrics:
