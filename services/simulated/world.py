@@ -267,7 +267,7 @@ class SubmittedJob(msgspec.Struct):
             None,
             failure=CANCELLED if self.cancelled else self.rejected,
             state=state,
-            team=spec.team if spec else self.team,
+            team=(spec.team if spec else self.team) or DEFAULT_TEAM,
             owner=self.owner,
         )
 
