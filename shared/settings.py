@@ -15,6 +15,9 @@ from goodput_train.goodput import RETUNE_THRESHOLD
 DEFAULT_POLICY = "goodput"  # what `goodput up`, `simulate` and the manifests run unless told otherwise
 ROUND_S = 60.0  # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
+# Submissions the profiler judges at once from traces, and the estimator stores at once: each waits
+# on the bus most of its time (docs/services.md, a burst).
+JUDGED_AT_ONCE = 64
 
 
 @dataclass(frozen=True)

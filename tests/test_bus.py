@@ -208,6 +208,37 @@ async def test_consume_acks_naks_and_terminates_invalid(connect_bus, name_prefix
     assert handled.empty() and invalid.empty()
 
 
+async def test_a_concurrent_consumer_has_a_batch_in_hand_at_once_and_acks_each(connect_bus, name_prefix):
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_MANY", f"{name_prefix}.many"
+    await bus.ensure_stream(stream, [subject])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, ack_wait=30)
+    for n in range(8):
+        await bus.js_publish(subject, Ping(n))
+    in_hand: set[int] = set()
+    all_in_hand = asyncio.Event()
+    done: asyncio.Queue = asyncio.Queue()
+
+    async def handle(ping: Ping, delivery: Delivery[Ping]) -> None:
+        # Each waits until all eight are in hand: one after another, the first would wait forever.
+        in_hand.add(ping.n)
+        if len(in_hand) == 8:
+            all_in_hand.set()
+        await all_in_hand.wait()
+        if ping.n == 3 and delivery.num_delivered == 1:
+            raise RuntimeError("this one fails: it alone comes back")
+        done.put_nowait(ping.n)
+
+    task = asyncio.create_task(consumer.consume(handle, batch=8, timeout=0.5, with_delivery=True, concurrent=True))
+    try:
+        assert sorted([await next_item(done) for _ in range(7)]) == [0, 1, 2, 4, 5, 6, 7]
+        assert await next_item(done) == 3  # redelivered, and then handled
+    finally:
+        task.cancel()
+    info = await bus.js.consumer_info(stream, "worker")
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
 async def test_kv_create_and_compare_and_set(connect_bus, name_prefix):
     bus = await connect_bus()
     kv = await bus.kv(f"{name_prefix}_state", Ping, history=5)

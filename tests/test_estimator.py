@@ -4,6 +4,7 @@ models report and the model zoo."""
 
 import json
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -273,3 +274,23 @@ def test_zoo_pgns_curve_and_profiles():
     prof = model_profile(zt.params, "cifar10", "rtx", zt.min_local, zt.max_local)
     assert prof.min_local == zt.min_local and prof.max_local == zt.max_local
     assert GoodputModel(zt.params, None, None, 128).throughput(1, 1, zt.max_local) > 0
+
+
+def test_jobs_with_one_bootstrap_profile_share_its_fit_and_an_observation_refits_only_theirs(monkeypatch):
+    from services.estimator import core
+
+    fits = []
+    real_fit = core.fit_throughput
+    monkeypatch.setattr(
+        core, "fit_throughput", lambda observations: fits.append(len(observations)) or real_fit(observations)
+    )
+    core.fit_profile.cache_clear()
+    zoo = load_zoo()["cifar10"].types["aws"]
+    profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
+    first = core.JobEstimate.build({"aws": msgspec.structs.replace(profile, job_id="a")})
+    second = core.JobEstimate.build({"aws": msgspec.structs.replace(profile, job_id="b")})
+    assert len(fits) == 1 and first.fitted == second.fitted  # one fit for both jobs
+    seen = Observation(1, 2, 64, 0, 0.5)
+    moved = second.observe("aws", seen)
+    assert len(fits) == 2 and fits[-1] == len(profile.points) + 1  # the job's own refit, with what it ran
+    assert moved.fitted["aws"] != first.fitted["aws"]

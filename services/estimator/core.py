@@ -15,6 +15,7 @@ models make over a cluster's configurations is `shared.table`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -25,7 +26,9 @@ from goodput_train.goodput import (
     compute_time,
     fit_throughput,
 )
-from shared.schema import EstimateRecord, JobFacts, JobModels, Profile
+from shared.schema import EstimateRecord, JobFacts, JobModels, Profile, ProfilePoint
+
+PROFILE_FITS_KEPT = 1024  # distinct bootstrap profiles whose fits are kept (a few per application and type)
 
 
 def profile_observations(profile: Profile) -> list[Observation]:
@@ -37,6 +40,13 @@ def profile_observations(profile: Profile) -> list[Observation]:
         )
         for p in profile.points
     ]
+
+
+@functools.lru_cache(maxsize=PROFILE_FITS_KEPT)
+def fit_profile(points: tuple[ProfilePoint, ...]) -> ThroughputParams:
+    """The fit of a bootstrap profile alone, once for every job whose profile holds these points:
+    a burst of one application's jobs, profiled from the same traces, is fitted once, not per job."""
+    return fit_throughput(profile_observations(Profile("", "", "", points, 1, 1)))
 
 
 def is_multi_gpu(observations: Sequence[Observation]) -> bool:
@@ -72,7 +82,10 @@ class JobEstimate:
     ) -> "JobEstimate":
         observations = {t: tuple(observations.get(t, ())) for t in profiles} if observations else {}
         fitted = {
-            t: fit_throughput(profile_observations(p) + list(observations.get(t, ()))) for t, p in profiles.items()
+            t: fit_throughput(profile_observations(p) + list(observations[t]))
+            if observations.get(t)
+            else fit_profile(p.points)
+            for t, p in profiles.items()
         }
         return cls(dict(profiles), observations, fitted)
 

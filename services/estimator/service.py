@@ -21,7 +21,7 @@ from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.runner import new_service
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
-from shared.settings import settings_for
+from shared.settings import JUDGED_AT_ONCE, settings_for
 
 CONFLICT_RETRIES = 20
 MAX_TRACED_IDS = 256  # job ids listed on one `estimator.goodput` span (the count is always there)
@@ -140,8 +140,15 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records, bus)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
+    # A burst of submissions: the profiler judges many at once, and each job's record is its own key.
     await bus.add_endpoint(
-        service, "profiles", subjects.PROFILES, JobProfiles, shared.add, span_name="estimator.profiles"
+        service,
+        "profiles",
+        subjects.PROFILES,
+        JobProfiles,
+        shared.add,
+        span_name="estimator.profiles",
+        concurrency=JUDGED_AT_ONCE,
     )
     await bus.add_endpoint(
         service, "observe", subjects.OBSERVE, Observed, shared.observe, span_name="estimator.observe"

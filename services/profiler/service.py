@@ -44,6 +44,7 @@ from shared.schema import (
     rejection,
     spec_digest,
 )
+from shared.settings import JUDGED_AT_ONCE
 from shared.submissions import id_taken, malformed_reason, named_types, submission_problem
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,12 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         )
         asyncio.get_running_loop().create_task(
             consumer.consume(
-                profiler.on_submission, with_delivery=True, on_dead=profiler.on_dead, **({"batch": 1} if real else {})
+                profiler.on_submission,
+                with_delivery=True,
+                on_dead=profiler.on_dead,
+                # Profiles read from traces: many judged at once. Two submissions of one id race only
+                # for its owner's key, which one of them wins (`claim`).
+                **({"batch": 1} if real else {"batch": JUDGED_AT_ONCE, "concurrent": True}),
             )
         )
     return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

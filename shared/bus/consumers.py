@@ -148,6 +148,7 @@ class PullConsumer(Generic[T]):
         timeout: float = 5.0,
         with_delivery: bool = False,
         on_dead: Callable[[Delivery[T], Exception], Any] | None = None,
+        concurrent: bool = False,
     ) -> None:
         """Run `handler(message)` (or `handler(message, delivery)`) for every message until
         cancelled, each inside its span: ack when it returns (unless it settled the delivery
@@ -156,7 +157,9 @@ class PullConsumer(Generic[T]):
         dead-lettered: `on_dead(delivery, error)` (e.g. the job's rejection), stored on the dead
         letters subject, and terminated. A fetch that fails is tried again; nothing ends the loop
         but cancellation. `timeout` is how long one fetch waits for a message (it returns at once
-        when one comes): an idle consumer asks once per `timeout`."""
+        when one comes): an idle consumer asks once per `timeout`. `concurrent`: the messages of a
+        fetched batch are handled at once (a handler that waits on the bus most of its time), else
+        one after another, in the stream's order."""
         retry_s = 0.5
         while True:
             try:
@@ -177,22 +180,35 @@ class PullConsumer(Generic[T]):
                 retry_s = min(2 * retry_s, FETCH_RETRY_MAX_S)
                 continue
             retry_s = 0.5
-            for delivery in deliveries:
-                with delivery.span() as span:
-                    working = asyncio.ensure_future(self._working(delivery))
-                    try:
-                        args = (delivery.message, delivery) if with_delivery else (delivery.message,)
-                        await _settle(handler(*args))
-                    except Exception as error:  # noqa: BLE001 - redeliver, keep consuming
-                        _mark_failed(span, error)
-                        if not delivery.settled:
-                            await self._failed(delivery, error, on_dead)
-                        continue
-                    finally:
-                        working.cancel()
-                    if not delivery.settled:
-                        with contextlib.suppress(nats.errors.Error):  # unacked: it comes back
-                            await delivery.ack()
+            if concurrent:
+                await asyncio.gather(*(self._handle(d, handler, with_delivery, on_dead) for d in deliveries))
+            else:
+                for delivery in deliveries:
+                    await self._handle(delivery, handler, with_delivery, on_dead)
+
+    async def _handle(
+        self,
+        delivery: Delivery[T],
+        handler: Callable[..., Any],
+        with_delivery: bool,
+        on_dead: Callable[[Delivery[T], Exception], Any] | None,
+    ) -> None:
+        """One delivery, in its span: handled, then acked; or failed (`_failed`)."""
+        with delivery.span() as span:
+            working = asyncio.ensure_future(self._working(delivery))
+            try:
+                args = (delivery.message, delivery) if with_delivery else (delivery.message,)
+                await _settle(handler(*args))
+            except Exception as error:  # noqa: BLE001 - redeliver, keep consuming
+                _mark_failed(span, error)
+                if not delivery.settled:
+                    await self._failed(delivery, error, on_dead)
+                return
+            finally:
+                working.cancel()
+            if not delivery.settled:
+                with contextlib.suppress(nats.errors.Error):  # unacked: it comes back
+                    await delivery.ack()
 
     async def _working(self, delivery: Delivery[T]) -> None:
         """While a handler works (a job profiled on real slots takes minutes), tell the server the
