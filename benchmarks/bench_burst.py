@@ -1,18 +1,23 @@
-"""A burst of live submissions: thousands of valid jobs at once on a serving stack, until every one finished.
+"""A burst of live submissions: thousands of valid jobs at once on a serving stack, judged, and run
+until every one finished.
 
     .venv/bin/python benchmarks/bench_burst.py [--jobs 2000] [--round 2] [--speed 600]
+    .venv/bin/python benchmarks/bench_burst.py --jobs 10000 --until verdicts [--replicas 2]
 
 The embedded stack serves as `goodput up --workload none --round R --speed S` does (a NATS server,
-the six services as processes, the live run on `sia-hetero-64`). A client with nats-py alone
-publishes `--jobs` small JobSpecs (cifar10, msgpack, Nats-Msg-Id = the id) all at once, then the
-run is followed until every job has finished. Prints:
+the six services as processes, `--replicas` profilers and estimators, the live run on
+`sia-hetero-64`). A client with nats-py alone publishes `--jobs` small JobSpecs (cifar10, msgpack,
+Nats-Msg-Id = the id) all at once; the benchmark counts the jobs with the profiler's verdict (the
+executors' count, every 50 ms), then (`--until finished`) follows the run until every job has
+finished. Prints:
 
 - N and the seconds until every submission was stored (each acknowledged by JetStream);
-- the seconds until the last verdict (all profiled) and until the last job finished;
+- the seconds until the last verdict, and until the last job finished;
 - the rounds during the burst: the decision's time (facts, models, the policy, the placer;
   RoundRecord.round_ms) and the wall time between two rounds on the run's log, p50/p95/max,
   against the round period;
-- each service's and the NATS server's peak resident memory (VmHWM).
+- each service's and the NATS server's peak resident memory (VmHWM);
+- last, the headline: `verdicts_per_s=… answered=… jobs=…`.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from launcher.nats import embedded_nats
 from launcher.stack import ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.lifecycle import JobState
-from shared.schema import JobRecords, JobsQuery
+from shared.schema import Count, JobRecords, JobsQuery
 from shared.settings import FEEDBACK_ITERATIONS
 
 CLUSTER = "sia-hetero-64"
@@ -60,7 +65,10 @@ async def submit_burst(server, jobs: int) -> float:
             )
             for i in range(jobs)
         ]
-        await asyncio.gather(*acks)
+        # publish_async hands back each message's future ack once it is sent: stored once they resolve.
+        stored = await asyncio.gather(*await asyncio.gather(*acks))
+        if len({ack.seq for ack in stored}) != jobs:
+            raise SystemExit(f"{jobs} submissions sent, {len({a.seq for a in stored})} stored")
         return time.perf_counter() - started
     finally:
         await nc.close()
@@ -68,7 +76,8 @@ async def submit_burst(server, jobs: int) -> float:
 
 async def run(args: argparse.Namespace, folder: Path) -> None:
     arguments = service_arguments(CLUSTER, None, True, None, FEEDBACK_ITERATIONS, None)
-    with embedded_nats(folder) as server, running_services(server, arguments, folder) as stack:
+    replicas = {"profiler": args.replicas, "estimator": args.replicas}
+    with embedded_nats(folder) as server, running_services(server, arguments, folder, replicas) as stack:
         bus = await server.connect("bench-burst")
         try:
             await stack.wait_ready(bus)
@@ -83,20 +92,30 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
             started = time.perf_counter()
             stored_s = await submit_burst(server, args.jobs)
             print(f"{args.jobs} submissions stored in {stored_s:.2f} s ({args.jobs / stored_s:,.0f}/s)", flush=True)
-            profiled_s = None
-            while True:
+            # The executors' count of the jobs with the profiler's verdict, asked every 50 ms: cheap
+            # beside the work it counts, and what a user's status shows (no longer "profiling").
+            answered = 0
+            while answered < args.jobs and time.perf_counter() - started < args.timeout:
+                await asyncio.sleep(0.05)
+                answered = (await bus.request(subjects.EXECUTOR_STATUS, JobsQuery("burst-"), Count, timeout=60)).n
+            profiled_s = time.perf_counter() - started
+            print(
+                f"{answered} of {args.jobs} submissions judged {profiled_s:.1f} s after the first one "
+                f"({answered / profiled_s:,.0f} verdicts a second)",
+                flush=True,
+            )
+            finished_s = None
+            while args.until == "finished" and answered == args.jobs:
                 records = (await bus.request(subjects.RECORDS, JobsQuery("burst-"), JobRecords, timeout=60)).jobs
                 states = [r.state for r in records]
-                if profiled_s is None and len(states) == args.jobs and JobState.PROFILING not in states:
-                    profiled_s = time.perf_counter() - started
                 if len(states) == args.jobs and all(s == JobState.FINISHED for s in states):
+                    finished_s = time.perf_counter() - started
                     break
                 if time.perf_counter() - started > args.timeout:
                     raise SystemExit(
                         f"not finished after {args.timeout:.0f} s: { {s: states.count(s) for s in set(states)} }"
                     )
                 await asyncio.sleep(1.0)
-            finished_s = time.perf_counter() - started
             following.cancel()
             memory = {name: rss_mb(process.pid)["VmHWM"] for name, process in stack.processes.items()}
             memory["nats-server"] = rss_mb(nats_server_pid())["VmHWM"]
@@ -105,10 +124,8 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
     burst = [(t, s) for t, s in steps if t >= started]
     decide = [s.record.round_ms for _, s in burst if s.record is not None]
     gaps = np.diff([t for t, _ in burst]) * 1e3
-    print(
-        f"every job profiled (verdict given) {profiled_s:.1f} s after the first submission; "
-        f"every job finished after {finished_s:.1f} s"
-    )
+    if finished_s is not None:
+        print(f"every job finished {finished_s:.1f} s after the first submission")
     print(
         f"{len(burst)} rounds during the burst, one every {args.round:g} s of wall time "
         f"({args.round * args.speed:g} s of the cluster's clock)"
@@ -116,6 +133,10 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
     print(f"  deciding a round (p50 / p95 / max): {quantiles(decide)}")
     print(f"  between two rounds  (p50 / p95 / max): {quantiles(gaps)}  (period {args.round * 1e3:.0f} ms)")
     print("peak resident memory (VmHWM): " + ", ".join(f"{name} {mb:.0f} MiB" for name, mb in memory.items()))
+    print(
+        f"verdicts_per_s={answered / profiled_s:.0f} answered={answered} jobs={args.jobs} replicas={args.replicas}"
+        + (f" finished_s={finished_s:.1f}" if finished_s is not None else "")
+    )
 
 
 def main() -> None:
@@ -124,6 +145,13 @@ def main() -> None:
     parser.add_argument("--round", type=float, default=2.0, help="wall-clock seconds between rounds")
     parser.add_argument("--speed", type=float, default=600.0, help="the cluster's seconds per wall-clock second")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--until",
+        choices=["verdicts", "finished"],
+        default="finished",
+        help="stop once every job has its verdict, or once every job has finished (default)",
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="profilers and estimators, each (default: 1)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(run(args, Path(folder)))

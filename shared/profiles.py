@@ -9,6 +9,7 @@ when there is no reference data), so the simulator and the embedded stack bootst
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -111,13 +112,15 @@ def profile_source(reference: str | None = None, use_zoo: bool = False) -> Profi
             if reference is not None:
                 raise
         else:
+            # Each (model, type)'s profile made once: every job of a burst asks for the same ones.
             return ProfileSource(
                 f"reference:{next(iter(traces.values())).folder.parent}",
                 {name: tuple(t.gpu_types) for name, t in traces.items()},
-                lambda model, gpu_type: trace_profile(traces[model], gpu_type),
+                functools.cache(lambda model, gpu_type: trace_profile(traces[model], gpu_type)),
             )
     zoo = load_zoo()
 
+    @functools.cache
     def profile(model: str, gpu_type: str) -> Profile:
         z = zoo[model].types[gpu_type]
         return model_profile(
