@@ -402,6 +402,8 @@ def _compare(args: argparse.Namespace) -> int:
     for spec in args.policies:
         policy_spec(spec)  # refuse a bad name before hours of runs
     check_team_run(args, args.policies, [f for files in sets.values() for f in files])
+    if args.reference:  # as the workers will read it, wherever they run
+        args.reference = str(Path(args.reference).absolute())
     sources = sources_of(args.reference, args.zoo)
     rows, everything = [], []
     bounds = compare_bounds(args, sets, sources)
@@ -419,8 +421,6 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"  [{next(finished)}/{len(cells)}] {line}", file=sys.stderr, flush=True)
 
     # Each cell runs on absolute paths (a worker's folder is its own); its result names the file as given.
-    if args.reference:
-        args.reference = str(Path(args.reference).absolute())
     tasks = [(str(Path(f).absolute()), policy) for f, policy in cells]
     task = functools.partial(compare_cell, args)
     runs_of = dict(zip(cells, sweep(task, tasks, workers=args.workers, engine=args.engine, done=done)))
