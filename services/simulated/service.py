@@ -52,6 +52,8 @@ from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
 
 log = logging.getLogger(__name__)
 
+SAVED_AT_ONCE = 256  # KV writes of the jobs' states in flight at once
+
 
 def add_world_arguments(parser) -> None:
     """A simulated cluster's options, for the services that play it (executor, profiler, estimator)."""
@@ -130,14 +132,17 @@ class SimulatedExecutorService:
         self.record_states()
 
     async def save(self, names=()) -> None:
-        """Write what changed (now, or in an attempt that failed half-way) to KV."""
+        """Write what changed (now, or in an attempt that failed half-way) to KV, SAVED_AT_ONCE
+        writes in flight: a round moves thousands of jobs, each its own key."""
         self.dirty.update(names)
-        for name in sorted(self.dirty):
-            entry = self.submitted[name]
-            entry.job = self.executors.jobs.get(name)
-            self.count_state(name)
-            await self.states.put(name, entry)
-            self.dirty.discard(name)
+        pending = sorted(self.dirty)
+        for start in range(0, len(pending), SAVED_AT_ONCE):
+            chunk = pending[start : start + SAVED_AT_ONCE]
+            for name in chunk:
+                self.submitted[name].job = self.executors.jobs.get(name)
+                self.count_state(name)
+            await asyncio.gather(*(self.states.put(name, self.submitted[name]) for name in chunk))
+            self.dirty.difference_update(chunk)
         self.record_states()
 
     def count_state(self, name: str) -> None:
