@@ -259,11 +259,9 @@ def _hours(seconds) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from sim.run import job_sources
-
     policy_spec(args.policy)  # a bad name or option refused before the truth is loaded
     check_team_run(args, [args.policy], [args.workload])
-    sources = job_sources(args.reference, args.zoo)
+    sources = sources_of(args.reference, args.zoo)
     start = time.perf_counter()
     # On a terminal a bar; in a log or a pipe a plain line every few seconds (sim.run.progress_reporter).
     result = run_spec(args, args.workload, args.policy, sources, progress=True)
@@ -380,7 +378,6 @@ def add_way_to_bound(rows: list[dict], runs: list[dict], bound: dict[str, float]
             if r["policy_spec"] == row["policy"]
             and r["workload"] in sets[row["workloads"]]
             and r["workload"] in sia
-            and r["workload"] in bound
             and None not in (sia[r["workload"]], r["avg_jct_s"])
             and sia[r["workload"]] > bound[r["workload"]]
         ]

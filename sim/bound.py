@@ -115,8 +115,9 @@ def epoch_times(cluster: Cluster, truth: ModelTruth, settings: SimSettings, wher
                 choices.append((m, s))
     if not choices:
         return np.full(len(truth.boundaries), np.inf)
-    batches = np.array([replicas * m * (s + 1) for m, s in set(choices)], dtype=float)
-    steps = np.array([truth.types[where.gpu_type].iteration_time(spread, m, s)[0] for m, s in set(choices)])
+    choices = sorted(set(choices))  # one order for the batches and their step times
+    batches = np.array([replicas * m * (s + 1) for m, s in choices], dtype=float)
+    steps = np.array([truth.types[where.gpu_type].iteration_time(spread, m, s)[0] for m, s in choices])
     speed = (
         settings.goodput_factor(truth.name) * batches / truth.init_batch / steps
     )  # progress a second at efficiency 1
