@@ -262,17 +262,26 @@ async def provision(bus: Bus, lease_ttl_s: float = LEASE_TTL_S) -> None:
 PROVISION_WAIT_S = 120.0
 
 
+# A cluster still forming: its meta leader may not yet see every peer (placement finds none online,
+# 10005) or JetStream may not yet be up on it (503); both pass within seconds.
+_FORMING_CODES = frozenset({10005})
+
+
 async def _patiently(step) -> None:
-    """An idempotent JetStream step, asked again while JetStream times out."""
+    """An idempotent JetStream step, asked again while the cluster is still forming."""
     deadline = asyncio.get_running_loop().time() + PROVISION_WAIT_S
     while True:
         try:
             await step()
             return
-        except nats.errors.TimeoutError:
-            if asyncio.get_running_loop().time() > deadline:
+        except (nats.errors.TimeoutError, nats.js.errors.APIError) as error:
+            forming = not isinstance(error, nats.js.errors.APIError) or (
+                error.code == 503 or error.err_code in _FORMING_CODES
+            )
+            if not forming or asyncio.get_running_loop().time() > deadline:
                 raise
-            log.warning("JetStream did not answer in time (a cluster still electing its leaders?); asking again")
+            log.warning("JetStream is not ready (%s; a cluster still forming?); asking again", error)
+            await asyncio.sleep(0.5)
 
 
 async def _provision_bucket(bus: Bus, bucket: Bucket, lease_ttl_s: float) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import nats.js.errors
 import pytest
 import yaml
 from kubernetes_validate import utils as k8s_schema
@@ -772,6 +773,26 @@ def role_env(role: str, workdir: Path, server: str) -> dict[str, str]:
     password_file = workdir / f"{role}.password"
     password_file.write_text(PASSWORDS[role])
     return {SERVER_ENV: server, "GOODPUT_NATS_USER": role, "GOODPUT_NATS_PASSWORD_FILE": str(password_file)}
+
+
+async def test_provisioning_asks_again_while_a_forming_cluster_sees_no_peer_and_stops_at_a_real_refusal():
+    calls = []
+
+    async def placed_on_the_third_ask():
+        calls.append(1)
+        if len(calls) < 3:  # as a meta leader answers before it has heard from every peer
+            raise nats.js.errors.BadRequestError(code=400, err_code=10005, description="no suitable peers for placement")
+
+    await storage._patiently(placed_on_the_third_ask)
+    assert len(calls) == 3
+
+    async def refused():
+        calls.append(1)
+        raise nats.js.errors.BadRequestError(code=400, err_code=10058, description="stream name already in use")
+
+    with pytest.raises(nats.js.errors.BadRequestError, match="already in use"):
+        await storage._patiently(refused)
+    assert len(calls) == 4
 
 
 @pytest.mark.e2e
