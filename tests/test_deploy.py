@@ -781,7 +781,9 @@ async def test_provisioning_asks_again_while_a_forming_cluster_sees_no_peer_and_
     async def placed_on_the_third_ask():
         calls.append(1)
         if len(calls) < 3:  # as a meta leader answers before it has heard from every peer
-            raise nats.js.errors.BadRequestError(code=400, err_code=10005, description="no suitable peers for placement")
+            raise nats.js.errors.BadRequestError(
+                code=400, err_code=10005, description="no suitable peers for placement"
+            )
 
     await storage._patiently(placed_on_the_third_ask)
     assert len(calls) == 3
