@@ -17,8 +17,9 @@ from policies.base import POLICIES, policy_spec
 from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
 from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS, PRESETS
+from sim.decompose import PARTS, mean_parts
 from sim.sweep import LOCAL, default_workers, sweep
-from sim.workload import BUILT_IN_WORKLOAD
+from sim.workload import BUILT_IN_WORKLOAD, TARGETS
 
 # What `goodput compare` runs unless told: the default policy against the peers' (with --teams: the
 # policies that hold teams' guarantees).
@@ -91,6 +92,19 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip finish-time fairness (it simulates each distinct job alone on its fair share)",
     )
     parser.add_argument(
+        "--targets",
+        choices=TARGETS,
+        default="given",
+        help="the work each job declares (target_epochs): given: the workload's column (default); "
+        "from-truth: a missing one filled with its application's real target; none: no declarations",
+    )
+    parser.add_argument(
+        "--target-noise",
+        type=noise_range,
+        metavar="LO,HI",
+        help="scale each declaration by a factor drawn log-uniformly in [LO, HI] (seeded by the job's name)",
+    )
+    parser.add_argument(
         "--teams",
         metavar="FILE",
         help="team file (docs/teams.md): each team's guaranteed GPUs per type, held every round; the "
@@ -98,12 +112,23 @@ def add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def noise_range(text: str) -> tuple[float, float]:
+    """`--target-noise LO,HI`: two factors, 0 < LO <= HI."""
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two numbers, e.g. 0.5,2), got {text!r}") from None
+    if not 0 < lo <= hi or not np.isfinite(hi):
+        raise argparse.ArgumentTypeError(f"expected 0 < LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="replay a workload on a simulated cluster")
     sim.add_argument(
         "--workload",
         default=str(BUILT_IN_WORKLOAD),
-        help="workload CSV (name,time,application,num_replicas,batch_size, optionally team,priority; "
+        help="workload CSV (name,time,application,num_replicas,batch_size, optionally team,priority,target_epochs; "
         f"default: the built-in 40-job workload, {BUILT_IN_WORKLOAD.relative_to(BUILT_IN_WORKLOAD.parents[2])})",
     )
     sim.add_argument(
@@ -205,6 +230,8 @@ def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progre
         interference=args.interference,
         profile_request=args.profile_request,
         teams=getattr(args, "team_file", None) or getattr(args, "teams", None),
+        targets=args.targets,
+        target_noise=args.target_noise,
     )
     result["policy_spec"] = spec
     return result
@@ -296,6 +323,8 @@ def report(result: dict, took: float, out: str, plot_path: str | None = None) ->
         f"policy ms p50/p95/max {result['policy_runtime_ms']['p50']:.1f}/{result['policy_runtime_ms']['p95']:.1f}/"
         f"{result['policy_runtime_ms']['max']:.1f}"
     )
+    if result.get("jct_parts_s"):
+        print(f"  where the avg JCT goes (s): {parts_line(result['jct_parts_s'])}")
     if result.get("rho_max") is not None:
         print(
             f"  finish-time fairness: max rho {result['rho_max']:.2f}, p99 {result['rho_p99']:.2f}, "
@@ -444,6 +473,9 @@ def _compare(args: argparse.Namespace) -> int:
                     "policy_ms_p95": float(np.mean([q["p95"] for q in policy_ms])),
                     "unfinished": sum(r["jobs_unfinished"] for r in runs),
                     "took_s": float(np.mean([r["took_s"] for r in runs])),
+                    "jct_parts_s": mean_parts([r["jct_parts_s"] for r in runs])
+                    if all(r.get("jct_parts_s") for r in runs)
+                    else None,
                 }
             )
     add_way_to_bound(rows, everything, bounds, sets)
@@ -463,6 +495,16 @@ def _compare(args: argparse.Namespace) -> int:
             f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | {cells} | "
             f"{row['policy_ms_p50']:.1f} / {row['policy_ms_p95']:.1f} | {row['took_s']:.0f} s |"
         )
+    parted = [row for row in rows if row["jct_parts_s"]]
+    if parted:  # where each average JCT goes (sim.decompose)
+        table += ["", "| workloads | policy | " + " | ".join(p.replace("_", " ") + " s" for p in PARTS) + " |"]
+        table.append("|" + "---|" * (len(PARTS) + 2))
+        table += [
+            f"| {Path(row['workloads']).name} ({row['files']}) | {row['policy']} | "
+            + " | ".join(f"{row['jct_parts_s'][p]:.0f}" for p in PARTS)
+            + " |"
+            for row in parted
+        ]
     write_results(
         {"table": rows, "runs": everything},
         args.out,
@@ -471,6 +513,11 @@ def _compare(args: argparse.Namespace) -> int:
         args.plot,
     )
     return 0
+
+
+def parts_line(parts: dict[str, float]) -> str:
+    """`compute 682, slower type 144, ...`: the parts of an average JCT (sim.decompose), in seconds."""
+    return ", ".join(f"{name.replace('_', ' ')} {parts[name]:.0f}" for name in PARTS)
 
 
 def _compare_title(results: dict) -> str:

@@ -422,6 +422,7 @@ async def replay(
             submit_s=job.time,
             team=job.team,
             priority=job.priority,
+            target_epochs=job.target_epochs,
         )
         await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
     while await _count(bus, subjects.EXECUTOR_STATUS, prefix) < len(jobs):

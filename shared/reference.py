@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from goodput_train.goodput import Observation
-from shared.schema.base import DEFAULT_TEAM, MAX_PRIORITY
+from shared.schema.base import DEFAULT_TEAM, MAX_PRIORITY, MAX_TARGET_EPOCHS
 from shared.teams import team_problem
 
 DEFAULT_ENV = "GOODPUT_REFERENCE"
@@ -400,12 +400,14 @@ class WorkloadJob:
     batch_size: int
     team: str = DEFAULT_TEAM
     priority: int = 0
+    target_epochs: float | None = None  # the work its user declares (JobSpec.target_epochs); None: none
 
 
 def load_workload(path: str | os.PathLike) -> list[WorkloadJob]:
     """Read a workload CSV (columns by name, extra columns ignored), sorted by submit time. The
     optional columns `team` (empty: the default team) and `priority` (an integer, empty: 0) say
-    whose each job is and its order within its team; a name that cannot be a team's is refused."""
+    whose each job is and its order within its team; a name that cannot be a team's is refused.
+    The optional column `target_epochs` (empty: none) is the work each job's user declares."""
     path = Path(path)
     _, rows = _read_columns(path, _WORKLOAD_COLUMNS)
     jobs = []
@@ -427,6 +429,11 @@ def load_workload(path: str | os.PathLike) -> list[WorkloadJob]:
         priority = _parse(path, line, "priority", row["priority"], int) if row.get("priority") else 0
         if abs(priority) > MAX_PRIORITY:
             raise ValueError(f"{path}, line {line}: priority {priority} is not within -{MAX_PRIORITY}..{MAX_PRIORITY}")
-        jobs.append(WorkloadJob(row["name"], time, row["application"], num_replicas, batch_size, team, priority))
+        target = _parse(path, line, "target_epochs", row["target_epochs"], float) if row.get("target_epochs") else None
+        if target is not None and not 0 < target <= MAX_TARGET_EPOCHS:
+            raise ValueError(f"{path}, line {line}: target_epochs {target} is not within (0, {MAX_TARGET_EPOCHS:g}]")
+        jobs.append(
+            WorkloadJob(row["name"], time, row["application"], num_replicas, batch_size, team, priority, target)
+        )
     jobs.sort(key=lambda j: j.time)  # stable: ties keep file order
     return jobs

@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from goodput_train.goodput import efficiency, pgns, split_batch
+from goodput_train.goodput import efficiency, split_batch
 from services.simulated.truth import JobSources, ModelTruth, job_sources
 from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob, load_workload
@@ -54,6 +54,7 @@ class ModelTimes:
 
     fixed: dict[Placement, float]  # seconds on that placement, each epoch at its best batch
     switching: float  # seconds with each epoch on its best placement and batch, switches free
+    per_epoch: dict[Placement, np.ndarray] = field(default_factory=dict, compare=False)  # each epoch's seconds
 
     @property
     def best_fixed(self) -> float:
@@ -122,14 +123,23 @@ def epoch_times(cluster: Cluster, truth: ModelTruth, settings: SimSettings, wher
         settings.goodput_factor(truth.name) * batches / truth.init_batch / steps
     )  # progress a second at efficiency 1
     work = np.diff(truth.boundaries, prepend=0.0)
-    times = np.empty(len(work))
-    for e, amount in enumerate(work):
-        sqr = np.interp(batches, truth.batches, truth.grad_sqr[:, e])
-        var = np.interp(batches, truth.batches, truth.grad_var[:, e])
-        noise = np.array([pgns(q, v, truth.init_batch) for q, v in zip(sqr, var)])
-        rate = speed * efficiency(noise, truth.init_batch, batches)
-        times[e] = amount / rate.max() if amount > 0 else 0.0
-    return times
+    sqr, var = (between(batches, truth.batches, stats) for stats in (truth.grad_sqr, truth.grad_var))
+    usable = np.isfinite(sqr) & np.isfinite(var) & (sqr > 0) & (var >= 0)  # as pgns: else no noise scale
+    with np.errstate(all="ignore"):
+        noise = np.where(usable, truth.init_batch * var / np.where(usable, sqr, 1.0), np.inf)
+    rate = speed[:, None] * efficiency(noise, truth.init_batch, batches[:, None])  # (batches, epochs)
+    return np.divide(work, rate.max(axis=0), out=np.zeros_like(work), where=work > 0)
+
+
+def between(x: np.ndarray, xp: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """(len(x), columns): each column of `rows` (len(xp), columns) interpolated at x over xp, as
+    np.interp does column by column (the ends held)."""
+    if len(xp) == 1:
+        return np.repeat(rows[:1], len(x), axis=0)
+    right = np.clip(np.searchsorted(xp, x, side="right"), 1, len(xp) - 1)
+    left = right - 1
+    share = np.clip((x - xp[left]) / (xp[right] - xp[left]), 0.0, 1.0)[:, None]
+    return rows[left] * (1.0 - share) + rows[right] * share
 
 
 def model_times(cluster: Cluster, truth: ModelTruth, settings: SimSettings) -> ModelTimes:
@@ -138,7 +148,7 @@ def model_times(cluster: Cluster, truth: ModelTruth, settings: SimSettings) -> M
         raise ValueError(f"model {truth.name} has no profile on any GPU type of cluster {cluster.name}")
     fixed = {p: float(t.sum()) for p, t in per_epoch.items()}
     switching = float(np.min(np.stack(list(per_epoch.values())), axis=0).sum())
-    return ModelTimes(fixed, switching)
+    return ModelTimes(fixed, switching, per_epoch)
 
 
 def job_bounds(

@@ -17,15 +17,18 @@ import numpy as np
 
 from policies.base import Policy, make_policy
 from services.policy.rounds import check_honours_teams
-from services.simulated.truth import JobSources, job_sources
+from services.simulated.truth import JobSources, ModelTruth, job_sources
 from shared.cluster import Cluster, load_cluster
 from shared.hardware import hardware_name
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import DEFAULT_TEAM, JobRecord, RoundRecord
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings, simulation_settings
 from shared.teams import TeamFile, Teams, load_team_file, resolve
+from sim.bound import ModelTimes, model_times
+from sim.decompose import job_parts, mean_parts
 from sim.fairness import AloneRuns, finish_time_fairness
 from sim.simulator import Simulator
+from sim.workload import declare_targets
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:
@@ -55,6 +58,8 @@ def simulate(
     interference: float = 0.0,
     profile_request: bool = False,
     teams: str | Path | TeamFile | None = None,
+    targets: str = "given",
+    target_noise: tuple[float, float] | None = None,
 ) -> dict:
     """Run one workload and return the result document. `teams`: a team file (its path, or the file)
     in force every round, checked first (`check_teams`); the document then has each team's results
@@ -65,6 +70,7 @@ def simulate(
     `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
     `interference` slows distributed jobs that share a node by that fraction; `profile_request`
     measures each job at its request on every type before it starts (`services.simulated.world.request_observations`);
+    `targets` and `target_noise` set the work each job declares (sim.workload.declare_targets);
     `over` replays the jobs through the services instead of the cores in this process
     (`launcher.stack.replay_over_nats`: `goodput simulate --bus nats`)."""
     jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
@@ -80,6 +86,7 @@ def simulate(
     if team_file is not None:
         resolved = check_teams(team_file, spec, pol, jobs, f"team file {teams}" if team_file is not teams else "")
     sources = sources or job_sources(reference, use_zoo)
+    jobs = declare_targets(jobs, lambda model: sources.truths[model].epochs_total, targets, target_noise)
     name = workload if isinstance(workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
     if over is not None:
@@ -334,9 +341,33 @@ def results(
         "timeline": timeline,
         "events": sim.events,
     }
+    if records is None:  # the jobs ran here: where their time went (sim.decompose)
+        parts = jct_parts(sim)
+        for job in jobs:
+            if (mine := parts.get(job["name"])) is not None:
+                job["jct_parts_s"] = {name: round(value, 3) for name, value in mine.items()}
+        result["jct_parts_s"] = mean_parts(list(parts.values()))
     if teams is not None or any(j["team"] != DEFAULT_TEAM for j in jobs):
         result["teams"] = team_results(jobs, sim.rounds, teams, sim.policy.round_s)
     return result
+
+
+# Each model's times alone, by (its truth, the cluster, the calibration): computed once a process.
+_TIMES: dict[tuple[int, Cluster, str], tuple[ModelTruth, ModelTimes]] = {}
+
+
+def jct_parts(sim: Simulator) -> dict[str, dict[str, float]]:
+    """Each finished job's JCT in parts (sim.decompose), from the simulated executors of this process."""
+    executors = sim.wiring.executors
+    parts = {}
+    for name, job in executors.jobs.items():
+        truth = executors.truths[name]
+        key = (id(truth), sim.cluster, sim.settings.name)
+        if key not in _TIMES:  # the truth is kept with its times, so its id is not reused
+            _TIMES[key] = (truth, model_times(sim.cluster, truth, sim.settings))
+        if (mine := job_parts(job, truth, _TIMES[key][1])) is not None:
+            parts[name] = mine
+    return parts
 
 
 def team_results(jobs: list[dict], rounds: list[RoundRecord], teams: Teams | None, decision_s: float) -> dict:

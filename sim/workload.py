@@ -10,7 +10,10 @@ model's initial batch with the GPU count.
 from __future__ import annotations
 
 import csv
+import dataclasses
+import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -66,12 +69,50 @@ def generate_workload(
 
 def write_workload(jobs: list[WorkloadJob], path: str | Path) -> None:
     """The jobs as a workload CSV; with `team` and `priority` columns when any job has a team or a
-    priority other than the default."""
+    priority other than the default, and `target_epochs` when any declares its work."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     teams = any(j.team != DEFAULT_TEAM or j.priority for j in jobs)
+    targets = any(j.target_epochs is not None for j in jobs)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["name", "time", "application", "num_replicas", "batch_size"] + ["team", "priority"] * teams)
+        writer.writerow(
+            ["name", "time", "application", "num_replicas", "batch_size"]
+            + ["team", "priority"] * teams
+            + ["target_epochs"] * targets
+        )
         for j in jobs:
             row = [j.name, int(j.time), j.application, j.num_replicas, j.batch_size]
-            writer.writerow(row + [j.team, j.priority] * teams)
+            target = "" if j.target_epochs is None else f"{j.target_epochs:g}"
+            writer.writerow(row + [j.team, j.priority] * teams + [target] * targets)
+
+
+# What `--targets` does to each job's declared work (target_epochs): keep what the workload says;
+# fill a missing one with the application's real target (its epochs in the truth: what its user
+# would state); drop them all.
+TARGETS = ("given", "from-truth", "none")
+
+
+def declare_targets(
+    jobs: list[WorkloadJob],
+    epochs_of: Callable[[str], float],
+    targets: str = "given",
+    noise: tuple[float, float] | None = None,
+    seed: int = 0,
+) -> list[WorkloadJob]:
+    """The jobs with their declarations as `targets` says (TARGETS; `epochs_of(application)`: its
+    real target), each then scaled by `noise` (lo, hi): a factor drawn log-uniformly in [lo, hi],
+    seeded by `seed` and the job's name (the same job gets the same factor in every run)."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {', '.join(TARGETS)}, got {targets!r}")
+    if noise is not None and not 0 < noise[0] <= noise[1]:
+        raise ValueError(f"target noise must be LO,HI with 0 < LO <= HI, got {noise[0]:g},{noise[1]:g}")
+    out = []
+    for job in jobs:
+        target = None if targets == "none" else job.target_epochs
+        if target is None and targets == "from-truth":
+            target = float(epochs_of(job.application))
+        if target is not None and noise is not None:
+            draw = np.random.default_rng([seed, zlib.crc32(job.name.encode())]).uniform(*np.log(noise))
+            target *= float(np.exp(draw))
+        out.append(dataclasses.replace(job, target_epochs=target))
+    return out

@@ -150,7 +150,18 @@ def job_models(
         fixed_gpus=facts.requested_gpus if facts.rigid else None,
         fixed_batch=facts.requested_batch if facts.rigid else None,
         group_gpus=dict(group_gpus),
+        remaining_samples=remaining_samples(facts),
     )
+
+
+def remaining_samples(facts: JobFacts) -> float | None:
+    """Examples at M0 left to a job's declared target (JobModels.remaining_samples): the epochs it
+    has left at the size of the epoch under way; None without a declaration, an epoch's size, or
+    once it has run past what it declared."""
+    target, done = facts.target_epochs, facts.epochs
+    if target is None or facts.epoch_samples <= 0 or done >= target:
+        return None
+    return (target - done) * facts.epoch_samples
 
 
 class Estimator:

@@ -448,6 +448,13 @@ class RealExecutors:
             max_gpus_seen=job.max_gpus_seen,
             grad_sqr=stats.grad_sqr if stats else None,
             grad_var=stats.grad_var if stats else None,
+            epochs=stats.epochs if stats else 0.0,
+            # The submission's declaration; else the target the job's own code reports.
+            target_epochs=spec.target_epochs
+            if spec.target_epochs is not None
+            else stats.target_epochs
+            if stats
+            else None,
             estimate_revision=job.estimate_revision,
             trace=job.trace,
             team=spec.team or DEFAULT_TEAM,

@@ -138,6 +138,22 @@ class ModelTruth:
     def epoch(self, progress: float) -> int:
         return min(int(np.searchsorted(self.boundaries, progress, side="right")), len(self.boundaries) - 1)
 
+    @property
+    def epochs_total(self) -> int:
+        """Its statistical epochs to the end: the target its user would declare."""
+        return len(self.boundaries)
+
+    def epochs(self, progress: float) -> float:
+        """Statistical epochs done at `progress` (fractional): what the job reports as its epochs."""
+        e = self.epoch(progress)
+        start = float(self.boundaries[e - 1]) if e else 0.0
+        return e + min(max(progress - start, 0.0) / max(float(self.boundaries[e]) - start, 1e-12), 1.0)
+
+    def epoch_samples(self, progress: float) -> float:
+        """Examples at M0 in the epoch under way (its progress in iterations at M0, times M0)."""
+        e = self.epoch(progress)
+        return (float(self.boundaries[e]) - (float(self.boundaries[e - 1]) if e else 0.0)) * self.init_batch
+
     def stats(self, progress: float, batch: float) -> tuple[float, float]:
         """(grad_sqr, grad_var) in the current epoch, as measured at this batch size."""
         e = self.epoch(progress)

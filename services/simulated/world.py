@@ -66,6 +66,12 @@ class SimulatedJob(msgspec.Struct):
     unfit: str | None = None  # why the cluster cannot take it (shared/waits.py), if it cannot
     borrowed: int = 0  # of its GPUs, those beyond its team's guarantee (the last round's word)
     reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for another team
+    # Where its time went, for the simulator's JCT decomposition (sim.decompose): when it first trained
+    # (its first start's delay paid), the restarts it paid after that, and per (type, GPUs, epoch)
+    # the progress it made there and the seconds it took.
+    first_run_s: float | None = None
+    restart_s: float = 0.0
+    ran: dict[str, tuple[float, float]] = {}
 
     @property
     def name(self) -> str:
@@ -149,6 +155,9 @@ class SimulatedJob(msgspec.Struct):
             max_gpus_seen=self.max_gpus_seen,
             grad_sqr=sqr,
             grad_var=var,
+            epochs=truth.epochs(self.progress),
+            target_epochs=spec.target_epochs,
+            epoch_samples=truth.epoch_samples(self.progress),
             estimate_revision=self.estimate_revision,
             trace=self.trace,
             team=spec.team,
@@ -202,6 +211,10 @@ class SimulatedJob(msgspec.Struct):
         run = step - delay
         used = delay
         observation = None
+        if self.first_run_s is not None:
+            self.restart_s += delay
+        elif run > 0:
+            self.first_run_s = now + delay
         if run > 0:
             t_iter, t_compute = truth.types[cfg.gpu_type].iteration_time([g for _, g in self.placement], self.m, self.s)
             observation = Observation(cfg.nodes, self.replicas, self.m, self.s, t_iter, t_compute)
@@ -212,8 +225,11 @@ class SimulatedJob(msgspec.Struct):
                 rate = truth.efficiency(self.progress, batch) * batch / truth.init_batch * steps_per_s
                 boundary = float(truth.boundaries[truth.epoch(self.progress)])
                 dt = min(max(boundary - self.progress, 0.0) / rate, run - elapsed)
-                before = self.iterations
+                before, done = self.iterations, self.progress
                 self.progress = boundary if dt < run - elapsed else self.progress + rate * dt
+                key = ran_key(cfg.gpu_type, cfg.gpus, truth.epoch(done))
+                work, seconds = self.ran.get(key, (0.0, 0.0))
+                self.ran[key] = (work + self.progress - done, seconds + dt)
                 self.iterations += steps_per_s * dt
                 if self.feedback_s is None and self.iterations >= feedback_iterations:
                     self.feedback_s = now + used + elapsed + (feedback_iterations - before) / steps_per_s
@@ -225,6 +241,11 @@ class SimulatedJob(msgspec.Struct):
         self.gpu_seconds += cfg.gpus * used
         self.attained_by_type[cfg.gpu_type] = self.attained_by_type.get(cfg.gpu_type, 0.0) + cfg.gpus * used
         return observation
+
+
+def ran_key(gpu_type: str, gpus: int, epoch: int) -> str:
+    """`SimulatedJob.ran`'s key of a stretch on `gpus` of `gpu_type` in `epoch`."""
+    return f"{gpu_type}|{gpus}|{epoch}"
 
 
 class SubmittedJob(msgspec.Struct):
@@ -284,6 +305,7 @@ def as_workload_job(spec: JobSpec, truth: ModelTruth) -> WorkloadJob:
         batch,
         spec.team or DEFAULT_TEAM,
         spec.priority,
+        spec.target_epochs,
     )
 
 

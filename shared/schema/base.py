@@ -35,6 +35,7 @@ BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
 TEAM_NAME = r"^[a-z0-9][a-z0-9_-]{0,31}(?![\s\S])"
 TeamName = Annotated[str, msgspec.Meta(pattern=TEAM_NAME)]
 MAX_PRIORITY = 1000  # a job's priority within its team: -MAX_PRIORITY to MAX_PRIORITY
+MAX_TARGET_EPOCHS = 1e6  # the most statistical epochs a job may declare
 
 
 Spots = tuple[tuple[str, int], ...]  # a physical placement: ((node name, GPUs on it), ...), sorted by node

@@ -13,6 +13,7 @@ from shared.schema.base import (
     MAX_GPU_TYPES,
     MAX_PRIORITY,
     MAX_SUBMIT_S,
+    MAX_TARGET_EPOCHS,
     SCHEMA_VERSION,
     BatchSize,
     GpuCount,
@@ -54,6 +55,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # guarantee first (higher first); jobs of equal priority share by goodput.
     team: TeamName | None = None
     priority: Annotated[int, msgspec.Meta(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    # The work its user declares: statistical epochs at M0 (goodput_train's `target_epochs`); None:
+    # none. The scheduler plans with it while the job is within it, and never stops a job for it.
+    target_epochs: Annotated[float, msgspec.Meta(gt=0, le=MAX_TARGET_EPOCHS)] | None = None
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

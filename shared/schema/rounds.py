@@ -36,6 +36,11 @@ class JobFacts(msgspec.Struct, frozen=True):
     max_gpus_seen: int = 0  # replicas for a hybrid-parallel job (see JobModels)
     grad_sqr: float | None = None
     grad_var: float | None = None
+    # Its progress as it reports it: statistical epochs at M0 done, the work its user declared
+    # (JobSpec.target_epochs; None: none), and examples at M0 in an epoch (0: not known yet).
+    epochs: NonNegativeFloat = 0.0
+    target_epochs: float | None = None
+    epoch_samples: NonNegativeFloat = 0.0
     estimate_revision: int = 0  # the estimator's record of the job is at least this new
     trace: str = ""  # its submission's W3C traceparent ("" when none came)
     team: str = DEFAULT_TEAM  # the team it belongs to, and its priority there (its JobSpec's)
@@ -64,6 +69,10 @@ class JobModels(msgspec.Struct, frozen=True):
     fixed_batch: int | None = None  # strong-scaling job: this total batch, goodput = throughput
     group_gpus: dict[str, int] = {}  # hybrid-parallel job: GPUs of one replica per type
     start_gpus: PositiveInt = 1  # the most a job that never ran may start on (Sia: 1)
+    # Examples at M0 left to its declared target, from the progress it reports (goodput x time =
+    # examples at M0); None: it declared none, its epoch's size is not known yet, or it has run
+    # past its declaration (and with it lost the priority the declaration bought).
+    remaining_samples: float | None = None
 
     def model(self, gpu_type: str) -> GoodputModel:
         return GoodputModel(self.params[gpu_type], self.grad_sqr, self.grad_var, self.init_batch)
