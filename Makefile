@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_trainer_overhead.py
 	$(PY) benchmarks/bench_metrics.py
 	$(PY) benchmarks/bench_decisions.py
+	$(PY) benchmarks/bench_simulator.py
 
 clean:
 	rm -rf $(VENV) out
