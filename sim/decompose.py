@@ -38,7 +38,7 @@ def job_parts(job: SimulatedJob, truth: ModelTruth, times: ModelTimes) -> dict[s
         on_type[where.gpu_type] = np.minimum(on_type.get(where.gpu_type, unit), unit)
     compute = slower = running = 0.0
     for key, (done, seconds) in job.ran.items():
-        gpu_type, _, epoch = key.split("|")
+        gpu_type, epoch = key.split("|")
         ideal, typed = done * best[int(epoch)], done * on_type[gpu_type][int(epoch)]
         compute, slower, running = compute + ideal, slower + typed - ideal, running + seconds
     jct = job.finish_s - job.spec.time

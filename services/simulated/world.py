@@ -67,7 +67,7 @@ class SimulatedJob(msgspec.Struct):
     borrowed: int = 0  # of its GPUs, those beyond its team's guarantee (the last round's word)
     reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for another team
     # Where its time went, for the simulator's JCT decomposition (sim.decompose): when it first trained
-    # (its first start's delay paid), the restarts it paid after that, and per (type, GPUs, epoch)
+    # (its first start's delay paid), the restarts it paid after that, and per GPU type and epoch
     # the progress it made there and the seconds it took.
     first_run_s: float | None = None
     restart_s: float = 0.0
@@ -227,7 +227,7 @@ class SimulatedJob(msgspec.Struct):
                 dt = min(max(boundary - self.progress, 0.0) / rate, run - elapsed)
                 before, done = self.iterations, self.progress
                 self.progress = boundary if dt < run - elapsed else self.progress + rate * dt
-                key = ran_key(cfg.gpu_type, cfg.gpus, truth.epoch(done))
+                key = ran_key(cfg.gpu_type, truth.epoch(done))
                 work, seconds = self.ran.get(key, (0.0, 0.0))
                 self.ran[key] = (work + self.progress - done, seconds + dt)
                 self.iterations += steps_per_s * dt
@@ -243,9 +243,9 @@ class SimulatedJob(msgspec.Struct):
         return observation
 
 
-def ran_key(gpu_type: str, gpus: int, epoch: int) -> str:
-    """`SimulatedJob.ran`'s key of a stretch on `gpus` of `gpu_type` in `epoch`."""
-    return f"{gpu_type}|{gpus}|{epoch}"
+def ran_key(gpu_type: str, epoch: int) -> str:
+    """`SimulatedJob.ran`'s key of a stretch on `gpu_type` in `epoch`."""
+    return f"{gpu_type}|{epoch}"
 
 
 class SubmittedJob(msgspec.Struct):
