@@ -6,10 +6,11 @@ until every one finished.
 
 The embedded stack serves as `goodput up --workload none --round R --speed S` does (a NATS server,
 the six services as processes, `--replicas` profilers and estimators, the live run on
-`sia-hetero-64`). A client with nats-py alone publishes `--jobs` small JobSpecs (cifar10, msgpack,
-Nats-Msg-Id = the id) all at once; the benchmark counts the jobs with the profiler's verdict (the
-executors' count, every 50 ms), then (`--until finished`) follows the run until every job has
-finished. Prints:
+`sia-hetero-64`). Clients with nats-py alone publish `--jobs` small JobSpecs (cifar10, msgpack,
+Nats-Msg-Id = the id) all at once, from as many logins as that takes (`user`, then `burst2` …: a
+login has at most 5,000 waiting on the intake stream); the benchmark counts the jobs with the
+profiler's verdict (the executors' count, every 50 ms), then (`--until finished`) follows the run
+until every job has finished. Prints:
 
 - N and the seconds until every submission was stored (each acknowledged by JetStream);
 - the seconds until the last verdict, and until the last job finished;
@@ -35,11 +36,12 @@ from bench_load import nats_server_pid, rss_mb
 
 from launcher.live_run import live_request
 from launcher.nats import embedded_nats
-from launcher.stack import ensure_run, follow_run_steps, running_services, service_arguments
+from launcher.stack import another_login, ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.lifecycle import JobState
 from shared.schema import Count, JobRecords, JobsQuery
 from shared.settings import FEEDBACK_ITERATIONS
+from shared.storage import LOGIN_LIMITS
 
 CLUSTER = "sia-hetero-64"
 
@@ -51,27 +53,36 @@ def quantiles(values) -> str:
     return f"{p50:.0f} / {p95:.0f} / {max(values):.0f} ms"
 
 
-async def submit_burst(server, jobs: int) -> float:
-    """Seconds until every submission was stored (as a user's client: nats-py, msgpack)."""
-    nc = await nats.connect(server.url, **server.options("user"))
-    try:
-        js = nc.jetstream()
-        started = time.perf_counter()
-        acks = [
+async def logins_for(server, folder: Path, jobs: int) -> list[tuple[str, object]]:
+    """Enough logins for `jobs` submissions at once, each with its nats-py connection: `user`, then
+    `burst2`, … as `goodput login add` adds them (one login's backlog on the intake stream is at
+    most LOGIN_LIMITS.backlog: the server refuses the next, "maximum messages per subject exceeded")."""
+    logins = [("user", await nats.connect(server.url, **server.options("user")))]
+    for n in range(2, -(-jobs // LOGIN_LIMITS.backlog) + 1):
+        logins.append((f"burst{n}", await another_login(folder, f"burst{n}", server.url)))
+    return logins
+
+
+async def submit_burst(logins: list[tuple[str, object]], jobs: int) -> float:
+    """Seconds until every submission was stored (as users' clients: nats-py, msgpack), the jobs
+    dealt out to the logins in turn."""
+    streams = [(login, nc.jetstream()) for login, nc in logins]
+    started = time.perf_counter()
+    acks = []
+    for i in range(jobs):
+        login, js = streams[i % len(streams)]
+        acks.append(
             js.publish_async(
-                subjects.submit("user"),
+                subjects.submit(login),
                 msgspec.msgpack.encode({"id": f"burst-{i}", "application": "cifar10"}),
                 headers={"Nats-Msg-Id": f"burst-{i}"},
             )
-            for i in range(jobs)
-        ]
-        # publish_async hands back each message's future ack once it is sent: stored once they resolve.
-        stored = await asyncio.gather(*await asyncio.gather(*acks))
-        if len({ack.seq for ack in stored}) != jobs:
-            raise SystemExit(f"{jobs} submissions sent, {len({a.seq for a in stored})} stored")
-        return time.perf_counter() - started
-    finally:
-        await nc.close()
+        )
+    # publish_async hands back each message's future ack once it is sent: stored once they resolve.
+    stored = await asyncio.gather(*await asyncio.gather(*acks))
+    if len({(ack.stream, ack.seq) for ack in stored}) != jobs:
+        raise SystemExit(f"{jobs} submissions sent, {len({(a.stream, a.seq) for a in stored})} stored")
+    return time.perf_counter() - started
 
 
 async def run(args: argparse.Namespace, folder: Path) -> None:
@@ -89,9 +100,18 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
                     steps.append((time.perf_counter(), step))
 
             following = asyncio.ensure_future(follow())
-            started = time.perf_counter()
-            stored_s = await submit_burst(server, args.jobs)
-            print(f"{args.jobs} submissions stored in {stored_s:.2f} s ({args.jobs / stored_s:,.0f}/s)", flush=True)
+            logins = await logins_for(server, folder, args.jobs)
+            try:
+                started = time.perf_counter()
+                stored_s = await submit_burst(logins, args.jobs)
+            finally:
+                for _, nc in logins:
+                    await nc.close()
+            print(
+                f"{args.jobs} submissions stored in {stored_s:.2f} s ({args.jobs / stored_s:,.0f}/s), "
+                f"from {len(logins)} login{'s' * (len(logins) > 1)}",
+                flush=True,
+            )
             # The executors' count of the jobs with the profiler's verdict, asked every 50 ms: cheap
             # beside the work it counts, and what a user's status shows (no longer "profiling").
             answered = 0

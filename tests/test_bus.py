@@ -43,6 +43,17 @@ async def next_item(queue: asyncio.Queue, timeout: float = TIMEOUT_S):
     return await asyncio.wait_for(queue.get(), timeout)
 
 
+async def settled(bus, stream: str, consumer: str = "worker"):
+    """The consumer's info once no message is waiting for its ack (the server takes an ack a moment
+    after the handler's return), or as it is after TIMEOUT_S."""
+    for _ in range(int(TIMEOUT_S / 0.05)):
+        info = await bus.js.consumer_info(stream, consumer)
+        if info.num_ack_pending == 0:
+            break
+        await asyncio.sleep(0.05)
+    return info
+
+
 async def test_publish_subscribe_round_trip(connect_bus, name_prefix):
     consumer, producer = await connect_bus("consumer"), await connect_bus("producer")
     received: asyncio.Queue = asyncio.Queue()
@@ -235,8 +246,94 @@ async def test_a_concurrent_consumer_has_a_batch_in_hand_at_once_and_acks_each(c
         assert await next_item(done) == 3  # redelivered, and then handled
     finally:
         task.cancel()
-    info = await bus.js.consumer_info(stream, "worker")
+    info = await settled(bus, stream)
     assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_a_concurrent_consumer_fetches_more_while_a_slow_one_is_still_in_hand(connect_bus, name_prefix):
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_WINDOW", f"{name_prefix}.window"
+    await bus.ensure_stream(stream, [subject])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, ack_wait=30)
+    for n in range(6):
+        await bus.js_publish(subject, Ping(n))
+    last = asyncio.Event()
+    done: asyncio.Queue = asyncio.Queue()
+
+    async def handle(ping: Ping) -> None:
+        # The first of a fetch of four waits for the last of all six: a batch handled only once its
+        # slowest one is done would never fetch it.
+        if ping.n == 0:
+            await last.wait()
+        if ping.n == 5:
+            last.set()
+        done.put_nowait(ping.n)
+
+    task = asyncio.create_task(consumer.consume(handle, batch=4, timeout=0.5, concurrent=True))
+    try:
+        assert sorted([await next_item(done) for _ in range(6)]) == list(range(6))
+    finally:
+        task.cancel()
+    info = await settled(bus, stream)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_a_batch_is_acked_only_once_after_batch_returned_and_comes_back_when_it_raises(connect_bus, name_prefix):
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_SAVED", f"{name_prefix}.saved"
+    await bus.ensure_stream(stream, [subject])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, ack_wait=30)
+    for n in range(5):
+        await bus.js_publish(subject, Ping(n))
+    taken: list[tuple[int, int]] = []
+    saves: asyncio.Queue = asyncio.Queue()
+
+    async def take(ping: Ping, delivery: Delivery[Ping]) -> None:
+        taken.append((ping.n, delivery.num_delivered))
+
+    async def save() -> None:
+        # What the batch's handlers took is not yet acknowledged: a crash now loses nothing.
+        info = await bus.js.consumer_info(stream, "worker")
+        saves.put_nowait((len(taken), info.num_ack_pending))
+        if len(taken) == 5:
+            raise RuntimeError("the store is away: the batch comes back")
+
+    task = asyncio.create_task(consumer.consume(take, batch=8, timeout=0.5, with_delivery=True, after_batch=save))
+    try:
+        assert await next_item(saves) == (5, 5)
+        while len(taken) < 10:  # redelivered after REDELIVER_AFTER_S (in one fetch or more), taken again
+            await next_item(saves)
+        await asyncio.sleep(0.3)
+    finally:
+        task.cancel()
+    assert taken[:5] == [(n, 1) for n in range(5)] and sorted(taken[5:]) == [(n, 2) for n in range(5)]
+    info = await settled(bus, stream)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_a_message_waiting_behind_a_slow_one_of_its_batch_is_kept_in_hand(connect_bus, name_prefix):
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_SLOW", f"{name_prefix}.slow"
+    await bus.ensure_stream(stream, [subject])
+    consumer = await bus.pull_consumer(stream, "worker", subject, Ping, ack_wait=0.6)
+    for n in range(2):
+        await bus.js_publish(subject, Ping(n))
+    handled: asyncio.Queue = asyncio.Queue()
+
+    async def handle(ping: Ping, delivery: Delivery[Ping]) -> None:
+        if ping.n == 0:
+            await asyncio.sleep(1.5)  # past ack_wait: the server is told both are in hand meanwhile
+        handled.put_nowait((ping.n, delivery.num_delivered))
+
+    task = asyncio.create_task(consumer.consume(handle, batch=2, timeout=0.5, with_delivery=True))
+    try:
+        assert [await next_item(handled) for _ in range(2)] == [(0, 1), (1, 1)]
+        await asyncio.sleep(0.8)
+    finally:
+        task.cancel()
+    assert handled.empty()
+    info = await settled(bus, stream)
+    assert info.num_ack_pending == 0 and info.num_redelivered == 0
 
 
 async def test_kv_create_and_compare_and_set(connect_bus, name_prefix):

@@ -294,3 +294,49 @@ def test_jobs_with_one_bootstrap_profile_share_its_fit_and_an_observation_refits
     moved = second.observe("aws", seen)
     assert len(fits) == 2 and fits[-1] == len(profile.points) + 1  # the job's own refit, with what it ran
     assert moved.fitted["aws"] != first.fitted["aws"]
+
+
+class RecordsKV:
+    """The estimates' bucket in memory, with a KV's revisions, and what it was asked, in order."""
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+        self.revision = 0
+        self.asked: list[str] = []
+
+    async def create(self, key, value):
+        from shared.bus import RevisionConflict
+
+        self.asked.append("create")
+        if key in self.entries:
+            raise RevisionConflict
+        self.revision += 1
+        self.entries[key] = (value, self.revision)
+        return self.revision
+
+    async def get(self, key):
+        from shared.bus import KVEntry
+
+        self.asked.append("get")
+        return KVEntry(key, *self.entries[key]) if key in self.entries else None
+
+
+async def test_a_new_jobs_profiles_are_stored_in_one_write_and_a_job_stored_before_keeps_its_record():
+    from services.estimator.core import Estimator
+    from services.estimator.service import SharedEstimates
+    from shared.schema import JobProfiles
+
+    zoo = load_zoo()["cifar10"].types["aws"]
+    profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
+    records = RecordsKV()
+    first = SharedEstimates(Estimator(), records)
+    assert (await first.add(JobProfiles("a", (profile,)))).revision == 1
+    assert records.asked == ["create"]  # no read first: a burst's jobs are new
+    learned = first.estimator.estimates["a"].observe("aws", Observation(1, 2, 64, 0, 0.5))
+    first.estimator.estimates["a"] = learned
+    records.entries["a"] = (first.estimator.record("a"), 2)  # what it learned since, as another replica wrote it
+    other = SharedEstimates(Estimator(), records)
+    records.asked.clear()
+    assert (await other.add(JobProfiles("a", (profile,)))).revision == 2  # delivered again, to another replica
+    assert records.asked == ["create", "get"]  # refused, then read: the record stands
+    assert other.estimator.record("a") == first.estimator.record("a")

@@ -4,7 +4,9 @@ decide nothing. A round's placements (`ApplyRequest`) change the jobs, and reach
 handler answers."""
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from services.estimator.core import Estimator
@@ -19,6 +21,7 @@ from shared.lifecycle import TRANSITIONS, IllegalTransition, JobState
 from shared.schema import (
     CANCELLED,
     Ack,
+    AdvanceRequest,
     ApplyRequest,
     Cancel,
     JobSpec,
@@ -28,6 +31,7 @@ from shared.schema import (
     Rendezvous,
     StartWorkers,
     StopWorkers,
+    Stored,
     WorkersReport,
 )
 from shared.settings import simulation_settings
@@ -76,10 +80,17 @@ class NoBus:
 SOURCES = job_sources(use_zoo=True)
 
 
-async def simulated_service() -> SimulatedExecutorService:
+class CopyingKV(RecordingKV):
+    """A KV bucket in memory that keeps a copy of each value as it was put (as a real one does)."""
+
+    async def put(self, key: str, value) -> int:
+        return await super().put(key, msgspec.msgpack.decode(msgspec.msgpack.encode(value), type=type(value)))
+
+
+async def simulated_service(kv: RecordingKV | None = None) -> SimulatedExecutorService:
     cluster = load_cluster("sia-hetero-64")
     executors = SimulatedExecutors(cluster, simulation_settings(None, "sia-hetero-64"), 1)
-    service = SimulatedExecutorService(NoBus(), executors, SOURCES, RecordingKV())
+    service = SimulatedExecutorService(NoBus(), executors, SOURCES, RecordingKV() if kv is None else kv)
     await service.load()
     return service
 
@@ -142,6 +153,87 @@ async def test_the_simulated_apply_handler_places_the_jobs_and_keeps_them_before
     assert service.submitted["a"].state == JobState.QUEUED and kv.held["a"].job.placement == ()
     assert service.on_cancel(Cancel("a"), 0, "", "") == "a"
     assert service.submitted["a"].state == JobState.CANCELLED and jobs["a"].failure == CANCELLED
+
+
+async def test_a_round_writes_only_the_jobs_it_changed_and_a_restart_takes_back_the_same():
+    service = await simulated_service()
+    await submit_and_profile(service, "a", "b", "c")
+    kv = service.states
+    models = models_for(service, ["a", "b", "c"])
+    before = len(kv.puts)
+    await service.on_apply(ApplyRequest(0.0, {"a": (("aws-0", 2),)}, models, adaptive=True))
+    assert [key for key, _ in kv.puts[before:]] == ["a"]  # b and c stay queued, as KV holds them
+    before = len(kv.puts)
+    await service.on_apply(ApplyRequest(0.0, {"a": (("aws-0", 2),)}, models, adaptive=True))  # asked again
+    assert len(kv.puts) == before and not service.dirty
+    executors = SimulatedExecutors(service.executors.cluster, service.executors.settings, 1)
+    restarted = SimulatedExecutorService(NoBus(), executors, SOURCES, kv)
+    await restarted.load()
+    assert list(restarted.records()) == list(service.records())
+    await restarted.on_apply(ApplyRequest(0.0, {"a": (("aws-0", 2),)}, models, adaptive=True))
+    assert len(kv.puts) == before  # what it read back is what KV holds: nothing to write
+
+
+class EstimatorBus(NoBus):
+    """The estimator as the executors report to it: each observation stored; nothing else on the bus."""
+
+    async def request(self, subject, message, answer_type, timeout=None):
+        assert subject == subjects.OBSERVE
+        return Stored(1)
+
+
+async def test_a_round_run_writes_only_the_jobs_on_gpus_and_a_restart_takes_the_round_back():
+    service = await simulated_service(CopyingKV())
+    service.bus = EstimatorBus()
+    await submit_and_profile(service, "a", "b", "c")
+    kv, jobs = service.states, ("a", "b", "c")
+    for now in (0.0, 60.0):
+        await service.on_apply(ApplyRequest(now, {"a": (("aws-0", 2),)}, models_for(service, jobs), adaptive=True))
+        before = len(kv.puts)
+        await service.on_advance(AdvanceRequest(now, 60.0, jobs))
+        assert {key for key, _ in kv.puts[before:]} == {"a"}  # b and c wait: only their round run moved
+    assert service.executors.jobs["b"].advanced_to == 120.0 and kv.held["b"].job.advanced_to is None
+    restarted = SimulatedExecutorService(
+        NoBus(), SimulatedExecutors(service.executors.cluster, service.executors.settings, 1), SOURCES, kv
+    )
+    await restarted.load()
+    assert {name: job.advanced_to for name, job in restarted.executors.jobs.items()} == dict.fromkeys(jobs, 120.0)
+    # As before the restart: an apply of a round run already (a deposed leader's, late) moves no job.
+    stale = ApplyRequest(60.0, {"b": (("aws-1", 2),)}, models_for(service, jobs), adaptive=True)
+    for executors in (service, restarted):
+        await executors.on_apply(stale)
+        assert executors.executors.jobs["b"].placement == ()
+
+    # A round in which no job runs: one job is written all the same, and carries the round run.
+    idle = await simulated_service(CopyingKV())
+    await submit_and_profile(idle, "x", "y")
+    before = len(idle.states.puts)
+    await idle.on_advance(AdvanceRequest(0.0, 60.0, ("x", "y")))
+    assert [key for key, _ in idle.states.puts[before:]] == ["x"]
+    again = SimulatedExecutorService(
+        NoBus(), SimulatedExecutors(idle.executors.cluster, idle.executors.settings, 1), SOURCES, idle.states
+    )
+    await again.load()
+    assert {name: job.advanced_to for name, job in again.executors.jobs.items()} == {"x": 60.0, "y": 60.0}
+
+
+class DecodingBus(NoBus):
+    """The events' bodies decoded as the bus decodes them; anything else on the bus fails the test."""
+
+    def decode(self, data, kind):
+        return msgspec.msgpack.decode(data, type=kind)
+
+
+async def test_a_batch_of_job_events_is_written_once_after_the_batch():
+    service = await simulated_service()
+    service.bus = DecodingBus()
+    submitted = SimpleNamespace(subject=subjects.stored("default", "user"), stream_sequence=1, traceparent="")
+    profiled = SimpleNamespace(subject=subjects.PROFILED, stream_sequence=2, traceparent="")
+    await service.on_event(msgspec.Raw(msgspec.msgpack.encode(JobSpec("a", "cifar10"))), submitted)
+    await service.on_event(msgspec.Raw(msgspec.msgpack.encode(Profiled("a", submission=1))), profiled)
+    assert service.states.puts == [] and service.state_of(service.submitted["a"]) == JobState.QUEUED  # not yet kept
+    await service.save_events()  # then the batch is acknowledged
+    assert [(key, value.state) for key, value in service.states.puts] == [("a", JobState.QUEUED)]
 
 
 async def test_a_refusal_is_listed_for_its_logins_team_in_both_executors():

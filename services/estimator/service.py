@@ -58,14 +58,15 @@ class SharedEstimates:
         trace.get_current_span().set_attributes(
             {"job.id": message.job_id, "gpu.types": [p.gpu_type for p in message.profiles]}
         )
-        if not await self.load(message.job_id):
+        # Not cached here: a new job, most likely, stored without reading first (one that is stored
+        # already is refused, and read).
+        if message.job_id not in self.revisions:
             self.estimator.add(message.job_id, {p.gpu_type: p for p in message.profiles})
             try:
                 self.revisions[message.job_id] = await self.records.create(
                     message.job_id, self.estimator.record(message.job_id)
                 )
-            except RevisionConflict:  # another replica stored it first: theirs stands
-                del self.revisions[message.job_id]
+            except RevisionConflict:  # stored before (by another replica, or before a restart): that stands
                 await self.load(message.job_id)
         return Stored(self.revisions[message.job_id])
 

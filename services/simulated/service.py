@@ -8,7 +8,8 @@ estimator); one it refused is kept with the reason, so `goodput status` shows it
 answers the policy leader's round — the jobs' facts, the placements to apply, a round to advance,
 after which it reports every configuration a job ran to the estimator — and the status requests.
 Every submission's state is written to KV before a request is answered (what a failed attempt left
-unwritten, by the next), so a restarted executor picks the cluster up where it was; a round asked
+unwritten, by the next), and before the events that changed it are acknowledged (a fetched batch's
+together), so a restarted executor picks the cluster up where it was; a round asked
 again runs only the jobs not yet run, and reports what the last attempt could not.
 """
 
@@ -53,6 +54,30 @@ from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
 log = logging.getLogger(__name__)
 
 SAVED_AT_ONCE = 256  # KV writes of the jobs' states in flight at once
+SNAPSHOT = msgspec.msgpack.Encoder()  # an entry as it was saved, to tell whether it changed since
+
+
+def off_gpus(job) -> bool:
+    """A job that waits for GPUs: a round moves only the time it was run to (`advanced_to`)."""
+    return job is not None and not job.placement and job.finish_s is None and job.failure is None
+
+
+def snapshot(entry: SubmittedJob) -> bytes:
+    """An entry as KV must hold it, to tell whether it changed since it was written. A job that
+    waits for GPUs is compared without the round it was run to, which every round moves: it is
+    not written for that alone (thousands of queued jobs a round), and a restart takes the round
+    run back from the jobs that were written (`load`)."""
+    job = entry.job
+    if not off_gpus(job) or job.advanced_to is None:
+        return SNAPSHOT.encode(entry)
+    advanced_to, job.advanced_to = job.advanced_to, None
+    try:
+        return SNAPSHOT.encode(entry)
+    finally:
+        job.advanced_to = advanced_to
+
+
+EVENTS_AT_ONCE = 256  # events of the jobs stream taken in one fetch, saved together before they are acknowledged
 
 
 def add_world_arguments(parser) -> None:
@@ -113,7 +138,9 @@ class SimulatedExecutorService:
         # One request at a time: a request asked again while the first is still being answered waits
         # for it, and then finds its work done.
         self.turn = asyncio.Lock()
+        self.reporting = asyncio.Lock()  # one at a time reports the jobs' observations (`report`)
         self.dirty: set[str] = set()  # changed here, not yet in KV
+        self.kept: dict[str, bytes] = {}  # each entry as last written to KV (or read from it)
         self.unreported: list[Observed] = []  # measured, not yet with the estimator
         # Each submission's state as last saved, and how many are in each: goodput_jobs, kept as
         # entries change (every change is saved), never counted over all of them again.
@@ -126,23 +153,41 @@ class SimulatedExecutorService:
         kept = [(key, entry.value) for key in await states.keys() if (entry := await states.get(key)) is not None]
         for key, value in sorted(kept, key=lambda item: item[1].seen):
             self.submitted[key] = value
+            self.kept[key] = snapshot(value)
             if value.job is not None:
                 self.executors.restore(value.job, self.sources.truths[value.job.spec.application])
             self.count_state(key)
+        # A job waiting for GPUs was not written for each round run (`snapshot`): it was run to the
+        # last round that ran, which every round's written jobs carry (one at least: `on_advance`).
+        ran = max(
+            (job.advanced_to for job in self.executors.jobs.values() if job.advanced_to is not None), default=None
+        )
+        for job in self.executors.jobs.values():
+            if ran is not None and off_gpus(job) and (job.advanced_to is None or job.advanced_to < ran):
+                job.advanced_to = ran
         self.record_states()
 
     async def save(self, names=()) -> None:
         """Write what changed (now, or in an attempt that failed half-way) to KV, SAVED_AT_ONCE
-        writes in flight: a round moves thousands of jobs, each its own key."""
+        writes in flight: a round moves thousands of jobs, each its own key. An entry named that is
+        as KV holds it already (a queued job a round left queued) is not written again."""
         self.dirty.update(names)
-        pending = sorted(self.dirty)
-        for start in range(0, len(pending), SAVED_AT_ONCE):
-            chunk = pending[start : start + SAVED_AT_ONCE]
-            for name in chunk:
-                self.submitted[name].job = self.executors.jobs.get(name)
-                self.count_state(name)
-            await asyncio.gather(*(self.states.put(name, self.submitted[name]) for name in chunk))
-            self.dirty.difference_update(chunk)
+        changed = []
+        for name in sorted(self.dirty):
+            entry = self.submitted[name]
+            entry.job = self.executors.jobs.get(name)
+            self.count_state(name)
+            data = snapshot(entry)
+            if self.kept.get(name) == data:
+                self.dirty.discard(name)
+            else:
+                changed.append((name, data))
+        for start in range(0, len(changed), SAVED_AT_ONCE):
+            chunk = changed[start : start + SAVED_AT_ONCE]
+            await asyncio.gather(*(self.states.put(name, self.submitted[name]) for name, _ in chunk))
+            for name, data in chunk:
+                self.kept[name] = data
+                self.dirty.discard(name)
         self.record_states()
 
     def count_state(self, name: str) -> None:
@@ -272,6 +317,8 @@ class SimulatedExecutorService:
         return revision
 
     async def on_event(self, message: msgspec.Raw, delivery) -> None:
+        """One event of the jobs stream taken; the entry it changed is saved with the rest of its
+        batch (`save_events`), before any of them is acknowledged."""
         subject, team, owner = subjects.owner_of(delivery.subject)
         take, kind = EVENTS[subject]
         try:
@@ -283,7 +330,13 @@ class SimulatedExecutorService:
             changed = take(self, event, delivery.stream_sequence, delivery.traceparent, owner, team)
             if revision and changed in self.executors.jobs:
                 self.executors.jobs[changed].estimate_revision = revision
-            await self.save([changed] if changed is not None else [])
+            if changed is not None:
+                self.dirty.add(changed)
+
+    async def save_events(self) -> None:
+        """What a batch of events changed, to KV at once (then the batch is acknowledged)."""
+        async with self.turn:
+            await self.save()
 
     # ---- the round --------------------------------------------------------------------------
 
@@ -327,15 +380,28 @@ class SimulatedExecutorService:
             self.unreported.extend(
                 Observed(job_id, gpu_type, observation) for job_id, gpu_type, observation in observed
             )
-            await self.save(name for name, job in executors.jobs.items() if job.advanced_to != before[name])
-            while self.unreported:  # in order: the estimator sees what direct wiring does
-                message = self.unreported[0]
-                job = executors.jobs[message.job_id]
-                job.estimate_revision = max(job.estimate_revision, await endpoints.report(self.bus, message))
-                self.dirty.add(message.job_id)
-                self.unreported.pop(0)
+            advanced = [name for name, job in executors.jobs.items() if job.advanced_to != before[name]]
+            if advanced and all(off_gpus(executors.jobs[name]) for name in advanced):
+                self.kept.pop(advanced[0], None)  # one written all the same: KV holds the round run (`load`)
+            await self.save(advanced)
+        await self.report()
+        async with self.turn:
             await self.save()
             return AdvanceReply(tuple(finished), executors.failures(request.jobs, request.now_s))
+
+    async def report(self) -> None:
+        """What the jobs ran, to the estimator, in order (it sees what direct wiring does), each job
+        then holding the revision its estimate reached. Not in the turn: the jobs stream's events
+        are taken meanwhile (the estimator fits a model each)."""
+        async with self.reporting:
+            while self.unreported:
+                message = self.unreported[0]
+                revision = await endpoints.report(self.bus, message)
+                async with self.turn:
+                    job = self.executors.jobs[message.job_id]
+                    job.estimate_revision = max(job.estimate_revision, revision)
+                    self.dirty.add(message.job_id)
+                self.unreported.pop(0)
 
     async def on_live(self, request: LiveJobsRequest) -> LiveJobs:
         executors = self.executors
@@ -374,7 +440,19 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     service = SimulatedExecutorService(bus, executors, sources, states)
     await service.load()
 
-    await endpoints.consume_job_events(bus, subjects.EXECUTOR_CONSUMER, service.on_event)
+    # The jobs stream read in order, EVENTS_AT_ONCE events a fetch: each taken, then what they
+    # changed saved at once, then they are acknowledged (a burst: thousands of submissions and verdicts).
+    await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
+    events = await storage.open_consumer(
+        bus,
+        subjects.EXECUTOR_CONSUMER,
+        msgspec.Raw,
+        span_name="executor.job-event",
+        dead_letters=subjects.dead_letters(subjects.EXECUTOR_CONSUMER),
+    )
+    asyncio.get_running_loop().create_task(
+        events.consume(service.on_event, batch=EVENTS_AT_ONCE, with_delivery=True, after_batch=service.save_events)
+    )
 
     return await endpoints.serve_round(
         bus,

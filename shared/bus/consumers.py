@@ -93,6 +93,24 @@ class Delivery(Generic[T]):
         await self.raw.in_progress()
 
 
+class Window:
+    """How many of a concurrent consumer's messages are in hand, of at most `size`."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.in_hand = size, 0
+        self._freed = asyncio.Event()
+
+    def done(self) -> None:
+        self.in_hand -= 1
+        self._freed.set()
+
+    async def half_free(self) -> None:
+        """Return once at most half of the window is in hand."""
+        while self.in_hand > self.size // 2:
+            self._freed.clear()
+            await self._freed.wait()
+
+
 class PullConsumer(Generic[T]):
     """A bound durable pull consumer that decodes as it fetches."""
 
@@ -117,19 +135,28 @@ class PullConsumer(Generic[T]):
         self.max_deliver = max_deliver
         self._dead_letters = dead_letters
         self._stopped = False
+        self._busy = False  # the last fetch brought messages
 
     async def fetch(self, batch: int = 10, timeout: float = 1.0) -> list[Delivery[T]]:
         """Up to `batch` messages, waiting at most `timeout` seconds for the first; [] when none came.
         Messages that do not decode go to `on_invalid` and are terminated, not returned."""
-        # nats-py's waiting fetch of n returns only once n came or the time is up: wait for one,
-        # then take what else is there at once.
-        try:
-            raws = await self._subscription.fetch(1, timeout)
-        except asyncio.TimeoutError:  # nats.errors.TimeoutError is one
-            return []
-        if batch > 1:
+        # nats-py's fetch of n takes what is there at once, but when nothing is, it waits until n
+        # came or the time is up. The last fetch brought some: take what is there (one request);
+        # else, or when nothing was, wait for one, then take what else is there at once.
+        raws = []
+        if batch > 1 and self._busy:
             with contextlib.suppress(asyncio.TimeoutError):
-                raws += await self._subscription.fetch(batch - 1, DRAIN_TIMEOUT_S)
+                raws = await self._subscription.fetch(batch, DRAIN_TIMEOUT_S)
+        if not raws:
+            try:
+                raws = await self._subscription.fetch(1, timeout)
+            except asyncio.TimeoutError:  # nats.errors.TimeoutError is one
+                self._busy = False
+                return []
+            if batch > 1:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    raws += await self._subscription.fetch(batch - 1, DRAIN_TIMEOUT_S)
+        self._busy = True
         deliveries = []
         for raw in raws:
             try:
@@ -149,6 +176,7 @@ class PullConsumer(Generic[T]):
         with_delivery: bool = False,
         on_dead: Callable[[Delivery[T], Exception], Any] | None = None,
         concurrent: bool = False,
+        after_batch: Callable[[], Any] | None = None,
     ) -> None:
         """Run `handler(message)` (or `handler(message, delivery)`) for every message until
         cancelled, each inside its span: ack when it returns (unless it settled the delivery
@@ -157,34 +185,99 @@ class PullConsumer(Generic[T]):
         dead-lettered: `on_dead(delivery, error)` (e.g. the job's rejection), stored on the dead
         letters subject, and terminated. A fetch that fails is tried again; nothing ends the loop
         but cancellation. `timeout` is how long one fetch waits for a message (it returns at once
-        when one comes): an idle consumer asks once per `timeout`. `concurrent`: the messages of a
-        fetched batch are handled at once (a handler that waits on the bus most of its time), else
-        one after another, in the stream's order."""
+        when one comes): an idle consumer asks once per `timeout`. `concurrent`: up to `batch`
+        messages are handled at once (a handler that waits on the bus most of its time), more
+        fetched as soon as half of them are done; else those of a fetch one after another, in the
+        stream's order. `after_batch()`: run once the handlers of a
+        fetched batch returned, and only then are the batch's messages acknowledged (e.g. the state
+        they changed saved at once: nothing is acknowledged that a crash could lose); when it raises,
+        they come back after a delay, as a failed handler's would."""
         retry_s = 0.5
-        while True:
+        # Concurrent: a window of `batch` messages in hand, more fetched as soon as half of them are
+        # done (not once the slowest of a fetch is); each fetch's messages handled in a task.
+        window = Window(batch) if concurrent and after_batch is None else None
+        groups: set[asyncio.Future] = set()
+        try:
+            while True:
+                if window is not None:
+                    await window.half_free()
+                try:
+                    deliveries = await self.fetch(batch - (window.in_hand if window else 0), timeout)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:  # noqa: BLE001 - NATS away, the consumer gone: try again, say so
+                    if self._stopped or self._bus.nc.is_closed or self._bus.nc.is_draining:
+                        return  # stopped on purpose: nothing to say
+                    log.warning(
+                        "fetching from %s failed (%s: %s); trying again in %.1f s",
+                        self._span_name,
+                        type(error).__name__,
+                        error,
+                        retry_s,
+                    )
+                    await asyncio.sleep(retry_s)
+                    retry_s = min(2 * retry_s, FETCH_RETRY_MAX_S)
+                    continue
+                retry_s = 0.5
+                group = self._handle_group(deliveries, handler, with_delivery, on_dead, concurrent, after_batch, window)
+                if window is None:
+                    await group
+                else:
+                    window.in_hand += len(deliveries)
+                    task = asyncio.ensure_future(group)
+                    groups.add(task)
+                    task.add_done_callback(groups.discard)
+        finally:
+            for task in list(groups):
+                task.cancel()
+
+    async def _handle_group(
+        self,
+        deliveries: list[Delivery[T]],
+        handler: Callable[..., Any],
+        with_delivery: bool,
+        on_dead: Callable[[Delivery[T], Exception], Any] | None,
+        concurrent: bool,
+        after_batch: Callable[[], Any] | None,
+        window: Window | None = None,
+    ) -> None:
+        """The messages of one fetch, handled at once (`concurrent`) or in order, kept in hand with the
+        server meanwhile; acked each as it is handled, or all once `after_batch()` returned. Each
+        handled frees its place in `window`."""
+        ack = after_batch is None
+
+        async def handle(delivery: Delivery[T]) -> bool:
             try:
-                deliveries = await self.fetch(batch, timeout)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # noqa: BLE001 - NATS away, the consumer gone: try again, say so
-                if self._stopped or self._bus.nc.is_closed or self._bus.nc.is_draining:
-                    return  # stopped on purpose: nothing to say
-                log.warning(
-                    "fetching from %s failed (%s: %s); trying again in %.1f s",
-                    self._span_name,
-                    type(error).__name__,
-                    error,
-                    retry_s,
-                )
-                await asyncio.sleep(retry_s)
-                retry_s = min(2 * retry_s, FETCH_RETRY_MAX_S)
-                continue
-            retry_s = 0.5
+                return await self._handle(delivery, handler, with_delivery, on_dead, ack)
+            finally:
+                if window is not None:
+                    window.done()
+
+        working = asyncio.ensure_future(self._working(deliveries))
+        try:
             if concurrent:
-                await asyncio.gather(*(self._handle(d, handler, with_delivery, on_dead) for d in deliveries))
+                handled = await asyncio.gather(*(handle(d) for d in deliveries))
             else:
-                for delivery in deliveries:
-                    await self._handle(delivery, handler, with_delivery, on_dead)
+                handled = [await handle(d) for d in deliveries]
+            if not ack and any(handled):
+                await self._settle_batch([d for d, done in zip(deliveries, handled) if done], after_batch)
+        finally:
+            working.cancel()
+
+    async def _settle_batch(self, handled: list[Delivery[T]], after_batch: Callable[[], Any]) -> None:
+        """The deliveries whose handlers returned, acknowledged once `after_batch()` returned; if it
+        raises, each is asked again after a delay (its last delivery: dead-lettered), as when its
+        own handler raised."""
+        try:
+            await _settle(after_batch())
+        except Exception as error:  # noqa: BLE001 - redeliver, keep consuming
+            for delivery in handled:
+                await self._failed(delivery, error, None)
+            return
+        for delivery in handled:
+            if not delivery.settled:
+                with contextlib.suppress(nats.errors.Error):  # unacked: it comes back
+                    await delivery.ack()
 
     async def _handle(
         self,
@@ -192,10 +285,11 @@ class PullConsumer(Generic[T]):
         handler: Callable[..., Any],
         with_delivery: bool,
         on_dead: Callable[[Delivery[T], Exception], Any] | None,
-    ) -> None:
-        """One delivery, in its span: handled, then acked; or failed (`_failed`)."""
+        ack: bool = True,
+    ) -> bool:
+        """One delivery, in its span: handled, then acked (unless not `ack`); or failed (`_failed`).
+        Whether its handler returned."""
         with delivery.span() as span:
-            working = asyncio.ensure_future(self._working(delivery))
             try:
                 args = (delivery.message, delivery) if with_delivery else (delivery.message,)
                 await _settle(handler(*args))
@@ -203,20 +297,22 @@ class PullConsumer(Generic[T]):
                 _mark_failed(span, error)
                 if not delivery.settled:
                     await self._failed(delivery, error, on_dead)
-                return
-            finally:
-                working.cancel()
-            if not delivery.settled:
+                return False
+            if ack and not delivery.settled:
                 with contextlib.suppress(nats.errors.Error):  # unacked: it comes back
                     await delivery.ack()
+            return True
 
-    async def _working(self, delivery: Delivery[T]) -> None:
-        """While a handler works (a job profiled on real slots takes minutes), tell the server the
-        message is in hand, so it is not redelivered to another replica meanwhile."""
+    async def _working(self, deliveries: list[Delivery[T]]) -> None:
+        """While a fetched batch is in hand (a job profiled on real slots takes minutes; a message
+        may wait behind the ones before it), tell the server each unsettled message is in hand, so it
+        is not redelivered to another replica meanwhile."""
         while True:
             await asyncio.sleep(self.ack_wait_s / 3)
-            with contextlib.suppress(nats.errors.Error):
-                await delivery.in_progress()
+            for delivery in deliveries:
+                if not delivery.settled:
+                    with contextlib.suppress(nats.errors.Error):
+                        await delivery.in_progress()
 
     async def _failed(
         self, delivery: Delivery[T], error: Exception, on_dead: Callable[[Delivery[T], Exception], Any] | None
