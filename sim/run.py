@@ -341,12 +341,12 @@ def results(
         "timeline": timeline,
         "events": sim.events,
     }
-    if records is None:  # the jobs ran here: where their time went (sim.decompose)
+    if records is None:  # the jobs ran here: where their time went (sim.decompose), finished jobs'
         parts = jct_parts(sim)
-        for job in jobs:
-            if (mine := parts.get(job["name"])) is not None:
-                job["jct_parts_s"] = {name: round(value, 3) for name, value in mine.items()}
         result["jct_parts_s"] = mean_parts(list(parts.values()))
+        result["job_jct_parts_s"] = {
+            name: {part: round(value, 3) for part, value in mine.items()} for name, mine in parts.items()
+        }
     if teams is not None or any(j["team"] != DEFAULT_TEAM for j in jobs):
         result["teams"] = team_results(jobs, sim.rounds, teams, sim.policy.round_s)
     return result

@@ -32,7 +32,7 @@ def test_each_jobs_parts_add_up_to_its_jct_and_its_compute_is_its_best_time_alon
     finished = [j for j in result["jobs"] if j["jct_s"] is not None]
     assert len(finished) == len(jobs)
     for job in finished:
-        parts = job["jct_parts_s"]
+        parts = result["job_jct_parts_s"][job["name"]]
         assert set(parts) == set(PARTS)
         assert sum(parts.values()) == pytest.approx(job["jct_s"], abs=0.01), job
         # All of its work, each epoch at its best placement: what the bound calls its switching time.

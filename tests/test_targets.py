@@ -93,7 +93,7 @@ def test_jobs_that_declare_a_quarter_of_their_work_still_finish_it(zoo):
     short = [dataclasses.replace(j, target_epochs=j.target_epochs / 4) for j in jobs]
     result = simulate(short, "sia-hetero-64", "goodput", sources=zoo, fairness=False)
     assert result["jobs_unfinished"] == 0
-    assert all(j["jct_parts_s"]["compute"] > 0 for j in result["jobs"])
+    assert all(parts["compute"] > 0 for parts in result["job_jct_parts_s"].values())
 
 
 def test_the_commands_take_targets_and_refuse_bad_noise(tmp_path, capsys):
