@@ -11,6 +11,17 @@ Each policy in turn (default `sia`, then `goodput`), so their figures come from 
    hours simulated: the policy's time per round (target p95 <= 1 s), and the whole round's
    (goodput matrix + policy + placer).
 
+With `--cluster NAME` (a preset or a cluster file), instead: the `goodput` policy (or `--policies`)
+on that cluster for `--rounds` rounds of a workload grown for it (`grown_workload`): Philly
+workload-1 (160 jobs) with every job repeated k times at its own arrival time, as Sia's scale_Nx
+workloads are (k = the cluster's GPUs / 256 by default: 64 on sia-hetero-16384, 10,240 jobs), and
+the arrivals compressed 1,000x (all within the first 28 s), so that every job is active from the
+first round on. `--workload FILE` replays a file instead (`--repeat`, `--compress` apply to it too).
+Each round's policy time (the goodput matrix included), its active jobs, and for a greedy round
+its bound on the gap to the optimum are printed; `--quality` also solves every round's ILP exactly
+(outside the timing) and prints the fast answer's objective against it. The run ends with its
+headline: `p50_ms=... p95_ms=... max_ms=... active_jobs=...` (active jobs: the fewest in a round).
+
 With `--teams FILE` (a team file for sia-hetero-64), the same two runs measure what teams cost the
 policy instead: every round is decided twice, on the round's state without teams and with them (in
 alternating order, on one goodput matrix evaluated before either is timed), and the run goes on
@@ -30,10 +41,12 @@ from unittest import mock
 
 import numpy as np
 
+import policies.sia as sia_module
+import policies.sia_ilp as sia_ilp
 import sim.run
 from policies.base import Decision, RoundState, make_policy, policy_spec
 from shared.cluster import Cluster, load_cluster
-from shared.reference import reference_root
+from shared.reference import WorkloadJob, load_workload, reference_root
 from shared.teams import TeamFile, Teams, TeamSpec, load_team_file, resolve
 from sim.run import job_sources, simulate
 
@@ -130,13 +143,130 @@ def side_by_side(label: str, policy: str, teams: Teams, workload: Path, cluster:
     print("  with / without teams  " + ", ".join(ratios) + "  (target <= 1.20)")
 
 
+def grown_workload(base: Path, repeat: int, compress: float) -> list[WorkloadJob]:
+    """Every job of `base` repeated `repeat` times at its arrival time (names `NAME-xK`), as Sia's
+    scale_Nx workloads are, with every arrival time divided by `compress`."""
+    jobs = load_workload(base)
+    return sorted(
+        (
+            dataclasses.replace(job, name=f"{job.name}-x{k}" if repeat > 1 else job.name, time=job.time / compress)
+            for job in jobs
+            for k in range(repeat)
+        ),
+        key=lambda job: job.time,
+    )
+
+
+class Timed:
+    """A policy timed round by round: its time (the goodput matrix included), the round's active
+    jobs, and each ILP solution's gap bound; with `quality`, each round's ILP also solved exactly,
+    outside the timing."""
+
+    honours_teams = True
+
+    def __init__(self, policy: str, quality: bool):
+        self.inner = make_policy(*policy_spec(policy)[:1], **policy_spec(policy)[1])
+        self.name, self.round_s, self.adaptive_batch = self.inner.name, self.inner.round_s, self.inner.adaptive_batch
+        self.quality = quality
+        self.rounds: list[tuple[int, float, float | None]] = []  # (active jobs, ms, relative gap bound)
+        self.ratios: list[float] = []  # each round's fast objective / its exact objective
+        self.solved: list = []
+
+    def allocate(self, state: RoundState) -> Decision:
+        self.solved.clear()
+        real = sia_module.solve
+
+        def recorded(problem, *args, **kwargs):
+            solution = real(problem, *args, **kwargs)
+            self.solved.append((problem, args, solution))
+            return solution
+
+        with mock.patch.object(sia_module, "solve", recorded):
+            start = time.perf_counter()
+            decision = self.inner.allocate(state)
+            ms = (time.perf_counter() - start) * 1e3
+        gap = None
+        for problem, args, solution in self.solved:
+            if solution.gap and solution.objective:
+                gap = solution.gap / abs(solution.objective)
+            if self.quality and solution.objective:
+                exact = exact_solve(problem, *args)
+                if exact.objective:
+                    self.ratios.append(solution.objective / exact.objective)
+        self.rounds.append((len(state.jobs), ms, gap))
+        print(
+            f"  round {len(self.rounds):3d}  active jobs {len(state.jobs):6d}  policy {ms:8.1f} ms"
+            + ("" if gap is None else f"  greedy, gap bound {gap:.2%} of the objective"),
+            flush=True,
+        )
+        return decision
+
+
+def exact_solve(problem, *args):
+    """The ILP solved as the fast paths would not: the priced path's MILPs proven to the solver's
+    gap (1e-7), given all the time they take, never the greedy allocation."""
+    with (
+        mock.patch.object(sia_ilp, "HUGE_MODEL_ENTRIES", 1 << 62),
+        mock.patch.object(sia_ilp, "LARGE_MIP_REL_GAP", sia_ilp.MIP_REL_GAP),
+        mock.patch.object(sia_ilp, "LARGE_MODEL_BUDGET_S", 600.0),
+    ):
+        p, lam, solver, _ = args
+        return sia_ilp.solve(problem, p, lam, solver, 600.0)
+
+
+def cluster_run(args, sources, workloads: Path) -> None:
+    """The policy on `args.cluster` for `args.rounds` rounds of the grown workload; its headline."""
+    spec = load_cluster(args.cluster)
+    base = Path(args.workload) if args.workload else workloads / "philly" / "workload-1.csv"
+    repeat = args.repeat or max(1, spec.total_gpus // 256)
+    jobs = grown_workload(base, repeat, args.compress)
+    for policy in args.policies:
+        timed = Timed(policy, args.quality)
+        print(
+            f"{policy} on {args.cluster} ({spec.total_gpus:,} GPUs, {len(spec.configurations()):,} configurations): "
+            f"{base.name} x{repeat} = {len(jobs):,} jobs, arrivals / {args.compress:g}, {args.rounds} rounds"
+        )
+        start = time.perf_counter()
+        # The run's own result document (each job's JCT split, over thousands of jobs) is not wanted here.
+        with (
+            mock.patch.object(sim.run, "make_policy", lambda *_, **__: timed),
+            mock.patch.object(sim.run, "results", lambda *_, **__: {}),
+        ):
+            simulate(jobs, args.cluster, policy, sources=sources, horizon_s=args.rounds * 60.0, fairness=False)
+        ms = np.array([r[1] for r in timed.rounds])
+        active = [r[0] for r in timed.rounds]
+        gaps = [r[2] for r in timed.rounds if r[2] is not None]
+        p50, p95 = np.percentile(ms, [50, 95])
+        print(f"  wall time {time.perf_counter() - start:.0f} s; mean active jobs {np.mean(active):.0f}")
+        if gaps:
+            print(
+                f"  greedy rounds {len(gaps)}: gap bound mean {np.mean(gaps):.2%}, max {max(gaps):.2%} of the objective"
+            )
+        if timed.ratios:
+            r = np.array(timed.ratios)
+            print(
+                f"  quality: {r.size} rounds solved exactly too; fast / exact objective mean {r.mean():.5f}, "
+                f"max {r.max():.5f}, {int(np.sum(r > 1 + 1e-9))} rounds above 1 (p < 0 minimises: 1 is the optimum)"
+            )
+        print(f"p50_ms={p50:.1f} p95_ms={p95:.1f} max_ms={ms.max():.1f} active_jobs={min(active)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", help="reference folder (default: $GOODPUT_REFERENCE, else ../shared/reference)")
     parser.add_argument("--scale-hours", type=float, default=1.0, help="simulated hours of the scale run")
-    parser.add_argument("--policies", nargs="+", default=["sia", "goodput"], help="policies to measure, in turn")
+    parser.add_argument(
+        "--policies", nargs="+", help="policies to measure, in turn (default: sia and goodput; goodput with --cluster)"
+    )
     parser.add_argument("--teams", help="a team file for sia-hetero-64: measure the policy with and without teams")
+    parser.add_argument("--cluster", help="measure the policy on this cluster (a preset or file) instead")
+    parser.add_argument("--rounds", type=int, default=5, help="--cluster: rounds to run")
+    parser.add_argument("--workload", help="--cluster: this workload file (default: Philly workload-1, grown)")
+    parser.add_argument("--repeat", type=int, help="--cluster: copies of every job (default: the GPUs / 256, >= 1)")
+    parser.add_argument("--compress", type=float, default=1000.0, help="--cluster: arrival times divided by this")
+    parser.add_argument("--quality", action="store_true", help="--cluster: solve every round exactly too, untimed")
     args = parser.parse_args()
+    args.policies = args.policies or (["goodput"] if args.cluster else ["sia", "goodput"])
     for policy in args.policies:  # a bad name refused before minutes of runs
         try:
             policy_spec(policy)
@@ -145,6 +275,9 @@ def main() -> None:
     root = reference_root(args.reference)
     workloads = Path(root) / "sia" / "sia-simulator" / "workloads"
     sources = job_sources(args.reference)
+    if args.cluster:
+        cluster_run(args, sources, workloads)
+        return
     if args.teams:
         try:
             file = load_team_file(args.teams)

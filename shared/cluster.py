@@ -58,24 +58,46 @@ class Cluster:
         gpu_type = self.placement_type(spots)
         return None if gpu_type is None else Config(gpu_type, len(spots), sum(g for _, g in spots))
 
-    @property
+    @cached_property
     def gpu_types(self) -> tuple[str, ...]:
         """GPU types in order of first appearance."""
         return tuple(dict.fromkeys(n.gpu_type for n in self.nodes))
 
-    def capacity(self, gpu_type: str) -> int:
-        return sum(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
+    # The per-type figures and the configuration set are read every round; on a cluster of
+    # thousands of nodes each walk over the nodes costs milliseconds, so they are computed once.
+    @cached_property
+    def _capacity(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for n in self.nodes:
+            totals[n.gpu_type] = totals.get(n.gpu_type, 0) + n.gpus
+        return totals
 
-    @property
+    @cached_property
+    def _largest_node(self) -> dict[str, int]:
+        largest: dict[str, int] = {}
+        for n in self.nodes:
+            largest[n.gpu_type] = max(largest.get(n.gpu_type, 0), n.gpus)
+        return largest
+
+    def capacity(self, gpu_type: str) -> int:
+        return self._capacity.get(gpu_type, 0)
+
+    @cached_property
     def total_gpus(self) -> int:
         return sum(n.gpus for n in self.nodes)
 
     def gpus_per_node(self, gpu_type: str) -> int:
         """R for a type: the size of its largest (virtual) node."""
-        return max(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
+        if gpu_type not in self._largest_node:
+            raise ValueError(f"cluster {self.name!r} has no GPUs of type {gpu_type!r}")
+        return self._largest_node[gpu_type]
 
     def configurations(self) -> list[Config]:
-        """Sia's configuration set, type by type in cluster order."""
+        """Sia's configuration set, type by type in cluster order (a new list each call)."""
+        return list(self._configurations)
+
+    @cached_property
+    def _configurations(self) -> tuple[Config, ...]:
         configs: list[Config] = []
         for gpu_type in self.gpu_types:
             r = self.gpus_per_node(gpu_type)
@@ -85,7 +107,7 @@ class Cluster:
                 configs.append(Config(gpu_type, 1, k))
                 k *= 2
             configs.extend(Config(gpu_type, n, n * r) for n in range(2, full_nodes + 1))
-        return configs
+        return tuple(configs)
 
 
 def replica_count(gpus_per_node: Iterable[int], group: int) -> int:
@@ -156,6 +178,12 @@ PRESETS: dict[str, list[dict]] = {
 PRESETS["local"] = [{"gpu_type": "cpu", "count": 1, "gpus_per_node": 4}]
 # Sia's scalability study (its --cluster_scale=32): every node group of sia-hetero-64 times 32, 2,048 GPUs.
 PRESETS["sia-hetero-2048"] = [dict(group, count=32 * group["count"]) for group in PRESETS["sia-hetero-64"]]
+# The policy's scaling curve (benchmarks/bench_scaling.py): the same groups times 8, 128 and 256.
+for _scale in (8, 128, 256):
+    PRESETS[f"sia-hetero-{64 * _scale}"] = [
+        dict(group, count=_scale * group["count"]) for group in PRESETS["sia-hetero-64"]
+    ]
+del _scale
 
 
 def load_cluster(name_or_path: str) -> Cluster:

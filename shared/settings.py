@@ -69,7 +69,14 @@ PRESETS = {
 }
 
 # The calibration a cluster preset implies when none is named.
-CLUSTER_DEFAULT = {"sia-hetero-64": "sia", "sia-hetero-2048": "sia", "pollux-homo-64": "pollux"}
+CLUSTER_DEFAULT = {
+    "sia-hetero-64": "sia",
+    "sia-hetero-512": "sia",
+    "sia-hetero-2048": "sia",
+    "sia-hetero-8192": "sia",
+    "sia-hetero-16384": "sia",
+    "pollux-homo-64": "pollux",
+}
 
 
 def settings_for(name: str | None, cluster: str) -> SimSettings:

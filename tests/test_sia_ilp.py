@@ -360,6 +360,7 @@ def test_every_job_runs_when_each_can_use_one_gpu_and_there_are_enough():
 def test_optimal_value_matches_brute_force(p, path, monkeypatch):
     if path == "prices":  # force the large-model path (prices, restricted MILP, proof) on small ones
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 0)
+        monkeypatch.setattr(sia_ilp, "GREEDY_ACCEPT_GAP", 0.0)  # the priced path, not a greedy answer
     rng = np.random.default_rng(int(abs(p) * 10) + (100 if path == "prices" else 0))
     checked = 0
     for _ in range(40):
@@ -393,6 +394,7 @@ def test_price_path_matches_direct_milp_on_larger_instances(monkeypatch):
         pr = problem(goodput, config_type, config_gpus, capacity, valid, current, rng.uniform(0.5, 1, J))
         direct = solve(pr)
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 0)
+        monkeypatch.setattr(sia_ilp, "GREEDY_ACCEPT_GAP", 0.0)  # the priced path, not a greedy answer
         priced = solve(pr)
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 10**9)
         assert direct.status == priced.status == "optimal"
@@ -461,6 +463,7 @@ def contended(rng=None) -> IlpProblem:
 def test_timeout_keeps_previous_allocation(large, monkeypatch, caplog):
     if large:
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 0)
+        monkeypatch.setattr(sia_ilp, "GREEDY_ACCEPT_GAP", 0.0)  # the priced path, not a greedy answer
     pr = contended()
     assert not solve(pr).fallback
     with caplog.at_level(logging.WARNING, logger="policies.sia_ilp"):
