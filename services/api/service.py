@@ -116,7 +116,6 @@ from shared.schema import (
     submission_msg_id,
 )
 from shared.schema.decisions import ExplainRequest, Explanation, JobDecision, RoundsPage, RoundsRequest, RoundSummary
-from shared.settings import JUDGED_AT_ONCE
 from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, TEAM_LIMITS, USERS_SHARE, LoginLimits, TeamLimits
 from shared.submissions import agents_models, id_taken, malformed_reason, submission_problem
 from shared.teams import TeamFile, Teams, resolve, scoped_id, user_id
@@ -960,11 +959,7 @@ async def open_gate(
         on_invalid=gate.unjudgeable,
         dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER),
     )
-    # Judged JUDGED_AT_ONCE at a time, as `submit` takes concurrent requests under the same per-login
-    # bounds: a burst is not held to one submission's round trips at a time.
-    asyncio.get_running_loop().create_task(
-        intake.consume(gate.judge, with_delivery=True, batch=JUDGED_AT_ONCE, concurrent=True)
-    )
+    asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
     return gate, service
 
 
