@@ -42,6 +42,29 @@ def run_job(*args, env=None, timeout=300) -> dict:
     return outcome(done.stdout)
 
 
+def two_replicas(argv: list[str], **env: str) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of `argv` on this machine, rendezvousing on a free loopback port."""
+    port = free_loopback_port()
+    return [
+        subprocess.Popen(
+            argv,
+            env={
+                **ONE_THREAD,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **env,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+
+
 @pytest.mark.e2e
 def test_a_job_alone_adapts_its_batch_and_reaches_its_accuracy():
     result = run_job("--epochs", "6")
@@ -65,25 +88,7 @@ def test_the_other_example_jobs_reach_their_targets(job):
 @pytest.mark.e2e
 def test_two_replicas_stop_on_sigterm_and_the_job_resumes_on_one(tmp_path):
     checkpoint = tmp_path / "job.pt"
-    port = free_loopback_port()
-    workers = [
-        subprocess.Popen(
-            [*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
-            env={
-                **ONE_THREAD,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                REPORT_ENV: "0.1",
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    workers = two_replicas([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)], **{REPORT_ENV: "0.1"})
     # Both training: rank 0 reports steps taken, which needs rank 1 in every all-reduce.
     first = []
     while not first:
@@ -162,25 +167,7 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
     """Periodic checkpoints (here every 0.5 s), agreed by both replicas at the same step: kill -9 of
     both then loses only what came after the last one, and the job resumes from it."""
     checkpoint = tmp_path / "job.pt"
-    port = free_loopback_port()
-    workers = [
-        subprocess.Popen(
-            [*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)],
-            env={
-                **ONE_THREAD,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "GOODPUT_CHECKPOINT_S": "0.5",
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    workers = two_replicas([*JOB, "--epochs", "1000", "--checkpoint", str(checkpoint)], GOODPUT_CHECKPOINT_S="0.5")
     deadline = time.monotonic() + 120
     while not checkpoint.exists():  # the first periodic checkpoint, mid-training
         assert time.monotonic() < deadline and all(w.poll() is None for w in workers), "no periodic checkpoint"
@@ -195,6 +182,54 @@ def test_two_replicas_checkpoint_together_every_so_often_and_a_kill_loses_only_t
     epochs = saved["progress"] / 8192  # progress in examples; mlp_blobs trains on 8192
     resumed = run_job("--epochs", str(epochs + 1), "--checkpoint", str(checkpoint))
     assert resumed["world"] == 1 and resumed["steps"] > saved["steps"]
+
+
+ACCUMULATING_REPLICA = """
+import json, torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import goodput_train.trainer as trainer
+
+calls = []
+hook = trainer._exchange_hook
+trainer._exchange_hook = lambda state, bucket: calls.append(bucket.index()) or hook(state, bucket)
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+data = TensorDataset(torch.randn(256, 4), torch.randint(2, (256,)))
+training = trainer.AdaptiveTraining(
+    model, torch.optim.SGD(model.parameters(), lr=0.1), data, init_batch=32, max_local=8, adaptive=False
+)
+whole = nn.Linear(4, 2)
+whole.load_state_dict(model.state_dict())
+start = training.order.position
+for x, y in training.micro_batches():
+    training.backward(nn.functional.cross_entropy(training.model(x), y))
+grads = [p.grad.clone() for p in model.parameters()]
+indices = training.order._take(start, 32)  # the step's 32 examples, all replicas' micro-batches
+nn.functional.cross_entropy(whole(data.tensors[0][indices]), data.tensors[1][indices]).backward()
+training.step()
+print(json.dumps({
+    "ms": [training.m, training.s],
+    "hook_calls": len(calls),
+    "max_error": max(float((g - p.grad).abs().max()) for g, p in zip(grads, whole.parameters())),
+    "noise": training.noise.stats() is not None,
+}))
+torch.distributed.barrier()  # neither leaves while the other still talks to it
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.e2e
+def test_replicas_accumulating_micro_batches_all_reduce_once_a_step():
+    """Two replicas of m = 8, s = 1: the first micro-batch's gradient stays local (DDP decides that
+    in the forward pass), the step's one all-reduce averages the whole batch's gradient."""
+    workers = two_replicas([sys.executable, "-c", ACCUMULATING_REPLICA])
+    for worker in workers:
+        out, err = worker.communicate(timeout=120)
+        assert worker.returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["ms"] == [8, 1] and result["hook_calls"] == 1  # one bucket, all-reduced once
+        assert result["max_error"] < 1e-6 and result["noise"]
 
 
 @pytest.mark.e2e

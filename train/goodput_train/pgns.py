@@ -40,15 +40,25 @@ class NoiseSample:
         return math.isfinite(self.sqr) and math.isfinite(self.trace)
 
 
+def sum_of_squares(
+    tensors: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None] | None = None
+) -> torch.Tensor:
+    """|v|² over the tensors (or |s·v|², each tensor times its scale, None: 1) as a 0-dim float64
+    tensor on their device, inf or nan if any entry is: one fused pass, and no wait for the device
+    (a training step takes several and reads them all at once)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    if scales is not None:
+        tensors = [t if s is None else t * s for t, s in zip(tensors, scales)]
+    if len(tensors) == 1:
+        return torch.linalg.vector_norm(tensors[0]).double().square()
+    return torch.stack(torch._foreach_norm(list(tensors), 2)).double().square().sum()
+
+
 def squared_norm(tensors: Sequence[torch.Tensor], precondition: Sequence[torch.Tensor] | None = None) -> float:
     """|v|² (or |v|²_P with the preconditioner's diagonal, one tensor per parameter); inf or nan
     if any entry is. One fused pass over the tensors (it runs every step)."""
-    if not tensors:
-        return 0.0
-    if precondition is not None:
-        tensors = [t * p.sqrt() for t, p in zip(tensors, precondition)]
-    norms = torch._foreach_norm(list(tensors), 2)
-    return float(torch.stack(norms).double().pow(2).sum())
+    return float(sum_of_squares(tensors, None if precondition is None else [p.sqrt() for p in precondition]))
 
 
 def from_replicas(local_sqr: float, mean_sqr: float, local_batch: int, count: int) -> NoiseSample:
@@ -66,10 +76,18 @@ def from_consecutive(
     current: Sequence[torch.Tensor],
     batch: int,
     precondition: Sequence[torch.Tensor] | None = None,
+    *,
+    scales: Sequence[torch.Tensor | None] | None = None,
 ) -> NoiseSample:
-    """The differenced estimator: two consecutive steps' gradients, each over `batch` examples."""
-    difference = squared_norm([c - p for c, p in zip(current, previous)], precondition)
-    mean = squared_norm([(c + p) / 2 for c, p in zip(current, previous)], precondition)
+    """The differenced estimator: two consecutive steps' gradients, each over `batch` examples
+    (`scales`: the preconditioner's square roots, if already taken, instead of `precondition`)."""
+    if precondition is not None:
+        scales = [p.sqrt() for p in precondition]
+    current, previous = list(current), list(previous)
+    difference = sum_of_squares(torch._foreach_sub(current, previous), scales)
+    half_sum = torch._foreach_add(current, previous)
+    torch._foreach_div_(half_sum, 2.0)
+    difference, mean = torch.stack([difference, sum_of_squares(half_sum, scales)]).tolist()
     trace = batch * difference / 2  # E|g_t - g_t-1|² = 2 tr(Σ)/B
     return NoiseSample(mean - trace / (2 * batch), trace)
 

@@ -21,8 +21,9 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
 
 - takes its share of the next B = world · m · (s + 1) examples (`data.ElasticOrder`);
 - estimates the gradient noise scale from what it computed anyway (`pgns`): the replicas' local
-  gradients (a DDP communication hook takes each local norm before the all-reduce), else the
-  accumulation steps', else two consecutive steps' gradients; in Adam's preconditioned metric;
+  gradients (a DDP communication hook takes each local norm before the all-reduce, every
+  `noise_every` steps), else the accumulation steps', else two consecutive steps' gradients; in
+  Adam's preconditioned metric; a step with a NaN or Inf in its gradient is skipped;
 - scales the learning rate by its rule (`lr`) and counts statistical progress in M0-examples;
 - measures the step's time, and every `retune_every` steps fits the throughput model to what it
   measured (goodput_train.goodput.fit_throughput) and re-picks (m, s) for the most goodput (rank 0
@@ -34,7 +35,8 @@ MASTER_PORT; GOODPUT_NODES for the node count), and each step:
 measured); a job resumes from it at any world size. SIGTERM makes the next `step()` save, print
 the stopped mark and raise `Stopped`, so a rescale or a preemption loses at most one step; a checkpoint every
 `checkpoint_every_s` (5 min) bounds what a crash loses. Both are agreed by all replicas through
-the last gradient bucket's all-reduce, so all save at the same step.
+the last gradient bucket's all-reduce of a sampling step (every `noise_every`), so all save at the
+same step.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from goodput_train import checkpoint, profiling
 from goodput_train.data import ElasticOrder
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
-from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, squared_norm
+from goodput_train.pgns import NoiseScale, from_consecutive, from_replicas, sum_of_squares
 from goodput_train.protocol import (
     ADAPTIVE_ENV,
     CHECKPOINT_ENV,
@@ -90,6 +92,8 @@ from goodput_train.protocol import (
 )
 
 RETUNE_EVERY = 20  # steps between re-fits of the throughput model
+# steps between the replicas' noise samples (their local norms: a pass over the gradient each)
+NOISE_EVERY = 4
 CHECKPOINT_EVERY_S = 300.0  # a periodic checkpoint: what a crash can lose at most
 TIMINGS_KEPT = 5  # step times kept per configuration (their median is the observation)
 # max_batch by default: the largest per-GPU batch (max_local) on this many replicas
@@ -130,47 +134,84 @@ class Placement:
         )
 
 
-class _LocalNorms:
-    """The state of `_local_norms_hook`: this replica's squared gradient norm, summed over buckets,
-    what it asks for (to stop; to checkpoint), and what all replicas agreed on the last step."""
+class _Exchange:
+    """The state of `_exchange_hook`: this step's squared norms, bucket by bucket (0-dim tensors on
+    the device: nothing waits for it during the backward pass), what this replica asks for (to
+    stop; to checkpoint), and what all replicas agreed on."""
 
     def __init__(
         self,
-        precondition: Callable[[torch.Tensor], torch.Tensor | None],
+        scales: Callable[[list[torch.Tensor]], list[torch.Tensor | None] | None] | None,
         requests: Callable[[], tuple[bool, bool]],
         world: int,
     ):
-        self.precondition = precondition
+        self.scales = scales  # the metric (Adam's preconditioner); None: always the plain one (SGD)
         self.requests = requests
         self.world = world
-        self.total = 0.0
-        self.agreed = (0.0, False, False)  # (the replicas' mean local squared norm, any asked to stop, to save)
+        self.local: list[torch.Tensor] = []  # this replica's gradient, before the all-reduce
+        self.mean: list[torch.Tensor] = []  # the averaged gradient, after it
+        # (the local squared norms, the stop requests, the checkpoint requests), each summed over
+        # the replicas: a 3-element tensor, read by `step`
+        self.agreed: torch.Tensor | None = None
+        self.sample = True  # take the local norms this step (the estimator's sample)
+        self._no_requests: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.local, self.mean, self.agreed = [], [], None
+
+    def squared(self, bucket, buffer: torch.Tensor, grads: list[torch.Tensor] | None) -> torch.Tensor:
+        """The bucket's squared norm in the optimizer's metric: one pass over its flat buffer."""
+        scales = self.scales(bucket.parameters()) if self.scales is not None else None
+        return sum_of_squares([buffer]) if scales is None else sum_of_squares(grads or bucket.gradients(), scales)
+
+    def request_flags(self, like: torch.Tensor) -> torch.Tensor:
+        """Stop and checkpoint requests as two numbers (zeros, the usual case, made once: no host
+        to device copy a step)."""
+        stop, save = self.requests()
+        if stop or save:
+            return torch.tensor([float(stop), float(save)], dtype=like.dtype, device=like.device)
+        if (
+            self._no_requests is None
+            or self._no_requests.dtype != like.dtype
+            or self._no_requests.device != like.device
+        ):
+            self._no_requests = torch.zeros(2, dtype=like.dtype, device=like.device)
+        return self._no_requests
 
 
-def _local_norms_hook(state: _LocalNorms, bucket):
-    """DDP communication hook: each bucket's local squared norm is taken before the bucket is
-    averaged across replicas (the replica estimator's samples, at no extra pass over the data).
-    The last bucket carries three more numbers in its all-reduce — the local norms' sum, the stop
-    requests and the checkpoint requests — so agreeing on them costs no collective of its own."""
-    params, grads = bucket.parameters(), bucket.gradients()
-    preconditions = [state.precondition(p) for p in params]
-    if all(p is None for p in preconditions):
-        state.total += squared_norm(grads)
-    else:
-        state.total += squared_norm(
-            grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
-        )
+def _exchange_hook(state: _Exchange, bucket):
+    """DDP communication hook. The loss was divided by the number of replicas (`backward`), so a
+    bucket's sum over the replicas is their average: no pass over the bucket to divide it. Each
+    bucket's local squared norm is taken before its all-reduce (the replica estimator's samples, at
+    no extra pass over the data), the averaged bucket's once the all-reduce is done, both over the
+    bucket's flat buffer. On a sampling step the last bucket carries three more numbers in its
+    all-reduce — the local norms' sum, the stop requests and the checkpoint requests — so agreeing
+    on them costs no collective of its own; the other steps skip that copy in and out."""
     buffer = bucket.buffer()
-    if not bucket.is_last():
-        return dist.all_reduce(buffer.div_(state.world), async_op=True).get_future().then(lambda f: f.value()[0])
-    extra = torch.tensor([state.total, *map(float, state.requests())], dtype=buffer.dtype, device=buffer.device)
-    combined = torch.cat([buffer.div_(state.world), extra / state.world])
-    state.total = 0.0
+    grads = bucket.gradients() if state.scales is not None else None  # views of the buffer
+    if state.sample:
+        state.local.append(state.squared(bucket, buffer, grads))
+    if not (bucket.is_last() and state.sample):
+
+        def averaged(future):
+            reduced = future.value()[0]
+            state.mean.append(state.squared(bucket, reduced, grads))
+            return reduced
+
+        return dist.all_reduce(buffer, async_op=True).get_future().then(averaged)
+    if not state.local:
+        local = torch.zeros(1, dtype=buffer.dtype, device=buffer.device)
+    else:
+        local = state.local[0] if len(state.local) == 1 else torch.stack(state.local).sum()
+        local = (local * state.world**2).reshape(1).to(buffer.dtype)  # the norm of the undivided gradient
+    state.local = []
+    combined = torch.cat([buffer, local, state.request_flags(buffer)])
 
     def settle(future):
         reduced = future.value()[0]
-        state.agreed = (float(reduced[-3]), bool(reduced[-2] > 0), bool(reduced[-1] > 0))
         buffer.copy_(reduced[:-3])
+        state.agreed = reduced[-3:].clone()
+        state.mean.append(state.squared(bucket, buffer, grads))
         return buffer
 
     return dist.all_reduce(combined, async_op=True).get_future().then(settle)
@@ -219,6 +260,15 @@ class AdaptiveTraining:
       which the executor sets (None, unset: no checkpoints).
     - `report`, `report_every_s`: where its `JobStats` go, and how often (the executor's choice
       by default: printed, every GOODPUT_REPORT_S). Metrics of the script's own: `report(...)`.
+    - `noise_every`: steps between the replicas' noise samples (NOISE_EVERY, 4; 1: every step).
+      Each sample costs a pass over the local gradient and a copy of the last bucket in and out
+      (the agreement on stopping and checkpoints rides on it, so a SIGTERM is heeded within that
+      many steps); the estimate averages as many samples either way, so it is as accurate, and
+      follows a change of the noise over that many times more steps. One replica samples every
+      step.
+
+    On several replicas DDP keeps the gradients in its buckets (`gradient_as_bucket_view`): a
+    parameter's `.grad` is a view of one, to be changed in place, never replaced or detach_()ed.
     """
 
     def __init__(
@@ -237,6 +287,7 @@ class AdaptiveTraining:
         checkpoint_path: str | Path | None = None,
         seed: int = 0,
         retune_every: int = RETUNE_EVERY,
+        noise_every: int = NOISE_EVERY,
         collate: Callable = default_collate,
         adaptive: bool = True,
         report: Callable[[JobStats], None] | None = None,
@@ -259,12 +310,16 @@ class AdaptiveTraining:
         self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
         self.base_lrs = [group["lr"] for group in optimizer.param_groups]
         self._group_of = self._groups()
+        # Adam and its kin (the optimizers with exp_avg_sq) have betas; SGD's metric is the plain one.
+        self._adaptive_metric = any("betas" in group for group in optimizer.param_groups)
+        self._scale_of: dict[torch.Tensor, torch.Tensor | None] = {}  # this step's, looked up once
         self.target_epochs = target_epochs
         checkpoint_path = checkpoint_path or os.environ.get(CHECKPOINT_PATH_ENV)
         self.checkpoint_path = Path(checkpoint_path) if checkpoint_path else None
         self.checkpoint_every_s = float(os.environ.get(CHECKPOINT_ENV, 0)) or checkpoint_every_s
         self._saved = time.monotonic()
         self.retune_every = retune_every
+        self.noise_every = max(1, noise_every)
         self.adaptive = adaptive and os.environ.get(ADAPTIVE_ENV) != "0"
         if report is None and os.environ.get(REPORT_ENV):
             report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
@@ -276,10 +331,12 @@ class AdaptiveTraining:
         self.steps = 0
         self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.m, self.s = self._initial_batch()
-        self.model, self._norms = self._distribute(model.to(self.device))
+        self.model, self._exchange = self._distribute(model.to(self.device))
+        self._params = list(self.model.parameters())
         self._previous: list[torch.Tensor] | None = None  # the last gradient (differenced estimator)
         self._micro = 0  # micro-batches done in this step
-        self._micro_norms: list[float] = []  # and their own gradients' squared norms
+        self._loss_divisor = 1  # micro-batches a step, times the replicas (`backward`)
+        self._micro_norms: list[torch.Tensor] = []  # and their own gradients' squared norms
         self.skipped = 0  # steps with a non-finite gradient
         self._started = 0.0
         self._stop = False
@@ -353,32 +410,39 @@ class AdaptiveTraining:
         """This rank's s + 1 micro-batches for the next optimizer step."""
         self._started = time.perf_counter()
         self._micro, self._micro_norms = 0, []
+        self._loss_divisor = (self.s + 1) * (self.placement.world if self._exchange is not None else 1)
         self._order_before = self.order.state_dict()
+        if self._exchange is not None:
+            self._exchange.reset()
+            self._exchange.sample = self.steps % self.noise_every == 0
         p = self.placement
-        for indices in self.order.step(p.rank, p.world, self.m, self.s):
-            if isinstance(self.dataset, TensorDataset):  # tensors in memory: one gather each
-                batch = tuple(tensor[indices] for tensor in self.dataset.tensors)
-            else:
-                batch = self.collate([self.dataset[int(i)] for i in indices])
-            yield _to(batch, self.device)
+        ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        try:
+            for j, indices in enumerate(self.order.step(p.rank, p.world, self.m, self.s)):
+                if isinstance(self.dataset, TensorDataset):  # tensors in memory: one gather each
+                    batch = tuple(tensor.index_select(0, indices) for tensor in self.dataset.tensors)
+                else:
+                    batch = self.collate([self.dataset[int(i)] for i in indices])
+                if ddp is not None and ddp.require_backward_grad_sync != (j == self.s):
+                    ddp.require_backward_grad_sync = j == self.s  # no_sync()'s switch, read in the forward pass
+                yield _to(batch, self.device)
+        finally:
+            if ddp is not None and not ddp.require_backward_grad_sync:
+                ddp.require_backward_grad_sync = True
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward through one micro-batch: averaged over the step's micro-batches; replicas
-        synchronise on the last one only."""
-        last = self._micro == self.s
-        scaled = loss / (self.s + 1)
-        if isinstance(self.model, DistributedDataParallel) and not last:
-            with self.model.no_sync():
-                scaled.backward()
-        else:
-            scaled.backward()
+        """Backward through one micro-batch: averaged over the step's micro-batches and, divided by
+        the number of replicas, summed over them by the all-reduce (`_exchange_hook`); replicas
+        synchronise on the last micro-batch only (`micro_batches` tells DDP so before each forward
+        pass: DDP decides there, not in the backward pass)."""
+        (loss / self._loss_divisor if self._loss_divisor != 1 else loss).backward()
         if self.placement.world == 1 and self.s > 0:
             self._record_micro_gradient()
         self._micro += 1  # (no loss.item(): on a GPU it would wait for the step)
 
     def step(self) -> None:
         """The optimizer step, with everything around it (see the module doc)."""
-        local_sqr, stop, save = self._agree()
+        local_sqr, mean_sqr, stop, save, params, grads = self._agree()
         if stop:  # this step is dropped: resume re-runs its examples
             self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
             self.optimizer.zero_grad(set_to_none=False)
@@ -387,11 +451,9 @@ class AdaptiveTraining:
                 self._reporter = None
             raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
         batch = self.batch
-        params = self._parameters()
-        grads = [p.grad.detach() for p in params]
-        mean_sqr = self._norm(grads, params)
         if not math.isfinite(mean_sqr):  # NaN/Inf somewhere: skipped, never learned from
             self.optimizer.zero_grad(set_to_none=False)
+            self._scale_of.clear()
             self.skipped += 1
             self._previous = None
             return
@@ -403,6 +465,7 @@ class AdaptiveTraining:
             group["lr"] = base * factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
+        self._scale_of.clear()  # the preconditioner moved with the step
         self.progress += self.lr.progress(batch, sqr, var)
         self.steps += 1
         self._synchronize()
@@ -508,41 +571,59 @@ class AdaptiveTraining:
         parameter every step."""
         return {id(p): group for group in self.optimizer.param_groups for p in group["params"]}
 
-    def _preconditioner(self, param: torch.Tensor) -> torch.Tensor | None:
-        """Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps); None for SGD or before its first step."""
+    def _scale(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The square root of Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps): the norms are
+        taken of the gradient times it. None for SGD or before its first step; once a step."""
+        if param in self._scale_of:
+            return self._scale_of[param]
         state = self.optimizer.state.get(param, {})
-        if "exp_avg_sq" not in state:
+        scale = None
+        if "exp_avg_sq" in state:
+            group = self._group_of[id(param)]
+            v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
+            scale = (1.0 / (v_hat.sqrt() + group["eps"])).sqrt()
+        self._scale_of[param] = scale
+        return scale
+
+    def _scales(self, params: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """Each parameter's `_scale`; None when all are None: the plain metric."""
+        if not self._adaptive_metric:
             return None
-        group = self._group_of[id(param)]
-        step = float(state["step"])
-        v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** step)
-        return 1.0 / (v_hat.sqrt() + group["eps"])
+        scales = [self._scale(p) for p in params]
+        return None if all(scale is None for scale in scales) else scales
 
     def _parameters(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters() if p.grad is not None]
+        return [p for p in self._params if p.grad is not None]
 
-    def _norm(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> float:
-        preconditions = [self._preconditioner(p) for p in params]
-        if all(p is None for p in preconditions):
-            return squared_norm(grads)
-        return squared_norm(grads, [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)])
+    def _norm(self, grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+        return sum_of_squares(grads, self._scales(params))
 
     def _record_micro_gradient(self) -> None:
         """The latest micro-batch's own gradient is the growth of the accumulated one."""
         params = self._parameters()
-        grads = [p.grad.detach() * (self.s + 1) for p in params]
+        grads = torch._foreach_mul([p.grad.detach() for p in params], float(self.s + 1))
         previous = self._previous if self._micro else None
-        own = grads if previous is None else [g - q for g, q in zip(grads, previous)]
+        own = grads if previous is None else torch._foreach_sub(grads, previous)
         self._micro_norms.append(self._norm(own, params))
-        self._previous = [g.clone() for g in grads]
+        self._previous = grads
 
-    def _agree(self) -> tuple[float, bool, bool]:
-        """The replicas' mean local squared norm, and whether any replica, before this step's
-        gradients were exchanged, was told to stop or asked for a checkpoint (so all do it at the
-        same step)."""
+    def _agree(self) -> tuple[float, float, bool, bool, list[torch.Tensor], list[torch.Tensor]]:
+        """The replicas' mean local squared norm, the averaged gradient's, and whether any replica,
+        before this step's gradients were exchanged, was told to stop or asked for a checkpoint (so
+        all do it at the same step: a sampling step, every `noise_every`); and on one replica the parameters and their gradients. The
+        norms were taken as tensors, read here at once: one wait for the device a step."""
         if self.placement.world == 1:
-            return 0.0, self._stop, self._save_due()
-        return self._norms.agreed
+            params = self._parameters()
+            grads = [p.grad.detach() for p in params]
+            return 0.0, float(self._norm(grads, params)), self._stop, self._save_due(), params, grads
+        exchange = self._exchange
+        if not exchange.mean or (exchange.sample and exchange.agreed is None):
+            raise RuntimeError("step() without a backward() through the model on its last micro-batch")
+        mean = exchange.mean[0] if len(exchange.mean) == 1 else torch.stack(exchange.mean).sum()
+        agreed = exchange.agreed.double() if exchange.agreed is not None else mean.new_zeros(3, dtype=torch.float64)
+        local_sqr, stop, save, mean_sqr = torch.cat([agreed, mean.reshape(1).double()]).tolist()
+        exchange.reset()
+        return local_sqr / self.placement.world, mean_sqr, stop > 0, save > 0, [], []
 
     def _save_due(self) -> bool:
         """Rank 0's clock decides when a periodic checkpoint is due (the others agree through it)."""
@@ -557,21 +638,17 @@ class AdaptiveTraining:
         self, batch: int, local_sqr: float, params: list[torch.Tensor], grads: list[torch.Tensor], mean_sqr: float
     ) -> None:
         if self.placement.world > 1:
-            sample = from_replicas(local_sqr, mean_sqr, self.m * (self.s + 1), self.placement.world)
+            sample = None
+            if self.steps % self.noise_every == 0:  # the replicas took their local norms
+                sample = from_replicas(local_sqr, mean_sqr, self.m * (self.s + 1), self.placement.world)
         elif self.s > 0:
-            micro_mean = sum(self._micro_norms) / len(self._micro_norms)
+            micro_mean = float(torch.stack(self._micro_norms).mean())
             sample = from_replicas(micro_mean, mean_sqr, self.m, self.s + 1)
             self._previous = None
         else:
             sample = None
             if self._previous is not None and len(self._previous) == len(grads):
-                preconditions = [self._preconditioner(p) for p in params]
-                use = (
-                    None
-                    if all(p is None for p in preconditions)
-                    else [torch.ones_like(g) if p is None else p for g, p in zip(grads, preconditions)]
-                )
-                sample = from_consecutive(self._previous, grads, batch, use)
+                sample = from_consecutive(self._previous, grads, batch, scales=self._scales(params))
             self._previous = [g.clone() for g in grads]
         if sample is not None:
             self.noise.update(sample)
@@ -589,10 +666,18 @@ class AdaptiveTraining:
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
                 torch.cuda.set_device(self.device)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
-        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        norms = _LocalNorms(self._preconditioner, lambda: (self._stop, self._save_due()), self.placement.world)
-        ddp.register_comm_hook(norms, _local_norms_hook)
-        return ddp, norms
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # the gradients live in the buckets: no copy in, none out
+        )
+        exchange = _Exchange(
+            self._scales if self._adaptive_metric else None,
+            lambda: (self._stop, self._save_due()),
+            self.placement.world,
+        )
+        ddp.register_comm_hook(exchange, _exchange_hook)
+        return ddp, exchange
 
     def _module(self) -> torch.nn.Module:
         return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
