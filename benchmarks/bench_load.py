@@ -9,8 +9,13 @@ on `sia-hetero-2048` by the embedded stack (a NATS server and the six services a
 - the round's latency, p50/p95, against the round period: `decide` is RoundRecord.round_ms (facts,
   models, the policy, the placer), `policy` its solve alone, `whole round` the wall time between
   two rounds on the run's log (deciding, applying, advancing the executors, the checkpoints);
+- where a round's time goes: each stage's p50 over the rounds after the first (`RoundRecord.stages_ms`:
+  facts, models, solve, place, checkpoint, apply, advance);
 - each service's and the NATS server's resident memory: its peak (VmHWM) and its size after the
   first round and at the end, so growth from round to round shows.
+
+The last line is the headline, as key=value: round_p50_s, round_p95_s, decide_p95_s, peak_mib (the
+largest service's peak), jobs.
 
 Starting the stack, submitting and profiling the jobs come before the first round and are timed apart.
 """
@@ -124,9 +129,21 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
     walls = np.diff(step_walls[1 : 1 + len(decided)]) * 1e3
     if len(walls):
         print(f"    whole round  {quantiles(list(walls))}  (rounds 2..{len(decided)})")
+    later = decided[1:] or decided
+    stages = {
+        stage: float(np.median([r.stages_ms.get(stage, 0.0) for r in later])) for r in later for stage in r.stages_ms
+    }
+    print(f"  each stage's p50, ms (rounds 2..{len(decided)}):")
+    print("    " + ", ".join(f"{stage} {ms:.0f}" for stage, ms in sorted(stages.items(), key=lambda s: -s[1])))
     print("  resident memory, MiB: peak (VmHWM) / after the first round / at the end")
     for name, samples in memory.items():
         print(f"    {name:12s} {samples[-1]['VmHWM']:8.0f} / {samples[1]['VmRSS']:8.0f} / {samples[-1]['VmRSS']:8.0f}")
+    p50, p95 = np.percentile(walls, [50, 95]) / 1e3 if len(walls) else (float("nan"), float("nan"))
+    peak = max(samples[-1]["VmHWM"] for name, samples in memory.items() if name != "nats-server")
+    print(
+        f"round_p50_s={p50:.2f} round_p95_s={p95:.2f} "
+        f"decide_p95_s={np.percentile([r.round_ms for r in decided], 95) / 1e3:.2f} peak_mib={peak:.0f} jobs={jobs}"
+    )
 
 
 def main() -> None:

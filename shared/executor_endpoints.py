@@ -30,6 +30,7 @@ from shared.schema import (
     Stored,
     select,
 )
+from shared.settings import OBSERVED_AT_ONCE
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,26 @@ async def report(bus: Bus, message: Observed) -> int:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             log.warning("estimator unavailable; reporting %s again", message.job_id)
             await asyncio.sleep(0.2)
+
+
+async def report_all(
+    bus: Bus, messages: Iterable[Observed], reported: Callable[[Observed, int], Awaitable[None]]
+) -> None:
+    """Each message to the estimator (`report`), OBSERVED_AT_ONCE in flight: one job's in the order
+    given (its fits learn them in that order), different jobs' side by side. `reported(message,
+    revision)` as each is stored."""
+    by_job: dict[str, list[Observed]] = {}
+    for message in messages:
+        by_job.setdefault(message.job_id, []).append(message)
+    gate = asyncio.Semaphore(OBSERVED_AT_ONCE)
+
+    async def one_job(queue: list[Observed]) -> None:
+        for message in queue:
+            async with gate:
+                revision = await report(bus, message)
+            await reported(message, revision)
+
+    await asyncio.gather(*(one_job(queue) for queue in by_job.values()))
 
 
 async def consume_job_events(

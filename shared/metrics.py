@@ -117,7 +117,7 @@ STAGE_DURATION = Metric(
     "histogram",
     "s",
     ("stage",),
-    "each stage of a round: facts, models, solve, place, apply, advance",
+    "each stage of a round: facts, models, solve, place, apply, advance, checkpoint, log",
     ("policy",),
 )
 SOLVER_DURATION = Metric(

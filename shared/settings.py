@@ -18,6 +18,9 @@ FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
 # Submissions the profiler judges at once from traces, and the estimator stores at once: each waits
 # on the bus most of its time (docs/services.md, a burst).
 JUDGED_AT_ONCE = 64
+# Observations the executors have in flight to the estimator, and it takes at once: a round ends
+# with one from each job that trained (thousands), each a request.
+OBSERVED_AT_ONCE = 64
 
 
 @dataclass(frozen=True)

@@ -303,6 +303,9 @@ def test_the_round_loop_records_each_decided_round_with_the_last_rounds_predicti
     # 50 steps of batch 256 in the round's 60 s, times the batch's statistical efficiency.
     assert all(0 < d.measured_goodput <= 50 * 256 / 60 for d in two)
     assert recorder.stages == ["apply", "advance", "apply", "advance"]
+    # and each round's record says where its time went
+    assert all(set(r.stages_ms) == {"facts", "models", "solve", "place", "apply", "advance"} for r in loop.rounds)
+    assert all(ms >= 0 for r in loop.rounds for ms in r.stages_ms.values())
 
 
 # ---- the policy's objective, and the command ------------------------------------------------------

@@ -12,6 +12,7 @@ from goodput_train.goodput import (
     FitError,
     GoodputModel,
     Observation,
+    Retune,
     ThroughputParams,
     _observation_array,
     _residual_gradient,
@@ -19,6 +20,7 @@ from goodput_train.goodput import (
     fit_throughput,
     iteration_time,
     optimize_batch,
+    retune_all,
     throughput,
 )
 
@@ -267,3 +269,29 @@ def test_retune_keeps_batch_unless_gain_passes_threshold():
     assert model.retune(1, 4, limits, current=near, threshold=0.0)[1:] == (m, s)
     # a current batch that is invalid for the new allocation is never kept
     assert model.retune(2, 8, limits, current=(64, 7))[1:] != (64, 7)
+
+
+def test_many_jobs_retuned_at_once_get_each_its_own_answer_to_the_last_bit():
+    """`retune_all` (a simulated round's thousands of jobs) answers exactly as each job's `retune`:
+    the best batch, or the current one kept within the threshold, or none that fits."""
+    rng = np.random.default_rng(3)
+    questions = []
+    for _ in range(400):
+        params = ThroughputParams(*(TRUE[i] * rng.uniform(0.2, 5) for i in range(6)), rng.uniform(1, 3))
+        init = int(rng.choice([16, 32, 128]))
+        limits = BatchLimits(
+            init, init * int(rng.choice([1, 8, 64])), int(rng.choice([1, 4])), int(rng.choice([8, 64]))
+        )
+        model = GoodputModel(params, float(rng.uniform(0.1, 2)), float(rng.uniform(0.1, 50)), init)
+        nodes = int(rng.choice([1, 2]))
+        gpus = nodes * int(rng.choice([1, 2, 4]))
+        best = model.retune(nodes, gpus, limits)
+        near = (max(best[1] + int(rng.integers(-2, 3)), 1), best[2])
+        current = [None, near, near, near, (64, 7)][int(rng.integers(5))]  # (64, 7): often invalid here
+        questions.append(Retune(model, nodes, gpus, limits, current))
+    answers = retune_all(questions)
+    assert answers == [q.model.retune(q.nodes, q.gpus, q.limits, q.current) for q in questions]
+    kept = sum(q.current is not None and a[1:] == q.current for q, a in zip(questions, answers))
+    changed = sum(q.current is not None and a[1:] != q.current for q, a in zip(questions, answers))
+    assert kept > 50 and changed > 50  # both ways exercised
+    assert retune_all([]) == []

@@ -21,7 +21,7 @@ from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.runner import new_service
 from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
-from shared.settings import JUDGED_AT_ONCE, settings_for
+from shared.settings import JUDGED_AT_ONCE, OBSERVED_AT_ONCE, settings_for
 
 CONFLICT_RETRIES = 20
 MAX_TRACED_IDS = 256  # job ids listed on one `estimator.goodput` span (the count is always there)
@@ -151,8 +151,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         span_name="estimator.profiles",
         concurrency=JUDGED_AT_ONCE,
     )
+    # A round's end: an observation from each job that trained, one job's at a time (the executors
+    # keep its order), each job's record its own key.
     await bus.add_endpoint(
-        service, "observe", subjects.OBSERVE, Observed, shared.observe, span_name="estimator.observe"
+        service,
+        "observe",
+        subjects.OBSERVE,
+        Observed,
+        shared.observe,
+        span_name="estimator.observe",
+        concurrency=OBSERVED_AT_ONCE,
     )
     await bus.add_endpoint(
         service, "models", subjects.MODELS, ModelsRequest, shared.models, span_name="estimator.goodput"

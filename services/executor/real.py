@@ -841,8 +841,11 @@ class RealExecutorService:
             agent.tick(request.now_s)
             reply = await asyncio.to_thread(agent.advance, request.now_s, request.step_s, request.jobs)
             await self.save()  # the round's counts, before the estimator is waited for
-            for message in agent.observations():
-                agent.reported(message, await endpoints.report(self.bus, message))
+
+            async def reported(message: Observed, revision: int) -> None:
+                agent.reported(message, revision)
+
+            await endpoints.report_all(self.bus, agent.observations(), reported)
             await self.save()
         return reply
 

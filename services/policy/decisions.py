@@ -369,5 +369,5 @@ def record_round_metrics(summary: RoundSummary, types_seen: set[str] | None = No
 
 
 def record_stage(stage: str, seconds: float) -> None:
-    """One stage's time outside the decision (apply, advance)."""
+    """One stage's time outside the decision (apply, advance, checkpoint, log)."""
     metrics.instrument(metrics.STAGE_DURATION).record(seconds, {"stage": stage})

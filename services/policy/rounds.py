@@ -121,7 +121,8 @@ class Recorder(Protocol):
 
     async def decided(self, summary: RoundSummary, decisions: Sequence[JobDecision]) -> None: ...
 
-    def stage(self, stage: str, seconds: float) -> None: ...  # a stage outside the decision (apply, advance)
+    # a stage outside the decision: apply, advance, checkpoint (the decided clock), log (the round's step)
+    def stage(self, stage: str, seconds: float) -> None: ...
 
 
 class LiveFeed(Protocol):
@@ -278,6 +279,7 @@ class RoundLoop:
                 clock = msgspec.structs.replace(clock, now_s=step * -(-arrivals[clock.admitted].time // step))
                 continue
             decide = clock.decided is None and now >= clock.next_decision_s - 1e-9  # on the policy's grid
+            timed: dict[str, float] = {}  # the stages after the decision, ms (RoundRecord.stages_ms)
             # One trace per round: every stage's span, in every service, descends from this root.
             with self.tracer.start_as_current_span(
                 "round",
@@ -299,8 +301,10 @@ class RoundLoop:
                         next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s,
                     )
                     if journal:
+                        started = time.perf_counter()
                         clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
                         await journal.decided(clock)
+                        timed["checkpoint"] = self._stage("checkpoint", started)  # kept before it is applied
                     if self.recorder is not None and self._recorded is not None:
                         await self.recorder.decided(*self._recorded)
                         self._recorded = None
@@ -308,13 +312,15 @@ class RoundLoop:
                 if clock.decided is not None:
                     started = time.perf_counter()
                     await self.wiring.apply(clock.decided.apply)
-                    self._stage("apply", started)
+                    timed["apply"] = self._stage("apply", started)
                 started = time.perf_counter()
                 ended = await self.wiring.advance(now, step, [j for j in clock.active if j not in given_up])
-                self._stage("advance", started)
+                timed["advance"] = self._stage("advance", started)
             failed = {**given_up, **ended.failed}
             ended_jobs = set(ended.finished) | set(failed)  # a failed job is done with, too
             record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
+            if record is not None:
+                record = msgspec.structs.replace(record, stages_ms={**record.stages_ms, **timed})
             events += tuple(
                 f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
                 for job, reason in sorted(failed.items())
@@ -333,6 +339,7 @@ class RoundLoop:
             over = not live and clock.admitted == len(arrivals) and not clock.active
             total = clock.done + len(clock.active) if live else len(arrivals)
             if journal:
+                started = time.perf_counter()
                 await journal.stepped(
                     clock,
                     RunStep(
@@ -347,13 +354,17 @@ class RoundLoop:
                         failed=tuple(sorted(failed)),
                     ),
                 )
+                self._stage("log", started)
             if progress:
                 progress(clock.now_s, clock.done, total)
         return clock
 
-    def _stage(self, stage: str, started: float) -> None:
+    def _stage(self, stage: str, started: float) -> float:
+        """A stage's time since `started`, in ms, told to the recorder."""
+        seconds = time.perf_counter() - started
         if self.recorder is not None:
-            self.recorder.stage(stage, time.perf_counter() - started)
+            self.recorder.stage(stage, seconds)
+        return seconds * 1e3
 
     def _serve_nodes(self, nodes: tuple[Node, ...] | None, now: float) -> None:
         """A live round on the nodes the executors serve now: joined ones are used, lost ones not."""
@@ -517,6 +528,7 @@ class RoundLoop:
             batches,
             spread,
             *team_use,
+            stages_ms={stage: seconds * 1e3 for stage, seconds in stages.items()},
         )
         apply = ApplyRequest(
             now,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections import defaultdict
 from typing import Iterable
 
 import msgspec
@@ -142,6 +143,10 @@ class SimulatedExecutorService:
         self.dirty: set[str] = set()  # changed here, not yet in KV
         self.kept: dict[str, bytes] = {}  # each entry as last written to KV (or read from it)
         self.unreported: list[Observed] = []  # measured, not yet with the estimator
+        # What the estimator has of each job, (type, nodes, GPUs, m, s): it learns a configuration
+        # once (`Estimator.observe`), so a job's same configuration is not sent each round. Not
+        # kept: a restarted executor tells it again, which changes nothing.
+        self.told: dict[str, set[tuple]] = defaultdict(set)
         # Each submission's state as last saved, and how many are in each: goodput_jobs, kept as
         # entries change (every change is saved), never counted over all of them again.
         self.counted: dict[str, JobState] = {}
@@ -377,31 +382,42 @@ class SimulatedExecutorService:
         async with self.turn:
             before = {name: job.advanced_to for name, job in executors.jobs.items()}
             finished, observed = executors.advance(request.now_s, request.step_s, request.jobs)
+            for name in finished:
+                self.told.pop(name, None)
             self.unreported.extend(
-                Observed(job_id, gpu_type, observation) for job_id, gpu_type, observation in observed
+                Observed(job_id, gpu_type, observation)
+                for job_id, gpu_type, observation in observed
+                if (gpu_type, *observation[:4]) not in self.told[job_id]
             )
             advanced = [name for name, job in executors.jobs.items() if job.advanced_to != before[name]]
-            if advanced and all(off_gpus(executors.jobs[name]) for name in advanced):
+            # A job that waits moved only the round it was run to (`snapshot`): not compared again.
+            trained = [name for name in advanced if not off_gpus(executors.jobs[name])]
+            if advanced and not trained:
                 self.kept.pop(advanced[0], None)  # one written all the same: KV holds the round run (`load`)
-            await self.save(advanced)
+                trained = advanced[:1]
+            await self.save(trained)
         await self.report()
         async with self.turn:
             await self.save()
             return AdvanceReply(tuple(finished), executors.failures(request.jobs, request.now_s))
 
     async def report(self) -> None:
-        """What the jobs ran, to the estimator, in order (it sees what direct wiring does), each job
-        then holding the revision its estimate reached. Not in the turn: the jobs stream's events
-        are taken meanwhile (the estimator fits a model each)."""
+        """What the jobs ran, to the estimator, each job's in order (it sees what direct wiring
+        does; `endpoints.report_all`), each job then holding the revision its estimate reached. Not
+        in the turn: the jobs stream's events are taken meanwhile (the estimator fits a model each).
+        Reported twice (this failed half-way) changes nothing."""
+
+        async def reported(message: Observed, revision: int) -> None:
+            self.told[message.job_id].add((message.gpu_type, *message.observation[:4]))
+            async with self.turn:
+                job = self.executors.jobs[message.job_id]
+                job.estimate_revision = max(job.estimate_revision, revision)
+                self.dirty.add(message.job_id)
+
         async with self.reporting:
-            while self.unreported:
-                message = self.unreported[0]
-                revision = await endpoints.report(self.bus, message)
-                async with self.turn:
-                    job = self.executors.jobs[message.job_id]
-                    job.estimate_revision = max(job.estimate_revision, revision)
-                    self.dirty.add(message.job_id)
-                self.unreported.pop(0)
+            if sending := len(self.unreported):
+                await endpoints.report_all(self.bus, self.unreported[:sending], reported)
+                del self.unreported[:sending]
 
     async def on_live(self, request: LiveJobsRequest) -> LiveJobs:
         executors = self.executors

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import msgspec
 
-from goodput_train.goodput import BatchLimits, Observation, split_batch
+from goodput_train.goodput import BatchLimits, Observation, Retune, retune_all, split_batch
 from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
@@ -168,6 +168,14 @@ class SimulatedJob(msgspec.Struct):
         self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float, retune_threshold: float
     ) -> None:
         """Take a placement: a changed one costs a checkpoint-restart; then choose (m, s) for it."""
+        question = self.place(cluster, spots, models, adaptive, now)
+        if question is not None:
+            self.choose(question, *question.retune(retune_threshold)[1:])
+
+    def place(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float) -> Retune | None:
+        """`apply` up to the batch: a rigid or fixed-batch job's is chosen here, an adaptive job's by
+        its model (the question returned, for `choose` with its answer: `SimulatedExecutors.apply`
+        asks them all at once)."""
         if spots != self.placement:
             if spots:
                 self.restarts += self.started  # the first start is not a restart
@@ -179,7 +187,7 @@ class SimulatedJob(msgspec.Struct):
             self.placement, self.config = spots, cluster.config_of(spots)
         if not spots:
             self.m = self.s = 0
-            return
+            return None
         cfg, replicas = self.config, self.replicas
         self.max_gpus_seen = max(self.max_gpus_seen, replicas)
         lo, hi = models.local_limits[cfg.gpu_type]
@@ -188,13 +196,20 @@ class SimulatedJob(msgspec.Struct):
             batch = min(self.rigid[1] if self.rigid else self.spec.batch_size, models.max_batch)
             self.m, self.s = split_batch(batch, replicas, hi)
             self.m = max(min(self.m, models.max_batch // (replicas * (self.s + 1))), 1)
-            return
+            return None
         limits = BatchLimits(models.init_batch, models.max_batch, lo, hi)
-        current = (self.m, self.s) if self.m else None
-        _, self.m, self.s = models.model(cfg.gpu_type).retune(cfg.nodes, replicas, limits, current, retune_threshold)
-        if self.m == 0:  # no batch fits this allocation: run the smallest one that does
-            self.m, self.s = split_batch(models.init_batch, replicas, hi)
-            self.m = max(self.m, lo)
+        return Retune(models.model(cfg.gpu_type), cfg.nodes, replicas, limits, (self.m, self.s) if self.m else None)
+
+    def cannot_apply(self, error: Exception) -> None:
+        self.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
+        self.placement, self.config, self.m, self.s = (), None, 0, 0
+
+    def choose(self, question: Retune, m: int, s: int) -> None:
+        """The (m, s) its model chose for its question; the smallest batch that fits if none does."""
+        self.m, self.s = m, s
+        if self.m == 0:
+            self.m, self.s = split_batch(question.limits.init_batch, question.gpus, question.limits.max_local)
+            self.m = max(self.m, question.limits.min_local)
 
     def advance(
         self, truth: ModelTruth, now: float, step: float, feedback_iterations: int, slowdown: float = 0.0
@@ -405,28 +420,43 @@ class SimulatedExecutors:
                 check_transition(before, job.state, name)
             if job is not None and job.failure is not None and job.ended_in is None:
                 job.ended_in = now  # the round has heard of it: it leaves the live jobs
+        questions: dict[str, tuple[Retune, JobState]] = {}
         for name, job_models in request.models.items():
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
             before = job.state
             try:
-                job.apply(
-                    self.cluster,
-                    tuple(request.placements.get(name, ())),
-                    job_models,
-                    request.adaptive,
-                    now,
-                    self.settings.retune_threshold,
-                )
+                placement = tuple(request.placements.get(name, ()))
+                question = job.place(self.cluster, placement, job_models, request.adaptive, now)
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
-                job.failure = f"its placement could not be applied: {type(error).__name__}: {error}"
-                job.placement, job.config, job.m, job.s = (), None, 0, 0
+                job.cannot_apply(error)
+            else:
+                if question is not None:
+                    questions[name] = (question, before)
+                    continue  # its batch is chosen with the others', then its state checked
             check_transition(before, job.state, name)
             job.borrowed = request.borrowed.get(name, 0)
             reclaim = request.reclaims.get(name)
             if reclaim is not None and reclaim not in job.reclaims:  # an apply asked twice records it once
                 job.reclaims = (*job.reclaims, reclaim)[-KEPT_RECLAIMS:]
+        self._choose_batches(questions)
+
+    def _choose_batches(self, questions: dict[str, tuple[Retune, JobState]]) -> None:
+        """The adaptive jobs' batches, all chosen at once (`retune_all`: thousands of jobs a round);
+        should that fail, each alone, so that one job's trouble stays its own."""
+        threshold = self.settings.retune_threshold
+        try:
+            answers = retune_all([question for question, _ in questions.values()], threshold)
+        except Exception:  # noqa: BLE001 - asked again one by one below
+            answers = [None] * len(questions)
+        for (name, (question, before)), answer in zip(questions.items(), answers):
+            job = self.jobs[name]
+            try:
+                job.choose(question, *(answer or question.retune(threshold))[1:])
+            except Exception as error:  # noqa: BLE001 - one job's bad model is that job's failure
+                job.cannot_apply(error)
+            check_transition(before, job.state, name)
 
     def cancel(self, name: str) -> bool:
         """End a job that has not ended, as its user asked: it leaves its GPUs at once."""

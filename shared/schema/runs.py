@@ -30,6 +30,8 @@ class RoundRecord(msgspec.Struct):
     team_gpus: dict[str, dict[str, int]] = {}
     team_borrowed: dict[str, int] = {}
     team_reclaimed: dict[str, int] = {}
+    # Each stage's time, ms: facts, models, solve, place (the decision), checkpoint, apply, advance.
+    stages_ms: dict[str, float] = {}
 
 
 class RunRequest(msgspec.Struct, frozen=True):

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from dataclasses import astuple, dataclass
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 from scipy.optimize import minimize
@@ -242,6 +242,49 @@ class GoodputModel:
             if choice[0] <= (1.0 + threshold) * kept:
                 return kept, m, s
         return choice
+
+
+class Retune(NamedTuple):
+    """One job's `GoodputModel.retune` question, to be answered with others' (`retune_all`)."""
+
+    model: GoodputModel
+    nodes: int
+    gpus: int
+    limits: BatchLimits
+    current: tuple[int, int] | None
+
+    def retune(self, threshold: float = RETUNE_THRESHOLD) -> tuple[float, int, int]:
+        return self.model.retune(self.nodes, self.gpus, self.limits, self.current, threshold)
+
+
+def retune_all(questions: Sequence[Retune], threshold: float = RETUNE_THRESHOLD) -> list[tuple[float, int, int]]:
+    """Each question's `GoodputModel.retune`, the same answers, in one vectorised search for all: a
+    simulated round re-tunes every running job (thousands), where a job's own call is mostly
+    NumPy's per-call cost."""
+    if not questions:
+        return []
+    models = [q.model for q in questions]
+    params = ThroughputParams.stack(m.params for m in models)
+    phi = np.array([m.pgns for m in models], dtype=float)
+    limits = np.array([astuple(q.limits) for q in questions], dtype=float).T  # init, max, min_local, max_local
+    nodes = np.array([q.nodes for q in questions])
+    gpus = np.array([q.gpus for q in questions])
+    best = optimize_batch(params, phi, *limits, nodes, gpus)
+    current = np.array([q.current or (0, 0) for q in questions]).reshape(-1, 2)
+    m, s = current[:, 0], current[:, 1]
+    total = gpus * m * (s + 1)
+    init, top, lo, hi = limits
+    valid = (
+        np.array([q.current is not None for q in questions]) & (lo <= m) & (m <= hi) & (init <= total) & (total <= top)
+    )
+    # What the current (m, s) gives: each job's own call, as `retune` takes it (NumPy's power of
+    # one number and of an array can differ in the last bit, and a tie must go the same way).
+    kept = np.array([q.model.goodput(q.nodes, q.gpus, *q.current) if ok else 0.0 for q, ok in zip(questions, valid)])
+    keep = valid & (best.goodput <= (1.0 + threshold) * kept)
+    return [
+        (float(kept[i]), int(m[i]), int(s[i])) if keep[i] else (float(best.goodput[i]), int(best.m[i]), int(best.s[i]))
+        for i in range(len(questions))
+    ]
 
 
 # --- fitting ----------------------------------------------------------------------------------
