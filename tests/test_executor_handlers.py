@@ -148,9 +148,13 @@ async def test_the_simulated_apply_handler_places_the_jobs_and_keeps_them_before
     assert isinstance(kept, SubmittedJob) and kept.job.placement == (("aws-0", 2),)
     assert kv.held["c"].job.failure == "the round gave up on it"
 
-    # Taken off its GPUs by the next round: queued again; a cancel ends it.
-    await service.on_apply(ApplyRequest(1.0, {"b": (("aws-1", 2),)}, models_for(service, ["a", "b"]), adaptive=True))
+    # Taken off its GPUs by the next round, which sends the models of the placed jobs only and names
+    # the others it decided on: queued again; a cancel ends it.
+    await service.on_apply(
+        ApplyRequest(1.0, {"b": (("aws-1", 2),)}, models_for(service, ["b"]), adaptive=True, jobs=("a", "b"))
+    )
     assert service.submitted["a"].state == JobState.QUEUED and kv.held["a"].job.placement == ()
+    assert jobs["b"].placement == (("aws-1", 2),) and jobs["b"].m > 0
     assert service.on_cancel(Cancel("a"), 0, "", "") == "a"
     assert service.submitted["a"].state == JobState.CANCELLED and jobs["a"].failure == CANCELLED
 

@@ -533,11 +533,12 @@ class RoundLoop:
         apply = ApplyRequest(
             now,
             placements,
-            {v.job_id: v.models for v in views},
+            {v.job_id: v.models for v in views if placements.get(v.job_id)},
             self.policy.adaptive_batch,
             failed,
             borrowed,
             reclaims,
+            jobs=tuple(v.job_id for v in views),
         )
         outcomes: list[JobOutcome] | None = None
         if self.recorder is not None or trace.get_current_span().is_recording():

@@ -369,12 +369,12 @@ class SimulatedExecutorService:
     async def on_apply(self, request: ApplyRequest) -> Ack:
         jobs = self.executors.jobs
         async with self.turn:
-            placed = [name for name in request.models if name in jobs]  # only their placements change
+            placed = [name for name in request.decided if name in jobs]  # only their placements change
             restarts = sum(jobs[name].restarts for name in placed)
             self.executors.apply(request)
             if (restarted := sum(jobs[name].restarts for name in placed) - restarts) > 0:
                 instrument(JOB_RESTARTS).add(restarted)
-            await self.save(name for name in {*request.models, *request.failed} if name in self.submitted)
+            await self.save(name for name in {*request.decided, *request.failed} if name in self.submitted)
         return Ack()
 
     async def on_advance(self, request: AdvanceRequest) -> AdvanceReply:

@@ -172,10 +172,14 @@ class SimulatedJob(msgspec.Struct):
         if question is not None:
             self.choose(question, *question.retune(retune_threshold)[1:])
 
-    def place(self, cluster: Cluster, spots: Spots, models: JobModels, adaptive: bool, now: float) -> Retune | None:
+    def place(
+        self, cluster: Cluster, spots: Spots, models: JobModels | None, adaptive: bool, now: float
+    ) -> Retune | None:
         """`apply` up to the batch: a rigid or fixed-batch job's is chosen here, an adaptive job's by
         its model (the question returned, for `choose` with its answer: `SimulatedExecutors.apply`
-        asks them all at once)."""
+        asks them all at once). `models`: needed only with `spots`."""
+        if spots and models is None:
+            raise ValueError("placed without its models")
         if spots != self.placement:
             if spots:
                 self.restarts += self.started  # the first start is not a restart
@@ -421,14 +425,14 @@ class SimulatedExecutors:
             if job is not None and job.failure is not None and job.ended_in is None:
                 job.ended_in = now  # the round has heard of it: it leaves the live jobs
         questions: dict[str, tuple[Retune, JobState]] = {}
-        for name, job_models in request.models.items():
+        for name in request.decided:
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
             before = job.state
             try:
                 placement = tuple(request.placements.get(name, ()))
-                question = job.place(self.cluster, placement, job_models, request.adaptive, now)
+                question = job.place(self.cluster, placement, request.models.get(name), request.adaptive, now)
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
                 job.cannot_apply(error)
             else:

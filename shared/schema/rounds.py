@@ -4,6 +4,8 @@ apply the placements and (simulated) to advance the virtual clock."""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import msgspec
 
 from goodput_train.goodput import GoodputModel, ThroughputParams
@@ -153,11 +155,11 @@ class Reclaim(msgspec.Struct, frozen=True):
 
 
 class ApplyRequest(msgspec.Struct, frozen=True):
-    """Policy -> executors: the round's placements (jobs absent get nothing) and each job's models,
-    which adaptive jobs re-tune their batch size with; `failed`: jobs the round gave up on, and why
-    (the executors record them as failed). With teams: `borrowed`, the GPUs each job holds beyond
-    its team's guarantee (absent: none), and `reclaims`, the jobs this round shrank or stopped to
-    give a team back its guarantee."""
+    """Policy -> executors: the round's placements (the round's `decided` jobs absent get nothing)
+    and each placed job's models, which adaptive jobs re-tune their batch size with; `failed`: jobs
+    the round gave up on, and why (the executors record them as failed). With teams: `borrowed`,
+    the GPUs each job holds beyond its team's guarantee (absent: none), and `reclaims`, the jobs
+    this round shrank or stopped to give a team back its guarantee."""
 
     now_s: float
     placements: dict[str, Spots]
@@ -166,6 +168,13 @@ class ApplyRequest(msgspec.Struct, frozen=True):
     failed: dict[str, str] = {}
     borrowed: dict[str, int] = {}
     reclaims: dict[str, Reclaim] = {}
+    # The jobs the round decided on (thousands queued: their models are not sent); empty: those
+    # of `models`.
+    jobs: tuple[str, ...] = ()
+
+    @property
+    def decided(self) -> Iterable[str]:
+        return self.jobs or self.models.keys()
 
 
 class AdvanceRequest(msgspec.Struct, frozen=True):
