@@ -430,16 +430,16 @@ class SimulatedExecutors:
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
             before = job.state
+            question = None
             try:
                 placement = tuple(request.placements.get(name, ()))
                 question = job.place(self.cluster, placement, request.models.get(name), request.adaptive, now)
             except Exception as error:  # noqa: BLE001 - one job's bad placement is that job's failure
                 job.cannot_apply(error)
+            if question is not None:
+                questions[name] = (question, before)  # its batch is chosen with the others', then its state checked
             else:
-                if question is not None:
-                    questions[name] = (question, before)
-                    continue  # its batch is chosen with the others', then its state checked
-            check_transition(before, job.state, name)
+                check_transition(before, job.state, name)
             job.borrowed = request.borrowed.get(name, 0)
             reclaim = request.reclaims.get(name)
             if reclaim is not None and reclaim not in job.reclaims:  # an apply asked twice records it once
