@@ -1,6 +1,6 @@
 """Load: thousands of jobs queued at once on the 2,048-GPU cluster, through the six services over NATS.
 
-    .venv/bin/python benchmarks/bench_load.py [--jobs 10000] [--rounds 8] [--policy goodput]
+    .venv/bin/python benchmarks/bench_load.py [--jobs 10000] [--rounds 8] [--policy goodput] [--estimators 1]
 
 All jobs are submitted at t = 0 (a mix of zoo models, `sim.workload.generate_workload`) and replayed
 on `sia-hetero-2048` by the embedded stack (a NATS server and the six services as processes) for
@@ -10,7 +10,7 @@ on `sia-hetero-2048` by the embedded stack (a NATS server and the six services a
   models, the policy, the placer), `policy` its solve alone, `whole round` the wall time between
   two rounds on the run's log (deciding, applying, advancing the executors, the checkpoints);
 - where a round's time goes: each stage's p50 over the rounds after the first (`RoundRecord.stages_ms`:
-  facts, models, solve, place, checkpoint, apply, advance);
+  facts, models, solve, place, checkpoint, apply, advance), and each round's;
 - each service's and the NATS server's resident memory: its peak (VmHWM) and its size after the
   first round and at the end, so growth from round to round shows.
 
@@ -18,6 +18,8 @@ The last line is the headline, as key=value: round_p50_s, round_p95_s, decide_p9
 largest service's peak), jobs.
 
 Starting the stack, submitting and profiling the jobs come before the first round and are timed apart.
+`--estimators N` runs N estimator replicas (a round's advance waits for the estimator to fit each
+configuration new to it: thousands in the first rounds).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def quantiles(values: list[float]) -> str:
     return f"p50 {p50:9.1f}   p95 {p95:9.1f}   max {max(values):9.1f}"
 
 
-async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
+async def run(jobs: int, rounds: int, policy: str, seed: int, estimators: int = 1) -> None:
     workload = [dataclasses.replace(j, time=0.0) for j in generate_workload(jobs, seed=seed)]
     calibration = settings_for(None, CLUSTER).name
     arguments = service_arguments(CLUSTER, None, True, calibration, FEEDBACK_ITERATIONS, None)
@@ -77,7 +79,7 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
     memory: dict[str, list[dict[str, float]]] = {}
 
     with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
-        with running_services(nats, arguments, Path(folder)) as stack:
+        with running_services(nats, arguments, Path(folder), replicas={"estimator": estimators}) as stack:
             pids = {name: process.pid for name, process in stack.processes.items()} | {"nats-server": nats_server_pid()}
 
             def sample() -> None:
@@ -135,6 +137,9 @@ async def run(jobs: int, rounds: int, policy: str, seed: int) -> None:
     }
     print(f"  each stage's p50, ms (rounds 2..{len(decided)}):")
     print("    " + ", ".join(f"{stage} {ms:.0f}" for stage, ms in sorted(stages.items(), key=lambda s: -s[1])))
+    print("  each round's stages, ms:")
+    for number, r in enumerate(decided, 1):
+        print(f"    {number:2d}: " + ", ".join(f"{stage} {ms:.0f}" for stage, ms in r.stages_ms.items()))
     print("  resident memory, MiB: peak (VmHWM) / after the first round / at the end")
     for name, samples in memory.items():
         print(f"    {name:12s} {samples[-1]['VmHWM']:8.0f} / {samples[1]['VmRSS']:8.0f} / {samples[-1]['VmRSS']:8.0f}")
@@ -154,10 +159,11 @@ def main() -> None:
     )
     parser.add_argument("--policy", default=DEFAULT_POLICY)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--estimators", type=int, default=1, help="estimator replicas (default: %(default)s)")
     args = parser.parse_args()
-    if args.jobs < 1 or args.rounds < 2:
-        parser.error("--jobs must be at least 1 and --rounds at least 2")
-    asyncio.run(run(args.jobs, args.rounds, args.policy, args.seed))
+    if args.jobs < 1 or args.rounds < 2 or args.estimators < 1:
+        parser.error("--jobs and --estimators must be at least 1, --rounds at least 2")
+    asyncio.run(run(args.jobs, args.rounds, args.policy, args.seed, args.estimators))
 
 
 if __name__ == "__main__":
