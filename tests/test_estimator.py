@@ -277,6 +277,7 @@ def test_zoo_pgns_curve_and_profiles():
 
 
 def test_jobs_with_one_bootstrap_profile_share_its_fit_and_an_observation_refits_only_theirs(monkeypatch):
+    """...and a job that then runs what another ran, and measures the same, shares that fit too."""
     from services.estimator import core
 
     fits = []
@@ -285,6 +286,7 @@ def test_jobs_with_one_bootstrap_profile_share_its_fit_and_an_observation_refits
         core, "fit_throughput", lambda observations: fits.append(len(observations)) or real_fit(observations)
     )
     core.fit_profile.cache_clear()
+    core._fit_observed.cache_clear()
     zoo = load_zoo()["cifar10"].types["aws"]
     profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
     first = core.JobEstimate.build({"aws": msgspec.structs.replace(profile, job_id="a")})
@@ -294,6 +296,8 @@ def test_jobs_with_one_bootstrap_profile_share_its_fit_and_an_observation_refits
     moved = second.observe("aws", seen)
     assert len(fits) == 2 and fits[-1] == len(profile.points) + 1  # the job's own refit, with what it ran
     assert moved.fitted["aws"] != first.fitted["aws"]
+    assert first.observe("aws", seen).fitted == moved.fitted and len(fits) == 2  # the same runs: no new fit
+    assert first.observe("aws", seen._replace(t_iter=0.6)).fitted != moved.fitted and len(fits) == 3
 
 
 class RecordsKV:

@@ -29,6 +29,7 @@ from goodput_train.goodput import (
 from shared.schema import EstimateRecord, JobFacts, JobModels, Profile, ProfilePoint
 
 PROFILE_FITS_KEPT = 1024  # distinct bootstrap profiles whose fits are kept (a few per application and type)
+OBSERVED_FITS_KEPT = 4096  # fits of a profile with observations kept (`fit_observed`)
 
 
 def profile_observations(profile: Profile) -> list[Observation]:
@@ -47,6 +48,18 @@ def fit_profile(points: tuple[ProfilePoint, ...]) -> ThroughputParams:
     """The fit of a bootstrap profile alone, once for every job whose profile holds these points:
     a burst of one application's jobs, profiled from the same traces, is fitted once, not per job."""
     return fit_throughput(profile_observations(Profile("", "", "", points, 1, 1)))
+
+
+@functools.lru_cache(maxsize=OBSERVED_FITS_KEPT)
+def _fit_observed(points: tuple[ProfilePoint, ...], seen: tuple[Observation, ...]) -> ThroughputParams:
+    return fit_throughput(profile_observations(Profile("", "", "", points, 1, 1)) + list(seen))
+
+
+def fit_observed(profile: Profile, seen: Sequence[Observation]) -> ThroughputParams:
+    """The fit of a bootstrap profile with the configurations the job ran on its type, kept: jobs of
+    one model that ran the same configurations and measured the same times (a simulation's, above
+    all) share it, as the same observations always give the same fit."""
+    return _fit_observed(profile.points, tuple(Observation(*o) for o in seen))
 
 
 def is_multi_gpu(observations: Sequence[Observation]) -> bool:
@@ -82,9 +95,7 @@ class JobEstimate:
     ) -> "JobEstimate":
         observations = {t: tuple(observations.get(t, ())) for t in profiles} if observations else {}
         fitted = {
-            t: fit_throughput(profile_observations(p) + list(observations[t]))
-            if observations.get(t)
-            else fit_profile(p.points)
+            t: fit_observed(p, observations[t]) if observations.get(t) else fit_profile(p.points)
             for t, p in profiles.items()
         }
         return cls(dict(profiles), observations, fitted)
@@ -96,7 +107,7 @@ class JobEstimate:
         if gpu_type not in self.profiles or any(o[:4] == key for o in known):
             return self
         seen = known + (observation,)
-        params = fit_throughput(profile_observations(self.profiles[gpu_type]) + list(seen))
+        params = fit_observed(self.profiles[gpu_type], seen)
         return JobEstimate(self.profiles, {**self.observations, gpu_type: seen}, {**self.fitted, gpu_type: params})
 
     def models(self) -> dict[str, ThroughputParams]:
@@ -203,7 +214,7 @@ class Estimator:
         if changed:
             fitted = {
                 **known.fitted,
-                **{t: fit_throughput(profile_observations(profiles[t]) + list(observations[t])) for t in changed},
+                **{t: fit_observed(profiles[t], observations[t]) for t in changed},
             }
             self.estimates[record.job_id] = JobEstimate(known.profiles, observations, fitted)
 
