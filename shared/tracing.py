@@ -4,7 +4,8 @@ One trace per scheduling round crosses five processes, so each process names its
 `service.name` resource) and carries the round's trace context in NATS message headers as a W3C
 `traceparent`. Export goes over OTLP/HTTP (Jaeger, Tempo and the OpenTelemetry Collector accept it)
 only when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; otherwise
-spans are still created, so parent links work, but nothing leaves the process.
+spans are not recorded (`WhileExported`), but each still has its trace context, so parent links
+and the ids in headers and logs work.
 
 The process-wide tracer provider is the only global state here: `setup_tracing` installs it once.
 Tests that want their own spans build a private provider with `build_tracer_provider` and hand it
@@ -22,10 +23,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = [
     "OTLP_ENDPOINT_VARIABLES",
+    "WhileExported",
+    "add_exporter",
     "build_tracer_provider",
     "extract_trace_context",
     "inject_trace_context",
@@ -56,6 +60,26 @@ def otlp_exporter_from_env(environ: Mapping[str, str] | None = None) -> SpanExpo
     return OTLPSpanExporter()
 
 
+class WhileExported(Sampler):
+    """Spans are recorded while something exports them (`exporting`); until then each still gets
+    its trace context (ids, parent, links; the `traceparent` it travels with), and costs nothing
+    more: a round of 10,000 jobs builds no attributes nor thousands of `job.decision` spans for
+    no one."""
+
+    def __init__(self) -> None:
+        self.exporting = False
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None, trace_state=None):
+        parent = trace.get_current_span(parent_context).get_span_context()
+        state = parent.trace_state if parent.is_valid else None
+        if self.exporting:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, state)
+        return SamplingResult(Decision.DROP, None, state)
+
+    def get_description(self) -> str:
+        return "WhileExported"
+
+
 def build_tracer_provider(
     service_name: str,
     exporter: SpanExporter | None = None,
@@ -68,13 +92,21 @@ def build_tracer_provider(
     the moment it ends and a test can assert on it at once. The environment's OTLP exporter, if
     any, gets a BatchSpanProcessor, so exporting never blocks the event loop of a service.
     """
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    sampler = WhileExported()
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}), sampler=sampler)
     if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        add_exporter(provider, SimpleSpanProcessor(exporter))
     otlp = otlp_exporter_from_env(environ)
     if otlp is not None:
-        provider.add_span_processor(BatchSpanProcessor(otlp))
+        add_exporter(provider, BatchSpanProcessor(otlp))
     return provider
+
+
+def add_exporter(provider: TracerProvider, processor) -> None:
+    """Export the provider's spans through `processor`: from now on they are recorded."""
+    provider.add_span_processor(processor)
+    if isinstance(provider.sampler, WhileExported):
+        provider.sampler.exporting = True
 
 
 _process_provider: TracerProvider | None = None
@@ -91,7 +123,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
         _process_provider = build_tracer_provider(service_name, exporter)
         trace.set_tracer_provider(_process_provider)
     elif exporter is not None:
-        _process_provider.add_span_processor(SimpleSpanProcessor(exporter))
+        add_exporter(_process_provider, SimpleSpanProcessor(exporter))
     return _process_provider
 
 

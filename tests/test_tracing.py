@@ -14,15 +14,17 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from shared.tracing import (
+    add_exporter,
     build_tracer_provider,
     extract_trace_context,
     inject_trace_context,
     otlp_exporter_from_env,
+    span_context_of,
 )
 
 TIMEOUT_S = 3.0
@@ -219,6 +221,26 @@ def test_no_otlp_export_without_endpoint(monkeypatch):
     loud.shutdown()
     assert [span.name for span in exported] == ["exported"]
     assert exported[0].resource.attributes["service.name"] == "loud"
+
+
+def test_without_an_exporter_spans_are_not_recorded_but_keep_their_trace_context():
+    """Nothing exports: a span costs no attributes (a round's thousands of `job.decision` spans are
+    not built), yet it has its ids, its children share its trace and its `traceparent` travels; once
+    an exporter is added, spans are recorded and exported."""
+    quiet = build_tracer_provider("quiet", environ={})
+    tracer = quiet.get_tracer("test")
+    with tracer.start_as_current_span("round") as root:
+        assert not root.is_recording() and root.get_span_context().is_valid
+        headers = inject_trace_context()
+        with tracer.start_as_current_span("stage") as child:
+            assert child.get_span_context().trace_id == root.get_span_context().trace_id
+    assert extract_trace_context(headers) is not None
+    assert span_context_of(headers["traceparent"]).trace_id == root.get_span_context().trace_id
+    exported = InMemorySpanExporter()
+    add_exporter(quiet, SimpleSpanProcessor(exported))
+    with tracer.start_as_current_span("round") as root:
+        assert root.is_recording()
+    assert [span.name for span in exported.get_finished_spans()] == ["round"]
 
 
 @pytest.mark.e2e
