@@ -5,7 +5,7 @@
 Targets (issue 3): p50 <= 10 ms and p95 <= 20 ms per solve for 20-60 active jobs x the sia-hetero-64
 configuration set (19 columns); p95 <= 1 s for 1,000-3,000 jobs on a 2,048-GPU cluster (the
 sia-hetero-64 node groups x 32: 360 columns). Times are whole `solve` calls (validation, model
-building, cvxpy, HiGHS), one fresh instance each, after one warm-up solve; wall-clock time and this
+building, HiGHS), one fresh instance each, after one warm-up solve; wall-clock time and this
 process's CPU time (the second is steadier on a shared machine; HiGHS runs on one thread here).
 
 A realistic round:

@@ -87,10 +87,12 @@ Exact reductions before the solver (each keeps the optimal objective value):
 Speed (benchmarks/bench_sia_ilp.py has the figures):
 - Up to `LARGE_MODEL_ENTRIES` surviving entries the MILP goes to the solver directly: one boolean
   vector over the entries and one sparse block (a one-configuration row per job with two or more
-  entries, a capacity row per type), built fresh each call, which costs cvxpy ~3 ms. A DPP problem
-  cached per padded (J, C) shape was measured and was slower (p50 10 / p95 21 ms against 8 / 12 ms
-  on 20-60 jobs x 19 configurations): cvxpy cannot parametrise variable bounds, so validity becomes
-  J*C extra constraint rows that HiGHS has to carry or presolve away.
+  entries, a capacity row per type), built fresh each call and handed to HiGHS (highspy) as the
+  column-wise matrix cvxpy would compile: compiling it through cvxpy took ~3 ms, more than HiGHS
+  took to solve most rounds (bench_sia_ilp p50 5.6 ms against 7.9 ms through cvxpy, 20-60 jobs x
+  19 configurations). The other solvers go through cvxpy. A DPP problem cached per padded (J, C)
+  shape was slower still: cvxpy cannot parametrise variable bounds, so validity becomes J*C extra
+  constraint rows that HiGHS has to carry or presolve away.
 - HiGHS runs on one thread (its parallel scheduler costs ~7 ms even on a trivial MILP), with
   presolve, symmetry detection and the costly primal heuristics off: on these small models those
   stages take longer than the branch and bound they are meant to shorten.
@@ -159,7 +161,7 @@ GREEDY_ACCEPT_GAP = 1e-4
 LARGE_MIP_REL_GAP = 1e-3
 
 # One HiGHS thread: on these small MILPs the parallel scheduler's hand-offs cost more than they save
-# (~7 ms vs < 1 ms for a trivial model). HiGHS sizes its scheduler once a process; see _run.
+# (~7 ms vs < 1 ms for a trivial model). HiGHS sizes its scheduler once a process; see _highs.
 HIGHS_THREADS: int | None = 1
 HIGHS_OPTIONS = {
     "output_flag": False,  # no banner or log on stdout: a service's output is its own
@@ -791,48 +793,127 @@ def _constraints(m: _Reduced, idx: np.ndarray) -> _Rows:
     return _Rows(K, np.concatenate(rhs).astype(float), n_job_rows)
 
 
-def _program(m: _Reduced, idx: np.ndarray, boolean: bool) -> tuple[cp.Variable, cp.Constraint, cp.Problem]:
-    """The MILP (`boolean`) or its LP relaxation over entries `idx`: (its variables, its rows, the
-    problem). The first idx.size variables are the entries'; with teams, the borrows follow them in
-    the same vector (one variable, one product: cvxpy compiles it about as fast as without teams)."""
-    rows = _constraints(m, idx)
-    if m.teams is None:
-        x = cp.Variable(idx.size, boolean=True) if boolean else cp.Variable(idx.size, bounds=[0, 1])
-        constraint = rows.K @ x <= rows.rhs
-        return x, constraint, cp.Problem(cp.Minimize(m.cost[idx] @ x), [constraint])
-    R = m.teams.b_rows.size
-    upper = np.concatenate([np.ones(idx.size), m.teams.row_borrow[m.teams.b_rows]])
-    x = cp.Variable(
-        idx.size + R, integer=(np.arange(idx.size),) if boolean else False, bounds=[np.zeros(upper.size), upper]
+@dataclass(frozen=True, eq=False)
+class _Program:
+    """min cost . v  subject to  K v <= rhs,  0 <= v <= upper,  v[:integers] integral: the MILP
+    (`integers` = the entries) or its LP relaxation (0) over entries idx, any teams' borrows after
+    the entries in v."""
+
+    rows: _Rows
+    cost: np.ndarray
+    upper: np.ndarray
+    integers: int
+
+
+@dataclass(frozen=True, eq=False)
+class _Answer:
+    x: np.ndarray  # the variables' values
+    value: float  # the objective's
+    duals: np.ndarray | None  # the rows' prices (>= 0), an LP's only
+
+
+def _program(m: _Reduced, idx: np.ndarray, boolean: bool) -> _Program:
+    """The MILP (`boolean`) or its LP relaxation over entries `idx`."""
+    borrow = np.empty(0) if m.teams is None else m.teams.row_borrow[m.teams.b_rows]
+    return _Program(
+        _constraints(m, idx),
+        np.concatenate([m.cost[idx], np.zeros(borrow.size)]),
+        np.concatenate([np.ones(idx.size), borrow]),
+        idx.size if boolean else 0,
     )
-    constraint = rows.K @ x <= rows.rhs
-    return x, constraint, cp.Problem(cp.Minimize(np.concatenate([m.cost[idx], np.zeros(R)]) @ x), [constraint])
 
 
-def _run(program: cp.Problem, solver: str, time_limit_s: float, rel_gap: float | None = None) -> None:
-    """Solve through cvxpy; raise _SolverFailure unless the status is optimal."""
-    global _highs_threads_clash
+def _solve_program(program: _Program, solver: str, time_limit_s: float, rel_gap: float | None = None) -> _Answer:
+    """Solve; raise _SolverFailure unless the solver proves its answer optimal. HiGHS is given the
+    model directly: compiling it through cvxpy took longer than HiGHS took to solve it (a test checks
+    that both give the same answers). The other solvers go through cvxpy."""
     options = _solver_options(solver, max(time_limit_s, 1e-9))
     if rel_gap is not None and solver == "HIGHS":
         options["mip_rel_gap"] = rel_gap
+    if solver == "HIGHS":
+        return _highs(program, options)
+    return _through_cvxpy(program, solver, options)
+
+
+def _highs(program: _Program, options: dict) -> _Answer:
+    """The model as cvxpy would hand it to HiGHS (K column-wise, rows (-inf, rhs]), solved by highspy."""
+    import highspy as hp
+
+    global _highs_threads_clash
+    K = program.rows.K.tocsc()
+    model = hp.HighsModel()
+    lp = model.lp_
+    lp.num_row_, lp.num_col_ = K.shape
+    lp.col_cost_ = program.cost
+    lp.col_lower_ = np.zeros(program.cost.size)
+    lp.col_upper_ = program.upper
+    lp.row_lower_ = np.full(K.shape[0], -hp.kHighsInf)
+    lp.row_upper_ = program.rows.rhs
+    lp.a_matrix_.format_ = hp.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = K.indptr
+    lp.a_matrix_.index_ = K.indices
+    lp.a_matrix_.value_ = K.data
+    if program.integers:
+        continuous = program.cost.size - program.integers
+        lp.integrality_ = [hp.HighsVarType.kInteger] * program.integers + [hp.HighsVarType.kContinuous] * continuous
+
+    def run(options: dict) -> hp.Highs:
+        h = hp.Highs()
+        h.setOptionValue("log_to_console", False)
+        for name, value in options.items():
+            if h.setOptionValue(name, value) == hp.HighsStatus.kError:
+                raise _SolverFailure(f"solver_error: HIGHS rejected its option {name}={value!r}")
+        h.passModel(model)
+        h.run()
+        return h
+
     try:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # cvxpy warns on inaccurate/limited statuses; we report them
-                program.solve(solver=solver, **options)
-        except cp.SolverError:
-            if "threads" not in options:
-                raise
+        h = run(options)
+        if h.getModelStatus() == hp.HighsModelStatus.kNotset and "threads" in options:
             # Most likely HiGHS's scheduler was started with another thread count: retry without.
-            options.pop("threads")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program.solve(solver=solver, **options)
+            h = run({k: v for k, v in options.items() if k != "threads"})
             _highs_threads_clash = True
             log.info("sia ILP: HiGHS's thread scheduler was already started; running with its thread count")
+        status = h.getModelStatus()
+    except _SolverFailure:
+        raise
     except Exception as exc:
         raise _SolverFailure(f"solver_error: {type(exc).__name__}: {exc}") from exc
-    status = program.status
+    if status in (
+        hp.HighsModelStatus.kTimeLimit,
+        hp.HighsModelStatus.kIterationLimit,
+        hp.HighsModelStatus.kSolutionLimit,
+        hp.HighsModelStatus.kObjectiveBound,
+        hp.HighsModelStatus.kObjectiveTarget,
+    ):
+        raise _SolverFailure("timeout: HIGHS stopped at its time limit")
+    if status in (
+        hp.HighsModelStatus.kInfeasible,
+        hp.HighsModelStatus.kUnboundedOrInfeasible,
+        hp.HighsModelStatus.kUnbounded,
+    ):
+        raise _SolverFailure(f"infeasible: HIGHS reported {status.name}")
+    if status != hp.HighsModelStatus.kOptimal:
+        raise _SolverFailure(f"solver_error: HIGHS returned status {status.name}")
+    solution = h.getSolution()
+    duals = None if program.integers else -np.asarray(solution.row_dual, dtype=float)
+    return _Answer(np.asarray(solution.col_value, dtype=float), float(h.getInfo().objective_function_value), duals)
+
+
+def _through_cvxpy(program: _Program, solver: str, options: dict) -> _Answer:
+    n = program.cost.size
+    x = cp.Variable(
+        n, integer=(np.arange(program.integers),) if program.integers else False, bounds=[np.zeros(n), program.upper]
+    )
+    constraint = program.rows.K @ x <= program.rows.rhs
+    problem = cp.Problem(cp.Minimize(program.cost @ x), [constraint])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cvxpy warns on inaccurate/limited statuses; we report them
+            problem.solve(solver=solver, **options)
+    except Exception as exc:
+        raise _SolverFailure(f"solver_error: {type(exc).__name__}: {exc}") from exc
+    status = problem.status
     if status == cp_status.USER_LIMIT:
         raise _SolverFailure(f"timeout: {solver} stopped at its time limit")
     if status in cp_status.INF_OR_UNB:
@@ -841,17 +922,18 @@ def _run(program: cp.Problem, solver: str, time_limit_s: float, rel_gap: float |
         raise _SolverFailure(f"solver_error: {solver} returned status {status}")
     if status != cp_status.OPTIMAL:
         log.info("sia ILP: %s returned %s; the answer is checked before use", solver, status)
+    if x.value is None:
+        raise _SolverFailure(f"solver_error: {solver} reported optimal but returned no solution")
+    duals = None if program.integers or constraint.dual_value is None else np.asarray(constraint.dual_value).reshape(-1)
+    return _Answer(np.asarray(x.value).reshape(-1), float(problem.value), duals)
 
 
 def _milp(m: _Reduced, idx: np.ndarray, solver: str, deadline: float, rel_gap: float | None = None) -> np.ndarray:
     """The MILP over entries `idx`; returns the chosen entries (indices into the reduced model)."""
     if idx.size == 0:
         return idx
-    x, _, program = _program(m, idx, boolean=True)
-    _run(program, solver, deadline - time.perf_counter(), rel_gap)
-    if x.value is None:
-        raise _SolverFailure(f"solver_error: {solver} reported optimal but returned no solution")
-    chosen = idx[np.asarray(x.value).reshape(-1)[: idx.size] > 0.5]
+    answer = _solve_program(_program(m, idx, boolean=True), solver, deadline - time.perf_counter(), rel_gap)
+    chosen = idx[answer.x[: idx.size] > 0.5]
     if np.bincount(m.job[chosen], minlength=m.jobs).max(initial=0) > 1:
         raise _SolverFailure(f"solver_error: {solver} gave a job two configurations")
     return chosen
@@ -944,15 +1026,13 @@ def _price_ascent(m: _Reduced) -> np.ndarray:
 
 
 def _lp_prices(m: _Reduced, idx: np.ndarray, deadline: float) -> tuple[np.ndarray, float]:
-    """The duals of the priced rows and the value of the LP relaxation over entries `idx` (HiGHS,
-    through cvxpy)."""
+    """The duals of the priced rows and the value of the LP relaxation over entries `idx` (HiGHS)."""
     if idx.size == 0:
         return np.zeros(m.prices), 0.0
-    _, rows, lp = _program(m, idx, boolean=False)
-    _run(lp, "HIGHS", deadline - time.perf_counter())
-    if rows.dual_value is None:
+    answer = _solve_program(_program(m, idx, boolean=False), "HIGHS", deadline - time.perf_counter())
+    if answer.duals is None:
         raise _SolverFailure("solver_error: HIGHS returned no duals for the LP relaxation")
-    return np.maximum(np.asarray(rows.dual_value).reshape(-1)[-m.prices :], 0.0), float(lp.value)
+    return np.maximum(answer.duals[-m.prices :], 0.0), answer.value
 
 
 def _solve_large(m: _Reduced, solver: str, deadline: float) -> np.ndarray:
