@@ -15,7 +15,7 @@ from goodput_train.goodput import (
     Retune,
     ThroughputParams,
     _observation_array,
-    _residual_gradient,
+    _SquaredLogError,
     efficiency,
     fit_throughput,
     iteration_time,
@@ -129,14 +129,12 @@ def test_analytic_gradient_matches_finite_differences():
     data = _observation_array(synthetic(TRUE))
     theta = np.array(TRUE) * 1.3
     free, zero = np.zeros(7, dtype=bool), np.zeros(7)
-    _, grad = _residual_gradient(theta, data, free, zero)
+    error = _SquaredLogError(data, free, zero)
+    _, grad = error(theta)
     for i in range(7):
         step = np.zeros(7)
         step[i] = 1e-7 * max(theta[i], 1e-3)
-        numeric = (
-            _residual_gradient(theta + step, data, free, zero)[0]
-            - _residual_gradient(theta - step, data, free, zero)[0]
-        ) / (2 * step[i])
+        numeric = (error(theta + step)[0] - error(theta - step)[0]) / (2 * step[i])
         assert grad[i] == pytest.approx(numeric, rel=1e-4, abs=1e-9)
 
 

@@ -241,12 +241,13 @@ class SimulatedJob(msgspec.Struct):
             steps_per_s = self.goodput_factor * (1.0 - slowdown) / t_iter
             elapsed = 0.0
             while elapsed < run:
-                rate = truth.efficiency(self.progress, batch) * batch / truth.init_batch * steps_per_s
-                boundary = float(truth.boundaries[truth.epoch(self.progress)])
+                epoch = truth.epoch(self.progress)
+                rate = truth.efficiency_in(epoch, batch) * batch / truth.init_batch * steps_per_s
+                boundary = float(truth.boundaries[epoch])
                 dt = min(max(boundary - self.progress, 0.0) / rate, run - elapsed)
                 before, done = self.iterations, self.progress
                 self.progress = boundary if dt < run - elapsed else self.progress + rate * dt
-                key = ran_key(cfg.gpu_type, truth.epoch(done))
+                key = ran_key(cfg.gpu_type, epoch)
                 work, seconds = self.ran.get(key, (0.0, 0.0))
                 self.ran[key] = (work + self.progress - done, seconds + dt)
                 self.iterations += steps_per_s * dt

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -70,9 +70,14 @@ def compute_time(params: ThroughputParams, m):
 
 def sync_time(params: ThroughputParams, nodes, gpus):
     nodes, gpus = np.asarray(nodes), np.asarray(gpus)
-    extra = np.maximum(gpus - 2, 0)
-    t = np.where(nodes > 1, params.alpha_n + params.beta_n * extra, params.alpha_r + params.beta_r * extra)
-    return np.where(gpus > 1, t, 0.0)
+    return _sync_time(params, nodes > 1, gpus > 1, np.maximum(gpus - 2, 0))
+
+
+def _sync_time(params: ThroughputParams, across, multi, extra):
+    """The all-reduce's time, given which allocations span nodes, which have several GPUs, and the
+    GPUs beyond two."""
+    t = np.where(across, params.alpha_n + params.beta_n * extra, params.alpha_r + params.beta_r * extra)
+    return np.where(multi, t, 0.0)
 
 
 def _overlap(t_grad, t_sync, gamma):
@@ -266,7 +271,10 @@ def retune_all(questions: Sequence[Retune], threshold: float = RETUNE_THRESHOLD)
     models = [q.model for q in questions]
     params = ThroughputParams.stack(m.params for m in models)
     phi = np.array([m.pgns for m in models], dtype=float)
-    limits = np.array([astuple(q.limits) for q in questions], dtype=float).T  # init, max, min_local, max_local
+    limits = np.array(
+        [(q.limits.init_batch, q.limits.max_batch, q.limits.min_local, q.limits.max_local) for q in questions],
+        dtype=float,
+    ).T
     nodes = np.array([q.nodes for q in questions])
     gpus = np.array([q.gpus for q in questions])
     best = optimize_batch(params, phi, *limits, nodes, gpus)
@@ -311,60 +319,66 @@ def _observation_array(observations) -> np.ndarray:
     return data
 
 
-def _residual_gradient(theta, data, fixed_mask, fixed_values):
-    """Mean squared log error of iteration (and compute) times and its analytic gradient."""
-    theta = np.where(fixed_mask, fixed_values, theta)
-    p = ThroughputParams(*theta)
-    nodes, gpus, m, s, t_iter, t_grad_obs = data.T
-    t_grad = compute_time(p, m)
-    t_sync = sync_time(p, nodes, gpus)
-    overlap = _overlap(t_grad, t_sync, p.gamma)
-    pred = s * t_grad + overlap
-    r = np.log(pred) - np.log(t_iter)
+class _SquaredLogError:
+    """Mean squared log error of iteration (and compute) times over one fit's observations, and its
+    analytic gradient, as a function of theta (a fit evaluates it ~40 times: what does not depend
+    on theta is computed once)."""
 
-    # d overlap: with u = t_grad/P, v = t_sync/P (u^g + v^g = 1):
-    #   dP/dt_grad = u^(g-1), dP/dt_sync = v^(g-1), dP/dg = P/g * (u^g ln u + v^g ln v).
-    u = t_grad / overlap
-    v = t_sync / overlap
-    g = p.gamma
-    du = u ** (g - 1)
-    dv = np.where(gpus > 1, v ** (g - 1), 0.0)
-    ulogu = np.where(u > 0, u**g * np.log(np.where(u > 0, u, 1.0)), 0.0)
-    vlogv = np.where(v > 0, v**g * np.log(np.where(v > 0, v, 1.0)), 0.0)
-    d_tgrad = s + du
-    one_node = (nodes <= 1).astype(float)
-    extra = np.maximum(gpus - 2, 0)
-    jac = (
-        np.stack(
-            [
-                d_tgrad,
-                d_tgrad * m,
-                dv * one_node,
-                dv * one_node * extra,
-                dv * (1 - one_node),
-                dv * (1 - one_node) * extra,
-                overlap / g * (ulogu + vlogv),
-            ],
-            axis=1,
+    def __init__(self, data: np.ndarray, fixed_mask: np.ndarray, fixed_values: np.ndarray):
+        nodes, gpus, self.m, self.s, t_iter, t_grad_obs = data.T
+        self.fixed_mask, self.fixed_values = fixed_mask, fixed_values
+        self.across, self.multi, self.extra = nodes > 1, gpus > 1, np.maximum(gpus - 2, 0)
+        self.one_node = (nodes <= 1).astype(float)
+        self.across_nodes = 1 - self.one_node
+        self.log_t_iter = np.log(t_iter)
+        self.has_grad = np.isfinite(t_grad_obs)
+        self.log_t_grad = np.log(t_grad_obs[self.has_grad])
+        self.m_grad = self.m[self.has_grad]
+
+    def __call__(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
+        p = ThroughputParams(*np.where(self.fixed_mask, self.fixed_values, theta))
+        m, s, one_node, across_nodes, extra = self.m, self.s, self.one_node, self.across_nodes, self.extra
+        t_grad = compute_time(p, m)
+        t_sync = _sync_time(p, self.across, self.multi, extra)
+        overlap = _overlap(t_grad, t_sync, p.gamma)
+        pred = s * t_grad + overlap
+        r = np.log(pred) - self.log_t_iter
+
+        # d overlap: with u = t_grad/P, v = t_sync/P (u^g + v^g = 1):
+        #   dP/dt_grad = u^(g-1), dP/dt_sync = v^(g-1), dP/dg = P/g * (u^g ln u + v^g ln v).
+        u = t_grad / overlap
+        v = t_sync / overlap
+        g = p.gamma
+        du = u ** (g - 1)
+        dv = np.where(self.multi, v ** (g - 1), 0.0)
+        ulogu = np.where(u > 0, u**g * np.log(np.where(u > 0, u, 1.0)), 0.0)
+        vlogv = np.where(v > 0, v**g * np.log(np.where(v > 0, v, 1.0)), 0.0)
+        d_tgrad = s + du
+        jac = (
+            np.stack(
+                [
+                    d_tgrad,
+                    d_tgrad * m,
+                    dv * one_node,
+                    dv * one_node * extra,
+                    dv * across_nodes,
+                    dv * across_nodes * extra,
+                    overlap / g * (ulogu + vlogv),
+                ],
+                axis=1,
+            )
+            / pred[:, None]
         )
-        / pred[:, None]
-    )
-
-    residuals = [r]
-    jacobians = [jac]
-    has_grad = np.isfinite(t_grad_obs)
-    if has_grad.any():
-        rg = np.log(t_grad[has_grad]) - np.log(t_grad_obs[has_grad])
-        jg = np.zeros((rg.size, 7))
-        jg[:, 0] = 1.0 / t_grad[has_grad]
-        jg[:, 1] = m[has_grad] / t_grad[has_grad]
-        residuals.append(rg)
-        jacobians.append(jg)
-    r = np.concatenate(residuals)
-    jac = np.concatenate(jacobians)
-    loss = float(np.mean(r**2))
-    grad = 2.0 * (r @ jac) / r.size
-    return loss, np.where(fixed_mask, 0.0, grad)
+        if self.log_t_grad.size:
+            t_measured = t_grad[self.has_grad]
+            jg = np.zeros((t_measured.size, 7))
+            jg[:, 0] = 1.0 / t_measured
+            jg[:, 1] = self.m_grad / t_measured
+            r = np.concatenate([r, np.log(t_measured) - self.log_t_grad])
+            jac = np.concatenate([jac, jg])
+        loss = float(np.mean(r**2))
+        grad = 2.0 * (r @ jac) / r.size
+        return loss, np.where(self.fixed_mask, 0.0, grad)
 
 
 def rmsle(params: ThroughputParams, observations) -> float:
@@ -441,8 +455,10 @@ def fit_throughput(observations) -> ThroughputParams:
     upper = np.array([np.inf] * 6 + [GAMMA_BOUNDS[1]])
     bounds = [(v / u, v / u) if f else (lo / u, hi / u) for v, f, lo, hi, u in zip(values, fixed, lower, upper, unit)]
 
+    error = _SquaredLogError(data, fixed, values)
+
     def objective(x):
-        loss, grad = _residual_gradient(x * unit, data, fixed, values)
+        loss, grad = error(x * unit)
         return loss, grad * unit
 
     with _BLAS.limit(limits=1, user_api="blas"):
