@@ -24,6 +24,7 @@ the estimator evaluates thousands of (job, configuration, batch) cells at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -262,6 +263,13 @@ class Retune(NamedTuple):
         return self.model.retune(self.nodes, self.gpus, self.limits, self.current, threshold)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _kept(model: GoodputModel, nodes: int, gpus: int, m: int, s: int) -> float:
+    """A job's goodput at its current (m, s), kept: round after round a running job asks it of the
+    same model until its estimate changes."""
+    return float(model.goodput(nodes, gpus, m, s))
+
+
 def retune_all(questions: Sequence[Retune], threshold: float = RETUNE_THRESHOLD) -> list[tuple[float, int, int]]:
     """Each question's `GoodputModel.retune`, the same answers, in one vectorised search for all: a
     simulated round re-tunes every running job (thousands), where a job's own call is mostly
@@ -287,7 +295,7 @@ def retune_all(questions: Sequence[Retune], threshold: float = RETUNE_THRESHOLD)
     )
     # What the current (m, s) gives: each job's own call, as `retune` takes it (NumPy's power of
     # one number and of an array can differ in the last bit, and a tie must go the same way).
-    kept = np.array([q.model.goodput(q.nodes, q.gpus, *q.current) if ok else 0.0 for q, ok in zip(questions, valid)])
+    kept = np.array([_kept(q.model, q.nodes, q.gpus, *q.current) if ok else 0.0 for q, ok in zip(questions, valid)])
     keep = valid & (best.goodput <= (1.0 + threshold) * kept)
     return [
         (float(kept[i]), int(m[i]), int(s[i])) if keep[i] else (float(best.goodput[i]), int(best.m[i]), int(best.s[i]))
