@@ -344,3 +344,27 @@ async def test_a_new_jobs_profiles_are_stored_in_one_write_and_a_job_stored_befo
     assert (await other.add(JobProfiles("a", (profile,)))).revision == 2  # delivered again, to another replica
     assert records.asked == ["create", "get"]  # refused, then read: the record stands
     assert other.estimator.record("a") == first.estimator.record("a")
+
+
+def test_a_jobs_models_do_not_depend_on_its_age_and_the_policy_asks_again_only_of_jobs_whose_facts_changed():
+    from services.estimator.core import Estimator
+    from services.policy.wiring import KeptModels
+    from shared.schema import JobFacts
+
+    zoo = load_zoo()["cifar10"].types["aws"]
+    profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
+    estimator = Estimator()
+    for job in ("a", "b", "c"):
+        estimator.add(job, {"aws": msgspec.structs.replace(profile, job_id=job)})
+    facts = [JobFacts(job, "cifar10", 0.0, 60.0, 1, 128, False, 128, 4096) for job in ("a", "b")]
+    kept = KeptModels()
+    assert kept.split(facts) == ([], facts)  # nothing kept yet: every job is asked of
+    kept.keep(facts, estimator.models(facts))
+    older = [msgspec.structs.replace(f, age_s=f.age_s + 60) for f in facts]
+    assert estimator.models(older) == estimator.models(facts)  # what lets a job keep its models
+    learned = msgspec.structs.replace(older[1], estimate_revision=2)  # "b" learned: its record is newer
+    new = JobFacts("c", "cifar10", 60.0, 0.0, 1, 128, False, 128, 4096)
+    models, ask = kept.split([older[0], learned, new])
+    assert models == estimator.models(facts[:1]) and ask == [learned, new]
+    kept.keep([older[0], learned], [*models, *estimator.models([learned])])  # "c" held: not kept
+    assert set(kept.last) == {"a", "b"} and kept.split([new]) == ([], [new])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import msgspec
 import nats.errors
@@ -26,6 +27,7 @@ from shared.schema import (
     FactsReply,
     FactsRequest,
     JobFacts,
+    JobModels,
     LiveJobs,
     LiveJobsRequest,
     ModelsReply,
@@ -44,11 +46,39 @@ class StageUnanswered(RuntimeError):
     """A stage of the round found no service to answer it in time."""
 
 
+class KeptModels:
+    """The estimator's models of each job of the last round, with the facts they were made of. A
+    job whose facts are as they were then but for its age (which no model depends on: the
+    estimator's `job_models`) keeps its models, so a round asks the estimator of the others only:
+    of 10,000 queued jobs, those that ran or learned something. A job that learned carries a new
+    `estimate_revision` in its facts, so it is asked again."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, tuple[JobFacts, JobModels]] = {}
+
+    def split(self, facts: Sequence[JobFacts]) -> tuple[list[JobModels], list[JobFacts]]:
+        """(the models kept, the facts of the jobs to ask the estimator of)."""
+        kept, ask = [], []
+        for f in facts:
+            last = self.last.get(f.job_id)
+            if last is not None and msgspec.structs.replace(f, age_s=last[0].age_s) == last[0]:
+                kept.append(last[1])
+            else:
+                ask.append(f)
+        return kept, ask
+
+    def keep(self, facts: Sequence[JobFacts], models: Sequence[JobModels]) -> None:
+        """This round's models, each with its job's facts (only this round's jobs are kept)."""
+        of = {f.job_id: f for f in facts}
+        self.last = {m.job_id: (of[m.job_id], m) for m in models if m.job_id in of}
+
+
 class BusWiring:
     def __init__(self, bus: Bus, timeout_s: float = REQUEST_TIMEOUT_S, retry_s: float = RETRY_S):
         self.bus = bus
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.kept_models = KeptModels()
 
     async def _request(self, subject: str, message, reply_type):
         loop = asyncio.get_running_loop()
@@ -67,7 +97,11 @@ class BusWiring:
         return await self._request(subjects.FACTS, FactsRequest(now, tuple(jobs)), FactsReply)
 
     async def models(self, facts: list[JobFacts]) -> ModelsReply:
-        return await self._request(subjects.MODELS, ModelsRequest(tuple(facts)), ModelsReply)
+        kept, ask = self.kept_models.split(facts)
+        made = await self._request(subjects.MODELS, ModelsRequest(tuple(ask)), ModelsReply) if ask else ModelsReply(())
+        models = (*kept, *made.models)
+        self.kept_models.keep(facts, models)
+        return ModelsReply(models, made.held)
 
     async def place(
         self,
