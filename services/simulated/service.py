@@ -369,12 +369,11 @@ class SimulatedExecutorService:
     async def on_apply(self, request: ApplyRequest) -> Ack:
         jobs = self.executors.jobs
         async with self.turn:
-            placed = [name for name in request.decided if name in jobs]  # only their placements change
-            restarts = sum(jobs[name].restarts for name in placed)
-            self.executors.apply(request)
-            if (restarted := sum(jobs[name].restarts for name in placed) - restarts) > 0:
+            restarts = {name: jobs[name].restarts for name in request.decided if name in jobs}
+            touched = self.executors.apply(request)
+            if (restarted := sum(jobs[name].restarts - restarts[name] for name in touched if name in restarts)) > 0:
                 instrument(JOB_RESTARTS).add(restarted)
-            await self.save(name for name in {*request.decided, *request.failed} if name in self.submitted)
+            await self.save(name for name in touched if name in self.submitted)
         return Ack()
 
     async def on_advance(self, request: AdvanceRequest) -> AdvanceReply:
@@ -395,7 +394,10 @@ class SimulatedExecutorService:
             if advanced and not trained:
                 self.kept.pop(advanced[0], None)  # one written all the same: KV holds the round run (`load`)
                 trained = advanced[:1]
-            await self.save(trained)
+            self.dirty.update(trained)
+        # What they ran goes to the estimator before the round is written, so that a job is written
+        # once, with the revision its estimate reached (a restart before the write runs the round
+        # again, and reports it again, which changes nothing).
         await self.report()
         async with self.turn:
             await self.save()

@@ -412,11 +412,13 @@ class SimulatedExecutors:
     def facts(self, now: float, names) -> list[JobFacts]:
         return [self.jobs[name].facts(self.truths[name], now) for name in names]
 
-    def apply(self, request: ApplyRequest) -> None:
+    def apply(self, request: ApplyRequest) -> set[str]:
         """Take a round's placements. A job already run past `now` ignores them: a late or repeated
         apply (a deposed leader's, a duplicate on the bus) must not undo a newer round's. A job the
-        round gave up on, or whose placement cannot be taken, fails with the reason; the others go on."""
+        round gave up on, or whose placement cannot be taken, fails with the reason; the others go on.
+        The jobs it may have changed: not those that wait and go on waiting (thousands a round)."""
         now = request.now_s
+        touched = set(request.failed)
         for name, reason in request.failed.items():
             job = self.jobs.get(name)
             if job is not None and job.finish_s is None and job.failure is None:
@@ -430,6 +432,9 @@ class SimulatedExecutors:
             job = self.jobs.get(name)
             if job is None or job.failure or (job.advanced_to is not None and job.advanced_to > now + 1e-9):
                 continue
+            if not job.placement and not request.placements.get(name) and name not in request.reclaims:
+                continue  # it waits and goes on waiting: nothing to take (a waiting job borrows nothing)
+            touched.add(name)
             before = job.state
             question = None
             try:
@@ -446,6 +451,7 @@ class SimulatedExecutors:
             if reclaim is not None and reclaim not in job.reclaims:  # an apply asked twice records it once
                 job.reclaims = (*job.reclaims, reclaim)[-KEPT_RECLAIMS:]
         self._choose_batches(questions)
+        return touched
 
     def _choose_batches(self, questions: dict[str, tuple[Retune, JobState]]) -> None:
         """The adaptive jobs' batches, all chosen at once (`retune_all`: thousands of jobs a round);
