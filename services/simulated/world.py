@@ -362,6 +362,7 @@ class SimulatedExecutors:
         self.feedback_iterations = feedback_iterations
         self.jobs: dict[str, SimulatedJob] = {}
         self.truths: dict[str, ModelTruth] = {}
+        self.order: dict[str, int] = {}  # each job's place in `jobs`
 
     def add(self, spec: WorkloadJob, truth: ModelTruth, rigid: bool = False) -> list[str]:
         """Start tracking a submitted job (again: nothing changes); the GPU types it can run on here.
@@ -399,6 +400,7 @@ class SimulatedExecutors:
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:
         self.jobs[job.name] = job
+        self.order.setdefault(job.name, len(self.order))
         self.truths[job.name] = truth
         self.judge(job, [t for t in self.cluster.gpu_types if t in truth.types])
 
@@ -518,10 +520,11 @@ class SimulatedExecutors:
         finished in it, (job, type, observation) for each job that trained). Asking again for the
         same round runs only the jobs not run yet, so a round is never run twice."""
         finished, observed = [], []
-        names = set(names)
+        names = set(names).intersection(self.jobs)
         interfered = self.interfered(names)
-        for name, job in self.jobs.items():
-            if job.spec.time > now or name not in names:
+        for name in sorted(names, key=self.order.__getitem__):  # in submission order, as `jobs` holds them
+            job = self.jobs[name]
+            if job.spec.time > now:
                 continue
             if (
                 job.finish_s is None
