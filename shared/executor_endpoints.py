@@ -27,43 +27,56 @@ from shared.schema import (
     LiveJobs,
     LiveJobsRequest,
     Observed,
-    Stored,
+    ObservedAll,
+    StoredAll,
     select,
 )
-from shared.settings import OBSERVED_AT_ONCE
+from shared.settings import OBSERVED_IN_ONE_REPORT, REPORTS_AT_ONCE
 
 log = logging.getLogger(__name__)
 
+REPORT_TIMEOUT_S = 10.0  # a request of observations, each maybe a fit the estimator makes
 
-async def report(bus: Bus, message: Observed) -> int:
-    """A configuration a job ran, to the estimator, until it has it: observing twice changes nothing,
-    so a restarted estimator is simply asked again. The revision it stored (the job's facts carry it)."""
+
+async def report(bus: Bus, message: ObservedAll) -> StoredAll:
+    """Configurations jobs ran, to the estimator, until it has them: observing twice changes nothing,
+    so a restarted estimator is simply asked again. The revisions it stored (the jobs' facts carry
+    them)."""
     while True:
         try:
-            return (await bus.request(subjects.OBSERVE, message, Stored, timeout=5)).revision
+            return await bus.request(subjects.OBSERVE, message, StoredAll, timeout=REPORT_TIMEOUT_S)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            log.warning("estimator unavailable; reporting %s again", message.job_id)
+            log.warning("estimator unavailable; reporting %d observations again", len(message.observed))
             await asyncio.sleep(0.2)
 
 
 async def report_all(
     bus: Bus, messages: Iterable[Observed], reported: Callable[[Observed, int], Awaitable[None]]
 ) -> None:
-    """Each message to the estimator (`report`), OBSERVED_AT_ONCE in flight: one job's in the order
-    given (its fits learn them in that order), different jobs' side by side. `reported(message,
-    revision)` as each is stored."""
+    """The messages to the estimator (`report`), about OBSERVED_IN_ONE_REPORT a request and
+    REPORTS_AT_ONCE requests in flight, each job's together and in the order given (its fits learn
+    them in that order). `reported(message, revision)` for each one stored; one refused is logged,
+    and reported again the next time its job runs it."""
     by_job: dict[str, list[Observed]] = {}
     for message in messages:
         by_job.setdefault(message.job_id, []).append(message)
-    gate = asyncio.Semaphore(OBSERVED_AT_ONCE)
+    requests: list[list[Observed]] = [[]]
+    for queue in by_job.values():
+        if len(requests[-1]) >= OBSERVED_IN_ONE_REPORT:
+            requests.append([])
+        requests[-1].extend(queue)
+    gate = asyncio.Semaphore(REPORTS_AT_ONCE)
 
-    async def one_job(queue: list[Observed]) -> None:
-        for message in queue:
-            async with gate:
-                revision = await report(bus, message)
-            await reported(message, revision)
+    async def send(observed: list[Observed]) -> None:
+        async with gate:
+            stored = await report(bus, ObservedAll(tuple(observed)))
+        for job_id, reason in stored.refused.items():
+            log.warning("the estimator did not store what job %s ran: %s", job_id, reason)
+        for message, revision in zip(observed, stored.revisions):
+            if revision:
+                await reported(message, revision)
 
-    await asyncio.gather(*(one_job(queue) for queue in by_job.values()))
+    await asyncio.gather(*(send(observed) for observed in requests if observed))
 
 
 async def consume_job_events(

@@ -18,8 +18,11 @@ FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
 # Submissions the profiler judges at once from traces, and the estimator stores at once: each waits
 # on the bus most of its time (docs/services.md, a burst).
 JUDGED_AT_ONCE = 64
-# Observations the executors have in flight to the estimator, and it takes at once: a round ends
-# with one from each job that trained (thousands), each a request.
+# A round ends with an observation from each job that trained (thousands): the executors send them
+# OBSERVED_IN_ONE_REPORT a request, REPORTS_AT_ONCE requests in flight, and the estimator stores
+# OBSERVED_AT_ONCE jobs' at once in each.
+OBSERVED_IN_ONE_REPORT = 64
+REPORTS_AT_ONCE = 4
 OBSERVED_AT_ONCE = 64
 
 

@@ -199,7 +199,7 @@ def node_of_subject(subject: str, endpoint: str) -> str | None:
 
 ESTIMATOR_SERVICE = "estimator"
 MODELS = f"{PREFIX}.estimator.models"  # ModelsRequest -> ModelsReply
-OBSERVE = f"{PREFIX}.estimator.observe"  # Observed -> Ack
+OBSERVE = f"{PREFIX}.estimator.observe"  # ObservedAll -> StoredAll
 PROFILES = f"{PREFIX}.estimator.profiles"  # JobProfiles -> Ack
 ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"  # Ack -> Count
 POLICY_SERVICE = "policy"

@@ -31,7 +31,7 @@ from shared.schema import (
     Rendezvous,
     StartWorkers,
     StopWorkers,
-    Stored,
+    StoredAll,
     WorkersReport,
 )
 from shared.settings import simulation_settings
@@ -182,8 +182,8 @@ class EstimatorBus(NoBus):
     """The estimator as the executors report to it: each observation stored; nothing else on the bus."""
 
     async def request(self, subject, message, answer_type, timeout=None):
-        assert subject == subjects.OBSERVE
-        return Stored(1)
+        assert subject == subjects.OBSERVE and answer_type is StoredAll
+        return StoredAll((1,) * len(message.observed))
 
 
 async def test_a_round_run_writes_only_the_jobs_on_gpus_and_a_restart_takes_the_round_back():

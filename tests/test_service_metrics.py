@@ -49,6 +49,7 @@ from shared.schema import (
     StartWorkers,
     StopWorkers,
     Stored,
+    StoredAll,
 )
 
 
@@ -170,8 +171,8 @@ class EstimatorBus:
     """The estimator, as the simulated executors report what their jobs ran to it."""
 
     async def request(self, subject: str, message, answer_type, **_):
-        assert subject == subjects.OBSERVE and answer_type is Stored
-        return Stored(1)
+        assert subject == subjects.OBSERVE and answer_type is StoredAll
+        return StoredAll((1,) * len(message.observed))
 
 
 async def test_the_simulated_executors_count_their_jobs_by_state_and_their_restarts() -> None:

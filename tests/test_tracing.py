@@ -614,7 +614,7 @@ async def test_estimator_spans_name_the_job(traced):
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
     from shared.cluster import load_cluster
-    from shared.schema import JobProfiles, ModelsRequest, Observed, Profile, ProfilePoint
+    from shared.schema import JobProfiles, ModelsRequest, Observed, ObservedAll, Profile, ProfilePoint
 
     provider, exporter = traced
     tracer = provider.get_tracer("test")
@@ -623,7 +623,8 @@ async def test_estimator_spans_name_the_job(traced):
     with tracer.start_as_current_span("estimator.profiles"):
         await estimates.add(JobProfiles("e-1", (profile,)))
     with tracer.start_as_current_span("estimator.observe"):
-        await estimates.observe(Observed("e-1", "aws", Observation(1, 2, 64, 0, 0.15)))
+        seen = Observation(1, 2, 64, 0, 0.15)
+        stored = await estimates.observe(ObservedAll((Observed("e-1", "aws", seen), Observed("e-9", "aws", seen))))
     cluster = load_cluster("sia-hetero-64")
     facts = [_facts("e-1", "cifar10", cluster), _facts("e-2", "bert", cluster)]
     with tracer.start_as_current_span("estimator.goodput"):
@@ -633,8 +634,8 @@ async def test_estimator_spans_name_the_job(traced):
     spans = {s.name: s.attributes for s in exporter.get_finished_spans()}
     profiles, observed = spans["estimator.profiles"], spans["estimator.observe"]
     assert profiles["job.id"] == "e-1" and tuple(profiles["gpu.types"]) == ("aws",)
-    assert (observed["job.id"], observed["gpu.type"], observed["gpu.count"]) == ("e-1", "aws", 2)
-    assert observed["learned"] is True
+    assert stored.revisions[0] > 0 and stored.revisions[1] == 0 and "no profile" in stored.refused["e-9"]
+    assert (observed["observations"], observed["learned"], tuple(observed["job.ids"])) == (2, 1, ("e-1", "e-9"))
     goodput = spans["estimator.goodput"]
     assert tuple(goodput["job.ids"]) == ("e-1", "e-2") and tuple(goodput["held.job.ids"]) == ("e-2",)
     assert (goodput["jobs"], goodput["jobs.modelled"], goodput["jobs.held"]) == (2, 1, 1)

@@ -11,6 +11,7 @@ reads the job again if its copy is older. A restarted replica starts empty and l
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from nats import micro
@@ -20,8 +21,19 @@ from services.estimator.core import Estimator
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.runner import new_service
-from shared.schema import Ack, Count, EstimateRecord, JobProfiles, ModelsReply, ModelsRequest, Observed, Stored
-from shared.settings import JUDGED_AT_ONCE, OBSERVED_AT_ONCE, settings_for
+from shared.schema import (
+    Ack,
+    Count,
+    EstimateRecord,
+    JobProfiles,
+    ModelsReply,
+    ModelsRequest,
+    Observed,
+    ObservedAll,
+    Stored,
+    StoredAll,
+)
+from shared.settings import JUDGED_AT_ONCE, OBSERVED_AT_ONCE, REPORTS_AT_ONCE, settings_for
 
 CONFLICT_RETRIES = 20
 MAX_TRACED_IDS = 256  # job ids listed on one `estimator.goodput` span (the count is always there)
@@ -70,33 +82,58 @@ class SharedEstimates:
                 await self.load(message.job_id)
         return Stored(self.revisions[message.job_id])
 
-    async def observe(self, message: Observed) -> Stored:
+    async def observe(self, message: ObservedAll) -> StoredAll:
+        """Learn what jobs ran: each job's observations in order, OBSERVED_AT_ONCE jobs side by side
+        (each job's record is its own key). One that cannot be stored is its job's trouble only."""
+        observed = message.observed
+        revisions = [0] * len(observed)
+        refused: dict[str, str] = {}
+        learned = 0
+        by_job: dict[str, list[int]] = {}
+        for i, one in enumerate(observed):
+            by_job.setdefault(one.job_id, []).append(i)
+        gate = asyncio.Semaphore(OBSERVED_AT_ONCE)
+
+        async def learn_all(job_id: str, indices: list[int]) -> None:
+            nonlocal learned
+            async with gate:
+                for i in indices:
+                    try:
+                        revisions[i], new = await self.learn(observed[i])
+                    except Exception as error:  # noqa: BLE001 - one job's observation that cannot be stored is that job's
+                        log.warning("job %s: observation not stored: %s: %s", job_id, type(error).__name__, error)
+                        refused[job_id] = f"{type(error).__name__}: {error}"
+                        return
+                    learned += new
+
+        await asyncio.gather(*(learn_all(job_id, indices) for job_id, indices in by_job.items()))
         span = trace.get_current_span()
-        seen = message.observation
-        span.set_attributes(
-            {
-                "job.id": message.job_id,
-                "gpu.type": message.gpu_type,
-                "nodes": seen.nodes,
-                "gpu.count": seen.gpus,
-                "batch.per_gpu": seen.m,
-                "batch.accumulation_steps": seen.s,
-                "t_iter_s": seen.t_iter,
-            }
-        )
+        if span.is_recording():
+            ids = list(by_job)
+            span.set_attributes(
+                {
+                    "observations": len(observed),
+                    "learned": learned,
+                    "jobs": len(ids),
+                    "job.ids": ids[:MAX_TRACED_IDS],
+                    "job.ids.truncated": len(ids) > MAX_TRACED_IDS,
+                }
+            )
+        return StoredAll(tuple(revisions), refused)
+
+    async def learn(self, message: Observed) -> tuple[int, bool]:
+        """(the revision of the job's record that holds this observation, whether it was new)."""
         for _ in range(CONFLICT_RETRIES):
             if not await self.load(message.job_id):
                 raise ValueError(f"no profile for job {message.job_id!r} yet")
             revision = self.revisions[message.job_id]
             if not self.estimator.observe(message.job_id, message.gpu_type, message.observation):
-                span.set_attribute("learned", False)
-                return Stored(revision)  # seen already: nothing to write
+                return revision, False  # seen already: nothing to write
             try:
                 self.revisions[message.job_id] = await self.records.update(
                     message.job_id, self.estimator.record(message.job_id), revision
                 )
-                span.set_attributes({"learned": True, "revision": self.revisions[message.job_id]})
-                return Stored(self.revisions[message.job_id])
+                return self.revisions[message.job_id], True
             except RevisionConflict:  # another replica wrote first: reload, learn again
                 await self.load(message.job_id, revision + 1)
         raise RuntimeError(f"job {message.job_id}: the record kept changing under {CONFLICT_RETRIES} writes")
@@ -151,16 +188,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         span_name="estimator.profiles",
         concurrency=JUDGED_AT_ONCE,
     )
-    # A round's end: an observation from each job that trained, one job's at a time (the executors
-    # keep its order), each job's record its own key.
+    # A round's end: an observation from each job that trained, in requests of many (`report_all`),
+    # a few at once.
     await bus.add_endpoint(
         service,
         "observe",
         subjects.OBSERVE,
-        Observed,
+        ObservedAll,
         shared.observe,
         span_name="estimator.observe",
-        concurrency=OBSERVED_AT_ONCE,
+        concurrency=REPORTS_AT_ONCE,
     )
     await bus.add_endpoint(
         service, "models", subjects.MODELS, ModelsRequest, shared.models, span_name="estimator.goodput"

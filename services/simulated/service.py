@@ -45,6 +45,7 @@ from shared.schema import (
     LiveJobs,
     LiveJobsRequest,
     Observed,
+    ObservedAll,
     Profiled,
     Rejected,
     unnamed_key,
@@ -316,10 +317,12 @@ class SimulatedExecutorService:
             return 0
         truth = self.sources.truths.get(entry.spec.application)
         measured = request_observations(as_workload_job(entry.spec, truth), truth, executors.cluster) if truth else []
-        revision = 0
-        for gpu_type, observation in measured:
-            revision = max(revision, await endpoints.report(self.bus, Observed(verdict.job_id, gpu_type, observation)))
-        return revision
+        if not measured:
+            return 0
+        stored = await endpoints.report(
+            self.bus, ObservedAll(tuple(Observed(verdict.job_id, gpu_type, seen) for gpu_type, seen in measured))
+        )
+        return max(stored.revisions)
 
     async def on_event(self, message: msgspec.Raw, delivery) -> None:
         """One event of the jobs stream taken; the entry it changed is saved with the rest of its

@@ -70,7 +70,9 @@ from shared.schema.estimates import (
     EstimateRecord,
     JobProfiles,
     Observed,
+    ObservedAll,
     Profile,
+    StoredAll,
 )
 from shared.schema.jobs import (
     CANCELLED,
@@ -222,6 +224,7 @@ __all__ = [
     "NodeStatus",
     "NodeStatuses",
     "Observed",
+    "ObservedAll",
     "OutputLine",
     "PlaceRequest",
     "Placed",
@@ -249,6 +252,7 @@ __all__ = [
     "StartWorkers",
     "StopWorkers",
     "Stored",
+    "StoredAll",
     "SubmitAnswer",
     "TeamGpus",
     "TeamName",

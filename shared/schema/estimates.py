@@ -34,11 +34,25 @@ class JobProfiles(msgspec.Struct, frozen=True):
 
 
 class Observed(msgspec.Struct, frozen=True):
-    """Executors -> estimator: a configuration a job ran, and its measured iteration time."""
+    """A configuration a job ran, and its measured iteration time."""
 
     job_id: str
     gpu_type: str
     observation: Observation
+
+
+class ObservedAll(msgspec.Struct, frozen=True):
+    """Executors -> estimator: configurations jobs ran, each job's in the order it ran them."""
+
+    observed: tuple[Observed, ...]
+
+
+class StoredAll(msgspec.Struct, frozen=True):
+    """Estimator -> executors: for each observation, in order, the revision of its job's record that
+    holds it, or 0 where it could not be stored (its job's reason in `refused`)."""
+
+    revisions: tuple[int, ...]
+    refused: dict[str, str] = {}
 
 
 class EstimateRecord(msgspec.Struct, frozen=True):
