@@ -254,6 +254,33 @@ def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
     assert batch() == 24 * 1 * 4
 
 
+def test_a_job_moved_to_another_gpu_type_reports_its_configurations_there_again(tmp_path):
+    """The estimator fits each GPU type on that type's own times: a configuration told on one type
+    is told again when the job runs it on another (and not twice on one)."""
+    from goodput_train.goodput import Observation
+    from services.executor.real import RealExecutors
+    from shared.schema import JobSpec, Profiled
+
+    nodes = ReportingNodes()
+    agent = RealExecutors(LocalExecutors(nodes, tmp_path, Cluster("local-4", (Node("local-0", "cpu", 4),))))
+    agent.submitted(JobSpec("lm", "tiny_lm"), 1)
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
+    agent.arrive(0.0)
+    agent.apply(0.0, {"lm": (("local-0", 2),)})
+    ran = (Observation(1, 2, 32, 0, 0.1),)
+    nodes.stats["lm"] = JobStats("lm", "cpu", ran, None, None, 0.1, 10, m=32, s=0)
+    agent.poll()
+    told = agent.observations()
+    assert [(o.gpu_type, o.observation[:5]) for o in told] == [("cpu", ran[0][:5])]  # t_grad: NaN
+    for message in told:
+        agent.reported(message, 2)
+    agent.poll()
+    assert agent.observations() == []  # told: not again on this type
+    nodes.stats["lm"] = JobStats("lm", "fast", ran, None, None, 0.2, 20, m=32, s=0)  # the same, elsewhere
+    agent.poll()
+    assert [(o.gpu_type, o.observation[:5]) for o in agent.observations()] == [("fast", ran[0][:5])]
+
+
 def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure():
     """While it is profiled, a job's reason says what it waits for and where its run is; its failure
     stays None (it has not failed) until its refusal, which is its failure."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from goodput_train.protocol import OUTCOME_PREFIX, REPORT_ENV, STATS_PREFIX, JobStats
+from goodput_train.protocol import GPU_TYPE_ENV, OUTCOME_PREFIX, REPORT_ENV, STATS_PREFIX, JobStats
 from goodput_train.trainer import AdaptiveTraining
 from launcher.nats import free_loopback_port
 
@@ -122,6 +122,21 @@ def one_step(training, loss_of=lambda out, y: nn.functional.cross_entropy(out, y
     for x, y in training.micro_batches():
         training.backward(loss_of(training.model(x), y))
     training.step()
+
+
+def test_a_job_resumed_on_another_gpu_type_times_its_steps_afresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(GPU_TYPE_ENV, "slow")
+    path = tmp_path / "job.pt"
+    training = tiny_training(checkpoint_path=path)
+    for _ in range(3):
+        one_step(training)
+    training.save()
+    assert training.observations()
+    again = tiny_training(checkpoint_path=path)
+    assert again.steps == 3 and again.observations() == training.observations()  # the same type: kept
+    monkeypatch.setenv(GPU_TYPE_ENV, "fast")
+    moved = tiny_training(checkpoint_path=path)
+    assert moved.steps == 3 and moved.observations() == []  # the other type's times are not this one's
 
 
 def test_a_non_finite_step_is_skipped_and_never_learned_from():

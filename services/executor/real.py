@@ -560,13 +560,16 @@ class RealExecutors:
             stats = local.stats if local else None
             if stats is None or not stats.gpu_type:
                 continue
+            told = job.reported if job.reported_type == stats.gpu_type else ()  # moved: all new on this type
             for observation in stats.observations:
-                if _key(observation) not in job.reported:
+                if _key(observation) not in told:
                     new.append(Observed(name, stats.gpu_type, observation))
         return new
 
     def reported(self, message: Observed, revision: int) -> None:
         job = self.jobs[message.job_id]
+        if job.reported_type != message.gpu_type:
+            job.reported, job.reported_type = (), message.gpu_type
         job.reported += (_key(message.observation),)
         job.estimate_revision = max(job.estimate_revision, revision)
 

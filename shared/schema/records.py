@@ -141,6 +141,7 @@ class NodeJob(msgspec.Struct):
     slice_steps: int = 0  # its steps when the current placement began
     estimate_revision: int = 0
     reported: tuple[tuple[int, int, int, int], ...] = ()  # configurations (nodes, GPUs, m, s) the estimator has
+    reported_type: str = ""  # ... on this GPU type (a job moved to another reports them there again)
     placement: Spots = ()  # where its workers ran when this was saved
     placements: tuple[Placed, ...] = ()  # every placement its workers were started on
     generation: int = 0  # its workers' starts so far (a node ignores an older order)

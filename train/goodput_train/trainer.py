@@ -693,6 +693,7 @@ class AdaptiveTraining:
             "batch": [self.m, self.s],
             "base_lrs": self.base_lrs,
             "placement": [self.placement.world, self.placement.nodes],
+            "gpu_type": os.environ.get(GPU_TYPE_ENV, "cpu"),
             "timings": [[list(key), times] for key, times in self.timings.items()],
         }
 
@@ -727,7 +728,10 @@ class AdaptiveTraining:
         self.order = ElasticOrder.from_state(len(self.dataset), state["order"])
         self.noise.load_state_dict(state["noise"])
         self.progress, self.steps = state["progress"], state["steps"]
-        self.timings = defaultdict(list, {tuple(key): times for key, times in state["timings"]})
+        if state.get("gpu_type") == os.environ.get(GPU_TYPE_ENV, "cpu"):
+            self.timings = defaultdict(list, {tuple(key): times for key, times in state["timings"]})
+        # else the step times were another GPU type's: this one is measured afresh (its fits, and
+        # the estimator's, take each configuration's times as this type's)
         self.m, self.s = state["batch"]
         if [self.placement.world, self.placement.nodes] != state["placement"]:
             # Another allocation: the same total batch split over it, then re-picked for it.
