@@ -8,6 +8,8 @@ import contextlib
 import io
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -47,6 +49,19 @@ def order(job_id: str, folder: Path, user: int | None = None, **env: str) -> Sta
 def test_a_line_of_any_length_is_read_in_bounded_parts():
     stream = io.StringIO("a" * 100 + "\nshort\n" + "b" * 25 + "\n" + "c" * 7)
     assert list(_lines(stream, limit=10)) == ["a" * 10, "short\n", "b" * 10, "c" * 7]
+
+
+def test_a_worker_that_exits_as_it_is_asked_about_is_not_reaped_before_its_group_is_killed(monkeypatch):
+    # Reaped there, it would leave its group's id unusable: the children in its group would live on.
+    from services.executor import processes
+
+    worker = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    while alive(worker.pid):  # exited (a zombie), not reaped
+        time.sleep(0.01)
+    monkeypatch.setattr(processes.os, "waitid", lambda *args: None)  # asked just before it exited
+    assert processes.ended(worker) is None and worker.returncode is None
+    monkeypatch.undo()
+    assert processes.ended(worker) == 0  # asked again: its group killed, then reaped
 
 
 @pytest.mark.e2e

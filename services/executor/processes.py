@@ -179,10 +179,11 @@ def ended(process: subprocess.Popen) -> int | None:
     exited leader, not yet reaped, still holds the group's id: no other process's group is hit."""
     if process.returncode is None:
         try:
-            exited = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+            if os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return None  # it runs: not reaped here, where it could exit before its group is killed
         except ChildProcessError:  # reaped already, by the caller that killed its group
-            exited = False
-        if exited:
+            pass
+        else:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
     return process.poll()
