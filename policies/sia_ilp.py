@@ -760,7 +760,7 @@ class _Rows:
     the variable's bound), one capacity row per GPU type, then any team rows and lending rows. The
     rows after the one-configuration rows are the ones that carry a price (`_Reduced.prices`)."""
 
-    K: sp.csr_matrix
+    K: sp.csc_matrix  # column-wise, as HiGHS takes it
     rhs: np.ndarray
     job_rows: int
 
@@ -786,7 +786,7 @@ def _constraints(m: _Reduced, idx: np.ndarray) -> _Rows:
         cols += [on, borrows, borrows]
         vals += [m.gpus[idx][on], -np.ones(b.size), np.ones(b.size)]
         rhs += [tr.row_rhs, tr.lend[tr.lend_types]]
-    K = sp.csr_matrix(
+    K = sp.csc_matrix(
         (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
         shape=(m.prices + n_job_rows, idx.size + (0 if tr is None else tr.b_rows.size)),
     )
@@ -840,7 +840,7 @@ def _highs(program: _Program, options: dict) -> _Answer:
     import highspy as hp
 
     global _highs_threads_clash
-    K = program.rows.K.tocsc()
+    K = program.rows.K
     model = hp.HighsModel()
     lp = model.lp_
     lp.num_row_, lp.num_col_ = K.shape

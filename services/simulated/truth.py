@@ -162,38 +162,30 @@ class ModelTruth:
 
     def stats(self, progress: float, batch: float) -> tuple[float, float]:
         """(grad_sqr, grad_var) in the current epoch, as measured at this batch size."""
-        return self._stats(self.epoch(progress), batch)
-
-    def _stats(self, epoch: int, batch: float) -> tuple[float, float]:
-        key = (epoch, batch)
-        known = self._measured.get(key)
-        if known is None:
-            known = self._measured[key] = (
-                float(np.interp(batch, self.batches, self.grad_sqr[:, epoch])),
-                float(np.interp(batch, self.batches, self.grad_var[:, epoch])),
-            )
-        return known
+        sqr, var, _ = self._at(self.epoch(progress), batch)
+        return sqr, var
 
     def efficiency(self, progress: float, batch: float) -> float:
         return self.efficiency_in(self.epoch(progress), batch)
 
     def efficiency_in(self, epoch: int, batch: float) -> float:
         """The statistical efficiency at `batch` all through `epoch`."""
+        return self._at(epoch, batch)[2]
+
+    def _at(self, epoch: int, batch: float) -> tuple[float, float, float]:
+        """(grad_sqr, grad_var, efficiency) all through `epoch` at `batch`, kept: a simulation asks
+        them of every job every round and of every running job at every step of its progress."""
         key = (epoch, batch)
-        known = self._efficiencies.get(key)
+        known = self._kept.get(key)
         if known is None:
-            phi = pgns(*self._stats(epoch, batch), self.init_batch)
-            known = self._efficiencies[key] = float(efficiency(phi, self.init_batch, batch))
+            sqr = float(np.interp(batch, self.batches, self.grad_sqr[:, epoch]))
+            var = float(np.interp(batch, self.batches, self.grad_var[:, epoch]))
+            phi = pgns(sqr, var, self.init_batch)
+            known = self._kept[key] = (sqr, var, float(efficiency(phi, self.init_batch, batch)))
         return known
 
-    # What an epoch's statistics give at a batch, kept: a simulation asks it of every job every round
-    # and of every running job at every step of its progress.
     @cached_property
-    def _measured(self) -> dict[tuple[int, float], tuple[float, float]]:
-        return {}
-
-    @cached_property
-    def _efficiencies(self) -> dict[tuple[int, float], float]:
+    def _kept(self) -> dict[tuple[int, float], tuple[float, float, float]]:
         return {}
 
 

@@ -263,10 +263,10 @@ class Retune(NamedTuple):
         return self.model.retune(self.nodes, self.gpus, self.limits, self.current, threshold)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 14)
 def _kept(model: GoodputModel, nodes: int, gpus: int, m: int, s: int) -> float:
     """A job's goodput at its current (m, s), kept: round after round a running job asks it of the
-    same model until its estimate changes."""
+    same model until its estimate changes (a round of a few thousand running jobs fits)."""
     return float(model.goodput(nodes, gpus, m, s))
 
 

@@ -217,6 +217,11 @@ def _exchange_hook(state: _Exchange, bucket):
     return dist.all_reduce(combined, async_op=True).get_future().then(settle)
 
 
+def gpu_type() -> str:
+    """The GPU type the job runs on, as its executor names it (its step times are this type's)."""
+    return os.environ.get(GPU_TYPE_ENV, "cpu")
+
+
 def _print_line(prefix: str, message: msgspec.Struct) -> None:
     """One line on stdout for the executor: msgpack (it keeps NaN, which JSON cannot), in base64."""
     print(prefix + base64.b64encode(msgspec.msgpack.encode(message)).decode(), flush=True)
@@ -514,7 +519,7 @@ class AdaptiveTraining:
         noise = self.noise.stats()
         return JobStats(
             os.environ.get(JOB_ENV, "job"),
-            os.environ.get(GPU_TYPE_ENV, "cpu"),
+            gpu_type(),
             tuple(self.observations()),
             *(noise or (None, None)),
             self.epochs,
@@ -693,7 +698,7 @@ class AdaptiveTraining:
             "batch": [self.m, self.s],
             "base_lrs": self.base_lrs,
             "placement": [self.placement.world, self.placement.nodes],
-            "gpu_type": os.environ.get(GPU_TYPE_ENV, "cpu"),
+            "gpu_type": gpu_type(),
             "timings": [[list(key), times] for key, times in self.timings.items()],
         }
 
@@ -728,7 +733,7 @@ class AdaptiveTraining:
         self.order = ElasticOrder.from_state(len(self.dataset), state["order"])
         self.noise.load_state_dict(state["noise"])
         self.progress, self.steps = state["progress"], state["steps"]
-        if state.get("gpu_type") == os.environ.get(GPU_TYPE_ENV, "cpu"):
+        if state.get("gpu_type") == gpu_type():
             self.timings = defaultdict(list, {tuple(key): times for key, times in state["timings"]})
         # else the step times were another GPU type's: this one is measured afresh (its fits, and
         # the estimator's, take each configuration's times as this type's)
