@@ -17,7 +17,8 @@ until every job has finished. Prints:
 - the rounds during the burst: the decision's time (facts, models, the policy, the placer;
   RoundRecord.round_ms) and the wall time between two rounds on the run's log, p50/p95/max,
   against the round period;
-- each service's and the NATS server's peak resident memory (VmHWM);
+- each service's and the NATS server's peak resident memory (VmHWM), and the CPU seconds each
+  spent from the first submission to the last verdict, with their sum per verdict;
 - last, the headline: `verdicts_per_s=… answered=… jobs=…`.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +53,12 @@ def quantiles(values) -> str:
         return "-"
     p50, p95 = np.percentile(values, [50, 95])
     return f"{p50:.0f} / {p95:.0f} / {max(values):.0f} ms"
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process has spent so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def logins_for(server, folder: Path, jobs: int) -> list[tuple[str, object]]:
@@ -101,6 +109,9 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
 
             following = asyncio.ensure_future(follow())
             logins = await logins_for(server, folder, args.jobs)
+            pids = {name: process.pid for name, process in stack.processes.items()}
+            pids["nats-server"] = nats_server_pid()
+            cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
             try:
                 started = time.perf_counter()
                 stored_s = await submit_burst(logins, args.jobs)
@@ -119,6 +130,7 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
                 await asyncio.sleep(0.05)
                 answered = (await bus.request(subjects.EXECUTOR_STATUS, JobsQuery("burst-"), Count, timeout=60)).n
             profiled_s = time.perf_counter() - started
+            cpu = {name: cpu_s(pid) - cpu_before[name] for name, pid in pids.items()}
             print(
                 f"{answered} of {args.jobs} submissions judged {profiled_s:.1f} s after the first one "
                 f"({answered / profiled_s:,.0f} verdicts a second)",
@@ -152,6 +164,10 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
     )
     print(f"  deciding a round (p50 / p95 / max): {quantiles(decide)}")
     print(f"  between two rounds  (p50 / p95 / max): {quantiles(gaps)}  (period {args.round * 1e3:.0f} ms)")
+    print(
+        f"CPU to the last verdict: {sum(cpu.values()):.1f} s, {sum(cpu.values()) / max(1, answered) * 1e3:.2f} ms a "
+        "verdict: " + ", ".join(f"{name} {s:.1f}" for name, s in sorted(cpu.items(), key=lambda kv: -kv[1]))
+    )
     print("peak resident memory (VmHWM): " + ", ".join(f"{name} {mb:.0f} MiB" for name, mb in memory.items()))
     print(
         f"verdicts_per_s={answered / profiled_s:.0f} answered={answered} jobs={args.jobs} replicas={args.replicas}"

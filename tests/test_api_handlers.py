@@ -4,6 +4,7 @@ few calls it makes, and record them; what the API decided is read from what they
 from __future__ import annotations
 
 import argparse
+import asyncio
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -135,6 +136,25 @@ async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None
     other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), api.Who("bob"))  # the id taken
     assert not other.accepted and "already exists" in other.reason, other
     assert len(bus.stored()) == 1 and owners.entries["lm-1"][0] == held
+
+
+async def test_bodies_under_one_id_are_judged_in_the_order_they_came_and_others_at_once() -> None:
+    """The intake judges many submissions at once: under one key in turn (the first holds it), a slow
+    one holding up none under another key; a key no one holds any more is forgotten."""
+    turns, done, slow = api.Turns(), [], asyncio.Event()
+
+    async def judge(key: str, name: str, wait: asyncio.Event | None = None) -> None:
+        async with turns.turn(key):
+            if wait is not None:
+                await wait.wait()
+            done.append(name)
+            if name == "other":
+                slow.set()  # the first under "mine" goes on only once another id was judged
+
+    await asyncio.gather(
+        judge("mine", "first", slow), judge("mine", "second"), judge("theirs", "other"), judge("mine", "third")
+    )
+    assert done == ["other", "first", "second", "third"] and turns.held == {}
 
 
 def test_executors_local_is_read_as_real_with_a_word_on_stderr(capsys) -> None:

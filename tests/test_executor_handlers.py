@@ -258,6 +258,38 @@ async def test_a_refusal_is_listed_for_its_logins_team_in_both_executors():
         }
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 0, 2), (1, 2, 0), (2, 0, 1)])
+async def test_refusals_naming_an_id_are_each_listed_and_leave_its_job_whatever_order_they_come_in(order):
+    """The intake judges bodies at once, so the API's refusals of bodies under an id (a malformed
+    one, another body) may reach the stream before or after the valid submission that holds it."""
+    events = (
+        ("submitted", JobSpec("mine", "mlp_blobs")),
+        ("rejected", Rejected(subjects.refused("default", "ann"), "unknown field `command`", "mine")),
+        ("rejected", Rejected(subjects.refused("default", "ann"), "job mine already exists", "mine")),
+    )
+    service = await simulated_service()
+    real = RealExecutors(LocalExecutors(RecordingNodes(), None, SLOTS))
+    for sequence, index in enumerate(order, start=1):
+        kind, message = events[index]
+        if kind == "submitted":
+            service.on_submitted(message, sequence, "", "ann")
+            real.submitted(message, sequence, "", "ann")
+        else:
+            service.on_rejected(message, sequence, "", "ann", "default")
+            real.rejected(message, sequence, "", "ann", "default")
+    held = order.index(0) + 1
+    verdict = Rejected(subjects.stored("default", "ann"), "no GPU type it runs on", "mine", submission=held)
+    for _ in range(2):  # the profiler's verdict on the held submission, read again after a restart
+        service.on_rejected(verdict, 9, "", "")
+        real.rejected(verdict, 9, "", "")
+    for records in (service.records(), real.records()):
+        assert sorted((r.name, r.state, r.failure) for r in records) == [
+            ("mine", JobState.REJECTED, "job mine already exists"),
+            ("mine", JobState.REJECTED, "no GPU type it runs on"),
+            ("mine", JobState.REJECTED, "unknown field `command`"),
+        ]
+
+
 async def test_the_simulated_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):
     """With queued -> running taken out of the table, placing a queued job raises where it happens."""
     service = await simulated_service()

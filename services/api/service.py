@@ -128,6 +128,7 @@ RECORDS_TIMEOUT_S = 10.0
 CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the executors to take the order before it answers
 CANCEL_POLL_S = 0.2
 CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors
+INTAKE_WINDOW = 64  # submissions from the intake stream one replica judges at once
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,29 @@ class Room:
         self.kept = True
 
 
+class Turns:
+    """One lock per key, held in the order asked (a lock free at once is taken without waiting):
+    what is done under one key is done in turn, under others at once."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, tuple[asyncio.Lock, int]] = {}  # key -> its lock, and those holding or awaiting it
+
+    @contextlib.asynccontextmanager
+    async def turn(self, key: str) -> AsyncIterator[None]:
+        lock, users = self.held.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self.held[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            users = self.held[key][1] - 1
+            if users:
+                self.held[key] = (lock, users)
+            else:
+                del self.held[key]
+
+
 class Gate:
     """The API's handlers, each a method; `login` the requester's, as the server says. `teams`: the
     KV holding the operator's team file (None: no teams); `cluster()`: the cluster as it is now,
@@ -434,6 +458,7 @@ class Gate:
         self.kept = kept or Kept(bus)
         self.code = code  # the code store (None: jobs may not carry their code here)
         self.teams, self.cluster = teams, cluster
+        self.turns = Turns()
 
     async def records(self, query: JobsQuery) -> JobRecords:
         try:
@@ -545,6 +570,13 @@ class Gate:
         except msgspec.DecodeError as error:
             return await self.refuse(data, malformed_reason(explained(error, data)), who, came=came, cause="malformed")
         trace.get_current_span().set_attribute("job.id", scoped_id(who.team, spec.id))
+        # Taken before anything is awaited: bodies under one id are judged in the order they came
+        # (the first valid one holds the id), others at once.
+        async with self.turns.turn(scoped_id(who.team, spec.id)):
+            return await self.judged(spec, data, who, came)
+
+    async def judged(self, spec: JobSpec, data: bytes, who: Who, came: str) -> SubmitAnswer:
+        """`submit`'s judgement of a well-formed body: refused with the reason, or stored."""
         reason, cause = await self.team_problem(spec, who), "team"
         if reason is None:
             reason, cause = self.problem(spec), "unschedulable"
@@ -959,7 +991,10 @@ async def open_gate(
         on_invalid=gate.unjudgeable,
         dead_letters=subjects.dead_letters(subjects.INTAKE_CONSUMER),
     )
-    asyncio.get_running_loop().create_task(intake.consume(gate.judge, with_delivery=True))
+    # Judged 64 at once (each mostly waits on JetStream); bodies under one id in the stream's order.
+    asyncio.get_running_loop().create_task(
+        intake.consume(gate.judge, with_delivery=True, batch=INTAKE_WINDOW, concurrent=True)
+    )
     return gate, service
 
 

@@ -75,7 +75,7 @@ from shared.schema import (
     ProfileRequest,
     Reclaim,
     Rejected,
-    unnamed_key,
+    apart_key,
     verdict_for,
 )
 from shared.waits import Needs, needs_of, unschedulable, wait_reason
@@ -192,7 +192,7 @@ class RealExecutors:
         """Take a job back after a restart. Its workers stopped with the old agent; the next apply
         starts them again from their checkpoint (a restart)."""
         self.jobs[job.key] = job
-        if job.unnamed:  # a refusal listed on its own: nothing ever runs
+        if job.apart:  # a refusal listed on its own: nothing ever runs
             return
         try:
             self.executors.add(job.spec.id, job.spec.model, *owned(job.spec.own_code, job.owner), user=job.submission)
@@ -291,40 +291,29 @@ class RealExecutors:
         check_transition(before, self.state_of(job), job.key)
 
     def rejected(self, message: Rejected, sequence: int = 0, _: str = "", owner: str = "", team: str = "") -> None:
-        """The profiler's (or the API's) refusal of a submission: the job's, or listed on its own
-        (rejected, with its application when it could be read, for its login and team) when no job
-        was read from it."""
-        application = message.application or UNREADABLE
+        """The profiler's refusal of the submission that holds its job: the job's. Any other refusal
+        (the API's of a body never stored, one whose id could not be read, another body under a held
+        id) is kept apart, listed for its login and team with the id and application it names: no job
+        is touched by it, and a submission stored under its id later takes the id whatever order the
+        two came in."""
+        job = self.jobs.get(message.job_id) if message.job_id is not None else None
+        if job is not None and verdict_for(message.submission, job.submission):
+            if job.profiled is None and job.failure is None:  # else it has its verdict (read again)
+                self.profiling.pop(job.key, None)
+                before = self.state_of(job)
+                job.failure = message.reason
+                check_transition(before, self.state_of(job), job.key)
+            return
         # The API's record says whose on its subject; else the subject of the submission judged does.
         _, came_team, came_login = subjects.owner_of(message.subject)
-        owner, team = owner or came_login, team or came_team or DEFAULT_TEAM
-        if message.job_id is None:  # its id could not be read either: listed under its place in the stream
-            self.jobs[unnamed_key(sequence)] = NodeJob(
-                JobSpec(UNREADABLE, application, team=team),
-                failure=message.reason,
-                seen=sequence,
-                unnamed=True,
-                owner=owner,
-            )
-            return
-        self.profiling.pop(message.job_id, None)
-        job = self.jobs.get(message.job_id)
-        if job is None:  # its submission could not be read (malformed): kept as failed all the same
-            self.jobs[message.job_id] = NodeJob(
-                JobSpec(message.job_id, application, team=team), failure=message.reason, seen=sequence, owner=owner
-            )
-        elif job.profiled is not None or job.failure is not None or not verdict_for(message.submission, job.submission):
-            # A verdict on another submission (a second body under the id, a malformed message naming it):
-            # the job the id belongs to is untouched; the refusal is on the stream, for its sender.
-            log.warning(
-                "job %s: a refusal of another submission under its id leaves it as it is: %s",
-                message.job_id,
-                message.reason,
-            )
-        else:
-            before = self.state_of(job)
-            job.failure = message.reason
-            check_transition(before, self.state_of(job), job.key)
+        team = team or came_team or DEFAULT_TEAM
+        self.jobs[apart_key(sequence)] = NodeJob(
+            JobSpec(message.job_id or "", message.application or UNREADABLE, team=team),
+            failure=message.reason,
+            seen=sequence,
+            apart=True,
+            owner=owner or came_login,
+        )
 
     # ---- the nodes --------------------------------------------------------------------------
 
@@ -582,7 +571,7 @@ class RealExecutors:
             local = self.executors.jobs.get(job.key)
             records.append(
                 JobRecord(
-                    "" if job.unnamed else job.spec.id,
+                    job.spec.id,
                     job.spec.model,
                     submit,
                     job.finish_s,

@@ -48,7 +48,7 @@ from shared.schema import (
     ObservedAll,
     Profiled,
     Rejected,
-    unnamed_key,
+    apart_key,
     verdict_for,
 )
 from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
@@ -260,32 +260,28 @@ class SimulatedExecutorService:
             self.executors.jobs[spec.id].trace = entry.trace or trace
 
     def on_rejected(self, verdict: Rejected, sequence: int, _: str, owner: str, team: str = "") -> str | None:
-        application = verdict.application or ""
-        # The API's record says whose on its subject; else the subject of the submission judged does.
-        _, came_team, came_login = subjects.owner_of(verdict.subject)
-        owner, team = owner or came_login, team or came_team or DEFAULT_TEAM
-        if verdict.job_id is None:  # unreadable: kept under its place in the stream
-            key = unnamed_key(sequence)
-            self.submitted[key] = SubmittedJob(
-                "", None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
-            )
-            return key
-        entry = self.submitted.get(verdict.job_id)
-        if entry is None:  # its submission was never read as one: refused under its id
-            self.submitted[verdict.job_id] = SubmittedJob(
-                verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
-            )
-            return verdict.job_id
-        if entry.job is None and entry.rejected is None and verdict_for(verdict.submission, entry.submission):
+        entry = self.submitted.get(verdict.job_id) if verdict.job_id is not None else None
+        if entry is not None and verdict_for(verdict.submission, entry.submission):
+            if entry.job is not None or entry.rejected is not None:
+                return None  # it has its verdict (read again)
             before = self.state_of(entry)
             entry.rejected = verdict.reason
-            check_transition(before, self.state_of(entry), verdict.job_id)
-            return verdict.job_id
-        # A verdict on another submission under a known id (a second body, a malformed message naming
-        # it): kept on its own, for the sender to see; the job the id belongs to is untouched.
-        key = unnamed_key(sequence)
+            check_transition(before, self.state_of(entry), entry.job_id)
+            return entry.job_id
+        # Any other refusal (of a body never stored, unreadable, another body under a held id) is kept
+        # apart, under its place in the stream, for its sender to see: no job is touched by it, and a
+        # submission stored under its id later takes the id whatever order the two came in.
+        # The API's record says whose on its subject; else the subject of the submission judged does.
+        _, came_team, came_login = subjects.owner_of(verdict.subject)
+        key = apart_key(sequence)
         self.submitted[key] = SubmittedJob(
-            verdict.job_id, None, verdict.reason, seen=sequence, application=application, owner=owner, team=team
+            verdict.job_id or "",
+            None,
+            verdict.reason,
+            seen=sequence,
+            application=verdict.application or "",
+            owner=owner or came_login,
+            team=team or came_team or DEFAULT_TEAM,
         )
         return key
 

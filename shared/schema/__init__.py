@@ -108,17 +108,17 @@ from shared.schema.nodes import (
     node_applications,
 )
 from shared.schema.records import (
+    APART,
     JOB_STATES,
-    UNNAMED,
     JobRecord,
     JobRecords,
     JobsQuery,
     NodeJob,
     Placed,
     Progress,
+    apart_key,
     job_rows,
     select,
-    unnamed_key,
 )
 from shared.schema.rounds import (
     AdvanceReply,
@@ -259,7 +259,7 @@ __all__ = [
     "TeamStatus",
     "TeamsAnswer",
     "TeamsRequest",
-    "UNNAMED",
+    "APART",
     "WorkersReport",
     "job_rows",
     "job_status",
@@ -271,6 +271,6 @@ __all__ = [
     "select",
     "spec_digest",
     "submission_msg_id",
-    "unnamed_key",
+    "apart_key",
     "verdict_for",
 ]

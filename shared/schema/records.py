@@ -152,20 +152,24 @@ class NodeJob(msgspec.Struct):
     metric: float | None = None  # its own measure of success, once finished
     metrics: dict[str, float | str] = {}  # the latest value of each metric it reported
     batches: tuple[int, ...] = ()  # the total batches it trained at, once finished
-    unnamed: bool = False  # a refusal whose id could not be read (its spec: a stand-in)
+    # A refusal kept apart from any job (its spec a stand-in, with the id it names, "" when none could
+    # be read): listed for its sender, never held against the job its id may name.
+    apart: bool = False
     borrowed: int = 0  # of its GPUs, those beyond its team's guarantee, as the last round said
     reclaims: tuple[Reclaim, ...] = ()  # the latest times it was shrunk or stopped for another team's guarantee
 
     @property
     def key(self) -> str:
-        """Where it is kept (KV) and listed from: its id; a refusal without one, its place in the stream."""
-        return unnamed_key(self.seen) if self.unnamed else self.spec.id
+        """Where it is kept (KV) and listed from: its id; a refusal kept apart, its place in the stream."""
+        return apart_key(self.seen) if self.apart else self.spec.id
 
 
-UNNAMED = "_rejected"  # keys of refusals kept apart from any job (no job id starts with _): by their sequence
+APART = "_rejected"  # keys of refusals kept apart from any job (no job id starts with _): by their sequence
 
 
-def unnamed_key(sequence: int) -> str:
-    """The key (executors' KV, their records) of a refusal kept apart from any job: a body whose id
-    could not be read, or another body under an id a job holds."""
-    return f"{UNNAMED}.{sequence}"
+def apart_key(sequence: int) -> str:
+    """The key (executors' KV, their records) of a refusal kept apart from any job: any refusal but
+    the verdict on the submission that holds its id (a body never stored, one whose id could not be
+    read, another body under an id a job holds). Two refusals naming one id, in whatever order they
+    come, are two entries."""
+    return f"{APART}.{sequence}"
