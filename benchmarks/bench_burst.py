@@ -163,6 +163,10 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
         f"({args.round * args.speed:g} s of the cluster's clock)"
     )
     print(f"  deciding a round (p50 / p95 / max): {quantiles(decide)}")
+    for _, step in burst:
+        if step.record is not None and step.record.stages_ms:
+            stages = ", ".join(f"{stage} {ms:.0f}" for stage, ms in step.record.stages_ms.items())
+            print(f"    {step.record.active} active jobs: {stages} ms")
     print(f"  between two rounds  (p50 / p95 / max): {quantiles(gaps)}  (period {args.round * 1e3:.0f} ms)")
     print(
         f"CPU to the last verdict: {sum(cpu.values()):.1f} s, {sum(cpu.values()) / max(1, answered) * 1e3:.2f} ms a "

@@ -15,9 +15,11 @@ from goodput_train.goodput import RETUNE_THRESHOLD
 DEFAULT_POLICY = "goodput"  # what `goodput up`, `simulate` and the manifests run unless told otherwise
 ROUND_S = 60.0  # how often a policy re-decides, unless it is defined by another round (Gavel: 360 s)
 FEEDBACK_ITERATIONS = 1  # default k for "time to the first k iterations"
-# Submissions the profiler judges at once from traces, and the estimator stores at once: each waits
-# on the bus most of its time (docs/services.md, a burst).
+# Submissions the profiler judges at once from traces: each waits on the bus most of its time
+# (docs/services.md, a burst). Their profiles go to the estimator together, PROFILES_IN_FLIGHT
+# requests at once, and it stores each request's jobs side by side.
 JUDGED_AT_ONCE = 64
+PROFILES_IN_FLIGHT = 4
 # A round ends with an observation from each job that trained (thousands): the executors send them
 # OBSERVED_IN_ONE_REPORT a request, REPORTS_AT_ONCE requests in flight, and the estimator stores
 # OBSERVED_AT_ONCE jobs' at once in each.

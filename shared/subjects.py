@@ -200,7 +200,7 @@ def node_of_subject(subject: str, endpoint: str) -> str | None:
 ESTIMATOR_SERVICE = "estimator"
 MODELS = f"{PREFIX}.estimator.models"  # ModelsRequest -> ModelsReply
 OBSERVE = f"{PREFIX}.estimator.observe"  # ObservedAll -> StoredAll
-PROFILES = f"{PREFIX}.estimator.profiles"  # JobProfiles -> Ack
+PROFILES = f"{PREFIX}.estimator.profiles"  # ProfilesAll -> StoredAll
 ESTIMATOR_STATUS = f"{PREFIX}.estimator.status"  # Ack -> Count
 POLICY_SERVICE = "policy"
 POLICY_STATUS = f"{PREFIX}.policy.status"  # Ack -> PolicyStatus (who leads now, the live run)

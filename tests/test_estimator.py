@@ -346,6 +346,26 @@ async def test_a_new_jobs_profiles_are_stored_in_one_write_and_a_job_stored_befo
     assert other.estimator.record("a") == first.estimator.record("a")
 
 
+async def test_profiles_judged_at_once_are_stored_each_and_one_that_cannot_be_is_its_jobs_trouble_only():
+    from services.estimator.core import Estimator
+    from services.estimator.service import SharedEstimates
+    from shared.schema import JobProfiles, ProfilesAll
+
+    class FullKV(RecordsKV):
+        async def create(self, key, value):
+            if key == "full":
+                raise OSError("insufficient resources")
+            return await super().create(key, value)
+
+    zoo = load_zoo()["cifar10"].types["aws"]
+    profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
+    estimates = SharedEstimates(Estimator(), FullKV())
+    stored = await estimates.add_all(ProfilesAll(tuple(JobProfiles(name, (profile,)) for name in ("a", "full", "b"))))
+    assert stored.revisions[0] > 0 and stored.revisions[1] == 0 and stored.revisions[2] > 0, stored
+    assert list(stored.refused) == ["full"] and "insufficient resources" in stored.refused["full"]
+    assert set(estimates.revisions) == {"a", "b"}
+
+
 def test_a_jobs_models_do_not_depend_on_its_age_and_the_policy_asks_again_only_of_jobs_whose_facts_changed():
     from services.estimator.core import Estimator
     from services.policy.wiring import KeptModels

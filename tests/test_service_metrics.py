@@ -48,7 +48,6 @@ from shared.schema import (
     Rendezvous,
     StartWorkers,
     StopWorkers,
-    Stored,
     StoredAll,
 )
 
@@ -147,8 +146,8 @@ class ProfilerBus:
         self.published.append((subject, message))
 
     async def request(self, subject: str, message, answer_type, **_):
-        assert subject == subjects.PROFILES and answer_type is Stored
-        return Stored(1)
+        assert subject == subjects.PROFILES and answer_type is StoredAll
+        return StoredAll((1,) * len(message.jobs))
 
 
 async def test_the_profilers_verdicts_are_counted_accepted_and_rejected() -> None:

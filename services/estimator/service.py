@@ -30,10 +30,11 @@ from shared.schema import (
     ModelsRequest,
     Observed,
     ObservedAll,
+    ProfilesAll,
     Stored,
     StoredAll,
 )
-from shared.settings import JUDGED_AT_ONCE, OBSERVED_AT_ONCE, REPORTS_AT_ONCE, settings_for
+from shared.settings import OBSERVED_AT_ONCE, PROFILES_IN_FLIGHT, REPORTS_AT_ONCE, settings_for
 
 CONFLICT_RETRIES = 20
 MAX_TRACED_IDS = 256  # job ids listed on one `estimator.goodput` span (the count is always there)
@@ -81,6 +82,28 @@ class SharedEstimates:
             except RevisionConflict:  # stored before (by another replica, or before a restart): that stands
                 await self.load(message.job_id)
         return Stored(self.revisions[message.job_id])
+
+    async def add_all(self, message: ProfilesAll) -> StoredAll:
+        """Store the profiles of jobs judged at once (`add`), side by side (each job's record is its
+        own key). One that cannot be stored is its job's trouble only."""
+        refused: dict[str, str] = {}
+
+        async def one(profiles: JobProfiles) -> int:
+            try:
+                return (await self.add(profiles)).revision
+            except Exception as error:  # noqa: BLE001 - one job's profiles that cannot be stored are that job's
+                log.warning("job %s: profiles not stored: %s: %s", profiles.job_id, type(error).__name__, error)
+                refused[profiles.job_id] = f"{type(error).__name__}: {error}"
+                return 0
+
+        revisions = await asyncio.gather(*(one(profiles) for profiles in message.jobs))
+        span = trace.get_current_span()
+        if span.is_recording():
+            ids = [profiles.job_id for profiles in message.jobs]
+            span.set_attributes(
+                {"jobs": len(ids), "job.ids": ids[:MAX_TRACED_IDS], "job.ids.truncated": len(ids) > MAX_TRACED_IDS}
+            )
+        return StoredAll(tuple(revisions), refused)
 
     async def observe(self, message: ObservedAll) -> StoredAll:
         """Learn what jobs ran: each job's observations in order, OBSERVED_AT_ONCE jobs side by side
@@ -178,15 +201,16 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records, bus)
 
     service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
-    # A burst of submissions: the profiler judges many at once, and each job's record is its own key.
+    # A burst of submissions: the profiler judges many at once, and sends their profiles together
+    # (`ProfilesAll`), a few requests in flight; each job's record is its own key.
     await bus.add_endpoint(
         service,
         "profiles",
         subjects.PROFILES,
-        JobProfiles,
-        shared.add,
+        ProfilesAll,
+        shared.add_all,
         span_name="estimator.profiles",
-        concurrency=JUDGED_AT_ONCE,
+        concurrency=PROFILES_IN_FLIGHT,
     )
     # A round's end: an observation from each job that trained, in requests of many (`report_all`),
     # a few at once.

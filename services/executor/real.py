@@ -81,7 +81,7 @@ from shared.schema import (
 from shared.waits import Needs, needs_of, unschedulable, wait_reason
 
 POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this
-UNREADABLE = "unreadable"  # the application of a job whose submission could not be read
+UNREADABLE = "unreadable"  # a refusal's stand-in id, and its application when none could be read
 MAX_RECLAIMS = 5  # the reclaims a job's record keeps, the latest
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class RealExecutors:
         """Take a job back after a restart. Its workers stopped with the old agent; the next apply
         starts them again from their checkpoint (a restart)."""
         self.jobs[job.key] = job
-        if job.apart:  # a refusal listed on its own: nothing ever runs
+        if job.apart is not None:  # a refusal listed on its own: nothing ever runs
             return
         try:
             self.executors.add(job.spec.id, job.spec.model, *owned(job.spec.own_code, job.owner), user=job.submission)
@@ -308,10 +308,10 @@ class RealExecutors:
         _, came_team, came_login = subjects.owner_of(message.subject)
         team = team or came_team or DEFAULT_TEAM
         self.jobs[apart_key(sequence)] = NodeJob(
-            JobSpec(message.job_id or "", message.application or UNREADABLE, team=team),
+            JobSpec(UNREADABLE, message.application or UNREADABLE, team=team),
             failure=message.reason,
             seen=sequence,
-            apart=True,
+            apart=message.job_id or "",
             owner=owner or came_login,
         )
 
@@ -571,7 +571,7 @@ class RealExecutors:
             local = self.executors.jobs.get(job.key)
             records.append(
                 JobRecord(
-                    job.spec.id,
+                    job.name,
                     job.spec.model,
                     submit,
                     job.finish_s,

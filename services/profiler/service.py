@@ -26,6 +26,7 @@ from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.code_archive import owned
+from shared.gathered import Gathered
 from shared.metrics import VERDICTS, instrument
 from shared.profiles import ProfileSource, profile_source
 from shared.runner import add_profile_arguments, new_service, positive_float
@@ -39,12 +40,13 @@ from shared.schema import (
     NodeStatuses,
     Profiled,
     ProfileRun,
-    Stored,
+    ProfilesAll,
+    StoredAll,
     readable_id,
     rejection,
     spec_digest,
 )
-from shared.settings import JUDGED_AT_ONCE
+from shared.settings import JUDGED_AT_ONCE, PROFILES_IN_FLIGHT
 from shared.submissions import id_taken, malformed_reason, named_types, submission_problem
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,16 @@ class Profiler:
         # not start, and its slots go to the next job's. Its end is the cancel; the executors ignore a verdict.
         self.cancels: dict[str, None] = {}
         self.stopping = asyncio.Event()
+        # The profiles of submissions judged at once go to the estimator together.
+        self.store_profiles = Gathered(self._store_all, JUDGED_AT_ONCE, PROFILES_IN_FLIGHT)
+
+    async def _store_all(self, jobs: list[JobProfiles]) -> list[str | None]:
+        """The jobs' profiles stored with the estimator: for each, None, or why it was not stored."""
+        stored = await self.bus.request(subjects.PROFILES, ProfilesAll(tuple(jobs)), StoredAll, timeout=30)
+        return [
+            None if revision else stored.refused.get(job.job_id, "not stored")
+            for job, revision in zip(jobs, stored.revisions, strict=True)
+        ]
 
     @property
     def real(self) -> bool:
@@ -211,7 +223,9 @@ class Profiler:
                 if t in self.source.types[spec.application] and (not named or t in named)
             ]
             profiles = tuple(self.source.profile(spec.application, t) for t in types)
-        await self.bus.request(subjects.PROFILES, JobProfiles(spec.id, profiles), Stored, timeout=30)
+        refused = await self.store_profiles(JobProfiles(spec.id, profiles))
+        if refused is not None:  # the submission is delivered again, as when the request fails
+            raise RuntimeError(f"the estimator did not store the profiles of {spec.id}: {refused}")
         sequence = delivery.stream_sequence
         verdict = (
             Profiled(spec.id, run.init_batch, run.max_batch, submission=sequence)

@@ -72,6 +72,7 @@ from shared.schema.estimates import (
     Observed,
     ObservedAll,
     Profile,
+    ProfilesAll,
     StoredAll,
 )
 from shared.schema.jobs import (
@@ -231,6 +232,7 @@ __all__ = [
     "PlacementResult",
     "PolicyStatus",
     "Profile",
+    "ProfilesAll",
     "ProfileAnswer",
     "ProfilePoint",
     "ProfileRequest",

@@ -33,6 +33,12 @@ class JobProfiles(msgspec.Struct, frozen=True):
     profiles: tuple[Profile, ...]
 
 
+class ProfilesAll(msgspec.Struct, frozen=True):
+    """Profiler -> estimator: the profiles of jobs judged at once, a job's at most once."""
+
+    jobs: tuple[JobProfiles, ...]
+
+
 class Observed(msgspec.Struct, frozen=True):
     """A configuration a job ran, and its measured iteration time."""
 
@@ -48,8 +54,9 @@ class ObservedAll(msgspec.Struct, frozen=True):
 
 
 class StoredAll(msgspec.Struct, frozen=True):
-    """Estimator -> executors: for each observation, in order, the revision of its job's record that
-    holds it, or 0 where it could not be stored (its job's reason in `refused`)."""
+    """Estimator -> executors (ObservedAll) or profiler (ProfilesAll): for each observation or job's
+    profiles, in order, the revision of its job's record that holds it, or 0 where it could not be
+    stored (its job's reason in `refused`)."""
 
     revisions: tuple[int, ...]
     refused: dict[str, str] = {}

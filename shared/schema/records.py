@@ -152,16 +152,21 @@ class NodeJob(msgspec.Struct):
     metric: float | None = None  # its own measure of success, once finished
     metrics: dict[str, float | str] = {}  # the latest value of each metric it reported
     batches: tuple[int, ...] = ()  # the total batches it trained at, once finished
-    # A refusal kept apart from any job (its spec a stand-in, with the id it names, "" when none could
-    # be read): listed for its sender, never held against the job its id may name.
-    apart: bool = False
+    # A refusal kept apart from any job: the id it names ("" when none could be read; its spec a
+    # stand-in), listed for its sender, never held against the job of that id. None: a job.
+    apart: str | None = None
     borrowed: int = 0  # of its GPUs, those beyond its team's guarantee, as the last round said
     reclaims: tuple[Reclaim, ...] = ()  # the latest times it was shrunk or stopped for another team's guarantee
 
     @property
     def key(self) -> str:
         """Where it is kept (KV) and listed from: its id; a refusal kept apart, its place in the stream."""
-        return apart_key(self.seen) if self.apart else self.spec.id
+        return self.spec.id if self.apart is None else apart_key(self.seen)
+
+    @property
+    def name(self) -> str:
+        """The id it is listed under: its own, or the one a refusal kept apart names."""
+        return self.spec.id if self.apart is None else self.apart
 
 
 APART = "_rejected"  # keys of refusals kept apart from any job (no job id starts with _): by their sequence
