@@ -135,6 +135,7 @@ class Simulator:
             settings,
             self.wiring,
             teams=FixedTeams(teams) if teams is not None else None,
+            policy_in_thread=False,
         )
 
     @property

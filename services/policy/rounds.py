@@ -209,11 +209,14 @@ class RoundLoop:
         tracer_provider: trace.TracerProvider | None = None,
         teams: TeamSource | None = None,
         recorder: Recorder | None = None,
+        policy_in_thread: bool = True,
     ):
         """`tracer_provider`: where the round's spans go (the process's global one unless given);
         `teams`: where each decision's teams come from (None: no teams), resolved against the
         round's cluster; a file that cannot be used leaves the last one that could in force;
-        `recorder`: where each decided round's summary and job decisions go (None: nowhere)."""
+        `recorder`: where each decided round's summary and job decisions go (None: nowhere);
+        `policy_in_thread`: the policy decides in a thread, the event loop meanwhile serving (pings,
+        the leader's lease); a simulation, with nothing else on its loop, spares the hand-overs."""
         self.arrivals = sorted(arrivals, key=lambda j: (j.time, j.name))
         self.cluster = cluster
         self.policy = policy
@@ -228,6 +231,7 @@ class RoundLoop:
         self._resolved: tuple[TeamFile, tuple[Node, ...]] | None = None  # ... from this file on these nodes
         self._team_problem: str | None = None  # the last reason a team file could not be used (said once)
         self.recorder = recorder
+        self.policy_in_thread = policy_in_thread
         self._recorded: tuple[RoundSummary, list[JobDecision]] | None = None  # the last decision's, to record
         # For the recorded decisions, from the rounds this loop decided (a new leader starts without):
         # each job's predicted goodput, and its placement's start (spots, when, planned batch).
@@ -698,8 +702,9 @@ class RoundLoop:
     ) -> tuple[Decision, str | None]:
         for _ in range(2):
             try:
-                # In a thread: the event loop meanwhile answers pings and renews the leader's lease.
                 state = RoundState(now, self.cluster, tuple(views), teams)
+                if not self.policy_in_thread:
+                    return self.policy.allocate(state), None
                 return await asyncio.to_thread(self.policy.allocate, state), None
             except HybridRefused as error:
                 refused = [v for v in views if v.models.group_gpus]
