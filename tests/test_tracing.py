@@ -614,14 +614,14 @@ async def test_estimator_spans_name_the_job(traced):
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
     from shared.cluster import load_cluster
-    from shared.schema import JobProfiles, ModelsRequest, Observed, ObservedAll, Profile, ProfilePoint
+    from shared.schema import JobProfiles, ModelsRequest, Observed, ObservedAll, Profile, ProfilePoint, ProfilesAll
 
     provider, exporter = traced
     tracer = provider.get_tracer("test")
     estimates = SharedEstimates(Estimator(), _MemoryKV())
     profile = Profile("e-1", "cifar10", "aws", (ProfilePoint(16, 0.05), ProfilePoint(64, 0.12)), 16, 64)
     with tracer.start_as_current_span("estimator.profiles"):
-        await estimates.add(JobProfiles("e-1", (profile,)))
+        await estimates.add_all(ProfilesAll((JobProfiles("e-1", (profile,)),)))
     with tracer.start_as_current_span("estimator.observe"):
         seen = Observation(1, 2, 64, 0, 0.15)
         stored = await estimates.observe(ObservedAll((Observed("e-1", "aws", seen), Observed("e-9", "aws", seen))))
@@ -633,7 +633,7 @@ async def test_estimator_spans_name_the_job(traced):
 
     spans = {s.name: s.attributes for s in exporter.get_finished_spans()}
     profiles, observed = spans["estimator.profiles"], spans["estimator.observe"]
-    assert profiles["job.id"] == "e-1" and tuple(profiles["gpu.types"]) == ("aws",)
+    assert (profiles["jobs"], tuple(profiles["job.ids"]), profiles["job.ids.truncated"]) == (1, ("e-1",), False)
     assert stored.revisions[0] > 0 and stored.revisions[1] == 0 and "no profile" in stored.refused["e-9"]
     assert (observed["observations"], observed["learned"], tuple(observed["job.ids"])) == (2, 1, ("e-1", "e-9"))
     goodput = spans["estimator.goodput"]

@@ -68,9 +68,6 @@ class SharedEstimates:
         return True
 
     async def add(self, message: JobProfiles) -> Stored:
-        trace.get_current_span().set_attributes(
-            {"job.id": message.job_id, "gpu.types": [p.gpu_type for p in message.profiles]}
-        )
         # Not cached here: a new job, most likely, stored without reading first (one that is stored
         # already is refused, and read).
         if message.job_id not in self.revisions:
