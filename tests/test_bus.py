@@ -169,6 +169,32 @@ async def test_js_publish_with_same_msg_id_stores_once(connect_bus, name_prefix)
     assert info.config.max_msgs == 1000
 
 
+async def test_a_publish_whose_ack_is_lost_is_sent_again_under_its_id_and_stored_once(connect_bus, name_prefix):
+    """An acknowledgement lost (the server closed the connection meanwhile): a publish with an id is
+    sent again, up to its attempts, and the stream holds it once; one without an id raises."""
+    import nats.errors
+
+    bus = await connect_bus()
+    stream, subject = f"{name_prefix}_LOST", f"{name_prefix}.lost"
+    await bus.ensure_stream(stream, [subject], duplicate_window=60)
+    publish, lost = bus.js.publish, []
+
+    async def losing_the_first_ack(*args, **options):
+        ack = await publish(*args, **options)  # stored: only its acknowledgement goes missing
+        if not lost:
+            lost.append(ack)
+            raise nats.errors.TimeoutError
+        return ack
+
+    bus.js.publish = losing_the_first_ack
+    ack = await bus.js_publish(subject, Ping(1), msg_id="once", attempts=2)
+    assert ack.duplicate and ack.seq == lost[0].seq
+    lost.clear()
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.js_publish(subject, Ping(2), attempts=2)  # no id: sent again it could be stored twice
+    assert (await bus.js.stream_info(stream)).state.messages == 2
+
+
 async def test_durable_pull_redelivers_unacked_only(connect_bus, name_prefix):
     bus = await connect_bus()
     stream, subject = f"{name_prefix}_JOBS", f"{name_prefix}.jobs"

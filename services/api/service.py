@@ -59,6 +59,7 @@ import functools
 import inspect
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable, Mapping, NamedTuple
@@ -129,6 +130,7 @@ CANCEL_WAIT_S = 10.0  # how long `cancel` waits for the executors to take the or
 CANCEL_POLL_S = 0.2
 CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors
 INTAKE_WINDOW = 64  # submissions from the intake stream one replica judges at once
+REFUSAL_TIMEOUT_S = 2.0  # for a refusal's record to be acknowledged, each of its attempts
 
 
 @dataclass(frozen=True)
@@ -528,9 +530,14 @@ class Gate:
                     False, job_id, JobState.REJECTED, reason, notes=(f"this refusal is not recorded: {room.refusal}",)
                 )
             scoped = None if job_id is None else scoped_id(who.team, job_id)
+            # Its own id: sent again when its acknowledgement is lost (the server may close this
+            # connection while one login floods it), it is recorded once and answered all the same.
             await self.bus.js_publish(
                 subjects.refused(who.team, who.login),
                 rejection(came, reason, data, scoped if scoped is None or len(scoped) <= MAX_ID else None),
+                msg_id=f"refused.{uuid.uuid4().hex}",
+                timeout=REFUSAL_TIMEOUT_S,
+                attempts=3,
             )
             room.stored()
         return SubmitAnswer(False, job_id, JobState.REJECTED, reason)

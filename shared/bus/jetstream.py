@@ -44,18 +44,26 @@ class JetStream:
         headers: dict[str, str] | None = None,
         timeout: float | None = None,
         stream: str | None = None,
+        attempts: int = 1,
     ) -> api.PubAck:
         """Store `msg` in the stream that owns `subject` and return the server's PubAck.
 
         With `msg_id`, a second publish of the same id inside the stream's duplicate window is
-        not stored again: its PubAck has `duplicate=True` and the first message's sequence.
+        not stored again: its PubAck has `duplicate=True` and the first message's sequence. A
+        publish with a `msg_id` whose acknowledgement does not come within `timeout` (lost with a
+        connection the server closed, say) is sent again, up to `attempts` in all: it is stored once.
         """
         merged = dict(headers) if headers else {}
         if msg_id is not None:
             merged[MSG_ID_HEADER] = msg_id
-        return await self.js.publish(
-            subject, self.encode(msg), timeout=timeout, stream=stream, headers=self._trace_headers(merged)
-        )
+        data, headers, attempt = self.encode(msg), self._trace_headers(merged), 1
+        while True:
+            try:
+                return await self.js.publish(subject, data, timeout=timeout, stream=stream, headers=headers)
+            except nats.errors.TimeoutError:
+                if msg_id is None or attempt >= attempts:
+                    raise
+                attempt += 1
 
     async def pull_consumer(
         self,
