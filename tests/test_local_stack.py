@@ -393,7 +393,11 @@ class Up:
             text=True,
         )
         self.seen: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
+        # The one reader of its output, to its end (`stop` waits for it, then takes what is left).
+        self.reader = threading.Thread(
+            target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True
+        )
+        self.reader.start()
 
     def line(self, pattern: str, timeout_s: float = 180.0) -> re.Match:
         """The next printed line that matches `pattern` (re.search)."""
@@ -422,9 +426,14 @@ class Up:
         )
 
     def stop(self) -> str:
+        """Stop it (Ctrl-C): everything it printed."""
         self.process.send_signal(signal.SIGINT)
-        rest, _ = self.process.communicate(timeout=120)
-        return "".join(self.seen) + rest
+        self.process.wait(timeout=120)
+        self.reader.join(timeout=30)
+        rest = []
+        while not self.lines.empty():
+            rest.append(self.lines.get_nowait())
+        return "".join(self.seen + rest)
 
 
 def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_listed_and_a_restart_reprints_nothing(
