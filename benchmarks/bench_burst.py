@@ -2,11 +2,11 @@
 until every one finished.
 
     .venv/bin/python benchmarks/bench_burst.py [--jobs 2000] [--round 2] [--speed 600]
-    .venv/bin/python benchmarks/bench_burst.py --jobs 10000 --until verdicts [--replicas 2]
+    .venv/bin/python benchmarks/bench_burst.py --jobs 10000 --until verdicts [--replicas 2] [--policy sia]
 
 The embedded stack serves as `goodput up --workload none --round R --speed S` does (a NATS server,
 the six services as processes, `--replicas` profilers and estimators, the live run on
-`sia-hetero-64`). Clients with nats-py alone publish `--jobs` small JobSpecs (cifar10, msgpack,
+`sia-hetero-64` under `--policy`, the product's default unless given). Clients with nats-py alone publish `--jobs` small JobSpecs (cifar10, msgpack,
 Nats-Msg-Id = the id) all at once, from as many logins as that takes (`user`, then `burst2` …: a
 login has at most 5,000 waiting on the intake stream); the benchmark counts the jobs with the
 profiler's verdict (the executors' count, every 50 ms), then (`--until finished`) follows the run
@@ -42,7 +42,7 @@ from launcher.stack import another_login, ensure_run, follow_run_steps, running_
 from shared import subjects
 from shared.lifecycle import JobState
 from shared.schema import Count, JobRecords, JobsQuery
-from shared.settings import FEEDBACK_ITERATIONS
+from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS
 from shared.storage import LOGIN_LIMITS
 
 CLUSTER = "sia-hetero-64"
@@ -100,7 +100,7 @@ async def run(args: argparse.Namespace, folder: Path) -> None:
         bus = await server.connect("bench-burst")
         try:
             await stack.wait_ready(bus)
-            await ensure_run(bus, live_request(subjects.LIVE_RUN, "sia", CLUSTER, args.round, args.speed))
+            await ensure_run(bus, live_request(subjects.LIVE_RUN, args.policy, CLUSTER, args.round, args.speed))
             steps = []
 
             async def follow() -> None:
@@ -192,6 +192,7 @@ def main() -> None:
         help="stop once every job has its verdict, or once every job has finished (default)",
     )
     parser.add_argument("--replicas", type=int, default=1, help="profilers and estimators, each (default: 1)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help=f"the live run's policy (default: {DEFAULT_POLICY})")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         asyncio.run(run(args, Path(folder)))
