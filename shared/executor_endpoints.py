@@ -15,6 +15,7 @@ from shared import storage, subjects
 from shared.bus import Bus
 from shared.runner import new_service
 from shared.schema import (
+    DEFAULT_TEAM,
     Ack,
     AdvanceReply,
     AdvanceRequest,
@@ -48,6 +49,14 @@ async def report(bus: Bus, message: ObservedAll) -> StoredAll:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
             log.warning("estimator unavailable; reporting %d observations again", len(message.observed))
             await asyncio.sleep(0.2)
+
+
+def refused_whose(subject: str, owner: str, team: str) -> tuple[str, str]:
+    """The login and team a refusal is listed for: the API's record says whose on its own subject
+    (`owner`, `team`, as the jobs stream's subject gave them); else the subject of the submission
+    judged (`subject`) does."""
+    _, came_team, came_login = subjects.owner_of(subject)
+    return owner or came_login, team or came_team or DEFAULT_TEAM
 
 
 async def report_all(

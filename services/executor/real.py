@@ -304,15 +304,13 @@ class RealExecutors:
                 job.failure = message.reason
                 check_transition(before, self.state_of(job), job.key)
             return
-        # The API's record says whose on its subject; else the subject of the submission judged does.
-        _, came_team, came_login = subjects.owner_of(message.subject)
-        team = team or came_team or DEFAULT_TEAM
+        owner, team = endpoints.refused_whose(message.subject, owner, team)
         self.jobs[apart_key(sequence)] = NodeJob(
             JobSpec(UNREADABLE, message.application or UNREADABLE, team=team),
             failure=message.reason,
             seen=sequence,
             apart=message.job_id or "",
-            owner=owner or came_login,
+            owner=owner,
         )
 
     # ---- the nodes --------------------------------------------------------------------------

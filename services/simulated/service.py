@@ -33,7 +33,6 @@ from shared.cluster import load_cluster
 from shared.lifecycle import JobState, check_transition
 from shared.metrics import JOB_RESTARTS, JOBS, instrument
 from shared.schema import (
-    DEFAULT_TEAM,
     Ack,
     AdvanceReply,
     AdvanceRequest,
@@ -271,8 +270,7 @@ class SimulatedExecutorService:
         # Any other refusal (of a body never stored, unreadable, another body under a held id) is kept
         # apart, under its place in the stream, for its sender to see: no job is touched by it, and a
         # submission stored under its id later takes the id whatever order the two came in.
-        # The API's record says whose on its subject; else the subject of the submission judged does.
-        _, came_team, came_login = subjects.owner_of(verdict.subject)
+        owner, team = endpoints.refused_whose(verdict.subject, owner, team)
         key = apart_key(sequence)
         self.submitted[key] = SubmittedJob(
             verdict.job_id or "",
@@ -280,8 +278,8 @@ class SimulatedExecutorService:
             verdict.reason,
             seen=sequence,
             application=verdict.application or "",
-            owner=owner or came_login,
-            team=team or came_team or DEFAULT_TEAM,
+            owner=owner,
+            team=team,
         )
         return key
 
