@@ -349,14 +349,16 @@ class EmbeddedNats:
 
 
 def server_config(access: Access | None, sync_always: bool = False) -> str:
-    """The embedded server's configuration: message size, the store's bound and its sync, and (with
+    """The embedded server's configuration: message size, what a connection may have pending
+    (`shared.permissions.MAX_PENDING_BYTES`), the store's bound and its sync, and (with
     `access`) the accounts, included from AUTH_CONF beside it (`write_accounts`)."""
-    from shared.permissions import MAX_PAYLOAD_BYTES
+    from shared.permissions import MAX_PAYLOAD_BYTES, MAX_PENDING_BYTES
     from shared.storage import GIB, total_bytes
 
     store_gib = -(-total_bytes() // GIB) + 1  # the plan's limits, and room for the store's own files
     lines = [
         f"max_payload: {MAX_PAYLOAD_BYTES}",
+        f"max_pending: {MAX_PENDING_BYTES}",
         f"jetstream {{ max_file_store: {store_gib}GB, max_memory_store: 256MB, "
         f"sync_interval: {'always' if sync_always else SYNC_INTERVAL} }}",
     ]

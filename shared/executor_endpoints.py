@@ -114,7 +114,7 @@ async def serve_round(
     """Register the round's executor endpoints (facts, apply, advance, live) and the status ones:
     the jobs' records, and how many of those whose id begins with a prefix have the profiler's
     verdict (`count(prefix)`)."""
-    service = new_service(bus, subjects.EXECUTOR_SERVICE, description)
+    service = await new_service(bus, subjects.EXECUTOR_SERVICE, description)
     await bus.add_endpoint(
         service,
         "facts",

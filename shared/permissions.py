@@ -77,6 +77,11 @@ __all__ = [
 
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest message it accepts
+# nats-server's max_pending: what it holds for one connection before closing it as a slow consumer.
+# A login flooding a service keeps that service's connection near 3/4 of it (the server slows the
+# flooder there); the default 64 MiB leaves 16 MiB, which a service starved of CPU for 2-3 s
+# overruns, and the close drops every login's requests queued for it. 256 MiB leaves 64.
+MAX_PENDING_BYTES = 256 * 1024 * 1024
 SERVICES = ("api", "placer", "profiler", "estimator", "executor", "policy")
 SERVICE_ACCOUNT = "GOODPUT"
 LOGINS_ACCOUNT = "LOGINS"
@@ -509,9 +514,10 @@ def render_server_config(
     max_payload: int = MAX_PAYLOAD_BYTES,
     teams: Mapping[str, str] | None = None,
 ) -> str:
-    """The security part of a nats-server config: the message size limit and the accounts (`teams`:
-    each login's team, as `render_accounts` takes them)."""
-    return f"max_payload: {max_payload}\n" + render_accounts(passwords, logins, teams=teams)
+    """The security part of a nats-server config: the message size limit, what one connection may
+    have pending, and the accounts (`teams`: each login's team, as `render_accounts` takes them)."""
+    limits = f"max_payload: {max_payload}\nmax_pending: {MAX_PENDING_BYTES}\n"
+    return limits + render_accounts(passwords, logins, teams=teams)
 
 
 def write_private(path: str | Path, text: str) -> None:

@@ -116,12 +116,13 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
-    """A `nats.micro` service to add endpoints to; replicas of one service share its queue group."""
+async def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
+    """A `nats.micro` service to add endpoints to, on the bus's listener; replicas of one service
+    share its queue group."""
     config = micro.ServiceConfig(
         name=name, version=VERSION, description=description, metadata=metadata or {}, queue_group=name
     )
-    return micro.Service(bus.nc, config)
+    return micro.Service(await bus.listener(), config)
 
 
 def service_main(

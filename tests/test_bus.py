@@ -6,22 +6,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import Annotated
 
 import msgspec
+import nats
 import pytest
 from nats import micro
 
+from launcher.nats import SERVER_LOG, nats_from_binary
 from shared.bus import (
     CHUNK_HEADER,
     DEAD_REASON_HEADER,
     MAX_ASSEMBLIES,
     MAX_PARTS,
+    Bus,
     ChunkLost,
     Delivery,
     KVEntry,
     RevisionConflict,
 )
+from shared.runner import new_service
 
 TIMEOUT_S = 3.0
 
@@ -695,3 +700,61 @@ async def test_a_stored_body_nested_too_deep_is_invalid_and_terminated(connect_b
     info = await bus.js.consumer_info(stream, "worker")
     assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0
     assert invalid.empty() and handled.empty()
+
+
+def test_a_listener_the_server_cuts_as_a_slow_consumer_loses_only_what_was_queued_on_it(tmp_path):
+    """While a service's loop is held, another client floods its endpoint past the server's
+    max_pending: the server closes the service's listener. The requests it had in hand are still
+    answered (on its other connection), and once the listener is back a new one is too."""
+    flood, flooded, held = 512, threading.Event(), threading.Event()
+
+    def flooder(url: str, subject: str) -> None:
+        async def run() -> None:
+            nc = await nats.connect(url)
+            for _ in range(flood):
+                await nc.publish(subject, b"x" * 64 * 1024, reply=nc.new_inbox())
+            await nc.flush()
+            await nc.close()
+
+        held.wait(TIMEOUT_S)
+        asyncio.run(run())
+        flooded.set()
+
+    async def scenario(url: str) -> None:
+        back = asyncio.Event()
+
+        async def reconnected() -> None:
+            back.set()
+
+        server = await Bus.connect(url, "svc", reconnected_cb=reconnected)
+        client = await Bus.connect(url, "client")
+        subject, started, release = "held.echo", asyncio.Event(), asyncio.Event()
+
+        async def echo(ping: Ping) -> Pong:
+            if ping.n == 1:
+                started.set()
+                await release.wait()
+            if ping.n == 2:  # the service reads nothing while the flood comes
+                held.set()
+                flooded.wait(30)
+            return Pong(ping.n)
+
+        service = await new_service(server, "held", "a service whose listener is flooded")
+        await server.add_endpoint(service, "echo", subject, Ping, echo, concurrency=4)
+        assert await server.listener() is not server.nc
+        threading.Thread(target=flooder, args=(url, subject), daemon=True).start()
+        in_hand = asyncio.ensure_future(client.request(subject, Ping(1), Pong, timeout=30))
+        await started.wait()
+        blocking = asyncio.ensure_future(client.request(subject, Ping(2), Pong, timeout=30))
+        await asyncio.wait_for(back.wait(), 30)  # the listener was cut and is back
+        release.set()
+        assert (await in_hand, await blocking) == (Pong(1), Pong(2))
+        assert await client.request(subject, Ping(3), Pong, timeout=TIMEOUT_S) == Pong(3)
+        assert server.nc.stats["reconnects"] == 0  # its work's connection was never cut
+        await client.close()
+        await server.close()
+
+    with nats_from_binary(tmp_path, config="max_pending: 1048576\n") as url:
+        asyncio.run(scenario(url))
+    cut = [line for line in (tmp_path / SERVER_LOG).read_text().splitlines() if "Slow Consumer Detected" in line]
+    assert cut and all(':svc requests"' in line for line in cut), cut

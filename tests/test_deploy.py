@@ -681,7 +681,7 @@ async def test_the_probe_passes_while_a_service_answers_and_fails_clearly_when_n
     )
     bus = await Bus.connect(nats_server, "probe-test", max_reconnect_attempts=1)
     try:
-        service = new_service(bus, name, "a service for the probe to find")
+        service = await new_service(bus, name, "a service for the probe to find")
         await service.start()
         code, out = await probe(name, nats_server)
         assert code == 0 and out.startswith(f"probe: {name} answers"), out

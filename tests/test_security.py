@@ -571,7 +571,7 @@ def test_render_from_the_command_line(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("max_payload: 1048576\naccounts {")
+    assert result.stdout.startswith(f"max_payload: 1048576\nmax_pending: {permissions.MAX_PENDING_BYTES}\naccounts {{")
     assert f'{{user: "placer", password: "{PASSWORDS["placer"]}"' in result.stdout
     assert f'{{user: "user", password: "{PASSWORDS["user"]}"' in result.stdout  # the default login
     missing = subprocess.run(

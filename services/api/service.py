@@ -975,7 +975,7 @@ async def open_gate(
         "rounds": gate.rounds,
     }
     request_types = {"submit": msgspec.Raw}  # decoded by `submit` itself, to answer a bad body
-    service = new_service(
+    service = await new_service(
         bus, subjects.API_SERVICE, "the user API: submit, look up, list and cancel jobs; each team's GPUs"
     )
     for endpoint in ENDPOINTS:

@@ -197,7 +197,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     records = await storage.open_kv(bus, subjects.ESTIMATES_BUCKET, EstimateRecord)
     shared = SharedEstimates(Estimator(settings_for(args.calibration, args.cluster).max_local), records, bus)
 
-    service = new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
+    service = await new_service(bus, subjects.ESTIMATOR_SERVICE, "throughput models and goodput per job and GPU type")
     # A burst of submissions: the profiler judges many at once, and sends their profiles together
     # (`ProfilesAll`), a few requests in flight; each job's record is its own key.
     await bus.add_endpoint(

@@ -814,7 +814,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 "could not remove node %s from the members; it lapses in %.0f s", info.name, subjects.NODE_TTL_S
             )
 
-    service = new_service(
+    service = await new_service(
         bus,
         subjects.NODE_SERVICE,
         f"node {info.name}: {gpus} {info.gpu_type}",

@@ -48,6 +48,6 @@ class Placer:
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     placer = Placer(load_cluster(args.cluster))
-    service = new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {placer.cluster.name}")
+    service = await new_service(bus, subjects.PLACER_SERVICE, f"physical GPUs for allocations on {placer.cluster.name}")
     await bus.add_endpoint(service, "place", subjects.PLACE, PlaceRequest, placer.place, span_name="placer.place")
     return service

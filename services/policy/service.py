@@ -311,6 +311,8 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     policy = PolicyService(bus, leadership, runs, cluster, args.cluster)
     policy.begin()
     bus.on_close(policy.step_down)
-    service = new_service(bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder})
+    service = await new_service(
+        bus, subjects.POLICY_SERVICE, f"the scheduling round on {cluster.name}", {"holder": holder}
+    )
     await bus.add_endpoint(service, "status", subjects.POLICY_STATUS, Ack, policy.status, parts=False)
     return service

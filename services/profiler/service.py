@@ -289,4 +289,4 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
                 **({"batch": 1} if real else {"batch": JUDGED_AT_ONCE, "concurrent": True}),
             )
         )
-    return new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")
+    return await new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")

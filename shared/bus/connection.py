@@ -75,6 +75,10 @@ class Connection:
         self.chunk_timeout_s = CHUNK_TIMEOUT_S
         self._assembling: dict[str, int] = {}  # requester -> its requests in parts coming in
         self._background: set[asyncio.Task] = set()
+        # The connection a service's endpoints take requests on (`listener`): this one, unless
+        # `connect` says how to open one of their own.
+        self._listener: NatsClient | None = None
+        self._open_listener: Callable[[], Awaitable[NatsClient]] | None = None
 
     @classmethod
     async def connect(
@@ -93,14 +97,11 @@ class Connection:
         $GOODPUT_JETSTREAM_REPLICAS, else 1)."""
         if replicas is None:
             replicas = int(os.environ.get(REPLICAS_ENV, "1"))
-        options.setdefault("max_reconnect_attempts", -1)
-        options.setdefault("reconnect_time_wait", 0.5)
-        options.setdefault("connect_timeout", 2)
-        options.setdefault("error_cb", _log_error)
-        options.setdefault("disconnected_cb", _log_event(f"{name}: disconnected from NATS"))
-        options.setdefault("reconnected_cb", _log_event(f"{name}: reconnected to NATS"))
-        nc = await nats.connect(servers, name=name, **options)
-        return cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid, replicas=replicas)
+        nc = await _connect(servers, name, options)
+        bus = cls(nc, tracer_provider=tracer_provider, on_invalid=on_invalid, replicas=replicas)
+        if options.get("allow_reconnect", True):
+            bus._open_listener = lambda: _connect(servers, f"{name} requests", options)
+        return bus
 
     @classmethod
     async def connect_once(cls, servers: str | list[str], name: str, **options: Any) -> Bus:
@@ -127,10 +128,21 @@ class Connection:
         bus.refusals, bus.refused = refusals, refused
         return bus
 
+    async def listener(self) -> NatsClient:
+        """The connection a service's endpoints take requests on: a service's own second one, so that
+        the server closing it (a slow consumer: logins flooding a service faster than it reads) loses
+        only the requests queued on it; what is in hand goes on, on this one, and it reconnects."""
+        if self._listener is None:
+            self._listener = self.nc if self._open_listener is None else await self._open_listener()
+        return self._listener
+
     async def close(self) -> None:
-        """Drain (finish handlers in flight, flush what was published), then close."""
+        """Stop taking requests, drain (finish handlers in flight, flush what was published), then close."""
         if self.nc.is_closed:
             return
+        if self._listener is not None and self._listener is not self.nc:
+            with contextlib.suppress(nats.errors.Error):
+                await self._listener.drain()
         for callback in reversed(self._closing):
             await callback()
         for consumer in list(self._pull_consumers):
@@ -154,20 +166,36 @@ class Connection:
         await self.close()
 
     async def flush(self, timeout: float = 2.0) -> None:
-        """Return once the server has processed everything sent so far (e.g. a subscription).
+        """Return once the server has processed everything sent so far on this bus's connections
+        (e.g. a subscription, an endpoint's on the listener).
 
         Two round trips, because nats-py 2.16 writes its PING straight to the socket, ahead of
         commands still in its send buffer: after the first PONG the buffer has been written, so
         the second PING follows it.
         """
-        await self.nc.flush(timeout)
-        await self.nc.flush(timeout)
+        for nc in (self.nc, *([self._listener] if self._listener not in (None, self.nc) else [])):
+            await nc.flush(timeout)
+            await nc.flush(timeout)
 
     @staticmethod
     def _trace_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
         """The caller's headers plus the current trace context; None keeps a plain PUB."""
         merged = inject_trace_context(dict(headers) if headers else {})
         return merged or None
+
+
+async def _connect(servers: str | list[str], name: str, options: dict[str, Any]) -> NatsClient:
+    """A connection as `name` that reconnects for ever (unless `options` say otherwise) and logs why it drops."""
+    options = {
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        "connect_timeout": 2,
+        "error_cb": _log_error,
+        "disconnected_cb": _log_event(f"{name}: disconnected from NATS"),
+        "reconnected_cb": _log_event(f"{name}: reconnected to NATS"),
+        **options,
+    }
+    return await nats.connect(servers, name=name, **options)
 
 
 async def _log_error(error: Exception) -> None:
