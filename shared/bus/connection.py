@@ -173,7 +173,8 @@ class Connection:
         commands still in its send buffer: after the first PONG the buffer has been written, so
         the second PING follows it.
         """
-        for nc in (self.nc, *([self._listener] if self._listener not in (None, self.nc) else [])):
+        connections = [self.nc] if self._listener in (None, self.nc) else [self.nc, self._listener]
+        for nc in connections:
             await nc.flush(timeout)
             await nc.flush(timeout)
 
