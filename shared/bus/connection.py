@@ -137,14 +137,15 @@ class Connection:
         return self._listener
 
     async def close(self) -> None:
-        """Stop taking requests, drain (finish handlers in flight, flush what was published), then close."""
+        """Run the close callbacks, stop taking requests, drain (finish handlers in flight, flush what
+        was published), then close."""
         if self.nc.is_closed:
             return
+        for callback in reversed(self._closing):  # e.g. a service stopping its endpoints
+            await callback()
         if self._listener is not None and self._listener is not self.nc:
             with contextlib.suppress(nats.errors.Error):
                 await self._listener.drain()
-        for callback in reversed(self._closing):
-            await callback()
         for consumer in list(self._pull_consumers):
             with contextlib.suppress(nats.errors.Error):
                 await consumer.unsubscribe()
