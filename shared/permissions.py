@@ -67,6 +67,7 @@ from shared import storage, subjects
 
 __all__ = [
     "ROLES",
+    "LoginLimits",
     "Permissions",
     "inbox_prefix",
     "login_problem",
@@ -82,6 +83,18 @@ MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest messag
 # flooder there); the default 64 MiB leaves 16 MiB, which a service starved of CPU for 2-3 s
 # overruns, and the close drops every login's requests queued for it. 256 MiB leaves 64.
 MAX_PENDING_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LoginLimits:
+    """What the server lets each team's account of logins hold, so that no login takes what the
+    server has for everyone (its 65,536 connections, its memory for subscriptions): beyond them the
+    server refuses a connection, or closes the connection that subscribed once too often."""
+
+    connections: int = 1024  # at once, all the team's logins together
+    subscriptions: int = 1000  # on one connection (a client of ours holds two or three)
+
+
 SERVICES = ("api", "placer", "profiler", "estimator", "executor", "policy")
 SERVICE_ACCOUNT = "GOODPUT"
 LOGINS_ACCOUNT = "LOGINS"
@@ -452,12 +465,14 @@ def render_accounts(
     logins: Mapping[str, str],
     roles: Mapping[str, Permissions] = ROLES,
     teams: Mapping[str, str] | None = None,
+    limits: LoginLimits = LoginLimits(),
 ) -> str:
     """nats-server's `accounts { ... }` block: SERVICE_ACCOUNT with a user per role in `passwords`
     (with JetStream, exporting EXPORTS, the intake and the discovery), and an account per team of
     the logins (`team_account`; LOGINS_ACCOUNT, DEFAULT_TEAM's, always), with a user per login of
     `logins` of that team (`teams`: login -> its team; DEFAULT_TEAM for a login it does not name),
-    importing the exports (the requester's info shared) and the intake of its own team only."""
+    importing the exports (the requester's info shared) and the intake of its own team only, held
+    to `limits`."""
     teams = teams or {}
     strangers = sorted(set(teams) - set(logins))
     if strangers:
@@ -474,19 +489,23 @@ def render_accounts(
     for login, password in logins.items():
         by_team.setdefault(teams.get(login, subjects.DEFAULT_TEAM), {})[login] = password
     for team in sorted(by_team, key=lambda name: (name != subjects.DEFAULT_TEAM, name)):
-        lines += _login_account(team, by_team[team])
+        lines += _login_account(team, by_team[team], limits)
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
-def _login_account(team: str, logins: Mapping[str, str]) -> list[str]:
-    """The account of `team`'s logins: a user each, and the imports of what GOODPUT exports."""
+def _login_account(team: str, logins: Mapping[str, str], limits: LoginLimits) -> list[str]:
+    """The account of `team`'s logins: a user each, the imports of what GOODPUT exports, its limits."""
     from shared.teams import team_problem
 
     problem = None if team == subjects.DEFAULT_TEAM else team_problem(team)
     if problem is not None:
         raise ValueError(problem)
-    lines = [f"  {team_account(team)} {{", "    users: ["]
+    lines = [
+        f"  {team_account(team)} {{",
+        f"    limits: {{max_connections: {limits.connections}, max_subscriptions: {limits.subscriptions}}}",
+        "    users: [",
+    ]
     for login, password in logins.items():
         problem = login_problem(login)
         if problem is not None:
@@ -513,11 +532,13 @@ def render_server_config(
     logins: Mapping[str, str],
     max_payload: int = MAX_PAYLOAD_BYTES,
     teams: Mapping[str, str] | None = None,
+    limits: LoginLimits = LoginLimits(),
 ) -> str:
     """The security part of a nats-server config: the message size limit, what one connection may
-    have pending, and the accounts (`teams`: each login's team, as `render_accounts` takes them)."""
-    limits = f"max_payload: {max_payload}\nmax_pending: {MAX_PENDING_BYTES}\n"
-    return limits + render_accounts(passwords, logins, teams=teams)
+    have pending, and the accounts (`teams`: each login's team; `limits`: each team's, as
+    `render_accounts` takes them)."""
+    sizes = f"max_payload: {max_payload}\nmax_pending: {MAX_PENDING_BYTES}\n"
+    return sizes + render_accounts(passwords, logins, teams=teams, limits=limits)
 
 
 def write_private(path: str | Path, text: str) -> None:

@@ -154,8 +154,10 @@ def two_teams(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-async def login(url: str, name: str) -> nats.NATS:
-    return await nats.connect(url, user=name, password=LOGINS[name], inbox_prefix=permissions.inbox_prefix(name))
+async def login(url: str, name: str, **options) -> nats.NATS:
+    return await nats.connect(
+        url, user=name, password=LOGINS[name], inbox_prefix=permissions.inbox_prefix(name), **options
+    )
 
 
 async def answering_who_asks(url: str, password: str) -> nats.NATS:
@@ -383,3 +385,33 @@ async def test_teams_apply_refuses_a_bad_file_changes_nothing_and_puts_a_good_on
     finally:
         await api.close()
         await executor.close()
+
+
+@pytest.mark.e2e
+async def test_a_teams_logins_hold_at_most_their_accounts_connections_and_subscriptions(tmp_path: Path):
+    """One team's logins together open at most its connections (the next is refused, another team's
+    still connects); a connection that subscribes past its bound is closed, and only that one."""
+    limits = permissions.LoginLimits(connections=3, subscriptions=10)
+    config = permissions.render_server_config(PASSWORDS, LOGINS, teams=TEAMS_OF, limits=limits)
+    once = {"allow_reconnect": False, "max_reconnect_attempts": 1}
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    with nats_from_binary(tmp_path, config=config) as url:
+        greedy = await login(url, "alice", closed_cb=on_closed, **once)
+        calm = await login(url, "vision")
+        held = [greedy, calm, await login(url, "alice")]
+        with pytest.raises(nats.errors.Error, match="maximum account active connections exceeded"):
+            await login(url, "vision", **once)
+        other = await login(url, "nlp")  # another team's account has its own
+        for n in range(limits.subscriptions + 1):
+            await greedy.subscribe(f"{permissions.inbox_prefix('alice')}.{n}")
+        await asyncio.wait_for(closed.wait(), 10)
+        assert "maximum subscriptions exceeded" in str(greedy.last_error)
+        for client in (calm, other):
+            await client.flush(timeout=5)
+            assert client.is_connected
+        for client in (*held, other):
+            await client.close()
