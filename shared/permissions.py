@@ -83,18 +83,6 @@ MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest messag
 # flooder there); the default 64 MiB leaves 16 MiB, which a service starved of CPU for 2-3 s
 # overruns, and the close drops every login's requests queued for it. 256 MiB leaves 64.
 MAX_PENDING_BYTES = 256 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class LoginLimits:
-    """What the server lets each team's account of logins hold, so that no login takes what the
-    server has for everyone (its 65,536 connections, its memory for subscriptions): beyond them the
-    server refuses a connection, or closes the connection that subscribed once too often."""
-
-    connections: int = 1024  # at once, all the team's logins together
-    subscriptions: int = 1000  # on one connection (a client of ours holds two or three)
-
-
 SERVICES = ("api", "placer", "profiler", "estimator", "executor", "policy")
 SERVICE_ACCOUNT = "GOODPUT"
 LOGINS_ACCOUNT = "LOGINS"
@@ -237,6 +225,16 @@ def _follow(stream: str) -> tuple[str, ...]:
         f"$JS.API.CONSUMER.INFO.{stream}.>",
         f"$JS.FC.{stream}.>",
     )
+
+
+@dataclass(frozen=True)
+class LoginLimits:
+    """What the server lets each team's account of logins hold, so that no login takes what the
+    server has for everyone (its 65,536 connections, its memory for subscriptions): beyond them the
+    server refuses a connection, or closes the connection that subscribed once too often."""
+
+    connections: int = 1024  # at once, all the team's logins together
+    subscriptions: int = 1000  # on one connection (a client of ours holds two or three)
 
 
 @dataclass(frozen=True)
