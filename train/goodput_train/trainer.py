@@ -41,7 +41,9 @@ same step.
 
 from __future__ import annotations
 
+import atexit
 import base64
+import gc
 import json
 import logging
 import math
@@ -51,6 +53,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
@@ -177,6 +180,17 @@ class _Exchange:
         ):
             self._no_requests = torch.zeros(2, dtype=like.dtype, device=like.device)
         return self._no_requests
+
+
+def _release_distributed(training: weakref.ref) -> None:
+    """At exit, while the interpreter still runs: drop the DDP wrapper (its reducer holds the process
+    group, past `destroy_process_group`) and then the group. Left to the interpreter's teardown, the
+    group's threads may free tensors that need the GIL and the process aborts after its last line."""
+    if (alive := training()) is not None and isinstance(alive.model, DistributedDataParallel):
+        alive.model = alive.model.module
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exchange_hook(state: _Exchange, bucket):
@@ -671,6 +685,7 @@ class AdaptiveTraining:
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
                 torch.cuda.set_device(self.device)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", timeout=timeout)
+            atexit.register(_release_distributed, weakref.ref(self))
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
