@@ -29,7 +29,9 @@ under contention: a job left out frees GPUs whose value to another job can excee
 
 Of two waiting jobs whose entries are worth the same, the one that waited longer starts (`waited`;
 not Sia's): the solver picks among equals arbitrarily, and a burst of equal jobs on a full cluster
-then ran newest first.
+then ran newest first. For the same reason a running job keeps its configuration rather than give
+it to a waiting job whose entry there is worth no more (not Sia's): the objective does not see the
+restart that stopping it costs, and equal rigid jobs took turns, each round a checkpoint-restart.
 
 Teams (not Sia's; `job_team`, `team_quota`, `team_borrow`, `job_weight`; docs/policy.md, "Teams"):
 team k's jobs hold u_kt GPUs of type t. Reserved for it, r_kt: what its jobs would take alone on its
@@ -451,7 +453,7 @@ def _solved(
 ) -> IlpSolution:
     """The optimum `choice` (or, with a `gap`, one within it), its waiting jobs started first come
     first served, with its objective."""
-    choice = _first_come_first_served(problem, cost, choice)
+    choice = _first_come_first_served(problem, cost, _running_keep_theirs(problem, cost, choice))
     value = _objective_of(problem, values, choice, p, lam)
     return IlpSolution(
         choice,
@@ -1208,6 +1210,28 @@ def _large_or_huge(m: _Reduced, solver: str, deadline: float) -> tuple[np.ndarra
             raise
         log.info("sia ILP: the priced path took over %.1f s; the greedy answer instead", LARGE_MODEL_BUDGET_S)
         return greedy, gap
+
+
+def _running_keep_theirs(problem: IlpProblem, cost: np.ndarray, choice: np.ndarray) -> np.ndarray:
+    """`choice` with each running job that was left out given back its current configuration by a
+    waiting job that starts in it, wherever that costs no more (the objective is no worse, each
+    type's use the same)."""
+    left_out = np.flatnonzero((problem.current >= 0) & (choice < 0))
+    if left_out.size == 0:
+        return choice
+    choice = choice.copy()
+    starting = np.flatnonzero((problem.current < 0) & (choice >= 0))
+    for k in left_out[problem.valid[left_out, problem.current[left_out]]]:
+        own = problem.current[k]
+        takers = starting[choice[starting] == own]
+        if problem.job_team is not None:  # a swap within a team leaves every team's use as it was
+            takers = takers[problem.job_team[takers] == problem.job_team[k]]
+        equal = takers[cost[k, own] <= cost[takers, own]]
+        if equal.size:  # of several, the one that waited least gives way
+            j = equal[np.argmin(problem.waited[equal])] if problem.waited is not None else equal[0]
+            choice[k], choice[j] = own, -1
+            starting = starting[starting != j]
+    return choice
 
 
 def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.ndarray) -> np.ndarray:

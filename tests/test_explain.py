@@ -10,7 +10,7 @@ import asyncio
 import msgspec
 
 from policies.base import Decision, Prediction
-from services.api.explain import Namer, explanation, number, sentences
+from services.api.explain import Namer, explanation, number, numbers_apart, sentences
 from services.policy.decisions import (
     job_decisions,
     job_outcome,
@@ -165,6 +165,9 @@ def test_predicted_against_measured_and_the_end() -> None:
         "No round has decided for it yet (profiling): profiled on T4.",
     )
     assert (number(3100.4), number(12.345), number(0.5)) == ("3,100", "12.3", "0.5")
+    # Two goodputs that one rounding would write alike get the digits that tell them apart.
+    assert numbers_apart(12017.3, 12017.4) == ("12,017.3", "12,017.4")
+    assert numbers_apart(3100.4, 1200.0) == ("3,100", "1,200")
 
 
 def test_a_round_recorded_twice_counts_once_newest_last() -> None:

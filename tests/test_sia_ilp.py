@@ -319,6 +319,23 @@ def test_of_equal_waiting_jobs_the_longest_waiting_start_and_a_better_one_still_
         dataclasses.replace(equal, waited=np.ones(5))
 
 
+def test_a_running_job_keeps_its_configuration_from_a_waiting_job_worth_no_more():
+    # Six equal jobs want the one configuration, room for two, whichever two run now: they keep it
+    # (each stop would cost a checkpoint-restart the objective does not see), however long the
+    # others waited. A waiting job worth more still takes a running job's place.
+    for running in ([0, 1], [2, 5], [3, 4]):
+        current = np.full(6, -1)
+        current[running] = 0
+        for p in (-0.5, 0.5):
+            pr = problem(np.ones((6, 1)), config_type=[0], config_gpus=[1], capacity=[2], current=current)
+            pr = dataclasses.replace(pr, waited=np.where(current < 0, 600.0, 0.0))
+            sol = solve(pr, p=p)
+            assert sorted(np.flatnonzero(sol.choice >= 0).tolist()) == running, (running, p, sol)
+            assert_consistent(pr, sol)
+    better = problem([[1.0], [2.0]], config_type=[0], config_gpus=[1], capacity=[1], current=[0, -1])
+    assert solve(better).choice.tolist() == [-1, 0]
+
+
 # --- p < 0 allocates every job when capacity allows ---------------------------------------------
 
 

@@ -43,6 +43,17 @@ def number(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def numbers_apart(a: float, b: float) -> tuple[str, str]:
+    """Two goodputs as `number` writes them, with more digits where that would write them alike
+    (12,017.3 and 12,017.4, not 12,017 twice)."""
+    x, y = number(a), number(b)
+    for digits in (6, 7, 8):
+        if x != y:
+            break
+        x, y = f"{a:,.{digits}g}", f"{b:,.{digits}g}"
+    return x, y
+
+
 def gpus_of(count: int, gpu_type: str | None) -> str:
     """`8 A100 GPUs`, `1 T4 GPU`."""
     kind = f" {hardware_name(gpu_type)}" if gpu_type else ""
@@ -103,8 +114,8 @@ def _takers(d: JobDecision, names: Namer, what: str) -> str:
     first = d.holders[0]
     lost = _lost(d)
     if len(d.holders) == 1 and first.goodput is not None and lost is not None:
-        worth = f"predicted goodput on {what} ({number(first.goodput)})"
-        return f"{names.one(first)}'s {worth} exceeded what it lost ({number(lost)})"
+        taken, kept = numbers_apart(first.goodput, lost)
+        return f"{names.one(first)}'s predicted goodput on {what} ({taken}) exceeded what it lost ({kept})"
     takers = listed([names.one(h) for h in d.holders])
     worth = [number(h.goodput) for h in d.holders if h.goodput is not None]
     sentence = f"{takers} took {what}" + (f" (predicted goodput {', '.join(worth)})" if worth else "")
