@@ -20,6 +20,10 @@ from shared import credentials
 POLL_S = 1.0  # --follow: how often it asks for new lines
 SETTLE_S = 2.0  # --follow: once the job has ended, its agents' last lines are stored within this
 # Control characters but tab (C0, DEL, C1): a job's text must not drive the terminal (escape sequences).
+NO_LINES = (
+    "no output of job {job} is stored: it has printed nothing yet, its lines aged out, or it runs on "
+    "simulated executors, whose jobs run no code"
+)
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
@@ -80,15 +84,19 @@ async def show(server: str, request, follow: bool, as_json: bool, out: TextIO = 
     try:
         marked = request.rank is None  # several ranks: each line says whose
         ended_at = None
+        printed = 0
         while True:
             page = await ask_on(bus, server, subjects.API_LOGS, request, LogsPage)
             for line in page.lines:
                 print(_shown(line, marked, as_json), file=out)
+            printed += len(page.lines)
             out.flush()
             request = msgspec.structs.replace(request, after=page.next)
             if page.more:
                 continue
             if not follow or (ended_at is not None and asyncio.get_running_loop().time() - ended_at >= SETTLE_S):
+                if not printed:  # an empty answer is not an error, but it should not look like a hang
+                    print(NO_LINES.format(job=request.id), file=sys.stderr)
                 return
             if page.end and ended_at is None:
                 ended_at = asyncio.get_running_loop().time()

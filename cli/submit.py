@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -86,18 +87,29 @@ def code_folder(path: str | Path, code: str | Path | None = None) -> Path | None
 
     if code is not None:
         return Path(code)
-    document = _document(Path(path))
-    named = document.get("code") if isinstance(document, dict) else None
+    named = _document(Path(path)).get("code")
     if isinstance(named, str) and not re.fullmatch(r"[0-9a-f]{64}", named):
         return Path(path).parent / named
     return None
 
 
-def _document(path: Path):
-    try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML: {exc}") from None
+def _document(path: Path) -> dict:
+    """The job file's mapping: JSON for a `.json` file, else YAML; ValueError saying what is wrong."""
+    text = path.read_text()
+    if path.suffix.lower() == ".json":
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    else:
+        try:
+            document = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(document, dict):
+        what = "nothing" if document is None else f"a {type(document).__name__}"
+        raise ValueError(f"{path} holds {what}, not a job: a mapping of fields (id, application, ...)")
+    return document
 
 
 def load_job(path: str | Path, archive: str | None = None):
@@ -107,7 +119,7 @@ def load_job(path: str | Path, archive: str | None = None):
 
     path = Path(path)
     document = _document(path)
-    if archive is not None and isinstance(document, dict):
+    if archive is not None:
         document = {**document, "code": archive}
     try:
         return from_builtins(document, JobSpec)  # as the bus reads JSON: 2.0 is 2, "2" is no number
@@ -238,7 +250,7 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise ValueError(credentials.unreachable(args.server, exc, options)) from None
         print(
-            f"{spec.id}: stored; the gate judges it next (`goodput status {spec.id}`)"
+            f"{spec.id}: stored; the API judges it next (`goodput status {spec.id}`)"
             if stored
             else f"{spec.id}: already submitted, not stored again"
         )

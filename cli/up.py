@@ -166,9 +166,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=_up)
 
     status = sub.add_parser("status", help="jobs known to a running goodput, and its live run")
-    status.add_argument("id", nargs="?", help="show this job only")
+    status.add_argument("ids", nargs="*", metavar="ID", help="show these jobs only, each in full")
     status.add_argument(
-        "--json", action="store_true", help='one JSON document: {"jobs": [...], "run": {...}} (with ID: the job)'
+        "--json",
+        action="store_true",
+        help='one JSON document: {"jobs": [...], "run": {...}} (with one ID: that job\'s)',
     )
     status.add_argument(
         "--teams",
@@ -696,13 +698,14 @@ def _status(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(credentials.unreachable(server, exc, options)) from None
     jobs = [msgspec.to_builtins(status) for status in statuses]
-    if args.id is not None:
-        jobs = [j for j in jobs if j["id"] == args.id]
-        if not jobs:
-            raise ValueError(f"no job {args.id!r} of your team's is known to the executors")
+    if args.ids:
+        known = {j["id"]: j for j in jobs}
+        if missing := [i for i in args.ids if i not in known]:
+            raise ValueError(f"no job of yours is known to the executors as {', '.join(map(repr, missing))}")
+        jobs = [known[i] for i in dict.fromkeys(args.ids)]
     run = run_document(policy)
     if args.json:
-        print(json.dumps(jobs[0] if args.id is not None else {"jobs": jobs, "run": run}, indent=2))
+        print(json.dumps(jobs[0] if len(args.ids) == 1 else {"jobs": jobs, "run": run}, indent=2))
         return 0
     counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
     print(
@@ -718,8 +721,10 @@ def _status(args: argparse.Namespace) -> int:
     )
     for row in job_table(jobs):
         print(row)
-    if args.id is not None:
-        for line in job_lines(jobs[0]):
+    for job in jobs if args.ids else ():
+        if len(jobs) > 1:
+            print(f"    {job['id']}:")
+        for line in job_lines(job):
             print(f"      {line}")
     return 0
 

@@ -52,7 +52,7 @@ def malformed_reason(error: Exception) -> str:
         hint = (f"; did you mean `{near[0]}`?" if near else "") + f" (the fields: {', '.join(fields)})"
     rules = (
         f"; {SUBMISSION_RULES}"
-        if unknown or "`$.application`" in text
+        if unknown or ("`$.application`" in text and "of length" not in text)
         else f"; {ID_RULES}"
         if "`$.id`" in text
         else f"; {SMALLEST_SUBMISSION}"

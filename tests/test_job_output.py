@@ -60,15 +60,16 @@ async def _read_by_its_submitter_only(folder):
             run = {"capture_output": True, "text": True, "timeout": 60, "cwd": folder}
             shown = subprocess.run([*command, *user_options], env=env, **run)
             refused = subprocess.run(command, env={**env, credentials.LOGIN_ENV: str(bob_file)}, **run)
+            silent = subprocess.run([*command, "--rank", "3", *user_options], env=env, **run)  # no rank 3
             final, _ = await _logs(user, {"id": "says-1", "after": page["next"]})
-            return page, profiled, denied, shown, refused, final
+            return page, profiled, denied, shown, refused, silent, final
         finally:
             await user.close()
             await bob.close()
 
 
 def test_a_jobs_output_is_read_by_its_submitter_only(tmp_path):
-    page, (profiled, _), denied, shown, refused, final = asyncio.run(_read_by_its_submitter_only(tmp_path))
+    page, (profiled, _), denied, shown, refused, silent, final = asyncio.run(_read_by_its_submitter_only(tmp_path))
     assert page["next"] > 0 and isinstance(page["lines"][0]["time"], float), page
     # Its profiling run printed the same lines first, kept apart.
     assert {line["text"] for line in profiled["lines"]} >= {"hello from says", "a warning from says"}, profiled
@@ -80,3 +81,6 @@ def test_a_jobs_output_is_read_by_its_submitter_only(tmp_path):
     assert "[0] hello from says" in shown.stdout and "[0] a warning from says" in shown.stdout, shown.stdout
     assert "[profile] hello from says" in shown.stdout
     assert refused.returncode == 2 and "no job 'says-1' of yours" in refused.stderr, refused.stderr
+    # Nothing to show is said, not left to look like a hang.
+    assert silent.returncode == 0 and silent.stdout == "", silent
+    assert "no output of job says-1 is stored" in silent.stderr, silent.stderr

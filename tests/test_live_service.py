@@ -216,6 +216,19 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
         timeout=60,
     )
     assert json.loads(one.stdout)["id"] == "burst-7"
+    two = subprocess.run(
+        [*GOODPUT, "status", "burst-7", "burst-1", "--json"],
+        env=command_env(data),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert [j["id"] for j in json.loads(two.stdout)["jobs"]] == ["burst-7", "burst-1"]
+    unknown = subprocess.run(
+        [*GOODPUT, "status", "burst-7", "nosuch"], env=command_env(data), cwd=ROOT, capture_output=True, text=True
+    )
+    assert unknown.returncode == 2 and "no job of yours is known to the executors as 'nosuch'" in unknown.stderr
     piped = subprocess.run(
         f"{sys.executable} -m cli.main status | head -1",
         env=command_env(data),

@@ -38,12 +38,21 @@ def test_a_job_file_becomes_a_jobspec(tmp_path):
         ("id: [unclosed\n", "not valid YAML"),
         ('id: a\napplication: cifar10\nrequested_gpus: "4"\n', "Expected `int`, got `str`"),  # as the schema says
         ("id: a\napplication: cifar10\nrigid: 1\n", "Expected `bool`, got `int`"),
+        ("", "holds nothing, not a job: a mapping of fields"),
+        ("- id: a\n", "holds a list, not a job"),
     ],
 )
 def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):
     with pytest.raises(ValueError, match=None) as error:
         load_job(write(tmp_path, text))
     assert reason in str(error.value)
+
+
+def test_a_json_job_file_is_read_and_refused_as_json(tmp_path):
+    assert load_job(write(tmp_path, '{"id": "a", "application": "cifar10"}', "job.json")) == JobSpec("a", "cifar10")
+    with pytest.raises(ValueError) as error:
+        load_job(write(tmp_path, '{"id": "a", "application": ', "job.json"))
+    assert str(error.value).endswith("job.json is not valid JSON: Expecting value at line 1, column 28")
 
 
 CLUSTER = load_cluster("sia-hetero-64")  # 24 aws (T4), 16 dgx-ext (A100), 24 rtx
@@ -144,7 +153,7 @@ def test_submit_command_sends_each_file_and_says_which_were_not(tmp_path, capsys
     assert main(["submit", str(files[0]), str(bad), str(files[1]), "--stream", "--server", nats_server]) == 2
     out, err = capsys.readouterr()
     assert out.splitlines() == [
-        f"multi-{n}: stored; the gate judges it next (`goodput status multi-{n}`)" for n in "ab"
+        f"multi-{n}: stored; the API judges it next (`goodput status multi-{n}`)" for n in "ab"
     ], out
     assert "c.yaml" in err and "unknown field `gpus`" in err and "1 of 3 jobs not submitted" in err, err
     assert main(["submit", *map(str, files), "--stream", "--server", nats_server]) == 0  # the same again: repeats
