@@ -108,10 +108,24 @@ def wait_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]
     """Why a job that `unschedulable` passes is not running: what of `nodes` is free around the jobs
     in `held` (job -> its placement on `nodes`), against the smallest configuration of each of its
     types that takes it; `ahead`: the queued jobs submitted before it."""
+    return free_reason(needs, nodes, held) + behind(ahead)
+
+
+def behind(ahead: int) -> str:
+    """A wait reason's end: the queued jobs submitted before it, if any."""
+    return f"; {ahead} queued job{'s' * (ahead != 1)} submitted before it" if ahead else ""
+
+
+def unplaced_reason(ahead: int) -> str:
+    """Why a queued job waits where what is free is not known (no round has served the nodes yet)."""
+    return "waiting for GPUs: the last round gave it none" + behind(ahead)
+
+
+def free_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]) -> str:
+    """`wait_reason` without the jobs ahead: the same for every job of the same needs in a round."""
     cluster = Cluster("live", tuple(nodes))
     free = free_gpus(nodes, held)
     types = _types(needs, nodes)
-    behind = f"; {ahead} queued job{'s' * (ahead != 1)} submitted before it" if ahead else ""
     typed = {t: [n for n in nodes if n.gpu_type == t] for t in types}
     free_of_types = sum(free[n.name] for t in types for n in typed[t])
     smallest = {}
@@ -119,13 +133,13 @@ def wait_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]
         if config.gpu_type in types and needs.takes(config) and config.gpu_type not in smallest:
             smallest[config.gpu_type] = config  # configurations come smallest first, type by type
     if any(_fits_now(c, typed[t], free, cluster.gpus_per_node(t)) for t, c in smallest.items()):
-        return f"waiting for the next round: {free_of_types} GPUs of its types are free and fit it{behind}"
+        return f"waiting for the next round: {free_of_types} GPUs of its types are free and fit it"
     if not free_of_types:
         holders = sorted(job for job, spots in held.items() if any(cluster.node_type.get(n) in types for n, _ in spots))
         gpus = sum(cluster.capacity(t) for t in types)
         return (
             f"the cluster is full: {len(holders)} job{'s' * (len(holders) != 1)} hold{'s' * (len(holders) == 1)} "
-            f"its types' {gpus} GPU{'s' * (gpus != 1)}{behind}"
+            f"its types' {gpus} GPU{'s' * (gpus != 1)}"
         )
     short = []
     for t, config in smallest.items():
@@ -139,4 +153,4 @@ def wait_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]
                 f"{config.gpus} {t} GPUs on {config.nodes} whole nodes, and {whole} "
                 f"{'is' if whole == 1 else 'are'} wholly free"
             )
-    return "needs " + "; or ".join(short) + behind
+    return "needs " + "; or ".join(short)

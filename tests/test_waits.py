@@ -75,3 +75,33 @@ def test_the_simulated_executors_flag_a_rigid_job_their_cluster_cannot_take():
     three, four = executors.jobs["three"].record(), executors.jobs["four"].record()
     assert (three.state, four.state, four.reason) == ("unschedulable", "queued", None)
     assert three.reason.startswith("needs 3 GPUs of one type; the schedulable nodes of its types"), three.reason
+
+
+def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_before_it():
+    """sia-hetero-64 with its A100s and T4s held and 4 GPUs held on two RTX nodes of 8: a rigid job of
+    16 needs two whole nodes and one is free; one of 4, submitted after it, fits now."""
+    from services.simulated.truth import job_sources
+    from services.simulated.world import SimulatedExecutors
+    from shared.cluster import load_cluster
+    from shared.schema import JobSpec
+    from shared.settings import simulation_settings
+
+    truth = job_sources(use_zoo=True).truths["cifar10"]
+    cluster = load_cluster("sia-hetero-64")
+    executors = SimulatedExecutors(cluster, simulation_settings(None, "sia-hetero-64"), 1)
+    running = {
+        "a": (("dgx-ext-0", 8), ("dgx-ext-1", 8)),
+        "b": tuple((f"aws-{i}", 4) for i in range(6)),
+        "x": (("rtx-0", 4),),
+        "y": (("rtx-1", 4),),
+    }
+    for name, gpus in (("a", 16), ("b", 24), ("x", 4), ("y", 4), ("c", 16), ("d", 4)):
+        executors.submit(JobSpec(name, "cifar10", requested_gpus=gpus, rigid=True, submit_s=0.0), truth)
+        executors.jobs[name].placement = running.get(name, ())
+    waits = executors.waits()
+    assert set(waits) == {"c", "d"}
+    assert waits["c"].startswith("needs 16 aws GPUs on 4 whole nodes, and 0 are wholly free"), waits["c"]
+    assert "16 rtx GPUs on 2 whole nodes, and 1 is wholly free" in waits["c"]
+    assert waits["d"] == (
+        "waiting for the next round: 16 GPUs of its types are free and fit it; 1 queued job submitted before it"
+    )

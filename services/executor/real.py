@@ -78,7 +78,7 @@ from shared.schema import (
     apart_key,
     verdict_for,
 )
-from shared.waits import Needs, needs_of, unschedulable, wait_reason
+from shared.waits import Needs, needs_of, unplaced_reason, unschedulable, wait_reason
 
 POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this
 UNREADABLE = "unreadable"  # a refusal's stand-in id, and its application when none could be read
@@ -153,7 +153,7 @@ class RealExecutors:
         """What a queued job waits for: free GPUs that fit it, behind `ahead` queued jobs submitted
         before it (of equal worth to the policy, the longest-waiting start first)."""
         if not self.served:
-            return _queued_reason(ahead)
+            return unplaced_reason(ahead)
         spec = job.spec
         held = {name: local.placement for name, local in self.executors.jobs.items() if local.placement}
         needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
@@ -617,14 +617,6 @@ def record_nodes(members: Collection[str], drained: Collection[str], seen: Itera
     nodes = instrument(NODES)
     for state, count in counts.items():
         nodes.set(count, {"state": state})
-
-
-def _queued_reason(ahead: int) -> str:
-    """What a queued job waits for: GPUs, behind the queued jobs submitted before it (of equal
-    worth to the policy, the longest-waiting start first)."""
-    return "waiting for GPUs: the last round gave it none" + (
-        f"; {ahead} queued job{'s' * (ahead != 1)} submitted before it" if ahead else ""
-    )
 
 
 # What the node agent takes from the jobs stream, by subject: a submission, then the profiler's word on it.

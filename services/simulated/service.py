@@ -429,7 +429,10 @@ class SimulatedExecutorService:
     # ---- status -----------------------------------------------------------------------------
 
     def records(self) -> Iterable[JobRecord]:
-        return (entry.record() for entry in self.submitted.values())
+        waits = self.executors.waits()
+        for entry in self.submitted.values():
+            record = entry.record()
+            yield msgspec.structs.replace(record, reason=waits[entry.job_id]) if entry.job_id in waits else record
 
     def count(self, prefix: str) -> int:
         """Submissions whose id begins with `prefix` that have the profiler's verdict."""

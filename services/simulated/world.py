@@ -24,7 +24,7 @@ from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.reference import WorkloadJob
 from shared.schema import CANCELLED, DEFAULT_TEAM, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec, Reclaim
-from shared.waits import needs_of, unschedulable
+from shared.waits import Needs, behind, free_reason, needs_of, unplaced_reason, unschedulable
 
 # A job's record keeps its last this many reclaims (who took GPUs back from it, and when).
 KEPT_RECLAIMS = 8
@@ -351,6 +351,12 @@ def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster)
     return measured
 
 
+def _needs(job: SimulatedJob, types: list[str]) -> Needs:
+    """A job's needs on the types it runs on: a rigid one's GPUs exactly, else its minimum."""
+    gpus = job.rigid[0] if job.rigid else job.min_gpus
+    return needs_of(gpus, gpus, job.rigid is not None, types)
+
+
 class SimulatedExecutors:
     """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order.
     Its jobs' moves, one method each: `apply` (queued <-> running; -> failed), `advance` (running ->
@@ -408,8 +414,25 @@ class SimulatedExecutors:
         """Whether the cluster, which does not change, can ever take the job (a rigid job of 3 GPUs
         on nodes of 4 cannot); a hybrid-parallel job's counts are replicas, left to the policy."""
         if not job.group_gpus:
-            gpus = job.rigid[0] if job.rigid else job.min_gpus
-            job.unfit = unschedulable(needs_of(gpus, gpus, job.rigid is not None, types), self.cluster.nodes)
+            job.unfit = unschedulable(_needs(job, types), self.cluster.nodes)
+
+    def waits(self) -> dict[str, str]:
+        """Why each queued job waits (shared/waits.py): what is free around the running jobs, behind
+        the queued jobs submitted before it."""
+        held = {name: job.placement for name, job in self.jobs.items() if job.placement}
+        queued = [job for job in self.jobs.values() if job.state == JobState.QUEUED]
+        queued.sort(key=lambda job: (job.spec.time, self.order[job.name]))
+        said: dict[Needs, str] = {}  # the same for every job of the same needs: thousands queue
+        reasons = {}
+        for ahead, job in enumerate(queued):
+            if job.group_gpus:  # its counts are replicas: what fits is the policy's to say
+                reasons[job.name] = unplaced_reason(ahead)
+                continue
+            needs = _needs(job, [t for t in self.cluster.gpu_types if t in self.truths[job.name].types])
+            if needs not in said:
+                said[needs] = free_reason(needs, self.cluster.nodes, held)
+            reasons[job.name] = said[needs] + behind(ahead)
+        return reasons
 
     def facts(self, now: float, names) -> list[JobFacts]:
         return [self.jobs[name].facts(self.truths[name], now) for name in names]
