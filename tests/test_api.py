@@ -226,6 +226,8 @@ async def test_a_corrected_body_is_not_hidden_by_the_refusal_of_the_one_before(c
     assert again.accepted and "not stored again" in again.reason, again
     status = await bus.request(subjects.API_JOB, JobRequest(job_id), JobStatus)
     assert status.state == "profiling", status
+    # What the stored submission says, before any executor has read it.
+    assert (status.application, status.reason) == ("cifar10", "stored: the profiler reads it next"), status
 
 
 async def serve_api(connect_bus, problem=lambda spec: None):

@@ -131,6 +131,7 @@ CANCEL_POLL_S = 0.2
 CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors
 INTAKE_WINDOW = 64  # submissions from the intake stream one replica judges at once
 REFUSAL_TIMEOUT_S = 2.0  # for a refusal's record to be acknowledged, each of its attempts
+STORED_UNREAD = "stored: the profiler reads it next"  # a job's reason before the executors know it
 
 
 @dataclass(frozen=True)
@@ -494,7 +495,9 @@ class Gate:
             # refused stored submission gives the id up): the corrected one is profiling.
             if held is not None and who.sees(held.value.subject) and (found is None or not held.value.marking):
                 team = subjects.owner_of(held.value.subject)[1] or DEFAULT_TEAM
-                return JobStatus(job_id, JobState.PROFILING, team=team)
+                return JobStatus(
+                    job_id, JobState.PROFILING, STORED_UNREAD, application=held.value.application, team=team
+                )
         return None if found is None else who.status(found)
 
     async def named_job(self, job_id: str, who: Who) -> tuple[JobStatus, str | None]:
@@ -631,7 +634,7 @@ class Gate:
         on that subject), unless its id is held: its answer (a repeat's, or the refusal, recorded)."""
         job_id, subject = who.shown(spec.id), subjects.stored(who.team, who.login)
         digest = spec_digest(spec)
-        mark = await self.claim(spec.id, digest, who)
+        mark = await self.claim(spec.id, digest, who, spec.application)
         if mark is None:
             return await self.refuse(data, id_taken(job_id), who, job_id, came, cause="id_taken")
         if isinstance(mark, SubmitAnswer):
@@ -648,7 +651,7 @@ class Gate:
             return await self.repeat(job_id, who)
         room.stored()
         try:  # the mark becomes this submission's claim, unless one stored before took the id
-            await self.owners.update(spec.id, JobOwner(ack.seq, digest, subject), mark)
+            await self.owners.update(spec.id, JobOwner(ack.seq, digest, subject, application=spec.application), mark)
         except RevisionConflict:
             held = await self.owners.get(spec.id)
             if held is None or (held.value.submission != ack.seq and held.value.digest != digest):
@@ -657,11 +660,13 @@ class Gate:
         count_submission("accepted")
         return SubmitAnswer(True, job_id, JobState.PROFILING, notes=notes(spec))
 
-    async def claim(self, scoped: str, digest: str, who: Who) -> int | SubmitAnswer | None:
+    async def claim(
+        self, scoped: str, digest: str, who: Who, application: str | None = None
+    ) -> int | SubmitAnswer | None:
         """Mark the id (within the cluster) as being stored (the mark's revision), or, when it is held,
         a repeat's answer (the same body of the same login's), or None (another body's)."""
         subject = subjects.stored(who.team, who.login)
-        mark = JobOwner(0, digest, subject, since=time.time())
+        mark = JobOwner(0, digest, subject, since=time.time(), application=application)
         for _ in range(3):
             try:
                 return await self.owners.create(scoped, mark)

@@ -116,7 +116,7 @@ class Profiler:
     async def claim(self, spec: JobSpec, delivery) -> str | None:
         """Hold the job's id for this submission: None when it holds it (first, or delivered again),
         "repeat" for the same job sent again, else why it cannot have it."""
-        mine = JobOwner(delivery.stream_sequence, spec_digest(spec), delivery.subject)
+        mine = JobOwner(delivery.stream_sequence, spec_digest(spec), delivery.subject, application=spec.application)
         # The API claimed a stored submission's id before it stored it: read that first (a create
         # refused costs the server a write, and nats-py a read besides); a replay's is most likely free.
         stored = subjects.of_login(delivery.subject)[0] == subjects.STORED

@@ -175,6 +175,7 @@ class JobOwner(msgspec.Struct, frozen=True):
     digest: str  # of its JobSpec: the same job sent again is a repeat
     subject: str  # where it came (a login's stored submission, an operator's replay)
     since: float = 0.0  # a mark's time: one older than MARK_TTL_S is void
+    application: str | None = None  # its submission's: shown before the executors have read it
 
     @property
     def marking(self) -> bool:
