@@ -713,10 +713,12 @@ def _status(args: argparse.Namespace) -> int:
         if jobs
         else "no jobs"
     )
+    idle = run["state"] == "running" and not run["jobs"] and not run["reason"]
     print(
         f"live run: {run['state']}"
         + (f" at round {run['round']}" if run.get("round") is not None else "")
         + (f" ({run['reason']})" if run["reason"] else "")
+        + (" (idle: no active job; the rounds go on with the next submission)" if idle else "")
         + f"; policy leader: {run['leader'] or 'none'}"
     )
     for row in job_table(jobs):
