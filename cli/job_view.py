@@ -76,8 +76,8 @@ def reclaim_sentence(reclaim: dict) -> str:
 
 def job_lines(job: dict) -> list[str]:
     """The lines under its row in `goodput status JOB`: its team and what it holds of its team's
-    guarantee, each reclaim it went through, progress, speed, expected end, metrics, and its
-    reason's further lines (a crash's stderr)."""
+    guarantee, each reclaim it went through, progress, speed, expected end, once ended its time and
+    GPU-hours, metrics, and its reason's further lines (a crash's stderr)."""
     lines = [line for line in (team_line(job),) if line is not None]
     lines += [reclaim_sentence(r) for r in job.get("reclaims") or ()]
     progress = job.get("progress")
@@ -90,6 +90,11 @@ def job_lines(job: dict) -> list[str]:
             lines.append(speed + (f", batch {job['batch']}" if job.get("batch") else ""))
         if progress.get("remaining_s") is not None and job["state"] == "running":
             lines.append(f"expected end: in ~{duration(progress['remaining_s'])}, at its rate since it last started")
+    if job.get("jct_s") is not None:  # ended: how long from its submission, on how much
+        lines.append(
+            f"{job['state']} {duration(job['jct_s'])} after its submission, "
+            f"{number(job.get('gpu_seconds', 0.0) / 3600)} GPU-hours"
+        )
     if job.get("metrics"):
         lines.append("metrics: " + ", ".join(f"{name} {number(value)}" for name, value in job["metrics"].items()))
     if job.get("restarts"):

@@ -182,8 +182,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     nodes = sub.add_parser(
         "nodes",
-        help="the operator's: the nodes of a running goodput with real jobs (GPUs, alive, "
-        "lost or drained, and every login's jobs on them)",
+        help="the operator's: the nodes of a running goodput (GPUs, alive, lost or drained, and every "
+        "login's jobs on them; a simulated cluster's are all alive)",
     )
     nodes.add_argument("--json", action="store_true", help='one JSON document: {"nodes": [...]}')
     add_connection_arguments(nodes, role="operator")
@@ -716,7 +716,7 @@ def _status(args: argparse.Namespace) -> int:
     idle = run["state"] == "running" and not run["jobs"] and not run["reason"]
     print(
         f"live run: {run['state']}"
-        + (f" at round {run['round']}" if run.get("round") is not None else "")
+        + (f", {run['round']} round{'s' * (run['round'] != 1)} so far" if run.get("round") is not None else "")
         + (f" ({run['reason']})" if run["reason"] else "")
         + (" (idle: no active job; the rounds go on with the next submission)" if idle else "")
         + f"; policy leader: {run['leader'] or 'none'}"
@@ -747,8 +747,7 @@ def _nodes(args: argparse.Namespace) -> int:
             subjects.EXECUTOR_NODES,
             Ack(),
             NodeStatuses,
-            "no executor at {server} lists nodes: is the stack up, with real jobs (`goodput up --executors "
-            "real`)? Simulated executors have no node agents",
+            "no executor at {server} lists nodes: is the stack up?",
         )
     except ValueError as error:
         if "refused this login" in str(error):  # a login sees only its own jobs: not the nodes'

@@ -28,10 +28,11 @@ configuration and on any configuration when r = 1), but lam does not guarantee t
 under contention: a job left out frees GPUs whose value to another job can exceed the 0.1 margin.
 
 Of two waiting jobs whose entries are worth the same, the one that waited longer starts (`waited`;
-not Sia's): the solver picks among equals arbitrarily, and a burst of equal jobs on a full cluster
-then ran newest first. For the same reason a running job keeps its configuration rather than give
-it to a waiting job whose entry there is worth no more (not Sia's): the objective does not see the
-restart that stopping it costs, and equal rigid jobs took turns, each round a checkpoint-restart.
+of two that waited as long, the one listed first; not Sia's): the solver picks among equals
+arbitrarily, and a burst of equal jobs on a full cluster then ran newest first. For the same
+reason a running job keeps its configuration rather than give it to a waiting job whose entry there
+is worth no more (not Sia's): the objective does not see the restart that stopping it costs, and
+equal rigid jobs took turns, each round a checkpoint-restart.
 
 Teams (not Sia's; `job_team`, `team_quota`, `team_borrow`, `job_weight`; docs/policy.md, "Teams"):
 team k's jobs hold u_kt GPUs of type t. Reserved for it, r_kt: what its jobs would take alone on its
@@ -1228,7 +1229,7 @@ def _running_keep_theirs(problem: IlpProblem, cost: np.ndarray, choice: np.ndarr
             takers = takers[problem.job_team[takers] == problem.job_team[k]]
         equal = takers[cost[k, own] <= cost[takers, own]]
         if equal.size:  # of several, the one that waited least gives way
-            j = equal[np.argmin(problem.waited[equal])] if problem.waited is not None else equal[0]
+            j = equal[np.argmax(_queue_place(problem)[equal])]
             choice[k], choice[j] = own, -1
             starting = starting[starting != j]
     return choice
@@ -1243,19 +1244,29 @@ def _first_come_first_served(problem: IlpProblem, cost: np.ndarray, choice: np.n
     choice = choice.copy()
     waiting = problem.current < 0
     starting = np.flatnonzero(waiting & (choice >= 0))
+    place = _queue_place(problem)
     # Oldest first: a job given a cell here waited longer than every one still to come, so it is
     # never taken back, and only the jobs that gave theirs up leave `starting`.
-    for k in sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: -problem.waited[i]):
-        younger = starting[problem.waited[starting] < problem.waited[k]]
+    for k in sorted(np.flatnonzero(waiting & (choice < 0)), key=lambda i: place[i]):
+        younger = starting[place[starting] > place[k]]
         if problem.job_team is not None:  # a swap within a team leaves every team's use as it was
             younger = younger[problem.job_team[younger] == problem.job_team[k]]
         cells = choice[younger]
         equal = younger[problem.valid[k, cells] & (cost[k, cells] <= cost[younger, cells])]
         if equal.size:
-            j = equal[np.argmin(problem.waited[equal])]
+            j = equal[np.argmax(place[equal])]
             choice[k], choice[j] = choice[j], -1
             starting = starting[starting != j]
     return choice
+
+
+def _queue_place(problem: IlpProblem) -> np.ndarray:
+    """(J,) each job's place in the queue, 0 first: the longest-waiting first, and of jobs that
+    waited as long (submitted together), the one listed first."""
+    waited = problem.waited if problem.waited is not None else np.zeros(problem.jobs)
+    place = np.empty(problem.jobs, dtype=int)
+    place[np.lexsort((np.arange(problem.jobs), -waited))] = np.arange(problem.jobs)
+    return place
 
 
 def _fallback(problem: IlpProblem, status: str, start: float, exc_info: bool = False) -> IlpSolution:

@@ -27,6 +27,7 @@ from shared.schema import (
     JobsQuery,
     LiveJobs,
     LiveJobsRequest,
+    NodeStatuses,
     Observed,
     ObservedAll,
     StoredAll,
@@ -110,10 +111,11 @@ async def serve_round(
     live: Callable[[LiveJobsRequest], Awaitable[LiveJobs]],
     records: Callable[[], Iterable[JobRecord]],
     count: Callable[[str], int],
+    nodes: Callable[[Ack], Awaitable[NodeStatuses]],
 ) -> micro.Service:
     """Register the round's executor endpoints (facts, apply, advance, live) and the status ones:
-    the jobs' records, and how many of those whose id begins with a prefix have the profiler's
-    verdict (`count(prefix)`)."""
+    the jobs' records, how many of those whose id begins with a prefix have the profiler's verdict
+    (`count(prefix)`), and the nodes with the jobs on each."""
     service = await new_service(bus, subjects.EXECUTOR_SERVICE, description)
     await bus.add_endpoint(
         service,
@@ -132,4 +134,5 @@ async def serve_round(
     await bus.add_endpoint(
         service, "status", subjects.EXECUTOR_STATUS, JobsQuery, lambda query: Count(count(query.prefix)), parts=False
     )
+    await bus.add_endpoint(service, "nodes", subjects.EXECUTOR_NODES, Ack, nodes, parts=False)
     return service

@@ -136,7 +136,7 @@ RESTARTS_ORDERED = Metric(
     "counter",
     "{restart}",
     (),
-    "jobs whose placement a round changed (each a restart)",
+    "running jobs a round moved or resized (each a checkpoint-restart); a job stopped and started again in a later round is not one of them",
     ("policy",),
 )
 CLUSTER_GOODPUT = Metric(
@@ -152,7 +152,12 @@ UTILIZATION = Metric(
 )
 WORKERS = Metric("goodput.workers.running", "gauge", "{worker}", (), "the workers (ranks) running on a node", ("node",))
 JOB_RESTARTS = Metric(
-    "goodput.job.restarts", "counter", "{restart}", (), "job restarts carried out by the executors", ("executor",)
+    "goodput.job.restarts",
+    "counter",
+    "{restart}",
+    (),
+    "every start of a job after its first, as the executors carried it out: the moves and resizes above, and each start after a stop",
+    ("executor",),
 )
 CHECKPOINT_DURATION = Metric(
     "goodput.checkpoint.duration",

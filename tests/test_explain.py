@@ -12,6 +12,7 @@ import msgspec
 from policies.base import Decision, Prediction
 from services.api.explain import Namer, explanation, number, numbers_apart, sentences
 from services.policy.decisions import (
+    Measuring,
     job_decisions,
     job_outcome,
     measured_goodput,
@@ -151,14 +152,23 @@ def test_predicted_against_measured_and_the_end() -> None:
     cluster = build_cluster("one-a100", [A100_NODE])
     models = models_of(cluster, "a")["a"]
     running = facts("a", (("dgx-0", 4),), slice_iterations=100.0)
-    assert measured_goodput(running, ((("dgx-0", 4),), 0.0, 512), models, 60.0) <= 100 * 512 / 60
-    assert measured_goodput(running, ((("dgx-0", 2),), 0.0, 512), models, 60.0) is None  # another placement
-    assert measured_goodput(running, None, models, 60.0) is None  # its start is not known (a new leader)
-    d = JobDecision(5, 300.0, "a", gpus=4, gpu_type="dgx", change="same", goodput=1900.0, measured_goodput=1750.0)
+    here = (("dgx-0", 4),)
+    # 60 steps of the round's 512 in its 60 s, times the batch's statistical efficiency.
+    assert 0 < measured_goodput(running, Measuring(here, 0.0, 40.0, 512, True), models, 60.0) < 60 * 512 / 60
+    assert measured_goodput(running, Measuring((("dgx-0", 2),), 0.0, 40.0, 512, True), models, 60.0) is None
+    assert measured_goodput(running, Measuring(here, 0.0, 0.0, 512, False), models, 60.0) is None  # (re)started
+    assert measured_goodput(running, None, models, 60.0) is None  # its round's start is not known (a new leader)
+    # A fixed batch is predicted by its samples/s (an efficiency of 1), and measured so.
+    rigid = msgspec.structs.replace(models, fixed_batch=512)
+    assert measured_goodput(running, Measuring(here, 0.0, 40.0, 512, True), rigid, 60.0) == 60 * 512 / 60
+    d = JobDecision(
+        5, 300.0, "a", gpus=4, gpu_type="dgx", change="same", goodput=1900.0, previous_goodput=1900.0,
+        measured_goodput=1750.0,
+    )  # fmt: skip
     said = sentences([d], RUNNING, Namer({}, "default"))
     assert said == (
         "It has run on 4 A100 GPUs since round 5 or earlier.",
-        "Predicted goodput 1,900 samples/s; measured 1,750 (92%).",
+        "Predicted goodput 1,900 samples/s; over the round before, measured 1,750 (92% of the 1,900 predicted for it).",
     )
     assert sentences([d], JobStatus("a", JobState.FINISHED), Namer({}, "default")) == ("It has finished.",)
     assert sentences([], JobStatus("a", JobState.PROFILING, "profiled on T4"), Namer({}, "default")) == (
@@ -231,19 +241,19 @@ class Recorded:
 
 
 class KeepRunning:
-    """Two rounds of a fixed cluster: the executors' facts say where the last apply put each job and
-    that it trained 50 steps since; every job ends at the second round."""
+    """Three rounds of a fixed cluster: the executors' facts say where the last apply put each job and
+    that it trained 50 steps in each round there; every job ends at the third round."""
 
     def __init__(self, cluster, jobs) -> None:
         self.cluster, self.placements, self.jobs, self.advanced = cluster, {}, jobs, 0
+        self.rounds_placed: dict[str, int] = {}
 
     async def facts(self, now, jobs):
         from shared.schema import FactsReply
 
         return FactsReply(
             tuple(
-                facts(j, self.placements.get(j, ()), slice_iterations=50.0 if self.placements.get(j) else 0.0)
-                for j in jobs
+                facts(j, self.placements.get(j, ()), slice_iterations=50.0 * self.rounds_placed.get(j, 0)) for j in jobs
             )
         )
 
@@ -266,7 +276,9 @@ class KeepRunning:
         from shared.schema import AdvanceReply
 
         self.advanced += 1
-        return AdvanceReply(tuple(jobs) if self.advanced >= 2 else ())
+        for j in self.placements:
+            self.rounds_placed[j] = self.rounds_placed.get(j, 0) + 1
+        return AdvanceReply(tuple(jobs) if self.advanced >= 3 else ())
 
 
 class Predicting:
@@ -297,15 +309,17 @@ def test_the_round_loop_records_each_decided_round_with_the_last_rounds_predicti
         recorder=recorder,
     )
     asyncio.run(loop.run())
-    [(first, one), (second, two)] = recorder.rounds
+    [(first, one), (second, two), (_, three)] = recorder.rounds
     assert (first.round, second.round, first.objective, first.allocated) == (0, 1, 2.0, 2)
     assert set(first.stages_s) == {"facts", "models", "solve", "place"}
     assert first.gpus_allocated == {"dgx": 2} and first.gpus_idle == {"dgx": 6}
     assert [(d.job, d.change, d.previous_goodput) for d in one] == [("a", "started", None), ("b", "started", None)]
     assert [(d.change, d.previous_goodput) for d in two] == [("same", 100.0), ("same", 100.0)]
+    # The round it started in measures nothing (its start's seconds are not slowness); the next, its
     # 50 steps of batch 256 in the round's 60 s, times the batch's statistical efficiency.
-    assert all(0 < d.measured_goodput <= 50 * 256 / 60 for d in two)
-    assert recorder.stages == ["apply", "advance", "apply", "advance"]
+    assert [d.measured_goodput for d in two] == [None, None]
+    assert all(0 < d.measured_goodput <= 50 * 256 / 60 for d in three)
+    assert recorder.stages == ["apply", "advance"] * 3
     # and each round's record says where its time went
     assert all(set(r.stages_ms) == {"facts", "models", "solve", "place", "apply", "advance"} for r in loop.rounds)
     assert all(ms >= 0 for r in loop.rounds for ms in r.stages_ms.values())

@@ -360,6 +360,8 @@ def test_status_shows_progress_speed_the_expected_end_and_metrics_readably():
     ]
     crashed = {"state": "failed", "reason": "its workers crashed 3 times; the end of its stderr:\nboom\nValueError: x"}
     assert progress_note(crashed) == "" and job_lines(crashed) == ["boom", "ValueError: x"]
+    done = {"state": "finished", "reason": "", "jct_s": 18720.0, "gpu_seconds": 302400.0, "restarts": 1}
+    assert job_lines(done) == ["finished 5 h 12 min after its submission, 84 GPU-hours", "restarts: 1"]
 
 
 def test_a_status_row_joins_where_a_job_is_and_its_progress_with_nothing_dangling():

@@ -229,6 +229,13 @@ def test_bad_submissions_are_rejected_with_reasons_a_burst_finishes_and_a_restar
         [*GOODPUT, "status", "burst-7", "nosuch"], env=command_env(data), cwd=ROOT, capture_output=True, text=True
     )
     assert unknown.returncode == 2 and "no job of yours is known to the executors as 'nosuch'" in unknown.stderr
+    # The simulated cluster's nodes, for the operator: all alive, each with the jobs running there.
+    operator = ["--nats-user", "operator", "--nats-password-file", str(data / "secrets" / "operator")]
+    listed = subprocess.run(
+        [*GOODPUT, "nodes", "--json", *operator], env=command_env(data), cwd=ROOT, capture_output=True, text=True
+    )
+    nodes = json.loads(listed.stdout)["nodes"]
+    assert {n["state"] for n in nodes} == {"alive"} and sum(n["gpus"] for n in nodes) == 64, nodes
     piped = subprocess.run(
         f"{sys.executable} -m cli.main status | head -1",
         env=command_env(data),

@@ -312,6 +312,9 @@ def test_of_equal_waiting_jobs_the_longest_waiting_start_and_a_better_one_still_
         assert sorted(np.flatnonzero(sol.choice >= 0).tolist()) == [1, 4], sol
         assert objective(pr, sol.choice, p) == pytest.approx(objective(pr, solve(equal, p=p).choice, p))
         assert_consistent(pr, sol)
+    # Submitted together (waited alike), the first listed start.
+    together = dataclasses.replace(equal, waited=np.full(6, 60.0))
+    assert sorted(np.flatnonzero(solve(together).choice >= 0).tolist()) == [0, 1]
     # A job worth more on the GPU still starts before an older one: the order only breaks ties.
     better = problem([[1.0], [1.0], [2.0]], config_type=[0], config_gpus=[1], capacity=[1])
     assert solve(dataclasses.replace(better, waited=np.array([600.0, 300.0, 1.0]))).choice.tolist() == [-1, -1, 0]

@@ -79,7 +79,8 @@ def test_the_simulated_executors_flag_a_rigid_job_their_cluster_cannot_take():
 
 def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_before_it():
     """sia-hetero-64 with its A100s and T4s held and 4 GPUs held on two RTX nodes of 8: a rigid job of
-    16 needs two whole nodes and one is free; one of 4, submitted after it, fits now."""
+    16 needs two whole nodes and one is free; one of 4, submitted after it, fits now; one of 8 that
+    names the A100s finds them full."""
     from services.simulated.truth import job_sources
     from services.simulated.world import SimulatedExecutors
     from shared.cluster import load_cluster
@@ -95,13 +96,21 @@ def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_befo
         "x": (("rtx-0", 4),),
         "y": (("rtx-1", 4),),
     }
-    for name, gpus in (("a", 16), ("b", 24), ("x", 4), ("y", 4), ("c", 16), ("d", 4)):
+    for name, gpus in (("a", 16), ("b", 24), ("x", 4), ("y", 4), ("c", 16), ("d", 4), ("done", 8)):
         executors.submit(JobSpec(name, "cifar10", requested_gpus=gpus, rigid=True, submit_s=0.0), truth)
         executors.jobs[name].placement = running.get(name, ())
+    executors.jobs["done"].placement, executors.jobs["done"].finish_s = (("rtx-2", 8),), 60.0  # holds nothing
+    executors.submit(JobSpec("e", "cifar10", requested_gpus=8, rigid=True, gpu_types=("A100",), submit_s=0.0), truth)
     waits = executors.waits()
-    assert set(waits) == {"c", "d"}
+    assert set(waits) == {"c", "d", "e"}
+    # The types its submission names, not every type it has a profile on.
+    assert waits["e"] == "the cluster is full: 1 job holds its types' 16 GPUs; 2 queued jobs submitted before it"
     assert waits["c"].startswith("needs 16 aws GPUs on 4 whole nodes, and 0 are wholly free"), waits["c"]
     assert "16 rtx GPUs on 2 whole nodes, and 1 is wholly free" in waits["c"]
     assert waits["d"] == (
         "waiting for the next round: 16 GPUs of its types are free and fit it; 1 queued job submitted before it"
     )
+    # `goodput nodes` on this cluster: every node alive, each with the jobs running there.
+    nodes = {n.name: n for n in executors.node_statuses().nodes}
+    assert {n.state for n in nodes.values()} == {"alive"} and len(nodes) == len(cluster.nodes)
+    assert (nodes["dgx-ext-1"].jobs, nodes["rtx-0"].jobs, nodes["rtx-2"].jobs) == (("a",), ("x",), ())

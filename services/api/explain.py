@@ -238,11 +238,15 @@ def sentences(
         said.append(f"In round {last.round} every job kept its place: {last.reason}.")
     if last.goodput is not None:
         predicted = f"Predicted goodput {number(last.goodput)} samples/s"
-        if last.measured_goodput is not None and last.goodput > 0:
-            share = last.measured_goodput / last.goodput
-            said.append(f"{predicted}; measured {number(last.measured_goodput)} ({share:.0%}).")
+        before = last.previous_goodput
+        if last.measured_goodput is not None and before:
+            share = last.measured_goodput / before
+            said.append(
+                f"{predicted}; over the round before, measured {number(last.measured_goodput)} "
+                f"({share:.0%} of the {number(before)} predicted for it)."
+            )
         else:
-            said.append(f"{predicted}; nothing measured on this placement yet.")
+            said.append(f"{predicted}; nothing measured on this placement yet (its first round, or a restart).")
     return tuple(said)
 
 

@@ -50,8 +50,11 @@ from shared.lifecycle import JobState, check_transition, job_state
 from shared.metrics import JOBS, NODES, instrument
 from shared.runner import executors_kind, positive_float
 from shared.schema import (
+    ALIVE,
     CANCELLED,
     DEFAULT_TEAM,
+    DRAINED,
+    LOST,
     Ack,
     AdvanceReply,
     AdvanceRequest,
@@ -373,7 +376,7 @@ class RealExecutors:
                     name,
                     info.gpu_type,
                     info.gpus,
-                    "lost" if name not in members else "drained" if name in drained else "alive",
+                    LOST if name not in members else DRAINED if name in drained else ALIVE,
                     tuple(self.jobs_on(name)),
                 )
                 for name, info in sorted(self.seen.items())
@@ -611,9 +614,9 @@ class RealExecutors:
 def record_nodes(members: Collection[str], drained: Collection[str], seen: Iterable[str]) -> None:
     """goodput_nodes: the live nodes (`members`) alive or drained, and those `seen` since this
     executor started that are gone (lost), as `node_statuses` tells them."""
-    counts = dict.fromkeys(("alive", "drained", "lost"), 0)
+    counts = dict.fromkeys((ALIVE, DRAINED, LOST), 0)
     for name in seen:
-        counts["lost" if name not in members else "drained" if name in drained else "alive"] += 1
+        counts[LOST if name not in members else DRAINED if name in drained else ALIVE] += 1
     nodes = instrument(NODES)
     for state, count in counts.items():
         nodes.set(count, {"state": state})
@@ -939,9 +942,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         live=service.on_live,
         records=agent.records,
         count=service.count,
+        nodes=service.on_nodes,
     )
     await bus.add_endpoint(
         endpoint_service, "drain", subjects.EXECUTOR_DRAIN, DrainRequest, service.on_drain, parts=False
     )
-    await bus.add_endpoint(endpoint_service, "nodes", subjects.EXECUTOR_NODES, Ack, service.on_nodes, parts=False)
     return endpoint_service

@@ -180,24 +180,44 @@ def usable_and_absent(models: JobModels | None, gpu_types: Sequence[str]) -> tup
     return tuple(t for t in gpu_types if t in models.params), tuple(t for t in models.params if t not in gpu_types)
 
 
+@dataclass(frozen=True)
+class Measuring:
+    """Where a running job's measurement over the next round starts: its placement, the time and its
+    steps there at the round's decision, and the batch planned for the round. `clean`: it ran on that
+    placement already and was not restarting, so the round is all training (a round that began with
+    a start or a restart would count the restart's seconds as slowness)."""
+
+    spots: Spots
+    at_s: float
+    iterations: float
+    batch: int | None
+    clean: bool
+
+
+def measuring(o: JobOutcome, now: float) -> Measuring:
+    """The measurement a running job's round starts now."""
+    clean = o.spots == o.previous and o.facts is not None and not o.facts.mid_restart
+    return Measuring(o.spots, now, o.facts.slice_iterations if clean else 0.0, o.prediction.batch, clean)
+
+
 def measured_goodput(
-    facts: JobFacts | None, placed: tuple[Spots, float, int | None] | None, models: JobModels | None, now: float
+    facts: JobFacts | None, since: Measuring | None, models: JobModels | None, now: float
 ) -> float | None:
-    """What a job did since its placement began (`placed`: that placement, when it began on the run's
-    clock and its planned batch): the steps since then x the batch / the time, times the statistical
-    efficiency of that batch by its models (goodput, as predictions are). None when the facts do not
-    allow it: another placement, no batch, no time passed."""
-    if facts is None or placed is None or not facts.placement:
+    """What a job did over the round since `since`: its steps x the round's batch / the time, times
+    the statistical efficiency of that batch by its models (goodput, as predictions are; a job of a
+    fixed batch is predicted by its throughput, and so measured). None when the round does not allow
+    it: another placement, a start or restart in it, no batch, no time passed."""
+    if facts is None or since is None or not since.clean or not facts.placement:
         return None
-    spots, began, batch = placed
-    if tuple(sorted(facts.placement)) != spots or batch is None or now <= began:
+    steps = facts.slice_iterations - since.iterations
+    if tuple(sorted(facts.placement)) != since.spots or since.batch is None or now <= since.at_s or steps < 0:
         return None
-    samples_s = facts.slice_iterations * batch / (now - began)
-    if models is None:
+    samples_s = steps * since.batch / (now - since.at_s)
+    if models is None or models.fixed_batch is not None:
         return samples_s
     # The statistical efficiency of the batch, (phi + M0) / (phi + M), as GoodputModel.efficiency has it.
     phi = pgns(models.grad_sqr, models.grad_var, models.init_batch)
-    return samples_s * ((phi + models.init_batch) / (phi + batch) if math.isfinite(phi) else 1.0)
+    return samples_s * ((phi + models.init_batch) / (phi + since.batch) if math.isfinite(phi) else 1.0)
 
 
 def _by_type(gpus: Iterable[tuple[str, str | None, int]]) -> dict[str, dict[str, int]]:

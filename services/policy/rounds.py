@@ -49,9 +49,11 @@ from policies.base import (
 from policies.teams import ledger
 from services.policy.decisions import (
     JobOutcome,
+    Measuring,
     job_decisions,
     job_outcome,
     measured_goodput,
+    measuring,
     round_summary,
     span_attributes,
 )
@@ -234,9 +236,9 @@ class RoundLoop:
         self.policy_in_thread = policy_in_thread
         self._recorded: tuple[RoundSummary, list[JobDecision]] | None = None  # the last decision's, to record
         # For the recorded decisions, from the rounds this loop decided (a new leader starts without):
-        # each job's predicted goodput, and its placement's start (spots, when, planned batch).
+        # each job's predicted goodput, and where its measurement over the round started.
         self._predicted: dict[str, float] = {}
-        self._placed: dict[str, tuple[Spots, float, int | None]] = {}
+        self._measuring: dict[str, Measuring] = {}
 
     async def run(
         self,
@@ -578,13 +580,11 @@ class RoundLoop:
         models: Mapping[str, JobModels],
         apply: ApplyRequest,
     ) -> list[JobDecision]:
-        """The round's JobDecisions, with what this loop remembers of the rounds before (each job's
-        last prediction, its placement's start); then it remembers this round's."""
+        """The round's JobDecisions, with what this loop remembers of the round before (each job's
+        prediction then, and what it did since); then it remembers this round's."""
         measured = {}
         for o in outcomes:
-            if o.spots != o.previous:  # what it did was on the placement it leaves: not this prediction's
-                continue
-            value = measured_goodput(o.facts, self._placed.get(o.job), models.get(o.job), now)
+            value = measured_goodput(o.facts, self._measuring.get(o.job), models.get(o.job), now)
             if value is not None:
                 measured[o.job] = value
         decisions = job_decisions(
@@ -593,13 +593,7 @@ class RoundLoop:
         self._predicted = {
             o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None
         }
-        placed = {}
-        for o in outcomes:
-            if o.spots and o.spots != o.previous:
-                placed[o.job] = (o.spots, now, o.prediction.batch)
-            elif o.spots and o.job in self._placed:
-                placed[o.job] = self._placed[o.job]
-        self._placed = placed
+        self._measuring = {o.job: measuring(o, now) for o in outcomes if o.spots}
         return decisions
 
     def _trace_decisions(

@@ -43,6 +43,7 @@ from shared.schema import (
     JobSpec,
     LiveJobs,
     LiveJobsRequest,
+    NodeStatuses,
     Observed,
     ObservedAll,
     Profiled,
@@ -428,6 +429,11 @@ class SimulatedExecutorService:
 
     # ---- status -----------------------------------------------------------------------------
 
+    async def on_nodes(self, _: Ack) -> NodeStatuses:
+        """The simulated cluster's nodes, every one alive (none is lost or drained here), with the
+        jobs running on each."""
+        return self.executors.node_statuses()
+
     def records(self) -> Iterable[JobRecord]:
         waits = self.executors.waits()
         for entry in self.submitted.values():
@@ -481,4 +487,5 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         live=service.on_live,
         records=service.records,
         count=service.count,
+        nodes=service.on_nodes,
     )

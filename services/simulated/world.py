@@ -23,7 +23,20 @@ from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.reference import WorkloadJob
-from shared.schema import CANCELLED, DEFAULT_TEAM, ApplyRequest, JobFacts, JobModels, JobRecord, JobSpec, Reclaim
+from shared.schema import (
+    ALIVE,
+    CANCELLED,
+    DEFAULT_TEAM,
+    ApplyRequest,
+    JobFacts,
+    JobModels,
+    JobRecord,
+    JobSpec,
+    NodeStatus,
+    NodeStatuses,
+    Reclaim,
+)
+from shared.submissions import named_types
 from shared.waits import Needs, behind, free_reason, needs_of, unplaced_reason, unschedulable
 
 # A job's record keeps its last this many reclaims (who took GPUs back from it, and when).
@@ -60,6 +73,7 @@ class SimulatedJob(msgspec.Struct):
     group_gpus: dict[str, int] = {}  # hybrid-parallel: GPUs of one replica per type (absent: 1)
     failure: str | None = None  # why it ended without finishing
     min_gpus: int = 1  # the fewest GPUs its submission allows
+    gpu_types: tuple[str, ...] = ()  # the types its submission names (none: any it has a profile on)
     cancelled: bool = False  # its user cancelled it (its failure says so)
     trace: str = ""  # its submission's traceparent
     ended_in: float | None = None  # the round (its now_s) that was told it failed
@@ -351,12 +365,6 @@ def request_observations(spec: WorkloadJob, truth: ModelTruth, cluster: Cluster)
     return measured
 
 
-def _needs(job: SimulatedJob, types: list[str]) -> Needs:
-    """A job's needs on the types it runs on: a rigid one's GPUs exactly, else its minimum."""
-    gpus = job.rigid[0] if job.rigid else job.min_gpus
-    return needs_of(gpus, gpus, job.rigid is not None, types)
-
-
 class SimulatedExecutors:
     """The executors of a simulated cluster: every job's `SimulatedJob`, in submission order.
     Its jobs' moves, one method each: `apply` (queued <-> running; -> failed), `advance` (running ->
@@ -399,27 +407,47 @@ class SimulatedExecutors:
         real job reports it; one without submit_s is live (it arrives at the live round that first
         sees it)."""
         usable = self.add(as_workload_job(spec, truth), truth, rigid=spec.rigid)
-        self.jobs[spec.id].live = spec.submit_s is None
-        self.jobs[spec.id].min_gpus = spec.min_gpus
-        self.judge(self.jobs[spec.id], usable)
+        job = self.jobs[spec.id]
+        job.live, job.min_gpus = spec.submit_s is None, spec.min_gpus
+        job.gpu_types = tuple(named_types(spec, self.cluster)[0])
+        self.judge(job)
         return usable
 
     def restore(self, job: SimulatedJob, truth: ModelTruth) -> None:
         self.jobs[job.name] = job
         self.order.setdefault(job.name, len(self.order))
         self.truths[job.name] = truth
-        self.judge(job, [t for t in self.cluster.gpu_types if t in truth.types])
+        self.judge(job)
 
-    def judge(self, job: SimulatedJob, types: list[str]) -> None:
+    def judge(self, job: SimulatedJob) -> None:
         """Whether the cluster, which does not change, can ever take the job (a rigid job of 3 GPUs
         on nodes of 4 cannot); a hybrid-parallel job's counts are replicas, left to the policy."""
         if not job.group_gpus:
-            job.unfit = unschedulable(_needs(job, types), self.cluster.nodes)
+            job.unfit = unschedulable(self._needs(job), self.cluster.nodes)
+
+    def _needs(self, job: SimulatedJob) -> Needs:
+        """A job's needs on the types it may run on (profiled and named): a rigid one's GPUs exactly,
+        else its minimum."""
+        truth = self.truths[job.name]
+        types = [t for t in self.cluster.gpu_types if t in truth.types and (not job.gpu_types or t in job.gpu_types)]
+        gpus = job.rigid[0] if job.rigid else job.min_gpus
+        return needs_of(gpus, gpus, job.rigid is not None, types)
+
+    def node_statuses(self) -> NodeStatuses:
+        """Each node of the cluster, alive, with the jobs running there."""
+        on: dict[str, list[str]] = defaultdict(list)
+        for name, job in self.jobs.items():
+            if job.state == JobState.RUNNING:
+                for node, _ in job.placement:
+                    on[node].append(name)
+        return NodeStatuses(
+            tuple(NodeStatus(n.name, n.gpu_type, n.gpus, ALIVE, tuple(on[n.name])) for n in self.cluster.nodes)
+        )
 
     def waits(self) -> dict[str, str]:
         """Why each queued job waits (shared/waits.py): what is free around the running jobs, behind
         the queued jobs submitted before it."""
-        held = {name: job.placement for name, job in self.jobs.items() if job.placement}
+        held = {name: job.placement for name, job in self.jobs.items() if job.state == JobState.RUNNING}
         queued = [job for job in self.jobs.values() if job.state == JobState.QUEUED]
         queued.sort(key=lambda job: (job.spec.time, self.order[job.name]))
         said: dict[Needs, str] = {}  # the same for every job of the same needs: thousands queue
@@ -428,7 +456,7 @@ class SimulatedExecutors:
             if job.group_gpus:  # its counts are replicas: what fits is the policy's to say
                 reasons[job.name] = unplaced_reason(ahead)
                 continue
-            needs = _needs(job, [t for t in self.cluster.gpu_types if t in self.truths[job.name].types])
+            needs = self._needs(job)
             if needs not in said:
                 said[needs] = free_reason(needs, self.cluster.nodes, held)
             reasons[job.name] = said[needs] + behind(ahead)

@@ -93,6 +93,9 @@ from shared.schema.jobs import (
 )
 from shared.schema.logs import LogBatch, LogLine, LogsPage, LogsRequest, OutputLine
 from shared.schema.nodes import (
+    ALIVE,
+    DRAINED,
+    LOST,
     NODE_STATES,
     DrainAnswer,
     DrainRequest,
@@ -217,6 +220,9 @@ __all__ = [
     "MAX_SUBMIT_S",
     "ModelsReply",
     "ModelsRequest",
+    "ALIVE",
+    "DRAINED",
+    "LOST",
     "NODE_STATES",
     "Node",
     "NodeInfo",

@@ -45,7 +45,7 @@ class JobDecision(msgspec.Struct, frozen=True):
     goodput: float | None = None  # predicted, of its allocation (samples/s x statistical efficiency)
     previous_goodput: float | None = None  # predicted, of what it had (the round before's prediction)
     restart_factor: float | None = None  # what a move cost it (1: nothing)
-    measured_goodput: float | None = None  # what it did since its placement began, when known
+    measured_goodput: float | None = None  # what it did over the round before, as previous_goodput predicted
     # Shrunk, moved or stopped: the jobs that took GPUs of the type it lost, the largest first. Waiting:
     # the jobs holding the GPUs it could use, the largest first. At most MAX_HOLDERS.
     holders: tuple[Holder, ...] = ()

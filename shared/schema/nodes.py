@@ -132,7 +132,8 @@ class DrainAnswer(msgspec.Struct, frozen=True):
     known: bool = True  # whether an agent serves the node now
 
 
-NODE_STATES = ("alive", "lost", "drained")
+ALIVE, LOST, DRAINED = "alive", "lost", "drained"
+NODE_STATES = (ALIVE, LOST, DRAINED)
 
 
 class NodeStatus(msgspec.Struct, frozen=True):

@@ -120,7 +120,7 @@ class RunStatus(msgspec.Struct, frozen=True):
     id: str
     state: str
     reason: str
-    round: int
+    round: int  # rounds run so far (the newest is round - 1: rounds count from 0)
     now_s: float
     jobs: int  # active now
 
