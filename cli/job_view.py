@@ -103,6 +103,13 @@ def job_lines(job: dict) -> list[str]:
     return lines
 
 
+def _summary(reason: str) -> str:
+    """A reason on one line: its first, and of the lines after (a crash's stderr) the last, its error."""
+    first, *rest = reason.splitlines() or [""]
+    error = next((line.strip() for line in reversed(rest) if line.strip()), "")
+    return f"{first} {error}" if error else first
+
+
 def job_table(jobs: list[dict]) -> list[str]:
     """The jobs' rows, with a team column when they are of more than one team."""
     teams = {j.get("team") or DEFAULT_TEAM for j in jobs}
@@ -111,13 +118,13 @@ def job_table(jobs: list[dict]) -> list[str]:
 
 def job_row(j: dict, with_team: bool = False) -> str:
     """A job's row in `goodput status`: its team (`with_team`), where it runs (or why it waits, or
-    how it ended: the first line of a crash's stderr; `goodput status JOB` shows the rest), then its
-    progress."""
+    how it ended: with a crash, the last line of its stderr, the error; `goodput status JOB` shows
+    the lines before), then its progress."""
     where = (
         f"{j['gpus']} {j['gpu_type']}{'s' * (j['gpus'] != 1 and j['gpu_type'].endswith('slot'))} on "
         f"{', '.join(j['nodes'])}" + (f", batch {j['batch']}" if j["batch"] else "")
         if j["state"] == JobState.RUNNING
-        else (j["reason"] or "").split("\n", 1)[0]
+        else _summary(j["reason"] or "")
     )
     shown = "; ".join(filter(None, (where, progress_note(j))))
     team = f"{j.get('team') or DEFAULT_TEAM:<12} " if with_team else ""

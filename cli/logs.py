@@ -21,8 +21,12 @@ POLL_S = 1.0  # --follow: how often it asks for new lines
 SETTLE_S = 2.0  # --follow: once the job has ended, its agents' last lines are stored within this
 # Control characters but tab (C0, DEL, C1): a job's text must not drive the terminal (escape sequences).
 NO_LINES = (
-    "no output of job {job} is stored: it has printed nothing yet, its lines aged out, or it runs on "
-    "simulated executors, whose jobs run no code"
+    "no output of job {job}{rank} is stored: it has printed nothing yet, its lines aged out, or it runs "
+    "on simulated executors, whose jobs run no code"
+)
+NO_LINES_ENDED = (
+    "no output of job {job}{rank} is stored, and it has ended: a refused job (its profiling run failed, "
+    "say) keeps none, and `goodput status {job}` shows the end of its stderr"
 )
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
@@ -96,7 +100,8 @@ async def show(server: str, request, follow: bool, as_json: bool, out: TextIO = 
                 continue
             if not follow or (ended_at is not None and asyncio.get_running_loop().time() - ended_at >= SETTLE_S):
                 if not printed:  # an empty answer is not an error, but it should not look like a hang
-                    print(NO_LINES.format(job=request.id), file=sys.stderr)
+                    rank = "" if request.rank is None else f" (rank {request.rank})"
+                    print((NO_LINES_ENDED if page.end else NO_LINES).format(job=request.id, rank=rank), file=sys.stderr)
                 return
             if page.end and ended_at is None:
                 ended_at = asyncio.get_running_loop().time()

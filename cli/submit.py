@@ -126,7 +126,12 @@ def load_job(path: str | Path, archive: str | None = None):
     except msgspec.ValidationError as exc:
         from shared.submissions import malformed_reason
 
-        raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}") from None
+        hint = (
+            "; its code is a folder: `goodput submit JOB --code DIR`, or `code: DIR` in the job file"
+            if "entrypoint" in document and "code" not in document
+            else ""
+        )
+        raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}{hint}") from None
 
 
 async def submit(spec, server: str, **options) -> bool:

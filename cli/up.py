@@ -41,6 +41,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -397,6 +398,8 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
             if stack.metrics:
                 print(f"  metrics: each process's Prometheus endpoint is in {data / METRICS_FILE}")
+            if real:
+                _say_job_users(data)
             # A node agent that dies is started again, as a node's own supervisor would; a service is told of.
             supervising = asyncio.ensure_future(
                 stack.supervise(lambda name: name in agents, lambda line: print(f"  {line}", flush=True))
@@ -666,8 +669,19 @@ async def _watch(bus, run_id: str) -> None:
                 print(f"  {event}", flush=True)
 
 
+def _say_job_users(data: Path) -> None:
+    """Whether the agents here run each job as a user of its own, when they cannot and so run jobs'
+    code as this process's user: said here, not only in each agent's log."""
+    from services.executor.node import job_users
+
+    uid_base, why = job_users("auto", data / "work" / "node", sys.executable)
+    if uid_base is None and os.geteuid() == 0:
+        print(f"  WARNING: the jobs' own users are {why}", flush=True)
+
+
 def _running(job: str, gpus: int, record) -> str:
-    """`job 2 x A100 (batch 512)`, `job 8 x A100 on 2 nodes`: a running job on a live round's line."""
+    """`job 2 x A100 (planned batch 512)`, `job 8 x A100 on 2 nodes`: a running job on a live round's
+    line, with the batch the policy planned (a real job's workers report theirs: `goodput status`)."""
     from shared.hardware import hardware_name
 
     kind = record.types.get(job)
@@ -676,7 +690,7 @@ def _running(job: str, gpus: int, record) -> str:
     return (
         (f"{job} {gpus} x {hardware_name(kind)}" if kind else f"{job} {gpus} GPU{'s' * (gpus > 1)}")
         + (f" on {nodes} nodes" if nodes else "")
-        + (f" (batch {batch})" if batch else "")
+        + (f" (planned batch {batch})" if batch else "")
     )
 
 
@@ -724,9 +738,10 @@ def _status(args: argparse.Namespace) -> int:
     for row in job_table(jobs):
         print(row)
     for job in jobs if args.ids else ():
-        if len(jobs) > 1:
+        lines = job_lines(job)
+        if lines and len(jobs) > 1:
             print(f"    {job['id']}:")
-        for line in job_lines(job):
+        for line in lines:
             print(f"      {line}")
     return 0
 

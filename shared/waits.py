@@ -9,8 +9,9 @@ free GPUs on one node, or (where nodes have one GPU) for two wholly free nodes; 
 - `unschedulable` says why a job cannot run on the nodes as they are, however the others move
   (its types have no schedulable node; no configuration of its types has its GPU count), or None.
 - `wait_reason` says why a job that can run is not running now: GPUs that fit it are free (the
-  round gave them to others, or has not run since), the cluster's GPUs of its types are all held,
-  or no free block is large enough; and how many queued jobs came before it.
+  round gave them to others, or has not run since), the cluster's GPUs of its types are all held
+  (by jobs, or by profiling runs), or no free block is large enough; and how many queued jobs came
+  before it.
 """
 
 from __future__ import annotations
@@ -88,13 +89,14 @@ def _counts(counts: list[int]) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def free_gpus(nodes: Iterable[Node], held: Mapping[str, Spots]) -> dict[str, int]:
-    """Each node's GPUs that no placement in `held` (job -> its spots) takes."""
+def free_gpus(nodes: Iterable[Node], held: Mapping[str, Spots], profiling: Iterable[str] = ()) -> dict[str, int]:
+    """Each node's GPUs that no placement in `held` (job -> its spots) takes, nor a profiling run (a
+    node's name once per run, each taking one GPU). Never below 0: a job leaving a node and one
+    taking it may both be reported there for a moment."""
     free = {n.name: n.gpus for n in nodes}
-    for spots in held.values():
-        for node, gpus in spots:
-            if node in free:
-                free[node] -= gpus
+    for node, gpus in (*(spot for spots in held.values() for spot in spots), *((name, 1) for name in profiling)):
+        if node in free:
+            free[node] = max(free[node] - gpus, 0)
     return free
 
 
@@ -104,11 +106,14 @@ def _fits_now(config: Config, nodes: list[Node], free: Mapping[str, int], size: 
     return sum(n.gpus == size and free[n.name] == size for n in nodes) >= config.nodes
 
 
-def wait_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots], ahead: int = 0) -> str:
+def wait_reason(
+    needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots], ahead: int = 0, profiling: Collection[str] = ()
+) -> str:
     """Why a job that `unschedulable` passes is not running: what of `nodes` is free around the jobs
-    in `held` (job -> its placement on `nodes`), against the smallest configuration of each of its
-    types that takes it; `ahead`: the queued jobs submitted before it."""
-    return free_reason(needs, nodes, held) + behind(ahead)
+    in `held` (job -> its placement on `nodes`) and the profiling runs (`profiling`: their nodes),
+    against the smallest configuration of each of its types that takes it; `ahead`: the queued jobs
+    submitted before it."""
+    return free_reason(needs, nodes, held, profiling) + behind(ahead)
 
 
 def behind(ahead: int) -> str:
@@ -121,10 +126,12 @@ def unplaced_reason(ahead: int) -> str:
     return "waiting for GPUs: the last round gave it none" + behind(ahead)
 
 
-def free_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]) -> str:
+def free_reason(
+    needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots], profiling: Collection[str] = ()
+) -> str:
     """`wait_reason` without the jobs ahead: the same for every job of the same needs in a round."""
     cluster = Cluster("live", tuple(nodes))
-    free = free_gpus(nodes, held)
+    free = free_gpus(nodes, held, profiling)
     types = _types(needs, nodes)
     typed = {t: [n for n in nodes if n.gpu_type == t] for t in types}
     free_of_types = sum(free[n.name] for t in types for n in typed[t])
@@ -135,10 +142,14 @@ def free_reason(needs: Needs, nodes: Collection[Node], held: Mapping[str, Spots]
     if any(_fits_now(c, typed[t], free, cluster.gpus_per_node(t)) for t, c in smallest.items()):
         return f"waiting for the next round: {free_of_types} GPUs of its types are free and fit it"
     if not free_of_types:
-        holders = sorted(job for job, spots in held.items() if any(cluster.node_type.get(n) in types for n, _ in spots))
+        jobs = sum(any(cluster.node_type.get(n) in types for n, _ in spots) for spots in held.values())
+        runs = sum(cluster.node_type.get(n) in types for n in profiling)
+        who = [
+            f"{count} {what}{'s' * (count != 1)}" for count, what in ((jobs, "job"), (runs, "profiling run")) if count
+        ]
         gpus = sum(cluster.capacity(t) for t in types)
         return (
-            f"the cluster is full: {len(holders)} job{'s' * (len(holders) != 1)} hold{'s' * (len(holders) == 1)} "
+            f"the cluster is full: {' and '.join(who)} hold{'s' * (jobs + runs == 1)} "
             f"its types' {gpus} GPU{'s' * (gpus != 1)}"
         )
     short = []

@@ -76,6 +76,14 @@ def test_a_job_shrunk_for_another_names_the_taker_and_both_goodputs() -> None:
         "In round 14 it was shrunk from 8 to 4 A100 GPUs: job dana-7's predicted goodput on them (3,100) "
         "exceeded what it lost (1,200)."
     )
+    # Where the taker's samples/s are no more than what it lost, the sentence says what did decide.
+    even = msgspec.structs.replace(a, previous_goodput=800.0 + 3100.0)
+    [said] = sentences([even], RUNNING, Namer({"dana-7": "dana-7"}, "default"))[:1]
+    assert said == (
+        "In round 14 it was shrunk from 8 to 4 A100 GPUs: job dana-7 took them (predicted goodput 3,100 on them, "
+        "against the 3,100 it lost): the policy weighs each job's speed-up over its own smallest allocation, "
+        "the least sped-up first."
+    )
     # A login of another team sees the taker by its team only, in the sentence and in the decision.
     other = explanation("a", RUNNING, [a], {}, "nlp")
     assert "a job of team vision's predicted goodput" in other.sentences[0]

@@ -286,6 +286,21 @@ def test_metrics_are_numbers_or_short_strings_and_a_bounded_few():
     assert main_metric({"metric": 0.9}, {"test_mse": 0.1}) == 0.9 and main_metric(None, {}) is None
 
 
+def test_a_dropped_metric_is_warned_of_once_however_often_it_is_reported(caplog, capsys):
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from goodput_train.trainer import AdaptiveTraining
+
+    model = nn.Linear(4, 2)
+    data = TensorDataset(torch.randn(64, 4), torch.randint(2, (64,)))
+    training = AdaptiveTraining(model, torch.optim.SGD(model.parameters(), lr=0.1), data, init_batch=8)
+    for step in range(5):
+        training.report(loss=1.0 / (step + 1), curve=[1, 2])
+    warned = [r.getMessage() for r in caplog.records if "metric dropped" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("metric dropped: curve: list"), warned
+
+
 def test_progress_is_measured_at_its_current_configuration():
     """Throughput from the step time measured at its batch and GPUs now, goodput once its noise
     is known, the expected end from its epoch rate; a job not running has no speed."""
@@ -333,7 +348,7 @@ def test_the_library_reads_its_checkpoint_from_the_environment_and_grows_its_bat
 
 
 def test_status_shows_progress_speed_the_expected_end_and_metrics_readably():
-    from cli.job_view import job_lines, progress_note
+    from cli.job_view import job_lines, job_row, progress_note
 
     job = {
         "state": "running",
@@ -360,6 +375,9 @@ def test_status_shows_progress_speed_the_expected_end_and_metrics_readably():
     ]
     crashed = {"state": "failed", "reason": "its workers crashed 3 times; the end of its stderr:\nboom\nValueError: x"}
     assert progress_note(crashed) == "" and job_lines(crashed) == ["boom", "ValueError: x"]
+    # Its row in the list says the error itself.
+    row = job_row({**crashed, "id": "c-1", "application": "train.py", "batch": None})
+    assert row.endswith("failed     its workers crashed 3 times; the end of its stderr: ValueError: x"), row
     done = {"state": "finished", "reason": "", "jct_s": 18720.0, "gpu_seconds": 302400.0, "restarts": 1}
     assert job_lines(done) == ["finished 5 h 12 min after its submission, 84 GPU-hours", "restarts: 1"]
 
@@ -377,4 +395,4 @@ def test_a_status_row_joins_where_a_job_is_and_its_progress_with_nothing_danglin
     )
     failed = {**finished, "state": "failed", "reason": "its workers crashed 3 times; the end of its stderr:\nboom"}
     failed.pop("progress")
-    assert job_row(failed).endswith("failed     its workers crashed 3 times; the end of its stderr:")
+    assert job_row(failed).endswith("failed     its workers crashed 3 times; the end of its stderr: boom")

@@ -60,7 +60,7 @@ async def _read_by_its_submitter_only(folder):
             run = {"capture_output": True, "text": True, "timeout": 60, "cwd": folder}
             shown = subprocess.run([*command, *user_options], env=env, **run)
             refused = subprocess.run(command, env={**env, credentials.LOGIN_ENV: str(bob_file)}, **run)
-            silent = subprocess.run([*command, "--rank", "3", *user_options], env=env, **run)  # no rank 3
+            silent = subprocess.run([*command, "--rank", "999", *user_options], env=env, **run)  # no such rank
             final, _ = await _logs(user, {"id": "says-1", "after": page["next"]})
             return page, profiled, denied, shown, refused, silent, final
         finally:
@@ -83,4 +83,4 @@ def test_a_jobs_output_is_read_by_its_submitter_only(tmp_path):
     assert refused.returncode == 2 and "no job 'says-1' of yours" in refused.stderr, refused.stderr
     # Nothing to show is said, not left to look like a hang.
     assert silent.returncode == 0 and silent.stdout == "", silent
-    assert "no output of job says-1 is stored" in silent.stderr, silent.stderr
+    assert "no output of job says-1 (rank 999) is stored, and it has ended" in silent.stderr, silent.stderr

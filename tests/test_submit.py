@@ -40,6 +40,7 @@ def test_a_job_file_becomes_a_jobspec(tmp_path):
         ("id: a\napplication: cifar10\nrigid: 1\n", "Expected `bool`, got `int`"),
         ("", "holds nothing, not a job: a mapping of fields"),
         ("- id: a\n", "holds a list, not a job"),
+        ("id: a\nentrypoint: train.py\n", "its code is a folder: `goodput submit JOB --code DIR`"),
     ],
 )
 def test_bad_job_files_are_refused_with_the_reason(tmp_path, text, reason):

@@ -58,6 +58,20 @@ def test_a_full_cluster_names_the_jobs_holding_its_types():
     assert wait_reason(ADAPTIVE, nodes, held) == "waiting for the next round: 4 GPUs of its types are free and fit it"
 
 
+def test_profiling_runs_hold_gpus_too_and_no_node_is_ever_less_than_empty():
+    nodes = (Node("a-0", "a100", 2),)
+    assert wait_reason(ADAPTIVE, nodes, {"x": (("a-0", 1),)}, profiling=("a-0",)) == (
+        "the cluster is full: 1 job and 1 profiling run hold its types' 2 GPUs"
+    )
+    assert wait_reason(ADAPTIVE, nodes, {}, profiling=("a-0", "a-0")) == (
+        "the cluster is full: 2 profiling runs hold its types' 2 GPUs"
+    )
+    # A job leaving a node and the one taking it, both reported there for a moment: full, not -1 free.
+    two = needs_of(2, 2, True, ("a100",))
+    both = {"x": (("a-0", 2),), "y": (("a-0", 2),)}
+    assert wait_reason(two, nodes, both) == "the cluster is full: 2 jobs hold its types' 2 GPUs"
+
+
 def test_the_simulated_executors_flag_a_rigid_job_their_cluster_cannot_take():
     """The simulated cluster does not change: a rigid job of 3 GPUs on nodes of 4 never runs, and
     reads unschedulable with why; one of 4 is queued."""

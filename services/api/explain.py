@@ -55,9 +55,11 @@ def numbers_apart(a: float, b: float) -> tuple[str, str]:
 
 
 def gpus_of(count: int, gpu_type: str | None) -> str:
-    """`8 A100 GPUs`, `1 T4 GPU`."""
-    kind = f" {hardware_name(gpu_type)}" if gpu_type else ""
-    return f"{count}{kind} GPU{'s' * (count != 1)}"
+    """`8 A100 GPUs`, `1 T4 GPU`; a node's CPU slots (real jobs on a machine without GPUs): `2 CPU slots`."""
+    kind = hardware_name(gpu_type) if gpu_type else ""
+    if kind.endswith("slot"):
+        return f"{count} {kind}{'s' * (count != 1)}"
+    return f"{count}{' ' * bool(kind)}{kind} GPU{'s' * (count != 1)}"
 
 
 def listed(words: Sequence[str]) -> str:
@@ -113,6 +115,14 @@ def _takers(d: JobDecision, names: Namer, what: str) -> str:
     """Why the GPUs it lost went to others: the jobs that took them, against what it lost."""
     first = d.holders[0]
     lost = _lost(d)
+    gained = sum(h.goodput for h in d.holders if h.goodput is not None)
+    if lost is not None and gained <= lost:  # samples/s alone would not have moved them
+        takers = listed([names.one(h) for h in d.holders])
+        taken, kept = numbers_apart(gained, lost)
+        return (
+            f"{takers} took {what} (predicted goodput {taken} on them, against the {kept} it lost): the "
+            f"policy weighs each job's speed-up over its own smallest allocation, the least sped-up first"
+        )
     if len(d.holders) == 1 and first.goodput is not None and lost is not None:
         taken, kept = numbers_apart(first.goodput, lost)
         return f"{names.one(first)}'s predicted goodput on {what} ({taken}) exceeded what it lost ({kept})"

@@ -358,7 +358,7 @@ class NodeWorkers:
         if process.returncode != 0:
             return ProfileAnswer(
                 failure=f"its script failed while profiling on {gpu_type} (exit code "
-                f"{process.returncode}): {last_error(log_path)}"
+                f"{process.returncode}); the end of its stderr:\n{last_error(log_path)}"
             )
         for line in profiles:
             if line.startswith(PROFILE_PREFIX):

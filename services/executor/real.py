@@ -160,7 +160,8 @@ class RealExecutors:
         spec = job.spec
         held = {name: local.placement for name, local in self.executors.jobs.items() if local.placement}
         needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
-        return wait_reason(needs, self.cluster.nodes, held, ahead)
+        # Every schedulable node, the GPUs the profiler's runs take on them counted as theirs.
+        return wait_reason(needs, self.schedulable, held, ahead, self.profiling_nodes())
 
     def _states(self) -> dict[str, JobState]:
         return {key: self.state_of(job) for key, job in self.jobs.items()}

@@ -343,6 +343,7 @@ class AdaptiveTraining:
         if report is None and os.environ.get(REPORT_ENV):
             report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
         self._reporter, self.report_every_s = report, report_every_s
+        self._dropped: set[str] = set()  # why metrics were dropped, each said once
         self._reported = time.monotonic()
         self.order = ElasticOrder(len(dataset), seed)
         self.noise = NoiseScale(init_batch)
@@ -507,7 +508,8 @@ class AdaptiveTraining:
         if self.placement.rank != 0 or os.environ.get(PROFILE_ENV):
             return
         kept, dropped = clean_metrics({name: _plain(value) for name, value in metrics.items()})
-        for why in dropped:
+        for why in set(dropped) - self._dropped:  # once each: a script reports the same every step
+            self._dropped.add(why)
             log.warning("metric dropped: %s", why)
         if kept and not _say(METRICS_PREFIX + json.dumps(kept)):
             self._reporter, self._stop = None, True  # the executor is gone: stop, checkpointed
