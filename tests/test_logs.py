@@ -4,6 +4,7 @@ end-to-end test is tests/test_job_output.py."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import math
 import time
@@ -85,6 +86,30 @@ async def test_the_agent_stores_each_ranks_batches_and_a_store_that_fails_loses_
     assert "1 lines of jobs' output could not be stored" in caplog.text
     await storing.store()
     assert len(stored) == 1  # nothing held twice
+
+
+async def test_the_agent_leaving_stores_the_batch_it_was_publishing_and_the_lines_after() -> None:
+    """A stopping agent's last store: the batch being published when it leaves is not cut off, and
+    the lines its stopped workers printed last follow it."""
+    stored: list[str] = []
+    publishing, release = asyncio.Event(), asyncio.Event()
+
+    class SlowStream:
+        async def js_publish(self, subject: str, batch: LogBatch, **_: Any) -> None:
+            publishing.set()
+            await release.wait()
+            stored.extend(line.text for line in batch.lines)
+
+    output, woken = Output(), asyncio.Event()
+    storing = Storing(SlowStream(), output)
+    keeping = asyncio.get_running_loop().create_task(storing.keep_storing(woken, flush_s=0.01))
+    output.keeper("lm-1", 0, "stdout")("step 99")
+    await publishing.wait()  # that batch is taken and on its way
+    output.keeper("lm-1", 0, "stdout")("run returned stopped")
+    leaving = asyncio.get_running_loop().create_task(storing.finish(keeping, woken))
+    release.set()
+    await leaving
+    assert stored == ["step 99", "run returned stopped"] and keeping.done()
 
 
 def test_a_workers_stderr_goes_to_its_file_and_is_kept_a_long_line_in_parts(tmp_path) -> None:

@@ -805,8 +805,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         beating.cancel()
         copying.cancel()
         await asyncio.to_thread(node.stop_all)
-        keeping.cancel()
-        await storing.store()  # the last lines of the workers just stopped
+        await storing.finish(keeping, woken)  # the last lines of the workers just stopped
         try:
             await members.delete(info.name)  # gone now, not in NODE_TTL_S
         except Exception:  # noqa: BLE001 - it lapses on its own

@@ -98,6 +98,7 @@ class Storing:
     def __init__(self, bus: Bus, output: Output) -> None:
         self.bus, self.output = bus, output
         self.warned = -WARN_EVERY_S
+        self.finishing = False  # `finish`: the store under way completes, and no other begins
 
     async def store(self) -> None:
         """Every waiting line, now; lines the stream does not take are lost, and said so in the log."""
@@ -113,12 +114,20 @@ class Storing:
             log.warning("%d lines of jobs' output could not be stored in %s (%s)", lost, subjects.LOGS_STREAM, reason)
 
     async def keep_storing(self, woken: asyncio.Event, flush_s: float = FLUSH_S) -> None:
-        """`store` every `flush_s`, or at once when a rank has a full batch (`woken`)."""
-        while True:
+        """`store` every `flush_s`, or at once when a rank has a full batch (`woken`), until `finish`."""
+        while not self.finishing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(woken.wait(), flush_s)
             woken.clear()
             await self.store()
+
+    async def finish(self, keeping: asyncio.Task, woken: asyncio.Event) -> None:
+        """Stop `keeping` (its `keep_storing`) and store what is left. Not by cancelling it: a batch
+        it has taken and is publishing would be lost (a stopped job's last lines, as it stops)."""
+        self.finishing = True
+        woken.set()
+        await keeping
+        await self.store()
 
 
 def wake_on(loop: asyncio.AbstractEventLoop, woken: asyncio.Event) -> Callable[[], None]:
