@@ -25,8 +25,8 @@ NO_LINES = (
     "on simulated executors, whose jobs run no code"
 )
 NO_LINES_ENDED = (
-    "no output of job {job}{rank} is stored, and it has ended: a refused job (its profiling run failed, "
-    "say) keeps none, and `goodput status {job}` shows the end of its stderr"
+    "no output of job {job}{rank} is stored, and it has ended (a submission refused before it ran has "
+    "none): `goodput status {job}` says how it ended"
 )
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 

@@ -288,6 +288,9 @@ async def test_refusals_naming_an_id_are_each_listed_and_leave_its_job_whatever_
             ("mine", JobState.REJECTED, "no GPU type it runs on"),
             ("mine", JobState.REJECTED, "unknown field `command`"),
         ]
+    # Only the refusal of the submission that held the id is the job's own: its run's output is too.
+    assert sorted((r.failure, r.held) for r in real.records())[0] == ("job mine already exists", False)
+    assert [r.failure for r in real.records() if r.held] == ["no GPU type it runs on"]
 
 
 async def test_the_simulated_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):

@@ -328,3 +328,26 @@ async def test_a_refused_submission_under_anothers_id_reads_none_of_that_jobs_ou
     assert page.lines == () and page.end and not page.more
     mine = await gate.logs_of(LogsRequest("lm-1"), api.Who("alice"))
     assert [line.text for line in mine.lines] == ["alice's secret"]
+
+
+class ProfiledAndRefusedBus(LogsBus):
+    """The executors' records: carol's job refused after its profiling run (it held its id)."""
+
+    async def request(self, subject: str, message: Any, answer_type: type, **_: Any) -> Any:
+        failure = "its script failed while profiling on cpu (exit code 1); the end of its stderr:\nSyntaxError"
+        record = JobRecord("bad-1", "train.py", 0.0, None, 0, 0.0, None, failure, state="rejected", owner="carol")
+        held = msgspec.structs.replace(record, held=True)
+        owner = getattr(message, "owner", None)
+        return JobRecords(tuple(r for r in (held,) if owner in (None, r.owner)))
+
+
+async def test_a_job_refused_after_its_profiling_run_shows_that_runs_output_to_its_submitter_only() -> None:
+    from services.api import service as api
+
+    logs = StoredLogs()
+    logs.store("bad-1", "profile", "SyntaxError: invalid syntax")
+    gate = api.Gate(ProfiledAndRefusedBus(logs), MemoryKV(), lambda spec: None)
+    page = await gate.logs_of(LogsRequest("bad-1", rank="profile"), api.Who("carol"))
+    assert [line.text for line in page.lines] == ["SyntaxError: invalid syntax"] and page.end
+    with pytest.raises(NotFound):
+        await gate.logs_of(LogsRequest("bad-1"), api.Who("dave"))

@@ -502,13 +502,19 @@ class Gate:
 
     async def named_job(self, job_id: str, who: Who) -> tuple[JobStatus, str | None]:
         """The job `who` names `job_id` (NotFound when none, as `status_of` finds it), and the id
-        under which the cluster keeps its output, decisions and orders: none for a refused
-        submission, which never became a job there (its id may be another's: a refusal of an id
-        that is taken, or of another team's prefix)."""
+        under which the cluster keeps its output, decisions and orders: none for a submission refused
+        apart from any job (its id may be another's: a refusal of an id that is taken, or of another
+        team's prefix). A job refused after its profiling run (its script failed there) keeps that
+        run's output under its id."""
         now = await self.status_of(job_id, who)
         if now is None:
             raise NotFound(not_found(job_id, who))
-        return now, None if refused(now) else who.scoped(job_id)
+        if not refused(now):
+            return now, who.scoped(job_id)
+        scoped = who.scoped(job_id)
+        records = await self.records(who.query(job_id))
+        own = any(r.name == scoped and r.state == JobState.REJECTED and r.held for r in records.jobs)
+        return now, scoped if own else None
 
     async def refuse(
         self,

@@ -597,6 +597,7 @@ class RealExecutors:
                     else None,
                     owner=job.owner,
                     team=job.spec.team or DEFAULT_TEAM,
+                    held=job.apart is None and state == JobState.REJECTED,
                     borrowed=job.borrowed if state == JobState.RUNNING else 0,
                     reclaims=job.reclaims,
                     metrics=job.metrics,

@@ -44,6 +44,10 @@ class JobRecord(msgspec.Struct, frozen=True):
     team: str = DEFAULT_TEAM  # the team it belongs to (its name is `team.id` unless DEFAULT_TEAM's)
     borrowed: int = 0  # of its GPUs now, those beyond its team's guarantee
     reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for another team's guarantee
+    # Refused: whether the refused submission held its id until the refusal (the profiler ran it and
+    # its script failed there, say), so that what its run printed is its own. False for any refusal
+    # kept apart from the job under its id, which may be another submission's, another login's.
+    held: bool = False
 
 
 class Placed(msgspec.Struct, frozen=True, array_like=True):
