@@ -70,7 +70,7 @@ def team_line(job: dict) -> str | None:
 def reclaim_sentence(reclaim: dict) -> str:
     """`round 12: shrunk from 8 to 4 A100 so that team nlp got its guaranteed GPUs back`."""
     before, after, kind = reclaim["gpus_before"], reclaim["gpus_after"], hardware_name(reclaim["gpu_type"])
-    what = f"shrunk from {before} to {after} {kind}" if after else f"stopped (it held {before} {kind})"
+    what = f"shrunk from {before} to {after} {kind}" if after else f"gave up its {before} {kind} (stopped, or moved)"
     return f"round {reclaim['round']}: {what} so that team {reclaim['by_team']} got its guaranteed GPUs back"
 
 

@@ -143,13 +143,15 @@ async def refuse_held_names(bus, teams) -> None:
     within the cluster those are that team's ids (`shared.teams.scoped_id`), so the team could
     neither use them nor be told why without learning of the default team's jobs."""
     from shared import subjects
+    from shared.lifecycle import JobState
     from shared.schema import JobRecords, JobsQuery
 
     for team in teams.teams:
-        query = JobsQuery(f"{team}.", team=subjects.DEFAULT_TEAM, limit=3)
-        held = (await bus.request(subjects.RECORDS, query, JobRecords, timeout=10)).jobs
+        query = JobsQuery(f"{team}.", team=subjects.DEFAULT_TEAM)
+        records = (await bus.request(subjects.RECORDS, query, JobRecords, timeout=10)).jobs
+        held = [r for r in records if r.state != JobState.REJECTED]  # a refused submission holds no id
         if held:
-            names = ", ".join(record.name for record in held)
+            names = ", ".join(record.name for record in held[:3])
             raise ValueError(
                 f"team {team}: jobs of the default team hold ids beginning with {team}. ({names}); within "
                 "the cluster those are the team's own ids: choose another name for the team, or let those "
@@ -186,9 +188,15 @@ def _show(args: argparse.Namespace) -> int:
     for name, team in teams.teams.items():
         quota = ", ".join(f"{gpus} {hardware_name(t)}" for t, gpus in team.quota.items() if gpus) or "none"
         limits = [f"{gpus} {hardware_name(t)}" for t, gpus in team.borrow.items() if gpus is not None]
+        unlimited = len(limits) < len(cluster.gpu_types)  # a type not named: any idle GPU of it
+        borrows = (
+            f"at most {', '.join(limits)}{', any idle GPU of the other types' if unlimited else ''}"
+            if limits
+            else "any idle GPU"
+        )
         members = sorted(login for login, of in logins.items() if of == name)
         print(
-            f"  {name:<16} quota {quota}; borrows {'at most ' + ', '.join(limits) if limits else 'any idle GPU'}; "
-            f"weight {team.weight:g}; logins {', '.join(members) or 'none'}"
+            f"  {name:<16} quota {quota}; borrows {borrows}; weight {team.weight:g}; "
+            f"logins {', '.join(members) or 'none'}"
         )
     return 0

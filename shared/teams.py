@@ -68,10 +68,26 @@ def team_problem(name: str) -> str | None:
     return None
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML as safe_load reads it, but a key given twice in one mapping is an error: in a team file
+    the second `vision:` would silently replace the first team's guarantee."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_team_file(text: str | bytes, source: str = "the team file") -> TeamFile:
     """A team file's text (YAML or JSON) -> TeamFile; ValueError saying what is wrong and where."""
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as error:
         raise ValueError(f"{source} is not YAML: {error}") from None
     if not isinstance(document, dict) or not isinstance(document.get("teams"), dict) or not document["teams"]:

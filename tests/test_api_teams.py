@@ -366,7 +366,7 @@ def test_a_jobs_status_names_its_team_what_it_holds_of_the_guarantee_and_each_re
     assert job_lines(status)[:3] == [
         "team vision: holds 4 A100, 3 of its team's guarantee and 1 borrowed",
         "round 12: shrunk from 8 to 4 A100 so that team nlp got its guaranteed GPUs back",
-        "round 15: stopped (it held 4 A100) so that team nlp got its guaranteed GPUs back",
+        "round 15: gave up its 4 A100 (stopped, or moved) so that team nlp got its guaranteed GPUs back",
     ]
     queued = msgspec.to_builtins(job_status(msgspec.structs.replace(record, state="queued")))
     assert queued["borrowed"] == 0 and job_lines(queued)[0] == "team vision"

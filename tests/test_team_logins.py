@@ -360,6 +360,15 @@ async def test_teams_apply_refuses_a_bad_file_changes_nothing_and_puts_a_good_on
             subjects.intake("nlp", "nlp"): 1,
         }
 
+        # A refused submission under `dora.x` holds nothing: a team dora may come.
+        held.append(JobRecord("dora.x", "cifar10", 0.0, None, 0, 0.0, None, failure="refused", state="rejected"))
+        (tmp_path / "teams.yaml").write_text(GOOD + "  dora: {quota: {RTX 2080 Ti: 8}}\n")
+        code, out, err = await asyncio.to_thread(run_goodput, apply, capsys)
+        assert code == 0 and "in force from the next round" in out, err
+        (tmp_path / "teams.yaml").write_text(GOOD)
+        code, out, err = await asyncio.to_thread(run_goodput, apply, capsys)
+        assert code == 0, err
+        held.clear()
         # A default-team job holds `carol.x`: a team carol could neither use that id nor be told why.
         held.append(JobRecord("carol.x", "cifar10", 0.0, None, 0, 0.0, None, state="queued"))
         (tmp_path / "teams.yaml").write_text(GOOD + "  carol: {quota: {RTX 2080 Ti: 8}}\n")

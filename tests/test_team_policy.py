@@ -42,6 +42,13 @@ def state(jobs, teams=TEAMS, now_s=3600.0):
 # --- the ledger -------------------------------------------------------------------------------------
 
 
+def test_a_team_given_twice_in_one_file_is_refused_not_replaced_by_the_second():
+    with pytest.raises(ValueError, match="'a' is given twice in one mapping"):
+        parse_team_file("teams:\n  a: {quota: {T4: 12}}\n  b: {quota: {T4: 4}}\n  a: {quota: {T4: 2}}\n")
+    with pytest.raises(ValueError, match="'T4' is given twice"):
+        parse_team_file("teams:\n  a: {quota: {T4: 12, T4: 2}}\n")
+
+
 def test_without_teams_the_ledger_is_empty():
     jobs = [view("x", "a", current=Config("rtx", 2, 16))]
     assert ledger(state(jobs, teams=None), {"x": Config("rtx", 2, 16)}, 3) == ({}, {})
