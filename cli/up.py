@@ -713,7 +713,9 @@ def _status(args: argparse.Namespace) -> int:
         raise ValueError(credentials.unreachable(server, exc, options)) from None
     jobs = [msgspec.to_builtins(status) for status in statuses]
     if args.ids:
-        known = {j["id"]: j for j in jobs}
+        known: dict = {}
+        for j in jobs:  # the first listed under an id: the job, before refusals of other bodies under it
+            known.setdefault(j["id"], j)
         if missing := [i for i in args.ids if i not in known]:
             raise ValueError(f"no job of yours is known to the executors as {', '.join(map(repr, missing))}")
         jobs = [known[i] for i in dict.fromkeys(args.ids)]
