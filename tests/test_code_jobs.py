@@ -14,6 +14,7 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,6 +167,12 @@ def test_an_agent_stops_the_workers_a_killed_one_left_by_their_job_main_mark(tmp
     ours = subprocess.Popen([*sleep, "-m", JOB_MAIN, *job_arguments("train.py", ["x"], checkpoint, code=True)])
     other = subprocess.Popen([*sleep, "--checkpoint", str(checkpoint)])  # the mark, but no job_main's
     try:
+        # Each is the process it will be read as (its command line its own) before the agent looks.
+        for process in (ours, other):
+            deadline = time.monotonic() + 60
+            while str(checkpoint).encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes():
+                assert time.monotonic() < deadline, process.args
+                time.sleep(0.01)
         (tmp_path / "a.pids").write_text(f"{ours.pid} {other.pid}")
         (tmp_path / "a.checkpoint").write_text(str(checkpoint))
         stop_leftovers(tmp_path)
