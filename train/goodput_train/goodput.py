@@ -85,7 +85,7 @@ def _overlap(t_grad, t_sync, gamma):
     """(t_grad^gamma + t_sync^gamma)^(1/gamma), written around the larger term so it cannot overflow."""
     hi = np.maximum(t_grad, t_sync)
     lo = np.minimum(t_grad, t_sync)
-    ratio = np.divide(lo, hi, out=np.zeros(np.broadcast(lo, hi).shape), where=hi > 0)
+    ratio = np.divide(lo, hi, out=np.zeros(np.shape(hi)), where=hi > 0)  # hi has the broadcast shape
     return hi * (1.0 + ratio**gamma) ** (1.0 / gamma)
 
 
@@ -330,7 +330,8 @@ def _observation_array(observations) -> np.ndarray:
 class _SquaredLogError:
     """Mean squared log error of iteration (and compute) times over one fit's observations, and its
     analytic gradient, as a function of theta (a fit evaluates it ~40 times: what does not depend
-    on theta is computed once)."""
+    on theta is computed once, and the residuals and their Jacobian are written into arrays kept
+    from call to call)."""
 
     def __init__(self, data: np.ndarray, fixed_mask: np.ndarray, fixed_values: np.ndarray):
         nodes, gpus, self.m, self.s, t_iter, t_grad_obs = data.T
@@ -342,51 +343,57 @@ class _SquaredLogError:
         self.has_grad = np.isfinite(t_grad_obs)
         self.log_t_grad = np.log(t_grad_obs[self.has_grad])
         self.m_grad = self.m[self.has_grad]
+        # Residuals: one per iteration time, then one per measured compute time; the Jacobian's rows
+        # likewise (a compute-time row depends on alpha_c and beta_c only: the rest stays 0).
+        rows = len(data) + self.log_t_grad.size
+        self.r = np.empty(rows)
+        self.jac = np.zeros((rows, 7))
 
     def __call__(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
-        p = ThroughputParams(*np.where(self.fixed_mask, self.fixed_values, theta))
-        m, s, one_node, across_nodes, extra = self.m, self.s, self.one_node, self.across_nodes, self.extra
-        t_grad = compute_time(p, m)
-        t_sync = _sync_time(p, self.across, self.multi, extra)
-        overlap = _overlap(t_grad, t_sync, p.gamma)
+        alpha_c, beta_c, alpha_r, beta_r, alpha_n, beta_n, g = np.where(
+            self.fixed_mask, self.fixed_values, theta
+        ).tolist()
+        m, s, extra, multi = self.m, self.s, self.extra, self.multi
+        t_grad = alpha_c + beta_c * m  # compute_time and _sync_time, spelled out for plain floats
+        t_sync = np.where(multi, np.where(self.across, alpha_n + beta_n * extra, alpha_r + beta_r * extra), 0.0)
+        overlap = _overlap(t_grad, t_sync, g)
         pred = s * t_grad + overlap
-        r = np.log(pred) - self.log_t_iter
+        n, r, jac = pred.size, self.r, self.jac
+        np.subtract(np.log(pred), self.log_t_iter, out=r[:n])
 
         # d overlap: with u = t_grad/P, v = t_sync/P (u^g + v^g = 1):
         #   dP/dt_grad = u^(g-1), dP/dt_sync = v^(g-1), dP/dg = P/g * (u^g ln u + v^g ln v).
         u = t_grad / overlap
         v = t_sync / overlap
-        g = p.gamma
-        du = u ** (g - 1)
-        dv = np.where(self.multi, v ** (g - 1), 0.0)
-        ulogu = np.where(u > 0, u**g * np.log(np.where(u > 0, u, 1.0)), 0.0)
-        vlogv = np.where(v > 0, v**g * np.log(np.where(v > 0, v, 1.0)), 0.0)
-        d_tgrad = s + du
-        jac = (
-            np.stack(
-                [
-                    d_tgrad,
-                    d_tgrad * m,
-                    dv * one_node,
-                    dv * one_node * extra,
-                    dv * across_nodes,
-                    dv * across_nodes * extra,
-                    overlap / g * (ulogu + vlogv),
-                ],
-                axis=1,
-            )
-            / pred[:, None]
-        )
+        d_tgrad = s + u ** (g - 1)
+        dv = np.where(multi, v ** (g - 1), 0.0)
+        dv_one_node = dv * self.one_node
+        dv_across_nodes = dv * self.across_nodes
+        per_iteration = jac[:n]
+        per_iteration[:, 0] = d_tgrad
+        per_iteration[:, 1] = d_tgrad * m
+        per_iteration[:, 2] = dv_one_node
+        per_iteration[:, 3] = dv_one_node * extra
+        per_iteration[:, 4] = dv_across_nodes
+        per_iteration[:, 5] = dv_across_nodes * extra
+        per_iteration[:, 6] = overlap / g * (_power_log(u, g) + _power_log(v, g))
+        per_iteration /= pred[:, None]
         if self.log_t_grad.size:
             t_measured = t_grad[self.has_grad]
-            jg = np.zeros((t_measured.size, 7))
-            jg[:, 0] = 1.0 / t_measured
-            jg[:, 1] = self.m_grad / t_measured
-            r = np.concatenate([r, np.log(t_measured) - self.log_t_grad])
-            jac = np.concatenate([jac, jg])
-        loss = float(np.mean(r**2))
+            np.subtract(np.log(t_measured), self.log_t_grad, out=r[n:])
+            jac[n:, 0] = 1.0 / t_measured
+            jac[n:, 1] = self.m_grad / t_measured
+        loss = float(np.add.reduce(r * r) / r.size)  # np.mean(r**2), without its overhead
         grad = 2.0 * (r @ jac) / r.size
         return loss, np.where(self.fixed_mask, 0.0, grad)
+
+
+def _power_log(x: np.ndarray, g: float) -> np.ndarray:
+    """x^g ln x, with 0 where x <= 0 (its limit at 0)."""
+    positive = x > 0
+    if positive.all():
+        return x**g * np.log(x)
+    return np.where(positive, x**g * np.log(np.where(positive, x, 1.0)), 0.0)
 
 
 def rmsle(params: ThroughputParams, observations) -> float:
