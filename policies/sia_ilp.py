@@ -775,24 +775,28 @@ def _constraints(m: _Reduced, idx: np.ndarray) -> _Rows:
     job_row = np.cumsum(per_job > 1) - 1
     n_job_rows = int(np.count_nonzero(per_job > 1))
     tr = m.teams
-    counted = np.arange(idx.size) if tr is None else np.flatnonzero(~tr.implied_capacity[m.kind[idx]])
-    rows = [job_row[job[multi]], n_job_rows + m.kind[idx][counted]]
-    cols = [np.flatnonzero(multi), counted]
-    vals = [np.ones(np.count_nonzero(multi)), m.gpus[idx][counted]]
+    kind, gpus = m.kind[idx], m.gpus[idx]
+    # K column by column, as HiGHS takes it: each column's rows in increasing order, -1 where none.
+    # An entry's: its job's one-configuration row, its type's capacity row, its team row.
+    rows = np.full((idx.size, 3), -1, dtype=np.int64)
+    rows[multi, 0] = job_row[job[multi]]
+    counted = slice(None) if tr is None else ~tr.implied_capacity[kind]
+    rows[counted, 1] = n_job_rows + kind[counted]
+    values = np.stack([np.ones(idx.size), gpus, gpus], axis=1)
     rhs = [np.ones(n_job_rows), m.free]
     if tr is not None:
         first = n_job_rows + m.types  # team rows, then lending rows
-        on = np.flatnonzero(m.row[idx] >= 0)
+        on = m.row[idx] >= 0
+        rows[on, 2] = first + m.row[idx][on]
+        # A borrow b_r's: -1 in its team row, +1 in its type's lending row.
         b, R = tr.b_rows, tr.rows
-        borrows = idx.size + np.arange(b.size)  # b_r: -1 in its team row, +1 in its type's lending row
-        rows += [first + m.row[idx][on], first + b, first + R + np.searchsorted(tr.lend_types, tr.row_type[b])]
-        cols += [on, borrows, borrows]
-        vals += [m.gpus[idx][on], -np.ones(b.size), np.ones(b.size)]
+        lending = first + R + np.searchsorted(tr.lend_types, tr.row_type[b])
+        rows = np.concatenate([rows, np.stack([first + b, lending, np.full(b.size, -1)], axis=1)])
+        values = np.concatenate([values, np.stack([-np.ones(b.size), np.ones(b.size), np.zeros(b.size)], axis=1)])
         rhs += [tr.row_rhs, tr.lend[tr.lend_types]]
-    K = sp.csc_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-        shape=(m.prices + n_job_rows, idx.size + (0 if tr is None else tr.b_rows.size)),
-    )
+    present = rows >= 0
+    starts = np.concatenate([[0], np.cumsum(np.count_nonzero(present, axis=1))])
+    K = sp.csc_matrix((values[present], rows[present], starts), shape=(m.prices + n_job_rows, rows.shape[0]))
     return _Rows(K, np.concatenate(rhs).astype(float), n_job_rows)
 
 
