@@ -117,6 +117,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -604,6 +605,11 @@ def _resolve_solver(solver: str) -> str:
 # HiGHS keeps one thread scheduler a process, sized by the first run that starts it; a later run that
 # asks for another size fails. When something else started it first, drop our `threads` request.
 _highs_threads_clash = False
+# One solver object a thread for the MILPs, cleared between models: making one costs about a tenth
+# of a small model's solve (its thread set-up), and a round solves one or more. Only for MILPs: a
+# MILP's time limit counts from its own start, an LP's from the object's first run (its clock is
+# never reset), so each LP gets a new object.
+_milp_solvers = threading.local()
 
 
 @functools.cache
@@ -865,7 +871,14 @@ def _highs(program: _Program, options: dict) -> _Answer:
         lp.integrality_ = [hp.HighsVarType.kInteger] * program.integers + [hp.HighsVarType.kContinuous] * continuous
 
     def run(options: dict) -> hp.Highs:
-        h = hp.Highs()
+        if program.integers:
+            h = getattr(_milp_solvers, "solver", None)
+            if h is None:
+                h = _milp_solvers.solver = hp.Highs()
+            h.clearModel()
+            h.resetOptions()
+        else:
+            h = hp.Highs()
         h.setOptionValue("log_to_console", False)
         for name, value in options.items():
             if h.setOptionValue(name, value) == hp.HighsStatus.kError:
