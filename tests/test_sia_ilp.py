@@ -461,6 +461,32 @@ def test_highs_given_the_model_directly_answers_as_through_cvxpy(path, monkeypat
             assert np.array_equal(direct.duals, through.duals)
 
 
+def test_an_lp_after_many_milps_on_one_thread_still_has_its_whole_time_limit(monkeypatch):
+    # The MILPs of a thread share one HiGHS object, whose clock runs on from run to run; an LP's time
+    # limit counts on that clock, so an LP sharing it would stop at once once the MILPs had used its
+    # limit. Solve MILPs until they have, then LP relaxations with that limit halved.
+    built = []
+    program = sia_ilp._program
+
+    def recorded(m, idx, boolean):
+        built.append(program(m, idx, boolean))
+        return built[-1]
+
+    monkeypatch.setattr(sia_ilp, "_program", recorded)
+    rng = np.random.default_rng(5)
+    solve(contended(rng))
+    options = sia_ilp._solver_options("HIGHS", 10.0)
+    milp = built[-1]
+    while sia_ilp._milp_solvers.solver.getRunTime() < 0.2:
+        sia_ilp._highs(milp, options)
+    limit = sia_ilp._milp_solvers.solver.getRunTime() / 2
+    relaxed = sia_ilp._Program(milp.rows, milp.cost, milp.upper, 0)
+    for _ in range(3):
+        answer = sia_ilp._highs(relaxed, sia_ilp._solver_options("HIGHS", limit))
+        assert answer.duals is not None
+    assert sia_ilp._highs(milp, sia_ilp._solver_options("HIGHS", limit)).duals is None
+
+
 # --- properties on random instances -----------------------------------------------------------
 
 
