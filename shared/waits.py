@@ -8,6 +8,8 @@ free GPUs on one node, or (where nodes have one GPU) for two wholly free nodes; 
 
 - `unschedulable` says why a job cannot run on the nodes as they are, however the others move
   (its types have no schedulable node; no configuration of its types has its GPU count), or None.
+- `beyond_team` says why a job cannot run while its team's limits stay as they are (no
+  configuration that takes it fits within what its team may hold of a type), or None.
 - `wait_reason` says why a job that can run is not running now: GPUs that fit it are free (the
   round gave them to others, or has not run since), the cluster's GPUs of its types are all held
   (by jobs, or by profiling runs), or no free block is large enough; and how many queued jobs came
@@ -20,6 +22,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from shared.cluster import Cluster, Config, Node, Spots, real_node
+from shared.hardware import hardware_name
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,26 @@ def unschedulable(needs: Needs, nodes: Collection[Node], drained: Collection[Nod
     return reason
 
 
+def beyond_team(needs: Needs, configs: Iterable[Config], team: str, most: Mapping[str, int]) -> str | None:
+    """Why a job of `team` cannot run however the others move, `most` the GPUs of each type it may
+    use that the team may hold at most (`Teams.most`): the configurations that take it all pass
+    those; None when one fits within them, or when none takes it at all (`unschedulable`'s case)."""
+    taking = [c for c in configs if c.gpu_type in most and needs.takes(c)]
+    if not taking or any(c.gpus <= most[c.gpu_type] for c in taking):
+        return None
+    limits = _counts([f"{most[t]} {hardware_name(t)}" for t in most])
+    return (
+        f"needs {needs.phrase()}; team {team} may hold at most {limits} GPUs (its quota and borrow limit "
+        f"in the team file): it waits until the team file lets it hold more"
+    )
+
+
 def _machines(nodes: Iterable[Node]) -> str:
     """The machines of (possibly virtual) nodes, by name."""
     return _named(sorted({real_node(n.name) for n in nodes}))
 
 
-def _counts(counts: list[int]) -> str:
+def _counts(counts: list) -> str:
     words = [str(c) for c in counts]
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 

@@ -25,6 +25,7 @@ from shared.cluster import Config, build_cluster
 from shared.lifecycle import JobState
 from shared.schema import JobFacts, JobStatus, Reclaim
 from shared.schema.decisions import Holder, JobDecision
+from shared.schema.teams import Team, Teams
 from sim.rounds import job_models
 
 A100_NODE = {"gpu_type": "dgx", "count": 1, "gpus_per_node": 8}
@@ -154,6 +155,29 @@ def test_a_job_stopped_for_a_teams_guarantee_and_one_held_by_the_executors_say_w
     )
     assert (q.outcome, q.change, q.reason, q.holders) == ("waits", "waiting", "queued", ())
     assert sentences([q], WAITING, Namer({}, "default")) == ("Waiting since round 7: queued.",)
+
+
+def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
+    # Two A100 nodes of 8; team nlp may hold 8 A100 (quota 4, borrow 4): a job that needs at least
+    # 16 never runs while the file says so, however idle the cluster; 8 could, and 16 for a team
+    # that borrows without limit.
+    cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
+    teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
+    asking = lambda job, team, gpus: msgspec.structs.replace(  # noqa: E731
+        facts(job, team=team), requested_gpus=gpus, min_gpus=gpus
+    )
+    jobs = [asking("big", "nlp", 16), asking("fits", "nlp", 8), asking("free", "cv", 16)]
+    jobs.append(msgspec.structs.replace(facts("rigid", team="nlp"), rigid=True, requested_gpus=16))
+    outcomes = decided(cluster, jobs, {}, {})
+    models = models_of(cluster, "big", "fits", "free", "rigid")
+    big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models, teams=teams)
+    assert (big.outcome, big.change) == ("waits", "waiting")
+    assert big.reason.startswith("needs at least 16 GPUs of one type; team nlp may hold at most 8 A100 GPUs")
+    assert sentences([big], WAITING, Namer({}, "nlp"))[0] == f"Waiting since round 4: {big.reason}."
+    assert rigid.outcome == "waits" and rigid.reason.startswith("needs 16 GPUs of one type; team nlp")
+    assert (fits.outcome, free.outcome) == ("unallocated", "unallocated")
+    # Without teams, the same round says only that the policy gave it none.
+    assert job_decisions(4, 240.0, outcomes, cluster, models)[0].outcome == "unallocated"
 
 
 def test_predicted_against_measured_and_the_end() -> None:

@@ -22,6 +22,8 @@ from shared.cluster import Cluster, Spots
 from shared.hardware import hardware_name
 from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
+from shared.schema.teams import Teams
+from shared.waits import beyond_team, needs_of
 
 MAX_SUMMARY_EVENTS = 50  # a round's summary keeps its first events; the rest are counted
 GPU_STATES = ("allocated", "idle", "borrowed")  # the `state` label of goodput_gpus
@@ -238,13 +240,16 @@ def job_decisions(
     reclaims: Mapping[str, Reclaim] | None = None,
     previous_goodput: Mapping[str, float] | None = None,
     measured: Mapping[str, float] | None = None,
+    teams: Teams | None = None,
 ) -> list[JobDecision]:
     """Each job's JobDecision: its outcome and change, and who has what it lost or waits for.
 
     A job shrunk, moved or stopped names the jobs that gained GPUs of the type it lost this round
     (most GPUs first); a job waiting, the jobs holding GPUs of the types it may use, with the idle
-    ones; each named with its predicted goodput. `previous_goodput`: each job's prediction of the
-    round before; `measured`: its goodput since its placement began; `reclaims`: the ledger's."""
+    ones; each named with its predicted goodput. A job waiting for more GPUs of one type than its
+    team may hold (`teams`) waits on the team file, and says so. `previous_goodput`: each job's
+    prediction of the round before; `measured`: its goodput since its placement began; `reclaims`:
+    the ledger's."""
     reclaims, previous_goodput, measured = reclaims or {}, previous_goodput or {}, measured or {}
     by_id = {o.job: o for o in outcomes}
     now_held = _by_type((o.job, o.gpu_type, o.gpus) for o in outcomes)
@@ -262,6 +267,7 @@ def job_decisions(
     holding = {t: holders(jobs, t) for t, jobs in now_held.items()}
     gpu_types = cluster.gpu_types
     idle = {t: cluster.capacity(t) - sum(now_held.get(t, {}).values()) for t in gpu_types}
+    configs = cluster.configurations()
     decisions = []
     for o in outcomes:
         usable, absent = usable_and_absent(models.get(o.job), gpu_types)
@@ -275,7 +281,13 @@ def job_decisions(
                 MAX_HOLDERS, (h for t in types for h in holding.get(t, [])), key=lambda h: (h.gpus, h.job)
             )
             idle_gpus = sum(idle.get(t, 0) for t in types)
-        reason = o.reason or ""
+        outcome, reason = o.outcome, o.reason or ""
+        if teams is not None and o.outcome == "unallocated" and o.change == "waiting" and o.facts and usable:
+            f = o.facts
+            most = {t: teams.most(o.team, t, cluster.capacity(t)) for t in usable}
+            bound = beyond_team(needs_of(f.requested_gpus, f.min_gpus, f.rigid, usable), configs, o.team, most)
+            if bound is not None:
+                outcome, reason = "waits", bound
         reclaim = reclaims.get(o.job)
         if (
             reclaim is not None
@@ -290,7 +302,7 @@ def job_decisions(
                 at_s=now,
                 job=o.job,
                 team=o.team,
-                outcome=o.outcome,
+                outcome=outcome,
                 change=o.change,
                 reason=reason,
                 gpus=o.gpus,

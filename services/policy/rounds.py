@@ -569,7 +569,7 @@ class RoundLoop:
                 record.round_ms / 1e3,
                 events,
             )
-            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply))
+            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply, teams))
         return DecidedRound(apply, record, tuple(events))
 
     def _job_decisions(
@@ -579,6 +579,7 @@ class RoundLoop:
         outcomes: Sequence[JobOutcome],
         models: Mapping[str, JobModels],
         apply: ApplyRequest,
+        teams: Teams | None,
     ) -> list[JobDecision]:
         """The round's JobDecisions, with what this loop remembers of the round before (each job's
         prediction then, and what it did since); then it remembers this round's."""
@@ -588,7 +589,7 @@ class RoundLoop:
             if value is not None:
                 measured[o.job] = value
         decisions = job_decisions(
-            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured
+            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured, teams
         )
         self._predicted = {
             o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None

@@ -48,6 +48,12 @@ class Teams(msgspec.Struct, frozen=True):
         found = self.teams.get(team)
         return found.borrow.get(gpu_type) if found is not None else None
 
+    def most(self, team: str, gpu_type: str, capacity: int) -> int:
+        """The most GPUs of `gpu_type` (of which the cluster has `capacity`) that `team`'s jobs may
+        hold together: its quota and its borrow limit, or all of them where it borrows without one."""
+        limit = self.borrow_limit(team, gpu_type)
+        return capacity if limit is None else min(capacity, self.quota(team, gpu_type) + limit)
+
     def weight(self, team: str) -> float:
         found = self.teams.get(team)
         return found.weight if found is not None else 1.0
