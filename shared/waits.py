@@ -89,10 +89,16 @@ def beyond_team(needs: Needs, configs: Iterable[Config], team: str, most: Mappin
     taking = [c for c in configs if c.gpu_type in most and needs.takes(c)]
     if not taking or any(c.gpus <= most[c.gpu_type] for c in taking):
         return None
-    limits = _counts([f"{most[t]} {hardware_name(t)}" for t in most])
+    types = list(dict.fromkeys(c.gpu_type for c in taking))
+    some = [f"{most[t]} {hardware_name(t)}" for t in types if most[t]]
+    none = [hardware_name(t) for t in types if not most[t]]
+    holds = " and ".join(
+        [*([f"at most {_counts(some)} GPUs"] if some else []), *([f"no {_counts(none)} GPUs"] if none else [])]
+    )
+    given = f"{_counts([hardware_name(t) for t in types])} give{'s' * (len(types) == 1)} that"
     return (
-        f"needs {needs.phrase()}; team {team} may hold at most {limits} GPUs (its quota and borrow limit "
-        f"in the team file): it waits until the team file lets it hold more"
+        f"needs {needs.phrase()} ({given}); team {team} may hold {holds} (its quota and borrow limit in "
+        f"the team file): it waits until the team file lets it hold more"
     )
 
 

@@ -371,6 +371,16 @@ async def test_the_real_apply_handler_starts_the_workers_and_keeps_the_jobs_befo
     assert agent.state_of(agent.jobs["lm"]) == JobState.QUEUED and kv.held["lm"].placement == ()
 
 
+async def test_a_round_that_leaves_a_real_job_waiting_on_its_team_says_so_in_its_record():
+    service = await real_service()
+    agent = service.agent
+    await service.on_apply(ApplyRequest(0.0, {}, {}, adaptive=True, waits={"lm": "its team's limits"}))
+    reasons = {r.name: r.reason for r in agent.records()}
+    assert reasons["lm"] == "its team's limits" and reasons["mlp"] != "its team's limits"
+    await service.on_apply(ApplyRequest(60.0, {}, {}, adaptive=True))  # the next round says otherwise
+    assert {r.name: r.reason for r in agent.records()}["lm"].startswith("waiting for")
+
+
 async def test_the_real_apply_handler_checks_each_move_against_the_lifecycle(monkeypatch):
     service = await real_service()
     monkeypatch.setitem(TRANSITIONS, JobState.QUEUED, frozenset({JobState.RUNNING}))

@@ -19,6 +19,7 @@ from services.policy.decisions import (
     record_round_metrics,
     round_summary,
     span_attributes,
+    team_waits,
     usable_and_absent,
 )
 from shared.cluster import Config, build_cluster
@@ -163,21 +164,27 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     # that borrows without limit.
     cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
     teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
-    asking = lambda job, team, gpus: msgspec.structs.replace(  # noqa: E731
-        facts(job, team=team), requested_gpus=gpus, min_gpus=gpus
+    team_of = {"big": "nlp", "fits": "nlp", "free": "cv", "rigid": "nlp"}
+    models = models_of(cluster, *team_of)
+    models = {
+        "big": msgspec.structs.replace(models["big"], min_gpus=16),
+        "fits": msgspec.structs.replace(models["fits"], min_gpus=8),
+        "free": msgspec.structs.replace(models["free"], min_gpus=16),
+        "rigid": msgspec.structs.replace(models["rigid"], fixed_gpus=16),
+    }
+    waits = team_waits(models.values(), {}, cluster, teams, team_of)
+    assert set(waits) == {"big", "rigid"}
+    assert waits["big"].startswith(
+        "needs at least 16 GPUs of one type (A100 gives that); team nlp may hold at most 8 A100 GPUs (its quota"
     )
-    jobs = [asking("big", "nlp", 16), asking("fits", "nlp", 8), asking("free", "cv", 16)]
-    jobs.append(msgspec.structs.replace(facts("rigid", team="nlp"), rigid=True, requested_gpus=16))
-    outcomes = decided(cluster, jobs, {}, {})
-    models = models_of(cluster, "big", "fits", "free", "rigid")
-    big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models, teams=teams)
-    assert (big.outcome, big.change) == ("waits", "waiting")
-    assert big.reason.startswith("needs at least 16 GPUs of one type; team nlp may hold at most 8 A100 GPUs")
+    assert waits["rigid"].startswith("needs 16 GPUs of one type (A100 gives that); team nlp")
+    assert team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of).keys() == {"rigid"}
+
+    outcomes = decided(cluster, [facts(job, team=team) for job, team in team_of.items()], {}, {})
+    big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models, waits=waits)
+    assert (big.outcome, big.change, big.reason) == ("waits", "waiting", waits["big"])
     assert sentences([big], WAITING, Namer({}, "nlp"))[0] == f"Waiting since round 4: {big.reason}."
-    assert rigid.outcome == "waits" and rigid.reason.startswith("needs 16 GPUs of one type; team nlp")
-    assert (fits.outcome, free.outcome) == ("unallocated", "unallocated")
-    # Without teams, the same round says only that the policy gave it none.
-    assert job_decisions(4, 240.0, outcomes, cluster, models)[0].outcome == "unallocated"
+    assert (fits.outcome, free.outcome, rigid.outcome) == ("unallocated", "unallocated", "waits")
 
 
 def test_predicted_against_measured_and_the_end() -> None:

@@ -98,7 +98,7 @@ def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_befo
     from services.simulated.truth import job_sources
     from services.simulated.world import SimulatedExecutors
     from shared.cluster import load_cluster
-    from shared.schema import JobSpec
+    from shared.schema import ApplyRequest, JobSpec
     from shared.settings import simulation_settings
 
     truth = job_sources(use_zoo=True).truths["cifar10"]
@@ -124,6 +124,12 @@ def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_befo
     assert waits["d"] == (
         "waiting for the next round: 16 GPUs of its types are free and fit it; 1 queued job submitted before it"
     )
+    # A round that leaves a job waiting on its team's limits says so, and the executors say it of it
+    # until a round says otherwise.
+    executors.apply(ApplyRequest(120.0, {}, {}, True, waits={"c": "its team's limits"}, jobs=("c", "d", "e")))
+    assert executors.waits()["c"] == "its team's limits" and executors.waits()["d"] == waits["d"]
+    executors.apply(ApplyRequest(180.0, {}, {}, True, jobs=("c", "d", "e")))
+    assert executors.waits() == waits
     # `goodput nodes` on this cluster: every node alive, each with the jobs running there.
     nodes = {n.name: n for n in executors.node_statuses().nodes}
     assert {n.state for n in nodes.values()} == {"alive"} and len(nodes) == len(cluster.nodes)

@@ -112,6 +112,7 @@ class RealExecutors:
         self.schedulable: tuple[Node, ...] = ()  # the live nodes undrained, profiling runs or not
         self._unfit: dict[Needs, str | None] = {}  # why the nodes served cannot take such a job, if so
         self.latest_s = -math.inf  # the newest round applied or run: an older one is stale
+        self.team_waits: dict[str, str] = {}  # the last round's jobs waiting on their team's limits, and why
         self._clock = (0.0, time.monotonic())
 
     @property
@@ -155,6 +156,8 @@ class RealExecutors:
     def why_waiting(self, job: NodeJob, ahead: int) -> str:
         """What a queued job waits for: free GPUs that fit it, behind `ahead` queued jobs submitted
         before it (of equal worth to the policy, the longest-waiting start first)."""
+        if job.name in self.team_waits:
+            return self.team_waits[job.name]
         if not self.served:
             return unplaced_reason(ahead)
         spec = job.spec
@@ -460,16 +463,19 @@ class RealExecutors:
         failed: dict[str, str] | None = None,
         borrowed: dict[str, int] | None = None,
         reclaims: dict[str, Reclaim] | None = None,
+        waits: dict[str, str] | None = None,
     ) -> None:
         """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
         policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
         their batch. An older round's placements (a late or repeated apply: a deposed leader's)
-        never undo a newer's. `borrowed` (each job's GPUs beyond its team's guarantee: absent, none)
-        and `reclaims` (the jobs the round shrank or stopped for a team's guarantee) are the round's
-        word on its jobs, kept for their records."""
+        never undo a newer's. `borrowed` (each job's GPUs beyond its team's guarantee: absent, none),
+        `reclaims` (the jobs the round shrank or stopped for a team's guarantee) and `waits` (the
+        jobs it left waiting on their team's limits) are the round's word on its jobs, kept for their
+        records."""
         if now < self.latest_s:
             return
         self.latest_s = now
+        self.team_waits = dict(waits or {})
         for name, job in self.jobs.items():
             job.borrowed = (borrowed or {}).get(name, 0)
             reclaim = (reclaims or {}).get(name)
@@ -818,6 +824,7 @@ class RealExecutorService:
                 request.failed,
                 request.borrowed,
                 request.reclaims,
+                request.waits,
             )
             await self.save()
         return Ack()

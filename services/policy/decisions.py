@@ -23,7 +23,7 @@ from shared.hardware import hardware_name
 from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
 from shared.schema.teams import Teams
-from shared.waits import beyond_team, needs_of
+from shared.waits import Needs, beyond_team
 
 MAX_SUMMARY_EVENTS = 50  # a round's summary keeps its first events; the rest are counted
 GPU_STATES = ("allocated", "idle", "borrowed")  # the `state` label of goodput_gpus
@@ -240,17 +240,17 @@ def job_decisions(
     reclaims: Mapping[str, Reclaim] | None = None,
     previous_goodput: Mapping[str, float] | None = None,
     measured: Mapping[str, float] | None = None,
-    teams: Teams | None = None,
+    waits: Mapping[str, str] | None = None,
 ) -> list[JobDecision]:
     """Each job's JobDecision: its outcome and change, and who has what it lost or waits for.
 
     A job shrunk, moved or stopped names the jobs that gained GPUs of the type it lost this round
     (most GPUs first); a job waiting, the jobs holding GPUs of the types it may use, with the idle
-    ones; each named with its predicted goodput. A job waiting for more GPUs of one type than its
-    team may hold (`teams`) waits on the team file, and says so. `previous_goodput`: each job's
+    ones; each named with its predicted goodput. A job of `waits` (`team_waits`: more GPUs of one
+    type than its team may hold) waits on that, and says so. `previous_goodput`: each job's
     prediction of the round before; `measured`: its goodput since its placement began; `reclaims`:
     the ledger's."""
-    reclaims, previous_goodput, measured = reclaims or {}, previous_goodput or {}, measured or {}
+    reclaims, previous_goodput, measured, waits = reclaims or {}, previous_goodput or {}, measured or {}, waits or {}
     by_id = {o.job: o for o in outcomes}
     now_held = _by_type((o.job, o.gpu_type, o.gpus) for o in outcomes)
     before = _by_type((o.job, o.previous_type, o.previous_gpus) for o in outcomes)
@@ -267,7 +267,6 @@ def job_decisions(
     holding = {t: holders(jobs, t) for t, jobs in now_held.items()}
     gpu_types = cluster.gpu_types
     idle = {t: cluster.capacity(t) - sum(now_held.get(t, {}).values()) for t in gpu_types}
-    configs = cluster.configurations()
     decisions = []
     for o in outcomes:
         usable, absent = usable_and_absent(models.get(o.job), gpu_types)
@@ -282,12 +281,8 @@ def job_decisions(
             )
             idle_gpus = sum(idle.get(t, 0) for t in types)
         outcome, reason = o.outcome, o.reason or ""
-        if teams is not None and o.outcome == "unallocated" and o.change == "waiting" and o.facts and usable:
-            f = o.facts
-            most = {t: teams.most(o.team, t, cluster.capacity(t)) for t in usable}
-            bound = beyond_team(needs_of(f.requested_gpus, f.min_gpus, f.rigid, usable), configs, o.team, most)
-            if bound is not None:
-                outcome, reason = "waits", bound
+        if o.outcome == "unallocated" and o.job in waits:
+            outcome, reason = "waits", waits[o.job]
         reclaim = reclaims.get(o.job)
         if (
             reclaim is not None
@@ -322,6 +317,33 @@ def job_decisions(
             )
         )
     return decisions
+
+
+def team_waits(
+    jobs: Iterable[JobModels],
+    placements: Mapping[str, Spots],
+    cluster: Cluster,
+    teams: Teams,
+    team_of: Mapping[str, str],
+) -> dict[str, str]:
+    """The jobs a round left without GPUs that wait on their team's limits, and why: those that need
+    more GPUs of one type than their team may hold of any type they may use (`shared.waits.beyond_team`).
+    A hybrid-parallel job is left out (its counts are replicas: what fits is the policy's to say)."""
+    configs = cluster.configurations()
+    said: dict[tuple, str | None] = {}  # the same for every job of one team and the same needs
+    waits = {}
+    for m in jobs:
+        if placements.get(m.job_id) or m.group_gpus:
+            continue
+        team = team_of.get(m.job_id, DEFAULT_TEAM)
+        usable = tuple(t for t in cluster.gpu_types if t in m.params)
+        needs = Needs(m.fixed_gpus or m.min_gpus, bool(m.fixed_gpus), usable)
+        if (team, needs) not in said:
+            most = {t: teams.most(team, t, cluster.capacity(t)) for t in usable}
+            said[team, needs] = beyond_team(needs, configs, team, most)
+        if said[team, needs] is not None:
+            waits[m.job_id] = said[team, needs]
+    return waits
 
 
 def round_summary(

@@ -56,6 +56,7 @@ from services.policy.decisions import (
     measuring,
     round_summary,
     span_attributes,
+    team_waits,
 )
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.hardware import hardware_name
@@ -536,6 +537,11 @@ class RoundLoop:
             *team_use,
             stages_ms={stage: seconds * 1e3 for stage, seconds in stages.items()},
         )
+        waits = (
+            team_waits([v.models for v in views], placements, self.cluster, teams, {v.job_id: v.team for v in views})
+            if teams is not None
+            else {}
+        )
         apply = ApplyRequest(
             now,
             placements,
@@ -544,6 +550,7 @@ class RoundLoop:
             failed,
             borrowed,
             reclaims,
+            waits,
             jobs=tuple(v.job_id for v in views),
         )
         outcomes: list[JobOutcome] | None = None
@@ -569,7 +576,7 @@ class RoundLoop:
                 record.round_ms / 1e3,
                 events,
             )
-            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply, teams))
+            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply))
         return DecidedRound(apply, record, tuple(events))
 
     def _job_decisions(
@@ -579,7 +586,6 @@ class RoundLoop:
         outcomes: Sequence[JobOutcome],
         models: Mapping[str, JobModels],
         apply: ApplyRequest,
-        teams: Teams | None,
     ) -> list[JobDecision]:
         """The round's JobDecisions, with what this loop remembers of the round before (each job's
         prediction then, and what it did since); then it remembers this round's."""
@@ -589,7 +595,7 @@ class RoundLoop:
             if value is not None:
                 measured[o.job] = value
         decisions = job_decisions(
-            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured, teams
+            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured, apply.waits
         )
         self._predicted = {
             o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None

@@ -377,6 +377,7 @@ class SimulatedExecutors:
         self.jobs: dict[str, SimulatedJob] = {}
         self.truths: dict[str, ModelTruth] = {}
         self.order: dict[str, int] = {}  # each job's place in `jobs`
+        self.team_waits: dict[str, str] = {}  # the last round's jobs waiting on their team's limits, and why
 
     def add(self, spec: WorkloadJob, truth: ModelTruth, rigid: bool = False) -> list[str]:
         """Start tracking a submitted job (again: nothing changes); the GPU types it can run on here.
@@ -453,6 +454,9 @@ class SimulatedExecutors:
         said: dict[Needs, str] = {}  # the same for every job of the same needs: thousands queue
         reasons = {}
         for ahead, job in enumerate(queued):
+            if job.name in self.team_waits:
+                reasons[job.name] = self.team_waits[job.name]
+                continue
             if job.group_gpus:  # its counts are replicas: what fits is the policy's to say
                 reasons[job.name] = unplaced_reason(ahead)
                 continue
@@ -471,6 +475,7 @@ class SimulatedExecutors:
         round gave up on, or whose placement cannot be taken, fails with the reason; the others go on.
         The jobs it may have changed: not those that wait and go on waiting (thousands a round)."""
         now = request.now_s
+        self.team_waits = dict(request.waits)
         touched = set(request.failed)
         for name, reason in request.failed.items():
             job = self.jobs.get(name)

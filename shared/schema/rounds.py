@@ -158,8 +158,9 @@ class ApplyRequest(msgspec.Struct, frozen=True):
     """Policy -> executors: the round's placements (the round's `decided` jobs absent get nothing)
     and each placed job's models, which adaptive jobs re-tune their batch size with; `failed`: jobs
     the round gave up on, and why (the executors record them as failed). With teams: `borrowed`,
-    the GPUs each job holds beyond its team's guarantee (absent: none), and `reclaims`, the jobs
-    this round shrank or stopped to give a team back its guarantee."""
+    the GPUs each job holds beyond its team's guarantee (absent: none), `reclaims`, the jobs this
+    round shrank or stopped to give a team back its guarantee, and `waits`, the jobs it left
+    waiting on their team's limits, and why (what the executors say they wait for)."""
 
     now_s: float
     placements: dict[str, Spots]
@@ -168,6 +169,7 @@ class ApplyRequest(msgspec.Struct, frozen=True):
     failed: dict[str, str] = {}
     borrowed: dict[str, int] = {}
     reclaims: dict[str, Reclaim] = {}
+    waits: dict[str, str] = {}
     # The jobs the round decided on (thousands queued: their models are not sent); empty: those
     # of `models`.
     jobs: tuple[str, ...] = ()
