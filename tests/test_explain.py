@@ -158,6 +158,28 @@ def test_a_job_stopped_for_a_teams_guarantee_and_one_held_by_the_executors_say_w
     assert sentences([q], WAITING, Namer({}, "default")) == ("Waiting since round 7: queued.",)
 
 
+def test_a_job_stopped_for_a_job_of_its_team_at_a_higher_priority_says_so_not_goodput() -> None:
+    cluster = build_cluster("one-a100", [A100_NODE])
+    jobs = [facts("low", (("dgx-0", 8),), team="nlp", priority=0), facts("high", team="nlp", priority=5)]
+    predicted = {"high": Prediction(goodput=300.0)}
+    outcomes = decided(cluster, jobs, {"high": (("dgx-0", 8),)}, predicted)
+    low, high = job_decisions(
+        9, 540.0, outcomes, cluster, models_of(cluster, "low", "high"), previous_goodput={"low": 900.0}
+    )
+    assert (low.change, low.priority, [(h.job, h.priority) for h in low.holders]) == ("stopped", 0, [("high", 5)])
+    assert sentences([low], WAITING, Namer({"high": "high"}, "nlp"))[0] == (
+        "In round 9 it was stopped (it held 8 A100 GPUs): job high of team nlp took them, at a higher priority "
+        "(5 against its 0): the policy weighs a job by its priority within its team."
+    )
+    # The same round between jobs of one priority is told by their goodputs.
+    equal = [msgspec.structs.replace(f, priority=0) for f in jobs]
+    outcomes = decided(cluster, equal, {"high": (("dgx-0", 8),)}, predicted)
+    [low, _] = job_decisions(
+        9, 540.0, outcomes, cluster, models_of(cluster, "low", "high"), previous_goodput={"low": 900.0}
+    )
+    assert "priority" not in sentences([low], WAITING, Namer({"high": "high"}, "nlp"))[0]
+
+
 def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     # Two A100 nodes of 8; team nlp may hold 8 A100 (quota 4, borrow 4): a job that needs at least
     # 16 never runs while the file says so, however idle the cluster; 8 could, and 16 for a team

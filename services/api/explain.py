@@ -112,8 +112,17 @@ def _lost(d: JobDecision) -> float | None:
 
 
 def _takers(d: JobDecision, names: Namer, what: str) -> str:
-    """Why the GPUs it lost went to others: the jobs that took them, against what it lost."""
+    """Why the GPUs it lost went to others: the jobs of its team with a higher priority that took
+    them (the policy weighs a job by its priority within its team), or the jobs that took them
+    against what it lost."""
     first = d.holders[0]
+    above = [h for h in d.holders if h.team == d.team and h.priority > d.priority]
+    if above:
+        takers = listed([names.one(h) for h in above])
+        return (
+            f"{takers} of team {d.team} took {what}, at a higher priority ({listed([str(h.priority) for h in above])} "
+            f"against its {d.priority}): the policy weighs a job by its priority within its team"
+        )
     lost = _lost(d)
     gained = sum(h.goodput for h in d.holders if h.goodput is not None)
     if lost is not None and gained <= lost:  # samples/s alone would not have moved them

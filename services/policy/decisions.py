@@ -61,6 +61,10 @@ class JobOutcome:
     def team(self) -> str:
         return self.facts.team if self.facts is not None else DEFAULT_TEAM
 
+    @property
+    def priority(self) -> int:
+        return self.facts.priority if self.facts is not None else 0
+
 
 def change_of(spots: Spots, previous: Spots, gpu_type: str | None, previous_type: str | None) -> str:
     """How a job's GPUs changed: started, grew, shrunk, moved (another type, or other GPUs of the
@@ -261,7 +265,10 @@ def job_decisions(
 
     def holders(table: Mapping[str, int], gpu_type: str) -> list[Holder]:
         top = heapq.nlargest(MAX_HOLDERS, table.items(), key=lambda item: (item[1], item[0]))
-        return [Holder(job, by_id[job].team, gpu_type, n, by_id[job].prediction.goodput) for job, n in top]
+        return [
+            Holder(job, by_id[job].team, gpu_type, n, by_id[job].prediction.goodput, by_id[job].priority)
+            for job, n in top
+        ]
 
     takers = {t: holders(jobs, t) for t, jobs in gained.items()}
     holding = {t: holders(jobs, t) for t, jobs in now_held.items()}
@@ -297,6 +304,7 @@ def job_decisions(
                 at_s=now,
                 job=o.job,
                 team=o.team,
+                priority=o.priority,
                 outcome=outcome,
                 change=o.change,
                 reason=reason,

@@ -24,6 +24,7 @@ class Holder(msgspec.Struct, frozen=True):
     gpu_type: str
     gpus: int
     goodput: float | None = None  # its predicted goodput on them (samples/s x efficiency)
+    priority: int = 0  # its priority within its team
 
 
 class JobDecision(msgspec.Struct, frozen=True):
@@ -33,6 +34,7 @@ class JobDecision(msgspec.Struct, frozen=True):
     at_s: float  # on the run's clock
     job: str  # its id in the cluster (`team.id`)
     team: str = DEFAULT_TEAM
+    priority: int = 0  # its priority within its team
     outcome: str = "unallocated"  # one of OUTCOMES
     change: str = "same"  # one of CHANGES
     reason: str = ""  # the round's own words when it waits, failed or was kept
