@@ -537,9 +537,9 @@ class RoundLoop:
             *team_use,
             stages_ms={stage: seconds * 1e3 for stage, seconds in stages.items()},
         )
-        waits = (
-            team_waits([v.models for v in views], placements, self.cluster, teams, {v.job_id: v.team for v in views})
-            if teams is not None
+        waits = (  # only a policy that holds the teams' limits keeps a job waiting on them
+            team_waits([v.models for v in views], placements, self.cluster, honoured, {v.job_id: v.team for v in views})
+            if honoured is not None
             else {}
         )
         apply = ApplyRequest(
