@@ -550,8 +550,8 @@ class RoundLoop:
             failed,
             borrowed,
             reclaims,
-            waits,
             jobs=tuple(v.job_id for v in views),
+            waits=waits,
         )
         outcomes: list[JobOutcome] | None = None
         if self.recorder is not None or trace.get_current_span().is_recording():

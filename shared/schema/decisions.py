@@ -34,7 +34,6 @@ class JobDecision(msgspec.Struct, frozen=True):
     at_s: float  # on the run's clock
     job: str  # its id in the cluster (`team.id`)
     team: str = DEFAULT_TEAM
-    priority: int = 0  # its priority within its team
     outcome: str = "unallocated"  # one of OUTCOMES
     change: str = "same"  # one of CHANGES
     reason: str = ""  # the round's own words when it waits, failed or was kept
@@ -54,6 +53,7 @@ class JobDecision(msgspec.Struct, frozen=True):
     usable_types: tuple[str, ...] = ()  # the GPU types it may run on that the cluster has
     absent_types: tuple[str, ...] = ()  # the types it asked for that the cluster lacks
     idle_gpus: int = 0  # waiting: the GPUs of its usable types that no job holds after the round
+    priority: int = 0  # its priority within its team
 
 
 MAX_HOLDERS = 5

@@ -169,10 +169,10 @@ class ApplyRequest(msgspec.Struct, frozen=True):
     failed: dict[str, str] = {}
     borrowed: dict[str, int] = {}
     reclaims: dict[str, Reclaim] = {}
-    waits: dict[str, str] = {}
     # The jobs the round decided on (thousands queued: their models are not sent); empty: those
     # of `models`.
     jobs: tuple[str, ...] = ()
+    waits: dict[str, str] = {}
 
     @property
     def decided(self) -> Iterable[str]:
