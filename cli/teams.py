@@ -96,6 +96,8 @@ def _apply(args: argparse.Namespace) -> int:
         problems = access.team_login_problems(teams.teams)
         if problems:
             raise ValueError("; ".join(problems))
+    before = load_team_file(data / TEAM_FILE).teams if (data / TEAM_FILE).is_file() else {}
+    left_out = [team for team in before if team not in teams.teams]
     serving = serving_pid(data) is not None
     if serving:
         secured = access is not None and "GOODPUT_NATS_USER" in connection
@@ -113,6 +115,11 @@ def _apply(args: argparse.Namespace) -> int:
     for team in made:
         path = access.teams_folder / f"{team}.env"
         print(f"  new team {team}: its login {path} (readable by you only; export {credentials.LOGIN_ENV}={path})")
+    for team in left_out:
+        print(
+            f"  team {team} is left out: its login and its jobs go on as the default team's (no guarantee; "
+            f"they borrow what is idle); `goodput login remove {team}` forgets the login"
+        )
     return 0
 
 
