@@ -150,6 +150,30 @@ CLUSTER_GOODPUT = Metric(
 UTILIZATION = Metric(
     "goodput.cluster.utilization", "gauge", "1", (), "the share of the cluster's GPUs allocated", ("policy",)
 )
+TEAM_GPUS = Metric(
+    "goodput.team.gpus",
+    "gauge",
+    "{gpu}",
+    ("team", "gpu_type"),
+    "with teams: the GPUs each team's jobs hold after the latest round, by type",
+    ("policy",),
+)
+TEAM_BORROWED = Metric(
+    "goodput.team.borrowed",
+    "gauge",
+    "{gpu}",
+    ("team",),
+    "with teams: of a team's GPUs, those beyond its guarantee (lent by others)",
+    ("policy",),
+)
+TEAM_RECLAIMED = Metric(
+    "goodput.team.reclaimed",
+    "counter",
+    "{job}",
+    ("team",),
+    "with teams: a team's jobs a round shrank or stopped to give another team back its guarantee",
+    ("policy",),
+)
 WORKERS = Metric("goodput.workers.running", "gauge", "{worker}", (), "the workers (ranks) running on a node", ("node",))
 JOB_RESTARTS = Metric(
     "goodput.job.restarts",

@@ -286,6 +286,42 @@ def test_the_round_summary_counts_gpus_per_type_and_state_and_the_metrics_show_e
     assert stages >= {"facts", "models", "solve", "place"}
 
 
+def test_each_teams_gpus_borrowed_gpus_and_reclaimed_jobs_are_metrics_a_team_left_out_at_zero() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shared.metrics import scrape, setup_metrics
+    from shared.schema import RoundRecord
+
+    cluster = build_cluster("mixed", [A100_NODE, T4_NODE])
+    outcomes = decided(cluster, [facts("b", team="nlp"), facts("c", team="cv")], {"b": (("dgx-0", 8),)}, {})
+    record = RoundRecord(
+        540.0, 2, 1, 1.0, 2.0, {"b": 8}, {"b": "dgx"}, {}, {},
+        team_gpus={"nlp": {"dgx": 8}, "cv": {}}, team_borrowed={"nlp": 4, "cv": 0}, team_reclaimed={"cv": 1},
+    )  # fmt: skip
+    summary = round_summary(9, 540.0, "goodput", outcomes, cluster, {"b": 4}, None, {}, 0.1, (), record)
+    assert (summary.team_gpus, summary.team_borrowed, summary.team_reclaimed) == (
+        record.team_gpus, record.team_borrowed, record.team_reclaimed
+    )  # fmt: skip
+
+    def scraped() -> dict:
+        samples = [sample for family in text_string_to_metric_families(scrape()) for sample in family.samples]
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for s in samples if s.name.startswith("goodput_team_")
+        }
+
+    setup_metrics("test-team-metrics")
+    seen: set[tuple[str, str]] = {("ml", "dgx")}  # a team shown before that the file no longer names
+    record_round_metrics(summary, set(), seen)
+    shown = scraped()
+    assert shown[("goodput_team_gpus", (("gpu_type", "dgx"), ("team", "nlp")))] == 8
+    assert shown[("goodput_team_gpus", (("gpu_type", "aws"), ("team", "cv")))] == 0
+    assert shown[("goodput_team_gpus", (("gpu_type", "dgx"), ("team", "ml")))] == 0
+    assert shown[("goodput_team_borrowed", (("team", "nlp"),))] == 4
+    assert shown[("goodput_team_borrowed", (("team", "ml"),))] == 0
+    assert shown[("goodput_team_reclaimed_total", (("team", "cv"),))] == 1
+    assert ("nlp", "aws") in seen and ("ml", "dgx") in seen
+
+
 # ---- the round loop hands each decided round to its recorder -------------------------------------
 
 

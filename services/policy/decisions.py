@@ -20,7 +20,7 @@ from policies.base import Decision, Prediction
 from shared import metrics
 from shared.cluster import Cluster, Spots
 from shared.hardware import hardware_name
-from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim
+from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim, RoundRecord
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
 from shared.schema.teams import Teams
 from shared.waits import Needs, beyond_team
@@ -365,9 +365,11 @@ def round_summary(
     stages_s: Mapping[str, float],
     duration_s: float,
     events: Sequence[str] = (),
+    record: RoundRecord | None = None,
 ) -> RoundSummary:
     """The round as the dashboard and the metrics show it: its jobs, GPUs per type and state (every
-    type of the cluster, each state, zeros too), the predicted goodput, its times."""
+    type of the cluster, each state, zeros too), the predicted goodput, its times; with teams, each
+    team's use (`record`'s: the GPUs its jobs hold, borrowed, its jobs reclaimed)."""
     allocated = dict.fromkeys(cluster.gpu_types, 0)
     lent = dict.fromkeys(cluster.gpu_types, 0)
     goodput = 0.0
@@ -400,13 +402,19 @@ def round_summary(
         stages_s=dict(stages_s),
         nodes=cluster.nodes,
         events=kept,
+        team_gpus=record.team_gpus if record is not None else {},
+        team_borrowed=record.team_borrowed if record is not None else {},
+        team_reclaimed=record.team_reclaimed if record is not None else {},
     )
 
 
-def record_round_metrics(summary: RoundSummary, types_seen: set[str] | None = None) -> None:
+def record_round_metrics(
+    summary: RoundSummary, types_seen: set[str] | None = None, teams_seen: set[tuple[str, str]] | None = None
+) -> None:
     """The policy leader's round metrics from its summary (shared.metrics' catalog). `types_seen`: the
     GPU types recorded before (updated here): a type the cluster no longer has is set to 0, so
-    goodput_gpus never shows GPUs that are gone."""
+    goodput_gpus never shows GPUs that are gone; `teams_seen`, the (team, GPU type) pairs, likewise
+    for a team the team file no longer names."""
     metrics.instrument(metrics.ROUNDS).add(1)
     metrics.instrument(metrics.ROUND_DURATION).record(summary.duration_s)
     stage = metrics.instrument(metrics.STAGE_DURATION)
@@ -428,6 +436,18 @@ def record_round_metrics(summary: RoundSummary, types_seen: set[str] | None = No
             gpus.set(by_state[state].get(gpu_type, 0), {"gpu_type": gpu_type, "state": state})
     if types_seen is not None:
         types_seen |= types
+    held = {(team, t): n for team, by_type in summary.team_gpus.items() for t, n in by_type.items()}
+    pairs = set(held) | {(team, t) for team in summary.team_borrowed for t in summary.gpus_allocated}
+    team_gpus, team_borrowed = metrics.instrument(metrics.TEAM_GPUS), metrics.instrument(metrics.TEAM_BORROWED)
+    for team, gpu_type in sorted(pairs | (teams_seen or set())):
+        team_gpus.set(held.get((team, gpu_type), 0), {"team": team, "gpu_type": gpu_type})
+    for team in sorted({team for team, _ in pairs | (teams_seen or set())}):
+        team_borrowed.set(summary.team_borrowed.get(team, 0), {"team": team})
+    reclaimed = metrics.instrument(metrics.TEAM_RECLAIMED)
+    for team, jobs in summary.team_reclaimed.items():
+        reclaimed.add(jobs, {"team": team})
+    if teams_seen is not None:
+        teams_seen |= pairs
 
 
 def record_stage(stage: str, seconds: float) -> None:

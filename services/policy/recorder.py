@@ -34,6 +34,7 @@ class DecisionRecorder:
     def __init__(self, bus: Bus, ack_timeout_s: float = ACK_TIMEOUT_S) -> None:
         self.bus, self.ack_timeout_s = bus, ack_timeout_s
         self.types_seen: set[str] = set()  # the GPU types the metrics have shown
+        self.teams_seen: set[tuple[str, str]] = set()  # ... and the (team, GPU type) pairs
         self.in_flight: set[asyncio.Task] = set()  # each round's publishing and acks
         self.order = asyncio.Lock()  # the rounds are stored in their order
         self.failing = False  # the last round's record failed (said once until one succeeds)
@@ -44,7 +45,7 @@ class DecisionRecorder:
     async def decided(self, summary: RoundSummary, decisions: Sequence[JobDecision]) -> None:
         """Record the round: its metrics now, its decisions and summary in the stream in the background
         (`publish`)."""
-        record_round_metrics(summary, self.types_seen)
+        record_round_metrics(summary, self.types_seen, self.teams_seen)
         task = asyncio.ensure_future(self.publish(summary, decisions))
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)

@@ -575,6 +575,7 @@ class RoundLoop:
                 stages,
                 record.round_ms / 1e3,
                 events,
+                record,
             )
             self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply))
         return DecidedRound(apply, record, tuple(events))
