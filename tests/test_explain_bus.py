@@ -51,7 +51,11 @@ async def recorded(bus, rounds: list[tuple[RoundSummary, list[JobDecision]]]) ->
 
 
 def summary(number: int) -> RoundSummary:
-    return RoundSummary(number, 60.0 * number, "goodput", 2, 1, 1, 0, 8, nodes=NODES, events=(f"round {number}",))
+    return RoundSummary(
+        number, 60.0 * number, "goodput", 2, 1, 1, 0, 8, nodes=NODES, events=(f"round {number}",),
+        team_gpus={"nlp": {"dgx": 4}, "vision": {"dgx": 4}}, team_borrowed={"nlp": 0, "vision": 4},
+        team_reclaimed={"nlp": 1},
+    )  # fmt: skip
 
 
 async def test_explain_reads_a_jobs_last_decisions_and_names_only_the_jobs_the_asker_may_know(
@@ -96,8 +100,12 @@ async def test_explain_reads_a_jobs_last_decisions_and_names_only_the_jobs_the_a
     page = await gate.rounds_of(RoundsRequest(limit=2), ANN)
     assert [s.round for s in page.rounds] == [6, 7] and page.nodes == NODES
     assert all(s.events == () and s.nodes == () for s in page.rounds)
+    # ... and of the teams' use its own team's only, as goodput.api.teams shows it.
+    assert all((s.team_gpus, s.team_borrowed, s.team_reclaimed) == ({"nlp": {"dgx": 4}}, {"nlp": 0}, {"nlp": 1})
+               for s in page.rounds)  # fmt: skip
     operator = await gate.rounds_of(RoundsRequest(limit=2), api.OPERATOR)
     assert [s.events for s in operator.rounds] == [("round 6",), ("round 7",)]
+    assert all(set(s.team_gpus) == {"nlp", "vision"} for s in operator.rounds)
 
 
 async def test_a_login_without_a_team_knows_its_own_other_jobs_by_id_and_no_one_elses(connect_bus, name_prefix) -> None:

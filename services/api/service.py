@@ -812,9 +812,24 @@ class Gate:
 
     async def rounds_of(self, request: RoundsRequest, who: Who) -> RoundsPage:
         """The last `request.limit` rounds' summaries, oldest first, and the latest's nodes once (not
-        in each summary); their events name jobs, so only the operator has them."""
+        in each summary); their events name jobs, so only the operator has them, and a team sees its
+        own use only, as `goodput.api.teams` shows it."""
         summaries, _ = await read_last(self.bus, subjects.ROUND_DECISIONS, request.limit, RoundSummary)
-        shown = tuple(msgspec.structs.replace(s, nodes=(), events=s.events if who.everyone else ()) for s in summaries)
+
+        def seen(by_team: dict) -> dict:
+            return by_team if who.everyone else {team: v for team, v in by_team.items() if team == who.team}
+
+        shown = tuple(
+            msgspec.structs.replace(
+                s,
+                nodes=(),
+                events=s.events if who.everyone else (),
+                team_gpus=seen(s.team_gpus),
+                team_borrowed=seen(s.team_borrowed),
+                team_reclaimed=seen(s.team_reclaimed),
+            )
+            for s in summaries
+        )
         return RoundsPage(shown, summaries[-1].nodes if summaries else ())
 
     async def judge(self, data: msgspec.Raw, delivery) -> None:
