@@ -438,10 +438,11 @@ def record_round_metrics(
         types_seen |= types
     held = {(team, t): n for team, by_type in summary.team_gpus.items() for t, n in by_type.items()}
     pairs = set(held) | {(team, t) for team in summary.team_borrowed for t in summary.gpus_allocated}
+    shown = pairs | (teams_seen or set())
     team_gpus, team_borrowed = metrics.instrument(metrics.TEAM_GPUS), metrics.instrument(metrics.TEAM_BORROWED)
-    for team, gpu_type in sorted(pairs | (teams_seen or set())):
+    for team, gpu_type in sorted(shown):
         team_gpus.set(held.get((team, gpu_type), 0), {"team": team, "gpu_type": gpu_type})
-    for team in sorted({team for team, _ in pairs | (teams_seen or set())}):
+    for team in sorted({team for team, _ in shown}):
         team_borrowed.set(summary.team_borrowed.get(team, 0), {"team": team})
     reclaimed = metrics.instrument(metrics.TEAM_RECLAIMED)
     for team, jobs in summary.team_reclaimed.items():

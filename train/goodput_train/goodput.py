@@ -350,12 +350,10 @@ class _SquaredLogError:
         self.jac = np.zeros((rows, 7))
 
     def __call__(self, theta: np.ndarray) -> tuple[float, np.ndarray]:
-        alpha_c, beta_c, alpha_r, beta_r, alpha_n, beta_n, g = np.where(
-            self.fixed_mask, self.fixed_values, theta
-        ).tolist()
-        m, s, extra, multi = self.m, self.s, self.extra, self.multi
-        t_grad = alpha_c + beta_c * m  # compute_time and _sync_time, spelled out for plain floats
-        t_sync = np.where(multi, np.where(self.across, alpha_n + beta_n * extra, alpha_r + beta_r * extra), 0.0)
+        p = ThroughputParams(*np.where(self.fixed_mask, self.fixed_values, theta).tolist())  # plain floats
+        m, s, extra, multi, g = self.m, self.s, self.extra, self.multi, p.gamma
+        t_grad = compute_time(p, m)
+        t_sync = _sync_time(p, self.across, multi, extra)
         overlap = _overlap(t_grad, t_sync, g)
         pred = s * t_grad + overlap
         n, r, jac = pred.size, self.r, self.jac
