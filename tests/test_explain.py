@@ -39,7 +39,9 @@ def facts(job: str, placement=(), team: str = "default", **fields) -> JobFacts:
     return JobFacts(job, "cifar10", 0.0, 600.0, 1, 128, False, 128, 4096, placement=placement, team=team, **fields)
 
 
-def decided(cluster, jobs, placements, predictions, held=None, failed=None, evicted=(), kept=None, policy="sia"):
+def decided(
+    cluster, jobs, placements, predictions, held=None, failed=None, evicted=(), kept=None, policy="sia", waits=None
+):
     """Each job's outcome of a round that gave `placements` (its facts say where each was before)."""
     by_id = {f.job_id: f for f in jobs}
     decision = Decision(
@@ -48,7 +50,7 @@ def decided(cluster, jobs, placements, predictions, held=None, failed=None, evic
     names = [*by_id, *(held or {}), *(failed or {})]
     return [
         job_outcome(
-            j, by_id.get(j), held or {}, failed or {}, decision, placements, set(evicted), kept, cluster, policy
+            j, by_id.get(j), held or {}, failed or {}, decision, placements, set(evicted), kept, cluster, policy, waits
         )
         for j in dict.fromkeys(names)
     ]
@@ -202,8 +204,10 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     assert waits["rigid"].startswith("needs 16 GPUs of one type (A100 gives that); team nlp")
     assert team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of).keys() == {"rigid"}
 
-    outcomes = decided(cluster, [facts(job, team=team) for job, team in team_of.items()], {}, {})
-    big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models, waits=waits)
+    outcomes = decided(cluster, [facts(job, team=team) for job, team in team_of.items()], {}, {}, waits=waits)
+    assert [o.outcome for o in outcomes] == ["waits", "unallocated", "unallocated", "waits"]
+    assert span_attributes(outcomes[0])["decision"] == "waits"  # the span says what the record says
+    big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models)
     assert (big.outcome, big.change, big.reason) == ("waits", "waiting", waits["big"])
     assert sentences([big], WAITING, Namer({}, "nlp"))[0] == f"Waiting since round 4: {big.reason}."
     assert (fits.outcome, free.outcome, rigid.outcome) == ("unallocated", "unallocated", "waits")

@@ -92,9 +92,11 @@ def job_outcome(
     kept: str | None,
     cluster: Cluster,
     policy: str,
+    waits: Mapping[str, str] | None = None,
 ) -> JobOutcome:
     """What the round decided for `job` and why (`evicted`: the jobs the placer found no node for;
-    `kept`: why every job kept its placement, when the policy could not decide)."""
+    `kept`: why every job kept its placement, when the policy could not decide; `waits`: the jobs left
+    without GPUs that wait on their team's limits, `team_waits`)."""
     spots = tuple(sorted(placements.get(job, ())))
     previous = tuple(sorted((node, gpus) for node, gpus in facts.placement)) if facts is not None else ()
     if job in failed:
@@ -111,6 +113,8 @@ def job_outcome(
         outcome, reason = "evicted", f"allocated {given} by {policy}, but no node fits them"
     elif spots:
         outcome, reason = "allocated", None
+    elif waits and job in waits:
+        outcome, reason = "waits", waits[job]
     else:
         outcome, reason = "unallocated", f"no GPUs allocated by {policy}"
     gpu_type = cluster.placement_type(spots) if spots else None
@@ -244,17 +248,15 @@ def job_decisions(
     reclaims: Mapping[str, Reclaim] | None = None,
     previous_goodput: Mapping[str, float] | None = None,
     measured: Mapping[str, float] | None = None,
-    waits: Mapping[str, str] | None = None,
 ) -> list[JobDecision]:
     """Each job's JobDecision: its outcome and change, and who has what it lost or waits for.
 
     A job shrunk, moved or stopped names the jobs that gained GPUs of the type it lost this round
     (most GPUs first); a job waiting, the jobs holding GPUs of the types it may use, with the idle
-    ones; each named with its predicted goodput. A job of `waits` (`team_waits`: more GPUs of one
-    type than its team may hold) waits on that, and says so. `previous_goodput`: each job's
+    ones; each named with its predicted goodput. `previous_goodput`: each job's
     prediction of the round before; `measured`: its goodput since its placement began; `reclaims`:
     the ledger's."""
-    reclaims, previous_goodput, measured, waits = reclaims or {}, previous_goodput or {}, measured or {}, waits or {}
+    reclaims, previous_goodput, measured = reclaims or {}, previous_goodput or {}, measured or {}
     by_id = {o.job: o for o in outcomes}
     now_held = _by_type((o.job, o.gpu_type, o.gpus) for o in outcomes)
     before = _by_type((o.job, o.previous_type, o.previous_gpus) for o in outcomes)
@@ -287,9 +289,7 @@ def job_decisions(
                 MAX_HOLDERS, (h for t in types for h in holding.get(t, [])), key=lambda h: (h.gpus, h.job)
             )
             idle_gpus = sum(idle.get(t, 0) for t in types)
-        outcome, reason = o.outcome, o.reason or ""
-        if o.outcome == "unallocated" and o.job in waits:
-            outcome, reason = "waits", waits[o.job]
+        reason = o.reason or ""
         reclaim = reclaims.get(o.job)
         if (
             reclaim is not None
@@ -305,7 +305,7 @@ def job_decisions(
                 job=o.job,
                 team=o.team,
                 priority=o.priority,
-                outcome=outcome,
+                outcome=o.outcome,
                 change=o.change,
                 reason=reason,
                 gpus=o.gpus,

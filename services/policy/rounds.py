@@ -558,7 +558,17 @@ class RoundLoop:
             by_id, gone = {f.job_id: f for f in known.facts}, set(evicted)
             outcomes = [
                 job_outcome(
-                    job, by_id.get(job), held, failed, decision, placements, gone, kept, self.cluster, self.policy.name
+                    job,
+                    by_id.get(job),
+                    held,
+                    failed,
+                    decision,
+                    placements,
+                    gone,
+                    kept,
+                    self.cluster,
+                    self.policy.name,
+                    waits,
                 )
                 for job in dict.fromkeys([*active, *held, *failed])
             ]
@@ -596,7 +606,7 @@ class RoundLoop:
             if value is not None:
                 measured[o.job] = value
         decisions = job_decisions(
-            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured, apply.waits
+            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured
         )
         self._predicted = {
             o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None
