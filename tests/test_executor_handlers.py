@@ -26,6 +26,7 @@ from shared.schema import (
     Cancel,
     JobSpec,
     Node,
+    NodeInfo,
     Profiled,
     Rejected,
     Rendezvous,
@@ -386,3 +387,17 @@ async def test_the_real_apply_handler_checks_each_move_against_the_lifecycle(mon
     monkeypatch.setitem(TRANSITIONS, JobState.QUEUED, frozenset({JobState.RUNNING}))
     with pytest.raises(IllegalTransition, match="job mlp: queued -> failed"):
         await service.on_apply(ApplyRequest(0.0, {}, {}, adaptive=True, failed={"mlp": "no GPUs fit it"}))
+
+
+async def test_a_job_that_ended_holds_no_gpus_in_a_waiting_jobs_reason():
+    service = await real_service()
+    agent = service.agent
+    agent.serve_nodes({"local-0": NodeInfo("local-0", "cpu", 4, "127.0.0.1")}, set())
+    await service.on_apply(ApplyRequest(0.0, {"lm": (("local-0", 4),)}, {}, adaptive=True))
+    assert {r.name: r.reason for r in agent.records()}["mlp"].startswith("the cluster is full")
+    lm = agent.executors.jobs["lm"]
+    lm.running, lm.result = False, {}  # it finished: its placement stays as it ended
+    agent.poll()
+    reasons = {r.name: r.reason for r in agent.records()}
+    assert agent.state_of(agent.jobs["lm"]) == JobState.FINISHED
+    assert not reasons["mlp"].startswith("the cluster is full"), reasons["mlp"]

@@ -327,6 +327,12 @@ def test_progress_is_measured_at_its_current_configuration():
     idle = job_progress(stats, 32, (), rate=0.5)
     assert (idle.throughput, idle.goodput, idle.remaining_s) == (None, None, None)
     assert job_progress(None, 32) is None
+    # The submission's target wins over the one its code reports, as the scheduler plans with it;
+    # past it, no end is expected.
+    declared = job_progress(stats, 32, (("local-0", (0, 1)),), rate=0.5, declared=10.0)
+    assert (declared.target_epochs, declared.remaining_s) == (10.0, 10.0)
+    past = job_progress(stats, 32, (("local-0", (0, 1)),), rate=0.5, declared=4.0)
+    assert (past.target_epochs, past.remaining_s) == (4.0, None)
 
 
 def test_the_library_reads_its_checkpoint_from_the_environment_and_grows_its_batch_by_default(tmp_path, monkeypatch):
@@ -388,6 +394,8 @@ def test_a_status_row_joins_where_a_job_is_and_its_progress_with_nothing_danglin
     finished = {"id": "mine-1", "application": "train.py", "state": "finished", "reason": "", "batch": None}
     finished["progress"] = {"steps": 12848, "epochs": 60.0, "target_epochs": 60.0}
     assert job_row(finished).split("finished", 1)[1].strip() == "epoch 60.0 of 60 (100%)"
+    past = {**finished, "progress": {"steps": 20000, "epochs": 87.2, "target_epochs": 30.0}}
+    assert job_row(past).split("finished", 1)[1].strip() == "epoch 87.2 of 30 (100%)"
     running = {**finished, "state": "running", "gpus": 2, "gpu_type": "CPU slot", "nodes": ["cpu-0"], "batch": 128}
     running["progress"] = {"steps": 10, "epochs": 28.3, "target_epochs": 60.0, "remaining_s": 13.0}
     assert job_row(running).endswith(

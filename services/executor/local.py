@@ -147,6 +147,11 @@ class LocalJob:
     args: tuple[str, ...] = ()
     user: int | None = None  # its user's number on the nodes (its submission's: StartWorkers.user)
 
+    @property
+    def holds(self) -> Spots:
+        """The GPUs it holds: none once it ended (its placement stays as it ended, for its record)."""
+        return () if self.result is not None or self.failure else self.placement
+
     def restarted(self) -> None:
         """Its workers were stopped to start again from their checkpoint: one restart, counted."""
         self.restarts += 1

@@ -18,11 +18,15 @@ def job_progress(
     init_batch: int | None,
     parts: tuple[tuple[str, tuple[int, ...]], ...] = (),
     rate: float | None = None,
+    declared: float | None = None,
 ) -> Progress | None:
     """Its progress from its last `stats` (None: it has not reported); `parts`, the nodes and ranks
-    its workers run on now (none: not running, so no speed), `rate` its epochs per second."""
+    its workers run on now (none: not running, so no speed), `rate` its epochs per second;
+    `declared`, its submission's target, which the scheduler plans with over the one its code
+    reports. No end is expected once it trained past its target."""
     if stats is None:
         return None
+    target = declared if declared is not None else stats.target_epochs
     replicas, nodes = sum(len(ranks) for _, ranks in parts), len(parts)
     batch = replicas * stats.m * (stats.s + 1)
     step_time = next(
@@ -39,12 +43,12 @@ def job_progress(
         phi = pgns(stats.grad_sqr, stats.grad_var, init_batch) if init_batch else math.inf
         if math.isfinite(phi):
             goodput = throughput * float(efficiency(phi, init_batch, batch))
-    if replicas and stats.target_epochs is not None and rate:
-        remaining = max(stats.target_epochs - stats.epochs, 0.0) / rate
+    if replicas and target is not None and stats.epochs < target and rate:
+        remaining = (target - stats.epochs) / rate
     return Progress(
         stats.steps,
         round(stats.epochs, 4),
-        stats.target_epochs,
+        target,
         _rounded(throughput),
         _rounded(goodput),
         _rounded(remaining),

@@ -161,7 +161,7 @@ class RealExecutors:
         if not self.served:
             return unplaced_reason(ahead)
         spec = job.spec
-        held = {name: local.placement for name, local in self.executors.jobs.items() if local.placement}
+        held = {name: local.holds for name, local in self.executors.jobs.items() if local.holds}
         needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
         # Every schedulable node, the GPUs the profiler's runs take on them counted as theirs.
         return wait_reason(needs, self.schedulable, held, ahead, self.profiling_nodes())
@@ -348,7 +348,7 @@ class RealExecutors:
         self.schedulable = cluster_nodes(usable.values())[0]
         self.drained_nodes = cluster_nodes(info for name, info in members.items() if name in drained)[0]
         self.served, self._unfit = True, {}
-        training = {real_node(n) for local in self.executors.jobs.values() for n, _ in (*local.placement, *local.parts)}
+        training = {real_node(n) for local in self.executors.jobs.values() for n, _ in (*local.holds, *local.parts)}
         nodes, real = cluster_nodes(lent_to_profiling(usable.values(), self.profiling_nodes(), training))
         self.executors.cluster, self.executors.real = Cluster("live", nodes), real
         record_nodes(members, drained, self.seen)
@@ -612,6 +612,7 @@ class RealExecutors:
                         job.profiled.init_batch if job.profiled else None,
                         local.parts if local and local.heard and state == JobState.RUNNING else (),
                         local.rate if local else None,
+                        job.spec.target_epochs,
                     ),
                 )
             )
