@@ -10,6 +10,8 @@ free GPUs on one node, or (where nodes have one GPU) for two wholly free nodes; 
   (its types have no schedulable node; no configuration of its types has its GPU count), or None.
 - `beyond_team` says why a job cannot run while its team's limits stay as they are (no
   configuration that takes it fits within what its team may hold of a type), or None.
+- `team_full` says why a job that its team's limits let run waits now: the team's other jobs hold
+  so much of what it may hold of each type that no configuration taking it fits in the rest.
 - `wait_reason` says why a job that can run is not running now: GPUs that fit it are free (the
   round gave them to others, or has not run since), the cluster's GPUs of its types are all held
   (by jobs, or by profiling runs), or no free block is large enough; and how many queued jobs came
@@ -99,6 +101,32 @@ def beyond_team(needs: Needs, configs: Iterable[Config], team: str, most: Mappin
     return (
         f"needs {needs.phrase()} ({given}); team {team} may hold {holds} (its quota and borrow limit in "
         f"the team file): it waits until the team file lets it hold more"
+    )
+
+
+def team_full(
+    needs: Needs,
+    configs: Iterable[Config],
+    team: str,
+    most: Mapping[str, int],
+    holds: Mapping[str, int],
+    capacity: Mapping[str, int],
+) -> str | None:
+    """Why a job of `team` that `beyond_team` passes waits now: on every type it may use the team
+    file holds the team below the cluster (`most` under `capacity`), and the GPUs its jobs hold this
+    round (`holds`) leave less than any configuration that takes it. None when one fits in what is
+    left, or when a type it may use is limited by the cluster alone (there the cluster's fullness,
+    `wait_reason`, says why it waits)."""
+    taking = [c for c in configs if c.gpu_type in most and needs.takes(c)]
+    types = list(dict.fromkeys(c.gpu_type for c in taking))
+    if not taking or any(most[t] >= capacity[t] for t in types):
+        return None
+    if any(c.gpus <= most[c.gpu_type] - holds.get(c.gpu_type, 0) for c in taking):
+        return None
+    held = [f"{holds.get(t, 0)} of the {most[t]} {hardware_name(t)} GPUs" for t in types]
+    return (
+        f"needs {needs.phrase()}; team {team}'s jobs hold {' and '.join(held)} it may hold (its quota and "
+        f"borrow limit in the team file): it waits until they free some, or the team file lets it hold more"
     )
 
 

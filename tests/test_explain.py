@@ -202,7 +202,8 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
         "needs at least 16 GPUs of one type (A100 gives that); team nlp may hold at most 8 A100 GPUs (its quota"
     )
     assert waits["rigid"].startswith("needs 16 GPUs of one type (A100 gives that); team nlp")
-    assert team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of).keys() == {"rigid"}
+    # With "big" on 8 A100, team nlp holds all it may: "fits" waits on its team's jobs now.
+    assert team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of).keys() == {"fits", "rigid"}
 
     outcomes = decided(cluster, [facts(job, team=team) for job, team in team_of.items()], {}, {}, waits=waits)
     assert [o.outcome for o in outcomes] == ["waits", "unallocated", "unallocated", "waits"]
@@ -211,6 +212,29 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     assert (big.outcome, big.change, big.reason) == ("waits", "waiting", waits["big"])
     assert sentences([big], WAITING, Namer({}, "nlp"))[0] == f"Waiting since round 4: {big.reason}."
     assert (fits.outcome, free.outcome, rigid.outcome) == ("unallocated", "unallocated", "waits")
+
+
+def test_a_job_whose_team_holds_what_it_may_waits_on_its_teams_jobs() -> None:
+    # Team nlp may hold 8 A100 (quota 4, borrow 4); its job "held" has 6 of them this round, so "next"
+    # (at least 4) waits on the team, not on the cluster (10 A100 idle); "two" (2) would fit in what is
+    # left, and team cv, which borrows without limit, waits on the cluster alone.
+    cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
+    teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
+    team_of = {"held": "nlp", "next": "nlp", "two": "nlp", "cv": "cv"}
+    models = models_of(cluster, *team_of)
+    models = {
+        **models,
+        "next": msgspec.structs.replace(models["next"], min_gpus=4),
+        "two": msgspec.structs.replace(models["two"], min_gpus=2),
+        "cv": msgspec.structs.replace(models["cv"], min_gpus=4),
+    }
+    held = {"held": (("dgx-0", 4), ("dgx-1", 2))}
+    waits = team_waits(models.values(), held, cluster, teams, team_of)
+    assert waits == {
+        "next": "needs at least 4 GPUs of one type; team nlp's jobs hold 6 of the 8 A100 GPUs it may hold (its "
+        "quota and borrow limit in the team file): it waits until they free some, or the team file lets it hold more"
+    }
+    assert team_waits(models.values(), {}, cluster, teams, team_of) == {}  # with nothing held, it fits
 
 
 def test_predicted_against_measured_and_the_end() -> None:

@@ -23,7 +23,7 @@ from shared.hardware import hardware_name
 from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim, RoundRecord
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
 from shared.schema.teams import Teams
-from shared.waits import Needs, beyond_team
+from shared.waits import Needs, beyond_team, team_full
 
 MAX_SUMMARY_EVENTS = 50  # a round's summary keeps its first events; the rest are counted
 GPU_STATES = ("allocated", "idle", "borrowed")  # the `state` label of goodput_gpus
@@ -335,9 +335,16 @@ def team_waits(
     team_of: Mapping[str, str],
 ) -> dict[str, str]:
     """The jobs a round left without GPUs that wait on their team's limits, and why: those that need
-    more GPUs of one type than their team may hold of any type they may use (`shared.waits.beyond_team`).
+    more GPUs of one type than their team may hold of any type they may use (`shared.waits.beyond_team`),
+    and those for which the GPUs their team's jobs hold this round leave too few (`team_full`).
     A hybrid-parallel job is left out (its counts are replicas: what fits is the policy's to say)."""
     configs = cluster.configurations()
+    capacity = {t: cluster.capacity(t) for t in cluster.gpu_types}
+    holds: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # team -> type -> GPUs
+    for job, spots in placements.items():
+        gpu_type = cluster.placement_type(spots) if spots else None
+        if gpu_type is not None:
+            holds[team_of.get(job, DEFAULT_TEAM)][gpu_type] += sum(g for _, g in spots)
     said: dict[tuple, str | None] = {}  # the same for every job of one team and the same needs
     waits = {}
     for m in jobs:
@@ -347,8 +354,10 @@ def team_waits(
         usable = tuple(t for t in cluster.gpu_types if t in m.params)
         needs = Needs(m.fixed_gpus or m.min_gpus, bool(m.fixed_gpus), usable)
         if (team, needs) not in said:
-            most = {t: teams.most(team, t, cluster.capacity(t)) for t in usable}
-            said[team, needs] = beyond_team(needs, configs, team, most)
+            most = {t: teams.most(team, t, capacity[t]) for t in usable}
+            said[team, needs] = beyond_team(needs, configs, team, most) or team_full(
+                needs, configs, team, most, holds[team], capacity
+            )
         if said[team, needs] is not None:
             waits[m.job_id] = said[team, needs]
     return waits
