@@ -25,8 +25,9 @@ NO_LINES = (
     "on simulated executors, whose jobs run no code"
 )
 NO_LINES_ENDED = (
-    "no output of job {job}{rank} is stored, and it has ended (a submission refused before it ran has "
-    "none): `goodput status {job}` says how it ended"
+    "no output of job {job}{rank} is stored, and it has ended: it printed nothing, its lines aged out, it "
+    "ran on simulated executors (whose jobs run no code), or it was refused before it ran; `goodput status "
+    "{job}` says how it ended"
 )
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 

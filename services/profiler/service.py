@@ -214,7 +214,8 @@ class Profiler:
             except ProfilingFailed as error:
                 if self.stopping.is_set():  # we stopped its run: the submission goes back for another replica
                     raise RuntimeError(f"profiler stopping; {spec.id} is left to another replica") from None
-                await self.reject(spec, f"job {spec.id} cannot run: {error}", delivery)
+                # The reason names no id: a login knows its job by another (`Who.shown`) than the cluster's.
+                await self.reject(spec, f"it cannot run: {error}", delivery)
                 return
         else:
             types = [
@@ -239,8 +240,7 @@ class Profiler:
         # Tried MAX_DELIVER times: the job is refused with the reason, so it is not left unanswered.
         await self.reject(
             delivery.message,
-            f"job {delivery.message.id} could not be profiled after "
-            f"{delivery.num_delivered} tries: {type(error).__name__}: {error}",
+            f"it could not be profiled after {delivery.num_delivered} tries: {type(error).__name__}: {error}",
             delivery,
         )
 
