@@ -100,6 +100,7 @@ def job_lines(job: dict) -> list[str]:
     if job.get("restarts"):
         lines.append(f"restarts: {job['restarts']}")
     lines += (job.get("reason") or "").splitlines()[1:]
+    lines += [f"another body sent under its id was refused: {_summary(r)}" for r in job.get("refusals") or ()]
     return lines
 
 

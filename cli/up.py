@@ -708,7 +708,7 @@ def _status(args: argparse.Namespace) -> int:
     server = args.server
     options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
     try:
-        statuses, policy = asyncio.run(_query(server, **options))
+        statuses, policy = asyncio.run(_query(server, args.ids, **options))
     except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
         raise ValueError(credentials.unreachable(server, exc, options)) from None
     jobs = [msgspec.to_builtins(status) for status in statuses]
@@ -823,18 +823,23 @@ def run_document(policy) -> dict:
     }
 
 
-async def _query(server: str, **options):
-    """The login's jobs (every job, for the operator), page by page through the user API, and the
-    policy's status."""
+async def _query(server: str, ids: list[str], **options):
+    """The login's jobs (every job, for the operator), page by page through the user API, each of
+    `ids` as `goodput.api.job` tells it (with the refusals of other bodies under its id) first; and
+    the policy's status."""
     import nats.errors
+    from nats.micro.request import ServiceError
 
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import MAX_PAGE, Ack, JobsPage, JobsRequest, PolicyStatus
+    from shared.schema import MAX_PAGE, Ack, JobRequest, JobsPage, JobsRequest, JobStatus, PolicyStatus
 
     bus = await Bus.connect_once(server, "goodput-status", **options)
     try:
         statuses, offset = [], 0
+        for job_id in dict.fromkeys(ids):
+            with contextlib.suppress(ServiceError):  # none of the login's: the listing says so
+                statuses.append(await bus.request(subjects.API_JOB, JobRequest(job_id), JobStatus, timeout=10))
         while offset is not None:
             page = await bus.request(
                 subjects.API_JOBS, JobsRequest(offset=offset, limit=MAX_PAGE), JobsPage, timeout=10

@@ -81,6 +81,10 @@ class ExecutorsBus(RecordingBus):
         if base == subjects.STORED:
             self.jobs[msg.id] = JobRecord(msg.id, msg.application, 0.0, None, 0, 0.0, None, state="queued")
             self.jobs[msg.id] = msgspec.structs.replace(self.jobs[msg.id], owner=login, team=msg.team)
+        elif base == subjects.REFUSED and msg.job_id is not None:  # listed apart, as the executors do
+            self.jobs[f"apart.{len(self.jobs)}"] = JobRecord(
+                msg.job_id, "", 0.0, None, 0, 0.0, None, failure=msg.reason, state="rejected", owner=login, team=team
+            )
         elif subject == subjects.CANCEL:
             self.jobs[msg.job_id] = msgspec.structs.replace(self.jobs[msg.job_id], state=JobState.CANCELLED)
         return ack
@@ -201,6 +205,18 @@ async def test_an_id_too_long_within_its_team_and_a_default_id_in_a_teams_name_a
     assert not squatting.accepted and "ids beginning nlp. are team nlp's" in squatting.reason, squatting
     assert (await judge.submit(body("other.bert-1"), ALICE)).accepted  # no team of that name
     assert [s.id for _, s, _ in bus.stored()] == [f"nlp.{longest}", "x" * MAX_ID, "other.bert-1"]
+
+
+async def test_a_job_names_the_other_bodies_refused_under_its_id_and_the_list_shows_it_once() -> None:
+    judge, _, _ = gate()
+    assert (await judge.submit(body("bert-1"), ANN)).accepted
+    other = await judge.submit(body("bert-1", requested_gpus=2), BOB)  # another body under a taken id
+    assert not other.accepted
+    found = await judge.job_of(JobRequest("bert-1"), ANN)
+    assert (found.state, found.refusals) == ("queued", (other.reason,))
+    assert [j.id for j in (await judge.jobs_of(JobsRequest(), ANN)).jobs] == ["bert-1"]
+    assert (await judge.submit(body("bert-1"), VIC)).accepted  # vision's bert-1 is another job
+    assert (await judge.job_of(JobRequest("bert-1"), VIC)).refusals == ()
 
 
 async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else_does() -> None:

@@ -386,6 +386,9 @@ def test_status_shows_progress_speed_the_expected_end_and_metrics_readably():
     assert row.endswith("failed     its workers crashed 3 times; the end of its stderr: ValueError: x"), row
     done = {"state": "finished", "reason": "", "jct_s": 18720.0, "gpu_seconds": 302400.0, "restarts": 1}
     assert job_lines(done) == ["finished 5 h 12 min after its submission, 84 GPU-hours", "restarts: 1"]
+    taken = {**done, "restarts": 0, "refusals": ["job x already exists: another submission holds this id"]}
+    assert job_lines(taken)[1:] == ["another body sent under its id was refused: job x already exists: another "
+                                    "submission holds this id"]  # fmt: skip
 
 
 def test_a_status_row_joins_where_a_job_is_and_its_progress_with_nothing_dangling():

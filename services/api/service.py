@@ -85,6 +85,7 @@ from shared.schema import (
     JOB_STATES,
     MARK_TTL_S,
     MAX_ID,
+    MAX_REFUSALS,
     Ack,
     Cancel,
     CancelAnswer,
@@ -489,6 +490,13 @@ class Gate:
         records = await self.records(who.query(job_id))
         # The job under the id before a refusal recorded under it (the operator sees both).
         found = min((j for j in job_statuses(records.jobs) if j.id == scoped), key=refused, default=None)
+        # The refusals of other bodies sent under the id (a body sent on the durable subject learns
+        # its verdict here): every refusal under it but the job's own.
+        others = [r.failure or "" for r in records.jobs if r.name == scoped and r.state == JobState.REJECTED]
+        if found is not None and refused(found) and found.reason in others:
+            others.remove(found.reason)
+        if found is not None and others:
+            found = msgspec.structs.replace(found, refusals=tuple(others[-MAX_REFUSALS:]))
         if found is None or found.state == JobState.REJECTED:
             held = await self.owners.get(scoped)
             # Stored, not yet read by the executors. A refusal they show is then an earlier body's (a

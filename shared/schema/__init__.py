@@ -19,6 +19,7 @@ conversation's messages (its docstring says who sends and who answers); every na
 from goodput_train.protocol import JobStats, ProfilePoint, ProfileRun
 from shared.schema.api import (
     MAX_PAGE,
+    MAX_REFUSALS,
     CancelAnswer,
     JobRequest,
     JobsPage,
@@ -216,6 +217,7 @@ __all__ = [
     "MAX_ID",
     "MAX_PAGE",
     "MAX_PRIORITY",
+    "MAX_REFUSALS",
     "MAX_RECORDED_PAYLOAD",
     "MAX_SUBMIT_S",
     "ModelsReply",

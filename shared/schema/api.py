@@ -38,6 +38,8 @@ class JobStatus(msgspec.Struct, frozen=True):
     borrowed: int = 0  # while running: of its `gpus`, those beyond its team's guarantee (lent by others)
     reclaims: tuple[Reclaim, ...] = ()  # the last times it was shrunk or stopped for a team's guarantee
     placement: tuple[tuple[str, int], ...] = ()  # while running: (node, GPUs) on each of its `nodes`
+    # goodput.api.job: other bodies sent under its id and refused, each's reason (the latest MAX_REFUSALS)
+    refusals: tuple[str, ...] = ()
 
 
 def job_status(record: JobRecord) -> JobStatus:
@@ -84,6 +86,7 @@ class JobRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 MAX_PAGE = 500
+MAX_REFUSALS = 5  # JobStatus.refusals
 
 
 class JobsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
