@@ -218,14 +218,25 @@ def _up(args: argparse.Namespace) -> int:
         return _up_on(args, data, real)
 
 
+def prepare(data: Path, fresh: bool) -> None:
+    """DATA's folders before the stack starts: with `fresh`, the explicit wipe (an empty cluster, real
+    jobs from scratch); then, as root, the way to the jobs' folders in DATA/work opened to their
+    users (after the wipe, which would take it with it: the agents would then run jobs as root)."""
+    from shared.files import make_passable
+
+    if fresh:
+        for folder in ("jetstream", "work"):
+            shutil.rmtree(data / folder, ignore_errors=True)
+    if os.geteuid() == 0:
+        make_passable(data, data / "work")
+
+
 def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
     """`goodput up` on its data folder, made private with what an earlier version left there."""
     from launcher.nats import embedded_nats, port_in_use, stop_orphan_server
-    from shared.files import make_passable, make_private
+    from shared.files import make_private
 
     make_private(data)
-    if os.geteuid() == 0:  # its agents run jobs as users of their own: the way to their folders in DATA/work
-        make_passable(data, data / "work")
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if real else "sia-hetero-64")
     teams = _teams_in_force(args, data)  # refused here, before anything starts
     with _holding(data):
@@ -234,9 +245,7 @@ def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
             print(f"stopped the NATS server (pid {orphan}) that a killed goodput up left serving {data}", flush=True)
         if port_in_use(args.port):
             raise ValueError(_port_taken(args.port))
-        if args.fresh:  # the explicit wipe: an empty cluster, real jobs from scratch
-            for folder in ("jetstream", "work"):
-                shutil.rmtree(data / folder, ignore_errors=True)
+        prepare(data, args.fresh)
         resumed = (data / "jetstream").is_dir()
         if args.insecure:
             print(

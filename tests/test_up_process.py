@@ -12,10 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from cli.up import EXAMPLE_JOBS, start_jobs
+from cli.up import EXAMPLE_JOBS, prepare, start_jobs
 from services.executor.processes import JOBS_PACKAGE
+from shared.files import PASSABLE_FOLDER, PRIVATE_FOLDER
 
 EXAMPLES = [str(p) for p in EXAMPLE_JOBS]
+
+
+def test_a_fresh_start_wipes_the_jobs_folders_and_leaves_the_way_to_them_open_to_the_jobs_users(tmp_path):
+    # Were the way opened before the wipe, DATA/work would come back closed, and the agents (root)
+    # would run every job's code as root.
+    data = tmp_path / "data"
+    (data / "work" / "node").mkdir(parents=True, mode=PRIVATE_FOLDER)
+    (data / "jetstream").mkdir()
+    os.chmod(data / "work", PRIVATE_FOLDER)
+    prepare(data, fresh=True)
+    assert not (data / "jetstream").exists() and not (data / "work" / "node").exists()
+    if os.geteuid() == 0:
+        assert {oct(os.stat(f).st_mode & 0o777) for f in (data, data / "work")} == {oct(PASSABLE_FOLDER)}
 
 
 def test_real_executors_start_with_the_example_jobs_only_when_asked():
