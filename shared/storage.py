@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 DAY_S = 24 * 3600.0
 MAX_SUBMISSION_BYTES = 64 * KIB  # a JobSpec is a few hundred bytes; anything this large is not one
+# A valid submission as the jobs stream stores it (its args and names): what the counts below bound,
+# so that one login's (80 MiB) or one team's (400 MiB) fill less than USERS_SHARE of the 1 GiB stream.
+MAX_STORED_BYTES = 4 * KIB
 MAX_INTAKE_BYTES = 16 * KIB  # ... and one a login stores itself, raw, at most this
 LEASE_TTL_S = 5.0  # the policy lease: a dead leader is replaced within this
 LOG_BATCHES_PER_RANK = 1_000  # a rank's output kept: this many batches (each at most 64 lines, 32 KiB)
@@ -55,7 +58,7 @@ SETUP_HINT = (
 class LoginLimits:
     """What one login may keep and ask, so that it never fills or stalls what every login shares."""
 
-    submissions: int = 20_000  # valid submissions kept in the jobs stream (its 30 days); ~1 KiB each at most
+    submissions: int = 20_000  # valid submissions kept in the jobs stream (its 30 days), each MAX_STORED_BYTES at most
     refusals: int = 1_000  # records of its refused bodies kept there (beyond: answered, not recorded)
     backlog: int = 5_000  # its own submissions waiting in the intake stream (each at most MAX_INTAKE_BYTES)
 
@@ -68,7 +71,7 @@ class TeamLimits:
     """What one team's logins keep together, so that a team that floods fills only its own share of
     the jobs stream and the other teams still submit (DEFAULT_TEAM's logins are one team too)."""
 
-    submissions: int = 100_000  # valid submissions kept in the jobs stream; ~1 KiB each at most
+    submissions: int = 100_000  # valid submissions kept in the jobs stream, each MAX_STORED_BYTES at most
     refusals: int = 5_000  # records of its refused bodies kept there (beyond: answered, not recorded)
 
 

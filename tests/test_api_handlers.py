@@ -112,6 +112,22 @@ async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_store
     assert (record.job_id, record.reason, record.subject) == ("typo-1", answer.reason, subjects.API_SUBMIT)
 
 
+async def test_a_submission_larger_than_the_logins_limits_count_is_refused_and_not_stored() -> None:
+    # A login's and a team's limits count submissions; each is at most MAX_STORED_BYTES as stored, so
+    # neither one login nor one team can fill the logins' share of the jobs stream for everyone.
+    from shared.storage import LOGIN_LIMITS, MAX_STORED_BYTES, STREAMS, TEAM_LIMITS, USERS_SHARE
+
+    share = USERS_SHARE * STREAMS[subjects.JOBS_STREAM].limits["max_bytes"]
+    assert TEAM_LIMITS.submissions * MAX_STORED_BYTES < share and LOGIN_LIMITS.submissions * MAX_STORED_BYTES < share
+    judge, bus, owners = gate()
+    fat = {"id": "fat-1", "code": "a" * 64, "entrypoint": "train.py", "args": ["x" * 1000] * 8}
+    answer = await judge.submit(msgspec.json.encode(fat), api.Who("alice"))
+    assert not answer.accepted and "as stored, is at most 4 KiB" in answer.reason, answer
+    assert bus.stored() == [] and owners.entries == {}
+    fine = {**fat, "id": "fine-1", "args": ["x" * 1000] * 3}
+    assert "as stored" not in (await judge.submit(msgspec.json.encode(fine), api.Who("alice"))).reason
+
+
 async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -> None:
     judge, bus, owners = gate(lambda spec: f"unknown application {spec.application!r}")
     answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), api.Who("alice"))

@@ -118,7 +118,16 @@ from shared.schema import (
     submission_msg_id,
 )
 from shared.schema.decisions import ExplainRequest, Explanation, JobDecision, RoundsPage, RoundsRequest, RoundSummary
-from shared.storage import LOGIN_LIMITS, MAX_SUBMISSION_BYTES, TEAM_LIMITS, USERS_SHARE, LoginLimits, TeamLimits
+from shared.storage import (
+    KIB,
+    LOGIN_LIMITS,
+    MAX_STORED_BYTES,
+    MAX_SUBMISSION_BYTES,
+    TEAM_LIMITS,
+    USERS_SHARE,
+    LoginLimits,
+    TeamLimits,
+)
 from shared.submissions import agents_models, id_taken, malformed_reason, submission_problem
 from shared.teams import TeamFile, Teams, resolve, scoped_id, user_id
 
@@ -601,6 +610,13 @@ class Gate:
 
     async def judged(self, spec: JobSpec, data: bytes, who: Who, came: str) -> SubmitAnswer:
         """`submit`'s judgement of a well-formed body: refused with the reason, or stored."""
+        scoped = msgspec.structs.replace(spec, id=scoped_id(who.team, spec.id), team=who.team)
+        if (size := len(self.bus.encode(scoped))) > MAX_STORED_BYTES:  # what a login's limits count
+            reason = (
+                f"a job's submission, as stored, is at most {MAX_STORED_BYTES // KIB} KiB (its id, names and "
+                f"args); this one is {size / KIB:.1f} KiB"
+            )
+            return await self.refuse(data, reason, who, spec.id, came, cause="too_large")
         reason, cause = await self.team_problem(spec, who), "team"
         if reason is None:
             reason, cause = self.problem(spec), "unschedulable"
@@ -613,7 +629,6 @@ class Gate:
         async with self.kept.room(who, subjects.STORED) as room:
             if room.refusal is not None:
                 return await self.refuse(data, room.refusal, who, spec.id, came, cause="over_limit")
-            scoped = msgspec.structs.replace(spec, id=scoped_id(who.team, spec.id), team=who.team)
             return await self.store(scoped, who, room, data, came)
 
     async def team_problem(self, spec: JobSpec, who: Who) -> str | None:
