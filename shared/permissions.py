@@ -12,13 +12,16 @@ accounts:
   team's (its login named after it, made by `goodput up --teams`, and those added with `--team`).
   A login is one NATS user, with its own inboxes, and a user name no other account holds. A login
   reaches the services only through what GOODPUT exports (`EXPORTS`: the user API, the policy's
-  status, the service discovery, the intake), imported with `share: true`, so every request
+  status, the intake), imported with `share: true`, so every request
   carries the server's word of who sent it (the `Nats-Request-Info` header: the account and the
   user, set by the server over whatever the client wrote). The answer travels on the server's
   response mapping (`_R_.…` in GOODPUT, back to the requester's reply subject in its account):
   whatever reply subject a login names, nothing a service answers can land in a stream, a KV key
   or another service, since those are all in GOODPUT, where no login publishes. That holds for
-  every responder, `$SRV.PING|INFO|STATS` of `nats.micro` included, without any handler checking.
+  every responder, without any handler checking. The NATS service API (`$SRV.PING|INFO|STATS` of
+  `nats.micro`) is not exported: every instance of every service answers each such request, at no
+  limit of a login's (the user API's `RequesterLimits` do not see them), so one login's flood of
+  them would stall the user API for every team.
 
 Why an account per team, and not per-team subjects in one account: the team is then the server's
 word in the same header that names the login (`account_team` of its account), on every request and
@@ -46,8 +49,8 @@ Within GOODPUT the rules, beyond each role's own subjects:
 - Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a login cannot.
 
 A login may publish its own submissions (`goodput.jobs.submit.<login>`, stored in the intake stream,
-whose ack comes back on its inbox), use the user API (`goodput.api.*`), read the policy's status and
-discover the services; it subscribes to its own inboxes only, so no login reads another's answers.
+whose ack comes back on its inbox), use the user API (`goodput.api.*`, whose `schemas` endpoint
+describes it) and read the policy's status; it subscribes to its own inboxes only, so no login reads another's answers.
 
 Passwords never live here or in the repository: the renderers take them as mappings, and
 `passwords_from` reads them from files or the environment.
@@ -94,7 +97,6 @@ EXPORTS = (*subjects.API_SUBJECTS, subjects.POLICY_STATUS)
 # A login's own intake subject, `goodput.jobs.submit.<login>` in its account, lands in GOODPUT as
 # `goodput.jobs.submit.<team>.<login>`: the import maps it, so the team is the server's word.
 INTAKE_EXPORT = subjects.intake("*", "*")
-DISCOVERY = "$SRV.>"  # exported with streamed responses: every service answers a ping
 PASSWORD_ENV_PREFIX = "GOODPUT_NATS_PASSWORD_"  # + role in capitals, e.g. GOODPUT_NATS_PASSWORD_PLACER
 # A login's name: a NATS user and a subject token, so no dots or wildcards; never a role's name.
 LOGIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
@@ -261,7 +263,7 @@ def _service(name: str, publish: Iterable[str], subscribe: Iterable[str]) -> Per
 def login_permissions(login: str) -> Permissions:
     """A login, in LOGINS: what GOODPUT exports, its own intake subject, its own inboxes."""
     return Permissions(
-        publish=(*subjects.API_SUBJECTS, subjects.POLICY_STATUS, *SERVICE_API, subjects.submit(login)),
+        publish=(*subjects.API_SUBJECTS, subjects.POLICY_STATUS, subjects.submit(login)),
         subscribe=(f"{inbox_prefix(login)}.>",),
     )
 
@@ -467,7 +469,7 @@ def render_accounts(
     limits: LoginLimits = LoginLimits(),
 ) -> str:
     """nats-server's `accounts { ... }` block: SERVICE_ACCOUNT with a user per role in `passwords`
-    (with JetStream, exporting EXPORTS, the intake and the discovery), and an account per team of
+    (with JetStream, exporting EXPORTS and the intake), and an account per team of
     the logins (`team_account`; LOGINS_ACCOUNT, DEFAULT_TEAM's, always), with a user per login of
     `logins` of that team (`teams`: login -> its team; DEFAULT_TEAM for a login it does not name),
     importing the exports (the requester's info shared) and the intake of its own team only, held
@@ -483,7 +485,7 @@ def render_accounts(
         lines += _user(role, password, roles[role])
     lines += ["    ]", "    exports: ["]
     lines += [f"      {{service: {json.dumps(subject)}}}" for subject in (*EXPORTS, INTAKE_EXPORT)]
-    lines += [f"      {{service: {json.dumps(DISCOVERY)}, response_type: stream}}", "    ]", "  }"]
+    lines += ["    ]", "  }"]
     by_team: dict[str, dict[str, str]] = {subjects.DEFAULT_TEAM: {}}
     for login, password in logins.items():
         by_team.setdefault(teams.get(login, subjects.DEFAULT_TEAM), {})[login] = password
@@ -516,7 +518,7 @@ def _login_account(team: str, logins: Mapping[str, str], limits: LoginLimits) ->
     # replaced).
     lines += [
         f"      {{service: {{account: {SERVICE_ACCOUNT}, subject: {json.dumps(subject)}}}, share: true}}"
-        for subject in (*EXPORTS, DISCOVERY)
+        for subject in EXPORTS
     ]
     # The login's `submit(login)` lands on its own team's intake subject: the team is the account's.
     lines.append(

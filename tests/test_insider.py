@@ -17,6 +17,18 @@ import pytest
 from test_live_service import GOODPUT, ROOT, Up, command_env, stack, user_login, wait_for  # noqa: F401 - stack: the fixture
 
 SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")
+
+
+def operator_login(data: Path) -> dict:
+    """nats-py connect options for the operator, whose password `goodput up` keeps in DATA/secrets."""
+    return {
+        **user_login(data),
+        "user": "operator",
+        "password": (data / "secrets" / "operator").read_text().strip(),
+        "inbox_prefix": "_INBOX_operator",
+    }
+
+
 # Where an insider points a service's answer: the live run's checkpoint, a job's owner and estimate,
 # the jobs stream's subjects, the JetStream API.
 TARGETS = (
@@ -102,20 +114,20 @@ def wait_finished(options: dict, job_id: str, timeout_s: float = 300.0) -> None:
 
 
 async def point_replies(data: Path) -> None:
-    """Every responder asked to answer onto every target: `$SRV.PING|INFO|STATS`, bare and per
-    service, and each user API endpoint."""
+    """Every responder a login may ask asked to answer onto every target: each user API endpoint
+    (the NATS service API, `$SRV.*`, is not a login's to ask); then the services found as `nats
+    micro ls` does, as the operator."""
     nc = await nats.connect(**user_login(data))
     try:
-        for verb in ("PING", "INFO", "STATS"):
-            for subject in (f"$SRV.{verb}", *(f"$SRV.{verb}.{service}" for service in SERVICES)):
-                for target in TARGETS:
-                    await nc.publish(subject, b"", reply=target)
         for endpoint in ("submit", "job", "jobs", "cancel", "schemas"):
             for target in TARGETS:
                 await nc.publish(f"goodput.api.{endpoint}", b'{"id": "x"}', reply=target)  # no job: refused
-        await nc.flush()
-        # Discovery as `nats micro ls` does it: one ping, every service's answer (after the tricks,
-        # each service's: one connection, in order).
+        await nc.request("goodput.api.schemas", b"{}", timeout=30)  # after the tricks, on their connection
+    finally:
+        await nc.close()
+    nc = await nats.connect(**operator_login(data))
+    try:
+        # Discovery as `nats micro ls` does it: one ping, every service's answer.
         seen: set[str] = set()
         everyone = asyncio.Event()
 

@@ -354,12 +354,12 @@ def test_service_with_a_password_file_connects_and_answers_ping(secured: str, tm
         stderr=subprocess.STDOUT,
     )
     try:
-        # The probe's URL carries the user role's credentials (a user may ping services); its
-        # replies come back on the user role's inboxes.
+        # The probe's URL carries the service's own credentials (a service may ping itself; a login
+        # may not ask the NATS service API); its replies come back on the service's inboxes.
         host = secured.removeprefix("nats://")
         answer = asyncio.run(
             ping_until_ready(
-                process, f"nats://user:{PASSWORDS['user']}@{host}", inbox_prefix=permissions.inbox_prefix("user")
+                process, f"nats://placer:{PASSWORDS['placer']}@{host}", inbox_prefix=permissions.inbox_prefix("placer")
             )
         )
         assert answer["name"] == "placer"
@@ -687,25 +687,25 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
 
 
 async def test_a_logins_reply_subject_never_reaches_the_services_account(secured: str) -> None:
-    """The server's own guard, for a responder that answers whatever reply a request names (as
-    nats.micro's $SRV handlers do): a login's ping with its reply set to the JetStream API reaches
-    the service with the server's response mapping as its reply, and the answer goes back to the
-    logins' account: the stream stays, and the responder was never refused."""
+    """The server's own guard, for a responder that answers whatever reply a request names: a
+    login's request with its reply set to the JetStream API reaches the service with the server's
+    response mapping as its reply, and the answer goes back to the logins' account: the stream
+    stays, and the responder was never refused."""
     executor_errors: list[Exception] = []
-    executor = await connect(secured, "executor", executor_errors)
+    executor = await connect(secured, "api", executor_errors)
     replies: list[str] = []
 
     async def answer_anything(msg) -> None:
         replies.append(msg.reply)
         await msg.respond(b"{}")
 
-    await executor.nc.subscribe("$SRV.PING.trap", cb=answer_anything)
+    await executor.nc.subscribe(subjects.API_SCHEMAS, cb=answer_anything)
     await executor.flush()
     user, operator = await connect(secured, "user"), await connect(secured, "operator")
     try:
         before = await operator.js.stream_info(subjects.JOBS_STREAM)
         evil = f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}"
-        await user.nc.publish("$SRV.PING.trap", b"", reply=evil)
+        await user.nc.publish(subjects.API_SCHEMAS, b"", reply=evil)
         await user.flush()
         while not replies:
             await asyncio.sleep(0.02)

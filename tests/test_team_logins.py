@@ -110,8 +110,9 @@ def test_each_teams_logins_are_in_its_account_importing_its_own_intake_only():
             f'      {{service: {{account: GOODPUT, subject: "{subjects.intake(team, "*")}"}}, '
             f'to: "{subjects.submit("*")}", share: true}}'
         ]
-        for subject in (*permissions.EXPORTS, permissions.DISCOVERY):  # what LOGINS imports, each team imports
+        for subject in permissions.EXPORTS:  # what LOGINS imports, each team imports
             assert f'subject: "{subject}"}}, share: true}}' in block
+        assert "$SRV" not in block  # the NATS service API: every instance answers, at no login's limit
     with pytest.raises(ValueError, match="logins there are not: bob"):
         permissions.render_accounts(PASSWORDS, LOGINS, teams={"bob": "vision"})
     with pytest.raises(ValueError, match="a team's name"):
