@@ -134,14 +134,12 @@ def load_job(path: str | Path, archive: str | None = None):
         raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}{hint}") from None
 
 
-async def submit(spec, server: str, **options) -> bool:
-    """Publish the spec to the login's own intake subject; True if stored, False if the same body was
-    stored there before. The gate then judges it as the API would (`goodput status ID` shows its
+async def submit(spec, server: str, **options) -> None:
+    """Publish the spec to the login's own intake subject, where it is stored. The gate then judges it as the API would (`goodput status ID` shows its
     verdict). `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`: their
     user is the login (none: the operator's, on an insecure stack)."""
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import submission_msg_id
     from shared.storage import MAX_INTAKE_BYTES
 
     bus = await Bus.connect_once(server, "goodput-submit", **options)
@@ -151,12 +149,11 @@ async def submit(spec, server: str, **options) -> bool:
                 f"job {spec.id}: a submission stored with --stream is at most {MAX_INTAKE_BYTES // 1024} KiB"
             )
         try:
-            ack = await bus.js_publish(
+            await bus.js_publish(
                 subjects.submit(options["user"])
                 if options.get("user")
                 else subjects.intake(subjects.DEFAULT_TEAM, subjects.OPERATOR),
                 spec,
-                msg_id=submission_msg_id(spec),
                 timeout=10,
             )
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
@@ -166,7 +163,6 @@ async def submit(spec, server: str, **options) -> bool:
             ) from None
         except nats.js.errors.APIError as error:  # e.g. this login's backlog is full: it refuses, drops nothing
             raise ValueError(f"the intake stream refused job {spec.id}: {error.description}") from None
-        return not ack.duplicate
     finally:
         await bus.close()
 
@@ -251,14 +247,10 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
     if args.stream:
         options = credentials.connect_options(credentials.from_args(args))
         try:
-            stored = asyncio.run(submit(spec, args.server, **options))
+            asyncio.run(submit(spec, args.server, **options))
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             raise ValueError(credentials.unreachable(args.server, exc, options)) from None
-        print(
-            f"{spec.id}: stored; the API judges it next (`goodput status {spec.id}`)"
-            if stored
-            else f"{spec.id}: already submitted, not stored again"
-        )
+        print(f"{spec.id}: stored; the API judges it next (`goodput status {spec.id}`)")
         return 0
     refused = f"job {spec.id} refused: "
     answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer, refused=refused)

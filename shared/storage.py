@@ -114,13 +114,16 @@ STREAMS = {
     s.name: s
     for s in (
         # What logins publish themselves, until the gate has judged it (then deleted: a work queue); a
-        # login's backlog is bounded, the stream refusing its next message rather than another's.
+        # login's backlog is bounded, the stream refusing its next message rather than another's. Its
+        # window of message ids is the least JetStream allows (100 ms): the window is the stream's, not
+        # a login's, so another login's id (the same job file, or a guess) would drop yours as a
+        # repeat. The gate tells a repeat itself (the same body under an id it holds).
         Stream(
             subjects.INTAKE_STREAM,
             subjects.INTAKE_SUBJECTS,
             {
                 "retention": api.RetentionPolicy.WORK_QUEUE,
-                "duplicate_window": 600.0,
+                "duplicate_window": 0.1,
                 "max_bytes": 512 * MIB,
                 "max_age": 7 * DAY_S,
                 "max_msg_size": MAX_INTAKE_BYTES,
