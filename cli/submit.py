@@ -135,8 +135,8 @@ def load_job(path: str | Path, archive: str | None = None):
 
 
 async def submit(spec, server: str, **options) -> None:
-    """Publish the spec to the login's own intake subject, where it is stored. The gate then judges it as the API would (`goodput status ID` shows its
-    verdict). `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`: their
+    """Publish the spec to the login's own intake subject, where it is stored. The gate then judges
+    it as the API would (`goodput status ID` shows its verdict). `options`: nats-py connect options, e.g. `shared.credentials.connect_options()`: their
     user is the login (none: the operator's, on an insecure stack)."""
     from shared import subjects
     from shared.bus import Bus
