@@ -72,3 +72,26 @@ async def test_a_profiling_run_takes_a_node_that_trains_no_job_and_any_when_that
         turns = measure.NodeTurns(members, busy)
         taken = {(await turns.take("cpu")).name for _ in range(4)}
         assert taken == {"cpu-0", "cpu-1", "cpu-2", "cpu-3"}  # each lent once
+
+
+async def test_runs_waiting_for_a_node_take_it_in_turn_by_team_not_in_the_order_they_came():
+    """One node, held by one of team a's runs; a's four more wait, then b's one: b's goes next (its
+    team's last turn is the oldest), then a's in the order they came."""
+    turns = measure.NodeTurns(Members(NodeInfo("cpu-0", "cpu", 1, "127.0.0.1")))
+    first = await turns.take("cpu", whose="a")
+    order: list[str] = []
+
+    async def run(name: str, whose: str) -> None:
+        node = await turns.take("cpu", whose=whose)
+        order.append(name)
+        await turns.give_back(node.name)
+
+    waiting = [asyncio.ensure_future(run(f"a{i}", "a")) for i in range(1, 5)]
+    while len(turns._waiting["cpu"]) < 4:
+        await asyncio.sleep(0)
+    waiting.append(asyncio.ensure_future(run("b1", "b")))
+    while len(turns._waiting["cpu"]) < 5:
+        await asyncio.sleep(0)
+    await turns.give_back(first.name)
+    await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    assert order == ["b1", "a1", "a2", "a3", "a4"]

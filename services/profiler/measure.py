@@ -15,13 +15,17 @@ one run, the job is refused saying so.
 
 `NodeTurns` gives each profiling run a node of its own: runs of several submissions at once go to
 different nodes (a second run on a node's one GPU would distort both measurements), and one run
-waits only for a node of its type, never behind another job's run elsewhere.
+waits only for a node of its type, never behind another job's run elsewhere. Runs waiting for a
+type's nodes take them in turn by whose they are (a team's, or a login's of the default team): the
+one whose last turn is oldest first, so one team's many submissions delay another's by one run
+each, not by all of theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Collection
@@ -65,30 +69,47 @@ class NodeTurns:
         self.training = training
         self.busy: set[str] = set()
         self._freed = asyncio.Condition()
+        self._waiting: dict[str, list[tuple[str, int]]] = {}  # type -> (whose, ticket) of each waiting run
+        self._tickets = itertools.count()
+        self._last_turn: dict[str, int] = {}  # whose -> the ticket count at its last turn
 
-    async def take(self, gpu_type: str, wait_s: float = NODE_WAIT_S, after: str = "") -> NodeInfo:
+    async def take(self, gpu_type: str, wait_s: float = NODE_WAIT_S, after: str = "", whose: str = "") -> NodeInfo:
         """A live node of `gpu_type` that profiles nothing now (at random among them), taken until
-        `give_back`. Nodes of the type busy with other runs are waited for as long as they take; no
-        node of the type served at all, for `wait_s`: ProfilingFailed (`after`: what happened before,
-        for its reason)."""
+        `give_back`. Nodes of the type busy with other runs are waited for as long as they take, in
+        turn by `whose` run it is (the one whose last turn is oldest first, then the longest
+        waiting); no node of the type served at all, for `wait_s`: ProfilingFailed (`after`: what
+        happened before, for its reason)."""
         deadline = asyncio.get_running_loop().time() + wait_s
-        while True:
-            nodes = [info for info in (await self.members.values()).values() if info.gpu_type == gpu_type]
-            idle = [info for info in nodes if info.name not in self.busy]
-            if idle:
-                training = await self._training() if len(idle) > 1 else set()
-                info = random.choice([info for info in idle if info.name not in training] or idle)
-                self.busy.add(info.name)
-                return info
-            if nodes:
-                deadline = asyncio.get_running_loop().time() + wait_s  # served, only busy
-            elif asyncio.get_running_loop().time() > deadline:
-                raise ProfilingFailed(
-                    f"{after}no node of type {gpu_type} has been served for {wait_s:.0f} s to profile it on"
-                )
-            async with self._freed:  # a run ends, or a second passes (a node joins)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._freed.wait(), 1.0)
+        mine = (whose, next(self._tickets))
+        waiting = self._waiting.setdefault(gpu_type, [])
+        waiting.append(mine)
+        try:
+            while True:
+                nodes = [info for info in (await self.members.values()).values() if info.gpu_type == gpu_type]
+                idle = [info for info in nodes if info.name not in self.busy]
+                if idle and mine in sorted(waiting, key=self._turn)[: len(idle)]:
+                    training = await self._training() if len(idle) > 1 else set()
+                    info = random.choice([info for info in idle if info.name not in training] or idle)
+                    self.busy.add(info.name)
+                    self._last_turn[whose] = next(self._tickets)
+                    return info
+                if nodes:
+                    deadline = asyncio.get_running_loop().time() + wait_s  # served, only busy
+                elif asyncio.get_running_loop().time() > deadline:
+                    raise ProfilingFailed(
+                        f"{after}no node of type {gpu_type} has been served for {wait_s:.0f} s to profile it on"
+                    )
+                async with self._freed:  # a run ends or takes its turn, or a second passes (a node joins)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._freed.wait(), 1.0)
+        finally:
+            waiting.remove(mine)
+            async with self._freed:  # the next in turn may take what is idle
+                self._freed.notify_all()
+
+    def _turn(self, waiter: tuple[str, int]) -> tuple[int, int]:
+        whose, ticket = waiter
+        return self._last_turn.get(whose, -1), ticket
 
     async def _training(self) -> Collection[str]:
         """The nodes training jobs now; none known when the executor does not say (any node will do)."""
@@ -140,6 +161,7 @@ async def profiling_run(
     tracer_provider: trace.TracerProvider | None = None,
     code: tuple[str, str, tuple[str, ...]] = ("", "", ()),
     user: int | None = None,
+    whose: str = "",
 ) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
@@ -147,7 +169,8 @@ async def profiling_run(
     its turn on a node comes: ProfilingCancelled, and the node goes to the next run. The run is a
     `profiler.run` span with what it measured or why it failed. `code`: the job's own (archive,
     entrypoint, args), which the node agent fetches and runs; none: `application`, a job module.
-    `user`: the number of the job's user on the node (its submission's, as the executor gives it)."""
+    `user`: the number of the job's user on the node (its submission's, as the executor gives it);
+    `whose`: the team (or the default team's login) the run's turn on a node is counted to."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span(
@@ -160,7 +183,7 @@ async def profiling_run(
             lost: dict[str, str] = {}  # node -> how it was lost
             while True:
                 after = f"{'; '.join(lost.values())}; then " if lost else ""
-                info = await turns.take(gpu_type, LOST_NODE_WAIT_S if lost else node_wait_s, after)
+                info = await turns.take(gpu_type, LOST_NODE_WAIT_S if lost else node_wait_s, after, whose)
                 span.set_attribute("node", info.name)
                 try:
                     if cancelled():
