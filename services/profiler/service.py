@@ -51,7 +51,6 @@ from shared.submissions import id_taken, malformed_reason, named_types, submissi
 
 log = logging.getLogger(__name__)
 
-PROFILING_RUNS = 4  # real runs: submissions profiled at once (each holds one node of a type at a time)
 CANCELS_KEPT = 10_000  # cancel orders remembered, newest, so that a cancelled job's runs never start
 
 
@@ -269,25 +268,25 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         await bus.subscribe(subjects.CANCEL, Cancel, profiler.on_cancel, span_name="profiler.cancel-seen")
     await storage.open_stream(bus, subjects.DEAD_LETTER_STREAM)
     # A submission being profiled (one run per GPU type) is kept in hand meanwhile (the consumer
-    # says so to the server), not handed to another replica. Real runs: PROFILING_RUNS
-    # submissions at once, one at a time each (none waits behind another's run on another node).
-    for _ in range(PROFILING_RUNS if real else 1):
-        consumer = await storage.open_consumer(
-            bus,
-            subjects.PROFILER_CONSUMER,
-            JobSpec,
-            span_name="profiler.bootstrap",
-            on_invalid=profiler.on_malformed,
-            dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
+    # says so to the server), not handed to another replica. JUDGED_AT_ONCE submissions are in hand
+    # at once: read from traces, judged together; real runs, each waiting for a node of its type in
+    # turn by team (NodeTurns), so another team's job in hand waits one run, not all of a flood's.
+    # Two submissions of one id race only for its owner's key, which one of them wins (`claim`).
+    consumer = await storage.open_consumer(
+        bus,
+        subjects.PROFILER_CONSUMER,
+        JobSpec,
+        span_name="profiler.bootstrap",
+        on_invalid=profiler.on_malformed,
+        dead_letters=subjects.dead_letters(subjects.PROFILER_CONSUMER),
+    )
+    asyncio.get_running_loop().create_task(
+        consumer.consume(
+            profiler.on_submission,
+            with_delivery=True,
+            on_dead=profiler.on_dead,
+            batch=JUDGED_AT_ONCE,
+            concurrent=True,
         )
-        asyncio.get_running_loop().create_task(
-            consumer.consume(
-                profiler.on_submission,
-                with_delivery=True,
-                on_dead=profiler.on_dead,
-                # Profiles read from traces: many judged at once. Two submissions of one id race only
-                # for its owner's key, which one of them wins (`claim`).
-                **({"batch": 1} if real else {"batch": JUDGED_AT_ONCE, "concurrent": True}),
-            )
-        )
+    )
     return await new_service(bus, subjects.PROFILER_SERVICE, "bootstrap profiles of submitted jobs")
