@@ -401,3 +401,14 @@ async def test_a_job_that_ended_holds_no_gpus_in_a_waiting_jobs_reason():
     reasons = {r.name: r.reason for r in agent.records()}
     assert agent.state_of(agent.jobs["lm"]) == JobState.FINISHED
     assert not reasons["mlp"].startswith("the cluster is full"), reasons["mlp"]
+
+
+async def test_a_job_cancelled_while_profiled_has_its_run_stopped_on_its_node():
+    service = await real_service()  # "late" is still being profiled
+    agent, nodes = service.agent, service.agent.executors.nodes
+    agent.profile_asked("late", "local-0")
+    agent.cancelled(Cancel("late"))
+    assert [(node, stop.job_id, stop.kill) for node, stop in nodes.stopped] == [("local-0", "late", True)]
+    assert agent.state_of(agent.jobs["late"]) == JobState.CANCELLED
+    agent.cancelled(Cancel("lm"))  # profiled, not running: no node to tell
+    assert len(nodes.stopped) == 1

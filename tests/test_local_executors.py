@@ -512,3 +512,31 @@ def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
     assert checkpoint.exists()
     written = (tmp_path / "quick-1.rank0.log").read_text()
     assert "BrokenPipeError" not in written and "Traceback" not in written, written
+
+
+@pytest.mark.e2e
+def test_a_stop_for_a_job_being_profiled_here_ends_its_run_at_once(tmp_path):
+    """A job cancelled while it is profiled: the executor's stop reaches the node, whose run of it
+    (here one that would stall for as long as its agent lives) is killed, and its answer says so."""
+    import threading
+    import uuid
+
+    from shared.schema import ProfileRequest, StopWorkers
+    from tests.jobs.profile_stalls import marker
+
+    job = f"stall-{uuid.uuid4().hex[:8]}"
+    node = NodeWorkers(NodeInfo("local-0", "cpu", 2, "127.0.0.1"), tmp_path, "tests.jobs")
+    answers = []
+    run = threading.Thread(target=lambda: answers.append(node.profile(ProfileRequest(job, "profile_stalls"))))
+    run.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not marker(job).exists():  # the run is under way, and stalls
+            assert time.monotonic() < deadline and run.is_alive(), answers
+            time.sleep(0.05)
+        assert node.stop(StopWorkers(job, kill=True)) == WorkersReport(job, -1, (), ())
+        run.join(60)
+        assert not run.is_alive() and answers[0].run is None and "exit code -9" in answers[0].failure, answers
+        assert job not in node.profiling
+    finally:
+        marker(job).unlink(missing_ok=True)

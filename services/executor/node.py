@@ -216,7 +216,7 @@ class NodeWorkers:
         self.python = python  # the workers' interpreter
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
         self.jobs: dict[str, Workers] = {}
-        self.profiling: set[subprocess.Popen] = set()
+        self.profiling: dict[str, subprocess.Popen] = {}  # job id -> its profiling run here
         self.lock = threading.Lock()  # the table of jobs; a stop waits outside it
         self.closing = False
 
@@ -293,10 +293,15 @@ class NodeWorkers:
         return workers.rendezvous
 
     def stop(self, request: StopWorkers) -> WorkersReport:
-        """Stop a job's workers here (blocking), and forget them: what they reported last."""
+        """Stop a job's workers here (blocking), and forget them: what they reported last. A job
+        with none here whose profiling run is here (cancelled while profiled): the run is killed
+        (a measurement has nothing to save), and its answer to the profiler says it failed."""
         with self.lock:
             workers = self.jobs.pop(request.job_id, None)
         if workers is None:
+            profiling = self.profiling.get(request.job_id)
+            if profiling is not None:
+                signal_group(profiling, signal.SIGKILL)
             return WorkersReport(request.job_id, -1, (), ())
         self._stop(workers, request.grace_s, request.kill)
         self._record_workers()
@@ -333,7 +338,7 @@ class NodeWorkers:
         tail: deque[str] = deque(maxlen=PROFILE_STDOUT_KEPT)
         with open(log_path, "w") as log_file:
             process = worker(target, list(request.args), env, log_file, sandbox=sandbox, code=code)
-            self.profiling.add(process)
+            self.profiling[request.job_id] = process
             reader = threading.Thread(
                 target=_read_profile,
                 args=(process.stdout, profiles, tail),
@@ -349,7 +354,8 @@ class NodeWorkers:
                     log.warning("job %s: a process of its user %s outlives SIGKILL", request.job_id, sandbox.uid)
                 reader.join(READ_REST_S)  # not longer: a process that left its group may hold its stdout
             finally:
-                self.profiling.discard(process)
+                if self.profiling.get(request.job_id) is process:
+                    del self.profiling[request.job_id]
         if returncode is None:
             return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s")
         # What it read so far (a reader still reading, held up by a process that left the group, is not waited for).
@@ -402,7 +408,7 @@ class NodeWorkers:
         with self.lock:
             self.closing = True
             jobs, self.jobs = list(self.jobs.values()), {}
-        for process in list(self.profiling):
+        for process in list(self.profiling.values()):
             signal_group(process, signal.SIGKILL)
         for workers in jobs:  # every job told at once: their checkpoints overlap
             _asked(workers)

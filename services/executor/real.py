@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import tempfile
@@ -38,7 +39,7 @@ from nats import micro
 from goodput_train.goodput import Observation
 from goodput_train.protocol import REPORT_EVERY_S
 from services.executor import node
-from services.executor.local import BusNodes, LocalExecutors
+from services.executor.local import BusNodes, LocalExecutors, NodeGone
 from services.executor.processes import JOBS_PACKAGE
 from services.executor.progress import job_progress, main_metric, trained_batches
 from shared import executor_endpoints as endpoints
@@ -78,6 +79,7 @@ from shared.schema import (
     ProfileRequest,
     Reclaim,
     Rejected,
+    StopWorkers,
     apart_key,
     verdict_for,
 )
@@ -294,6 +296,10 @@ class RealExecutors:
         before = self.state_of(job)
         if message.job_id in self.executors.jobs:  # first: it reads as cancelled once its workers are gone
             self.executors.cancel(message.job_id)
+        node = self.profiling.get(message.job_id) if job.profiled is None else None
+        if node is not None:  # its profiling run ends now, not at its time limit: the node goes to the next
+            with contextlib.suppress(NodeGone, ValueError):
+                self.executors.nodes.stop(node, StopWorkers(message.job_id, kill=True))
         job.failure, job.cancelled = CANCELLED, True
         check_transition(before, self.state_of(job), job.key)
 
