@@ -182,20 +182,25 @@ def test_a_job_stopped_for_a_job_of_its_team_at_a_higher_priority_says_so_not_go
     assert "priority" not in sentences([low], WAITING, Namer({"high": "high"}, "nlp"))[0]
 
 
+def nlp_and_cv(**jobs: tuple[str, dict]):
+    """Two A100 nodes of 8; team nlp may hold 8 A100 (quota 4, borrow 4), team cv borrows without
+    limit; each job (its id: its team, and the fields of its models that differ)."""
+    cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
+    teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
+    models = {job: msgspec.structs.replace(m, **jobs[job][1]) for job, m in models_of(cluster, *jobs).items()}
+    return cluster, teams, {job: team for job, (team, _) in jobs.items()}, models
+
+
 def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     # Two A100 nodes of 8; team nlp may hold 8 A100 (quota 4, borrow 4): a job that needs at least
     # 16 never runs while the file says so, however idle the cluster; 8 could, and 16 for a team
     # that borrows without limit.
-    cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
-    teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
-    team_of = {"big": "nlp", "fits": "nlp", "free": "cv", "rigid": "nlp"}
-    models = models_of(cluster, *team_of)
-    models = {
-        "big": msgspec.structs.replace(models["big"], min_gpus=16),
-        "fits": msgspec.structs.replace(models["fits"], min_gpus=8),
-        "free": msgspec.structs.replace(models["free"], min_gpus=16),
-        "rigid": msgspec.structs.replace(models["rigid"], fixed_gpus=16),
-    }
+    cluster, teams, team_of, models = nlp_and_cv(
+        big=("nlp", {"min_gpus": 16}),
+        fits=("nlp", {"min_gpus": 8}),
+        free=("cv", {"min_gpus": 16}),
+        rigid=("nlp", {"fixed_gpus": 16}),
+    )
     waits = team_waits(models.values(), {}, cluster, teams, team_of)
     assert set(waits) == {"big", "rigid"}
     assert waits["big"].startswith(
@@ -218,16 +223,9 @@ def test_a_job_whose_team_holds_what_it_may_waits_on_its_teams_jobs() -> None:
     # Team nlp may hold 8 A100 (quota 4, borrow 4); its job "held" has 6 of them this round, so "next"
     # (at least 4) waits on the team, not on the cluster (10 A100 idle); "two" (2) would fit in what is
     # left, and team cv, which borrows without limit, waits on the cluster alone.
-    cluster = build_cluster("two-a100", [{**A100_NODE, "count": 2}])
-    teams = Teams({"nlp": Team({"dgx": 4}, {"dgx": 4}), "cv": Team({"dgx": 4}, {"dgx": None})})
-    team_of = {"held": "nlp", "next": "nlp", "two": "nlp", "cv": "cv"}
-    models = models_of(cluster, *team_of)
-    models = {
-        **models,
-        "next": msgspec.structs.replace(models["next"], min_gpus=4),
-        "two": msgspec.structs.replace(models["two"], min_gpus=2),
-        "cv": msgspec.structs.replace(models["cv"], min_gpus=4),
-    }
+    cluster, teams, team_of, models = nlp_and_cv(
+        held=("nlp", {}), next=("nlp", {"min_gpus": 4}), two=("nlp", {"min_gpus": 2}), cv=("cv", {"min_gpus": 4})
+    )
     held = {"held": (("dgx-0", 4), ("dgx-1", 2))}
     waits = team_waits(models.values(), held, cluster, teams, team_of)
     assert waits == {
