@@ -201,14 +201,15 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
         free=("cv", {"min_gpus": 16}),
         rigid=("nlp", {"fixed_gpus": 16}),
     )
-    waits = team_waits(models.values(), {}, cluster, teams, team_of)
+    waits = team_waits(models.values(), {}, cluster, teams, team_of, {})
     assert set(waits) == {"big", "rigid"}
     assert waits["big"].startswith(
         "needs at least 16 GPUs of one type (A100 gives that); team nlp may hold at most 8 A100 GPUs (its quota"
     )
     assert waits["rigid"].startswith("needs 16 GPUs of one type (A100 gives that); team nlp")
     # With "big" on 8 A100, team nlp holds all it may: "fits" waits on its team's jobs now.
-    assert team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of).keys() == {"fits", "rigid"}
+    on_8 = team_waits(models.values(), {"big": (("dgx-0", 8),)}, cluster, teams, team_of, {"nlp": {"dgx": 8}})
+    assert on_8.keys() == {"fits", "rigid"}
 
     outcomes = decided(cluster, [facts(job, team=team) for job, team in team_of.items()], {}, {}, waits=waits)
     assert [o.outcome for o in outcomes] == ["waits", "unallocated", "unallocated", "waits"]
@@ -227,12 +228,12 @@ def test_a_job_whose_team_holds_what_it_may_waits_on_its_teams_jobs() -> None:
         held=("nlp", {}), next=("nlp", {"min_gpus": 4}), two=("nlp", {"min_gpus": 2}), cv=("cv", {"min_gpus": 4})
     )
     held = {"held": (("dgx-0", 4), ("dgx-1", 2))}
-    waits = team_waits(models.values(), held, cluster, teams, team_of)
+    waits = team_waits(models.values(), held, cluster, teams, team_of, {"nlp": {"dgx": 6}})
     assert waits == {
         "next": "needs at least 4 GPUs of one type; team nlp's jobs hold 6 of the 8 A100 GPUs it may hold (its "
         "quota and borrow limit in the team file): it waits until they free some, or the team file lets it hold more"
     }
-    assert team_waits(models.values(), {}, cluster, teams, team_of) == {}  # with nothing held, it fits
+    assert team_waits(models.values(), {}, cluster, teams, team_of, {}) == {}  # with nothing held, it fits
 
 
 def test_predicted_against_measured_and_the_end() -> None:
@@ -471,3 +472,51 @@ def test_goodput_explain_refuses_a_bad_request_before_asking(capsys) -> None:
 
     assert main(["explain", "a b"]) == 2 and "'a b' is not a job id" in capsys.readouterr().err
     assert main(["explain", "lm-1", "--rounds", "0"]) == 2 and "--rounds 0: from 1 to 500" in capsys.readouterr().err
+
+
+class TeamOfNlp(KeepRunning):
+    """KeepRunning, every job of team nlp."""
+
+    async def facts(self, now, jobs):
+        reply = await super().facts(now, jobs)
+        return msgspec.structs.replace(reply, facts=tuple(msgspec.structs.replace(f, team="nlp") for f in reply.facts))
+
+
+class FourToA(Predicting):
+    """Holds teams' limits (as it says), and gives job a 4 A100, job b none."""
+
+    name, honours_teams = "four-to-a", True
+
+    def allocate(self, state):
+        return Decision({"a": Config("dgx", 1, 4)}, predictions={"a": Prediction(goodput=100.0, batch=256)})
+
+
+def test_the_round_tells_the_executors_and_the_record_of_a_job_waiting_on_its_teams_jobs() -> None:
+    from services.policy.rounds import Arrival, FixedTeams, RoundLoop
+    from shared.schema.teams import TeamFile, TeamSpec
+    from shared.settings import SimSettings
+
+    cluster = build_cluster("one-a100", [A100_NODE])
+    recorder, wiring = Recorded(), TeamOfNlp(cluster, ["a", "b"])
+    applied = []
+    apply = wiring.apply
+
+    async def keep(request):
+        applied.append(request)
+        await apply(request)
+
+    wiring.apply = keep
+    loop = RoundLoop(
+        [Arrival("a", 0.0), Arrival("b", 0.0)],
+        cluster,
+        FourToA(),
+        SimSettings("test", round_s=60.0),
+        wiring,
+        recorder=recorder,
+        teams=FixedTeams(TeamFile({"nlp": TeamSpec({"A100": 4}, {"A100": 0})})),
+    )
+    asyncio.run(loop.run())
+    said = "team nlp's jobs hold 4 of the 4 A100 GPUs it may hold"
+    assert said in applied[0].waits["b"] and "a" not in applied[0].waits
+    [b] = [d for d in recorder.rounds[0][1] if d.job == "b"]
+    assert b.outcome == "waits" and said in b.reason

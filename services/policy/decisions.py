@@ -333,18 +333,15 @@ def team_waits(
     cluster: Cluster,
     teams: Teams,
     team_of: Mapping[str, str],
+    holds: Mapping[str, Mapping[str, int]],
 ) -> dict[str, str]:
     """The jobs a round left without GPUs that wait on their team's limits, and why: those that need
     more GPUs of one type than their team may hold of any type they may use (`shared.waits.beyond_team`),
-    and those for which the GPUs their team's jobs hold this round leave too few (`team_full`).
-    A hybrid-parallel job is left out (its counts are replicas: what fits is the policy's to say)."""
+    and those for which the GPUs their team's jobs hold this round (`holds`: team -> type -> GPUs,
+    the round's record's) leave too few (`team_full`). A hybrid-parallel job is left out (its counts
+    are replicas: what fits is the policy's to say)."""
     configs = cluster.configurations()
     capacity = {t: cluster.capacity(t) for t in cluster.gpu_types}
-    holds: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # team -> type -> GPUs
-    for job, spots in placements.items():
-        gpu_type = cluster.placement_type(spots) if spots else None
-        if gpu_type is not None:
-            holds[team_of.get(job, DEFAULT_TEAM)][gpu_type] += sum(g for _, g in spots)
     said: dict[tuple, str | None] = {}  # the same for every job of one team and the same needs
     waits = {}
     for m in jobs:
@@ -356,7 +353,7 @@ def team_waits(
         if (team, needs) not in said:
             most = {t: teams.most(team, t, capacity[t]) for t in usable}
             said[team, needs] = beyond_team(needs, configs, team, most) or team_full(
-                needs, configs, team, most, holds[team], capacity
+                needs, configs, team, most, holds.get(team, {}), capacity
             )
         if said[team, needs] is not None:
             waits[m.job_id] = said[team, needs]

@@ -538,7 +538,14 @@ class RoundLoop:
             stages_ms={stage: seconds * 1e3 for stage, seconds in stages.items()},
         )
         waits = (  # only a policy that holds the teams' limits keeps a job waiting on them
-            team_waits([v.models for v in views], placements, self.cluster, honoured, {v.job_id: v.team for v in views})
+            team_waits(
+                [v.models for v in views],
+                placements,
+                self.cluster,
+                honoured,
+                {v.job_id: v.team for v in views},
+                record.team_gpus,
+            )
             if honoured is not None
             else {}
         )
