@@ -46,9 +46,9 @@ import time
 from pathlib import Path
 
 from cli.submit import add_connection_arguments
-from services.executor.processes import JOBS_PACKAGE
 from shared import credentials
 from shared.runner import EXECUTORS, executors_kind, positive_float
+from shared.runtime import JOBS_PACKAGE
 from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
 from shared.settings import DEFAULT_POLICY
 from sim.workload import BUILT_IN_WORKLOAD
@@ -681,7 +681,7 @@ async def _watch(bus, run_id: str) -> None:
 def _say_job_users(data: Path) -> None:
     """Whether the agents here run each job as a user of its own, when they cannot and so run jobs'
     code as this process's user: said here, not only in each agent's log."""
-    from services.executor.node import job_users
+    from services.node.agent import job_users
 
     uid_base, why = job_users("auto", data / "work" / "node", sys.executable)
     if uid_base is None and os.geteuid() == 0:

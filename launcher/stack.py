@@ -233,7 +233,7 @@ def running_services(
     """Set up the storage (as the operator) and store `teams` (launcher.setup.provision: None, no
     teams; left out, the stored team file as it is), then start `python -m services.<name> --server
     URL <arguments>` for each service, `replicas[name]` times (once by default), and each node agent
-    of `agents` (instance -> its `services.executor` options), each logged in as its role on a
+    of `agents` (instance -> its `services.node` options), each logged in as its role on a
     secured embedded server; stop them all after. With `metrics_port`, each process serves its
     metrics on a port of its own from it on (`metrics_ports`: a taken one is refused before any
     starts), listed in `logs`/metrics.json and `Stack.metrics`."""
@@ -261,7 +261,7 @@ def running_services(
     }
     commands.update(
         {
-            instance: [sys.executable, "-m", "services.executor", "--server", nats.url, *options]
+            instance: [sys.executable, "-m", "services.node", "--server", nats.url, *options]
             for instance, options in (agents or {}).items()
         }
     )
@@ -375,8 +375,6 @@ def local_node_arguments(cluster: str, workdir: Path, jobs_package: str | None =
     package = ["--jobs-package", jobs_package] if jobs_package else []
     return {
         f"{NODE_PREFIX}{name}": [
-            "--executors",
-            "real",
             "--node",
             name,
             "--gpus",

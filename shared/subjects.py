@@ -5,6 +5,8 @@ Subjects are `goodput.<stage>.<event>`; one stream holds what must not be lost.
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "goodput"
 
 # What the server lets a login publish, of submissions: its own `goodput.jobs.submit.<login>`, durable and
@@ -157,6 +159,7 @@ EXECUTOR_DRAIN = f"{PREFIX}.executor.drain"  # DrainRequest -> DrainAnswer (oper
 EXECUTOR_NODES = f"{PREFIX}.executor.nodes"  # Ack -> NodeStatuses (real executors: each node, alive or not)
 # The node agents of real executors, one per node: the executor service starts, stops and polls
 # the workers on each (`node_subject`), and a profiler asks one of a type for a profiling run.
+NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a node agent's name: a subject token and a KV key
 NODE_SERVICE = "node"
 NODE_ENDPOINTS = ("start", "stop", "poll", "profile")
 NODE_SUBJECTS = f"{PREFIX}.node.*.*"

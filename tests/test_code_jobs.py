@@ -25,9 +25,9 @@ from cli.submit import upload
 from launcher.nats import nats_from_binary
 from launcher.setup import provision_now
 from services.api import service as api
-from services.executor.code import JobCode, store_fetcher
-from services.executor.job_main import parse
-from services.executor.processes import job_arguments, worker
+from services.node.code import JobCode, store_fetcher
+from services.node.job_main import parse
+from services.node.processes import job_arguments, worker
 from shared import permissions, storage, subjects
 from shared.bus import Bus
 from shared.code_archive import digest, pack, stored_name
@@ -141,7 +141,7 @@ def test_job_main_keeps_its_own_arguments_and_passes_on_the_jobs() -> None:
 
 
 def test_a_module_added_to_the_jobs_package_is_found_without_a_restart(tmp_path: Path, monkeypatch) -> None:
-    from services.executor.processes import declared_jobs, job_module
+    from shared.runtime import declared_jobs, job_module
 
     package = tmp_path / "hotjobs"
     package.mkdir()
@@ -160,7 +160,7 @@ def test_an_agent_stops_the_workers_a_killed_one_left_by_their_job_main_mark(tmp
     import subprocess
     import sys
 
-    from services.executor.processes import JOB_MAIN, stop_leftovers
+    from services.node.processes import JOB_MAIN, stop_leftovers
 
     checkpoint = tmp_path / "a" / "a.pt"
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -209,7 +209,7 @@ def test_a_job_file_of_an_id_and_an_entrypoint_with_its_code_folder_is_a_whole_j
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a job's own user needs an agent that runs as root")
 def test_a_job_with_a_user_has_its_code_unpacked_by_that_user_never_by_root(tmp_path: Path) -> None:
-    from services.executor.isolation import make_own
+    from services.node.box import make_own
     from shared.files import make_passable
 
     data = pack(code_folder(tmp_path / "src"))
@@ -236,7 +236,7 @@ def test_a_job_with_a_user_has_its_code_unpacked_by_that_user_never_by_root(tmp_
 
 
 def test_the_kept_archives_are_evicted_past_one_that_vanished_meanwhile(tmp_path: Path, monkeypatch) -> None:
-    from services.executor import code as job_code
+    from services.node import code as job_code
 
     monkeypatch.setattr(job_code, "CACHED", 1)
     stored = {stored_name("user", digest(bytes([n]))): bytes([n]) for n in range(3)}

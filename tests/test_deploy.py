@@ -65,6 +65,7 @@ SERVICE_NAMES = {
     "placer": subjects.PLACER_SERVICE,
     "executor": subjects.EXECUTOR_SERVICE,
 }
+ROLE_OF = {"node": "executor"}  # a node agent (GOODPUT_SERVICE=node) logs in as the executor's role
 PASSWORD = "gp4f1c0e9a7b3d5e2c8a6f0b1d3e5c7a9"  # the shape docs/deploy.md makes: a letter, then hex
 ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)  # every role, and the default login: one key each
 PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(ACCESS)}
@@ -127,7 +128,7 @@ def env_entry(container: dict, value: str) -> dict:
 
 
 def is_node_agent(workload: dict) -> bool:
-    """A node agent's pods (`python -m services.executor --node NAME`), not a service's."""
+    """A node agent's pods (`python -m services.node --node NAME`), not a service's."""
     return option(containers(workload)[0], "--node") is not None
 
 
@@ -145,6 +146,7 @@ def service_workloads(name: str) -> dict[str, list[dict]]:
     for obj in built(name):
         if obj["kind"] in WORKLOADS:
             service = env_of(containers(obj)[0]).get("GOODPUT_SERVICE", {}).get("value")
+            service = ROLE_OF.get(service, service)
             if service:
                 found.setdefault(service, []).append(obj)
     return found
@@ -317,7 +319,7 @@ def test_the_cluster_spec_and_policy_settings_reach_the_services(build, tmp_path
         for workload in found:
             container = containers(workload)[0]
             args = container["args"]
-            if option(container, "--executors") == "real" and service == "executor":
+            if service == "executor" and (option(container, "--executors") == "real" or is_node_agent(workload)):
                 # The real executor's nodes are the live agents, named by Kubernetes: --cluster would
                 # keep only agents named as the spec's nodes (aws-0 ...). The agents take none.
                 assert "--cluster" not in args, workload["metadata"]["name"]
@@ -380,7 +382,8 @@ def test_the_team_file_reaches_the_setup_that_stores_it_before_the_live_run(buil
 @pytest.mark.parametrize("build", BUILDS)
 def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_is_not_in_the_repo(build):
     workloads = {o["metadata"]["name"]: o for o in built(build) if o["kind"] in WORKLOADS}
-    roles = {name: env_of(containers(w)[0]).get("GOODPUT_SERVICE", {}).get("value") for name, w in workloads.items()}
+    services = {name: env_of(containers(w)[0]).get("GOODPUT_SERVICE", {}).get("value") for name, w in workloads.items()}
+    roles = {name: ROLE_OF.get(service, service) for name, service in services.items()}
     roles["live-run"] = "operator"
     for name, workload in workloads.items():
         secrets = {
@@ -508,8 +511,7 @@ def test_node_agents_are_daemonsets_on_their_gpu_type_named_after_their_node_on_
         container = pod["containers"][0]
         assert container["image"].startswith("goodput-executor:")
         env = env_of(container)
-        assert env["GOODPUT_SERVICE"]["value"] == "executor" and "GOODPUT_EXECUTORS" not in env
-        assert option(container, "--executors") == "real"
+        assert env["GOODPUT_SERVICE"]["value"] == "node" and "GOODPUT_EXECUTORS" not in env
         # --node: the Kubernetes node's name; --address: the pod's IP (rank 0's rendezvous for its peers)
         node, address = (env_entry(container, option(container, o))["valueFrom"] for o in ("--node", "--address"))
         assert node == {"fieldRef": {"fieldPath": "spec.nodeName"}}

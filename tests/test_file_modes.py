@@ -103,11 +103,9 @@ async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(
             [
                 sys.executable,
                 "-m",
-                "services.executor",
+                "services.node",
                 "--server",
                 nats_server,
-                "--executors",
-                "real",
                 "--node",
                 node,
                 "--gpus",

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from launcher.nats import AUTH_CONF, Access, server_config, write_accounts
-from services.executor.isolation import (
+from services.node.agent import NodeWorkers
+from services.node.box import (
     JOB_UID_BASE,
     JOB_UID_SPAN,
     LIMITS_ENV,
@@ -30,7 +31,6 @@ from services.executor.isolation import (
     render_limits,
     write_owned,
 )
-from services.executor.node import NodeWorkers
 from shared import credentials
 from shared.files import make_passable, make_private
 from shared.schema import NodeInfo, StartWorkers, StopWorkers
@@ -78,7 +78,7 @@ def test_job_main_sets_the_limits_before_the_jobs_code_and_the_job_cannot_raise_
     limits = Limits(open_files=128, memory_mb=1024, file_mb=16).rlimits(own_user=False)
     env = {**os.environ, LIMITS_ENV: render_limits(limits), "PYTHONPATH": os.pathsep.join((str(ROOT), str(tmp_path)))}
     run = subprocess.run(
-        [sys.executable, "-m", "services.executor.job_main", "reads_limits"],
+        [sys.executable, "-m", "services.node.job_main", "reads_limits"],
         env=env,
         capture_output=True,
         text=True,

@@ -30,9 +30,9 @@ from goodput_train.protocol import (
 )
 from launcher.nats import free_loopback_port
 from services.executor.local import InProcessNodes, LocalExecutors, LocalJob, finished
-from services.executor.node import NodeWorkers
-from services.executor.processes import torchrun_env, worker_env
 from services.executor.progress import job_progress, main_metric
+from services.node.agent import NodeWorkers
+from services.node.processes import torchrun_env, worker_env
 from shared.cluster import Cluster
 from shared.schema import Node, NodeInfo, WorkersReport, job_status
 
@@ -247,7 +247,7 @@ def test_the_third_crash_fails_the_job_with_the_end_of_its_stderr(tmp_path):
 
 
 def test_an_outcome_line_over_its_bound_is_dropped_and_a_deep_one_read_as_unreadable(caplog):
-    from services.executor.node import MAX_OUTCOME_LINE, _forward
+    from services.node.agent import MAX_OUTCOME_LINE, _forward
 
     long = OUTCOME_PREFIX + json.dumps({"metric": 1.0, "pad": "x" * MAX_OUTCOME_LINE})
     short = OUTCOME_PREFIX + json.dumps({"metric": 0.5})

@@ -13,9 +13,9 @@ import pytest
 
 from goodput_train.protocol import STATS_PREFIX, JobStats
 from services.executor.local import InProcessNodes, LocalExecutors
-from services.executor.node import NodeWorkers
-from services.executor.processes import job_module
+from services.node.agent import NodeWorkers
 from shared.cluster import Cluster
+from shared.runtime import job_module
 from shared.schema import Node, NodeInfo, NodeJob, NodeReport, Rendezvous, StartWorkers, WorkersReport
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
@@ -494,7 +494,7 @@ def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
     lifeline, checkpointed, and exits without a BrokenPipeError traceback in its log for the line
     it could not print."""
     from goodput_train.protocol import REPORT_ENV, STATS_PREFIX
-    from services.executor.processes import torchrun_env, worker
+    from services.node.processes import torchrun_env, worker
 
     checkpoint = tmp_path / "quick-1.pt"
     with open(tmp_path / "quick-1.rank0.log", "w") as log:

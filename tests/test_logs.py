@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from services.api.logs import read_page, stream_reader
-from services.executor import node
-from services.executor.output import Output, Storing, copy_lines
+from services.node import agent as node
+from services.node.output import Output, Storing, copy_lines
 from shared import subjects
 from shared.bus import NotFound
 from shared.schema import JobOwner, JobRecord, JobRecords, LogBatch, LogsRequest, OutputLine

@@ -44,11 +44,9 @@ class Agents:
             [
                 sys.executable,
                 "-m",
-                "services.executor",
+                "services.node",
                 "--server",
                 self.server,
-                "--executors",
-                "real",
                 "--node",
                 self.name(node),
                 "--gpus",

@@ -21,7 +21,7 @@ import pytest
 from nats.micro.request import ServiceError
 
 from cli.submit import upload
-from services.executor.isolation import closed_to_others
+from services.node.box import closed_to_others
 from shared import credentials
 from tests.test_code_jobs import escaping_archive
 from tests.test_job_contract import page_script

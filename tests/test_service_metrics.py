@@ -19,8 +19,8 @@ from test_api_handlers import MemoryKV, gate
 from test_executor_handlers import models_for, real_service, simulated_service, submit_and_profile
 
 from services.api import service as api
-from services.executor.node import NodeWorkers, Workers
 from services.executor.real import RealExecutors
+from services.node.agent import NodeWorkers, Workers
 from services.profiler.service import Profiler
 from shared import subjects
 from shared.cluster import load_cluster

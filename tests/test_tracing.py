@@ -646,7 +646,7 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     one measured, and one of a job cancelled before its turn, which never reaches the agent."""
     import argparse
 
-    from services.executor import node
+    from services.node import agent as node
     from services.profiler import measure
     from shared import storage, subjects
     from shared.schema import NodeInfo
@@ -657,8 +657,20 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     gpu_type = f"{name_prefix}-gpu"  # a type only this test's node has (the server is shared)
     parser = argparse.ArgumentParser()
     node.add_arguments(parser)  # the agent's options, at their defaults
-    options = parser.parse_args(["--gpus", "1", "--gpu-type", gpu_type])
-    options.node, options.workdir, options.jobs_package = f"{name_prefix}-n", str(tmp_path), "tests.jobs"
+    options = parser.parse_args(
+        [
+            "--node",
+            f"{name_prefix}-n",
+            "--gpus",
+            "1",
+            "--gpu-type",
+            gpu_type,
+            "--workdir",
+            str(tmp_path),
+            "--jobs-package",
+            "tests.jobs",
+        ]
+    )
     agent = await node.start(bus, options)
     await agent.start()
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cli.up import EXAMPLE_JOBS, prepare, start_jobs
-from services.executor.processes import JOBS_PACKAGE
 from shared.files import PASSABLE_FOLDER, PRIVATE_FOLDER
+from shared.runtime import JOBS_PACKAGE
 
 EXAMPLES = [str(p) for p in EXAMPLE_JOBS]
 

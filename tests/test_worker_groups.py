@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from services.executor.isolation import JOB_UID_BASE, Limits, closed_to_others
-from services.executor.node import NodeWorkers, _lines
-from services.executor.processes import alive
+from services.node.agent import NodeWorkers, _lines
+from services.node.box import JOB_UID_BASE, Limits, closed_to_others
+from services.node.processes import alive
 from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
 from tests.test_isolation import reachable_python
 
@@ -53,7 +53,7 @@ def test_a_line_of_any_length_is_read_in_bounded_parts():
 
 def test_a_worker_that_exits_as_it_is_asked_about_is_not_reaped_before_its_group_is_killed(monkeypatch):
     # Reaped there, it would leave its group's id unusable: the children in its group would live on.
-    from services.executor import processes
+    from services.node import processes
 
     worker = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     while alive(worker.pid):  # exited (a zombie), not reaped
@@ -156,7 +156,7 @@ def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
 # told (a line on its stdin), as an agent does after a stop; it says how many of its own are left.
 FAKE_AGENT = """
 import os, subprocess, sys
-from services.executor.isolation import become_subreaper, end_user, user_processes
+from services.node.box import become_subreaper, end_user, user_processes
 become_subreaper()
 uid = int(sys.argv[1])
 child = subprocess.Popen(["sleep", "300"], user=uid, group=uid, extra_groups=[])

@@ -1,5 +1,5 @@
 """goodput.api.logs: a job's output, read a page at a time from the logs stream, where its node
-agents stored each rank's lines in batches (services/executor/output.py). The cursor is the stream
+agents stored each rank's lines in batches (services/node/output.py). The cursor is the stream
 sequence of the last batch read: a page holds whole batches, so nothing is read twice or skipped."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Real jobs over the node agents: the executor service's side of `--executors real`.
 
 `LocalExecutors` keeps each job's workers where the rounds place it. A placement is a list of
-(node, GPUs); each node's agent (`services.executor.node`) starts its share of the ranks, in
+(node, GPUs); each node's agent (`services.node.agent`) starts its share of the ranks, in
 placement order, for one generation of the job: the node of rank 0 picks the rendezvous port and
 the others are told it (torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT; GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE). A changed placement stops the
@@ -24,7 +24,7 @@ node no longer knows (its agent restarted) restart with nothing counted. A node 
 its jobs' workers with it: those jobs stop everywhere and the next round places them again.
 
 It is blocking code (the executor service runs it in a thread); `Nodes` is how it reaches the
-agents: over the bus (`BusNodes`), or `NodeWorkers` in this process (`InProcessNodes`).
+agents: over the bus (`BusNodes`), or agents' `NodeWorkers` in this process (`InProcessNodes`, for tests).
 """
 
 from __future__ import annotations
@@ -52,12 +52,11 @@ from goodput_train.protocol import (
     STATS_PREFIX,
     clean_metrics,
 )
-from services.executor.node import NodeWorkers
-from services.executor.processes import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, Spots
 from shared.metrics import JOB_RESTARTS, instrument
+from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared.schema import CANCELLED, Ack, JobStats, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 
 MAX_CRASHES = 3
@@ -75,13 +74,21 @@ class Nodes(Protocol):
     def poll(self, node: str) -> NodeReport: ...
 
 
-class InProcessNodes:
-    """Node agents' workers in this process (no bus): `NodeWorkers` by node name."""
+class NodeAgent(Protocol):
+    """One node's workers, as a node agent's `NodeWorkers` serves them."""
 
-    def __init__(self, workers: Mapping[str, NodeWorkers]):
+    def start(self, order: StartWorkers) -> Rendezvous: ...
+    def stop(self, request: StopWorkers) -> WorkersReport: ...
+    def poll(self) -> NodeReport: ...
+
+
+class InProcessNodes:
+    """Node agents' workers in this process (no bus), by node name."""
+
+    def __init__(self, workers: Mapping[str, NodeAgent]):
         self.workers = dict(workers)
 
-    def _node(self, node: str) -> NodeWorkers:
+    def _node(self, node: str) -> NodeAgent:
         if node not in self.workers:
             raise NodeGone(node)
         return self.workers[node]

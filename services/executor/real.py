@@ -2,7 +2,7 @@
 
 It answers the round's requests as the simulated executors do — facts, apply, advance, live,
 records — for jobs that really train (`LocalExecutors`: a worker process per GPU, or per CPU slot,
-started by the agent of each node a placement touches: `services.executor.node`). The cluster
+started by the agent of each node a placement touches: `services.node.agent`). The cluster
 it schedules is the live nodes: each round, the agents whose membership entry has not lapsed,
 less the drained ones (`goodput drain`), checked against `--cluster` when one is given. A node
 lost or drained stops its jobs' workers, and the round places them again. The clock is the live run's, paced by the wall clock: a job arrives at the first live round
@@ -38,9 +38,7 @@ from nats import micro
 
 from goodput_train.goodput import Observation
 from goodput_train.protocol import REPORT_EVERY_S
-from services.executor import node
 from services.executor.local import BusNodes, LocalExecutors, NodeGone
-from services.executor.processes import JOBS_PACKAGE
 from services.executor.progress import job_progress, main_metric, trained_batches
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
@@ -50,6 +48,7 @@ from shared.code_archive import owned
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.metrics import JOBS, NODES, instrument
 from shared.runner import executors_kind, positive_float
+from shared.runtime import JOBS_PACKAGE
 from shared.schema import (
     ALIVE,
     CANCELLED,
@@ -688,18 +687,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="real",
         help="real jobs on the node agents' GPUs or CPU slots (simulated executors: python -m services.simulated)",
     )
-    parser.add_argument("--node", help="serve this node as its agent (its workers), not the executor service")
     parser.add_argument(
         "--cluster",
         help="the cluster the nodes must belong to: a preset or YAML/JSON file (default: any node an agent serves)",
     )
     parser.add_argument(
         "--jobs-package", default=JOBS_PACKAGE, help="the package whose modules jobs may run (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--workdir",
-        help="worker logs (a node agent) or nothing (the executor); a restarted agent "
-        "must find its own (default: a folder under the system's temporary one)",
     )
     parser.add_argument(
         "--checkpoints",
@@ -724,7 +717,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         help="seconds a job's collective waits for a lost peer (default: the library's, 60)",
     )
-    node.add_arguments(parser)
 
 
 JETSTREAM_CHECKPOINTS = "jetstream:"
@@ -865,7 +857,7 @@ class RealExecutorService:
         return LiveJobs(tuple(live), nodes)
 
     async def on_drain(self, request: DrainRequest) -> DrainAnswer:
-        if not node.NODE_NAME.match(request.node):
+        if not subjects.NODE_NAME.match(request.node):
             raise ValueError(f"{request.node[:100]!r} is no node name: 1-64 letters, digits, '-' or '_'")
         if request.undo:
             await self.drained.delete(request.node)
@@ -909,8 +901,6 @@ class RealExecutorService:
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    if args.node:
-        return await node.start(bus, args)
     try:
         checkpoints = checkpoint_folder(args.checkpoints)
     except ValueError as error:

@@ -1,7 +1,7 @@
 """The real profiler (Sia §3.3): a submitted job's own script, run on one GPU (a CPU slot standing
 in for one) of a type, times a few steps at ~10 batch sizes and finds the largest that fits memory
 (`AdaptiveTraining.profile`). The run happens on a node of that type, through its agent
-(`services.executor.node`): the profiler measures where the job would train, never on its own
+(`services.node.agent`): the profiler measures where the job would train, never on its own
 machine. Its result becomes the job's bootstrap profile.
 
 Every way it can go wrong ends in a `ProfilingFailed` with the reason the job is refused for: the

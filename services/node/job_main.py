@@ -1,4 +1,4 @@
-"""How a node agent runs a job's code: `python -m services.executor.job_main [--checkpoint PATH]
+"""How a node agent runs a job's code: `python -m services.node.job_main [--checkpoint PATH]
 [--code] TARGET ARGS...` runs TARGET as `__main__` with ARGS. TARGET is a module of the operator's
 jobs package, as `python -m MODULE ARGS...` would run it; with `--code`, the job's own code in the
 working directory: a script (`train.py`, as `python train.py ARGS...`: its folder first on
@@ -15,7 +15,7 @@ import os
 import runpy
 import sys
 
-from services.executor.isolation import LIMITS_ENV, apply_limits
+from services.node.box import LIMITS_ENV, apply_limits
 
 
 def main() -> None:

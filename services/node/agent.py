@@ -1,4 +1,4 @@
-"""A node agent: the workers of one node (`python -m services.executor --executors real --node NAME`).
+"""A node agent: the workers of one node (`python -m services.node --node NAME`).
 
 It serves only its node: its GPUs (CUDA devices, one per worker; CPU slots standing in for them
 where there are none) and their type. It registers the node in KV (`NodeInfo`, renewed every
@@ -59,8 +59,7 @@ from goodput_train.protocol import (
     STOPPED_MARK,
     clean_metrics,
 )
-from services.executor.code import JobCode, store_fetcher
-from services.executor.isolation import (
+from services.node.box import (
     JOB_UID_BASE,
     Limits,
     Sandbox,
@@ -73,15 +72,12 @@ from services.executor.isolation import (
     read_owned,
     write_owned,
 )
-from services.executor.output import Output, Storing, copy_lines, wake_on
-from services.executor.processes import (
-    JOBS_PACKAGE,
+from services.node.code import JobCode, store_fetcher
+from services.node.output import Output, Storing, copy_lines, wake_on
+from services.node.processes import (
     ROOT,
-    STOP_TIMEOUT_S,
-    declared_jobs,
     ended,
     free_port,
-    job_module,
     last_error,
     signal_group,
     stop_leftovers,
@@ -94,6 +90,7 @@ from shared.bus import Bus
 from shared.files import make_passable, make_private
 from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
 from shared.runner import new_service
+from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
 from shared.schema import (
     Ack,
     NodeInfo,
@@ -107,7 +104,6 @@ from shared.schema import (
     WorkersReport,
 )
 
-NODE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # a subject token and a KV key
 CPU_SLOTS = 4  # a node without CUDA: this many CPU slots, by default
 COPY_EVERY_S = 1.0  # how often new checkpoints are copied to the store (no shared folder)
 COPY_TIMEOUT_S = 300.0
@@ -675,6 +671,15 @@ def _take_metrics(workers: Workers, text: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--node", required=True, help="the node this agent serves (1-64 letters, digits, '-', '_')")
+    parser.add_argument(
+        "--workdir",
+        help="its workers' logs and folders; a restarted agent must find its own "
+        "(default: a folder under the system's temporary one)",
+    )
+    parser.add_argument(
+        "--jobs-package", default=JOBS_PACKAGE, help="the package whose modules jobs may run (default: %(default)s)"
+    )
     parser.add_argument(
         "--gpus", type=int, help=f"node: its GPUs (default: its CUDA devices, else {CPU_SLOTS} CPU slots)"
     )
@@ -752,7 +757,7 @@ def detected_gpus() -> tuple[str, tuple[str, ...]]:
 
 
 async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
-    if not NODE_NAME.match(args.node):
+    if not subjects.NODE_NAME.match(args.node):
         raise SystemExit(f"--node {args.node!r}: a node name is 1-64 letters, digits, '-' or '_'")
     detected_type, devices = await asyncio.to_thread(detected_gpus)
     gpus = args.gpus or len(devices) or CPU_SLOTS

@@ -11,11 +11,9 @@ Each worker leads a session of its own: it is signalled with every process it st
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib.util
 import os
-import pkgutil
 import signal
 import socket
 import subprocess
@@ -25,13 +23,11 @@ from pathlib import Path
 from typing import IO
 
 from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
-from services.executor.isolation import Sandbox
+from services.node.box import Sandbox
 from shared.files import PRIVATE_UMASK
+from shared.runtime import STOP_TIMEOUT_S
 
-JOBS_PACKAGE = "examples.jobs"  # the code submissions may run by default: a module of this package
-JOB_MARKER = "GOODPUT_JOB"  # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
-JOB_MAIN = "services.executor.job_main"  # what runs a job's module in a worker
-STOP_TIMEOUT_S = 60.0
+JOB_MAIN = "services.node.job_main"  # what runs a job's module in a worker
 ROOT = Path(__file__).resolve().parents[2]
 # What a worker inherits from the agent: what Python, PyTorch and the devices need, nothing else
 # (the agent's NATS credentials, tokens and TLS keys are not a job's).
@@ -52,65 +48,6 @@ WORKER_ENV_NAMES = frozenset(
 )
 WORKER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "GLOO_", "TORCH_")
 NEVER_TO_WORKERS = "GOODPUT_NATS_"
-
-
-def declares_job(path: str | Path | None) -> bool:
-    """Whether a module's source says `GOODPUT_JOB = True` at its top level (parsed, not run)."""
-    try:
-        tree = ast.parse(Path(path).read_bytes())
-    except (TypeError, OSError, SyntaxError, ValueError):  # no source (built-in, compiled), or not Python
-        return False
-    return any(
-        isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Constant)
-        and node.value.value is True
-        and any(isinstance(target, ast.Name) and target.id == JOB_MARKER for target in node.targets)
-        for node in tree.body
-    )
-
-
-def declared_jobs(package: str = JOBS_PACKAGE) -> list[str]:
-    """The modules of `package` that declare themselves jobs, as they are now (one added since is found)."""
-    try:
-        spec = importlib.util.find_spec(package)
-    except ModuleNotFoundError:
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    rescan(spec.submodule_search_locations)
-    return sorted(
-        info.name
-        for info in pkgutil.iter_modules(spec.submodule_search_locations)
-        if not info.ispkg and declares_job(info.module_finder.find_spec(info.name).origin)
-    )
-
-
-def rescan(locations) -> None:
-    """Forget what the import system remembers of these folders' files (each folder's finder), so a
-    module added to them since is found; nothing else's caches are touched."""
-    for location in locations:
-        finder = sys.path_importer_cache.get(location)
-        if finder is not None:
-            finder.invalidate_caches()
-
-
-def job_module(application: str, package: str = JOBS_PACKAGE) -> str:
-    """The module a job's `application` names; ValueError unless it is one of `package`'s declared jobs."""
-    module = f"{package}.{application}"
-    rescan(getattr(sys.modules.get(package), "__path__", None) or ())  # a module added since is found
-    try:
-        spec = importlib.util.find_spec(module) if application.isidentifier() else None
-    except ModuleNotFoundError:  # the package itself is not there
-        spec = None
-    if spec is not None and spec.submodule_search_locations is None and declares_job(spec.origin):
-        return module
-    why = (
-        f"{module} does not declare itself a job (`{JOB_MARKER} = True`)"
-        if spec is not None
-        else "a submission names its code by one of the package's jobs; it may not carry a command or a path"
-    )
-    jobs = ", ".join(declared_jobs(package)) or "none"
-    raise ValueError(f"no job {application!r} in {package}: {why} (its jobs: {jobs})")
 
 
 def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dict[str, str]:
