@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
 import msgspec
 
 from cli.submit import _call, add_connection_arguments
-
-# Control characters but tab: a reason is the services' words, but a job's own error text may be in it.
-CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+from shared.text import printable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,7 +47,7 @@ def _explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(msgspec.to_builtins(answer), indent=2))
         return 0
-    print(f"{answer.id}: {answer.state}")
+    print(printable(f"{answer.id}: {answer.state}"))
     for sentence in answer.sentences:
-        print(f"  {CONTROL.sub('', sentence)}")
+        print(f"  {printable(sentence)}")  # a job's own error text may be in it
     return 0

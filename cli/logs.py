@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 from typing import TextIO
 
@@ -16,10 +15,10 @@ import nats.errors
 
 from cli.submit import API_UNANSWERED, add_connection_arguments, ask_on
 from shared import credentials
+from shared.text import printable
 
 POLL_S = 1.0  # --follow: how often it asks for new lines
 SETTLE_S = 2.0  # --follow: once the job has ended, its agents' last lines are stored within this
-# Control characters but tab (C0, DEL, C1): a job's text must not drive the terminal (escape sequences).
 NO_LINES = (
     "no output of job {job}{rank} is stored: it has printed nothing yet, its lines aged out, or it runs "
     "on simulated executors, whose jobs run no code"
@@ -29,7 +28,6 @@ NO_LINES_ENDED = (
     "ran on simulated executors (whose jobs run no code), or it was refused before it ran; `goodput status "
     "{job}` says how it ended"
 )
-CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -112,7 +110,8 @@ async def show(server: str, request, follow: bool, as_json: bool, out: TextIO = 
 
 
 def _shown(line, marked: bool, as_json: bool) -> str:
-    """A line as printed: as stored with --json (escaped there), else without control characters."""
+    """A line as printed: as stored with --json (escaped there), else `printable` (no escape sequence
+    or control of the job's drives the terminal)."""
     if as_json:
         return json.dumps(msgspec.to_builtins(line))
-    return CONTROL.sub("", f"[{line.rank}] {line.text}" if marked else line.text)
+    return printable(f"[{line.rank}] {line.text}" if marked else line.text)

@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"goodput {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as exc:  # a reason may quote a job's own text: printable
+        from shared.text import printable
+
+        print(f"goodput {args.command}: error: {printable(str(exc), lines=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `goodput status | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit

@@ -25,6 +25,7 @@ import yaml
 
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, from_builtins
+from shared.text import printable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -256,9 +257,9 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
     answer = _call(args, subjects.API_SUBMIT, spec, SubmitAnswer, refused=refused)
     if not answer.accepted:  # an API of before refusals were service errors
         raise ValueError(refused + answer.reason)
-    print(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}")
+    print(printable(f"{spec.id}: accepted ({answer.state}){'; ' + answer.reason if answer.reason else ''}"))
     for note in answer.notes:
-        print(f"  note: {note}")
+        print(printable(f"  note: {note}"))
     return 0
 
 
@@ -390,5 +391,5 @@ def _cancel(args: argparse.Namespace) -> int:
     answer = _call(args, subjects.API_CANCEL, request, CancelAnswer)
     if not answer.cancelled:
         raise ValueError(f"job {args.id} not cancelled: {answer.reason}")
-    print(f"{args.id}: {answer.state}{' (' + answer.reason + ')' if answer.reason else ''}")
+    print(printable(f"{args.id}: {answer.state}{' (' + answer.reason + ')' if answer.reason else ''}"))
     return 0

@@ -709,6 +709,7 @@ def _status(args: argparse.Namespace) -> int:
     import msgspec
 
     from cli.job_view import job_lines, job_table
+    from shared.text import printable
 
     if args.teams:
         from cli.submit import teams_status
@@ -740,20 +741,23 @@ def _status(args: argparse.Namespace) -> int:
     )
     idle = run["state"] == "running" and not run["jobs"] and not run["reason"]
     print(
-        f"live run: {run['state']}"
-        + (f", {run['round']} round{'s' * (run['round'] != 1)} so far" if run.get("round") is not None else "")
-        + (f" ({run['reason']})" if run["reason"] else "")
-        + (" (idle: no active job; the rounds go on with the next submission)" if idle else "")
-        + f"; policy leader: {run['leader'] or 'none'}"
+        printable(
+            f"live run: {run['state']}"
+            + (f", {run['round']} round{'s' * (run['round'] != 1)} so far" if run.get("round") is not None else "")
+            + (f" ({run['reason']})" if run["reason"] else "")
+            + (" (idle: no active job; the rounds go on with the next submission)" if idle else "")
+            + f"; policy leader: {run['leader'] or 'none'}"
+        )
     )
+    # A job's reason holds its own stderr: each line is printed as `printable` makes it (shared/text.py).
     for row in job_table(jobs):
-        print(row)
+        print(printable(row))
     for job in jobs if args.ids else ():
         lines = job_lines(job)
         if lines and len(jobs) > 1:
-            print(f"    {job['id']}:")
+            print(printable(f"    {job['id']}:"))
         for line in lines:
-            print(f"      {line}")
+            print(f"      {printable(line)}")
     return 0
 
 
@@ -766,6 +770,7 @@ def _nodes(args: argparse.Namespace) -> int:
     from shared import subjects
     from shared.hardware import hardware_name
     from shared.schema import Ack, NodeStatuses
+    from shared.text import printable
 
     try:
         answer = _call(
@@ -794,7 +799,8 @@ def _nodes(args: argparse.Namespace) -> int:
     )
     for node in answer.nodes:
         jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
-        print(f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}".rstrip())
+        line = f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}"
+        print(printable(line.rstrip()))
     return 0
 
 
