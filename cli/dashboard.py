@@ -3,8 +3,9 @@ queue with each job's state and reason, a job's GPUs, type and batch over time w
 last rounds' decisions (docs/dashboard.md).
 
 It logs in to NATS as any user's command does (the same options and login files: it reads only the
-user API, what that login may see) and serves the page on a loopback port, behind a random token in
-the URL it prints; no credential reaches the page. `goodput up` serves one too (`start`)."""
+user API, what that login may see) and serves the page on a loopback port; its data only to the
+page's requests that carry the random token of the URL it prints (its fragment, `#token=`), in a
+header: no cookie, so no page of another origin lends it. No NATS credential reaches the page. `goodput up` serves one too (`start`)."""
 
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ async def start(server: str, options: dict, sock, refresh_s: float | None = None
     """Log in (checked) and serve the dashboard on `sock`: its URL (with a new token) and an
     AsyncExitStack whose closing stops it and logs out."""
     from dashboard.app import REFRESH_S, create_app
-    from dashboard.serve import page_url, serving
+    from dashboard.serve import page_hosts, page_url, serving
     from dashboard.source import ApiSource
 
     running = contextlib.AsyncExitStack()
@@ -111,7 +112,7 @@ async def start(server: str, options: dict, sock, refresh_s: float | None = None
         bus = await connect(server, options)
         running.push_async_callback(bus.close)
         token = secrets.token_urlsafe(32)
-        app = create_app(ApiSource(bus), token, refresh_s=refresh_s or REFRESH_S)
+        app = create_app(ApiSource(bus), token, hosts=page_hosts(sock), refresh_s=refresh_s or REFRESH_S)
         await running.enter_async_context(serving(app, sock))
     except BaseException:
         await running.aclose()

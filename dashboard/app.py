@@ -1,6 +1,8 @@
 """The dashboard's ASGI app: the page, its script and style (package data, no CDN), one server-sent
 events stream of the cluster as JSON (`/events`), the same snapshot once (`/api/snapshot`) and a
-job's explanation (`/api/jobs/ID`); every request guarded by the token of the URL printed at start.
+job's explanation (`/api/jobs/ID`). The data is given only to a request with the token of the URL
+printed at start in its `Authorization` header (`TokenGuard`: no cookie), and every text in it is
+`shared.text.printable` (a job's stderr drives no terminal and disguises no row).
 
 `create_app(source, token)` takes a source with four coroutines, `jobs()`, `rounds(limit)`,
 `explain(id, rounds)` and `teams()`, answering as the user API does (`dashboard.source.ApiSource`
@@ -26,6 +28,7 @@ from dashboard.source import Unavailable, UnknownJob
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
 from shared.schema import ExplainRequest, JobStatus, Node, RoundsPage, RoundSummary
+from shared.text import printable
 
 REFRESH_S = 1.0  # the API is read at most this often
 KEEPALIVE_S = 15.0  # a comment on an unchanged stream, so proxies and the page know it is alive
@@ -33,7 +36,6 @@ ROUNDS_SHOWN = 20
 EXTRA_TIMEOUT_S = 5.0  # the rounds or the teams not answered by then: the snapshot goes without them
 RETRY_EXTRA_S = 30.0  # ... and they are asked again after this long
 EXPLAIN_ROUNDS = 200  # a job's last decisions drawn over time
-TOKEN_PARAMETER = "token"
 # The page's own files: name -> media type. Nothing else is served from the package.
 STATIC = {
     "index.html": "text/html; charset=utf-8",
@@ -50,28 +52,46 @@ SECURITY_HEADERS = {
     "x-frame-options": "DENY",
     "cache-control": "no-store",
 }
-FORBIDDEN = (
-    "403 Forbidden: this dashboard opens with the token in the URL that `goodput dashboard` (or `goodput up`) "
-    "printed: http://HOST:PORT/?token=...\n"
+UNAUTHORIZED = (
+    "401 Unauthorized: the dashboard's data is for its page, which sends the token of the URL that "
+    "`goodput dashboard` (or `goodput up`) printed: open http://HOST:PORT/#token=...\n"
 )
-
-
-def cookie_name(port: int | None) -> str:
-    """The token's cookie, one per port: two dashboards on one host keep their own."""
-    return f"goodput-dashboard-{port or 0}"
+MISDIRECTED = "403 Forbidden: this dashboard answers only at the address it printed\n"
+# The page's own files: served to any request of the dashboard's address (they hold no data, and a
+# browser's navigation carries no header), the data only with the token in `Authorization`.
+PUBLIC = ("/", "/static/")
 
 
 class TokenGuard:
-    """ASGI middleware: a request passes with the token as `?token=` (then it is kept in a cookie,
-    HttpOnly and SameSite=Strict) or in that cookie; any other gets 403. Compared in constant time."""
+    """ASGI middleware. A request must name the dashboard's own address in `Host` (when `hosts` is
+    given: a loopback dashboard's) and, when it says where it comes from (`Origin`), come from its
+    own page; else 403. The page's files are then served; every other request (the data) passes
+    only with `Authorization: Bearer TOKEN`, compared in constant time, and else gets 401. No
+    cookie is set or read: nothing a browser adds by itself lets a request in, so a page of another
+    origin (another port of 127.0.0.1 included) can neither send the token nor read an answer."""
 
-    def __init__(self, app, token: str) -> None:
+    def __init__(self, app, token: str, hosts: frozenset[str] | None = None) -> None:
         if len(token) < 16:
             raise ValueError("the dashboard's token must be at least 16 characters")
-        self.app, self.token = app, token.encode()
+        self.app, self.token, self.hosts = app, token.encode(), hosts
 
-    def _matches(self, given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(given.encode(), self.token)
+    def _matches(self, authorization: str | None) -> bool:
+        scheme, _, given = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.token)
+
+    def _refusal(self, request: Request) -> Response | None:
+        host = request.headers.get("host", "")
+        if self.hosts is not None and host not in self.hosts:
+            return Response(MISDIRECTED, status_code=403, media_type="text/plain")
+        origin = request.headers.get("origin")
+        if origin is not None and origin != f"{request.url.scheme}://{host}":
+            return Response(MISDIRECTED, status_code=403, media_type="text/plain")
+        public = request.url.path == PUBLIC[0] or request.url.path.startswith(PUBLIC[1])
+        if not public and not self._matches(request.headers.get("authorization")):
+            return Response(
+                UNAUTHORIZED, status_code=401, media_type="text/plain", headers={"www-authenticate": "Bearer"}
+            )
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -80,24 +100,18 @@ class TokenGuard:
         if scope["type"] != "http":  # a websocket: the dashboard serves none
             await send({"type": "websocket.close", "code": 1008})
             return
-        request = Request(scope)
-        name = cookie_name(scope.get("server", (None, None))[1])
-        in_query = self._matches(request.query_params.get(TOKEN_PARAMETER))
-        if not (in_query or self._matches(request.cookies.get(name))):
-            response = Response(FORBIDDEN, status_code=403, media_type="text/plain", headers=SECURITY_HEADERS)
-            await response(scope, receive, send)
-            return
-        cookie = f"{name}={self.token.decode()}; Path=/; HttpOnly; SameSite=Strict".encode() if in_query else None
 
         async def send_guarded(message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if k.decode().lower() not in SECURITY_HEADERS]
                 headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
-                if cookie is not None:
-                    headers.append((b"set-cookie", cookie))
                 message = {**message, "headers": headers}
             await send(message)
 
+        refusal = self._refusal(Request(scope))
+        if refusal is not None:
+            await refusal(scope, receive, send_guarded)
+            return
         await self.app(scope, receive, send_guarded)
 
 
@@ -194,16 +208,31 @@ def snapshot_document(
     counts = {str(state): 0 for state in JobState}
     for job in jobs:
         counts[job.state] = counts.get(job.state, 0) + 1
-    return {
-        "jobs": [job_row(job) for job in jobs if job.id is not None],
-        "counts": counts,
-        "nodes": gpu_layout(nodes, jobs),
-        "nodes_complete": bool(nodes),
-        "rounds": None if rounds is None else [round_row(r) for r in reversed(rounds.rounds)],
-        "rounds_note": rounds_note,
-        "teams": _teams(teams),
-        "error": error,
-    }
+    return shown(
+        {
+            "jobs": [job_row(job) for job in jobs if job.id is not None],
+            "counts": counts,
+            "nodes": gpu_layout(nodes, jobs),
+            "nodes_complete": bool(nodes),
+            "rounds": None if rounds is None else [round_row(r) for r in reversed(rounds.rounds)],
+            "rounds_note": rounds_note,
+            "teams": _teams(teams),
+            "error": error,
+        }
+    )
+
+
+def shown(value):
+    """`value` (a document for the page) with every text in it `printable` (several lines kept): a
+    job's reason holds its own stderr, and the page renders no escape sequence, control or
+    bidirectional override of it. Keys are the dashboard's own."""
+    if isinstance(value, str):
+        return printable(value, lines=True)
+    if isinstance(value, dict):
+        return {key: shown(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [shown(item) for item in value]
+    return value
 
 
 def _teams(answer) -> list[dict] | None:
@@ -218,26 +247,28 @@ def _teams(answer) -> list[dict] | None:
 def explanation_document(explanation) -> dict:
     """A job's explanation as the page draws it: its sentences, and each decision's GPUs, type
     (hardware name) and batch over the run's clock."""
-    return {
-        "id": explanation.id,
-        "state": explanation.state,
-        "sentences": list(explanation.sentences),
-        "decisions": [
-            {
-                "round": d.round,
-                "at_s": d.at_s,
-                "outcome": d.outcome,
-                "change": d.change,
-                "gpus": d.gpus,
-                "gpu_type": d.gpu_type and hardware_name(d.gpu_type),
-                "batch": d.batch,
-                "goodput": d.goodput,
-                "measured_goodput": d.measured_goodput,
-                "reason": d.reason,
-            }
-            for d in sorted(explanation.decisions, key=lambda d: (d.at_s, d.round))
-        ],
-    }
+    return shown(
+        {
+            "id": explanation.id,
+            "state": explanation.state,
+            "sentences": list(explanation.sentences),
+            "decisions": [
+                {
+                    "round": d.round,
+                    "at_s": d.at_s,
+                    "outcome": d.outcome,
+                    "change": d.change,
+                    "gpus": d.gpus,
+                    "gpu_type": d.gpu_type and hardware_name(d.gpu_type),
+                    "batch": d.batch,
+                    "goodput": d.goodput,
+                    "measured_goodput": d.measured_goodput,
+                    "reason": d.reason,
+                }
+                for d in sorted(explanation.decisions, key=lambda d: (d.at_s, d.round))
+            ],
+        }
+    )
 
 
 class Snapshots:
@@ -304,11 +335,12 @@ def create_app(
     source,
     token: str,
     *,
+    hosts: frozenset[str] | None = None,
     refresh_s: float = REFRESH_S,
     keepalive_s: float = KEEPALIVE_S,
     rounds: int = ROUNDS_SHOWN,
 ):
-    """The dashboard for `source`, opened with `token`. Its `closing` (an asyncio.Event), once set,
+    """The dashboard for `source`, its data given for `token`, at `hosts` (None: any Host). Its `closing` (an asyncio.Event), once set,
     ends every event stream, so a server stops without waiting on the pages open."""
     if refresh_s <= 0:
         raise ValueError("the dashboard's refresh must be a positive number of seconds")
@@ -355,9 +387,9 @@ def create_app(
         try:
             explanation = await source.explain(ask.id, ask.rounds)
         except UnknownJob as error:
-            return JSONResponse({"error": str(error) or f"no job {ask.id} of yours is known"}, status_code=404)
+            return JSONResponse(shown({"error": str(error) or f"no job {ask.id} of yours is known"}), status_code=404)
         except Unavailable as error:
-            return JSONResponse({"error": f"the explanation is not available ({error})"}, status_code=503)
+            return JSONResponse(shown({"error": f"the explanation is not available ({error})"}), status_code=503)
         return JSONResponse(explanation_document(explanation))
 
     app = Starlette(
@@ -369,6 +401,6 @@ def create_app(
             Route("/api/jobs/{job}", explain),
         ]
     )
-    guarded = TokenGuard(app, token)
+    guarded = TokenGuard(app, token, hosts)
     guarded.closing = closing
     return guarded

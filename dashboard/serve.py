@@ -51,11 +51,27 @@ def is_loopback(sock: socket.socket) -> bool:
     return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
 
 
-def page_url(sock: socket.socket, token: str) -> str:
-    """The URL that opens the dashboard: its address, and the token that lets its holder in."""
+def _address(sock: socket.socket) -> tuple[str, int]:
     host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}/?token={token}"
+    return (f"[{host}]" if ":" in host else host), port
+
+
+def page_url(sock: socket.socket, token: str) -> str:
+    """The URL that opens the dashboard: its address, and the token that lets its holder in, in the
+    fragment: the browser sends it to no server (not in a request, a log or a Referer); the page's
+    script reads it, keeps it in the tab's sessionStorage and sends it as `Authorization`."""
+    host, port = _address(sock)
+    return f"http://{host}:{port}/#token={token}"
+
+
+def page_hosts(sock: socket.socket) -> frozenset[str] | None:
+    """The Host headers a dashboard on `sock` answers: on loopback its address and `localhost`, with
+    its port, so that a page of another name resolving to 127.0.0.1 (DNS rebinding) is refused;
+    beyond loopback any name of the machine (None), its token guarding it."""
+    if not is_loopback(sock):
+        return None
+    host, port = _address(sock)
+    return frozenset({f"{host}:{port}", f"localhost:{port}"})
 
 
 @contextlib.asynccontextmanager

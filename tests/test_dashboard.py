@@ -9,11 +9,13 @@ with a few jobs and saves the page, with jobs running, to that file (docs/dashbo
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -21,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dashboard.app import FORBIDDEN, cookie_name, create_app, gpu_layout, snapshot_document
-from dashboard.serve import listen, page_url, serving
+from dashboard.app import MISDIRECTED, UNAUTHORIZED, create_app, explanation_document, gpu_layout, snapshot_document
+from dashboard.serve import listen, page_hosts, page_url, serving
 from dashboard.source import Unavailable, UnknownJob
 from shared.schema import (
     Explanation,
@@ -37,6 +39,8 @@ from shared.schema import (
 )
 
 TOKEN = "t0ken-for-the-tests-only-0123456789"
+BEARER = {"authorization": f"Bearer {TOKEN}"}
+HOSTS = frozenset({"127.0.0.1:8765", "localhost:8765"})  # a loopback dashboard's (dashboard.serve.page_hosts)
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # Headless, and nothing reaches beyond this machine: no update, sync, QUIC or first-run traffic.
 CHROMIUM_FLAGS = (
@@ -131,51 +135,110 @@ class FakeSource:
         return TeamsAnswer((TeamStatus("default", (TeamGpus("T4", "aws", 0, 4, 4, 0),)),), note="no team file")
 
 
-def asgi_client(app) -> httpx.AsyncClient:
-    """A client of the app in this process, as if it served on 127.0.0.1:8765."""
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://127.0.0.1:8765")
+def asgi_client(app, headers: dict | None = None) -> httpx.AsyncClient:
+    """A client of the app in this process, as if it served on 127.0.0.1:8765 (with the token's
+    header by default, as the page's own requests)."""
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app),
+        base_url="http://127.0.0.1:8765",
+        headers=BEARER if headers is None else headers,
+    )
 
 
 @pytest.fixture
 async def client():
     source = FakeSource()
-    async with asgi_client(create_app(source, TOKEN, refresh_s=0.05)) as client:
+    async with asgi_client(create_app(source, TOKEN, hosts=HOSTS, refresh_s=0.05)) as client:
         client.source = source
         yield client
 
 
 # ---- the token ------------------------------------------------------------------------------
 
+DATA = ("/events", "/api/snapshot", "/api/jobs/big", "/favicon.ico", "/api/nothing")
 
-async def test_every_request_without_the_token_is_forbidden(client):
-    for path in ("/", "/events", "/api/snapshot", "/api/jobs/big", "/static/app.js", "/favicon.ico"):
-        answer = await client.get(path)
-        assert answer.status_code == 403, path
-        assert answer.text == FORBIDDEN
-    assert (await client.get("/", params={"token": TOKEN[:-1] + "x"})).status_code == 403
-    assert (await client.get("/", params={"token": ""})).status_code == 403
-    client.cookies.set(cookie_name(8765), "wrong")
-    assert (await client.get("/")).status_code == 403
+
+async def test_the_data_is_refused_without_the_token_in_the_header(client):
+    """No cookie, no `?token=`, no wrong or empty bearer lets a request in: 401, and nothing is read."""
+    for path in DATA:
+        answer = await client.get(path, headers={"authorization": ""})
+        assert answer.status_code == 401, path
+        assert answer.text == UNAUTHORIZED and answer.headers["www-authenticate"] == "Bearer"
+    refused = [
+        {"authorization": f"Bearer {TOKEN[:-1]}x"},
+        {"authorization": "Bearer "},
+        {"authorization": f"Basic {TOKEN}"},
+        {"authorization": "", "cookie": f"goodput-dashboard-8765={TOKEN}"},  # the cookie of before
+    ]
+    for headers in refused:
+        assert (await client.get("/api/snapshot", headers=headers)).status_code == 401, headers
+    assert (
+        await client.get("/api/snapshot", params={"token": TOKEN}, headers={"authorization": ""})
+    ).status_code == 401
     assert client.source.reads == 0  # nothing was read for them
 
 
-async def test_the_token_opens_the_page_and_its_cookie_keeps_it_open(client):
-    page = await client.get("/", params={"token": TOKEN})
+async def test_the_page_opens_without_the_token_and_sets_no_cookie(client):
+    """The page's files hold no data and a browser's navigation carries no header: they are served
+    to the dashboard's address; the page then sends the token itself."""
+    page = await client.get("/", headers={"authorization": ""})
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    cookie = page.headers["set-cookie"]
-    assert cookie.startswith(f"{cookie_name(8765)}={TOKEN};") and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    assert "set-cookie" not in page.headers
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert page.headers["referrer-policy"] == "no-referrer"
-    # The browser sends the cookie with the page's own requests: no token in their URLs.
-    assert (await client.get("/static/app.js")).status_code == 200
-    assert (await client.get("/api/snapshot")).status_code == 200
-    assert "set-cookie" not in (await client.get("/api/snapshot")).headers  # set only when the URL brings it
+    assert (await client.get("/static/app.js", headers={"authorization": ""})).status_code == 200
     assert (await client.get("/static/nothing.js")).status_code == 404
     assert (await client.get("/static/..%2fapp.py")).status_code == 404
-    # Another port's cookie is another dashboard's.
-    client.cookies.clear()
-    client.cookies.set(cookie_name(9999), TOKEN)
-    assert (await client.get("/api/snapshot")).status_code == 403
+    answer = await client.get("/api/snapshot")  # the page's request: the token in its header
+    assert answer.status_code == 200 and "set-cookie" not in answer.headers
+    assert answer.headers["x-frame-options"] == "DENY"
+
+
+async def test_another_host_or_another_origin_is_refused_even_with_the_token(client):
+    """DNS rebinding (a name of the attacker's that resolves to 127.0.0.1) and a page of another
+    port of 127.0.0.1 are not the dashboard's own: 403, the page itself included."""
+    for headers in (
+        {"host": "rebind.attacker.example:8765"},
+        {"host": "127.0.0.1:9999"},
+        {"origin": "http://127.0.0.1:9999"},  # a page that a job serves on another loopback port
+        {"origin": "http://localhost:8765"},  # another origin, though the same port
+        {"origin": "null"},  # a sandboxed frame, a file
+    ):
+        for path in ("/", "/api/snapshot"):
+            answer = await client.get(path, headers=headers)
+            assert answer.status_code == 403 and answer.text == MISDIRECTED, (headers, path)
+    assert client.source.reads == 0  # nothing was read for them
+    assert (await client.get("/api/snapshot", headers={"host": "localhost:8765"})).status_code == 200
+    assert (await client.get("/api/snapshot", headers={"origin": "http://127.0.0.1:8765"})).status_code == 200
+
+
+def test_the_printed_url_carries_the_token_in_its_fragment_and_names_its_hosts():
+    sock = listen("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        assert page_url(sock, TOKEN) == f"http://127.0.0.1:{port}/#token={TOKEN}"
+        assert page_hosts(sock) == {f"127.0.0.1:{port}", f"localhost:{port}"}
+    finally:
+        sock.close()
+    anywhere = listen("0.0.0.0", 0)
+    try:
+        assert page_hosts(anywhere) is None  # beyond loopback: any name of the machine, the token asked
+    finally:
+        anywhere.close()
+
+
+async def test_a_jobs_hostile_text_reaches_the_page_printable():
+    """A job's reason (its stderr) and an explanation's sentences lose their escape sequences,
+    controls and bidirectional overrides; their lines stay."""
+    source = FakeSource()
+    source.jobs_now[2] = status(
+        "waits", "failed", reason="crashed\x1b]0;title\x07\n\x1b[2J\x1b]52;c;ZXZpbA==\x07Error: \u202eboom\x9b1A"
+    )
+    async with asgi_client(create_app(source, TOKEN)) as client:
+        document = (await client.get("/api/snapshot")).json()
+    assert document["jobs"][2]["reason"] == "crashed\nError: boom"
+    explanation = Explanation("big", "failed", ("It failed: \x1b[1A\x1b[2K  big  running",), ())
+    assert explanation_document(explanation)["sentences"] == ["It failed:   big  running"]
 
 
 def test_the_page_needs_nothing_from_outside():
@@ -192,7 +255,7 @@ def test_the_page_needs_nothing_from_outside():
 
 
 async def test_the_snapshot_lays_each_running_job_on_its_gpus(client):
-    document = (await client.get("/api/snapshot", params={"token": TOKEN})).json()
+    document = (await client.get("/api/snapshot")).json()
     assert [job["id"] for job in document["jobs"]] == ["big", "wide", "waits", "done"]
     assert document["counts"]["running"] == 2 and document["counts"]["queued"] == 1
     nodes = {node["name"]: node for node in document["nodes"]}
@@ -219,7 +282,7 @@ async def test_without_the_rounds_the_jobs_are_still_shown_and_the_page_says_why
         ("dgx-ext-0", ["big"] * 4),
     ]
     async with asgi_client(create_app(FakeSource(rounds_served=False), TOKEN)) as client:
-        served = (await client.get("/api/snapshot", params={"token": TOKEN})).json()
+        served = (await client.get("/api/snapshot")).json()
     assert served["rounds"] is None and "goodput.api.rounds" in served["rounds_note"]
     assert len(served["jobs"]) == 4
 
@@ -259,7 +322,6 @@ def test_a_node_holding_more_than_the_round_said_shows_what_it_holds():
 
 
 async def test_a_jobs_explanation_and_its_errors(client):
-    await client.get("/", params={"token": TOKEN})  # the cookie
     document = (await client.get("/api/jobs/big")).json()
     assert document["sentences"][-1] == "It moved to 4 A100 GPUs in round 3."
     assert [(d["gpus"], d["gpu_type"]) for d in document["decisions"]] == [(0, None), (2, "T4"), (4, "A100")]
@@ -274,11 +336,10 @@ async def test_the_event_stream_pushes_a_snapshot_and_each_change():
     source = FakeSource()
     app = create_app(source, TOKEN, refresh_s=0.05)
     sock = listen("127.0.0.1", 0)
-    url = page_url(sock, TOKEN)
-    assert url.startswith("http://127.0.0.1:") and url.endswith(f"/?token={TOKEN}")
+    events = page_url(sock, TOKEN).partition("#")[0] + "events"
     async with serving(app, sock), httpx.AsyncClient(timeout=30) as http:
-        assert (await http.get(url.replace("?token=", "?token=no"))).status_code == 403
-        async with http.stream("GET", url.replace("/?", "/events?")) as stream:
+        assert (await http.get(events, headers={"authorization": "Bearer no"})).status_code == 401
+        async with http.stream("GET", events, headers=BEARER) as stream:
             assert stream.headers["content-type"].startswith("text/event-stream")
             events = _events(stream)
             first = await anext(events)
@@ -398,6 +459,7 @@ def test_a_job_submitted_while_the_page_is_open_goes_from_queued_to_running_to_f
         wait.until(lambda b: b.execute_script(shown) == "watched-1")
         if os.environ.get(SCREENSHOT_ENV):
             _screenshot(browser, wait, data, tmp_path, Path(os.environ[SCREENSHOT_ENV]))
+        _check_no_other_page_gets_the_data(browser, wait, url)
     finally:
         if browser is not None:
             browser.quit()
@@ -407,12 +469,64 @@ def test_a_job_submitted_while_the_page_is_open_goes_from_queued_to_running_to_f
 
 
 def _check_up_serves_its_dashboard(log: str) -> None:
-    """`goodput up` printed its dashboard's URL: it answers with the token, and only with it."""
-    match = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/\?token=\S+)", log)
+    """`goodput up` printed its dashboard's URL: its page opens, its data only with the token."""
+    match = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/)#token=(\S+)", log)
     assert match, log
-    url = match.group(1)
-    assert httpx.get(url, timeout=30).status_code == 200
-    assert httpx.get(url.partition("?")[0], timeout=30).status_code == 403
+    page, token = match.groups()
+    assert httpx.get(page, timeout=30).status_code == 200
+    assert httpx.get(f"{page}api/snapshot", timeout=30).status_code == 401
+    answer = httpx.get(f"{page}api/snapshot", headers={"authorization": f"Bearer {token}"}, timeout=30)
+    assert answer.status_code == 200 and "jobs" in answer.json()
+
+
+FETCH = """
+const [url, init, done] = arguments;
+fetch(url, init).then((answer) => done(answer.type === "opaque" ? "opaque" : answer.status), (error) => done("blocked"));
+"""
+
+
+def _check_no_other_page_gets_the_data(browser, wait, url: str) -> None:
+    """The token stays in the dashboard's own page: out of its address bar and of any cookie, sent
+    only in its own requests' header (one without it is refused). A page that a job serves on
+    another loopback port can read nothing of it, and its links open the page without the data."""
+    root = url.partition("#")[0]
+    assert browser.execute_script("return [location.hash, document.cookie]") == ["#job=watched-1", ""]
+    assert browser.execute_async_script(FETCH, "api/snapshot", {}) == 401
+    with_token = {"headers": {"Authorization": f"Bearer {url.partition('#token=')[2]}"}}
+    assert browser.execute_async_script(FETCH, "api/snapshot", with_token) == 200
+
+    page = f'<a id="page" href="{root}">dashboard</a> <a id="data" href="{root}api/snapshot">data</a>'.encode()
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *_):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        browser.switch_to.new_window("tab")
+        browser.get(f"http://127.0.0.1:{other.server_address[1]}/")
+        for init in ({"credentials": "include"}, with_token):  # it cannot read the answer, token or not
+            assert browser.execute_async_script(FETCH, f"{root}api/snapshot", init) == "blocked", init
+        assert browser.execute_async_script(FETCH, f"{root}api/snapshot", {"mode": "no-cors"}) == "opaque"
+        _click(browser, "#data")  # a link to the data: nothing the browser adds lets it in
+        wait.until(lambda b: b.current_url == f"{root}api/snapshot")
+        assert browser.find_element("tag name", "body").text.startswith("401 Unauthorized")
+        browser.back()
+        wait.until(lambda b: b.execute_script("return document.getElementById('page') !== null"))
+        _click(browser, "#page")  # a link to the page: it opens, without the token, so without the data
+        wait.until(lambda b: b.execute_script("return document.getElementById('live')?.dataset.live") == "closed")
+        assert "no token" in browser.find_element("id", "live").text
+        assert browser.execute_script("return document.querySelector('#queue tbody tr')") is None
+    finally:
+        other.shutdown()
+        other.server_close()
 
 
 def _check_logins_are_checked_before_serving(data: Path, tmp_path: Path) -> None:

@@ -1,6 +1,11 @@
 // goodput's dashboard: the snapshot the server pushes on /events, drawn into the page; a chosen job's
 // explanation from /api/jobs/ID. Everything from the server is text put in with textContent, never
 // parsed as HTML. No framework, no build step.
+//
+// The token: the URL the command printed carries it in its fragment (#token=...), which no request
+// sends. The page takes it from there into this tab's sessionStorage (of this origin only), clears
+// it from the address bar, and sends it in an `Authorization` header with each of its own requests.
+// The browser adds nothing by itself (no cookie), so a page of another origin cannot lend it.
 "use strict";
 
 const STATES = ["running", "profiling", "queued", "unschedulable", "finished", "failed", "cancelled", "rejected"];
@@ -15,6 +20,9 @@ const PALETTE = [
 ];
 const TYPE_COLOURS = ["#0ea5e9", "#f97316", "#8b5cf6", "#10b981", "#e11d48", "#eab308"];
 const SVG = "http://www.w3.org/2000/svg";
+const TOKEN_KEY = "goodput-dashboard-token";
+const NO_TOKEN = "no token: open the URL the command printed";
+const RETRY_MS = 2000; // the stream cut: asked again after this long (or as the server's `retry:` says)
 
 const view = {
   snapshot: null,
@@ -25,7 +33,27 @@ const view = {
   colours: new Map(), // running job -> its colour
   seen: new Map(), // job -> the states this page saw it in, in order
   typeColours: new Map(),
+  token: null,
 };
+
+// The token of the URL's fragment, kept for this tab; else the one kept before (a reload).
+function takeToken() {
+  const match = /^#token=([^&]+)$/.exec(location.hash);
+  if (match) {
+    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
+    history.replaceState(null, "", `${location.pathname}${location.search}`);
+  }
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+// A request of the page's own, with its token; the browser adds no credential of its own.
+function ask(path) {
+  return fetch(path, {
+    headers: { Authorization: `Bearer ${view.token}` },
+    credentials: "omit",
+    cache: "no-store",
+  });
+}
 
 // ---- small helpers ---------------------------------------------------------------------------
 
@@ -327,8 +355,8 @@ async function explain() {
   view.explaining = true;
   view.explainedAt = Date.now();
   try {
-    const answer = await fetch(`api/jobs/${encodeURIComponent(id)}`, { credentials: "same-origin" });
-    const body = await answer.json();
+    const answer = await ask(`api/jobs/${encodeURIComponent(id)}`);
+    const body = answer.status === 401 ? { error: NO_TOKEN } : await answer.json();
     if (view.chosen === id) view.explanation = answer.ok ? body : { error: body.error || `error ${answer.status}` };
   } catch (error) {
     if (view.chosen === id) view.explanation = { error: `the dashboard does not answer (${error.message})` };
@@ -443,30 +471,69 @@ function setLive(state, text) {
   live.lastChild.textContent = text;
 }
 
-function connect() {
-  const events = new EventSource("events", { withCredentials: true });
-  events.onopen = () => setLive("live", "live");
-  events.onerror = () => {
-    if (events.readyState === EventSource.CLOSED) setLive("closed", "disconnected: open the URL the command printed");
-    else setLive("reconnecting", "reconnecting …");
-  };
-  events.addEventListener("snapshot", (event) => {
-    const snapshot = JSON.parse(event.data);
-    view.snapshot = snapshot;
-    remember(snapshot.jobs);
-    releaseColours(snapshot.jobs);
-    setLive("live", `live · ${new Date().toLocaleTimeString()}`);
-    draw(snapshot);
-    if (view.chosen && Date.now() - view.explainedAt >= EXPLAIN_EVERY_MS) explain();
-  });
+function onSnapshot(data) {
+  const snapshot = JSON.parse(data);
+  view.snapshot = snapshot;
+  remember(snapshot.jobs);
+  releaseColours(snapshot.jobs);
+  setLive("live", `live · ${new Date().toLocaleTimeString()}`);
+  draw(snapshot);
+  if (view.chosen && Date.now() - view.explainedAt >= EXPLAIN_EVERY_MS) explain();
+}
+
+// The server-sent events of /events, read from a fetch (an EventSource sends no header): each
+// event is its lines up to a blank one; `event: snapshot` with its `data:`, `retry:` the wait
+// before asking again. A refused token ends it (the dashboard stopped, or started with another).
+async function connect() {
+  let retry = RETRY_MS;
+  for (;;) {
+    try {
+      const answer = await ask("events");
+      if (answer.status === 401 || answer.status === 403) {
+        setLive("closed", "disconnected: open the URL the command printed");
+        return;
+      }
+      if (!answer.ok) throw new Error(`error ${answer.status}`);
+      setLive("live", "live");
+      const reader = answer.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += value;
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const lines = buffer.slice(0, end).split("\n");
+          buffer = buffer.slice(end + 2);
+          const field = (name) => lines.filter((l) => l.startsWith(`${name}:`)).map((l) => l.slice(name.length + 1).replace(/^ /, ""));
+          const wait = Number(field("retry")[0]);
+          if (wait > 0) retry = wait;
+          if (field("event")[0] === "snapshot") onSnapshot(field("data").join("\n"));
+        }
+      }
+    } catch (error) {
+      // cut, or the server is gone for now: asked again below
+    }
+    setLive("reconnecting", "reconnecting …");
+    await new Promise((resolve) => setTimeout(resolve, retry));
+  }
 }
 
 function fromHash() {
+  if (location.hash.startsWith("#token=")) {
+    location.reload(); // a new URL pasted into this tab: its token from now on (takeToken, at load)
+    return;
+  }
   const match = /^#job=(.+)$/.exec(location.hash);
   if (match) choose(decodeURIComponent(match[1]));
 }
 
+view.token = takeToken();
 window.addEventListener("hashchange", fromHash);
 drawJob(null);
-fromHash();
-connect();
+if (view.token) {
+  fromHash();
+  connect();
+} else {
+  setLive("closed", NO_TOKEN);
+}
