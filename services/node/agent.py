@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import os
@@ -60,26 +61,27 @@ from goodput_train.protocol import (
     clean_metrics,
 )
 from services.node.box import (
+    BOX_ROOT,
     JOB_UID_BASE,
-    Limits,
-    Sandbox,
-    become_subreaper,
-    closed_to_others,
-    default_memory_mb,
-    end_user,
-    job_uid,
-    make_own,
+    RUNTIME,
+    Box,
+    BoxError,
+    Boxes,
+    Rules,
+    check,
+    default_rules,
+    interpreter_paths,
     read_owned,
+    shown_folders,
     write_owned,
 )
 from services.node.code import JobCode, store_fetcher
 from services.node.output import Output, Storing, copy_lines, wake_on
 from services.node.processes import (
-    ROOT,
     ended,
     free_port,
+    import_path,
     last_error,
-    signal_group,
     stop_leftovers,
     torchrun_env,
     wait_ended,
@@ -87,7 +89,7 @@ from services.node.processes import (
 )
 from shared import storage, subjects
 from shared.bus import Bus
-from shared.files import make_passable, make_private
+from shared.files import make_private
 from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
 from shared.runner import new_service
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
@@ -166,7 +168,8 @@ class Workers:
     rendezvous: Rendezvous
     devices: tuple[str, ...]
     checkpoint: Path
-    uid: int | None = None  # the job's user here (None: the agent's)
+    box: Box | None = None  # where they run (set as they start)
+    note: str = ""  # the box's word on their end: out of memory
     processes: list[subprocess.Popen] = field(default_factory=list)
     readers: list[threading.Thread] = field(default_factory=list)
     stats: str = ""  # the latest report line (rank 0's, where it is here)
@@ -184,6 +187,10 @@ class Workers:
     def running(self) -> bool:
         return any(ended(p) is None for p in self.processes)
 
+    @property
+    def uid(self) -> int | None:
+        return self.box.uid if self.box else None
+
 
 class NodeWorkers:
     def __init__(
@@ -194,9 +201,7 @@ class NodeWorkers:
         devices: tuple[str, ...] = (),
         store: StoredCheckpoints | None = None,
         output: Output | None = None,
-        uid_base: int | None = None,
-        limits: Limits | None = None,
-        python: str = sys.executable,
+        boxes: Boxes | None = None,
         code: JobCode | None = None,
     ):
         self.info = info
@@ -205,14 +210,11 @@ class NodeWorkers:
         self.devices = devices  # CUDA device ids, one per GPU; none: CPU slots
         self.store = store  # where jobs' checkpoints are kept when no folder is shared
         self.output = output  # what the workers print, kept for their submitters (None: only stderr, in files)
-        self.uid_base = uid_base  # each job's workers as a user of its own (`job_uid`); None: as the agent
-        if uid_base is not None:  # a job's daemons are ours to end, not init's (`end_user`)
-            become_subreaper()
-        self.limits = limits or Limits(memory_mb=default_memory_mb(info.gpus))
-        self.python = python  # the workers' interpreter
+        # Each job's box (`--box off`: every job as the agent, in no box: only for tests and trusted code).
+        self.boxes = boxes or Boxes(workdir, default_rules(info.gpus), runtime=None)
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
         self.jobs: dict[str, Workers] = {}
-        self.profiling: dict[str, subprocess.Popen] = {}  # job id -> its profiling run here
+        self.profiling: dict[str, Box] = {}  # job id -> the box of its profiling run here
         self.lock = threading.Lock()  # the table of jobs; a stop waits outside it
         self.closing = False
 
@@ -231,17 +233,31 @@ class NodeWorkers:
                     f"{current.order.generation} running here"
                 )
             self._stop(current, STOP_TIMEOUT_S, kill=False)
-        sandbox = self.sandbox(order.job_id, order.user)
+        if order.store and self.store is None:
+            raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
+        with self.lock:
+            self._free(order)  # before a box is made for nothing
+        box = self._open_box(
+            order.job_id,
+            f"{order.job_id}.{order.generation}",
+            order.user,
+            len(order.ranks),
+            private_network=order.nodes == 1,  # its ranks all here: its rendezvous on its own loopback
+            checkpoints=None if order.store else Path(order.checkpoint).parent,
+        )
+        try:
+            return self._start(order, box)
+        except BaseException:
+            box.close()
+            raise
+
+    def _start(self, order: StartWorkers, box: Box) -> Rendezvous:
         # ValueError: refused with the reason (no such job module, its code not stored or unsafe)
-        target, code = self._target(order.job_id, order.application, order.code, order.entrypoint, sandbox)
+        target, code = self._target(order.job_id, order.application, order.code, order.entrypoint, box)
         checkpoint = Path(order.checkpoint)
         if order.store:  # no shared folder: this node's copy of the stored one, in the job's folder
-            if self.store is None:
-                raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
-            checkpoint = sandbox.folder / order.store
-            self.store.fetch(order.store, checkpoint, sandbox.uid)
-        else:
-            self._checkpoint_folder(order.job_id, checkpoint.parent, sandbox.uid)
+            checkpoint = box.folder / order.store
+            self.store.fetch(order.store, checkpoint, box.uid)
         with self.lock:
             if self.closing:
                 raise ValueError(f"node {self.info.name} is stopping")
@@ -251,28 +267,19 @@ class NodeWorkers:
                 if order.master_addr
                 else (self.info.address, free_port(self.info.address))
             )
-            workers = self.jobs[order.job_id] = Workers(
-                order, Rendezvous(address, port), devices, checkpoint, sandbox.uid
-            )
+            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices, checkpoint, box)
             self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
                 env = {
                     **torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
                     **order.env,
-                    CHECKPOINT_PATH_ENV: str(checkpoint),
+                    CHECKPOINT_PATH_ENV: str(box.inside(checkpoint)),
                 }
                 if devices:
                     env["CUDA_VISIBLE_DEVICES"] = devices[local]
                 log_file = open(self.log_path(order.job_id, rank), "w")  # noqa: SIM115 - its reader closes it
                 process = worker(
-                    target,
-                    list(order.args),
-                    env,
-                    subprocess.PIPE,
-                    lifeline=True,
-                    sandbox=sandbox,
-                    checkpoint=checkpoint,
-                    code=code,
+                    box, target, list(order.args), env, subprocess.PIPE, lifeline=True, checkpoint=checkpoint, code=code
                 )
                 workers.processes.append(process)
                 for read, args in (
@@ -297,7 +304,7 @@ class NodeWorkers:
         if workers is None:
             profiling = self.profiling.get(request.job_id)
             if profiling is not None:
-                signal_group(profiling, signal.SIGKILL)
+                profiling.signal(signal.SIGKILL)
             return WorkersReport(request.job_id, -1, (), ())
         self._stop(workers, request.grace_s, request.kill)
         self._record_workers()
@@ -324,17 +331,26 @@ class NodeWorkers:
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]  # the last: starts take the first free ones
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
+        try:
+            box = self._open_box(request.job_id, f"{request.job_id}.profile", request.user, 1, private_network=True)
+        except (ValueError, BoxError) as error:
+            return ProfileAnswer(failure=str(error))
+        try:
+            return self._profile(request, box, env, log_path)
+        finally:
+            box.close()
+
+    def _profile(self, request: ProfileRequest, box: Box, env: dict[str, str], log_path: Path) -> ProfileAnswer:
         gpu_type = self.info.gpu_type
         try:
-            sandbox = self.sandbox(request.job_id, request.user)
-            target, code = self._target(request.job_id, request.application, request.code, request.entrypoint, sandbox)
+            target, code = self._target(request.job_id, request.application, request.code, request.entrypoint, box)
         except ValueError as error:
             return ProfileAnswer(failure=str(error))
         profiles: list[str] = []
         tail: deque[str] = deque(maxlen=PROFILE_STDOUT_KEPT)
         with open(log_path, "w") as log_file:
-            process = worker(target, list(request.args), env, log_file, sandbox=sandbox, code=code)
-            self.profiling[request.job_id] = process
+            process = worker(box, target, list(request.args), env, log_file, code=code)
+            self.profiling[request.job_id] = box
             reader = threading.Thread(
                 target=_read_profile,
                 args=(process.stdout, profiles, tail),
@@ -344,13 +360,12 @@ class NodeWorkers:
             reader.start()
             try:
                 returncode = wait_ended(process, request.timeout_s)
-                signal_group(process, signal.SIGKILL)  # still running: past its time
+                box.signal(signal.SIGKILL)  # still running: past its time; or what it left behind
                 wait_ended(process, STOP_TIMEOUT_S)
-                if not end_user(sandbox.uid):  # what left its group
-                    log.warning("job %s: a process of its user %s outlives SIGKILL", request.job_id, sandbox.uid)
+                note = box.close()  # nothing of it left to hold its output open
                 reader.join(READ_REST_S)  # not longer: a process that left its group may hold its stdout
             finally:
-                if self.profiling.get(request.job_id) is process:
+                if self.profiling.get(request.job_id) is box:
                     del self.profiling[request.job_id]
         if returncode is None:
             return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s")
@@ -360,7 +375,7 @@ class NodeWorkers:
         if process.returncode != 0:
             return ProfileAnswer(
                 failure=f"its script failed while profiling on {gpu_type} (exit code "
-                f"{process.returncode}); the end of its stderr:\n{last_error(log_path)}"
+                f"{process.returncode}); {note + '; ' if note else ''}the end of its stderr:\n{last_error(log_path)}"
             )
         for line in profiles:
             if line.startswith(PROFILE_PREFIX):
@@ -404,12 +419,11 @@ class NodeWorkers:
         with self.lock:
             self.closing = True
             jobs, self.jobs = list(self.jobs.values()), {}
-        for process in list(self.profiling.values()):
-            signal_group(process, signal.SIGKILL)
+        for box in list(self.profiling.values()):
+            box.signal(signal.SIGKILL)
         for workers in jobs:  # every job told at once: their checkpoints overlap
             _asked(workers)
-            for process in workers.processes:
-                signal_group(process, signal.SIGTERM)
+            workers.box.signal(signal.SIGTERM)
         for workers in jobs:
             self._stop(workers, STOP_TIMEOUT_S, kill=False)
         self._record_workers()
@@ -429,19 +443,20 @@ class NodeWorkers:
         return tuple(d for d in self.devices if d not in taken)[: len(order.ranks)] if self.devices else ()
 
     def _stop(self, workers: Workers, grace_s: float, kill: bool) -> None:
+        """Every process of the job's here signalled (SIGTERM: they checkpoint), given `grace_s`,
+        then killed, and its box ended."""
         _asked(workers)
-        for process in workers.processes:  # each with what it started (its group)
-            signal_group(process, signal.SIGKILL if kill else signal.SIGTERM)
+        workers.box.signal(signal.SIGKILL if kill else signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for process in workers.processes:
             if wait_ended(process, max(0.0, deadline - time.monotonic())) is None:
-                signal_group(process, signal.SIGKILL)
+                workers.box.signal(signal.SIGKILL)
                 if wait_ended(process, STOP_TIMEOUT_S) is None:
                     log.warning("job %s: worker %d outlives SIGKILL", workers.order.job_id, process.pid)
         if not kill:
             _record_checkpoint(workers)
-        if not end_user(workers.uid):  # what left the workers' groups, before their files are read
-            log.warning("job %s: a process of its user %s outlives SIGKILL", workers.order.job_id, workers.uid)
+        # What any of them left (a daemon, however detached) ended with the box, before its files are read.
+        workers.note = workers.note or workers.box.close()
         # What is still there to read, waited for a little only: a process that left the group keeps
         # the pipe open, and its reader waits for it, not the stop.
         _read_to_end(workers, list(workers.order.ranks))
@@ -455,7 +470,10 @@ class NodeWorkers:
         codes = tuple(ended(p) for p in workers.processes)
         crashed = next((rank for rank, code in zip(workers.order.ranks, codes) if code not in (None, 0)), None)
         _read_to_end(workers, [rank for rank, code in zip(workers.order.ranks, codes) if code is not None])
-        error = last_error(self.log_path(workers.order.job_id, crashed)) if crashed is not None else ""
+        error = ""
+        if crashed is not None:
+            note = workers.note or workers.box.memory_note()
+            error = (note + "\n" if note else "") + last_error(self.log_path(workers.order.job_id, crashed))
         if crashed is not None or None not in codes:
             self._file(workers.order.job_id, "pids").unlink(missing_ok=True)
         return WorkersReport(
@@ -494,46 +512,26 @@ class NodeWorkers:
         node's copy of its stored checkpoint; its user's alone."""
         return self.workdir / "jobs" / job_id
 
-    def sandbox(self, job_id: str, slot: int | None = None) -> Sandbox:
-        """Where and as whom the job's workers run here (`slot`: the executor's number for its user,
-        `job_uid`), its folder made (or given back) to its user once no process of that user is
-        left: nothing of the job's changes the folder while the agent, root, walks it."""
-        uid = None
-        if self.uid_base is not None:
-            with self.lock:
-                others = [w for w in self.jobs.values() if w.order.job_id != job_id]
-                mine = self.jobs.get(job_id)
-            uid = job_uid(slot, self.uid_base, {w.uid for w in others}, job_id)
-            if mine is not None and mine.running:
-                raise ValueError(f"job {job_id}: its workers run on node {self.info.name}; it is not started again")
-            self._end_user(job_id, uid)
-            make_passable(self.workdir, self.workdir / "jobs")  # the agent made them 0700 when it started
-        sandbox = Sandbox(self.job_folder(job_id), uid, self.limits.rlimits(uid is not None), self.python)
-        make_own(sandbox.folder, uid)  # all of it: an earlier run of the job may have had another user
-        make_own(sandbox.tmp, uid)
-        return sandbox
+    def _open_box(
+        self,
+        job_id: str,
+        name: str,
+        user: int | None,
+        slots: int,
+        private_network: bool,
+        checkpoints: Path | None = None,
+    ) -> Box:
+        """The job's box here (`Boxes.open`), once none of its workers runs here; ValueError why not."""
+        with self.lock:
+            mine = self.jobs.get(job_id)
+        if mine is not None and mine.running:
+            raise ValueError(f"job {job_id}: its workers run on node {self.info.name}; it is not started again")
+        try:
+            return self.boxes.open(job_id, name, self.job_folder(job_id), user, slots, private_network, checkpoints)
+        except BoxError as error:
+            raise ValueError(str(error)) from None
 
-    def _end_user(self, job_id: str, uid: int | None) -> None:
-        """Every process of the job's user here ended (`end_user`); ValueError if one outlives it."""
-        if not end_user(uid):
-            raise ValueError(f"job {job_id}: a process of its user {uid} outlives SIGKILL on node {self.info.name}")
-
-    def _checkpoint_folder(self, job_id: str, folder: Path, uid: int | None) -> None:
-        """The job's checkpoint folder in the shared one: the job's user's alone (the agent, root,
-        still reads it). With a user of its own, a job writes only in a folder named after it."""
-        if uid is None:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-            return
-        if folder.name != job_id:
-            raise ValueError(
-                f"job {job_id}: its checkpoint must be in a folder of its own, named {job_id}, not {folder}"
-            )
-        make_passable(folder.parent)
-        make_own(folder, uid)
-
-    def _target(
-        self, job_id: str, application: str, code: str, entrypoint: str, sandbox: Sandbox
-    ) -> tuple[str, Path | None]:
+    def _target(self, job_id: str, application: str, code: str, entrypoint: str, box: Box) -> tuple[str, Path | None]:
         """What the job's workers run: a module of the jobs package (no folder), or the entrypoint of
         its own code, unpacked in its folder by its user (that folder); ValueError with why it cannot
         run here."""
@@ -542,7 +540,7 @@ class NodeWorkers:
         if self.code is None:
             raise ValueError(f"node {self.info.name} runs no job's own code (it reaches no code store)")
         marker = self._file(job_id, "code")
-        folder = self.code.prepare(sandbox.folder, code, entrypoint, marker, sandbox.uid, sandbox.python)
+        folder = self.code.prepare(box.folder, code, entrypoint, marker, box)
         return entrypoint, folder
 
     def log_path(self, job_id: str, rank: int) -> Path:
@@ -692,27 +690,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="node: the address its workers listen on for their peers on other nodes (a pod IP; default: %(default)s)",
     )
     parser.add_argument(
-        "--job-users",
-        default="auto",
-        help="node: each job's workers as a user of its own: 'auto' (when the agent is root and other users "
-        "can reach the interpreter, the project and --workdir; else as the agent, said in its log), 'off', "
-        f"or the first uid of their range (default: %(default)s, from {JOB_UID_BASE})",
+        "--box",
+        choices=("runc", "off"),
+        default="runc",
+        help="node: each job in a box of its own (runc: its own user, cgroup and namespaces; the agent must "
+        "be root), or 'off': every job's code as the agent's user, in no box, only for code you trust "
+        "(default: %(default)s)",
     )
     parser.add_argument(
-        "--worker-memory",
-        type=float,
-        help="node: each worker's memory in MB (its data, RLIMIT_DATA; default: the machine's shared by its GPUs; 0: none)",
-    )
-    parser.add_argument(
-        "--worker-processes",
+        "--job-uids",
         type=int,
-        default=Limits.processes,
-        help="node: processes and threads of a job's user on the node (default: %(default)s)",
+        default=JOB_UID_BASE,
+        help="node: the first uid of the jobs' users, unique on the host (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--slot-cpus",
+        type=float,
+        help="node: a job's CPU cores per slot it holds (default: the machine's cores shared by its slots)",
+    )
+    parser.add_argument(
+        "--slot-memory",
+        type=float,
+        help="node: a job's memory per slot it holds, in MB: past it the kernel ends the job's processes "
+        "(default: the machine's memory shared by its slots)",
+    )
+    parser.add_argument(
+        "--slot-processes",
+        type=int,
+        default=Rules.processes,
+        help="node: a job's processes and threads per slot it holds (default: %(default)s)",
     )
     parser.add_argument(
         "--worker-file-size",
         type=float,
-        default=Limits.file_mb,
+        default=Rules.file_mb,
         help="node: the largest file a worker may write, in MB (default: %(default)g)",
     )
     parser.add_argument(
@@ -720,27 +731,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def job_users(choice: str, workdir: Path, python: str) -> tuple[int | None, str]:
-    """The first uid of the jobs' users (None: the workers run as the agent) for --job-users, and why."""
-    if choice == "off":
-        return None, "off (--job-users off)"
-    if os.geteuid() != 0:
-        if choice != "auto":
-            raise SystemExit(f"--job-users {choice}: only an agent that runs as root can start workers as other users")
-        return None, "off: the agent is not root (keeping jobs apart is the deployment's: one agent per container)"
-    base = JOB_UID_BASE if choice == "auto" else int(choice) if choice.isdigit() else None
-    if base is None or base == 0:
-        raise SystemExit(f"--job-users {choice!r}: 'auto', 'off' or a uid above 0")
-    closed = next(filter(None, (closed_to_others(path) for path in (Path(python), ROOT, workdir.parent))), None)
-    if closed is not None:
-        why = (
-            f"other users cannot enter {closed} (mode {oct(closed.stat().st_mode & 0o777)}), on the way "
-            f"to the workers' interpreter, the project or {workdir}"
-        )
-        if choice != "auto":
-            raise SystemExit(f"--job-users {choice}: {why}")
-        return None, f"off, UNSAFE for code that is not yours: {why}; open it (chmod o+x) or pass --job-users off"
-    return base, f"uids from {base}"
+def node_boxes(args: argparse.Namespace, workdir: Path, gpus: int, stack: str, agent: str) -> Boxes:
+    """The node's boxes as its options say, or SystemExit with why they cannot be had here and the fix."""
+    rules = default_rules(gpus, args.slot_cpus, args.slot_memory, args.slot_processes)
+    rules = dataclasses.replace(rules, file_mb=args.worker_file_size or None)
+    runtime = None if args.box == "off" else RUNTIME
+    shown = shown_folders(args.worker_python, interpreter_paths(args.worker_python, import_path(args.jobs_package)))
+    problem = check(runtime, args.worker_python, shown)
+    if problem:
+        raise SystemExit(f"node {args.node}: {problem}")
+    return Boxes(workdir, rules, args.worker_python, runtime, shown, stack, args.job_uids, agent=agent)
 
 
 def detected_gpus() -> tuple[str, tuple[str, ...]]:
@@ -769,17 +769,20 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         args.node, args.gpu_type or detected_type, gpus, args.address, agent=uuid.uuid4().hex[:12], applications=jobs
     )
     workdir = Path(args.workdir or Path(tempfile.gettempdir()) / f"goodput-node-{args.node}")
+    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
+    # This stack's name on the host, the same for all its agents: its jobs' users are its own (`box.Claims`).
+    stack = str((await bus.js.stream_info(storage.BUCKETS[subjects.NODES_BUCKET].stream)).created)
+    boxes = await asyncio.to_thread(node_boxes, args, workdir, gpus, stack, info.agent)
     # What a killed agent before this one left running is stopped first: nothing of a job's is left
-    # to change its folder while it is walked. Jobs' folders are their users' (`sandbox` gives them
+    # to change its folder while it is walked. Jobs' folders are their users' (its box gives them
     # back): only the agent's own files are made private.
     await asyncio.to_thread(stop_leftovers, workdir)
-    make_private(workdir, skip=("jobs",))  # with the logs and checkpoint copies an agent before this one left
-    uid_base, users = job_users(args.job_users, workdir, args.worker_python)
-    limits = Limits(
-        args.worker_processes,
-        memory_mb=(args.worker_memory or None) if args.worker_memory is not None else default_memory_mb(gpus),
-        file_mb=args.worker_file_size or None,
-    )
+    left = await asyncio.to_thread(boxes.leftovers)
+    if left:
+        log.info("node %s: ended %d boxes an agent before this one left: %s", args.node, len(left), ", ".join(left))
+    # With the logs and checkpoint copies an agent before this one left; the boxes' root stays open.
+    make_private(workdir, skip=("jobs", BOX_ROOT))
+    boxes.prepare()
     await storage.open_stream(bus, subjects.LOGS_STREAM)  # where what the workers print is kept
     woken = asyncio.Event()
     storing = Storing(bus, Output(wake_on(asyncio.get_running_loop(), woken)))
@@ -790,12 +793,9 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         devices[:gpus],
         StoredCheckpoints(bus, asyncio.get_running_loop()),
         storing.output,
-        uid_base,
-        limits,
-        args.worker_python,
+        boxes,
         JobCode(workdir / "archives", store_fetcher(bus, asyncio.get_running_loop())),
     )
-    members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
 
     async def heartbeat() -> None:
         while True:
@@ -854,6 +854,10 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     keeping = asyncio.get_running_loop().create_task(storing.keep_storing(woken))
     bus.on_close(leave)
     log.info("node %s: %d %s, workers on %s, work in %s", info.name, gpus, info.gpu_type, info.address, workdir)
-    unsafe = uid_base is None and args.job_users == "auto" and os.geteuid() == 0  # root's workers as root
-    (log.warning if unsafe else log.info)("node %s: job users %s", info.name, users)
+    say = log.warning if boxes.runtime is None else log.info
+    say(
+        "node %s: jobs %s",
+        info.name,
+        f"in boxes of their own ({boxes.rules})" if boxes.runtime else "in NO box (--box off)",
+    )
     return service

@@ -1,125 +1,625 @@
-"""What keeps a job's code away from the stack and from other jobs on its node.
+"""Each job's box on its node: what its processes may see, use and touch, decided here and torn
+down here, for training runs and profiling runs alike.
 
-A node agent that runs as root starts each job's workers as a user and group of the job's own
-(`job_uid`: a number from the job's submission, which the executor and the profiler give every
-node of the job alike, no account needed), with no other group, in a
-folder of the job's own (`JobFolder`: its HOME, its TMPDIR, its working directory, 0700 and
-owned by that user), and under limits (`Limits`, set by `job_main` before the job's code runs, soft
-and hard alike, so the job cannot raise them). Another job's user cannot read that folder or signal
-its processes, and what the stack keeps private (its secrets, the agent's environment, other jobs'
-checkpoints) is its owner's, root's, alone. An agent that is not root cannot switch users: its
-workers run as it does, and keeping jobs apart is then the deployment's (one agent per container).
+A node agent that runs as root puts every job's processes on the node (one generation of its
+ranks, or one profiling run) in a container of their own, made by runc (Debian's `runc`, the OCI
+runtime Kubernetes' containerd uses; crun 1.8 refuses hosts whose cgroup v2 tree holds a controller
+beside v1's, as this one's does):
 
-The agent still reads and writes in a job's folder (it copies checkpoints in and out), always
-without following a link the job may have put there (`read_owned`, `write_owned`), and gives it
-to the job's user only once no process of that user is left to change it meanwhile (`end_user`,
-then `make_own`).
+- **a cgroup** (v1 or v2, whichever the host has) with CPU at most the job's slots' worth (a CFS
+  quota; its weight by slots), memory at most its slots' memory (the kernel's OOM killer ends
+  the job's own processes past it, and `memory_note` says so in the job's error), and a cap on its
+  processes and threads: for all of the job's processes together, whatever they fork, however
+  they detach;
+- **a user of its own** (`claim_uid`), unique on the host however many stacks or agents run there,
+  with no capability and no way to gain one (no_new_privileges);
+- **its own PID namespace** (`/proc` shows its processes alone), IPC namespace and `/dev/shm`, a
+  private `/tmp` (its folder's `tmp/`), and **its own network namespace** (loopback only) when all of
+  its ranks are on this node: its rendezvous is reachable by its own ranks alone;
+- **the node's files read-only**, and of them only the system's folders and what the workers run
+  (the interpreter, the project, the jobs package): the stack's DATA, the agent's folder and
+  other jobs' folders are not in the box at all. Its own folder is `/job` (HOME, the working
+  directory, where its code is unpacked) and its checkpoint folder `/checkpoint`, both writable.
+
+Its first process (`box_init`) holds the box open; each worker enters it (`runc exec`). A stop is
+SIGTERM to every process of the box, and `close` kills what is left by its cgroup and removes it. A
+box outlives no agent: its first process reads the agent's lifeline and, once it breaks, gives the
+job's processes the stop's grace to checkpoint and then ends the box.
+
+`--box off` runs jobs as the agent's own user, in no box: for code the operator trusts only (an
+agent that is not root, or has no runc, refuses to start without it: `check`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import itertools
+import fcntl
+import json
 import os
-import resource
+import shutil
 import signal
 import stat
+import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.runtime import STOP_TIMEOUT_S
+
+RUNTIME = "runc"
+JOB_HOME = Path("/job")  # the job's folder, as its processes see it
+JOB_CHECKPOINTS = Path("/checkpoint")  # its checkpoint folder (in the folder every node shares)
 JOB_UID_BASE = 200_000  # above the accounts of a machine (system, people; subordinate ranges start at 100000)
 JOB_UID_SPAN = 1 << 24  # jobs' users are JOB_UID_BASE + [0, JOB_UID_SPAN)
-LIMITS_ENV = "GOODPUT_WORKER_LIMITS"  # the limits `job_main` sets, NAME=VALUE,... (resource.RLIMIT_NAME)
-PRIVATE = 0o700
+CLAIMS = Path("/run/goodput/uids")  # the host's claims on jobs' users, by every agent of every stack
+SYSTEM_FOLDERS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var")
+BOX_ROOT = "box-root"  # in the agent's folder
+INIT = "services.node.box_init"  # a box's first process
 MB = 1 << 20
+CPU_PERIOD_US = 100_000
+RUNTIME_TIMEOUT_S = 30.0  # one runc command (a kill of a box whose processes are stuck in the kernel waits)
 MAX_OWNED_BYTES = 1 << 30  # the largest file the agent reads from a job's folder: the checkpoints store's size
-PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
-KILL_TRIES = 3  # `end_user`'s sweeps: a process that forks while one runs is caught by the next
-KILL_WAIT_S = 5.0  # ... and how long each waits for the killed to be gone (one in the kernel ends its call first)
+PRIVATE = 0o700
 
 
-def job_uid(slot: int | None, base: int = JOB_UID_BASE, taken: Collection[int] = (), job_id: str = "") -> int:
-    """The user (and group) a job's workers run as: `base` plus its `slot` (its submission's number,
-    which the executor gives: the same on every node of the job, and no submitter picks another
-    job's), the next one where another job of the node has that (`taken`, after JOB_UID_SPAN
-    submissions). Without a slot (an order of an older executor): a hash of its id."""
-    if slot is None:
-        slot = int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big")
-    for step in itertools.count():
-        uid = base + (slot + step) % JOB_UID_SPAN
-        if uid not in taken:
-            return uid
-    raise AssertionError("unreachable")
+class BoxError(Exception):
+    """A box cannot be had here: why, and the fix."""
 
 
 @dataclass(frozen=True)
-class Limits:
-    """A worker's limits. `processes` counts every process and thread of the job's user
-    (RLIMIT_NPROC is per user): set only when the job has a user of its own. `memory_mb` caps its
-    data (RLIMIT_DATA: heap and private mappings, not the address space, which CUDA reserves by
-    the terabyte and RLIMIT_AS would refuse); `file_mb` caps each file it writes; no core dumps."""
+class Rules:
+    """What a node gives each job's box, per slot (GPU) it holds."""
 
-    processes: int | None = 512
+    cpus: float  # cores
+    memory_mb: float
+    processes: int = 512  # processes and threads
     open_files: int = 4096
-    memory_mb: float | None = None
-    file_mb: float | None = 64 * 1024
+    file_mb: float | None = 64 * 1024  # the largest file it may write
 
-    def rlimits(self, own_user: bool) -> dict[str, int]:
-        """The limits by resource name (RLIMIT_NAME), as `job_main` sets them."""
-        limits = {"NOFILE": self.open_files, "CORE": 0}
-        if own_user and self.processes is not None:
-            limits["NPROC"] = self.processes
-        if self.memory_mb is not None:
-            limits["DATA"] = int(self.memory_mb * MB)
+    def resources(self, slots: int) -> dict:
+        """The cgroup's limits for `slots` (OCI `linux.resources`)."""
+        return {
+            "cpu": {
+                "quota": max(1000, int(self.cpus * slots * CPU_PERIOD_US)),
+                "period": CPU_PERIOD_US,
+                "shares": 1024 * slots,
+            },
+            "memory": {"limit": int(self.memory_mb * slots * MB)},
+            "pids": {"limit": self.processes * slots},
+            "devices": [{"allow": True, "access": "rwm"}],  # GPUs are given by CUDA_VISIBLE_DEVICES
+        }
+
+    def rlimits(self) -> list[dict]:
+        limits = {"RLIMIT_NOFILE": self.open_files, "RLIMIT_CORE": 0}
         if self.file_mb is not None:
-            limits["FSIZE"] = int(self.file_mb * MB)
-        return limits
+            limits["RLIMIT_FSIZE"] = int(self.file_mb * MB)
+        return [{"type": name, "hard": value, "soft": value} for name, value in limits.items()]
 
 
-def default_memory_mb(slots: int) -> float:
-    """A worker's memory by default: the machine's, shared evenly by its slots."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB / max(1, slots)
+def default_rules(slots: int, cpus: float | None = None, memory_mb: float | None = None, processes: int = 512) -> Rules:
+    """A node's rules: each slot the machine's cores and memory shared evenly by its slots, unless set."""
+    slots = max(1, slots)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / MB
+    return Rules(cpus or (os.cpu_count() or 1) / slots, memory_mb or memory / slots, processes)
 
 
-def render_limits(limits: dict[str, int]) -> str:
-    return ",".join(f"{name}={value}" for name, value in sorted(limits.items()))
+# ---- the host's claims on jobs' users -------------------------------------------------------------
 
 
-def apply_limits(text: str) -> None:
-    """Set each limit of `text` (render_limits'), soft and hard: the job cannot raise it again. A
-    limit above the hard one we have (a non-root agent's own) stays at that."""
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=")
-        which = getattr(resource, f"RLIMIT_{name}")
-        _, hard = resource.getrlimit(which)
-        wanted = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
-        resource.setrlimit(which, (wanted, wanted))
+class Claims:
+    """This process's claims on jobs' users. A claim is a file of CLAIMS named by the uid, holding
+    the claimant's key (its stack and job), under a shared lock for as long as a box of the job runs:
+    another agent of the same stack (the job's ranks on another node of this host) joins it; any
+    other key takes the next uid. The kernel drops a dead agent's locks: no claim outlives it."""
+
+    def __init__(self, folder: Path = CLAIMS):
+        self.folder = folder
+        self.held: dict[int, tuple[int, str, int]] = {}  # uid -> (its file, key, boxes holding it)
+        self.lock = threading.Lock()
+
+    def claim(self, key: str, slot: int, base: int = JOB_UID_BASE) -> int:
+        """The uid for `key`: `base` plus its `slot` (its submission's number: the same on every
+        node of the job), or the next one free of any other key on this host."""
+        with self.lock:
+            self.folder.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
+            with open(self.folder.parent / "uids.lock", "a") as mutex:  # one claimant of the host at a time
+                fcntl.flock(mutex, fcntl.LOCK_EX)
+                for step in range(JOB_UID_SPAN):
+                    uid = base + (slot + step) % JOB_UID_SPAN
+                    if self._take(uid, key):
+                        return uid
+        raise BoxError(f"every one of the {JOB_UID_SPAN} jobs' users from {base} is claimed on this host")
+
+    def _take(self, uid: int, key: str) -> bool:
+        held = self.held.get(uid)
+        if held is not None:  # ours: this agent's other box of the job (its profiling, its next run)
+            if held[1] != key:
+                return False
+            self.held[uid] = (held[0], key, held[2] + 1)
+            return True
+        fd = os.open(self.folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: by another agent of this job's stack, or by another job
+            if os.pread(fd, 4096, 0).decode(errors="replace") != key:
+                os.close(fd)
+                return False
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        else:  # free (under the host's mutex: no one else takes it between these steps)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, key.encode(), 0)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        self.held[uid] = (fd, key, 1)
+        return True
+
+    def release(self, uid: int) -> None:
+        with self.lock:
+            fd, key, count = self.held[uid]
+            if count > 1:
+                self.held[uid] = (fd, key, count - 1)
+            else:
+                del self.held[uid]
+                os.close(fd)  # its lock goes with it
 
 
-@dataclass(frozen=True)
-class Sandbox:
-    """Where and as whom one job's workers run: its folder (HOME, TMPDIR under it, the working
-    directory), its user and group (None: the agent's), their limits and interpreter."""
+CLAIMED = Claims()
 
-    folder: Path
-    uid: int | None
-    limits: dict[str, int]
+
+# ---- the folders a job's processes see -------------------------------------------------------------
+
+
+def reachable(path: Path, binds: Collection[Path]) -> Path | None:
+    """The first folder on the way to `path` inside a box that a job's user cannot enter, or None:
+    a folder of the box's own root (made by runc for a mount point, 0755) is open; one of a host
+    folder bound whole is the host's, with its mode."""
+    path = Path(os.path.realpath(path))
+    for step in (*reversed(path.parents), path):
+        if not any(step == bound or bound in step.parents for bound in binds):
+            continue
+        try:
+            if not stat.S_IMODE(step.stat().st_mode) & stat.S_IXOTH:
+                return step
+        except OSError:
+            return step
+    return None
+
+
+def shown_folders(python: str, paths: Iterable[str]) -> list[Path]:
+    """The host folders a box shows (read-only): the system's, and what the workers run that is
+    outside them (`paths`: the project, the jobs package, the interpreter's prefixes and import
+    path), each the outermost of those nested."""
+    wanted = {
+        Path("/", name) for name in SYSTEM_FOLDERS if Path("/", name).is_dir() and not Path("/", name).is_symlink()
+    }
+    prefix = Path(os.path.realpath(python)).parent.parent
+    for path in (prefix, Path(python).parent.parent, *map(Path, paths)):
+        path = Path(os.path.realpath(path))
+        if path.exists() and path != Path("/"):
+            wanted.add(path if path.is_dir() else path.parent)
+    kept: list[Path] = []
+    for path in sorted(wanted, key=lambda p: len(p.parts)):
+        if not any(path == k or k in path.parents for k in kept):
+            kept.append(path)
+    return kept
+
+
+def interpreter_paths(python: str, pythonpath: str) -> list[str]:
+    """What the workers' interpreter imports from (its sys.path, with the workers' PYTHONPATH)."""
+    found = subprocess.run(
+        [python, "-P", "-s", "-c", "import sys, json; print(json.dumps(sys.path))"],
+        env={"PYTHONPATH": pythonpath, "PATH": os.defpath},
+        capture_output=True,
+        text=True,
+        timeout=RUNTIME_TIMEOUT_S,
+        check=True,
+    )
+    return [path for path in json.loads(found.stdout) if path]
+
+
+# ---- a node's boxes ------------------------------------------------------------------------------
+
+
+@dataclass
+class Boxes:
+    """A node's boxes: runc's state and the boxes' root under the agent's folder `workdir`
+    (`runtime` None: `--box off`, every job as the agent, in no box)."""
+
+    workdir: Path
+    rules: Rules
     python: str = sys.executable
+    runtime: str | None = RUNTIME
+    shown: list[Path] = field(default_factory=list)  # host folders every box shows, read-only
+    stack: str = ""  # this stack's name on the host (its claims' keys)
+    uid_base: int = JOB_UID_BASE
+    claims: Claims = CLAIMED
+    agent: str = "agent"  # this agent's instance: its boxes' cgroups and names
 
     @property
-    def tmp(self) -> Path:
-        return self.folder / "tmp"
+    def contained(self) -> bool:
+        return self.runtime is not None
+
+    @property
+    def state(self) -> Path:
+        return self.workdir / "runc"
+
+    @property
+    def root(self) -> Path:
+        """The boxes' `/`: open to every job's user (the agent's folder above it is not in a box)."""
+        return self.workdir / BOX_ROOT
+
+    def prepare(self) -> None:
+        """The boxes' root: an empty folder, the system's links (/bin -> usr/bin) as they are."""
+        if not self.contained:
+            return
+        self.state.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir(mode=0o755, parents=True)
+        for name in SYSTEM_FOLDERS:
+            if Path("/", name).is_symlink():
+                (self.root / name).symlink_to(os.readlink(Path("/", name)))
+
+    def open(
+        self,
+        job_id: str,
+        name: str,
+        folder: Path,
+        user: int | None,
+        slots: int,
+        private_network: bool,
+        checkpoints: Path | None = None,
+    ) -> Box:
+        """A box for `slots` of job `job_id` (its runc name `name`, unique on this agent) whose
+        folder is `folder` (made the job's user's before) and checkpoint folder `checkpoints` (None:
+        none of the shared one's); its user from `user`, the job's submission number."""
+        if checkpoints is not None and checkpoints.name != job_id:
+            raise BoxError(
+                f"job {job_id}: its checkpoint must be in a folder of its own, named {job_id}, not {checkpoints}"
+            )
+        if not self.contained:
+            box = Box(self, job_id, name, folder, None, checkpoints)
+        elif user is None:
+            raise BoxError(f"job {job_id}: its order names no user (the executor gives every job one)")
+        else:
+            box = Box(
+                self,
+                job_id,
+                name,
+                folder,
+                self.claims.claim(f"{self.stack}/{job_id}", user, self.uid_base),
+                checkpoints,
+            )
+        try:
+            # Its folders its user's, all in them (an earlier run of the job may have had another user).
+            for own in (folder, folder / "tmp", *((checkpoints,) if checkpoints is not None else ())):
+                make_own(own, box.uid)
+            if self.contained:
+                box.start(slots, private_network)
+        except BaseException:
+            box.close()
+            raise
+        return box
+
+    def leftovers(self, grace_s: float = STOP_TIMEOUT_S) -> list[str]:
+        """The boxes an agent before this one left (it was killed): their processes, whose lifeline
+        broke with it, given `grace_s` to checkpoint and stop (SIGTERM too), then each box ended."""
+        if not self.contained or not self.state.is_dir():
+            return []
+        running = self._listed()
+        for name in running:
+            _runc(self, "kill", "--all", name, "TERM", check=False)
+        deadline = time.monotonic() + grace_s
+        while any(self._listed().get(name) == "running" for name in running) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for name in running:
+            _runc(self, "delete", "--force", name, check=False)
+        return sorted(running)
+
+    def _listed(self) -> dict[str, str]:
+        """This agent's boxes that runc knows, and their status."""
+        listed = _runc(self, "list", "--format", "json", check=False).stdout.strip() or "[]"
+        return {entry["id"]: entry["status"] for entry in json.loads(listed) or ()}
+
+
+class Box:
+    """One job's box on this node: its processes, user and cgroup."""
+
+    def __init__(self, boxes: Boxes, job_id: str, name: str, folder: Path, uid: int | None, checkpoints: Path | None):
+        self.boxes, self.job_id, self.name, self.folder, self.uid = boxes, job_id, name, folder, uid
+        self.checkpoints = checkpoints
+        self.processes: list[subprocess.Popen] = []
+        self.lifeline: int | None = None  # our end of its first process's stdin
+        self.cgroup = f"/goodput/{boxes.agent}/{name}"
+        self.closed = False
+
+    @property
+    def bundle(self) -> Path:
+        return self.boxes.state / "bundles" / self.name
+
+    def inside(self, path: Path) -> Path:
+        """A host path of the job's folder or checkpoint folder as the job's processes see it."""
+        if not self.boxes.contained:
+            return path
+        for host, seen in ((self.folder, JOB_HOME), (self.checkpoints, JOB_CHECKPOINTS)):
+            if host is not None and (path == host or host in path.parents):
+                return seen / path.relative_to(host)
+        raise ValueError(f"{path} is not in job {self.job_id}'s box")
 
     def env(self) -> dict[str, str]:
-        return {"HOME": str(self.folder), "TMPDIR": str(self.tmp), LIMITS_ENV: render_limits(self.limits)}
+        """HOME and TMPDIR: its folder and its own /tmp (in its folder)."""
+        if not self.boxes.contained:
+            return {"HOME": str(self.folder), "TMPDIR": str(self.folder / "tmp")}
+        return {"HOME": str(JOB_HOME), "TMPDIR": "/tmp"}
 
-    def user(self) -> dict:
-        """Popen's arguments that switch to the job's user, with no group of the agent's."""
-        return {} if self.uid is None else {"user": self.uid, "group": self.uid, "extra_groups": []}
+    def start(self, slots: int, private_network: bool) -> None:
+        """The box, its first process holding it open with our lifeline as its stdin."""
+        boxes = self.boxes
+        shutil.rmtree(self.bundle, ignore_errors=True)
+        self.bundle.mkdir(mode=PRIVATE, parents=True)
+        _runc(boxes, "delete", "--force", self.name, check=False)  # an older generation's, left by a failed stop
+        mounts = [_bind(path, path, read_only=True) for path in boxes.shown]
+        mounts += [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "bind", "source": "/dev", "options": ["rbind", "nosuid"]},
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "nodev", "noexec", "mode=1777", f"size={int(boxes.rules.memory_mb * slots)}m"],
+            },
+            {
+                "destination": "/sys",
+                "type": "bind",
+                "source": "/sys",
+                "options": ["rbind", "ro", "nosuid", "nodev", "noexec"],
+            },
+            {
+                "destination": "/run",
+                "type": "tmpfs",
+                "source": "run",
+                "options": ["nosuid", "nodev", "mode=755", "size=16m"],
+            },
+            _bind(self.folder / "tmp", Path("/tmp")),
+            _bind(self.folder, JOB_HOME),
+        ]
+        if self.checkpoints is not None:
+            mounts.append(_bind(self.checkpoints, JOB_CHECKPOINTS))
+        namespaces = [{"type": kind} for kind in ("pid", "ipc", "mount", *(("network",) if private_network else ()))]
+        config = {
+            "ociVersion": "1.0.2",
+            "process": {
+                **_process(
+                    self.uid,
+                    [boxes.python, "-P", "-s", "-m", INIT],
+                    {"PATH": os.defpath, "PYTHONPATH": str(_project())},
+                    "/",
+                    boxes.rules,
+                ),
+            },
+            "root": {"path": str(boxes.root), "readonly": True},
+            "mounts": mounts,
+            "linux": {
+                "namespaces": namespaces,
+                "cgroupsPath": self.cgroup,
+                "resources": boxes.rules.resources(slots),
+                "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+                "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus"],
+            },
+        }
+        (self.bundle / "config.json").write_text(json.dumps(config))
+        read, self.lifeline = os.pipe()
+        # Its first process keeps runc's stdio: a file for what runc says, never a pipe we wait to close.
+        with tempfile.TemporaryFile() as said:
+            try:
+                done = subprocess.run(
+                    [
+                        boxes.runtime,
+                        "--root",
+                        str(boxes.state),
+                        "run",
+                        "--detach",
+                        "--bundle",
+                        str(self.bundle),
+                        self.name,
+                    ],
+                    stdin=read,
+                    stdout=subprocess.DEVNULL,
+                    stderr=said,
+                    timeout=RUNTIME_TIMEOUT_S,
+                )
+            finally:
+                os.close(read)
+            said.seek(0)
+            error = said.read(4096).decode(errors="replace").strip()
+        if done.returncode != 0:
+            raise BoxError(f"job {self.job_id}: runc could not make its box: {error}")
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, **popen) -> subprocess.Popen:
+        """One process of the job in its box (its user, limits and view), Popen's other arguments
+        (its stdio) as given; it leads a session of its own outside a box."""
+        if not self.boxes.contained:
+            process = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, **popen)
+        else:
+            spec = self.bundle / f"process-{len(self.processes)}.json"
+            spec.write_text(json.dumps(_process(self.uid, argv, env, str(self.inside(cwd)), self.boxes.rules)))
+            command = [self.boxes.runtime, "--root", str(self.boxes.state), "exec", "--process", str(spec), self.name]
+            process = subprocess.Popen(command, env={"PATH": os.defpath}, start_new_session=True, **popen)
+        self.processes.append(process)
+        return process
+
+    def signal(self, sig: int) -> None:
+        """`sig` to every process of the job's here: in a box, all its cgroup's (but its first, which
+        holds it open); else each worker with its session's group."""
+        if self.closed:
+            return
+        if self.boxes.contained:
+            _runc(self.boxes, "kill", "--all", self.name, str(int(sig)), check=False)
+        else:
+            for process in self.processes:
+                if process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, sig)
+
+    def memory_note(self) -> str:
+        """ "out of memory: N MiB, its limit M MiB" once the kernel killed a process of the box for
+        its memory; "" otherwise (or outside a box)."""
+        if not self.boxes.contained or self.closed:
+            return ""
+        return memory_note(self.cgroup)
+
+    def close(self) -> str:
+        """The box ended: every process left in it killed, its cgroup removed, its user released.
+        Its memory note, read before."""
+        if self.closed:
+            return ""
+        note = self.memory_note()
+        self.closed = True
+        if self.boxes.contained:
+            _runc(self.boxes, "delete", "--force", self.name, check=False)
+            shutil.rmtree(self.bundle, ignore_errors=True)
+            if self.lifeline is not None:
+                os.close(self.lifeline)
+                self.lifeline = None
+            if self.uid is not None:
+                self.boxes.claims.release(self.uid)
+        else:
+            for process in self.processes:
+                if process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+        return note
+
+
+def _project() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _bind(source: Path, destination: Path, read_only: bool = False) -> dict:
+    options = ["rbind", "nosuid", "nodev", *(("ro",) if read_only else ("rw",))]
+    return {"destination": str(destination), "type": "bind", "source": str(source), "options": options}
+
+
+def _process(uid: int | None, argv: list[str], env: dict[str, str], cwd: str, rules: Rules) -> dict:
+    """An OCI process: `argv` as the job's user, no capability, no way to gain one, the rules' limits."""
+    return {
+        "terminal": False,
+        "user": {"uid": uid, "gid": uid, "additionalGids": []},
+        "args": argv,
+        "env": [f"{name}={value}" for name, value in env.items()],
+        "cwd": cwd,
+        "noNewPrivileges": True,
+        "capabilities": {},
+        "rlimits": rules.rlimits(),
+    }
+
+
+def _runc(boxes: Boxes, *arguments: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [boxes.runtime or RUNTIME, "--root", str(boxes.state), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=RUNTIME_TIMEOUT_S,
+    )
+    if check and done.returncode != 0:
+        raise BoxError(f"runc {arguments[0]}: {done.stderr.strip()[-500:]}")
+    return done
+
+
+# ---- cgroups: what the kernel counted of a box ------------------------------------------------------
+
+
+def cgroup_folder(controller: str, path: str) -> Path | None:
+    """Where `path`'s cgroup of `controller` (memory, cpuacct) is on this host: its v1 hierarchy
+    of that controller where there is one, else the v2 tree; None without either."""
+    v2 = None
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        mount, kind = fields[4], fields[fields.index("-") + 1]
+        options = fields[-1].split(",")
+        if kind == "cgroup" and controller in options:
+            return Path(mount) / path.lstrip("/")
+        if kind == "cgroup2":
+            v2 = Path(mount) / path.lstrip("/")
+    return v2
+
+
+def _read(path: Path | None) -> str:
+    try:
+        return path.read_text() if path is not None else ""
+    except OSError:
+        return ""
+
+
+def _field(text: str, name: str) -> int:
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == name and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def memory_note(cgroup: str) -> str:
+    """The memory note of a cgroup (`Box.memory_note`)."""
+    folder = cgroup_folder("memory", cgroup)
+    if folder is None:
+        return ""
+    if (folder / "memory.oom_control").exists():  # v1
+        killed = _field(_read(folder / "memory.oom_control"), "oom_kill")
+        peak, limit = _read(folder / "memory.max_usage_in_bytes"), _read(folder / "memory.limit_in_bytes")
+    else:
+        killed = _field(_read(folder / "memory.events"), "oom_kill")
+        peak, limit = _read(folder / "memory.peak"), _read(folder / "memory.max")
+    if not killed:
+        return ""
+    mib = lambda text: f"{int(text) / MB:.0f}" if text.strip().isdigit() else "?"  # noqa: E731
+    return f"out of memory: {mib(peak)} MiB, its limit {mib(limit)} MiB (the kernel ended {killed} of its processes)"
+
+
+def cpu_seconds(cgroup: str) -> float:
+    """The CPU time the cgroup's processes have used (seconds)."""
+    folder = cgroup_folder("cpuacct", cgroup)
+    if folder is not None and (folder / "cpuacct.usage").exists():
+        return int(_read(folder / "cpuacct.usage") or 0) / 1e9
+    return _field(_read(folder / "cpu.stat" if folder else None), "usage_usec") / 1e6
+
+
+# ---- what a node can give ----------------------------------------------------------------------------
+
+
+def check(runtime: str | None, python: str, shown: Collection[Path]) -> str:
+    """Why this agent cannot box jobs here, with the fix ("" when it can). `runtime` None: `--box off`."""
+    if runtime is None:
+        return ""
+    if os.geteuid() != 0:
+        return (
+            "the node agent is not root, so it cannot give each job a box of its own (a container with its "
+            "own user, cgroup and namespaces): run the agents as root, or pass --box off to run every job's "
+            "code as this user, in no box (only for code you trust)"
+        )
+    if shutil.which(runtime) is None:
+        return (
+            f"no {runtime} on this host to box jobs with: install it (Debian: apt-get install runc), or pass --box off"
+        )
+    for controller in ("memory", "cpu", "pids"):
+        if cgroup_folder(controller, "/") is None:
+            return f"this host has no {controller} cgroup controller for the jobs' boxes: mount it, or pass --box off"
+    closed = next(
+        ((path, step) for path in (Path(python), _project()) if (step := reachable(path, shown)) is not None),
+        None,
+    )
+    if closed is not None:
+        path, step = closed
+        return (
+            f"a job's user cannot enter {step} (mode {oct(step.stat().st_mode & 0o777)}) on the way to {path}, "
+            "which the workers run: open it (chmod o+x), or pass --box off"
+        )
+    return ""
+
+
+# ---- the job's folder, from the agent's side ---------------------------------------------------------
 
 
 def make_own(folder: Path, uid: int | None) -> Path:
@@ -147,93 +647,6 @@ def make_own(folder: Path, uid: int | None) -> Path:
     finally:
         os.close(fd)
     return folder
-
-
-def _status(pid: int | str) -> dict[str, str]:
-    """A process's /proc status fields ({} when it is gone)."""
-    try:
-        status = Path("/proc", str(pid), "status").read_text()
-    except OSError:
-        return {}
-    return {name: value.strip() for name, value in (line.split(":", 1) for line in status.splitlines() if ":" in line)}
-
-
-def user_processes(uid: int, ancestor: int | None = None) -> list[int]:
-    """The processes of `uid` (its real, effective or saved id) still running (not zombies); with
-    `ancestor`, only those that descend from it."""
-    table = {int(entry.name): _status(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()}
-
-    def descends(pid: int) -> bool:
-        for _ in range(len(table)):
-            pid = int(table.get(pid, {}).get("PPid", "0") or 0)
-            if pid == ancestor:
-                return True
-            if pid <= 1:
-                return False
-        return False
-
-    return [
-        pid
-        for pid, fields in table.items()
-        if str(uid) in fields.get("Uid", "").split()[:3]
-        and not fields.get("State", "").startswith("Z")
-        and (ancestor is None or descends(pid))
-    ]
-
-
-def become_subreaper() -> None:
-    """What a worker starts and leaves (a daemon in a session of its own) is re-parented to this
-    process, not to init (Linux's child subreaper): `end_user` finds it among this agent's own."""
-    if sys.platform == "linux":
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-
-
-def end_user(uid: int | None) -> bool:
-    """Every process of the job's user that this agent's workers started, in any session (a
-    subreaper's orphans are its own), killed, and those orphans reaped; whether none is left. A
-    process of the user under another agent of the machine (the job's ranks of another node) is
-    that agent's to end, not this one's."""
-    if uid is None:
-        return True
-    me = os.getpid()
-    for _ in range(KILL_TRIES):
-        found = user_processes(uid, me)
-        if not found:
-            break
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + KILL_WAIT_S
-        while user_processes(uid, me) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    _reap(uid)
-    return not user_processes(uid, me)
-
-
-def _reap(uid: int) -> None:
-    """The ended orphans of `uid` re-parented to this process. A worker's own process is never one:
-    its Popen waits for it, and it has been waited for before its user is ended."""
-    me = str(os.getpid())
-    for entry in os.scandir("/proc"):
-        fields = _status(entry.name) if entry.name.isdigit() else {}
-        if fields.get("PPid") == me and fields.get("State", "").startswith("Z") and str(uid) in fields.get("Uid", ""):
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(int(entry.name), os.WNOHANG)
-
-
-def closed_to_others(path: Path) -> Path | None:
-    """The first folder on the way to `path`, or `path` itself, that another user cannot enter
-    (or run), links resolved (a venv's python is a link to its base's); None when the way is open."""
-    path = Path(os.path.realpath(path))
-    for step in (*reversed(path.parents), path):
-        try:
-            if not stat.S_IMODE(step.stat().st_mode) & stat.S_IXOTH:
-                return step
-        except OSError:
-            return step
-    return None
 
 
 def read_owned(path: Path, uid: int | None, limit: int = MAX_OWNED_BYTES) -> bytes:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import nats.js.errors
 
+from services.node.box import Box
 from shared import subjects
 from shared.bus import Bus
 from shared.code_archive import (
@@ -83,32 +84,24 @@ class JobCode:
         for _, old in sorted(kept, reverse=True)[CACHED:]:
             old.unlink(missing_ok=True)
 
-    def prepare(
-        self,
-        job_folder: Path,
-        archive: str,
-        entrypoint: str,
-        marker: Path,
-        uid: int | None = None,
-        python: str = sys.executable,
-    ) -> Path:
+    def prepare(self, job_folder: Path, archive: str, entrypoint: str, marker: Path, box: Box) -> Path:
         """The job's code, unpacked into `job_folder`/code (again when `marker`, the agent's note of
         what is there, names another archive); ValueError when it cannot be, or its entrypoint is not
-        in it. With `uid` (the job's user), unpacked and looked into by a process of that user's
-        (`python`: an interpreter it may run): never by us as root in a folder the job may change."""
+        in it. In a box, unpacked and looked into by a process of the job's, in its box: never by us
+        as root in a folder the job may change."""
         code = job_folder / CODE_FOLDER
         unpacked = marker.is_file() and marker.read_text() == archive and code.is_dir() and not code.is_symlink()
         data = None if unpacked else self.archive(archive)
         if data is not None:
             marker.unlink(missing_ok=True)
-        if uid is None:
+        if box.uid is None:
             if data is not None:
                 remove(code)
                 unpack(data, code)
                 marker.write_text(archive)
             missing = entrypoint_missing(code, entrypoint)
         else:
-            status, missing = _as_user(uid, python, code, entrypoint, data)
+            status, missing = _in_box(box, code, entrypoint, data)
             if data is not None and status in (0, MISSING):
                 marker.write_text(archive)
         if missing is not None:
@@ -116,35 +109,33 @@ class JobCode:
         return code
 
 
-def _as_user(uid: int, python: str, code: Path, entrypoint: str, data: bytes | None) -> tuple[int, str | None]:
-    """`shared.code_archive`'s `main` run as `uid`: the archive `data` unpacked into `code` (None:
-    what is there kept), and `entrypoint` looked for. Its exit status, and why it failed (None: it did not)."""
-    command = [python, "-P", "-s", "-m", "shared.code_archive", "find" if data is None else "unpack"]
+def _in_box(box: Box, code: Path, entrypoint: str, data: bytes | None) -> tuple[int, str | None]:
+    """`shared.code_archive`'s `main` run in the job's box: the archive `data` unpacked into `code`
+    (None: what is there kept), and `entrypoint` looked for. Its exit status, and why it failed (None: it did not)."""
+    command = [box.boxes.python, "-P", "-s", "-m", "shared.code_archive", "find" if data is None else "unpack"]
     with tempfile.TemporaryFile() as errors:  # on disk: what it says is not held in our memory
+        process = box.spawn(
+            [*command, str(box.inside(code)), entrypoint],
+            {"PYTHONPATH": str(ROOT), "PATH": os.defpath},  # nothing else of ours
+            box.folder,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+        )
         try:
-            done = subprocess.run(
-                [*command, str(code), entrypoint],
-                input=data or b"",
-                stdout=subprocess.DEVNULL,
-                stderr=errors,
-                env={"PYTHONPATH": str(ROOT), "PATH": os.defpath},  # nothing else of ours
-                cwd="/",
-                umask=0o022,
-                timeout=UNPACK_TIMEOUT_S,
-                user=uid,
-                group=uid,
-                extra_groups=[],
-            )
+            process.communicate(data or b"", timeout=UNPACK_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return -1, f"unpacking the job's code as its user (uid {uid}) took over {UNPACK_TIMEOUT_S:.0f} s"
-        if done.returncode == 0:
+            box.signal(signal.SIGKILL)
+            process.wait()
+            return -1, f"unpacking the job's code in its box took over {UNPACK_TIMEOUT_S:.0f} s"
+        if process.returncode == 0:
             return 0, None
         errors.seek(max(0, os.fstat(errors.fileno()).st_size - 4 * KIB))
         said = errors.read().decode(errors="replace").strip().splitlines()
-    reason = said[-1] if said else f"exit status {done.returncode}"
-    if done.returncode in (REFUSED, MISSING):
-        return done.returncode, reason
-    return done.returncode, f"unpacking the job's code as its user (uid {uid}) failed: {reason}"
+    reason = said[-1] if said else f"exit status {process.returncode}"
+    if process.returncode in (REFUSED, MISSING):
+        return process.returncode, reason
+    return process.returncode, f"unpacking the job's code in its box (uid {box.uid}) failed: {reason}"
 
 
 def store_fetcher(bus: Bus, loop: asyncio.AbstractEventLoop) -> Callable[[str], bytes | None]:

@@ -8,20 +8,18 @@ own by it); it is not passed on: the job reads its checkpoint from GOODPUT_CHECK
 
 Once the agent reading its stdout is gone (killed: the pipe is broken), the worker exits quietly
 (exit code 1) instead of leaving a BrokenPipeError traceback in its log for a line no one could
-read. The limits its agent sets (`isolation.Limits`, in GOODPUT_WORKER_LIMITS) hold before TARGET
-runs, and before anything of the working directory is on sys.path."""
+read. What it writes (checkpoints, files of the job's own) is its owner's only, whatever the umask
+it was started with; its limits are its box's (`box.Rules`)."""
 
 import os
 import runpy
 import sys
 
-from services.node.box import LIMITS_ENV, apply_limits
+from shared.files import PRIVATE_UMASK
 
 
 def main() -> None:
-    limits = os.environ.pop(LIMITS_ENV, "")
-    if limits:  # before the job's code runs, soft and hard: it cannot raise them
-        apply_limits(limits)
+    os.umask(PRIVATE_UMASK)
     _, code, target, arguments = parse(sys.argv[1:])
     sys.argv = [target, *arguments]
     try:

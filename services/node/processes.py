@@ -17,14 +17,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO
 
 from goodput_train.protocol import GPU_TYPE_ENV, JOB_ENV, LIFELINE_ENV
-from services.node.box import Sandbox
-from shared.files import PRIVATE_UMASK
+from services.node.box import Box
 from shared.runtime import STOP_TIMEOUT_S
 
 JOB_MAIN = "services.node.job_main"  # what runs a job's module in a worker
@@ -67,46 +65,40 @@ def worker_env(env: dict[str, str], parent: dict[str, str] | None = None) -> dic
 
 
 def worker(
+    box: Box,
     module: str,
     arguments: list[str],
     env: dict[str, str],
     log: IO | int,
     lifeline: bool = False,
-    sandbox: Sandbox | None = None,
     checkpoint: Path | None = None,
     code: Path | None = None,
 ) -> subprocess.Popen:
-    """One process of a job: one thread (the slot's), its stdout for us, its stderr to `log` (a file,
-    or subprocess.PIPE: for us too); with `lifeline`, its stdin held by us (the library stops when it
-    ends). In its `sandbox` (its user, folder and limits; none: ours, in ROOT) it finds the project
-    and the jobs package on PYTHONPATH only (`import_path`), read-only for it; run through
-    `job_main`, it exits quietly once we are gone.
-    What it writes (its checkpoints, any file of its own code) is its owner's only, whatever the
-    umask of the process that starts it. `checkpoint`: a training worker's, its mark (`job_arguments`).
-    `code`: the folder of the job's own code, its working directory; `module` is then its entrypoint
-    there (a script or a module)."""
+    """One process of a job, in its `box`: one thread (the slot's), its stdout for us, its stderr to
+    `log` (a file, or subprocess.PIPE: for us too); with `lifeline`, its stdin held by us (the
+    library stops when it ends). It finds the project and the jobs package on PYTHONPATH only
+    (`import_path`), read-only for it; run through `job_main`, it exits quietly once we are gone.
+    `checkpoint`: a training worker's, its mark (`job_arguments`). `code`: the folder of the job's
+    own code, its working directory; `module` is then its entrypoint there (a script or a module)."""
     if lifeline:
         env = {**env, LIFELINE_ENV: "1"}
-    env = {**env, **(sandbox.env() if sandbox else {}), "PYTHONPATH": import_path(module if code is None else "")}
-    return subprocess.Popen(
-        # Nothing of the job's folder is imported before `job_main` has set the limits: not the
-        # working directory (-P; `-m` would put it first on sys.path), not the user site packages of
-        # its HOME (-s).
-        [
-            sandbox.python if sandbox else sys.executable,
-            *("-P", "-s", "-m", JOB_MAIN),
-            *job_arguments(module, arguments, checkpoint, code is not None),
-        ],
-        env=worker_env(env),
+    env = {**env, **box.env(), "PYTHONPATH": import_path(module if code is None else "")}
+    # Nothing of the job's folder is imported before `job_main` runs: not the working directory
+    # (-P; `-m` would put it first on sys.path), not the user site packages of its HOME (-s).
+    command = [
+        box.boxes.python,
+        *("-P", "-s", "-m", JOB_MAIN),
+        *job_arguments(module, arguments, None if checkpoint is None else box.inside(checkpoint), code is not None),
+    ]
+    return box.spawn(
+        command,
+        worker_env(env),
+        code or box.folder,
         stdout=subprocess.PIPE,
         stderr=log,
         stdin=subprocess.PIPE if lifeline else subprocess.DEVNULL,
         text=True,
         errors="replace",
-        cwd=code or (sandbox.folder if sandbox else ROOT),
-        umask=PRIVATE_UMASK,
-        start_new_session=True,  # its group is all it starts: a stop reaches them too
-        **(sandbox.user() if sandbox else {}),
     )
 
 

@@ -3,14 +3,16 @@ object on stderr (its log), each probe's name to "denied: ..." or "ALLOWED: ..."
 standard library only (the isolation test may run it on another interpreter than the agent's).
 
 What it is given, in its environment (the test's order): PROBE_READ, files and folders of the stack
-and of another job to read or list; PROBE_PLANT, a folder of the agent's to write in;
-PROBE_PROCESSES, PROBE_MEMORY_MB and PROBE_FILE_MB, amounts over its limits. It also writes in its
-own folder and its checkpoint's, which it must be able to."""
+and of another job to read or list; PROBE_PLANT, a folder of the agent's to write in; PROBE_PIDS,
+processes outside its box (the agent, another job's) to read and signal; PROBE_CONNECT, another
+job's rendezvous (HOST:PORT) to reach; PROBE_PROCESSES and PROBE_FILE_MB, amounts over its limits.
+It also writes in its own folder and its checkpoint's, which it must be able to."""
 
 import json
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,22 @@ def processes(count: int) -> str:
             os.waitpid(pid, 0)
 
 
+def connect(address: str) -> str:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as peer:
+        return f"connected to {peer.getpeername()}"
+
+
+def others() -> str:
+    """The processes /proc shows that are not of its box (its own user's, or its box's first)."""
+    mine = {str(os.getpid()), "1", "self", "thread-self"}
+    seen = [entry for entry in os.listdir("/proc") if entry.isdigit() and entry not in mine]
+    foreign = [pid for pid in seen if Path(f"/proc/{pid}/status").read_text().count(f"\t{os.getuid()}\t") == 0]
+    if foreign:
+        return f"{len(foreign)} processes of other users"
+    raise PermissionError(f"only its own: {len(seen) + 2} processes")
+
+
 def write(path: Path, megabytes: float) -> str:
     with open(path, "wb") as file:
         file.write(b"\0" * int(megabytes * (1 << 20)))
@@ -66,16 +84,18 @@ if __name__ == "__main__":
     checkpoint = Path(env.get("GOODPUT_CHECKPOINT") or sys.argv[sys.argv.index("--checkpoint") + 1])
     got = {f"read {path}": attempt(lambda path=path: read(path)) for path in env["PROBE_READ"].split(os.pathsep)}
     got |= {
-        "read the agent's environment": attempt(lambda: read(f"/proc/{os.getppid()}/environ")),
-        "signal the agent": attempt(lambda: os.kill(os.getppid(), 0)),
-        "signal init": attempt(lambda: os.kill(1, 0)),
+        **{
+            f"read process {pid}'s environment": attempt(lambda pid=pid: read(f"/proc/{pid}/environ"))
+            for pid in env["PROBE_PIDS"].split()
+        },
+        **{f"signal process {pid}": attempt(lambda pid=pid: os.kill(int(pid), 0)) for pid in env["PROBE_PIDS"].split()},
+        "see other processes": attempt(others),
+        "reach another job's rendezvous": attempt(lambda: connect(env["PROBE_CONNECT"])),
         "write in the agent's folder": attempt(lambda: write(Path(env["PROBE_PLANT"]) / "planted", 0)),
+        "write in the node's files": attempt(lambda: write(Path(sys.executable).parent / "planted", 0)),
         "start processes": attempt(lambda: processes(int(env["PROBE_PROCESSES"]))),
-        "allocate memory": attempt(lambda: allocate(float(env["PROBE_MEMORY_MB"]))),
         "write a large file": attempt(lambda: write(home / "large", float(env["PROBE_FILE_MB"]))),
-        "raise its process limit": attempt(
-            lambda: resource.setrlimit(resource.RLIMIT_NPROC, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-        ),
+        "raise its open files limit": attempt(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))),
         # what it may do: its own folder, its temporary files, its checkpoint's folder, some memory
         "own: write in its folder": attempt(lambda: write(home / "notes", 1)),
         "own: write a temporary file": attempt(lambda: write(Path(env["TMPDIR"]) / "scratch", 1)),
