@@ -20,9 +20,12 @@ every second adds under 1 ms to a round.
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,11 +74,12 @@ def fill_policy_series(policy: str, gpu_types: tuple[str, ...]) -> int:
 # Prometheus's side, a process of its own as Prometheus is: a GET every `every` seconds, each
 # printed as its start and end (time.monotonic: one clock for every process of the machine).
 SCRAPER = """
-import sys, time, urllib.request
+import os, sys, time, urllib.request
 url, every = sys.argv[1], float(sys.argv[2])
+scrape = urllib.request.Request(url, headers={"Authorization": "Bearer " + os.environ["BENCH_METRICS_TOKEN"]})
 while True:
     start = time.monotonic()
-    with urllib.request.urlopen(url, timeout=10) as answer:
+    with urllib.request.urlopen(scrape, timeout=10) as answer:
         answer.read()
     print(start, time.monotonic(), flush=True)
     time.sleep(max(0.0, start + every - time.monotonic()))
@@ -86,13 +90,14 @@ class Scraper:
     """A process that scrapes `url` every SCRAPE_EVERY_S while in a `with`; then `spans`, when each
     scrape ran (time.monotonic)."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, token: str):
+        self.url, self.token = url, token
         self.spans: list[tuple[float, float]] = []
 
     def __enter__(self) -> Scraper:
         command = [sys.executable, "-c", SCRAPER, self.url, str(SCRAPE_EVERY_S)]
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        environment = {**os.environ, "BENCH_METRICS_TOKEN": self.token}  # the operator's, as Prometheus sends it
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=environment)
         self.first = self.process.stdout.readline()  # started and scraping: its start-up is no round's
         return self
 
@@ -136,7 +141,11 @@ def main() -> None:
     if args.repetitions < 1:
         parser.error("--repetitions must be at least 1")
 
-    metrics.setup_metrics("goodput-bench", port=0)
+    token = secrets.token_urlsafe(32)
+    with tempfile.NamedTemporaryFile("w", suffix=".token") as token_file:  # 0600: the endpoint's, as a service's
+        token_file.write(token)
+        token_file.flush()
+        metrics.setup_metrics("goodput-bench", port=0, token_file=token_file.name)
     host, port = metrics.metrics_address()
     url = f"http://{host}:{port}/metrics"
     gpu_types = tuple(dict.fromkeys(node.gpu_type for node in load_cluster(CLUSTER).nodes))
@@ -152,7 +161,7 @@ def main() -> None:
     for repetition in range(args.repetitions):
         order = ("plain", "scraped") if repetition % 2 == 0 else ("scraped", "plain")
         for kind in order:
-            scraper = Scraper(url) if kind == "scraped" else None
+            scraper = Scraper(url, token) if kind == "scraped" else None
             cpu_start = time.process_time()
             rounds = run_rounds(args.workload, args.policy, sources, scraper)
             cpu[kind].append((time.process_time() - cpu_start) * 1e3 / len(rounds))

@@ -406,7 +406,10 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
             for name, process in stack.processes.items():
                 print(f"  {name:<11} pid {process.pid:<7} log {data / (name + '.log')}")
             if stack.metrics:
-                print(f"  metrics: each process's Prometheus endpoint is in {data / METRICS_FILE}")
+                print(
+                    f"  metrics: each process's Prometheus endpoint is in {data / METRICS_FILE}; a scrape sends "
+                    f"the bearer token in {stack.metrics_token} (Authorization: Bearer)"
+                )
             if real:
                 _say_job_users(data)
             # A node agent that dies is started again, as a node's own supervisor would; a service is told of.

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,12 +20,13 @@ from types import EllipsisType
 import msgspec
 import nats.errors
 
-from launcher.nats import EmbeddedNats, port_in_use
+from launcher.nats import SECRETS, EmbeddedNats, port_in_use
 from launcher.setup import provision_now
 from shared import storage, subjects
 from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
+from shared.metrics import TOKEN_FILE_ENV, MetricsUnavailable, read_token
 from shared.reference import WorkloadJob
 from shared.runner import METRICS_PORT_ENV, PARENT_ENV, ended_with_this_process
 from shared.schema import (
@@ -52,6 +54,7 @@ QUICK_EXITS = 3  # ... this many times in a row is not started again
 RUN_IDLE_TIMEOUT_S = 600.0  # no round logged for this long: the run is stuck
 METRICS_FILE = "metrics.json"  # beside the logs: each process's Prometheus endpoint, {instance: URL}
 METRICS_HOST = "127.0.0.1"  # the stack's metrics endpoints, like its NATS server, are loopback only
+METRICS_TOKEN = "metrics-token"  # under the data folder's secrets: the bearer token every metrics endpoint asks
 LAST_PORT = 65535
 
 
@@ -69,6 +72,7 @@ class Stack:
         self.started: dict[str, float] = {}  # instance -> when it was last started (monotonic)
         self.stopping = False
         self.metrics: dict[str, str] = {}  # instance -> its metrics endpoint's URL (none without a port)
+        self.metrics_token: Path | None = None  # the file of the token their scrapes send (with a port)
 
     def start(self, name: str) -> None:
         """Start (or start again) one service instance; its log is appended to."""
@@ -196,6 +200,25 @@ def metrics_url(port: int) -> str:
     return f"http://{METRICS_HOST}:{port}/metrics"
 
 
+def metrics_token(folder: Path) -> Path:
+    """The file of the operator's metrics token in `folder` (the data folder's secrets, 0700): made
+    there (0600, a random 256-bit token) the first time, then kept; ValueError, saying why, when it
+    cannot be made or read, before any service starts (none serves its metrics without it)."""
+    from shared.permissions import write_private
+
+    path = folder / METRICS_TOKEN
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(32) + "\n")
+        read_token(path)
+    except MetricsUnavailable as error:
+        raise ValueError(f"the metrics endpoints are not served: {error}") from None
+    except OSError as error:
+        raise ValueError(f"the metrics token file {path} cannot be made: {error.strerror or error}") from None
+    return path
+
+
 async def _pings(bus: Bus, service: str, wait_s: float = 0.25) -> int:
     """How many instances of `service` answer the service API's ping within `wait_s`."""
     inbox = bus.nc.new_inbox()
@@ -236,14 +259,15 @@ def running_services(
     of `agents` (instance -> its `services.node` options), each logged in as its role on a
     secured embedded server; stop them all after. With `metrics_port`, each process serves its
     metrics on a port of its own from it on (`metrics_ports`: a taken one is refused before any
-    starts), listed in `logs`/metrics.json and `Stack.metrics`."""
+    starts), listed in `logs`/metrics.json and `Stack.metrics`, for the bearer of the token in
+    `logs`/secrets/metrics-token (`metrics_token`, `Stack.metrics_token`)."""
     nats = server if isinstance(server, EmbeddedNats) else EmbeddedNats(server, None)
     # Whatever credentials this process holds are not the services' (each has its role's), nor is
     # a metrics port one for all (each has its own, or none).
     inherited = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(CREDENTIALS_ENV_PREFIX) and key != METRICS_PORT_ENV
+        if not key.startswith(CREDENTIALS_ENV_PREFIX) and key not in (METRICS_PORT_ENV, TOKEN_FILE_ENV)
     }
     instances = {
         instance: name for name in SERVICES for instance in instance_names(name, (replicas or {}).get(name, 1))
@@ -267,8 +291,10 @@ def running_services(
     )
     roles = {**instances, **{instance: "executor" for instance in agents or {}}}  # agents log in as executors
     ports = metrics_ports(list(commands), metrics_port) if metrics_port is not None else {}
+    token = metrics_token(logs / SECRETS).resolve() if ports else None
     for instance, port in ports.items():
         commands[instance] += ["--metrics-port", str(port), "--metrics-host", METRICS_HOST]
+        commands[instance] += ["--metrics-token-file", str(token)]
     provision_now(nats.url, lease_ttl_s, teams, **nats.options("operator"))
     # Each stops when this process is gone, killed -9 included: no service outlives its stack.
     stack = Stack(
@@ -277,6 +303,7 @@ def running_services(
         {instance: {**inherited, **nats.env(role), PARENT_ENV: str(os.getpid())} for instance, role in roles.items()},
     )
     stack.metrics = {instance: metrics_url(port) for instance, port in ports.items()}
+    stack.metrics_token = token
     metrics_file = logs / METRICS_FILE
     if ports:
         metrics_file.write_text(json.dumps(stack.metrics, indent=2) + "\n")

@@ -2,7 +2,10 @@
 
 Each service records through the OpenTelemetry metrics API (`instrument(METRIC)`); `setup_metrics`
 installs the process's meter provider once, with a Prometheus reader that an HTTP endpoint serves
-(`--metrics-port`) and, when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._METRICS_ENDPOINT`) is set and
+(`--metrics-port`) to the operator's scraper only: a request without the operator's bearer token
+(`Authorization: Bearer`, the token in the file `--metrics-token-file` or $GOODPUT_METRICS_TOKEN_FILE
+names) gets 401, and a port without a readable token is not served at all (the process stops, saying
+why). And, when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._METRICS_ENDPOINT`) is set and
 `OTEL_METRICS_EXPORTER` is not `none`, an OTLP exporter beside it. Without a provider the instruments are the API's no-op ones, so a handler
 called in a test records nothing and costs nothing.
 
@@ -15,9 +18,13 @@ nothing. Labels are bounded sets (a state, a GPU type, a stage, an endpoint), ne
 from __future__ import annotations
 
 import functools
+import hmac
 import os
+import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import metrics as otel_metrics
@@ -26,13 +33,18 @@ __all__ = [
     "CATALOG",
     "Metric",
     "MetricsPortTaken",
+    "MetricsUnavailable",
     "instrument",
     "prometheus_names",
     "scrape",
+    "read_token",
     "setup_metrics",
 ]
 
 METER_NAME = "goodput"
+TOKEN_FILE_ENV = "GOODPUT_METRICS_TOKEN_FILE"  # the file of the operator's bearer token for the endpoint
+MIN_TOKEN_CHARS = 16
+UNAUTHORIZED = b"401 Unauthorized: goodput's metrics are the operator's: send Authorization: Bearer TOKEN\n"
 OTLP_METRICS_VARIABLES = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 # Histogram buckets, in the metric's unit: seconds from a millisecond to ten minutes, bytes from a KiB to 64 GiB.
@@ -230,30 +242,101 @@ def instrument(metric: Metric) -> Any:
     )
 
 
-class MetricsPortTaken(OSError):
-    """The metrics endpoint's port is in use (or cannot be bound): the process says so and stops."""
+class MetricsUnavailable(OSError):
+    """The metrics endpoint cannot be served as asked (its port, its token): the process says why
+    and stops; it never serves an open endpoint instead."""
+
+
+class MetricsPortTaken(MetricsUnavailable):
+    """The metrics endpoint's port is in use (or cannot be bound)."""
 
 
 _provider: Any = None
 _server: Any = None
 
 
+def read_token(path: str | os.PathLike) -> str:
+    """The operator's metrics token in the file `path` (its text, without the line's end);
+    MetricsUnavailable, saying why, when it cannot be read or is shorter than MIN_TOKEN_CHARS."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        why = getattr(error, "strerror", None) or error
+        raise MetricsUnavailable(f"the metrics token file {path} cannot be read: {why}") from None
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise MetricsUnavailable(
+            f"the metrics token file {path} holds no token: one word of {MIN_TOKEN_CHARS} characters or more"
+        )
+    return token
+
+
+def _guarded(app, token: str):
+    """The WSGI app `app`, answering only a request that carries `token` as its bearer (compared in
+    constant time); any other gets 401."""
+    expected = token.encode()
+
+    def guarded(environ, start_response):
+        scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="goodput metrics"')],
+        )
+        return [UNAUTHORIZED]
+
+    return guarded
+
+
+def _serve(port: int, host: str, token: str):
+    """Prometheus's text format on host:port for the bearer of `token`, from a daemon thread (as
+    prometheus_client serves it, a thread per request); the server."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+            pass
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    server = make_server(host, port, _guarded(make_wsgi_app(), token), server_class, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
 def setup_metrics(
-    service_name: str, port: int | None = None, host: str = "127.0.0.1", environ: Mapping[str, str] | None = None
+    service_name: str,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    environ: Mapping[str, str] | None = None,
+    token_file: str | os.PathLike | None = None,
 ) -> Any:
     """Install this process's meter provider once (later calls return it), serving Prometheus's text
-    format on `host:port` when a port is given (0: any free one; `metrics_address()` tells which).
-    Raises MetricsPortTaken, with the port, when it cannot be bound."""
+    format on `host:port` when a port is given (0: any free one; `metrics_address()` tells which) to
+    the bearer of the token in `token_file` (else $GOODPUT_METRICS_TOKEN_FILE's). Raises
+    MetricsUnavailable, saying why, before anything is installed, when there is no such token or the
+    port cannot be bound (MetricsPortTaken)."""
     global _provider, _server
     if _provider is not None:
         return _provider
+    environ = os.environ if environ is None else environ
+    token = None
+    if port is not None:
+        token_file = token_file or environ.get(TOKEN_FILE_ENV)
+        if not token_file:
+            raise MetricsUnavailable(
+                f"metrics port {port} is the operator's: name the file of its bearer token with "
+                f"--metrics-token-file or ${TOKEN_FILE_ENV} (goodput up makes DATA/secrets/metrics-token)"
+            )
+        token = read_token(token_file)
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
     # No `otel_scope_*` labels on every line: one meter, and a scrape half the size and time.
     readers: list = [PrometheusMetricReader(scope_info_enabled=False)]
-    environ = os.environ if environ is None else environ
     pushed = environ.get("OTEL_METRICS_EXPORTER", "otlp").lower() != "none"  # the SDK's switch: none is none
     if pushed and any(environ.get(name) for name in OTLP_METRICS_VARIABLES):
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
@@ -261,10 +344,8 @@ def setup_metrics(
 
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
     if port is not None:
-        from prometheus_client import start_http_server
-
         try:
-            _server, _ = start_http_server(port, addr=host)
+            _server = _serve(port, host, token)
         except OSError as error:
             raise MetricsPortTaken(f"metrics port {host}:{port} cannot be served: {error.strerror or error}") from None
     _provider = MeterProvider(metric_readers=readers, resource=Resource.create({SERVICE_NAME: service_name}))

@@ -24,7 +24,7 @@ from nats import micro
 from shared import credentials
 from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
 from shared.files import private_umask
-from shared.metrics import MetricsPortTaken, setup_metrics
+from shared.metrics import TOKEN_FILE_ENV, MetricsUnavailable, setup_metrics
 from shared.tracing import setup_tracing
 
 # The pid of the process that started this service and whose end stops it (`goodput up` sets it).
@@ -114,6 +114,12 @@ def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-host", default="127.0.0.1", help="the metrics endpoint's address (default: %(default)s)"
     )
+    parser.add_argument(
+        "--metrics-token-file",
+        default=os.environ.get(TOKEN_FILE_ENV),
+        help=f"the operator's bearer token that a scrape must send, in a file: a port is served only with "
+        f"it (default: ${TOKEN_FILE_ENV})",
+    )
 
 
 async def new_service(bus: Bus, name: str, description: str, metadata: dict[str, str] | None = None) -> micro.Service:
@@ -149,8 +155,8 @@ def service_main(
     private_umask()  # what the service writes, and the jobs a node agent starts, is its owner's only
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     try:
-        setup_metrics(f"goodput-{name}", args.metrics_port, args.metrics_host)
-    except MetricsPortTaken as error:
+        setup_metrics(f"goodput-{name}", args.metrics_port, args.metrics_host, token_file=args.metrics_token_file)
+    except MetricsUnavailable as error:  # no endpoint open to all instead: the reason, and exit 2
         parser.error(str(error))
     provider = setup_tracing(f"goodput-{name}")
     try:

@@ -12,6 +12,7 @@ import random
 import re
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,12 +140,84 @@ def _listening(port: int) -> Iterator[None]:
         yield
 
 
-def scrape(url: str) -> dict[str, list]:
-    """A scrape of `url`, parsed by prometheus_client's parser: each family's samples by family name."""
-    with urllib.request.urlopen(url, timeout=10) as answer:
+def scrape(url: str, token: str) -> dict[str, list]:
+    """A scrape of `url` as Prometheus makes it (the operator's bearer token), parsed by
+    prometheus_client's parser: each family's samples by family name."""
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
         assert answer.status == 200
         text = answer.read().decode()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def refused(url: str, headers: dict[str, str] | None = None) -> int:
+    """The status of a request to `url` that must be refused (401), with `headers`."""
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10)
+    assert error.value.headers["WWW-Authenticate"].startswith("Bearer")
+    assert b"goodput_" not in error.value.read()
+    return error.value.code
+
+
+# ---- the operator's token ---------------------------------------------------------------------------
+
+TOKEN = "operator-metrics-token-0123456789"
+
+
+@pytest.mark.e2e
+def test_the_endpoint_answers_only_the_bearer_of_the_operators_token(tmp_path):
+    """Over HTTP, as Prometheus and any other local process reach it: no token, a wrong one, one
+    in another scheme or in the URL get 401 and no figure; the operator's gets the scrape."""
+    from shared.metrics import _serve
+
+    server = _serve(0, "127.0.0.1", TOKEN)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert refused(url) == 401
+        for wrong in (f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", "Bearer ", f"Basic {TOKEN}", TOKEN):
+            assert refused(url, {"Authorization": wrong}) == 401, wrong
+        assert refused(f"{url}?token={TOKEN}") == 401
+        assert "process_cpu_seconds" in scrape(url, TOKEN)
+        assert "process_cpu_seconds" in scrape(url.removesuffix("metrics"), TOKEN)  # any path, as before
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_port_without_a_readable_token_is_not_served_and_says_why(tmp_path, monkeypatch):
+    """Fail closed: no token file named, one missing, empty, or too short: MetricsUnavailable with
+    the reason, before anything is installed or bound (the service exits 2 with it)."""
+    from shared import metrics
+
+    monkeypatch.setattr(metrics, "_provider", None)
+    monkeypatch.setattr(metrics, "_server", None)
+    with pytest.raises(metrics.MetricsUnavailable, match="GOODPUT_METRICS_TOKEN_FILE"):
+        metrics.setup_metrics("goodput-test", port=0, environ={})
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "short").write_text("abc\n")
+    for name, why in (("missing", "cannot be read: No such file"), ("empty", "holds no token"), ("short", "no token")):
+        with pytest.raises(metrics.MetricsUnavailable, match=why):
+            metrics.setup_metrics("goodput-test", port=0, environ={metrics.TOKEN_FILE_ENV: str(tmp_path / name)})
+    assert metrics._provider is None and metrics._server is None  # nothing installed, nothing served
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    assert metrics.read_token(tmp_path / "token") == TOKEN
+
+
+def test_goodput_up_makes_the_token_private_once_and_keeps_it(tmp_path):
+    from launcher.stack import metrics_token
+
+    secrets = tmp_path / "data" / "secrets"
+    path = metrics_token(secrets)
+    assert path == secrets / "metrics-token" and len(path.read_text().strip()) >= 32
+    assert (path.stat().st_mode & 0o777, secrets.stat().st_mode & 0o777) == (0o600, 0o700)
+    token = path.read_text()
+    assert metrics_token(secrets).read_text() == token  # kept: Prometheus's copy stays good across restarts
+    path.write_text("")
+    with pytest.raises(ValueError, match="not served: .* holds no token"):
+        metrics_token(secrets)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot be made"):
+        metrics_token(tmp_path / "file" / "secrets")
 
 
 def value(families: dict[str, list], sample: str, **labels: str) -> float | None:
@@ -183,15 +256,23 @@ def test_every_process_of_goodput_up_serves_a_scrape_whose_values_move_as_jobs_r
         up.wait_serving()
         endpoints = json.loads((data / METRICS_FILE).read_text())
         assert endpoints == {name: f"http://127.0.0.1:{first + i}/metrics" for i, name in enumerate(SERVICES)}
-        for name, url in endpoints.items():  # each answers a scrape that Prometheus's parser reads
-            assert "process_cpu_seconds" in scrape(url), name
+        token_file = data / "secrets" / "metrics-token"
+        assert f"a scrape sends the bearer token in {token_file.resolve()}" in up.log.read_text()
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        for name, url in endpoints.items():  # each answers the operator's scrape, that Prometheus's parser reads
+            assert refused(url) == 401, name
+            assert "process_cpu_seconds" in scrape(url, token), name
         policy, executor = endpoints["policy"], endpoints["executor"]
+
+        def read(url: str) -> dict[str, list]:
+            return scrape(url, token)
 
         # Every poll scrapes both, so the executor's job counts are seen from the submission on.
         seen: list[dict[str, float]] = []  # the executor's goodput_jobs by state, scrape after scrape
 
         def observe() -> tuple[dict, dict]:
-            at_policy, at_executor = scrape(policy), scrape(executor)
+            at_policy, at_executor = read(policy), read(executor)
             seen.append({s.labels["state"]: s.value for s in at_executor.get(JOBS.prometheus, [])})
             return at_policy, at_executor
 
@@ -211,7 +292,7 @@ def test_every_process_of_goodput_up_serves_a_scrape_whose_values_move_as_jobs_r
         assert any(snapshot.get("running", 0) > 0 for snapshot in seen), seen
         assert seen[-1].get("running", 0) == 0 and seen[0] != seen[-1], seen
         # ... and the bus requests the rounds made of it, by endpoint
-        requests = scrape(executor)[BUS_REQUESTS.prometheus.removesuffix("_total")]
+        requests = read(executor)[BUS_REQUESTS.prometheus.removesuffix("_total")]
         assert {"facts", "apply", "advance"} <= {s.labels["endpoint"] for s in requests}, requests
     finally:
         up.kill()
