@@ -71,6 +71,8 @@ ACCESS = (*permissions.ROLES, permissions.DEFAULT_LOGIN)  # every role, and the 
 PASSWORDS = {role: f"{PASSWORD[:-1]}{index}" for index, role in enumerate(ACCESS)}
 WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job")
 METRICS_PORT = 9464  # where every service's pod serves its metrics (--metrics-port; docs/metrics.md)
+METRICS_SECRET = "goodput-metrics-token"  # the operator's bearer token that a scrape sends: its key `token`
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yaml"  # the scrape configuration shipped for Kubernetes
 
 
 def tool(name: str) -> str:
@@ -158,7 +160,7 @@ def password_mounts(workload: dict) -> dict[str, set[str]]:
     keys = {
         v["name"]: {i["key"] for i in v["secret"].get("items", [])} or {"*"}  # "*": every key
         for v in pod.get("volumes", [])
-        if "secret" in v
+        if v.get("secret", {}).get("secretName") == SECRET
     }
     return {
         c["name"]: set().union(*(keys[m["name"]] for m in c.get("volumeMounts", []) if m["name"] in keys))
@@ -206,6 +208,17 @@ def metrics_problems(workload: dict) -> list[str]:
         problems.append(f"--metrics-host is {option(container, '--metrics-host')}, not 0.0.0.0")
     if {"name": "metrics", "containerPort": METRICS_PORT} not in container.get("ports", []):
         problems.append(f"no container port `metrics` {METRICS_PORT}")
+    # The operator's token, which the service asks of every scrape: the key `token` of its Secret.
+    token_file = Path(env_of(container).get("GOODPUT_METRICS_TOKEN_FILE", {}).get("value", "/nowhere/x"))
+    mounted = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    pod = workload["spec"]["template"]["spec"]
+    volume = next((v for v in pod["volumes"] if v["name"] == mounted.get(str(token_file.parent))), {})
+    if volume.get("secret", {}).get("secretName") != METRICS_SECRET or volume["secret"].get("items") != [
+        {"key": "token", "path": token_file.name}
+    ]:
+        problems.append(
+            f"GOODPUT_METRICS_TOKEN_FILE {token_file} is not the key `token` of the Secret {METRICS_SECRET}"
+        )
     return problems
 
 
@@ -389,7 +402,7 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
         secrets = {
             v["secret"]["secretName"] for v in workload["spec"]["template"]["spec"].get("volumes", []) if "secret" in v
         }
-        assert secrets <= {SECRET}, name
+        assert secrets <= {SECRET, METRICS_SECRET}, name
         if name == "nats":
             # only its init container sees every password: it renders the users for the servers
             assert password_mounts(workload) == {"nats-auth": {"*"}, "nats": set()}
@@ -401,6 +414,7 @@ def test_each_workload_mounts_only_its_own_roles_password_from_the_secret_that_i
         if path.is_file() and path.suffix in (".yaml", ".yml", ".conf"):
             assert "kind: Secret" not in path.read_text(), path
     assert f"create secret generic {SECRET}" in (ROOT / "docs" / "deploy.md").read_text()
+    assert f"create secret generic {METRICS_SECRET}" in (ROOT / "docs" / "deploy.md").read_text()
 
 
 @pytest.mark.e2e
@@ -423,6 +437,32 @@ def test_the_metrics_check_notices_a_pod_prometheus_would_miss():
     args = containers(placer)[0]["args"]
     del args[args.index("--metrics-host") : args.index("--metrics-host") + 2]
     assert metrics_problems(placer) == ["--metrics-host is None, not 0.0.0.0"]
+    placer = json.loads(json.dumps(objects("default", "Deployment")["placer"]))
+    volumes = placer["spec"]["template"]["spec"]["volumes"]
+    volumes[:] = [v for v in volumes if v["name"] != "metrics-token"]  # it would not start: no token
+    assert "is not the key `token`" in metrics_problems(placer)[0]
+
+
+def test_the_shipped_prometheus_config_scrapes_the_annotated_pods_with_the_operators_token():
+    """deploy/prometheus/prometheus.yaml: each job sends the token from a file (a scrape without it
+    gets 401), finds goodput's pods by their annotations, and docs/metrics.md says where it is."""
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    [job] = config["scrape_configs"]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": "/etc/prometheus/goodput/token"}
+    assert (
+        "bearer_token" not in json.dumps(job) and "credentials:" not in PROMETHEUS.read_text()
+    )  # a file, never inline
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"names": [NAMESPACE]}}]
+    keep = job["relabel_configs"][0]
+    assert keep == {
+        "source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_scrape"],
+        "action": "keep",
+        "regex": "true",
+    }
+    port = next(r for r in job["relabel_configs"] if r.get("target_label") == "__address__")
+    assert re.fullmatch(port["regex"], f"10.0.0.7:8080;{METRICS_PORT}") and port["replacement"] == "$1:$2"
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    assert "deploy/prometheus/prometheus.yaml" in text and f"{METRICS_SECRET}" in text
 
 
 @pytest.mark.e2e
@@ -586,16 +626,18 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
     assert f"{volume}:{os.path.dirname(include)}:ro" in services["nats"]["volumes"]
     assert services["nats"]["depends_on"]["nats-auth"]["condition"] == "service_completed_successfully"
     assert auth["command"][auth["command"].index("--passwords") + 1] == "/run/secrets"
-    assert set(auth["secrets"]) == set(ACCESS) == set(compose["secrets"])
-    for role, secret in compose["secrets"].items():
-        assert secret == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}  # none in the repo
+    assert set(auth["secrets"]) == set(ACCESS) == set(compose["secrets"]) - {"metrics-token"}
+    for role in ACCESS:
+        assert compose["secrets"][role] == {"environment": f"{permissions.PASSWORD_ENV_PREFIX}{role.upper()}"}
+    assert compose["secrets"]["metrics-token"] == {"environment": "GOODPUT_METRICS_TOKEN"}  # none in the repo
     roles = {**{name: name for name in SERVICES}, "live-run": "operator"}
     for name, role in roles.items():
         service = services[name]
         env = service["environment"]
         assert env.get("GOODPUT_SERVICE", name) == name
         assert env[SERVER_ENV] == "nats://nats:4222" and env["GOODPUT_NATS_USER"] == role, name
-        assert service["secrets"] == [{"source": role, "target": "nats-password"}], name  # its own only
+        token = [{"source": "metrics-token", "target": "metrics-token"}] if name in SERVICES else []
+        assert service["secrets"] == [{"source": role, "target": "nats-password"}, *token], name  # its own only
         assert env["GOODPUT_NATS_PASSWORD_FILE"] == "/run/secrets/nats-password"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
         assert (DEPLOY / service["build"]["context"] / service["build"]["dockerfile"]).is_file()
@@ -605,6 +647,7 @@ def test_the_compose_file_passes_the_compose_schema_and_runs_the_stack(tmp_path)
             assert service["healthcheck"]["test"] == ["CMD", "python", "-m", "deploy.probe", SERVICE_NAMES[name]]
             metrics = service["command"][service["command"].index("--metrics-port") :]
             assert metrics[:4] == ["--metrics-port", str(METRICS_PORT), "--metrics-host", "0.0.0.0"], name
+            assert env["GOODPUT_METRICS_TOKEN_FILE"] == "/run/secrets/metrics-token", name
     assert services["policy"]["deploy"]["replicas"] >= 2
 
 
