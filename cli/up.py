@@ -89,7 +89,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--metrics-port",
         type=int,
         help="serve each process's Prometheus metrics on 127.0.0.1, ports from this one on, listed in "
-        "DATA/metrics.json (default: none)",
+        "DATA/metrics.json, to a scrape with the bearer token in DATA/secrets/metrics-token (default: none)",
     )
     up.add_argument(
         "--data",
