@@ -591,6 +591,7 @@ async def _submit_local(bus, specs) -> None:
 
     from shared import subjects
     from shared.schema import JobRecords, JobsQuery, job_statuses, submission_msg_id
+    from shared.text import printable
 
     for _ in range(300):  # the executor answers ping a moment before its endpoints
         try:
@@ -605,8 +606,10 @@ async def _submit_local(bus, specs) -> None:
         status = known.get(spec.id)
         if status is not None:
             print(
-                f"  {spec.id} ({spec.application}): submitted before, {status.state}"
-                f"{': ' + status.reason if status.reason else ''}",
+                printable(
+                    f"  {spec.id} ({spec.application}): submitted before, {status.state}"
+                    f"{': ' + status.reason if status.reason else ''}"  # a crash's reason: its stderr
+                ),
                 flush=True,
             )
             continue
@@ -618,6 +621,7 @@ async def _submit_local(bus, specs) -> None:
 
 def _report_local(args: argparse.Namespace, records) -> None:
     from cli.output import rounded, write_results
+    from shared.text import printable
 
     jobs = [
         {
@@ -651,7 +655,7 @@ def _report_local(args: argparse.Namespace, records) -> None:
     write_results(
         rounded({"executors": "real", "cluster": args.cluster, "policy": args.policy, "jobs": jobs}, 4),
         args.out,
-        "\n".join(lines),
+        "\n".join(map(printable, lines)),  # a failure is the job's stderr; the file keeps it exact
     )
 
 
@@ -659,6 +663,7 @@ async def _watch(bus, run_id: str) -> None:
     """Print each live decision that changes something (from now on: a resumed run's past is in
     `goodput status`), and each job that finishes or fails."""
     from launcher.stack import follow_run_steps
+    from shared.text import printable
 
     shown = None
     async for step in follow_run_steps(bus, run_id, idle_timeout_s=None, new_only=True):
@@ -678,7 +683,7 @@ async def _watch(bus, run_id: str) -> None:
             print(f"  t={step.now_s:>8.0f} s  finished: {names}{more}", flush=True)
         for event in step.events:
             if " failed: " in event or event.endswith(f" was {CANCELLED}"):
-                print(f"  {event}", flush=True)
+                print(f"  {printable(event)}", flush=True)  # a failure quotes the job's stderr
 
 
 def _say_job_users(data: Path) -> None:
