@@ -5,7 +5,8 @@ last rounds' decisions (docs/dashboard.md).
 It logs in to NATS as any user's command does (the same options and login files: it reads only the
 user API, what that login may see) and serves the page on a loopback port; its data only to the
 page's requests that carry the random token of the URL it prints (its fragment, `#token=`), in a
-header: no cookie, so no page of another origin lends it. No NATS credential reaches the page. `goodput up` serves one too (`start`)."""
+header: no cookie, so no page of another origin lends it. No NATS credential reaches the page.
+`goodput up` serves one too (`start`)."""
 
 from __future__ import annotations
 
