@@ -39,6 +39,36 @@ def wait_for(condition, executors, timeout_s=120):
     return finished
 
 
+class ReportingNodes:
+    """Node agents that start nothing: each job's workers run and report `stats[job]`, as the
+    executor's order numbered them (their generation), until `codes[job]` says they exited; a
+    stop of workers never started here answers that it found none."""
+
+    def __init__(self):
+        self.orders: dict[tuple[str, str], StartWorkers] = {}
+        self.stats: dict[str, JobStats] = {}
+        self.codes: dict[str, int | None] = {}
+
+    def start(self, node, order):
+        self.orders[node, order.job_id] = order
+        return Rendezvous("127.0.0.1", 29500)
+
+    def _report(self, node, job_id):
+        order = self.orders[node, job_id]
+        stats = self.stats.get(job_id)
+        line = STATS_PREFIX + base64.b64encode(msgspec.msgpack.encode(stats)).decode() if stats else ""
+        codes = (self.codes.get(job_id),) * len(order.ranks)
+        return WorkersReport(job_id, order.generation, order.ranks, codes, stats=line)
+
+    def stop(self, node, request):
+        if (node, request.job_id) not in self.orders:
+            return WorkersReport(request.job_id, -1, (), ())
+        return self._report(node, request.job_id)
+
+    def poll(self, node):
+        return NodeReport(node, tuple(self._report(n, job) for n, job in self.orders if n == node))
+
+
 @pytest.mark.e2e
 def test_a_crashed_worker_restarts_from_its_checkpoint(tmp_path):
     """kill -9 of one of a job's two workers: the other (waiting for it in a collective) is taken
@@ -76,7 +106,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
         local_executors(None).add("c", "common")
     with pytest.raises(
         ValueError,
-        match=r"its jobs: contract, environment, huge, leaves, probes, profile_stalls, quick, raises, says, writes\)",
+        match=r"its jobs: contract, deaf, environment, greedy, huge, leaves, probes, profile_stalls, quick, raises, says, writes\)",
     ):
         job_module("small", "tests.jobs")  # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
@@ -138,7 +168,7 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     from services.executor.real import RealExecutors
     from shared.schema import JobSpec, Profiled, Rejected
 
-    agent = RealExecutors(local_executors(tmp_path))
+    agent = RealExecutors(LocalExecutors(ReportingNodes(), tmp_path, SLOTS))
     for sequence, job_id in enumerate(("lm", "refused", "done"), start=1):
         agent.submitted(JobSpec(job_id, "tiny_lm"), sequence)
     agent.submitted(JobSpec("lm", "cnn_shapes"), 4)  # another body under a held id: not taken
@@ -152,10 +182,10 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     assert agent.jobs["lm"].spec.application == "tiny_lm"
     assert agent.arrive(10.0) == ["done", "lm"]
     lm = agent.executors.jobs["lm"]
-    lm.placement = (("local-0", 1),)  # as if running (no processes here)
+    lm.placement = (("local-0", 1),)  # placed: its workers start (its nodes run nothing here)
     agent.executors.jobs["done"].result = {"stopped": False, "metric": 0.9, "batches": [16, 32]}
     assert agent.advance(10.0, 3.0, ["done", "lm"]).finished == ("done",)
-    lm.parts, lm.running = (("local-0", (0,)),), True  # its workers there, as KV keeps it
+    assert (lm.parts, lm.running) == ((("local-0", (0,)),), True)  # its workers there, as KV keeps them
     failures = sorted((r.name, r.failure) for r in agent.records() if r.failure)
     assert failures == [
         ("done", "malformed submission"),
@@ -166,7 +196,7 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     facts = agent.facts(12.0, ["lm"]).facts[0]
     assert (facts.submit_s, facts.age_s, facts.init_batch, facts.max_batch, facts.iterations) == (10.0, 2.0, 16, 256, 0)
 
-    successor = RealExecutors(local_executors(tmp_path))
+    successor = RealExecutors(LocalExecutors(ReportingNodes(), tmp_path, SLOTS))
     for job in msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob]):  # as KV keeps them
         successor.restore(job)
     successor.executors.stop_leftovers()  # what was running on the nodes stops; it starts again
@@ -207,31 +237,6 @@ def test_every_refusal_is_listed_with_what_could_be_read_of_it_across_a_restart(
         successor.restore(job)
     assert [(s.id, s.state, s.reason, s.application) for s in job_statuses(successor.records())] == expected
     assert sorted(job.key for job in successor.saved()) == [f"_rejected.{n}" for n in (5, 6, 7, 8)]
-
-
-class ReportingNodes:
-    """Node agents that start nothing: each job's workers run and report `stats[job]`, as the
-    executor's order numbered them (their generation)."""
-
-    def __init__(self):
-        self.orders: dict[tuple[str, str], StartWorkers] = {}
-        self.stats: dict[str, JobStats] = {}
-
-    def start(self, node, order):
-        self.orders[node, order.job_id] = order
-        return Rendezvous("127.0.0.1", 29500)
-
-    def _report(self, node, job_id):
-        order = self.orders[node, job_id]
-        stats = self.stats.get(job_id)
-        line = STATS_PREFIX + base64.b64encode(msgspec.msgpack.encode(stats)).decode() if stats else ""
-        return WorkersReport(job_id, order.generation, order.ranks, (None,) * len(order.ranks), stats=line)
-
-    def stop(self, node, request):
-        return self._report(node, request.job_id)
-
-    def poll(self, node):
-        return NodeReport(node, tuple(self._report(n, job) for n, job in self.orders if n == node))
 
 
 def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
@@ -350,7 +355,8 @@ def test_a_job_the_live_nodes_cannot_take_is_unschedulable_until_they_change():
     agent.profiled(Profiled("small", 16, 256, submission=2))
     agent.arrive(0.0)
     small = agent.executors.jobs["small"]  # as if a round placed it on cpu-1 (no processes here)
-    small.placement, small.parts, small.running = (("cpu-1", 1),), (("cpu-1", (0,)),), True
+    small.placement = small.started_on = (("cpu-1", 1),)
+    small.parts, small.running = (("cpu-1", (0,)),), True
 
     def seen():
         return next((r.state, r.reason) for r in agent.records() if r.name == "rigid")
@@ -421,14 +427,14 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     from services.executor.real import RealExecutors
     from shared.schema import JobSpec, Profiled
 
-    agent = RealExecutors(local_executors(tmp_path))
+    nodes = ReportingNodes()
+    agent = RealExecutors(LocalExecutors(nodes, tmp_path, SLOTS))
     agent.submitted(JobSpec("lm", "tiny_lm"), 1)
     agent.profiled(Profiled("lm", 16, 256, submission=1))
     agent.arrive(0.0)
-    local = agent.executors.jobs["lm"]
-    local.placement = (("local-0", 2),)  # as if running on two slots (no processes here)
+    agent.apply(0.0, {"lm": (("local-0", 2),)})
     assert agent.advance(0.0, 3.0, ["lm"]).finished == ()  # a round on two slots: 6 slot-seconds
-    local.result = {"stopped": False, "metric": 0.9}  # and then it finished
+    nodes.codes["lm"] = 0  # and then it finished
     first = agent.advance(3.0, 3.0, ["lm"])
     again = agent.advance(3.0, 3.0, ["lm"])
     assert first == again and first.finished == ("lm",)
@@ -480,7 +486,8 @@ def test_the_rounds_nodes_are_the_live_ones_less_the_drained_and_a_gone_nodes_jo
     assert real.executors.real["big-0-v1"] == "big-0"
     real.executors.add("lm", "tiny_lm")
     lm = real.executors.jobs["lm"]  # as if its workers ran on cpu-1 (no processes here)
-    lm.placement, lm.parts, lm.running = (("cpu-1", 2),), (("cpu-1", (0, 1)),), True
+    lm.placement = lm.started_on = (("cpu-1", 2),)
+    lm.parts, lm.running = (("cpu-1", (0, 1)),), True
     assert real.jobs_on("cpu-1") == ["lm"]
     nodes = real.serve_nodes(members, {"cpu-1"})  # drained (or lost: the same to its jobs)
     assert "cpu-1" not in {n.name for n in nodes}
@@ -494,11 +501,17 @@ def test_a_worker_whose_agent_is_gone_exits_quietly(tmp_path):
     lifeline, checkpointed, and exits without a BrokenPipeError traceback in its log for the line
     it could not print."""
     from goodput_train.protocol import REPORT_ENV, STATS_PREFIX
+    from services.node.box import Boxes, default_rules
     from services.node.processes import torchrun_env, worker
 
     checkpoint = tmp_path / "quick-1.pt"
+    (tmp_path / "quick-1").mkdir()
+    box = Boxes(tmp_path, default_rules(1), runtime=None).open(
+        "quick-1", "quick-1", tmp_path / "quick-1", None, 1, False
+    )
     with open(tmp_path / "quick-1.rank0.log", "w") as log:
         process = worker(
+            box,
             job_module("quick", "tests.jobs"),
             ["--checkpoint", str(checkpoint)],
             {**torchrun_env(0, 1, 1, 0, "quick-1", "cpu"), REPORT_ENV: "0.2"},

@@ -5,8 +5,10 @@
 placement order, for one generation of the job: the node of rank 0 picks the rendezvous port and
 the others are told it (torchrun's environment: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT; GOODPUT_NODES, GOODPUT_JOB_ID, GOODPUT_GPU_TYPE). A changed placement stops the
-workers everywhere (SIGTERM: the library checkpoints, every rank at the same step) and starts them
-on the new one (the library resumes from the checkpoint at the new world size); checkpoints are
+workers everywhere (SIGTERM: the library checkpoints, every rank at the same step; SIGKILL after
+the grace) and starts them on the new one (the library resumes from the checkpoint at the new world
+size), each job's transition beside the others': no job's stop holds up another's, nor the caller
+when it does not block; a start waits only for the stops that hold its new GPUs. Checkpoints are
 files in a folder every node reads (`--checkpoints`; a job's in a folder of its own there,
 `<job>/<job>.pt`, its user's alone), or objects in JetStream's object store that the agents copy in
 and out (`--checkpoints jetstream:`).
@@ -23,20 +25,25 @@ restart, and each such stop counts toward `max_crashes`, so they cannot restart 
 node no longer knows (its agent restarted) restart with nothing counted. A node that is lost takes
 its jobs' workers with it: those jobs stop everywhere and the next round places them again.
 
-It is blocking code (the executor service runs it in a thread); `Nodes` is how it reaches the
-agents: over the bus (`BusNodes`), or agents' `NodeWorkers` in this process (`InProcessNodes`, for tests).
+Its methods are called from one thread at a time (the executor service runs them in a thread, one
+after another); each node call runs in a thread of its own. `Nodes` is how it reaches the agents:
+over the bus (`BusNodes`), or agents' `NodeWorkers` in this process (`InProcessNodes`, for tests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import msgspec
 import nats.errors
@@ -57,7 +64,17 @@ from shared.bus import Bus
 from shared.cluster import Cluster, Spots
 from shared.metrics import JOB_RESTARTS, instrument
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
-from shared.schema import CANCELLED, Ack, JobStats, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
+from shared.schema import (
+    CANCELLED,
+    DEFAULT_TEAM,
+    Ack,
+    JobStats,
+    NodeReport,
+    Rendezvous,
+    StartWorkers,
+    StopWorkers,
+    WorkersReport,
+)
 
 MAX_CRASHES = 3
 LOST_GRACE_S = 5.0  # a lost node's peers: this long to stop (they may be stuck waiting for it)
@@ -128,14 +145,54 @@ class BusNodes:
         return self._call(node, "poll", Ack(), NodeReport, self.timeout_s)
 
 
+class Why(enum.StrEnum):
+    """Why a job's workers are stopped: what follows once every node has stopped them."""
+
+    MOVE = "moved"  # a new placement, or none: they start again there, from their checkpoint
+    ENDED = "ended"  # they exited, crashed, or a node forgot them: it finished, restarts or fails
+    LOST = "lost"  # a node of theirs left the round: the job waits for the round's placement
+    CANCEL = "cancelled"  # its user's order: it ends cancelled
+    FAILED_START = "failed start"  # its start failed on a node: the workers it started stop
+    LEFTOVER = "leftover"  # a predecessor's (the executor restarted): the round places it again
+    CLOSE = "closing"  # the executor stops for good
+
+
+@dataclass
+class Stop:
+    """A stop of a job's workers under way: every node asked at once, each stops them with the
+    grace (SIGTERM, then SIGKILL), and its answer comes in a thread of its own."""
+
+    why: Why
+    calls: dict[str, Future]  # node -> its WorkersReport
+    grace_s: float
+    kill: bool
+    since: float  # monotonic
+    counted: bool = False  # a restart was counted as it began (taken back if the job finished meanwhile)
+    crashed: WorkersReport | None = None  # ENDED: the report of a node where one crashed
+    complete: bool = True  # ENDED: every node still knew its workers
+
+    def freed(self, node: str) -> bool:
+        """Whether the job's workers on `node` are gone (its answer is in; a lost node is not asked)."""
+        call = self.calls.get(node)
+        return call is None or call.done()
+
+    def left_s(self) -> float:
+        """The seconds until its workers are killed at the latest."""
+        return 0.0 if self.kill else max(0.0, self.since + self.grace_s - time.monotonic())
+
+
 @dataclass
 class LocalJob:
     job_id: str
     application: str
-    placement: Spots = ()
+    placement: Spots = ()  # where it should run (the round's word), or ran when it ended
     parts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # the nodes its workers run on now, and their ranks
     generation: int = 0  # one per start of its workers (a node ignores an older order)
-    running: bool = False  # its workers of this generation were started, not yet seen ended
+    running: bool = False  # its workers of this generation were started (or are starting), not yet seen ended
+    started_on: Spots = ()  # the placement its running workers were started for
+    stopping: Stop | None = None  # its workers' stop, under way
+    starting: Future | None = None  # its workers' start, under way: the nodes started, and any error
+    waits: tuple[str, ...] = ()  # the jobs whose stopping workers hold the GPUs its start waits for
     stats: JobStats | None = None
     result: dict | None = None  # once it has finished: its outcome line ({} without one)
     outcome: dict | None = None  # the outcome line its workers of this run printed, if any
@@ -153,11 +210,22 @@ class LocalJob:
     entrypoint: str = ""  # ... what in it runs, with these arguments
     args: tuple[str, ...] = ()
     user: int | None = None  # its user's number on the nodes (its submission's: StartWorkers.user)
+    team: str = DEFAULT_TEAM  # its team's (StartWorkers.team: its output goes to its team's logs)
 
     @property
     def holds(self) -> Spots:
         """The GPUs it holds: none once it ended (its placement stays as it ended, for its record)."""
         return () if self.result is not None or self.failure else self.placement
+
+    @property
+    def busy(self) -> bool:
+        """Whether its workers are being stopped or started (a node's answer is to come)."""
+        return self.stopping is not None or self.starting is not None
+
+    @property
+    def in_transition(self) -> bool:
+        """Between two placements: its workers stopping or starting, or its start waiting for GPUs."""
+        return self.busy or bool(self.waits)
 
     def restarted(self) -> None:
         """Its workers were stopped to start again from their checkpoint: one restart, counted."""
@@ -167,7 +235,7 @@ class LocalJob:
     def batch(self) -> int | None:
         """The total batch its running workers train at, from a report of this run of theirs and its
         replicas (None until they report: the last run's word is not theirs, e.g. before it grew)."""
-        if not (self.running and self.heard and self.stats):
+        if not (self.running and self.heard and self.stats) or self.busy:
             return None
         return self.stats.m * (self.stats.s + 1) * sum(len(ranks) for _, ranks in self.parts)
 
@@ -180,7 +248,23 @@ def node_parts(spots: Spots, real: Mapping[str, str]) -> list[tuple[str, int]]:
     return list(parts.items())
 
 
+def spots_text(spots: Spots) -> str:
+    """`local-0:2, local-1:2`."""
+    return ", ".join(f"{node}:{gpus}" for node, gpus in spots)
+
+
 class LocalExecutors:
+    """The real jobs' workers on the nodes. A job's way from the workers it has to the placement it
+    should have is a transition of its own, run beside every other job's: its workers' stop (every
+    node at once, each with the grace, then SIGKILL), then, once the GPUs of its new placement are
+    free (another job's workers stopping there are waited for, no one else), its start. The node
+    calls run in threads; what they answer is taken in, and each job's next step decided, by the
+    caller's thread (`_settle`, in every method): nothing else touches the jobs.
+
+    `blocking` (scripts, tests): each method returns once the transitions are done. The executor
+    service runs with `blocking=False`: a method returns at once, the transitions go on, `poll`
+    takes their answers in, and `wake` is called from a node call's thread when one has answered."""
+
     def __init__(
         self,
         nodes: Nodes,
@@ -192,6 +276,9 @@ class LocalExecutors:
         jobs_package: str = JOBS_PACKAGE,
         checkpoint_every_s: float | None = None,
         collective_timeout_s: float | None = None,
+        grace_s: float = STOP_TIMEOUT_S,
+        blocking: bool = True,
+        wake: Callable[[], None] | None = None,
     ):
         self.nodes = nodes
         self.checkpoints = checkpoints  # a folder every node reads; None: the checkpoints store
@@ -202,8 +289,12 @@ class LocalExecutors:
         self.jobs_package = jobs_package
         self.checkpoint_every_s = checkpoint_every_s  # None: each job's own (the library's 5 min)
         self.collective_timeout_s = collective_timeout_s  # None: the library's (60 s)
+        self.grace_s = grace_s  # a stop's: SIGTERM, then this long to checkpoint, then SIGKILL
+        self.blocking = blocking
+        self.wake = wake
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False  # stopping for good: a worker that exits is not restarted
+        self._answered = threading.Event()  # a node call has answered since it was cleared
 
     def add(
         self,
@@ -213,44 +304,40 @@ class LocalExecutors:
         entrypoint: str = "",
         args: tuple[str, ...] = (),
         user: int | None = None,
+        team: str = DEFAULT_TEAM,
     ) -> None:
         """A job to run: a module of the jobs package (`application`), or its own code (`code`, the
         archive its node agents fetch; `entrypoint` and `args`, what they run of it). `user`: the
-        number of its workers' user on every node (its submission's; None: each node hashes its id)."""
+        number of its workers' user on every node (its submission's; None: each node hashes its id);
+        `team`: its team's."""
         try:
             if not code:
                 job_module(application, self.jobs_package)
         except ValueError as error:
             raise ValueError(f"job {job_id}: {error}") from None
         self.jobs.setdefault(
-            job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args, user=user)
+            job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args, user=user, team=team)
         )
 
     def apply(self, placements: Mapping[str, Spots]) -> None:
-        """Give each job its placement: every changed one stops its workers first (they checkpoint,
-        and free their GPUs), then each starts again on its new nodes."""
+        """Give each job its placement: a changed one's workers stop (they checkpoint, and free their
+        GPUs) and start again on its new nodes, each job's transition beside the others'. A job whose
+        workers are still stopping or starting takes the newest placement after that."""
         if self.closing:
             return
-        changed = [
-            job
-            for job in self.jobs.values()
-            if tuple(placements.get(job.job_id, ())) != job.placement and job.result is None and not job.failure
-        ]
-        for job in changed:
-            if job.running:
-                self._stop(job)
-                if job.result is None:  # else it finished as it was being stopped
-                    job.restarted()
-        for job in changed:
-            if job.result is None:
-                job.placement = tuple(placements.get(job.job_id, ()))
-                if job.placement:
-                    self._start(job)
+        for job in self.jobs.values():
+            spots = tuple(placements.get(job.job_id, ()))
+            if spots != job.placement and job.result is None and not job.failure:
+                job.placement = spots
+        self._settle()
+        self._done()
 
     def poll(self) -> list[str]:
-        """Take the workers' reports; the jobs that finished since the last poll (also one that
-        finished just as it was being stopped)."""
-        running = [job for job in self.jobs.values() if job.running]
+        """Take the node calls' answers and the workers' reports; the jobs that finished since the
+        last poll (also one that finished just as it was being stopped). A job between two
+        placements is left to its transition: a node that no longer lists its stopping workers is no crash."""
+        self._settle()
+        running = [job for job in self.jobs.values() if job.running and not job.busy]
         reports: dict[str, dict[str, WorkersReport]] = {}
         for node in {node for job in running for node, _ in job.parts}:
             try:
@@ -268,34 +355,9 @@ class LocalExecutors:
             crashed = next((r for r in current if any(c not in (None, 0) for c in r.codes)), None)
             if crashed is None and len(current) == len(mine) and None in codes:
                 continue  # running
-            self._stop(job, kill=crashed is not None or len(current) < len(mine))
-            if job.result is not None or self.closing:
-                continue
-            if crashed is not None:
-                job.crashes += 1
-                if job.crashes >= self.max_crashes:
-                    rank, code = next(
-                        (rank, code) for rank, code in zip(crashed.ranks, crashed.codes) if code not in (None, 0)
-                    )
-                    job.failure = (
-                        f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
-                        f"the end of its stderr:\n{crashed.error or 'no error output'}"
-                    )
-                    job.placement = ()
-                    continue
-            elif len(current) == len(mine):  # the stopped mark, no stop asked and its agents alive
-                job.crashes, job.unasked = job.crashes + 1, job.unasked + 1
-                if job.crashes >= self.max_crashes:
-                    job.failure = (
-                        f"its workers stopped {job.unasked} times without being asked (the library's stopped "
-                        "mark, but goodput asked no stop: a SIGTERM from outside goodput?)"
-                        + ("" if job.unasked == job.crashes else f"; it also crashed {job.crashes - job.unasked} times")
-                    )
-                    job.placement = ()
-                    continue
-            else:  # a node no longer knows them (its agent restarted and stopped them): not the job's doing
-                job.restarted()
-            self._start(job)  # from its last checkpoint
+            complete = len(current) == len(mine)
+            self._stop(job, Why.ENDED, kill=crashed is not None or not complete, crashed=crashed, complete=complete)
+        self._done()
         finished = [
             job for job in self.jobs.values() if job.result is not None and not job.running and not job.announced
         ]
@@ -305,46 +367,250 @@ class LocalExecutors:
 
     def lose(self, nodes: set[str], lost: set[str] = frozenset()) -> list[str]:
         """Nodes gone from the round (drained, or `lost`: their agents are dead): each job with
-        workers there stops everywhere and waits for the round's placement. On a drained node they
-        checkpoint as on any stop; a lost node's are not asked, and their peers elsewhere get
-        LOST_GRACE_S (they may be stuck waiting for them). The jobs it stopped."""
-        hit = [job for job in self.jobs.values() if job.running and any(node in nodes for node, _ in job.parts)]
-        for job in hit:
-            touches_lost = any(node in lost for node, _ in job.parts)
-            self._stop(job, grace_s=LOST_GRACE_S if touches_lost else STOP_TIMEOUT_S, skip=lost)
-            if job.result is None:
-                job.placement = ()
-                job.restarted()
-        return [job.job_id for job in hit]
+        workers there, or placed there, waits for the round's placement, and its workers stop
+        everywhere. On a drained node they checkpoint as on any stop; a lost node's are not asked,
+        and their peers elsewhere get LOST_GRACE_S (they may be stuck waiting for them). The jobs
+        taken off them."""
+        hit = []
+        for job in self.jobs.values():
+            there = any(node in nodes for node, _ in job.parts)
+            placed = any(node in nodes for node, _ in node_parts(job.placement, self.real))
+            if job.result is not None or job.failure or not (there or placed):
+                continue
+            hit.append(job.job_id)
+            job.placement = ()
+            if job.running and not job.busy:
+                touches_lost = any(node in lost for node, _ in job.parts)
+                self._stop(job, Why.LOST, grace_s=LOST_GRACE_S if touches_lost else None, skip=lost)
+        self._settle()
+        self._done()
+        return hit
 
     def cancel(self, job_id: str) -> None:
         """Stop a job for good, as its user asked: its workers checkpoint and stop; it gives up its GPUs."""
         job = self.jobs[job_id]
-        if job.running:
-            self._stop(job)
-        # Cancelled, never finished: also when its workers ended as they were being stopped.
+        # Cancelled, never finished: also when its workers end as they are being stopped.
         job.failure, job.placement, job.result = CANCELLED, (), None
+        self._settle()
+        self._done()
+
+    def kill_run(self, node: str, job_id: str) -> None:
+        """End a job's run on a node where it has no workers (its profiling run): killed, nothing to save."""
+
+        def told(call: Future) -> None:
+            if call.exception() is not None:
+                log.warning("job %s: its run on %s: %s", job_id, node, call.exception())
+
+        call = self._call(f"kill {job_id} on {node}", self.nodes.stop, node, StopWorkers(job_id, kill=True))
+        call.add_done_callback(told)
+        if self.blocking:
+            wait([call])
 
     def stop_leftovers(self) -> None:
         """After the executor restarted: the workers its predecessor left running on the nodes
         (restored jobs marked running) checkpoint and stop; the next apply starts them again."""
         for job in self.jobs.values():
-            if job.running:
-                self._stop(job)
-                if job.result is None:
-                    job.restarted()
-                    job.placement = ()
+            if job.running and not job.busy:
+                job.placement = ()
+                self._stop(job, Why.LEFTOVER)
+        self._done()
 
     def stop_all(self) -> None:
+        """Stopping for good (blocking): every job's workers checkpoint and stop, all at once."""
         self.closing = True
-        for job in self.jobs.values():
-            if job.running:
-                self._stop(job)
+        self._settle()
+        self._wait()
 
-    # ---- workers --------------------------------------------------------------------------
+    def transition(self, job_id: str) -> str | None:
+        """What a job's workers are doing between two placements, in words; None when nothing."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None
+        if job.stopping is not None:
+            stop = job.stopping
+            nodes = ", ".join(node for node, call in stop.calls.items() if not call.done()) or "its nodes"
+            how = (
+                "killing them"
+                if stop.kill
+                else f"they checkpoint (SIGTERM) and are killed in {stop.left_s():.0f} s if still running"
+            )
+            then = f"; then it starts on {spots_text(job.placement)}" if job.placement and not job.failure else ""
+            return f"stopping its workers on {nodes} ({stop.why}): {how}{then}"
+        if job.starting is not None:
+            return f"starting its workers on {spots_text(job.placement)}"
+        if job.waits:
+            stops = [self.jobs[name].stopping for name in job.waits]
+            left = max((stop.left_s() for stop in stops if stop is not None), default=0.0)
+            return (
+                f"starting on {spots_text(job.placement)} once the workers stopping there free its GPUs "
+                f"(killed in {left:.0f} s at the latest)"
+            )
+        return None
+
+    # ---- transitions --------------------------------------------------------------------------
+
+    def _done(self) -> None:
+        """Blocking: wait for every transition; else return at once."""
+        if self.blocking:
+            self._wait()
+
+    def _wait(self) -> None:
+        """Take answers in until no node call is under way (and so no start waits)."""
+        while True:
+            self._answered.clear()  # before looking: an answer from now on wakes the wait below
+            self._settle()
+            if not any(job.busy for job in self.jobs.values()):
+                return
+            self._answered.wait(1.0)
+
+    def _settle(self) -> None:
+        """Take in the stops and starts that have answered, then take each job's next step: a
+        running job that should not run there (moved, cancelled, or the executor closing) stops; a
+        job with no workers that should run starts, once the GPUs of its placement are free."""
+        for job in self.jobs.values():
+            if job.stopping is not None and all(call.done() for call in job.stopping.calls.values()):
+                self._stopped(job)
+            if job.starting is not None and job.starting.done():
+                self._started(job)
+        for job in self.jobs.values():
+            if job.busy:
+                continue
+            job.waits = ()
+            if job.running:
+                if self.closing or job.failure or job.placement != job.started_on:
+                    why = Why.CLOSE if self.closing else Why.CANCEL if job.failure else Why.MOVE
+                    self._stop(job, why)
+            elif job.placement and job.result is None and not job.failure and not self.closing:
+                job.waits = self._held_by_stops(job)
+                if not job.waits:
+                    self._start(job)
+
+    def _held_by_stops(self, job: LocalJob) -> tuple[str, ...]:
+        """The jobs whose stopping workers hold GPUs the job's placement needs: on each of its
+        nodes, those stopping there when the node's GPUs (all of them, when the cluster does not
+        say) less what every other job's workers take there are fewer than it needs. Running jobs
+        are never waited for: the round placed it beside them."""
+        held: set[str] = set()
+        others = [other for other in self.jobs.values() if other is not job]
+        for node, gpus in node_parts(job.placement, self.real):
+            stopping = [other.job_id for other in others if other.stopping and self._occupies(other, node)]
+            if not stopping:
+                continue
+            capacity = sum(n.gpus for n in self.cluster.nodes if self.real.get(n.name, n.name) == node)
+            if not capacity or sum(self._occupies(other, node) for other in others) + gpus > capacity:
+                held.update(stopping)
+        return tuple(sorted(held))
+
+    @staticmethod
+    def _occupies(job: LocalJob, node: str) -> int:
+        """The GPUs the job's workers take on a node now (none once that node has stopped them)."""
+        if job.stopping is not None and job.stopping.freed(node):
+            return 0
+        return sum(len(ranks) for n, ranks in job.parts if n == node)
+
+    def _call(self, name: str, call: Callable, *args) -> Future:
+        """`call(*args)` in a thread of its own (a node's answer may take a stop's grace); `wake` is
+        called once it has answered."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(call(*args))
+            except Exception as error:  # noqa: BLE001 - its reader decides
+                future.set_exception(error)
+            self._answered.set()
+            if self.wake is not None:
+                try:
+                    self.wake()
+                except Exception:  # noqa: BLE001 - the caller is gone (its loop closed): poll finds it
+                    log.debug("could not wake the executor after %s", name)
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        return future
+
+    def _stop(
+        self,
+        job: LocalJob,
+        why: Why,
+        kill: bool = False,
+        grace_s: float | None = None,
+        skip: set[str] = frozenset(),
+        crashed: WorkersReport | None = None,
+        complete: bool = True,
+    ) -> None:
+        """Begin stopping the job's workers on every node they run on (not `skip`: lost), all at once."""
+        grace = self.grace_s if grace_s is None else grace_s
+        counted = why in (Why.MOVE, Why.LOST, Why.LEFTOVER)
+        if counted:
+            job.restarted()
+        calls = {
+            node: self._call(
+                f"stop {job.job_id} on {node}", self.nodes.stop, node, StopWorkers(job.job_id, grace, kill)
+            )
+            for node, _ in job.parts
+            if node not in skip
+        }
+        job.stopping = Stop(why, calls, grace, kill, time.monotonic(), counted, crashed, complete)
+        log.info("job %s: stopping its workers on %s (%s)", job.job_id, ", ".join(calls) or "no node", why)
+
+    def _stopped(self, job: LocalJob) -> None:
+        """Its workers have stopped everywhere: read their last word. It finished if every one of
+        them had exited with code 0 before it was signalled, none after the stopped mark (a node says
+        `stopped` of workers it signalled while one ran), and it was not cancelled; else what its
+        stop was for follows."""
+        stop, job.stopping = job.stopping, None
+        reports = []
+        for node, call in stop.calls.items():
+            try:
+                report = call.result()
+            except (NodeGone, ValueError) as error:
+                log.warning("job %s: %s", job.job_id, error)
+                continue
+            if report.generation == job.generation:
+                self._take(job, report)
+                reports.append(report)
+        took = time.monotonic() - stop.since
+        if not stop.kill and took >= stop.grace_s:
+            log.warning(
+                "job %s: its workers took %.0f s to stop (grace %.0f s): killed", job.job_id, took, stop.grace_s
+            )
+        ended_on = job.started_on
+        done = job.result is None and not job.failure and finished(job.parts, reports)
+        job.parts, job.running, job.started_on = (), False, ()
+        if done:
+            job.result, job.placement = job.outcome or {}, ended_on  # its placement as it ended
+            if stop.counted:
+                job.restarts -= 1  # it finished: no restart
+            return
+        if stop.why != Why.ENDED or job.result is not None or job.failure or self.closing:
+            return
+        if stop.crashed is not None:
+            job.crashes += 1
+            if job.crashes >= self.max_crashes:
+                rank, code = next(
+                    (rank, code) for rank, code in zip(stop.crashed.ranks, stop.crashed.codes) if code not in (None, 0)
+                )
+                job.failure = (
+                    f"its workers crashed {job.crashes} times (exit code {code} on rank {rank}); "
+                    f"the end of its stderr:\n{stop.crashed.error or 'no error output'}"
+                )
+                job.placement = ()
+        elif stop.complete:  # the stopped mark, no stop asked and its agents alive
+            job.crashes, job.unasked = job.crashes + 1, job.unasked + 1
+            if job.crashes >= self.max_crashes:
+                job.failure = (
+                    f"its workers stopped {job.unasked} times without being asked (the library's stopped "
+                    "mark, but goodput asked no stop: a SIGTERM from outside goodput?)"
+                    + ("" if job.unasked == job.crashes else f"; it also crashed {job.crashes - job.unasked} times")
+                )
+                job.placement = ()
+        else:  # a node no longer knows them (its agent restarted and stopped them): not the job's doing
+            job.restarted()
+        # Else it starts again from its last checkpoint, where it is placed (`_settle`).
 
     def _start(self, job: LocalJob) -> None:
-        """Start the job's workers on its placement, rank 0's node first (it answers the rendezvous)."""
+        """Begin starting the job's workers on its placement, node after node, rank 0's first (it
+        answers the rendezvous)."""
         parts = node_parts(job.placement, self.real)
         world = sum(gpus for _, gpus in parts)
         gpu_type = self.cluster.placement_type(job.placement) or ""
@@ -355,63 +621,68 @@ class LocalExecutors:
             env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
         if self.collective_timeout_s is not None:
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.collective_timeout_s)
-        started, first, rendezvous = [], 0, None
-        job.parts, job.running = (), True
-        try:
-            for node, gpus in parts:
-                ranks = tuple(range(first, first + gpus))
-                first += gpus
-                order = StartWorkers(
-                    job.job_id,
-                    job.application,
-                    job.generation,
-                    ranks,
-                    world,
-                    len(parts),
-                    gpu_type,
-                    "" if self.checkpoints is None else str(self.checkpoints / job.job_id / f"{job.job_id}.pt"),
-                    env,
-                    *((rendezvous.address, rendezvous.port) if rendezvous else ()),
-                    store=f"{job.job_id}.pt" if self.checkpoints is None else "",
-                    code=job.code,
-                    entrypoint=job.entrypoint,
-                    args=job.args,
-                    user=job.user,
-                )
-                answer = self.nodes.start(node, order)
-                rendezvous = rendezvous or answer
-                started.append((node, ranks))
-                job.parts = tuple(started)
-        except (NodeGone, ValueError) as error:
-            log.warning("job %s could not start on %s: %s", job.job_id, job.placement, error)
-            self._stop(job, kill=True)
-            job.placement = ()
-            if isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
-                job.crashes += 1
-                if job.crashes >= self.max_crashes:
-                    job.failure = f"its workers could not start {job.crashes} times: {error}"
+        orders, first = [], 0
+        for node, gpus in parts:
+            order = StartWorkers(
+                job.job_id,
+                job.application,
+                job.generation,
+                tuple(range(first, first + gpus)),
+                world,
+                len(parts),
+                gpu_type,
+                "" if self.checkpoints is None else str(self.checkpoints / job.job_id / f"{job.job_id}.pt"),
+                env,
+                store=f"{job.job_id}.pt" if self.checkpoints is None else "",
+                code=job.code,
+                entrypoint=job.entrypoint,
+                args=job.args,
+                user=job.user,
+                team=job.team,
+            )
+            orders.append((node, order))
+            first += gpus
+        # Its GPUs are taken from now on: another job's start waits for them, and a successor's
+        # stop finds them in KV.
+        job.parts = tuple((node, order.ranks) for node, order in orders)
+        job.running, job.started_on = True, job.placement
+        job.starting = self._call(f"start {job.job_id}", self._start_nodes, orders)
 
-    def _stop(
-        self, job: LocalJob, kill: bool = False, grace_s: float = STOP_TIMEOUT_S, skip: set[str] = frozenset()
-    ) -> None:
-        """Stop its workers on every node they run on (not `skip`: lost), and read their last word:
-        it finished if every one of them had exited with code 0 before it was signalled, none after
-        the stopped mark (a node says `stopped` of workers it signalled while one ran)."""
-        reports = []
-        for node, _ in job.parts:
-            if node in skip:
-                continue
+    def _start_nodes(self, orders: list[tuple[str, StartWorkers]]) -> tuple[list[str], Exception | None]:
+        """(In a thread.) The nodes told to start their workers, in order; and the error that ended it
+        early, if any."""
+        started, rendezvous = [], None
+        for node, order in orders:
+            if rendezvous is not None:
+                order = msgspec.structs.replace(order, master_addr=rendezvous.address, master_port=rendezvous.port)
             try:
-                report = self.nodes.stop(node, StopWorkers(job.job_id, grace_s, kill))
-            except NodeGone as error:
-                log.warning("job %s: %s", job.job_id, error)
-                continue
-            if report.generation == job.generation:
-                self._take(job, report)
-                reports.append(report)
-        if job.result is None and finished(job.parts, reports):
-            job.result = job.outcome or {}
-        job.parts, job.running = (), False
+                answer = self.nodes.start(node, order)
+            except Exception as error:  # noqa: BLE001 - NodeGone, ValueError: read by `_started`
+                return started, error
+            rendezvous = rendezvous or answer
+            started.append(node)
+        return started, None
+
+    def _started(self, job: LocalJob) -> None:
+        """Its start answered: its workers run on the nodes that started them; if one could not, those
+        stop (killed) and it waits for the round's placement."""
+        call, job.starting = job.starting, None
+        started, error = call.result()
+        job.parts = tuple((node, ranks) for node, ranks in job.parts if node in started)
+        if error is None:
+            return
+        log.warning("job %s could not start on %s: %s", job.job_id, spots_text(job.placement), error)
+        job.placement = ()
+        if isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
+            job.crashes += 1
+            if job.crashes >= self.max_crashes:
+                job.failure = f"its workers could not start {job.crashes} times: {error}"
+        if job.parts:
+            self._stop(job, Why.FAILED_START, kill=True)
+        else:
+            job.running, job.started_on = False, ()
+
+    # ---- what the workers say -----------------------------------------------------------------
 
     def _take(self, job: LocalJob, report: WorkersReport) -> None:
         """What a node's workers of the job printed: its latest stats (and the epoch rate since its

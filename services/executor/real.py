@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import tempfile
@@ -38,7 +39,7 @@ from nats import micro
 
 from goodput_train.goodput import Observation
 from goodput_train.protocol import REPORT_EVERY_S
-from services.executor.local import BusNodes, LocalExecutors, NodeGone
+from services.executor.local import BusNodes, LocalExecutors
 from services.executor.progress import job_progress, main_metric, trained_batches
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
@@ -78,7 +79,6 @@ from shared.schema import (
     ProfileRequest,
     Reclaim,
     Rejected,
-    StopWorkers,
     apart_key,
     verdict_for,
 )
@@ -132,16 +132,24 @@ class RealExecutors:
     # ---- a job's state ------------------------------------------------------------------------
 
     def state_of(self, job: NodeJob) -> JobState:
-        """A job's place in the lifecycle: where its workers are, else where they were when saved."""
+        """A job's place in the lifecycle: where its workers are, else where they were when saved. A
+        cancelled job runs until its workers have stopped (they checkpoint, or are killed after the
+        grace): its record says so meanwhile."""
         local = self.executors.jobs.get(job.key)
+        stopping = self.cancelling(job)
         return job_state(
             finished=job.finish_s is not None,
-            cancelled=job.cancelled,
-            failed=bool(job.failure),
+            cancelled=job.cancelled and not stopping,
+            failed=bool(job.failure) and not stopping,
             profiled=job.profiled is not None,
-            placed=bool(local.placement if local is not None else job.placement),
+            placed=stopping or bool(local.placement if local is not None else job.placement),
             fits=self.unfit(job) is None,
         )
+
+    def cancelling(self, job: NodeJob) -> bool:
+        """Cancelled, its workers not yet stopped."""
+        local = self.executors.jobs.get(job.key)
+        return job.cancelled and job.finish_s is None and local is not None and local.running
 
     def unfit(self, job: NodeJob) -> str | None:
         """Why the live nodes, as the last round saw them, cannot take the job however the others
@@ -223,6 +231,7 @@ class RealExecutors:
             # Its workers (still on their nodes, if the agents live) are stopped: they start again.
             local.restarts, local.placement, local.parts = job.restarts, job.placement, job.parts
             local.running = bool(job.parts)  # until `stop_leftovers`
+            local.started_on = job.placement if job.parts else ()
 
     # ---- what the other services tell it ----------------------------------------------------
 
@@ -287,8 +296,9 @@ class RealExecutors:
         return f"profiling on node {node}"
 
     def cancelled(self, message: Cancel, *_: int | str) -> None:
-        """Its user's order: a job not yet ended ends cancelled; its workers checkpoint and stop now
-        (blocking), and the next round hears it ended, so its GPUs go back."""
+        """Its user's order: a job not yet ended ends cancelled; its workers begin to checkpoint and
+        stop (the job reads as cancelled once they have), and the next round hears it ended, so its
+        GPUs go back (a job placed on them starts once its workers are gone)."""
         job = self.jobs.get(message.job_id)
         if job is None or job.finish_s is not None or job.failure is not None:
             return
@@ -297,8 +307,7 @@ class RealExecutors:
             self.executors.cancel(message.job_id)
         node = self.profiling.get(message.job_id) if job.profiled is None else None
         if node is not None:  # its profiling run ends now, not at its time limit: the node goes to the next
-            with contextlib.suppress(NodeGone, ValueError):
-                self.executors.nodes.stop(node, StopWorkers(message.job_id, kill=True))
+            self.executors.kill_run(node, message.job_id)
         job.failure, job.cancelled = CANCELLED, True
         check_transition(before, self.state_of(job), job.key)
 
@@ -329,8 +338,8 @@ class RealExecutors:
 
     def serve_nodes(self, members: dict[str, NodeInfo], drained: set[str]) -> tuple[Node, ...]:
         """The round's nodes: the live members, less the drained ones and those `spec` does not
-        know. A job with workers on a node that is not among them (lost, drained) stops
-        everywhere (blocking) and waits for this round's placement."""
+        know. A job with workers on a node that is not among them (lost, drained) waits for this
+        round's placement, and its workers stop everywhere (in the background)."""
         usable = {name: info for name, info in members.items() if name not in drained and self._in_spec(info)}
         self.seen.update(members)
         for name in set(usable) - set(self.members):
@@ -345,7 +354,7 @@ class RealExecutors:
             self._moved(before)
             if stopped:
                 log.warning(
-                    "jobs %s stopped: their nodes %s are gone; they are placed again",
+                    "jobs %s stop: their nodes %s are gone; they are placed again",
                     ", ".join(stopped),
                     ", ".join(sorted(gone)),
                 )
@@ -441,7 +450,8 @@ class RealExecutors:
             attained_by_type=dict(job.by_type),
             placement=local.placement,
             iterations=float(steps),
-            mid_restart=local.running and not local.heard,  # started, not yet heard from: restarting
+            # Stopping, waiting for its GPUs, or started and not yet heard from: restarting.
+            mid_restart=local.in_transition or (local.running and not local.heard),
             slice_iterations=float(max(steps - job.slice_steps, 0)) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen,
@@ -470,7 +480,8 @@ class RealExecutors:
         reclaims: dict[str, Reclaim] | None = None,
         waits: dict[str, str] | None = None,
     ) -> None:
-        """Start, move, resize or stop workers (blocking: a moved job checkpoints first). Under a
+        """Start, move, resize or stop workers: each changed job's transition begins (its workers
+        checkpoint and stop, then start on its new GPUs once they are free). Under a
         policy that does not adapt batches, and for rigid and strong-scaling jobs, the workers keep
         their batch. An older round's placements (a late or repeated apply: a deposed leader's)
         never undo a newer's. `borrowed` (each job's GPUs beyond its team's guarantee: absent, none),
@@ -504,16 +515,25 @@ class RealExecutors:
             else:
                 job.idle_since_s = now
         self.executors.apply(placements)
+        self._placed(now)
+        self._moved(before)
+
+    def _placed(self, now: float) -> bool:
+        """Each job whose workers were started on a new placement since: that placement, from `now`.
+        Whether there was one."""
+        placed = False
         for name, job in self.jobs.items():
             local = self.executors.jobs.get(name)
             spots = tuple((node, len(ranks)) for node, ranks in local.parts) if local is not None else ()
             if spots and (not job.placements or job.placements[-1].spots != spots):
                 job.placements += (Placed(now, spots),)
-        self._moved(before)
+                placed = True
+        return placed
 
     def poll(self) -> bool:
-        """Look at the workers: a job that finished or failed is timed now, on the run's clock.
-        Whether anything worth keeping changed."""
+        """Look at the workers, and take in the stops and starts that have answered: a job that
+        finished or failed is timed now, on the run's clock. Whether anything worth keeping changed
+        (what KV holds of a job's workers included: where they run, their generation)."""
         before = self._states()
         finished = set(self.executors.poll())
         changed = bool(finished)
@@ -523,7 +543,14 @@ class RealExecutors:
                 job.finish_s = self.now()
             elif local is not None and local.failure and job.failure is None:
                 job.failure, changed = local.failure, True
-            changed |= local is not None and (local.crashes, local.restarts) != (job.crashes, job.restarts)
+            changed |= local is not None and (
+                local.crashes,
+                local.restarts,
+                local.placement,
+                local.parts,
+                local.generation,
+            ) != (job.crashes, job.restarts, job.placement, job.parts, job.generation)
+        changed |= self._placed(self.now())
         self._moved(before)
         return changed
 
@@ -582,6 +609,23 @@ class RealExecutors:
             submit = next((t for t in (job.submitted_s, job.arrival_s) if t is not None), math.nan)
             state = self.state_of(job)
             local = self.executors.jobs.get(job.key)
+            cancelling = self.cancelling(job)
+            # Where it runs: a cancelled job whose workers still stop, where they are.
+            where = tuple((node, len(ranks)) for node, ranks in local.parts) if cancelling else job.placement
+            reason = (
+                self.waiting_for(job)
+                if state == JobState.PROFILING
+                else self.why_waiting(job, queued)
+                if state == JobState.QUEUED
+                else self.unfit(job)
+                if state == JobState.UNSCHEDULABLE
+                else job.failure
+                if cancelling
+                else None
+            )
+            moving = self.executors.transition(job.key) if local is not None else None
+            if moving:
+                reason = moving if reason is None else f"{reason}; {moving}"
             records.append(
                 JobRecord(
                     job.name,
@@ -591,21 +635,15 @@ class RealExecutors:
                     job.restarts,
                     job.gpu_seconds,
                     None,
-                    job.placement,
-                    job.failure,
+                    where,
+                    None if cancelling else job.failure,  # not ended yet: its reason says it is cancelled
                     job.metric,
                     job.batches,
                     state=state,
-                    gpu_type=self.cluster.placement_type(job.placement),
+                    gpu_type=self.cluster.placement_type(where),
                     batch=local.batch() if local else None,
                     placements=job.placements,
-                    reason=self.waiting_for(job)
-                    if state == JobState.PROFILING
-                    else self.why_waiting(job, queued)
-                    if state == JobState.QUEUED
-                    else self.unfit(job)
-                    if state == JobState.UNSCHEDULABLE
-                    else None,
+                    reason=reason,
                     owner=job.owner,
                     team=job.spec.team or DEFAULT_TEAM,
                     held=job.apart is None and state == JobState.REJECTED,
@@ -752,8 +790,9 @@ class RealExecutorService:
       acceptance: profiling -> queued; a refusal: profiling -> rejected; a cancel: profiling,
       queued or running -> cancelled
     - `on_apply` (a round's placements): queued <-> running; -> failed (the round gave up on it)
-    - `watch` (the workers looked at): running -> finished or failed; a job whose workers finished
-      as they were being stopped -> finished
+    - `watch` (the workers looked at, the stops and starts that answered taken in, at once when
+      one does): running -> finished or failed; a job whose workers finished as they were being
+      stopped -> finished; a cancelled job whose workers have stopped -> cancelled
     - `on_live` (a round begins): running -> queued for the jobs on nodes lost or drained
 
     `on_advance` looks at the workers as `watch` does, counts the round and reports what the jobs
@@ -776,9 +815,15 @@ class RealExecutorService:
         self.turn = asyncio.Lock()  # one change at a time: a request asked again waits, then finds it done
         self.kept: dict[str, bytes] = {}  # what KV holds of each job: only a job that changed is written
         self.watching: asyncio.Task | None = None
+        self.woken = asyncio.Event()  # a node answered a stop or a start: look now, not at the next POLL_S
+
+    def wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """(From a node call's thread.) Let `watch` take its answer in now."""
+        loop.call_soon_threadsafe(self.woken.set)
 
     async def load(self) -> None:
-        """Take back the jobs KV holds, once the workers a predecessor left have checkpointed and stopped."""
+        """Take back the jobs KV holds; the workers a predecessor left checkpoint and stop (in the
+        background, unless the executors block), and the rounds place them again."""
         for job in sorted((await self.states.values()).values(), key=lambda job: job.seen):  # in the order they came
             self.agent.restore(job)
         await asyncio.to_thread(self.agent.executors.stop_leftovers)
@@ -805,7 +850,7 @@ class RealExecutorService:
             event = self.bus.decode(message, kind)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return  # a malformed submission: the profiler records it, with the reason
-        async with self.turn:  # in a thread: a cancel waits for its workers to checkpoint
+        async with self.turn:  # in a thread; a cancel's stop goes on in the background
             await asyncio.to_thread(
                 take, self.agent, event, delivery.stream_sequence, delivery.traceparent, owner, team
             )
@@ -877,7 +922,9 @@ class RealExecutorService:
 
     async def watch(self) -> None:
         while True:
-            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.woken.wait(), POLL_S)
+            self.woken.clear()
             try:
                 async with self.turn:
                     if await asyncio.to_thread(self.agent.poll):
@@ -915,6 +962,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         jobs_package=args.jobs_package,
         checkpoint_every_s=args.checkpoint_every,
         collective_timeout_s=args.collective_timeout,
+        blocking=False,  # no round waits for a job's stop: each job's transition goes on on its own
     )
     agent = RealExecutors(executors, load_cluster(args.cluster) if args.cluster else None)
     # Every job is in KV, written before a request is answered: a restarted executor goes on with
@@ -926,6 +974,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo),
         await storage.open_kv(bus, subjects.DRAINED_BUCKET, DrainRequest),
     )
+    executors.wake = functools.partial(service.wake, loop)
     await service.load()
 
     await bus.subscribe(
