@@ -6,10 +6,14 @@ owners and modes zeroed or normalised, no `__pycache__` or `.git`), so its sha25
 its content. What may be in one is narrow, and whatever else is refused with the reason
 (`ArchiveRefused`), never skipped: regular files and folders only (no symbolic or hard links, no
 devices or fifos), relative paths that stay inside the folder (no `/...`, no `..`), each name once,
-and caps on the compressed size, the unpacked size, one file's size and the number of files. The
-gzip stream is read through a counter, so a small archive that unpacks to a huge one is refused
-before it is read whole. `unpack` writes into a fresh folder beside the destination and renames it
-into place only when every member passed: a refused archive leaves nothing behind.
+and caps on the compressed size, the unpacked size, one file's size and the number of files. An
+archive may unpack to at most `Limits.ratio` times its size (code and text pack 1.5 to 15 times;
+a bomb, a file of zeros, about 1,000 times), and that is checked before the CPU is spent: against
+the size gzip's trailer says the stream inflates to, before anything is inflated; against the
+sizes the tar headers declare, as each is read, before its file (or an extended header's data, at
+most MAX_EXTENDED) is inflated; and the stream is inflated through a counter that stops it at the
+bound, whatever the headers said. `unpack` writes into a fresh folder beside the destination and
+renames it into place only when every member passed: a refused archive leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ MAX_ARG = 1024
 MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 DIGEST = re.compile(r"^[0-9a-f]{64}$")
 COPY_CHUNK = 64 * KIB
+EXTENDED = (
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+)
+MAX_EXTENDED = 64 * KIB  # an extended header's data: a path is at most 4 KiB
+GZIP_MAGIC, GZIP_LEAST = b"\x1f\x8b", 18  # how gzip begins; its header and trailer's bytes
 
 
 @dataclass(frozen=True)
@@ -46,11 +59,17 @@ class Limits:
     unpacked: int = 128 * MIB  # all its files together
     files: int = 2_000  # files and folders
     file: int = 64 * MIB  # one file
+    ratio: int = 100  # what it may unpack to, per byte of it (its gzip stream: files and headers)...
+    small: int = 1 * MIB  # ... but any archive may unpack to this much (a few files: tar's padding is zeros)
 
     @property
     def stream(self) -> int:
         """The most the gzip stream may inflate to: the files, a header (and a long name's) per member, the end."""
         return self.unpacked + self.files * 3 * 512 + 20 * 512
+
+    def inflatable(self, compressed: int) -> int:
+        """The most the gzip stream of an archive of `compressed` bytes may inflate to."""
+        return min(self.stream, max(self.ratio * compressed, self.small))
 
 
 LIMITS = Limits()
@@ -164,11 +183,46 @@ def _walk(root: Path):
             raise ArchiveRefused(f"{path} is not a regular file (a device, fifo or socket)")
 
 
-class _Inflated(io.RawIOBase):
-    """The gzip stream of an archive, inflated as it is read, refused past `limit` bytes."""
+def _too_large(limits: Limits, compressed: int, unpacked: int | None = None) -> str:
+    """Why an archive of `compressed` bytes that unpacks to `unpacked` (None: more than it may) is refused."""
+    bound = limits.inflatable(compressed)
+    if bound == limits.stream:
+        return f"it unpacks to more than {limits.unpacked // MIB} MiB"
+    said = f"at least {unpacked / compressed:,.0f}" if unpacked is not None else f"more than {limits.ratio}"
+    return (
+        f"it unpacks to {said} times its size, and an archive may unpack to at most {limits.ratio} times its "
+        f"size (this one of {compressed / KIB:,.1f} KiB: {bound / MIB:.1f} MiB); code and text pack 1.5 to 15 times, "
+        "a file of repeated bytes (zeros, padding) far more: leave such a file out and make it when the job starts"
+    )
 
-    def __init__(self, data: bytes, limit: int) -> None:
-        self.source, self.limit, self.count = gzip.GzipFile(fileobj=io.BytesIO(data)), limit, 0
+
+def _declared(data: bytes) -> int:
+    """What gzip's trailer says the stream inflates to (its last member's size, modulo 2**32): were it
+    a lie, it could only be smaller than the stream."""
+    return int.from_bytes(data[-4:], "little")
+
+
+class _Header(tarfile.TarInfo):
+    """A member's header, as tarfile reads it; an extended header (a long name, pax records), whose
+    data tarfile reads whole before the member it extends, refused past MAX_EXTENDED before that."""
+
+    @classmethod
+    def frombuf(cls, buf, encoding, errors):
+        header = super().frombuf(buf, encoding, errors)
+        if header.type in EXTENDED and header.size > MAX_EXTENDED:
+            raise ArchiveRefused(
+                f"an extended header (a long name or pax records) of {header.size:,} bytes: "
+                f"at most {MAX_EXTENDED // KIB} KiB"
+            )
+        return header
+
+
+class _Inflated(io.RawIOBase):
+    """The gzip stream of an archive, inflated as it is read, refused past what `limits` let it inflate to."""
+
+    def __init__(self, data: bytes, limits: Limits) -> None:
+        self.source, self.limits, self.count = gzip.GzipFile(fileobj=io.BytesIO(data)), limits, 0
+        self.compressed, self.limit = len(data), limits.inflatable(len(data))
 
     def readable(self) -> bool:
         return True
@@ -180,7 +234,7 @@ class _Inflated(io.RawIOBase):
             raise ArchiveRefused(f"not a gzipped tar archive ({error})") from None
         self.count += len(chunk)
         if self.count > self.limit:
-            raise ArchiveRefused(f"it unpacks to more than {self.limit // MIB} MiB")
+            raise ArchiveRefused(_too_large(self.limits, self.compressed))
         buffer[: len(chunk)] = chunk
         return len(chunk)
 
@@ -191,8 +245,13 @@ def _members(data: bytes, limits: Limits):
         raise ArchiveRefused(
             f"an archive is at most {limits.compressed // MIB} MiB; this one is {len(data) / MIB:.1f} MiB"
         )
+    if not data.startswith(GZIP_MAGIC) or len(data) < GZIP_LEAST:
+        raise ArchiveRefused("not a gzipped tar archive (it does not begin as gzip does)")
+    bound = limits.inflatable(len(data))
+    if _declared(data) > bound:  # before anything is inflated
+        raise ArchiveRefused(_too_large(limits, len(data), _declared(data)))
     try:
-        tar = tarfile.open(fileobj=io.BufferedReader(_Inflated(data, limits.stream)), mode="r|")
+        tar = tarfile.open(fileobj=io.BufferedReader(_Inflated(data, limits)), mode="r|", tarinfo=_Header)
     except tarfile.TarError as error:
         raise ArchiveRefused(f"not a gzipped tar archive ({error})") from None
     seen: set[str] = set()
@@ -232,9 +291,11 @@ def _members(data: bytes, limits: Limits):
                     raise ArchiveRefused(
                         f"member {name!r} is {member.size / MIB:.1f} MiB; one file is at most {limits.file // MIB} MiB"
                     )
-                total += member.size
+                total += member.size  # as its header says, before its file is inflated
                 if total > limits.unpacked:
                     raise ArchiveRefused(f"it unpacks to more than {limits.unpacked // MIB} MiB")
+                if total > bound:
+                    raise ArchiveRefused(_too_large(limits, len(data), total))
                 yield tar, member, PurePosixPath(*parts)
         except tarfile.TarError as error:
             raise ArchiveRefused(f"a broken tar archive ({error})") from None

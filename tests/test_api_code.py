@@ -1,6 +1,7 @@
 """The user API's code endpoints with no NATS server: an archive uploaded in chunks is checked whole
 and only then stored; a hostile one, a wrong digest or a chunk out of place is refused with the
-reason; what one login holds in flight is bounded, and an abandoned upload is dropped."""
+reason; what one login begins and what a team's uploads hold in flight are bounded (by the bytes that
+have come, so no team refuses another's by the sizes it says), and an abandoned upload is dropped."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import pytest
 from test_api_handlers import gate
 
 from services.api import service as api
-from services.api.code import CodeGate, Uploads
-from shared.code_archive import digest, pack
+from services.api.code import UPLOADS_PER_TEAM, CodeGate, Uploads
+from shared.code_archive import LIMITS, digest, pack
 from shared.schema import CodeChunk, CodeRequest, JobSpec
 
 
@@ -129,9 +130,9 @@ async def test_chunks_out_of_place_are_refused_with_the_offset_to_send(tmp_path:
     assert (await code.put(parts[1], "alice")).received == 8192  # the right one is taken
 
 
-async def test_what_a_login_holds_in_flight_is_bounded_and_an_abandoned_upload_is_dropped() -> None:
+async def test_what_a_login_begins_is_bounded_by_its_sizes_and_an_abandoned_upload_is_dropped() -> None:
     now = [0.0]
-    uploads = Uploads(per_login=2, bytes_per_login=1000, bytes_in_all=1500, idle_s=60, clock=lambda: now[0])
+    uploads = Uploads(per_login=2, bytes_per_login=1000, idle_s=60, clock=lambda: now[0])
     code, _ = code_gate(uploads)
 
     def begin(n: int, size: int) -> CodeChunk:
@@ -139,18 +140,61 @@ async def test_what_a_login_holds_in_flight_is_bounded_and_an_abandoned_upload_i
 
     await code.put(begin(1, 400), "alice")
     await code.put(begin(2, 400), "alice")
-    with pytest.raises(ValueError, match="at most 2 uploads under way"):
+    with pytest.raises(ValueError, match="at most 2 uploads of a login under way"):
         await code.put(begin(3, 10), "alice")
     await code.put(begin(4, 600), "bob")
-    with pytest.raises(ValueError, match="may hold 1,000 bytes"):  # 400 + 700 > 1000 bytes
+    with pytest.raises(
+        ValueError, match="may come to 1,000 bytes at once, and yours come to 600 bytes with this one of 700 bytes"
+    ):  # 600 + 700 > 1000 begun
         await code.put(begin(5, 700), "bob")
-    with pytest.raises(ValueError, match="try again in a minute"):  # 1400 + 200 > 1500 in all
-        await code.put(begin(6, 200), "carol")
     now[0] = 61.0  # alice's two went quiet: dropped
-    await code.put(begin(6, 200), "carol")
-    assert {login for login, _ in uploads.uploads} == {"carol"}
+    await code.put(begin(6, 900), "alice")
+    assert {login for login, _ in uploads.uploads} == {"alice"}  # and bob's
     with pytest.raises(ValueError, match="dropped after 60 s"):
         await code.put(CodeChunk(f"{1:064x}", 400, 1, b"y"), "alice")
+
+
+async def test_one_team_cannot_refuse_anothers_upload_by_the_sizes_its_logins_declare(tmp_path: Path) -> None:
+    """What an attacker showed: 8 logins of a team, 2 uploads each of 1 byte that say they are of 32
+    MiB, held the whole pool when it was reserved by the sizes said; another team's upload was refused."""
+    code, store = code_gate()  # the API's own bounds
+    for login in range(8):
+        for n in range(2):
+            chunk = CodeChunk(f"{login:032x}{n:032x}", LIMITS.compressed, 0, b"x")
+            assert (await code.put(chunk, f"a{login}", "a")).received == 1
+    data = archive_of(tmp_path)
+    for part in chunks(data, 4096):
+        answer = await code.put(part, "b0", "b")
+    assert answer.stored and f"b0.{digest(data)}" in store.objects
+    with pytest.raises(ValueError, match=f"over your team's limit: team a's logins have {UPLOADS_PER_TEAM} uploads"):
+        await code.put(CodeChunk("f" * 64, 1, 0, b"x"), "a-late", "a")  # a's 17th: its own team's bound
+
+
+async def test_a_team_holds_at_most_its_share_of_what_has_come_and_a_refused_chunk_loses_nothing() -> None:
+    uploads = Uploads(bytes_per_login=10_000, bytes_per_team=1000, bytes_in_all=2500)
+    code, _ = code_gate(uploads)
+
+    def chunk(n: int, offset: int, size: int = 4000) -> CodeChunk:
+        return CodeChunk(f"{n:064x}", size, offset, b"x" * 500)
+
+    await code.put(chunk(1, 0), "alice", "a")
+    await code.put(chunk(2, 0), "anna", "a")  # team a holds 1000 bytes that came
+    with pytest.raises(
+        ValueError, match="team a's uploads under way hold 1,000 bytes of the 1,000 bytes a team's may hold at once"
+    ):
+        await code.put(chunk(1, 500), "alice", "a")
+    assert uploads.received("alice", f"{1:064x}") == 500  # what came before is kept, to go on from
+    await code.put(chunk(3, 0), "bob", "b")  # another team is not held by a's
+    await code.put(chunk(3, 500), "bob", "b")
+    await code.put(chunk(4, 0), "carl", "c")  # 2500 bytes in all
+    with pytest.raises(
+        ValueError,
+        match=r"the API holds as many uploads as it may now \(2,500 bytes\); send this chunk again in a minute \(the 500 bytes that came of it before are kept\)",
+    ):
+        await code.put(chunk(4, 500), "carl", "c")
+    assert uploads.received("carl", f"{4:064x}") == 500
+    uploads.drop("bob", f"{3:064x}")  # done (or dropped): its room is free again
+    assert (await code.put(chunk(4, 500), "carl", "c")).received == 1000  # the refused chunk, sent again
 
 
 async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: Path) -> None:
@@ -215,9 +259,12 @@ async def test_an_archive_about_to_age_out_is_not_taken_as_stored_and_is_stored_
     assert again.stored and again.reason == "" and time.time() - store.put_at[name] < 60
 
 
-def test_a_refused_first_chunk_holds_no_room() -> None:
-    uploads = Uploads(per_login=1, bytes_per_login=1000)
+def test_a_refused_first_chunk_holds_no_room_and_an_upload_begun_again_keeps_its_bytes_if_refused() -> None:
+    uploads = Uploads(per_login=1, bytes_per_login=1000, bytes_per_team=600)
     with pytest.raises(ValueError, match="runs past its size"):
         uploads.add("alice", CodeChunk("a" * 64, 2, 0, b"xyz"))
     assert uploads.uploads == {}
-    assert uploads.add("alice", CodeChunk("b" * 64, 900, 0, b"x")) == 1  # the room is alice's still
+    assert uploads.add("alice", CodeChunk("b" * 64, 900, 0, b"x" * 500)) == 500  # the room is alice's still
+    with pytest.raises(ValueError, match="over your team's limit"):  # begun again with more than the team may hold
+        uploads.add("alice", CodeChunk("b" * 64, 900, 0, b"x" * 700))
+    assert uploads.received("alice", "b" * 64) == 500

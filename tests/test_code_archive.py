@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from shared import code_archive
 from shared.code_archive import (
+    LIMITS,
     ArchiveRefused,
     Limits,
     _open_folder,
@@ -129,6 +131,68 @@ def test_the_caps_are_enforced(tmp_path: Path) -> None:
         check(bomb, small)
     with pytest.raises(ArchiveRefused, match="not a gzipped tar"):
         check(b"plain text, not an archive")
+
+
+def zeros(*sizes: int, pax: int = 0) -> bytes:
+    """A gzipped tar of files of zeros (a pax header of `pax` zeros first): a bomb, gzip's most."""
+    body = b""
+    if pax:
+        header = tarfile.TarInfo("pax")
+        header.type, header.size = tarfile.XHDTYPE, pax
+        body += header.tobuf(tarfile.USTAR_FORMAT) + bytes(pax)
+    for n, size in enumerate(sizes):
+        info = tarfile.TarInfo(f"zeros{n}.bin")
+        info.size = size
+        body += info.tobuf(tarfile.USTAR_FORMAT) + bytes(-(-size // 512) * 512)
+    return gzip.compress(body + bytes(1024), compresslevel=9)
+
+
+def lying(data: bytes) -> bytes:
+    """The archive with gzip's trailer saying the stream inflates to 1 KiB."""
+    return data[:-4] + (1024).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize(
+    ("bomb", "reason", "inflated"),
+    [  # (the archive, why it is refused, the most inflated before)
+        (zeros(3 << 20, 3 << 20), "unpacks to at least 1,0[0-9][0-9] times its size", 0),  # its trailer says so
+        (lying(zeros(3 << 20, 3 << 20)), r"unpacks to at least \d+ times its size", 64 * 1024),  # its header
+        (lying(zeros(pax=3 << 20)), "an extended header .* at most 64 KiB", 64 * 1024),
+        (lying(zeros(pax=60 * 1024)), "unpacks to more than 100 times its size", 128 * 1024),  # inflating
+    ],
+    ids=["trailer", "header", "pax", "inflating"],
+)
+def test_an_archive_that_unpacks_to_over_a_hundred_times_its_size_is_refused_before_it_is_inflated(
+    monkeypatch, bomb: bytes, reason: str, inflated: int
+) -> None:
+    counted: list[int] = [0]
+
+    class Counted(code_archive._Inflated):
+        def readinto(self, buffer) -> int:
+            read = super().readinto(buffer)
+            counted[0] = self.count
+            return read
+
+    monkeypatch.setattr(code_archive, "_Inflated", Counted)
+    limits = Limits(small=16 * 1024)  # the ratio is the API's (100); a bomb need not be large here
+    with pytest.raises(ArchiveRefused, match=reason) as refused:
+        check(bomb, limits)
+    assert counted[0] <= inflated, f"{counted[0]:,} bytes inflated before: {refused.value}"
+    assert "leave such a file out and make it when the job starts" in str(refused.value) or "extended" in reason
+
+
+def test_code_and_a_small_archive_unpack_as_they_are_and_a_folder_that_packs_too_small_is_refused(
+    tmp_path: Path,
+) -> None:
+    assert check(zeros(200 * 1024)) == 1  # 1,000 times its size, but under a MiB: any archive may
+    data = code_folder(tmp_path / "data")
+    (data / "data.csv").write_text("".join(f"{i},{i * i},{i % 7}\n" for i in range(50_000)))  # about 5 times
+    assert check(pack(data)) == 6
+    root = code_folder(tmp_path / "code")
+    (root / "weights.bin").write_bytes(bytes(4 << 20))
+    with pytest.raises(ArchiveRefused, match="at most 100 times its size .* leave such a file out"):
+        pack(root)  # `goodput submit --code` says so before anything is sent
+    assert LIMITS.ratio == 100
 
 
 def test_every_member_counts_and_the_folder_itself_comes_once_as_a_folder(tmp_path: Path) -> None:

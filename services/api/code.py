@@ -7,10 +7,15 @@ age out of the store (within REFRESH_S) is not taken as stored: uploaded again, 
 A login never writes the store itself.
 
 `Uploads` is the API's memory of the uploads under way (pure: a clock passed in): each a login's,
-named by the digest it will have. What one login holds at once is bounded (UPLOADS_PER_LOGIN
-uploads, BYTES_PER_LOGIN bytes, each reserved whole at its first chunk), as is what all hold
-(BYTES_IN_ALL); an upload that has not moved for IDLE_S is dropped. `CodeGate` is the shell around
-it: the object store, and the endpoints' handlers.
+of its team, named by the digest it will have. What is shared is taken by the bytes that have come,
+never by the size an upload says it will be: a team's uploads together hold at most BYTES_PER_TEAM
+(a quarter of BYTES_IN_ALL, what all hold) and UPLOADS_PER_TEAM uploads, so no team fills what the
+others upload into, however many logins it has or however large they say their archives are. A
+login's own bound counts its uploads whole, as they were begun (UPLOADS_PER_LOGIN uploads,
+BYTES_PER_LOGIN bytes): what it begins it can finish, and what it declares bars only itself. A chunk
+refused for room is not kept, and the upload keeps what came before it; an upload that has not
+moved for IDLE_S is dropped. `CodeGate` is the shell around it: the object store, and the
+endpoints' handlers.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import nats.js.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.code_archive import LIMITS, ArchiveRefused, check, digest, stored_name
-from shared.schema import CodeAnswer, CodeChunk, CodeRequest
+from shared.schema import DEFAULT_TEAM, CodeAnswer, CodeChunk, CodeRequest
 from shared.storage import DAY_S, MIB, OBJECT_STORE_MAX_AGE_S, SETUP_HINT
 
 UPLOADS_PER_LOGIN = 4
-BYTES_PER_LOGIN = 2 * LIMITS.compressed
-BYTES_IN_ALL = 512 * MIB
+BYTES_PER_LOGIN = 2 * LIMITS.compressed  # its uploads' sizes as begun
+UPLOADS_PER_TEAM = 16
+BYTES_PER_TEAM = 4 * LIMITS.compressed  # the bytes its uploads hold: a quarter of all
+BYTES_IN_ALL = 512 * MIB  # the bytes all uploads hold
 IDLE_S = 120.0  # an upload with no chunk for this long is dropped
 STORED_PER_LOGIN = 128 * MIB  # a login's archives in the store: a quarter of it
 STORE_MAX_AGE_S = OBJECT_STORE_MAX_AGE_S[subjects.CODE_STORE]
@@ -41,8 +48,9 @@ REFRESH_S = 7 * DAY_S  # an archive this close to aging out is uploaded again, n
 
 @dataclass
 class Upload:
-    size: int
-    data: bytearray
+    size: int  # what it will be, as it was begun: counted in its login's bound only
+    team: str
+    data: bytearray  # what has come: counted in its team's and in all
     touched: float
 
 
@@ -56,8 +64,11 @@ class Uploads:
         bytes_in_all: int = BYTES_IN_ALL,
         idle_s: float = IDLE_S,
         clock: Callable[[], float] = time.monotonic,
+        per_team: int = UPLOADS_PER_TEAM,
+        bytes_per_team: int = BYTES_PER_TEAM,
     ) -> None:
         self.per_login, self.bytes_per_login, self.bytes_in_all = per_login, bytes_per_login, bytes_in_all
+        self.per_team, self.bytes_per_team = per_team, bytes_per_team
         self.idle_s, self.clock = idle_s, clock
         self.uploads: dict[tuple[str, str], Upload] = {}
 
@@ -76,13 +87,14 @@ class Uploads:
     def drop(self, who: str, archive: str) -> None:
         self.uploads.pop((who, archive), None)
 
-    def add(self, who: str, chunk: CodeChunk) -> bytes | int:
-        """Take a chunk of `who`'s: the whole archive once this chunk completes it (the upload is then
-        over), else the bytes held so far. ValueError with why a chunk is refused (nothing of it kept)."""
+    def add(self, who: str, chunk: CodeChunk, team: str = DEFAULT_TEAM) -> bytes | int:
+        """Take a chunk of `who`'s (of `team`): the whole archive once this chunk completes it (the
+        upload is then over), else the bytes held so far. ValueError with why a chunk is refused:
+        nothing of it is kept, and the upload keeps what came before it."""
         self.sweep()
         key = (who, chunk.digest)
         upload = self.uploads.get(key)
-        if upload is not None and upload.size != chunk.size:
+        if upload is not None and upload.size != chunk.size and chunk.offset != 0:
             raise ValueError(
                 f"upload of {chunk.digest[:12]}: it was begun as {upload.size:,} bytes, not {chunk.size:,}; "
                 "send it again from offset 0 with its size"
@@ -103,11 +115,11 @@ class Uploads:
             raise ValueError(f"upload of {chunk.digest[:12]}: this chunk runs past its size of {chunk.size:,} bytes")
         if not chunk.data and chunk.offset < chunk.size:
             raise ValueError(f"upload of {chunk.digest[:12]}: an empty chunk before its end")
-        if chunk.offset == 0:
-            if upload is not None:  # begun again: what came before is dropped
-                del self.uploads[key]
-            self._room(who, chunk.size)
-            upload = self.uploads[key] = Upload(chunk.size, bytearray(), self.clock())
+        begun = chunk.offset == 0  # begun again: what came before goes, once this chunk is taken
+        self._room(who, team, chunk, replaced=upload if begun else None)
+        if begun:
+            upload = self.uploads[key] = Upload(chunk.size, team, bytearray(), self.clock())
+        assert upload is not None
         upload.data += chunk.data
         upload.touched = self.clock()
         if len(upload.data) < upload.size:
@@ -115,20 +127,49 @@ class Uploads:
         del self.uploads[key]
         return bytes(upload.data)
 
-    def _room(self, who: str, size: int) -> None:
-        mine = [u for (login, _), u in self.uploads.items() if login == who]
-        if len(mine) >= self.per_login:
+    def _room(self, who: str, team: str, chunk: CodeChunk, replaced: Upload | None) -> None:
+        """ValueError when `chunk` is over a bound: its login's (uploads begun, counted whole), its
+        team's or all's (the bytes that have come). `replaced`: the upload it begins again, left out."""
+        others = [u for u in self.uploads.values() if u is not replaced]
+        mine = [u for (login, _), u in self.uploads.items() if login == who and u is not replaced]
+        ours = [u for u in others if u.team == team]
+        wait = f"or wait {self.idle_s:.0f} s for an abandoned one to be dropped"
+        if chunk.offset == 0:
+            begun = sum(u.size for u in mine)
+            if len(mine) >= self.per_login:
+                raise ValueError(
+                    f"over your limit: at most {self.per_login} uploads of a login under way at once; "
+                    f"finish one first ({wait})"
+                )
+            if begun + chunk.size > self.bytes_per_login:
+                raise ValueError(
+                    f"over your limit: a login's uploads under way may come to {amount(self.bytes_per_login)} at "
+                    f"once, and yours come to {amount(begun)} with this one of {amount(chunk.size)}; finish one "
+                    f"first ({wait})"
+                )
+            if len(ours) >= self.per_team:
+                raise ValueError(
+                    f"over your team's limit: team {team}'s logins have {len(ours)} uploads under way, at most "
+                    f"{self.per_team} at once; begin this one when one of them is done ({wait})"
+                )
+        kept = f"the {amount(chunk.offset)} that came of it before are kept" if chunk.offset else "nothing is kept"
+        held = sum(len(u.data) for u in ours)
+        if held + len(chunk.data) > self.bytes_per_team:
             raise ValueError(
-                f"over your limit: at most {self.per_login} uploads under way at once; finish one "
-                f"(or wait {self.idle_s:.0f} s for an abandoned one to be dropped)"
+                f"over your team's limit: team {team}'s uploads under way hold {amount(held)} of the "
+                f"{amount(self.bytes_per_team)} a team's may hold at once; send this chunk again when one of "
+                f"them is done ({kept})"
             )
-        if sum(u.size for u in mine) + size > self.bytes_per_login:
+        if sum(len(u.data) for u in others) + len(chunk.data) > self.bytes_in_all:
             raise ValueError(
-                f"over your limit: your uploads under way may hold {self.bytes_per_login:,} bytes "
-                f"({self.bytes_per_login / MIB:.0f} MiB) at once"
+                f"the API holds as many uploads as it may now ({amount(self.bytes_in_all)}); send this chunk "
+                f"again in a minute ({kept})"
             )
-        if sum(u.size for u in self.uploads.values()) + size > self.bytes_in_all:
-            raise ValueError("the API holds as many uploads as it may now; try again in a minute")
+
+
+def amount(size: int) -> str:
+    """`32.0 MiB`, `900 bytes`: a size as a refusal says it."""
+    return f"{size / MIB:.1f} MiB" if size >= MIB // 10 else f"{size:,} bytes"
 
 
 class CodeGate:
@@ -168,16 +209,16 @@ class CodeGate:
             return CodeAnswer(request.digest, True)
         return CodeAnswer(request.digest, False, self.uploads.received(who, request.digest))
 
-    async def put(self, chunk: CodeChunk, who: str) -> CodeAnswer:
-        """A chunk of `who`'s; the archive stored once it is whole and passed every check, under the
-        login's name (`stored_name`) and within its share of the store. One already stored is not
-        taken again: the answer to its first chunk says it is stored."""
+    async def put(self, chunk: CodeChunk, who: str, team: str = DEFAULT_TEAM) -> CodeAnswer:
+        """A chunk of `who`'s (of `team`); the archive stored once it is whole and passed every check,
+        under the login's name (`stored_name`) and within its share of the store. One already stored
+        is not taken again: the answer to its first chunk says it is stored."""
         if chunk.offset == 0:
             if await self.stored(who, chunk.digest):
                 self.uploads.drop(who, chunk.digest)
                 return CodeAnswer(chunk.digest, True, reason="stored before: not uploaded again")
             await self.room(who, chunk.digest, chunk.size)  # refused before it is sent
-        whole = self.uploads.add(who, chunk)
+        whole = self.uploads.add(who, chunk, team)
         if isinstance(whole, int):
             return CodeAnswer(chunk.digest, False, whole)
         refusal = await asyncio.to_thread(problem, whole, chunk.digest)
