@@ -1017,7 +1017,7 @@ async def open_gate(
         "cancel": gate.cancel,
         "schemas": lambda _: schemas(),
         "logs": gate.logs,
-        "code-put": lambda chunk: gate.code.put(chunk, login().login),
+        "code-put": lambda chunk: gate.code.put(chunk, (who := login()).login, who.team),
         "code-has": lambda request: gate.code.has(request, login().login),
         "teams": gate.team_gpus,
         "explain": gate.explain,
