@@ -1,12 +1,14 @@
-"""The user API's code endpoints with no NATS server: an archive uploaded in chunks is checked whole
+"""The user API's code endpoints, with no NATS server but the last test: an archive uploaded in chunks is checked whole
 and only then stored; a hostile one, a wrong digest or a chunk out of place is refused with the
 reason; what one login begins and what a team's uploads hold in flight are bounded (by the bytes that
 have come, so no team refuses another's by the sizes it says), and an abandoned upload is dropped."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import io
+import json
 import tarfile
 import time
 from datetime import datetime, timezone
@@ -17,11 +19,15 @@ import msgspec
 import nats.js.errors
 import pytest
 from test_api_handlers import gate
+from test_team_logins import PASSWORDS, two_teams  # noqa: F401 - two_teams: a fixture
+from test_team_logins import login as team_login
 
 from services.api import service as api
 from services.api.code import UPLOADS_PER_TEAM, CodeGate, Uploads
+from shared import permissions, storage, subjects
+from shared.bus import Bus
 from shared.code_archive import LIMITS, digest, pack
-from shared.schema import CodeChunk, CodeRequest, JobSpec
+from shared.schema import CodeChunk, CodeRequest, JobOwner, JobSpec
 
 
 class Store:
@@ -268,3 +274,37 @@ def test_a_refused_first_chunk_holds_no_room_and_an_upload_begun_again_keeps_its
     with pytest.raises(ValueError, match="over your team's limit"):  # begun again with more than the team may hold
         uploads.add("alice", CodeChunk("b" * 64, 900, 0, b"x" * 700))
     assert uploads.received("alice", "b" * 64) == 500
+
+
+@pytest.mark.e2e
+async def test_a_teams_bound_holds_its_logins_as_the_server_names_them(two_teams: str) -> None:
+    """Through a nats-server with the teams' accounts: the API counts alice's and vision's uploads in
+    team vision (the server's word, not the login's), and team nlp's login is not held by them."""
+    bus = await Bus.connect(
+        two_teams, "test-api", user="api", password=PASSWORDS["api"], inbox_prefix=permissions.inbox_prefix("api")
+    )
+    try:
+        gate = await api.serve(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), lambda s: None)
+        gate.code.uploads = Uploads(per_team=2)
+
+        async def begin(name: str, n: int) -> dict:
+            client = await team_login(two_teams, name)
+            try:
+                chunk = {"digest": f"{n:064x}", "size": 1000, "offset": 0, "data": base64.b64encode(b"x").decode()}
+                reply = await client.request(subjects.API_CODE_PUT, json.dumps(chunk).encode(), timeout=10)
+                return json.loads(reply.data)
+            finally:
+                await client.close()
+
+        assert (await begin("alice", 1))["received"] == 1
+        assert (await begin("vision", 2))["received"] == 1
+        refused = await begin("alice", 3)
+        assert "over your team's limit: team vision's logins have 2 uploads" in refused["error"], refused
+        assert (await begin("nlp", 4))["received"] == 1  # another team's
+        assert {(login, u.team) for (login, _), u in gate.code.uploads.uploads.items()} == {
+            ("alice", "vision"),
+            ("vision", "vision"),
+            ("nlp", "nlp"),
+        }
+    finally:
+        await bus.close()
