@@ -12,9 +12,9 @@ never by the size an upload says it will be: a team's uploads together hold at m
 (a quarter of BYTES_IN_ALL, what all hold) and UPLOADS_PER_TEAM uploads, so no team fills what the
 others upload into, however many logins it has or however large they say their archives are. A
 login's own bound counts its uploads whole, as they were begun (UPLOADS_PER_LOGIN uploads,
-BYTES_PER_LOGIN bytes): what it begins it can finish, and what it declares bars only itself. A chunk
-refused for room is not kept, and the upload keeps what came before it; an upload that has not
-moved for IDLE_S is dropped. `CodeGate` is the shell around it: the object store, and the
+BYTES_PER_LOGIN bytes): it begins no more than it could finish alone, and the sizes it says bar only
+itself. A chunk refused for room is not kept, and the upload keeps what came before it (send the
+chunk again later); an upload that has not moved for IDLE_S is dropped. `CodeGate` is the shell around it: the object store, and the
 endpoints' handlers.
 """
 
@@ -119,7 +119,6 @@ class Uploads:
         self._room(who, team, chunk, replaced=upload if begun else None)
         if begun:
             upload = self.uploads[key] = Upload(chunk.size, team, bytearray(), self.clock())
-        assert upload is not None
         upload.data += chunk.data
         upload.touched = self.clock()
         if len(upload.data) < upload.size:
