@@ -10,10 +10,8 @@ import asyncio
 import gzip
 import io
 import os
-import shutil
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from cli.submit import upload
 from launcher.nats import nats_from_binary
 from launcher.setup import provision_now
 from services.api import service as api
+from services.node.box import Box, Boxes, default_rules
 from services.node.code import JobCode, store_fetcher
 from services.node.job_main import parse
 from services.node.processes import job_arguments, worker
@@ -33,6 +32,7 @@ from shared.bus import Bus
 from shared.code_archive import digest, pack, stored_name
 from shared.schema import JobOwner, JobRecords, JobSpec, JobsQuery, SubmitAnswer
 
+ROOT = Path(__file__).resolve().parent.parent
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permissions.ROLES, "user"))}
 SCRIPT = """import os, sys
 from helper import GREETING
@@ -114,7 +114,8 @@ async def test_a_login_uploads_its_code_through_the_api_and_a_node_agent_runs_it
         folder = await asyncio.to_thread(code.prepare, job_folder, archive, spec.entrypoint, tmp_path / "mine-1.code")
         assert folder == job_folder / "code" and (folder / "helper.py").is_file()
         with open(tmp_path / "worker.log", "w") as log:
-            process = worker(spec.entrypoint, list(spec.args), {}, log, code=folder)
+            box = Box(Boxes(tmp_path, default_rules(1), runtime=None), "mine-1", "mine-1.1", job_folder, None, None)
+            process = worker(box, spec.entrypoint, list(spec.args), {}, log, code=folder)  # --box off: as us
         out, _ = process.communicate(timeout=60)
         assert process.returncode == 0, (tmp_path / "worker.log").read_text()
         assert out.strip() == "hello from my own code ['--epochs', '2'] code"
@@ -208,31 +209,27 @@ def test_a_job_file_of_an_id_and_an_entrypoint_with_its_code_folder_is_a_whole_j
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a job's own user needs an agent that runs as root")
-def test_a_job_with_a_user_has_its_code_unpacked_by_that_user_never_by_root(tmp_path: Path) -> None:
-    from services.node.box import make_own
-    from shared.files import make_passable
+@pytest.mark.e2e
+def test_a_jobs_code_is_unpacked_in_its_box_by_its_user_never_by_root(tmp_path: Path) -> None:
+    from services.node.box import check
+    from tests.test_box import boxed_node
 
+    if check("runc", sys.executable, [ROOT]):
+        pytest.skip(check("runc", sys.executable, [ROOT]))
     data = pack(code_folder(tmp_path / "src"))
-    archive, uid = stored_name("user", digest(data)), 4_000_777
+    archive = stored_name("user", digest(data))
     code = JobCode(tmp_path / "archives", {archive: data}.get)
-    open_folder = Path(tempfile.mkdtemp(prefix="goodput-code-"))  # pytest's tmp_path is closed to other users
+    node = boxed_node("code-0", tmp_path / "node")
+    box = node.boxes.open("own-1", "own-1.1", node.job_folder("own-1"), 777, 1, True)
     try:
-        make_passable(open_folder)
-        job_folder = make_own(open_folder / "job", uid)
-        folder = code.prepare(job_folder, archive, "train.py", tmp_path / "job.code", uid, sys.executable)
+        folder = code.prepare(box.folder, archive, "train.py", tmp_path / "job.code", box)
         assert (folder / "helper.py").read_text() == "GREETING = 'hello from my own code'\n"
-        assert {p.stat().st_uid for p in (folder, folder / "train.py", folder / "helper.py")} == {uid}
-        assert code.prepare(job_folder, archive, "train.py", tmp_path / "job.code", uid, sys.executable) == folder
+        assert {p.stat().st_uid for p in (folder, folder / "train.py", folder / "helper.py")} == {box.uid}
+        assert code.prepare(box.folder, archive, "train.py", tmp_path / "job.code", box) == folder
         with pytest.raises(ValueError, match="entrypoint 'nope.py' is not in the job's code"):
-            code.prepare(job_folder, archive, "nope.py", tmp_path / "job.code", uid, sys.executable)
-        # A folder its user may not write in stays as it is: the unpacking has the job's rights, not ours.
-        closed = open_folder / "closed"
-        closed.mkdir(mode=0o755)
-        with pytest.raises(ValueError, match="Permission denied"):
-            code.prepare(closed, archive, "train.py", tmp_path / "closed.code", uid, sys.executable)
-        assert list(closed.iterdir()) == [] and not (tmp_path / "closed.code").exists()
+            code.prepare(box.folder, archive, "nope.py", tmp_path / "job.code", box)
     finally:
-        shutil.rmtree(open_folder, ignore_errors=True)
+        box.close()
 
 
 def test_the_kept_archives_are_evicted_past_one_that_vanished_meanwhile(tmp_path: Path, monkeypatch) -> None:

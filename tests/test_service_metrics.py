@@ -21,6 +21,7 @@ from test_executor_handlers import models_for, real_service, simulated_service, 
 from services.api import service as api
 from services.executor.real import RealExecutors
 from services.node.agent import NodeWorkers, Workers
+from services.node.box import Box
 from services.profiler.service import Profiler
 from shared import subjects
 from shared.cluster import load_cluster
@@ -267,7 +268,9 @@ def test_a_node_agent_counts_its_running_workers_and_times_a_jobs_checkpoint(tmp
     order = StartWorkers("lm", "mlp_blobs", 1, (0, 1), 2, 1, "cpu", str(checkpoint))
     processes = [started_worker(str(checkpoint)), started_worker("")]  # rank 0 writes the checkpoint
     try:
-        node.jobs["lm"] = Workers(order, Rendezvous("127.0.0.1", 1), (), checkpoint, processes=processes)
+        box = Box(node.boxes, "lm", "lm.1", node.job_folder("lm"), None, None)  # --box off: as the agent
+        box.processes += processes
+        node.jobs["lm"] = Workers(order, Rendezvous("127.0.0.1", 1), (), checkpoint, box, processes=processes)
         with moved() as polled:
             node.poll()
         assert polled.now(WORKERS.prometheus) == 2

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from services.node.agent import NodeWorkers, _lines
-from services.node.box import JOB_UID_BASE, Limits, closed_to_others
+from services.node.box import JOB_UID_BASE, check
 from services.node.processes import alive
 from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
-from tests.test_isolation import reachable_python
+from tests.test_box import boxed_node
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,39 +99,42 @@ def test_a_stop_ends_the_workers_group_and_holds_up_neither_the_stop_nor_the_pol
 
 
 def job_users_node(folder: Path) -> NodeWorkers:
-    python = reachable_python()
-    if python is None or closed_to_others(ROOT):
-        pytest.skip("another user can run no interpreter here, or not reach the project")
-    return NodeWorkers(
-        NodeInfo("grp-1", "cpu", 1, "127.0.0.1"),
-        folder / "node",
-        "tests.jobs",
-        uid_base=JOB_UID_BASE,
-        limits=Limits(processes=64, memory_mb=None),
-        python=python,
-    )
+    """A node whose jobs run in boxes of their own (runc, as root), or skipped where there are none."""
+    if check("runc", sys.executable, [ROOT]):
+        pytest.skip(check("runc", sys.executable, [ROOT]))
+    return boxed_node("grp-1", folder / "node", slots=1)
+
+
+def processes_of(uid: int) -> list[int]:
+    """The host's running processes whose real user is `uid` (a box's pids are its own namespace's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            status = (entry / "status").read_text() if entry.name.isdigit() else ""
+            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+            if fields and fields["Uid"].split()[0] == str(uid) and not fields["State"].strip().startswith("Z"):
+                found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(os.geteuid() != 0, reason="workers change user only when their agent is root; this test is not")
-def test_with_a_user_of_its_own_no_process_of_the_job_outlives_its_stop(open_folder):
+def test_in_a_box_no_process_of_the_job_outlives_its_stop(open_folder):
     node = job_users_node(open_folder)
     node.start(order("users-1", open_folder, user=41))
-    pids = children(node, "users-1")
-    try:
-        assert node.job_folder("users-1").stat().st_uid == JOB_UID_BASE + 41  # the executor's number
-        report = node.stop(StopWorkers("users-1", grace_s=5))
-        assert report.codes == (-signal.SIGTERM,)
-        assert not any(alive(pid) for pid in pids), "a process of the job outlived its stop"
-    finally:
-        kill_all(pids)
+    children(node, "users-1")
+    uid = node.jobs["users-1"].uid
+    assert uid == JOB_UID_BASE + 41 and node.job_folder("users-1").stat().st_uid == uid  # the executor's number
+    assert len(processes_of(uid)) >= 3  # the worker, its child in its group, the one that left (and the box's first)
+    report = node.stop(StopWorkers("users-1", grace_s=5))
+    assert report.codes == (128 + signal.SIGTERM,)  # the box's runtime says a signal's end so
+    assert processes_of(uid) == [], "a process of the job outlived its stop"
 
 
 @pytest.mark.e2e
 def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
     """The run exits, its child that left its group sleeps on with the run's stdout: the answer comes
     all the same (the old one waited for the child)."""
-    users = os.geteuid() == 0
+    users = not check("runc", sys.executable, [ROOT])
     node = (
         job_users_node(open_folder)
         if users
@@ -145,58 +148,9 @@ def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
         run.join(60)
         assert answers, "the profiling run's answer waited for a child of the run"
         assert "printed no profile" in answers[0].failure
-        if users:  # every process of its user ended
-            assert not any(alive(pid) for pid in pids)
+        if users:  # every process of its box ended
+            assert processes_of(JOB_UID_BASE + 42) == []
     finally:
-        kill_all(pids)
+        if not users:  # its own processes (a box's numbers are its namespace's)
+            kill_all(pids)
         run.join()
-
-
-# A fake agent: a process that starts a child of the job's user and ends that user's processes when
-# told (a line on its stdin), as an agent does after a stop; it says how many of its own are left.
-FAKE_AGENT = """
-import os, subprocess, sys
-from services.node.box import become_subreaper, end_user, user_processes
-become_subreaper()
-uid = int(sys.argv[1])
-child = subprocess.Popen(["sleep", "300"], user=uid, group=uid, extra_groups=[])
-print(child.pid, flush=True)
-if sys.stdin.readline().strip() == "end":
-    ended = end_user(uid)
-    child.wait()
-    print(ended, len(user_processes(uid, os.getpid())), flush=True)
-else:
-    child.kill()
-"""
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="workers change user only when their agent is root; this test is not")
-def test_an_agent_ends_only_the_processes_of_the_jobs_user_it_started(tmp_path):
-    """Two agents on one machine run ranks of one job as the same user: when one ends that user's
-    processes (after its ranks stopped), the other's ranks go on."""
-    import subprocess
-    import sys
-
-    uid = JOB_UID_BASE + 4242
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-c", FAKE_AGENT, str(uid)],
-            cwd=ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        first, second = (int(agent.stdout.readline()) for agent in agents)
-        agents[0].stdin.write("end\n")
-        agents[0].stdin.flush()
-        assert agents[0].stdout.readline().split() == ["True", "0"]
-        assert not alive(first) and alive(second)
-    finally:
-        for agent in agents:
-            with contextlib.suppress(BrokenPipeError, ValueError):
-                agent.stdin.write("stop\n")
-                agent.stdin.close()
-            agent.wait(timeout=60)

@@ -84,17 +84,17 @@ class JobCode:
         for _, old in sorted(kept, reverse=True)[CACHED:]:
             old.unlink(missing_ok=True)
 
-    def prepare(self, job_folder: Path, archive: str, entrypoint: str, marker: Path, box: Box) -> Path:
+    def prepare(self, job_folder: Path, archive: str, entrypoint: str, marker: Path, box: Box | None = None) -> Path:
         """The job's code, unpacked into `job_folder`/code (again when `marker`, the agent's note of
         what is there, names another archive); ValueError when it cannot be, or its entrypoint is not
         in it. In a box, unpacked and looked into by a process of the job's, in its box: never by us
-        as root in a folder the job may change."""
+        as root in a folder the job may change (no `box`, or `--box off`'s: by us)."""
         code = job_folder / CODE_FOLDER
         unpacked = marker.is_file() and marker.read_text() == archive and code.is_dir() and not code.is_symlink()
         data = None if unpacked else self.archive(archive)
         if data is not None:
             marker.unlink(missing_ok=True)
-        if box.uid is None:
+        if box is None or box.uid is None:
             if data is not None:
                 remove(code)
                 unpack(data, code)
