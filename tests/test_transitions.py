@@ -110,7 +110,9 @@ def test_stops_go_on_beside_each_other_and_a_start_waits_only_for_the_stops_hold
     executors.cancel("b")
     assert a.stopping is not None and b.stopping is not None  # both returned with the stops under way
     until(executors, lambda: nodes.starts("c") == [("start", "n1", "c", 2)])
-    assert executors.transition("a").startswith("stopping its workers on n0 (moved): they checkpoint (SIGTERM)")
+    assert executors.transition("a").startswith(
+        "stopping its workers on n0 (it was placed anew): they checkpoint (SIGTERM)"
+    )
     assert executors.transition("a").endswith("; then it starts on n0:1")
     # Round 2: d gets b's GPUs; a is to have 2 again, its stop still under way.
     executors.apply({"a": (("n0", 2),), "c": (("n1", 2),), "d": (("n0", 2),)})
@@ -168,7 +170,7 @@ async def test_the_round_handlers_answer_while_stops_go_on_and_kv_follows_them()
         records = {r.name: r for r in agent.records()}
         assert records["lm"].state == JobState.RUNNING and records["lm"].reason.startswith("stopping its workers")
         assert records["mlp"].state == JobState.RUNNING and records["mlp"].failure is None
-        assert records["mlp"].reason.startswith(f"{CANCELLED}; stopping its workers on local-0 (cancelled)")
+        assert records["mlp"].reason.startswith("stopping its workers on local-0 (it was cancelled): they checkpoint")
         assert {f.job_id: f.mid_restart for f in agent.facts(61.0, ["lm", "other"]).facts} == {
             "lm": True,
             "other": False,

@@ -146,15 +146,16 @@ class BusNodes:
 
 
 class Why(enum.StrEnum):
-    """Why a job's workers are stopped: what follows once every node has stopped them."""
+    """Why a job's workers are stopped (as its record says it): what follows once every node has
+    stopped them."""
 
-    MOVE = "moved"  # a new placement, or none: they start again there, from their checkpoint
-    ENDED = "ended"  # they exited, crashed, or a node forgot them: it finished, restarts or fails
-    LOST = "lost"  # a node of theirs left the round: the job waits for the round's placement
-    CANCEL = "cancelled"  # its user's order: it ends cancelled
-    FAILED_START = "failed start"  # its start failed on a node: the workers it started stop
-    LEFTOVER = "leftover"  # a predecessor's (the executor restarted): the round places it again
-    CLOSE = "closing"  # the executor stops for good
+    MOVE = "it was placed anew"  # they start again there (if anywhere), from their checkpoint
+    ENDED = "they ended"  # exited, crashed, or a node forgot them: it finished, restarts or fails
+    LOST = "a node of theirs left"  # lost or drained: the job waits for the round's placement
+    CANCEL = "it was cancelled"  # its user's order: it ends cancelled
+    FAILED_START = "its start failed"  # on a node: the workers it started elsewhere stop
+    LEFTOVER = "the executor restarted"  # a predecessor's: the round places it again
+    CLOSE = "the executor is stopping"  # for good
 
 
 @dataclass
@@ -426,8 +427,8 @@ class LocalExecutors:
         job = self.jobs.get(job_id)
         if job is None:
             return None
-        if job.stopping is not None:
-            stop = job.stopping
+        stop, starting = job.stopping, job.starting  # once each: `poll` may take them in meanwhile
+        if stop is not None:
             nodes = ", ".join(node for node, call in stop.calls.items() if not call.done()) or "its nodes"
             how = (
                 "killing them"
@@ -436,7 +437,7 @@ class LocalExecutors:
             )
             then = f"; then it starts on {spots_text(job.placement)}" if job.placement and not job.failure else ""
             return f"stopping its workers on {nodes} ({stop.why}): {how}{then}"
-        if job.starting is not None:
+        if starting is not None:
             return f"starting its workers on {spots_text(job.placement)}"
         if job.waits:
             stops = [self.jobs[name].stopping for name in job.waits]

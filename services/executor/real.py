@@ -619,8 +619,6 @@ class RealExecutors:
                 if state == JobState.QUEUED
                 else self.unfit(job)
                 if state == JobState.UNSCHEDULABLE
-                else job.failure
-                if cancelling
                 else None
             )
             moving = self.executors.transition(job.key) if local is not None else None
@@ -636,7 +634,7 @@ class RealExecutors:
                     job.gpu_seconds,
                     None,
                     where,
-                    None if cancelling else job.failure,  # not ended yet: its reason says it is cancelled
+                    None if cancelling else job.failure,  # not ended yet: its reason says it was cancelled
                     job.metric,
                     job.batches,
                     state=state,
