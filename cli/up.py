@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -153,6 +154,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--slot-memory", type=positive_float, help="real: one slot's memory in MB, as a GPU's (default: unlimited)"
     )
     up.add_argument(
+        "--box",
+        choices=("runc", "off"),
+        default="runc",
+        help="real: each job in a box of its own (runc: its own user, cgroup and namespaces; needs root), or "
+        "'off': every job's code as you, in no box, only for code you trust (default: %(default)s)",
+    )
+    up.add_argument(
         "--nodes",
         type=int,
         default=1,
@@ -210,6 +218,8 @@ def _up(args: argparse.Namespace) -> int:
     if real and args.once and not start_jobs(args.jobs, args.workload, args.jobs_package):
         raise ValueError("--once waits for the jobs submitted at start, and there are none: name them with --jobs")
     _check_dashboard_port(args)
+    if real:
+        _check_boxes(args)
     data = Path(args.data or ("out/replay" if args.once and not real else credentials.DEFAULT_DATA))
     if not data.exists() and port_in_use(args.port):  # refused before a new folder is made
         raise ValueError(_port_taken(args.port))
@@ -220,15 +230,10 @@ def _up(args: argparse.Namespace) -> int:
 
 def prepare(data: Path, fresh: bool) -> None:
     """DATA's folders before the stack starts: with `fresh`, the explicit wipe (an empty cluster, real
-    jobs from scratch); then, as root, the way to the jobs' folders in DATA/work opened to their
-    users (after the wipe, which would take it with it: the agents would then run jobs as root)."""
-    from shared.files import make_passable
-
+    jobs from scratch). DATA stays its owner's alone: a job sees its own folders in its box, not DATA."""
     if fresh:
         for folder in ("jetstream", "work"):
             shutil.rmtree(data / folder, ignore_errors=True)
-    if os.geteuid() == 0:
-        make_passable(data, data / "work")
 
 
 def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
@@ -377,7 +382,7 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
         arguments = local_service_arguments(
             args.cluster, data / "work", args.round / 2, args.slot_memory, args.jobs_package
         )
-        agents = local_node_arguments(args.cluster, data / "work", args.jobs_package)
+        agents = local_node_arguments(args.cluster, data / "work", args.jobs_package, args.box, args.slot_memory)
         specs = [_job(path) for path in start_jobs(args.jobs, args.workload, args.jobs_package)]  # refused here
     else:
         agents = {}
@@ -411,7 +416,12 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
                     f"the bearer token in {stack.metrics_token} (Authorization: Bearer)"
                 )
             if real:
-                _say_job_users(data)
+                print(
+                    "  jobs: each in a box of its own (runc: its own user, cgroup, namespaces)"
+                    if args.box == "runc"
+                    else f"  jobs: in NO box (--box off): every job's code runs as {getpass.getuser()}, unconfined",
+                    flush=True,
+                )
             # A node agent that dies is started again, as a node's own supervisor would; a service is told of.
             supervising = asyncio.ensure_future(
                 stack.supervise(lambda name: name in agents, lambda line: print(f"  {line}", flush=True))
@@ -686,14 +696,14 @@ async def _watch(bus, run_id: str) -> None:
                 print(f"  {printable(event)}", flush=True)  # a failure quotes the job's stderr
 
 
-def _say_job_users(data: Path) -> None:
-    """Whether the agents here run each job as a user of its own, when they cannot and so run jobs'
-    code as this process's user: said here, not only in each agent's log."""
-    from services.node.agent import job_users
+def _check_boxes(args: argparse.Namespace) -> None:
+    """Real jobs only where the node agents can box each one, or --box off said in so many words:
+    refused before anything starts, with the reason and the fix."""
+    from services.node.agent import box_problem
 
-    uid_base, why = job_users("auto", data / "work" / "node", sys.executable)
-    if uid_base is None and os.geteuid() == 0:
-        print(f"  WARNING: the jobs' own users are {why}", flush=True)
+    problem, _ = box_problem(args.box, sys.executable, args.jobs_package)
+    if problem:
+        raise ValueError(f"real jobs cannot run here: {problem}")
 
 
 def _running(job: str, gpus: int, record) -> str:

@@ -396,10 +396,18 @@ def local_service_arguments(
     }
 
 
-def local_node_arguments(cluster: str, workdir: Path, jobs_package: str | None = None) -> dict[str, list[str]]:
+def local_node_arguments(
+    cluster: str,
+    workdir: Path,
+    jobs_package: str | None = None,
+    box: str = "runc",
+    slot_memory: float | None = None,
+) -> dict[str, list[str]]:
     """One node agent per machine of the cluster, on this one: `node-<name>` -> its options (each its
-    own CPU slots, work folder and process tree; the checkpoints folder is the executor's)."""
+    own CPU slots, work folder and process tree; the checkpoints folder is the executor's), each job
+    in a box (`box`: runc, or off) of `slot_memory` MB a slot (None: the machine's shared by slots)."""
     package = ["--jobs-package", jobs_package] if jobs_package else []
+    package += ["--box", box, *(("--slot-memory", f"{slot_memory:g}") if slot_memory else ())]
     return {
         f"{NODE_PREFIX}{name}": [
             "--node",

@@ -35,7 +35,7 @@ from services.node.box import (
 )
 from services.node.processes import import_path
 from shared import credentials
-from shared.files import make_passable, make_private
+from shared.files import make_private
 from shared.schema import NodeInfo, StartWorkers, StopWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,7 +219,6 @@ def test_a_job_in_its_box_cannot_read_signal_see_or_reach_what_is_not_its_own(mo
         tmp_path / "data"
     )  # DATA as `goodput up` lays it out (as root): secrets, user.env, nats.conf, the nodes' work
     make_private(data)
-    make_passable(data, data / "work")
     access = Access.kept_in(data / "secrets")
     user_env = credentials.write_user_env(data, "nats://127.0.0.1:4222", access.password_file("user"))
     write_accounts(data, access)

@@ -12,24 +12,37 @@ from pathlib import Path
 
 import pytest
 
+from cli.main import main
 from cli.up import EXAMPLE_JOBS, prepare, start_jobs
-from shared.files import PASSABLE_FOLDER, PRIVATE_FOLDER
+from shared.files import PRIVATE_FOLDER
 from shared.runtime import JOBS_PACKAGE
 
 EXAMPLES = [str(p) for p in EXAMPLE_JOBS]
 
 
-def test_a_fresh_start_wipes_the_jobs_folders_and_leaves_the_way_to_them_open_to_the_jobs_users(tmp_path):
-    # Were the way opened before the wipe, DATA/work would come back closed, and the agents (root)
-    # would run every job's code as root.
+def test_a_fresh_start_wipes_the_jobs_folders_and_leaves_data_closed(tmp_path):
+    # A job sees its own folders in its box, never DATA: nothing on the way to them is opened.
     data = tmp_path / "data"
     (data / "work" / "node").mkdir(parents=True, mode=PRIVATE_FOLDER)
     (data / "jetstream").mkdir()
-    os.chmod(data / "work", PRIVATE_FOLDER)
+    os.chmod(data, PRIVATE_FOLDER)
     prepare(data, fresh=True)
-    assert not (data / "jetstream").exists() and not (data / "work" / "node").exists()
-    if os.geteuid() == 0:
-        assert {oct(os.stat(f).st_mode & 0o777) for f in (data, data / "work")} == {oct(PASSABLE_FOLDER)}
+    assert not (data / "jetstream").exists() and not (data / "work").exists()
+    assert oct(os.stat(data).st_mode & 0o777) == oct(PRIVATE_FOLDER)
+
+
+def test_real_jobs_are_refused_before_anything_starts_where_no_box_can_be_had(monkeypatch, tmp_path, capsys):
+    """No runtime to box jobs with (or no root): `goodput up --executors real` says why and the fix,
+    and starts nothing; --box off, said in so many words, is the operator's choice."""
+    from services.node import agent
+
+    monkeypatch.setattr(agent, "RUNTIME", "no-such-runc")
+    data = tmp_path / "data"
+    code = main(["up", "--executors", "real", "--workload", "none", "--data", str(data)])
+    said = capsys.readouterr().err
+    assert code != 0 and "real jobs cannot run here" in said and "--box off" in said, said
+    assert not data.exists()
+    assert agent.box_problem("off", sys.executable, JOBS_PACKAGE)[0] == ""
 
 
 def test_real_executors_start_with_the_example_jobs_only_when_asked():

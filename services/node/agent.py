@@ -731,15 +731,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def box_problem(box: str, python: str, jobs_package: str) -> tuple[str, list[Path]]:
+    """Why a node agent here cannot give each job a box (`--box`; "" when it can), with the fix, and
+    the folders its boxes show."""
+    shown = shown_folders(python, interpreter_paths(python, import_path(jobs_package)))
+    return check(None if box == "off" else RUNTIME, python, shown), shown
+
+
 def node_boxes(args: argparse.Namespace, workdir: Path, gpus: int, stack: str, agent: str) -> Boxes:
     """The node's boxes as its options say, or SystemExit with why they cannot be had here and the fix."""
     rules = default_rules(gpus, args.slot_cpus, args.slot_memory, args.slot_processes)
     rules = dataclasses.replace(rules, file_mb=args.worker_file_size or None)
-    runtime = None if args.box == "off" else RUNTIME
-    shown = shown_folders(args.worker_python, interpreter_paths(args.worker_python, import_path(args.jobs_package)))
-    problem = check(runtime, args.worker_python, shown)
+    problem, shown = box_problem(args.box, args.worker_python, args.jobs_package)
     if problem:
         raise SystemExit(f"node {args.node}: {problem}")
+    runtime = None if args.box == "off" else RUNTIME
     return Boxes(workdir, rules, args.worker_python, runtime, shown, stack, args.job_uids, agent=agent)
 
 
