@@ -18,16 +18,18 @@ $(STAMP): pyproject.toml train/pyproject.toml
 	# The training library (its own package, what a job's image installs), then the scheduler on it.
 	$(PY) -m pip install --quiet -e ./train
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# The dashboard's browser test drives Debian's Chromium through its chromedriver: installed
-	# here when this is Debian and we are root; otherwise that one test is skipped, and says why.
-	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	# Real jobs run each in a box of its own, made by runc (Debian's package): installed here when
+	# this is Debian and we are root. Without it the node agents refuse to run jobs' code (--box off
+	# runs them unboxed, as you). The dashboard's browser test drives Debian's Chromium through its
+	# chromedriver: installed likewise; otherwise that one test is skipped, and says why.
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] && command -v runc >/dev/null 2>&1; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		echo "installing chromium and chromium-driver (apt-get) for the dashboard's browser test"; \
+		echo "installing runc, chromium and chromium-driver (apt-get): the jobs' boxes, the dashboard's browser test"; \
 		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >/dev/null \
-		|| echo "could not install chromium: the dashboard's browser test will be skipped"; \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runc chromium chromium-driver; } >/dev/null \
+		|| echo "could not install runc and chromium: real jobs will be refused, the browser test skipped"; \
 	else \
-		echo "no chromium (/usr/bin/chromium, /usr/bin/chromedriver) and no root apt-get to install it: the dashboard's browser test will be skipped"; \
+		echo "no runc or chromium and no root apt-get to install them: real jobs need --box off, the dashboard's browser test will be skipped"; \
 	fi
 	touch $(STAMP)
 
