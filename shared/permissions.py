@@ -41,10 +41,11 @@ Within GOODPUT the rules, beyond each role's own subjects:
   names, past the responder's allow list.
 - Only the operator creates or changes streams, consumers and KV buckets (shared/storage.py's
   plan, launcher/setup.py), and writes the team file (`TEAMS_BUCKET`), which the policy and the
-  API read. The services read a stream's info, pull from and acknowledge their own
-  durable consumer, and read and write their own buckets (a KV write is a publish on
-  `$KV.<bucket>.<key>`); a reader of a stream's log creates ordered consumers on that stream only
-  (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
+  API read. One exception: the node agents make each team's logs stream as they first store its
+  lines (`team_logs`: each stream named, one per team with logins, so they make no other). The
+  services read a stream's info, pull from and acknowledge their own durable consumer, and read and
+  write their own buckets (a KV write is a publish on `$KV.<bucket>.<key>`); a reader of a stream's
+  log creates ordered consumers on that stream only (`_follow`), which cannot change it. Services answer the NATS service API (`$SRV.PING`/`INFO`/
   `STATS`, `nats.micro`) and may ping themselves (their readiness probe).
 - Only the policy publishes allocations (`PLACE`, `APPLY`): a profiler, an estimator or a login cannot.
 
@@ -230,6 +231,23 @@ def _follow(stream: str) -> tuple[str, ...]:
     )
 
 
+def team_logs(role: str, teams: Iterable[str]) -> tuple[str, ...]:
+    """What `role` may do with the logs stream of each of `teams` (shared/storage.py's `logs_plan`):
+    the node agents (`executor`) store in it, and make it and bring it to the plan (but DEFAULT_TEAM's,
+    the operator's); the API reads it (to a login, its own team's only). A stream's name is one token
+    of these subjects, so no wildcard can say "the logs streams" alone: `render_accounts` names each
+    team's, the teams of the accounts."""
+    if role == "executor":
+        return tuple(
+            f"$JS.API.STREAM.{op}.{subjects.logs_stream(team)}"
+            for team in teams
+            for op in ("INFO", *(("CREATE", "UPDATE") if team != subjects.DEFAULT_TEAM else ()))
+        )
+    if role == "api":
+        return tuple(subject for team in teams for subject in _stream_read(subjects.logs_stream(team)))
+    return ()
+
+
 @dataclass(frozen=True)
 class LoginLimits:
     """What the server lets each team's account of logins hold, so that no login takes what the
@@ -299,7 +317,7 @@ ROLES: dict[str, Permissions] = {
             *_kv(subjects.JOB_OWNERS_BUCKET),
             *_kv_read(subjects.NODES_BUCKET),
             *_kv_read(subjects.TEAMS_BUCKET),  # each team's guarantee, for `goodput.api.teams`
-            *_stream_read(subjects.LOGS_STREAM),
+            *team_logs("api", (subjects.DEFAULT_TEAM,)),  # jobs' output (each other team's: rendered)
             *_objects(subjects.CODE_STORE),
             _info(subjects.DECISIONS_STREAM),  # the rounds' decisions, for `explain` and `rounds`
             *_follow(subjects.DECISIONS_STREAM),
@@ -344,7 +362,7 @@ ROLES: dict[str, Permissions] = {
             *_objects(subjects.CHECKPOINTS_STORE),
             *_objects_read(subjects.CODE_STORE),  # jobs' own code, which the agents unpack and run
             *subjects.LOGS_SUBJECTS,
-            _info(subjects.LOGS_STREAM),
+            *team_logs("executor", (subjects.DEFAULT_TEAM,)),  # each other team's: rendered with its account
             *_follow(f"KV_{subjects.DRAINED_BUCKET}"),
             _info(JOBS),
             *_durable(JOBS, subjects.EXECUTOR_CONSUMER),
@@ -473,22 +491,26 @@ def render_accounts(
     the logins (`team_account`; LOGINS_ACCOUNT, DEFAULT_TEAM's, always), with a user per login of
     `logins` of that team (`teams`: login -> its team; DEFAULT_TEAM for a login it does not name),
     importing the exports (the requester's info shared) and the intake of its own team only, held
-    to `limits`."""
+    to `limits`. The roles' permissions name each team's logs stream (`team_logs`)."""
     teams = teams or {}
     strangers = sorted(set(teams) - set(logins))
     if strangers:
         raise ValueError(f"teams are given for logins there are not: {', '.join(strangers)}")
+    by_team: dict[str, dict[str, str]] = {subjects.DEFAULT_TEAM: {}}
+    for login, password in logins.items():
+        by_team.setdefault(teams.get(login, subjects.DEFAULT_TEAM), {})[login] = password
+    other_teams = sorted(set(by_team) - {subjects.DEFAULT_TEAM})
     lines = ["accounts {", f"  {SERVICE_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
     for role, password in passwords.items():
         if role not in roles:
             raise ValueError(f"unknown NATS role {role!r}; the roles are {', '.join(roles)}")
-        lines += _user(role, password, roles[role])
+        allowed = roles[role]
+        # The logs streams of the teams with logins: theirs are the jobs that print (DEFAULT_TEAM's in ROLES).
+        allowed = Permissions((*allowed.publish, *team_logs(role, other_teams)), allowed.subscribe)
+        lines += _user(role, password, allowed)
     lines += ["    ]", "    exports: ["]
     lines += [f"      {{service: {json.dumps(subject)}}}" for subject in (*EXPORTS, INTAKE_EXPORT)]
     lines += ["    ]", "  }"]
-    by_team: dict[str, dict[str, str]] = {subjects.DEFAULT_TEAM: {}}
-    for login, password in logins.items():
-        by_team.setdefault(teams.get(login, subjects.DEFAULT_TEAM), {})[login] = password
     for team in sorted(by_team, key=lambda name: (name != subjects.DEFAULT_TEAM, name)):
         lines += _login_account(team, by_team[team], limits)
     lines.append("}")

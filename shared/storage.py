@@ -4,12 +4,15 @@ in one place.
 Only the operator creates or changes them (`provision`: `goodput up` at start, `python -m
 launcher.setup` as a one-shot in the manifests). A service opens what it uses (`open_stream`,
 `open_kv`, `open_consumer`) and fails with a clear message when it is missing or differs from
-this plan, so no service (and no user) may create a stream with a configuration of its own.
+this plan, so no service (and no user) may create a stream with a configuration of its own. One
+exception, still the plan's: a team's logs stream (`logs_plan`) is made by the first node agent
+that stores a line of that team's (`ensure_logs`), since teams come with their logins; the server
+lets the agents make the logs streams of the teams it knows, and none other.
 
 Limits, so one user cannot fill the disk: each stream and bucket has max bytes (and an age where
 old entries may go); the jobs stream refuses new messages when full rather than dropping stored
-ones, and any message over MAX_SUBMISSION_BYTES. The sum of the limits (`total_bytes`) is what the
-JetStream store must hold.
+ones, and any message over MAX_SUBMISSION_BYTES. The sum of the limits (`total_bytes`, with
+LOG_TEAMS teams' logs) is what the JetStream store must hold.
 
 So that no one login fills or stalls what all share (`LOGIN_LIMITS`): what a login publishes itself
 waits in the intake stream, at most LoginLimits.backlog messages of it at once (JetStream refuses
@@ -47,7 +50,13 @@ MAX_SUBMISSION_BYTES = 64 * KIB  # a JobSpec is a few hundred bytes; anything th
 MAX_STORED_BYTES = 4 * KIB
 MAX_INTAKE_BYTES = 16 * KIB  # ... and one a login stores itself, raw, at most this
 LEASE_TTL_S = 5.0  # the policy lease: a dead leader is replaced within this
-LOG_BATCHES_PER_RANK = 1_000  # a rank's output kept: this many batches (each at most 64 lines, 32 KiB)
+# What jobs print, a stream per team (`logs_plan`): a team's output kept is at most TEAM_LOGS_BYTES, and
+# a job's at most LOG_BATCHES_PER_JOB batches (each at most 64 lines and 32 KiB: a quarter of its team's
+# bytes), the oldest going first past either, so one team's flood ages out only its own jobs' lines,
+# and one job's only its own. The plan holds room for LOG_TEAMS teams' (`total_bytes`).
+TEAM_LOGS_BYTES = 64 * MIB
+LOG_BATCHES_PER_JOB = 512
+LOG_TEAMS = 4  # the store holds more where it has room: `goodput up`'s has 1 GiB beyond the plan
 SETUP_HINT = (
     "the operator creates it: `goodput up` does at start, a deployment runs `python -m launcher.setup` "
     "(the setup job in the manifests)"
@@ -110,6 +119,39 @@ class Durable:
     ack_wait_s: float = 30.0  # a handler that takes longer says it is still at work (Delivery.in_progress)
 
 
+def logs_plan(team: str, **limits: Any) -> Stream:
+    """The stream of what `team`'s jobs print: rotated, a job's oldest batches going first past its
+    share, any of the team's past its bytes or age, so a chatty job neither fills the disk nor
+    refuses, nor ages out another team's. DEFAULT_TEAM's is the operator's (`provision`); another
+    team's is made by the first node agent that stores its lines (`ensure_logs`), which may make that
+    team's only (shared/permissions.py). `limits`: others than the plan's (a test's)."""
+    return Stream(
+        subjects.logs_stream(team),
+        (subjects.team_logs(team),),
+        {
+            "max_bytes": TEAM_LOGS_BYTES,
+            "max_age": 7 * DAY_S,
+            "max_msgs_per_subject": LOG_BATCHES_PER_JOB,
+            "max_msg_size": 64 * KIB,
+            "discard": api.DiscardPolicy.OLD,
+            **limits,
+        },
+    )
+
+
+async def ensure_logs(bus: Bus, team: str, **limits: Any) -> None:
+    """Create `team`'s logs stream, or bring it to the plan (`logs_plan`'s `limits`): nothing asked
+    but its info when it is so."""
+    stream = logs_plan(team, **limits)
+    try:
+        info = await bus.js.stream_info(stream.name)
+        if not _differences(info.config, {"subjects": list(stream.subjects), **stream.limits}):
+            return
+    except nats.js.errors.NotFoundError:
+        pass
+    await bus.ensure_stream(stream.name, stream.subjects, **stream.limits)
+
+
 STREAMS = {
     s.name: s
     for s in (
@@ -167,19 +209,7 @@ STREAMS = {
                 "discard": api.DiscardPolicy.OLD,
             },
         ),
-        # What jobs print, per rank: rotated, a rank's oldest batches going first past its bound, any
-        # job's past the stream's bytes or age, so one chatty job neither fills the disk nor refuses.
-        Stream(
-            subjects.LOGS_STREAM,
-            subjects.LOGS_SUBJECTS,
-            {
-                "max_bytes": 256 * MIB,
-                "max_age": 7 * DAY_S,
-                "max_msgs_per_subject": LOG_BATCHES_PER_RANK,
-                "max_msg_size": 64 * KIB,
-                "discard": api.DiscardPolicy.OLD,
-            },
-        ),
+        logs_plan(subjects.DEFAULT_TEAM),  # what DEFAULT_TEAM's jobs print; each other team's, its own
         # The live run's decisions: each job's last rounds, and the rounds' summaries, for `goodput
         # explain` and the dashboard; the oldest go first past a subject's bound, the age or the bytes.
         Stream(
@@ -233,6 +263,7 @@ def total_bytes() -> int:
     """The most the plan's streams and buckets may hold together."""
     return (
         sum(s.limits.get("max_bytes", 0) for s in STREAMS.values())
+        + (LOG_TEAMS - 1) * TEAM_LOGS_BYTES  # the other teams' logs streams (DEFAULT_TEAM's is in STREAMS)
         + sum(b.max_bytes for b in BUCKETS.values())
         + sum(OBJECT_STORES.values())
     )

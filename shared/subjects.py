@@ -173,18 +173,30 @@ CHECKPOINTS_STORE = "goodput_checkpoints"
 # Jobs' own code (`goodput submit --code DIR`): an archive per object, named by its sha256; the API
 # stores what logins upload (API_CODE_PUT), the node agents read it.
 CODE_STORE = "goodput_code"
-# What jobs print: each rank's stdout and stderr lines, in batches (LogBatch) its node agent stores on
-# `job_logs(job, rank)`; a rank's oldest go first (the plan's limits), and the API reads them to the
-# job's submitter (API_LOGS). The rank is the last token, so `job_logs(job)` matches one job only.
-LOGS_STREAM = "GOODPUT_LOGS"
+# What jobs print: each rank's stdout and stderr lines, in batches (LogBatch, each of one rank) its node
+# agent stores on `job_logs(team, job)`, in its team's stream (`logs_stream(team)`), which holds only
+# that team's: one team's output ages out only its own, and a job's only its own beyond its share (the
+# plan's limits, shared/storage.py). The API reads them to the job's team (API_LOGS), from that team's
+# stream. The team is one token (a team's name has no dot), the job the rest (a job id may have dots).
 LOGS = f"{PREFIX}.logs"
-LOGS_SUBJECTS = (f"{LOGS}.>",)
-PROFILE_RANK = "profile"  # the rank token of a job's profiling runs' output
+LOGS_SUBJECTS = (f"{LOGS}.>",)  # every team's: what the node agents store on
+LOGS_STREAM = "GOODPUT_LOGS"  # DEFAULT_TEAM's stream; another team's is LOGS_STREAM_<team>
+PROFILE_RANK = "profile"  # the rank of a job's profiling runs' output
 
 
-def job_logs(job_id: str, rank: int | str = "*") -> str:
-    """Where a job's rank's output lines are stored (`*`: every rank's)."""
-    return f"{LOGS}.{job_id}.{rank}"
+def logs_stream(team: str) -> str:
+    """The stream of `team`'s jobs' output (DEFAULT_TEAM's: LOGS_STREAM)."""
+    return LOGS_STREAM if team == DEFAULT_TEAM else f"{LOGS_STREAM}_{team}"
+
+
+def team_logs(team: str) -> str:
+    """The subjects of `team`'s logs stream."""
+    return f"{LOGS}.{team}.>"
+
+
+def job_logs(team: str, job_id: str) -> str:
+    """Where the output of `team`'s job `job_id` (its id within the cluster) is stored, every rank's."""
+    return f"{LOGS}.{team}.{job_id}"
 
 
 def node_subject(node: str, endpoint: str) -> str:

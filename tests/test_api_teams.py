@@ -263,7 +263,7 @@ async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else
 
     # A team-mate follows and cancels it: by its id within the cluster.
     page = await judge.logs_of(LogsRequest("gpt-2", rank=0), ANN)
-    assert bus.logs_asked == [subjects.job_logs("nlp.gpt-2", 0)] and page.lines == ()
+    assert bus.logs_asked == [subjects.job_logs("nlp", "nlp.gpt-2")] and page.lines == ()
     cancelled = await judge.cancel_of(JobRequest("gpt-2"), ANN)
     assert (cancelled.cancelled, cancelled.id, cancelled.state) == (True, "gpt-2", JobState.CANCELLED)
     [(_, order, msg_id)] = [p for p in bus.published if p[0] == subjects.CANCEL]

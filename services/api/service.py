@@ -70,7 +70,7 @@ from opentelemetry import trace
 
 from services.api.code import CodeGate
 from services.api.explain import explanation, read_last
-from services.api.logs import read_page, stream_reader
+from services.api.logs import job_page
 from shared import storage, subjects
 from shared.bus import Bus, NotFound, Refused, RevisionConflict, TypedKV, explained, requester
 from shared.cluster import Cluster, load_cluster
@@ -727,14 +727,14 @@ class Gate:
         return await self.logs_of(request, login())
 
     async def logs_of(self, request: LogsRequest, who: Who) -> LogsPage:
-        """The page of what the job `request.id` of `who`'s team printed (404 for another's: no one
-        learns of another's jobs); `end` is read first, so an ended job's last lines are in its pages."""
+        """The page of what the job `request.id` of `who`'s team printed, from that team's logs stream
+        (404 for another's: no one learns of another's jobs); `end` is read first, so an ended job's
+        last lines are in its pages. The operator reads any team's, the job's."""
         now, scoped = await self.named_job(request.id, who)
         ended = now.state in (*ENDED, JobState.CANCELLED)
         if scoped is None:
             return LogsPage((), request.after, False, ended)
-        subject = subjects.job_logs(scoped, "*" if request.rank is None else request.rank)
-        lines, cursor, more = await read_page(stream_reader(self.bus), subject, request.after, request.limit)
+        lines, cursor, more = await job_page(self.bus, now.team if who.everyone else who.team, scoped, request)
         return LogsPage(tuple(lines), cursor, more, ended)
 
     async def jobs(self, request: JobsRequest) -> JobsPage:

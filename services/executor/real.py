@@ -211,7 +211,13 @@ class RealExecutors:
         if job.apart is not None:  # a refusal listed on its own: nothing ever runs
             return
         try:
-            self.executors.add(job.spec.id, job.spec.model, *owned(job.spec.own_code, job.owner), user=job.submission)
+            self.executors.add(
+                job.spec.id,
+                job.spec.model,
+                *owned(job.spec.own_code, job.owner),
+                user=job.submission,
+                team=job.spec.team or DEFAULT_TEAM,
+            )
         except ValueError as error:  # refused on submission, or its code is gone since
             job.failure = job.failure or str(error)
             return
@@ -250,7 +256,9 @@ class RealExecutors:
             spec, submission=sequence, seen=sequence, trace=trace, submitted_at=time.time(), owner=owner
         )
         try:
-            self.executors.add(spec.id, spec.model, *owned(spec.own_code, owner), user=sequence)
+            self.executors.add(
+                spec.id, spec.model, *owned(spec.own_code, owner), user=sequence, team=spec.team or DEFAULT_TEAM
+            )
         except ValueError as error:
             job.failure = str(error)
 

@@ -27,8 +27,8 @@ from shared.bus import Bus
 from shared.schema.logs import BATCH_LINES, MAX_LINE_BYTES, LogBatch, OutputLine, batches, cut
 
 FLUSH_S = 0.5  # a line waits at most this long before it is stored
-# Lines of one job waiting to be stored (its ranks' together, at most 4 KiB each): at FLUSH_S, some
-# 8,000 lines a second stored before any is dropped, and at most 16 MiB held for a job.
+# Lines of one job waiting to be stored, its ranks' together: 64 full batches, a burst that waits
+# while the agent stores, and at most 16 MiB held for a job (a line is cut at 4 KiB).
 MAX_PENDING_LINES = 4_096
 STORE_TIMEOUT_S = 5.0
 WARN_EVERY_S = 60.0

@@ -162,6 +162,7 @@ async def profiling_run(
     code: tuple[str, str, tuple[str, ...]] = ("", "", ()),
     user: int | None = None,
     whose: str = "",
+    team: str = subjects.DEFAULT_TEAM,
 ) -> ProfileRun:
     """Run the job's script in profiling mode on one GPU of a node of `gpu_type`; what it measured.
     A node lost under the run: it starts again on another of the type (`members`: the nodes'
@@ -170,7 +171,8 @@ async def profiling_run(
     `profiler.run` span with what it measured or why it failed. `code`: the job's own (archive,
     entrypoint, args), which the node agent fetches and runs; none: `application`, a job module.
     `user`: the number of the job's user on the node (its submission's, as the executor gives it);
-    `whose`: the team (or the default team's login) the run's turn on a node is counted to."""
+    `whose`: the team (or the default team's login) the run's turn on a node is counted to; `team`:
+    the job's (its output is stored in that team's logs)."""
     turns = members if isinstance(members, NodeTurns) else NodeTurns(members)
     tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
     with tracer.start_as_current_span(
@@ -188,7 +190,9 @@ async def profiling_run(
                 try:
                     if cancelled():
                         raise ProfilingCancelled(f"job {job_id} was cancelled before its profiling run on {gpu_type}")
-                    request = ProfileRequest(job_id, application, slot_memory_mb, timeout_s, *code, user=user)
+                    request = ProfileRequest(
+                        job_id, application, slot_memory_mb, timeout_s, *code, user=user, team=team
+                    )
                     answer = await _run_on(bus, turns, info, request)
                     break
                 except NodeUnavailable as error:

@@ -179,6 +179,7 @@ class Profiler:
                 code=owned(spec.own_code, owner),  # its login's archive
                 user=user,
                 whose=spec.team if spec.team not in (None, subjects.DEFAULT_TEAM) else owner,  # turns by team
+                team=spec.team or subjects.DEFAULT_TEAM,
             )
             memory = f"{self.slot_memory:g} MB memory" if self.slot_memory else "memory"
             profiles.append(measured_profile(spec.id, spec.model, gpu_type, run, memory))

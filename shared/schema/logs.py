@@ -1,5 +1,5 @@
-"""What jobs print: a node agent stores each rank's output lines in the logs stream (`LogBatch`, on
-`goodput.logs.<job>.<rank>`), and the user API reads them back to the job's submitter
+"""What jobs print: a node agent stores each rank's output lines in its team's logs stream
+(`LogBatch`, on `goodput.logs.<team>.<job>`), and the user API reads them back to the job's team
 (goodput.api.logs: `LogsRequest` -> `LogsPage`)."""
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ class OutputLine(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LogBatch(msgspec.Struct, frozen=True):
-    """A node agent -> the logs stream (goodput.logs.<job>.<rank>): a rank's next lines, in order."""
+    """A node agent -> its team's logs stream (goodput.logs.<team>.<job>): a rank's next lines, in order."""
 
+    rank: Rank
     lines: tuple[OutputLine, ...]
 
 
@@ -77,19 +78,21 @@ def line_bytes(line: OutputLine) -> int:
     return len(line.text.encode(errors="replace")) + 32
 
 
-def batches(lines: list[OutputLine], max_lines: int = BATCH_LINES, max_bytes: int = BATCH_BYTES) -> list[LogBatch]:
-    """`lines` in order, as batches of at most `max_lines` lines and `max_bytes` (a single line over
-    it, a batch of its own)."""
+def batches(
+    rank: int | str, lines: list[OutputLine], max_lines: int = BATCH_LINES, max_bytes: int = BATCH_BYTES
+) -> list[LogBatch]:
+    """`rank`'s `lines` in order, as batches of at most `max_lines` lines and `max_bytes` (a single
+    line over it, a batch of its own)."""
     found: list[LogBatch] = []
     current: list[OutputLine] = []
     size = 0
     for line in lines:
         weight = line_bytes(line)
         if current and (len(current) >= max_lines or size + weight > max_bytes):
-            found.append(LogBatch(tuple(current)))
+            found.append(LogBatch(rank, tuple(current)))
             current, size = [], 0
         current.append(line)
         size += weight
     if current:
-        found.append(LogBatch(tuple(current)))
+        found.append(LogBatch(rank, tuple(current)))
     return found

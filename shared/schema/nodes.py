@@ -9,6 +9,7 @@ from typing import Iterable
 import msgspec
 
 from goodput_train.protocol import PositiveFloat, PositiveInt, ProfileRun
+from shared.schema.base import DEFAULT_TEAM, TeamName
 
 
 class NodeInfo(msgspec.Struct, frozen=True):
@@ -62,6 +63,7 @@ class StartWorkers(msgspec.Struct, frozen=True):
     # The number of the job's user on every node (its submission's, never the submitter's choice: its
     # workers' uid is the agent's first plus it); None: an older executor's order (a hash of the id).
     user: int | None = None
+    team: TeamName = DEFAULT_TEAM  # the job's team: its output is stored in that team's logs stream
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -111,6 +113,7 @@ class ProfileRequest(msgspec.Struct, frozen=True):
     entrypoint: str = ""
     args: tuple[str, ...] = ()
     user: int | None = None  # as StartWorkers'
+    team: TeamName = DEFAULT_TEAM  # as StartWorkers'
 
 
 class ProfileAnswer(msgspec.Struct, frozen=True):
