@@ -28,6 +28,7 @@ from shared.schema import (
     JobSpec,
     Node,
     NodeInfo,
+    NodeJob,
     NodeReport,
     Profiled,
     Rendezvous,
@@ -276,3 +277,31 @@ def test_workers_that_ignore_sigterm_hold_up_no_one_but_the_job_placed_on_their_
     assert nodes.first("start", "c")[2] < min(stopped_a[2], stopped_b[2])  # on free slots: at once
     assert stopped_b[2] <= nodes.first("start", "d")[2]  # on b's slots: once b's workers were gone
     assert (a.restarts, a.crashes, b.failure, b.result, c.crashes, d.crashes) == (1, 0, CANCELLED, None, 0, 0)
+
+
+def test_a_successor_ends_the_workers_of_a_job_cancelled_while_they_stopped():
+    """The executor dies while a cancelled job's workers stop (KV holds the cancel and where they
+    run): its successor stops what is left, counts no restart, and the job reads as cancelled."""
+    nodes = GatedNodes()
+    slots = Cluster("local-4", (Node("local-0", "cpu", 4),))
+    agent = RealExecutors(LocalExecutors(nodes, None, slots, blocking=False))
+    agent.submitted(JobSpec("lm", "mlp_blobs"), 1)
+    agent.profiled(Profiled("lm", 16, 256, submission=1))
+    agent.arrive(0.0)
+    agent.apply(0.0, {"lm": (("local-0", 2),)})
+    until(agent.executors, lambda: not agent.executors.jobs["lm"].busy)
+    agent.cancelled(Cancel("lm"))  # its stop hangs, and the executor dies
+    assert agent.state_of(agent.jobs["lm"]) == JobState.RUNNING
+    kept = msgspec.msgpack.decode(msgspec.msgpack.encode(agent.saved()), type=list[NodeJob])  # as KV keeps them
+    nodes.gate("lm").set()
+
+    after = GatedNodes()
+    after.gate("lm").set()
+    successor = RealExecutors(LocalExecutors(after, None, slots))
+    for job in kept:
+        successor.restore(job)
+    successor.executors.stop_leftovers()
+    assert after.calls == [("stop", "local-0", "lm"), ("stopped", "local-0", "lm")]
+    local = successor.executors.jobs["lm"]
+    assert (local.running, local.restarts, local.failure) == (False, 0, CANCELLED)
+    assert successor.state_of(successor.jobs["lm"]) == JobState.CANCELLED

@@ -409,11 +409,12 @@ class LocalExecutors:
 
     def stop_leftovers(self) -> None:
         """After the executor restarted: the workers its predecessor left running on the nodes
-        (restored jobs marked running) checkpoint and stop; the next apply starts them again."""
+        (restored jobs marked running) checkpoint and stop; the next apply starts them again (a
+        cancelled job's, whose stop was under way, end)."""
         for job in self.jobs.values():
             if job.running and not job.busy:
                 job.placement = ()
-                self._stop(job, Why.LEFTOVER)
+                self._stop(job, Why.CANCEL if job.failure else Why.LEFTOVER)
         self._done()
 
     def stop_all(self) -> None:

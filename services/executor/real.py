@@ -233,6 +233,8 @@ class RealExecutors:
             local.restarts, local.placement = job.restarts, job.placement  # as it ended
             if job.finish_s is not None:
                 local.result, local.announced = {"metric": job.metric, "batches": list(job.batches)}, True
+            elif job.parts:  # cancelled while its workers stopped: `stop_leftovers` ends what is left
+                local.parts, local.running = job.parts, True
         else:
             # Its workers (still on their nodes, if the agents live) are stopped: they start again.
             local.restarts, local.placement, local.parts = job.restarts, job.placement, job.parts
