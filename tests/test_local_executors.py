@@ -535,16 +535,18 @@ def test_a_stop_for_a_job_being_profiled_here_ends_its_run_at_once(tmp_path):
     import uuid
 
     from shared.schema import ProfileRequest, StopWorkers
-    from tests.jobs.profile_stalls import marker
+    from tests.jobs.profile_stalls import STALLING, marker
 
     job = f"stall-{uuid.uuid4().hex[:8]}"
     node = NodeWorkers(NodeInfo("local-0", "cpu", 2, "127.0.0.1"), tmp_path, "tests.jobs")
     answers = []
+    marker(job).touch()
     run = threading.Thread(target=lambda: answers.append(node.profile(ProfileRequest(job, "profile_stalls"))))
     run.start()
     try:
         deadline = time.monotonic() + 60
-        while not marker(job).exists():  # the run is under way, and stalls
+        log = tmp_path / f"{job}.profile-cpu.log"
+        while not (log.exists() and STALLING in log.read_text()):  # the run is under way, and stalls
             assert time.monotonic() < deadline and run.is_alive(), answers
             time.sleep(0.05)
         assert node.stop(StopWorkers(job, kill=True)) == WorkersReport(job, -1, (), ())

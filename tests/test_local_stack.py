@@ -298,8 +298,10 @@ async def _node_lost_while_profiling(folder):
                 None,
             )
 
+        stalling_marker(stalls).touch()
         await _submit(bus, {stalls: "profile_stalls"})
         node = await until(stalled_on, "its first profiling run to stall")
+        stalling_marker(stalls).unlink()  # its next run does not stall
         waiting = await until(lambda: _reason_if(record(stalls), "profiling on node"), "its status to say where")
         # Another job is profiled on the other node meanwhile, not behind it. A third, submitted
         # while both nodes are busy, is cancelled as it waits: its run never starts.

@@ -11,8 +11,6 @@ through JetStream's object store.
 
 import asyncio
 import io
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -132,7 +130,7 @@ async def test_a_job_moves_spans_two_nodes_survives_a_lost_one_and_finishes_wher
     agents.start("a")
     agents.start("b")
     await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
-    executors.add("lm", "tiny_lm")
+    executors.add("lm", "tiny_lm", user=1)
     job = executors.jobs["lm"]
 
     async def trained_on(gpus: int, steps: int = 1) -> bool:
@@ -177,12 +175,18 @@ async def test_a_worker_hung_in_a_collective_restarts_its_job_in_bounded_time(cl
     agents.start("a")
     agents.start("b")
     await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
-    executors.add("mlp", "mlp_blobs")
+    executors.add("mlp", "mlp_blobs", user=2)
     job = executors.jobs["mlp"]
     await asyncio.to_thread(executors.apply, {"mlp": ((a, 1), (b, 1))})
     await until(lambda: _stepped_past(poll, job, 0), "training on nodes a and b")
-    hung = int((tmp_path / "b" / "mlp.pids").read_text().split()[0])
-    os.kill(hung, signal.SIGSTOP)  # rank 1 stops dead, mid-step: rank 0 waits in its all-reduce
+    # Rank 1 stops dead, mid-step, every process of its box frozen: rank 0 waits in its all-reduce.
+    runc = ["runc", "--root", str(tmp_path / "b" / "runc")]
+    [hung] = [
+        name
+        for name in subprocess.run([*runc, "list", "-q"], capture_output=True, text=True).stdout.split()
+        if name.startswith("mlp.")
+    ]
+    subprocess.run([*runc, "pause", hung], check=True)
     started = time.monotonic()
     await until(
         lambda: _poll_then(poll, lambda: job.crashes >= 1),
@@ -193,7 +197,9 @@ async def test_a_worker_hung_in_a_collective_restarts_its_job_in_bounded_time(cl
     await until(lambda: _finished(poll, "mlp"), "the job finished", timeout_s=300)
     assert job.failure is None and job.result["metric"] >= 0.95
     assert restarted_after < 60, f"restarted {restarted_after:.0f} s after the hang (timeout 5 s)"
-    assert subprocess.run(["ps", "-p", str(hung)], capture_output=True).returncode != 0  # the hung worker is gone
+    assert (
+        hung not in subprocess.run([*runc, "list", "-q"], capture_output=True, text=True).stdout.split()
+    )  # its box is gone
 
 
 async def _has(nodes, names: set[str]) -> bool:
@@ -234,7 +240,7 @@ async def test_without_a_shared_folder_a_job_resumes_on_another_node_from_jetstr
     agents.start("b")
     await until(lambda: _has(nodes, {"a", "b"}), "agents a and b registered")
     name = f"{a}-lm"  # a job id of this test's own: the store is the session's
-    executors.add(name, "tiny_lm")
+    executors.add(name, "tiny_lm", user=3)
     job = executors.jobs[name]
     await asyncio.to_thread(executors.apply, {name: ((a, 1),)})
     await until(lambda: _stepped_past(poll, job, 9), "training on node a")

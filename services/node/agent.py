@@ -283,8 +283,8 @@ class NodeWorkers:
                 )
                 workers.processes.append(process)
                 for read, args in (
-                    (_forward, (process, workers, local == 0, self._keeper(order.job_id, rank, "stdout"))),
-                    (copy_lines, (process.stderr, log_file, self._keeper(order.job_id, rank, "stderr"))),
+                    (_forward, (process, workers, local == 0, self._keeper(order.job_id, rank, "stdout", order.team))),
+                    (copy_lines, (process.stderr, log_file, self._keeper(order.job_id, rank, "stderr", order.team))),
                 ):
                     reader = threading.Thread(
                         target=read, args=args, name=_reader_name(order.job_id, rank), daemon=True
@@ -371,7 +371,7 @@ class NodeWorkers:
             return ProfileAnswer(failure=f"its profiling run on {gpu_type} took longer than {request.timeout_s:.0f} s")
         # What it read so far (a reader still reading, held up by a process that left the group, is not waited for).
         profiles, out = list(profiles), "" if reader.is_alive() else "".join(tail)
-        self._keep_profile(request.job_id, out, log_path)
+        self._keep_profile(request.job_id, out, log_path, request.team)
         if process.returncode != 0:
             return ProfileAnswer(
                 failure=f"its script failed while profiling on {gpu_type} (exit code "
@@ -488,10 +488,10 @@ class NodeWorkers:
             workers.metrics,
         )
 
-    def _keeper(self, job_id: str, rank: int | str, stream: str) -> Callable[[str], None] | None:
-        return None if self.output is None else self.output.keeper(job_id, rank, stream)
+    def _keeper(self, job_id: str, rank: int | str, stream: str, team: str) -> Callable[[str], None] | None:
+        return None if self.output is None else self.output.keeper(job_id, rank, stream, team)
 
-    def _keep_profile(self, job_id: str, out: str, log_path: Path) -> None:
+    def _keep_profile(self, job_id: str, out: str, log_path: Path, team: str) -> None:
         """A profiling run's output once it has ended, as the job's "profile" rank's: its stdout but
         the protocol's, the end of its stderr (read back from its file)."""
         if self.output is None:
@@ -501,7 +501,7 @@ class NodeWorkers:
             stderr = file.read().decode(errors="replace").splitlines()
         stdout = [line for line in out.splitlines() if not line.startswith(PROTOCOL_PREFIXES)]
         for stream, lines in (("stdout", stdout), ("stderr", stderr)):
-            keep = self.output.keeper(job_id, subjects.PROFILE_RANK, stream)
+            keep = self.output.keeper(job_id, subjects.PROFILE_RANK, stream, team)
             for line in lines:
                 keep(line)
 

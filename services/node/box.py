@@ -58,6 +58,7 @@ JOB_UID_SPAN = 1 << 24  # jobs' users are JOB_UID_BASE + [0, JOB_UID_SPAN)
 CLAIMS = Path("/run/goodput/uids")  # the host's claims on jobs' users, by every agent of every stack
 SYSTEM_FOLDERS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var")
 BOX_ROOT = "box-root"  # in the agent's folder
+MOUNT_POINTS = ("/proc", "/dev", "/sys", "/run", "/tmp", str(JOB_HOME), str(JOB_CHECKPOINTS))
 INIT = "services.node.box_init"  # a box's first process
 MB = 1 << 20
 CPU_PERIOD_US = 100_000
@@ -257,10 +258,20 @@ class Boxes:
             return
         self.state.mkdir(mode=PRIVATE, parents=True, exist_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
-        self.root.mkdir(mode=0o755, parents=True)
         for name in SYSTEM_FOLDERS:
             if Path("/", name).is_symlink():
+                self.root.mkdir(parents=True, exist_ok=True)
                 (self.root / name).symlink_to(os.readlink(Path("/", name)))
+        # Every folder on the way to a mount point open to the jobs' users, whatever our umask (a
+        # private one, as `goodput up` gives its agents, would close the box's own `/work` to them).
+        for point in (*self.shown, *MOUNT_POINTS):
+            way = self.root
+            for part in Path(point).parts[1:]:
+                way = way / part
+                way.mkdir(exist_ok=True)
+                os.chmod(way, 0o755)
+        self.root.mkdir(exist_ok=True)
+        os.chmod(self.root, 0o755)
 
     def open(
         self,
@@ -429,6 +440,7 @@ class Box:
                     stdout=subprocess.DEVNULL,
                     stderr=said,
                     timeout=RUNTIME_TIMEOUT_S,
+                    umask=0o022,  # what runc makes in the box's root is open to its user
                 )
             finally:
                 os.close(read)
