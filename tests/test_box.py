@@ -190,7 +190,6 @@ def boxed_node(name: str, workdir: Path, slots: int = 2, rules: Rules | None = N
         "runc",
         shown,
         f"test-{os.getpid()}",
-        agent=name,
     )
     boxes.prepare()
     return NodeWorkers(NodeInfo(name, "cpu", slots, "127.0.0.1"), workdir, "tests.jobs", boxes=boxes)

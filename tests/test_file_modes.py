@@ -17,6 +17,7 @@ import nats.errors
 import pytest
 
 from launcher.nats import free_loopback_port
+from services.node.box import BOX_ROOT
 from shared import storage, subjects
 from shared.schema import Ack, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 from tests.test_multinode import until
@@ -40,13 +41,15 @@ def loose_umask():
 def readable_by_others(*folders: Path) -> str:
     """The folders and what is under them that the group or others may read or write, or run (links
     aside), a line each with its mode; "" when none. A folder they may only enter, not list (0711),
-    is on the way to a job's own folder, for the job's user (as root, DATA and DATA/work are)."""
+    is on the way to a job's own folder, for the job's user. The boxes' root is open: its folders are
+    where a box mounts what it shows (a file there is reported)."""
     return "\n".join(
         f"{oct(stat.S_IMODE(mode))} {path}"
         for folder in folders
         for path in (folder, *folder.rglob("*"))
         if not stat.S_ISLNK(mode := path.lstat().st_mode)
         and stat.S_IMODE(mode) & (0o066 if stat.S_ISDIR(mode) else 0o077)
+        and not (BOX_ROOT in path.relative_to(folder).parts and stat.S_ISDIR(mode))
     )
 
 
@@ -123,7 +126,7 @@ async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(
             stderr=subprocess.STDOUT,
         )
     try:
-        order = StartWorkers("w-1", "writes", 1, (0,), 1, 1, "cpu", str(checkpoints / "w-1.pt"))
+        order = StartWorkers("w-1", "writes", 1, (0,), 1, 1, "cpu", str(checkpoints / "w-1" / "w-1.pt"), user=1)
         await until(lambda: _started(bus, node, order), "the agent started the job", timeout_s=60)
         report = await until(lambda: _ended(bus, node), "the job ended", timeout_s=120)
         assert report.codes == (0,) and report.outcome, report
@@ -132,7 +135,7 @@ async def test_a_node_agents_work_folder_job_logs_and_checkpoints_are_private(
         agent.terminate()
         agent.wait(timeout=60)
     assert {"old-1.rank0.log", "w-1.rank0.log"} <= {p.name for p in work.iterdir()}
-    assert (checkpoints / "w-1.pt").is_file() and (checkpoints / "w-1.notes" / "notes.txt").is_file()
+    assert (checkpoints / "w-1" / "w-1.pt").is_file() and (checkpoints / "w-1" / "w-1.notes" / "notes.txt").is_file()
     assert not (loose := readable_by_others(work, checkpoints)), loose
 
 

@@ -676,11 +676,11 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     with provider.get_tracer("test").start_as_current_span("profiler.consume"):
         with pytest.raises(measure.ProfilingFailed):
-            await measure.profiling_run(bus, members, "p-1", "no_such_job", gpu_type, tracer_provider=provider)
-        run = await measure.profiling_run(bus, members, "p-2", "quick", gpu_type, tracer_provider=provider)
+            await measure.profiling_run(bus, members, "p-1", "no_such_job", gpu_type, tracer_provider=provider, user=1)
+        run = await measure.profiling_run(bus, members, "p-2", "quick", gpu_type, tracer_provider=provider, user=2)
         with pytest.raises(measure.ProfilingCancelled):
             await measure.profiling_run(
-                bus, members, "p-3", "quick", gpu_type, cancelled=lambda: True, tracer_provider=provider
+                bus, members, "p-3", "quick", gpu_type, cancelled=lambda: True, tracer_provider=provider, user=3
             )
     assert run.points and run.init_batch > 0
     await agent.stop()

@@ -738,7 +738,7 @@ def box_problem(box: str, python: str, jobs_package: str) -> tuple[str, list[Pat
     return check(None if box == "off" else RUNTIME, python, shown), shown
 
 
-def node_boxes(args: argparse.Namespace, workdir: Path, gpus: int, stack: str, agent: str) -> Boxes:
+def node_boxes(args: argparse.Namespace, workdir: Path, gpus: int, stack: str) -> Boxes:
     """The node's boxes as its options say, or SystemExit with why they cannot be had here and the fix."""
     rules = default_rules(gpus, args.slot_cpus, args.slot_memory, args.slot_processes)
     rules = dataclasses.replace(rules, file_mb=args.worker_file_size or None)
@@ -746,7 +746,7 @@ def node_boxes(args: argparse.Namespace, workdir: Path, gpus: int, stack: str, a
     if problem:
         raise SystemExit(f"node {args.node}: {problem}")
     runtime = None if args.box == "off" else RUNTIME
-    return Boxes(workdir, rules, args.worker_python, runtime, shown, stack, args.job_uids, agent=agent)
+    return Boxes(workdir, rules, args.worker_python, runtime, shown, stack, args.job_uids)
 
 
 def detected_gpus() -> tuple[str, tuple[str, ...]]:
@@ -778,7 +778,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
     members = await storage.open_kv(bus, subjects.NODES_BUCKET, NodeInfo)
     # This stack's name on the host, the same for all its agents: its jobs' users are its own (`box.Claims`).
     stack = str((await bus.js.stream_info(storage.BUCKETS[subjects.NODES_BUCKET].stream)).created)
-    boxes = await asyncio.to_thread(node_boxes, args, workdir, gpus, stack, info.agent)
+    boxes = await asyncio.to_thread(node_boxes, args, workdir, gpus, stack)
     # What a killed agent before this one left running is stopped first: nothing of a job's is left
     # to change its folder while it is walked. Jobs' folders are their users' (its box gives them
     # back): only the agent's own files are made private.

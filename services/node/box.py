@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +48,7 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from shared.runtime import STOP_TIMEOUT_S
 
@@ -237,11 +239,16 @@ class Boxes:
     stack: str = ""  # this stack's name on the host (its claims' keys)
     uid_base: int = JOB_UID_BASE
     claims: Claims = CLAIMED
-    agent: str = "agent"  # this agent's instance: its boxes' cgroups and names
 
     @property
     def contained(self) -> bool:
         return self.runtime is not None
+
+    @property
+    def agent(self) -> str:
+        """This agent's name on the host, the same across its restarts: its boxes' cgroups are
+        under `/goodput/<agent>/` (a restarted agent's boxes take the same folder, not a new one)."""
+        return hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:12]
 
     @property
     def state(self) -> Path:
@@ -449,17 +456,89 @@ class Box:
         if done.returncode != 0:
             raise BoxError(f"job {self.job_id}: runc could not make its box: {error}")
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, **popen) -> subprocess.Popen:
-        """One process of the job in its box (its user, limits and view), Popen's other arguments
-        (its stdio) as given; it leads a session of its own outside a box."""
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        stdin: IO | int | None = subprocess.DEVNULL,
+        stdout: IO | int | None = subprocess.DEVNULL,
+        stderr: IO | int | None = subprocess.DEVNULL,
+        text: bool = False,
+        errors: str | None = None,
+    ) -> subprocess.Popen:
+        """One process of the job in its box (its user, limits and view), its stdio as Popen's
+        (PIPE: ours, as its `stdin`, `stdout`, `stderr`); it leads a session of its own outside a box."""
         if not self.boxes.contained:
-            process = subprocess.Popen(argv, env=env, cwd=cwd, start_new_session=True, **popen)
+            process = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                text=text,
+                errors=errors,
+            )
         else:
-            spec = self.bundle / f"process-{len(self.processes)}.json"
-            spec.write_text(json.dumps(_process(self.uid, argv, env, str(self.inside(cwd)), self.boxes.rules)))
-            command = [self.boxes.runtime, "--root", str(self.boxes.state), "exec", "--process", str(spec), self.name]
-            process = subprocess.Popen(command, env={"PATH": os.defpath}, start_new_session=True, **popen)
+            process = self._exec(argv, env, cwd, (stdin, stdout, stderr), text, errors)
         self.processes.append(process)
+        return process
+
+    def _exec(self, argv: list[str], env: dict[str, str], cwd: Path, stdio: tuple, text: bool, errors: str | None):
+        """`runc exec` of `argv`, its stdio ours, passed through as its fds 3-5 and made its 0-2 as it
+        starts: runc's own would copy the process's output until every holder closes it, and a daemon
+        the job leaves behind would hold up its end for ever."""
+        passed, ours = [], []
+        for index, spec in enumerate(stdio):
+            if spec == subprocess.PIPE:
+                read, write = os.pipe()
+                passed.append(read if index == 0 else write)
+                ours.append(write if index == 0 else read)
+            else:
+                fd = spec if isinstance(spec, int) and spec >= 0 else getattr(spec, "fileno", lambda: None)()
+                passed.append(os.open(os.devnull, os.O_RDWR) if fd is None else os.dup(fd))
+                ours.append(None)
+        inner = ["/bin/sh", "-c", 'exec 0<&3 1>&4 2>&5 3<&- 4>&- 5>&-; exec "$@"', "sh", *argv]
+        spec = self.bundle / f"process-{len(self.processes)}.json"
+        spec.write_text(json.dumps(_process(self.uid, inner, env, str(self.inside(cwd)), self.boxes.rules)))
+        runc = [self.boxes.runtime, "--root", str(self.boxes.state), "exec", "--preserve-fds", "3"]
+        command = [  # bash: dash takes no file descriptor past 9
+            "bash",
+            "-c",
+            'exec 3<&"$1" 4>&"$2" 5>&"$3"; shift 3; exec "$@"',
+            "sh",
+            *map(str, passed),
+            *runc,
+            "--process",
+            str(spec),
+            self.name,
+        ]
+        try:
+            process = subprocess.Popen(
+                command,
+                env={"PATH": os.defpath},
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=passed,
+            )
+        finally:
+            for fd in passed:
+                os.close(fd)
+        modes = ("wb", "rb", "rb")
+        for index, (name, fd) in enumerate(zip(("stdin", "stdout", "stderr"), ours)):
+            if fd is not None:
+                mode = modes[index].replace("b", "") if text else modes[index]
+                stream = os.fdopen(
+                    fd,
+                    mode,
+                    **({"errors": errors} if text else {}),
+                    **({"buffering": 1} if text and index == 0 else {}),
+                )
+                setattr(process, name, stream)
         return process
 
     def signal(self, sig: int) -> None:
@@ -611,10 +690,9 @@ def check(runtime: str | None, python: str, shown: Collection[Path]) -> str:
             "own user, cgroup and namespaces): run the agents as root, or pass --box off to run every job's "
             "code as this user, in no box (only for code you trust)"
         )
-    if shutil.which(runtime) is None:
-        return (
-            f"no {runtime} on this host to box jobs with: install it (Debian: apt-get install runc), or pass --box off"
-        )
+    for needed in (runtime, "bash"):
+        if shutil.which(needed, path=None if needed == runtime else os.defpath) is None:
+            return f"no {needed} on this host to box jobs with: install it (Debian: apt-get install {needed}), or pass --box off"
     for controller in ("memory", "cpu", "pids"):
         if cgroup_folder(controller, "/") is None:
             return f"this host has no {controller} cgroup controller for the jobs' boxes: mount it, or pass --box off"
