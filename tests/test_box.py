@@ -62,8 +62,12 @@ def test_a_jobs_user_is_claimed_on_the_host_shared_by_its_stack_and_never_by_ano
     assert Claims(tmp_path / "uids").claim("stack-5/y-100", 100) == taken
 
 
-def test_a_boxs_limits_are_its_slots():
+def test_a_boxs_limits_are_its_slots_and_whole_cores_its_own():
     rules = Rules(cpus=0.5, memory_mb=1024, processes=64, open_files=256, file_mb=8)
+    assert rules.cores((0, 1)) == ""  # half a core a slot: the quota alone holds it
+    whole = Rules(cpus=1, memory_mb=1024)
+    assert whole.cores((1,)) == "1" and whole.resources(1, whole.cores((1,)))["cpu"]["cpus"] == "1"
+    assert whole.cores((os.cpu_count() or 1,)) == ""  # past the machine's cores: none pinned
     two = rules.resources(2)
     assert two["cpu"]["quota"] == 100_000 and two["cpu"]["period"] == 100_000 and two["cpu"]["shares"] == 2048
     assert two["memory"]["limit"] == 2048 << 20 and two["pids"]["limit"] == 128
@@ -228,7 +232,7 @@ def test_a_job_in_its_box_cannot_read_signal_see_or_reach_what_is_not_its_own(mo
     make_private(node.workdir, skip=("jobs", BOX_ROOT))  # as the agent makes it when it starts
     # another job: its folder on the node and its checkpoint in the shared folder, and its rendezvous
     # listening on the host's loopback
-    other = node.boxes.open("other-1", "other-1.1", node.job_folder("other-1"), 2, 1, True, checkpoints / "other-1")
+    other = node.boxes.open("other-1", "other-1.1", node.job_folder("other-1"), 2, (1,), True, checkpoints / "other-1")
     (other.folder / "notes").write_text("the other job's")
     (checkpoints / "other-1" / "other-1.pt").write_bytes(b"the other job's checkpoint")
     rendezvous = socket.create_server(("127.0.0.1", 0))

@@ -220,7 +220,7 @@ def test_a_jobs_code_is_unpacked_in_its_box_by_its_user_never_by_root(tmp_path: 
     archive = stored_name("user", digest(data))
     code = JobCode(tmp_path / "archives", {archive: data}.get)
     node = boxed_node("code-0", tmp_path / "node")
-    box = node.boxes.open("own-1", "own-1.1", node.job_folder("own-1"), 777, 1, True)
+    box = node.boxes.open("own-1", "own-1.1", node.job_folder("own-1"), 777, (0,), True)
     try:
         folder = code.prepare(box.folder, archive, "train.py", tmp_path / "job.code", box)
         assert (folder / "helper.py").read_text() == "GREETING = 'hello from my own code'\n"

@@ -166,7 +166,7 @@ class Workers:
 
     order: StartWorkers
     rendezvous: Rendezvous
-    devices: tuple[str, ...]
+    slots: tuple[int, ...]  # the node's slots they hold (a GPU's index in its devices)
     checkpoint: Path
     box: Box | None = None  # where they run (set as they start)
     note: str = ""  # the box's word on their end: out of memory
@@ -215,6 +215,7 @@ class NodeWorkers:
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
         self.jobs: dict[str, Workers] = {}
         self.profiling: dict[str, Box] = {}  # job id -> the box of its profiling run here
+        self.reserved: dict[str, tuple[int, ...]] = {}  # job id -> the slots of its workers being started
         self.lock = threading.Lock()  # the table of jobs; a stop waits outside it
         self.closing = False
 
@@ -236,22 +237,26 @@ class NodeWorkers:
         if order.store and self.store is None:
             raise ValueError(f"node {self.info.name} has no checkpoints store for job {order.job_id}")
         with self.lock:
-            self._free(order)  # before a box is made for nothing
-        box = self._open_box(
-            order.job_id,
-            f"{order.job_id}.{order.generation}",
-            order.user,
-            len(order.ranks),
-            private_network=order.nodes == 1,  # its ranks all here: its rendezvous on its own loopback
-            checkpoints=None if order.store else Path(order.checkpoint).parent,
-        )
+            slots = self.reserved[order.job_id] = self._free(order)  # before a box is made for nothing
         try:
-            return self._start(order, box)
-        except BaseException:
-            box.close()
-            raise
+            box = self._open_box(
+                order.job_id,
+                f"{order.job_id}.{order.generation}",
+                order.user,
+                slots,
+                private_network=order.nodes == 1,  # its ranks all here: its rendezvous on its own loopback
+                checkpoints=None if order.store else Path(order.checkpoint).parent,
+            )
+            try:
+                return self._start(order, box, slots)
+            except BaseException:
+                box.close()
+                raise
+        finally:
+            with self.lock:
+                self.reserved.pop(order.job_id, None)
 
-    def _start(self, order: StartWorkers, box: Box) -> Rendezvous:
+    def _start(self, order: StartWorkers, box: Box, slots: tuple[int, ...]) -> Rendezvous:
         # ValueError: refused with the reason (no such job module, its code not stored or unsafe)
         target, code = self._target(order.job_id, order.application, order.code, order.entrypoint, box)
         checkpoint = Path(order.checkpoint)
@@ -261,13 +266,12 @@ class NodeWorkers:
         with self.lock:
             if self.closing:
                 raise ValueError(f"node {self.info.name} is stopping")
-            devices = self._free(order)
             address, port = (
                 (order.master_addr, order.master_port)
                 if order.master_addr
                 else (self.info.address, free_port(self.info.address))
             )
-            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), devices, checkpoint, box)
+            workers = self.jobs[order.job_id] = Workers(order, Rendezvous(address, port), slots, checkpoint, box)
             self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
                 env = {
@@ -275,8 +279,8 @@ class NodeWorkers:
                     **order.env,
                     CHECKPOINT_PATH_ENV: str(box.inside(checkpoint)),
                 }
-                if devices:
-                    env["CUDA_VISIBLE_DEVICES"] = devices[local]
+                if self.devices:
+                    env["CUDA_VISIBLE_DEVICES"] = self.devices[slots[local]]
                 log_file = open(self.log_path(order.job_id, rank), "w")  # noqa: SIM115 - its reader closes it
                 process = worker(
                     box, target, list(order.args), env, subprocess.PIPE, lifeline=True, checkpoint=checkpoint, code=code
@@ -332,7 +336,10 @@ class NodeWorkers:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]  # the last: starts take the first free ones
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
         try:
-            box = self._open_box(request.job_id, f"{request.job_id}.profile", request.user, 1, private_network=True)
+            # The last slot: starts take the first free ones.
+            box = self._open_box(
+                request.job_id, f"{request.job_id}.profile", request.user, (self.info.gpus - 1,), private_network=True
+            )
         except (ValueError, BoxError) as error:
             return ProfileAnswer(failure=str(error))
         try:
@@ -430,17 +437,18 @@ class NodeWorkers:
 
     # ---- processes ----------------------------------------------------------------------------
 
-    def _free(self, order: StartWorkers) -> tuple[str, ...]:
-        """The devices the new workers take (CPU slots: none), or ValueError when the node has too few free."""
-        busy = [w for w in self.jobs.values() if w.order.job_id != order.job_id and w.running]
-        free = self.info.gpus - sum(len(w.order.ranks) for w in busy)
-        if len(order.ranks) > free:
+    def _free(self, order: StartWorkers) -> tuple[int, ...]:
+        """The slots the new workers take (held by no other job's running or starting workers), or
+        ValueError when the node has too few free."""
+        taken = {slot for w in self.jobs.values() if w.order.job_id != order.job_id and w.running for slot in w.slots}
+        taken |= {slot for job, slots in self.reserved.items() if job != order.job_id for slot in slots}
+        free = [slot for slot in range(self.info.gpus) if slot not in taken]
+        if len(order.ranks) > len(free):
             raise ValueError(
-                f"node {self.info.name} has {free} free of its {self.info.gpus} GPUs, not "
+                f"node {self.info.name} has {len(free)} free of its {self.info.gpus} GPUs, not "
                 f"the {len(order.ranks)} job {order.job_id} asks for"
             )
-        taken = {device for w in busy for device in w.devices}
-        return tuple(d for d in self.devices if d not in taken)[: len(order.ranks)] if self.devices else ()
+        return tuple(free[: len(order.ranks)])
 
     def _stop(self, workers: Workers, grace_s: float, kill: bool) -> None:
         """Every process of the job's here signalled (SIGTERM: they checkpoint), given `grace_s`,
@@ -517,11 +525,11 @@ class NodeWorkers:
         job_id: str,
         name: str,
         user: int | None,
-        slots: int,
+        slots: tuple[int, ...],
         private_network: bool,
         checkpoints: Path | None = None,
     ) -> Box:
-        """The job's box here (`Boxes.open`), once none of its workers runs here; ValueError why not."""
+        """The job's box here (`Boxes.open`) on `slots`, once none of its workers runs here; ValueError why not."""
         with self.lock:
             mine = self.jobs.get(job_id)
         if mine is not None and mine.running:

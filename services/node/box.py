@@ -83,18 +83,29 @@ class Rules:
     open_files: int = 4096
     file_mb: float | None = 64 * 1024  # the largest file it may write
 
-    def resources(self, slots: int) -> dict:
-        """The cgroup's limits for `slots` (OCI `linux.resources`)."""
+    def resources(self, slots: int, cores: str = "") -> dict:
+        """The cgroup's limits for `slots` (OCI `linux.resources`), on `cores` ("": any)."""
         return {
             "cpu": {
                 "quota": max(1000, int(self.cpus * slots * CPU_PERIOD_US)),
                 "period": CPU_PERIOD_US,
                 "shares": 1024 * slots,
+                **({"cpus": cores} if cores else {}),
             },
             "memory": {"limit": int(self.memory_mb * slots * MB)},
             "pids": {"limit": self.processes * slots},
             "devices": [{"allow": True, "access": "rwm"}],  # GPUs are given by CUDA_VISIBLE_DEVICES
         }
+
+    def cores(self, slots: tuple[int, ...]) -> str:
+        """The CPU cores of these slots (slot k: cores k*c to k*c + c - 1 for `cpus` c a whole
+        number): a neighbour's bursts within its quota never land on them. "" when the slots'
+        share is not whole cores (the quota alone holds it)."""
+        if self.cpus < 1 or not float(self.cpus).is_integer():
+            return ""
+        per = int(self.cpus)
+        cores = [slot * per + core for slot in slots for core in range(per)]
+        return ",".join(map(str, cores)) if cores and max(cores) < (os.cpu_count() or 1) else ""
 
     def rlimits(self) -> list[dict]:
         limits = {"RLIMIT_NOFILE": self.open_files, "RLIMIT_CORE": 0}
@@ -286,11 +297,11 @@ class Boxes:
         name: str,
         folder: Path,
         user: int | None,
-        slots: int,
+        slots: tuple[int, ...],
         private_network: bool,
         checkpoints: Path | None = None,
     ) -> Box:
-        """A box for `slots` of job `job_id` (its runc name `name`, unique on this agent) whose
+        """A box on the node's `slots` (their indices) for job `job_id` (its runc name `name`, unique on this agent) whose
         folder is `folder` (made the job's user's before) and checkpoint folder `checkpoints` (None:
         none of the shared one's); its user from `user`, the job's submission number."""
         if checkpoints is not None and checkpoints.name != job_id:
@@ -372,7 +383,7 @@ class Box:
             return {"HOME": str(self.folder), "TMPDIR": str(self.folder / "tmp")}
         return {"HOME": str(JOB_HOME), "TMPDIR": "/tmp"}
 
-    def start(self, slots: int, private_network: bool) -> None:
+    def start(self, slots: tuple[int, ...], private_network: bool) -> None:
         """The box, its first process holding it open with our lifeline as its stdin."""
         boxes = self.boxes
         shutil.rmtree(self.bundle, ignore_errors=True)
@@ -386,7 +397,13 @@ class Box:
                 "destination": "/dev/shm",
                 "type": "tmpfs",
                 "source": "shm",
-                "options": ["nosuid", "nodev", "noexec", "mode=1777", f"size={int(boxes.rules.memory_mb * slots)}m"],
+                "options": [
+                    "nosuid",
+                    "nodev",
+                    "noexec",
+                    "mode=1777",
+                    f"size={int(boxes.rules.memory_mb * len(slots))}m",
+                ],
             },
             {
                 "destination": "/sys",
@@ -422,7 +439,7 @@ class Box:
             "linux": {
                 "namespaces": namespaces,
                 "cgroupsPath": self.cgroup,
-                "resources": boxes.rules.resources(slots),
+                "resources": boxes.rules.resources(len(slots), boxes.rules.cores(slots)),
                 "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
                 "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus"],
             },
