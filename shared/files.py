@@ -6,8 +6,8 @@ goodput's processes (every service and node agent, and `goodput up` while it run
 sets the umask PRIVATE_UMASK: all it creates from then on, and all the processes it starts create
 (the NATS server, the jobs' workers, whatever a job's own code writes), is private without each call
 saying so. A umask does not reach what exists already (made by an earlier version, or under another
-umask): `make_private` tightens a folder and everything in it. Where a node agent runs jobs as
-users of their own, the folders on the way to a job's own are `make_passable`: enter, not list.
+umask): `make_private` tightens a folder and everything in it. A job sees its own folders in its
+box (services/node/box.py), never through the folders above them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 
 PRIVATE_UMASK = 0o077  # no bit for the group or others: files 0600, folders 0700
 PRIVATE_FOLDER = 0o700
-PASSABLE_FOLDER = 0o711  # on the way to a job's folder, for its user: others may enter it, not list it
 
 
 def private_umask() -> int:
@@ -74,11 +73,3 @@ def _tighten(name: str, folder: int) -> None:
             os.fchmod(fd, stat.S_IMODE(info.st_mode) & ~PRIVATE_UMASK)
     finally:
         os.close(fd)
-
-
-def make_passable(*folders: Path) -> None:
-    """Each folder (made if missing, 0700 first) one that others may enter but not list: the way
-    from an agent's folders to a job's own, for the job's user. What is in it stays as it is."""
-    for folder in folders:
-        folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
-        os.chmod(folder, PASSABLE_FOLDER)
