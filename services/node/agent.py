@@ -17,6 +17,9 @@ Checkpoints are files in a folder every node shares, or, without one (`--checkpo
 on the executor), objects in JetStream's object store: the agent copies a job's in before its
 workers start, and out from the node of rank 0 whenever they saved a new one and when they stop.
 
+Every job's processes here, and every profiling run, run in a box of their own (`box.py`): the
+agent decides nothing of a box itself but which slots it holds.
+
 `NodeWorkers` is the node's processes, without the bus; `start` is the service around it.
 """
 

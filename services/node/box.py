@@ -7,14 +7,15 @@ runtime Kubernetes' containerd uses; crun 1.8 refuses hosts whose cgroup v2 tree
 beside v1's, as this one's does):
 
 - **a cgroup** (v1 or v2, whichever the host has) with CPU at most the job's slots' worth (a CFS
-  quota; its weight by slots), memory at most its slots' memory (the kernel's OOM killer ends
+  quota; its weight by slots; its slots' own cores when a slot has whole ones), memory at most its slots' memory (the kernel's OOM killer ends
   the job's own processes past it, and `memory_note` says so in the job's error), and a cap on its
   processes and threads: for all of the job's processes together, whatever they fork, however
   they detach;
-- **a user of its own** (`claim_uid`), unique on the host however many stacks or agents run there,
+- **a user of its own** (`Claims`), unique on the host however many stacks or agents run there,
   with no capability and no way to gain one (no_new_privileges);
 - **its own PID namespace** (`/proc` shows its processes alone), IPC namespace and `/dev/shm`, a
-  private `/tmp` (its folder's `tmp/`), and **its own network namespace** (loopback only) when all of
+  private `/tmp` (its folder's `tmp/`), its stdio passed through (never runc's, which a daemon
+  the job left would hold open), and **its own network namespace** (loopback only) when all of
   its ranks are on this node: its rendezvous is reachable by its own ranks alone;
 - **the node's files read-only**, and of them only the system's folders and what the workers run
   (the interpreter, the project, the jobs package): the stack's DATA, the agent's folder and
