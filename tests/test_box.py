@@ -320,3 +320,16 @@ def test_a_killed_agents_boxes_end_when_the_next_one_starts(tmp_path):
     assert later.boxes.leftovers(grace_s=1) == [box.name]
     assert later.boxes._listed() == {}
     assert cpu_seconds(box.cgroup) == 0.0  # its cgroup is gone
+
+
+@pytest.mark.e2e
+@BOXED
+def test_an_agent_whose_folders_are_relative_boxes_its_jobs(tmp_path, monkeypatch):
+    """`goodput up`'s DATA is out/stack, relative: runc would read the box's paths as its bundle's."""
+    monkeypatch.chdir(tmp_path)
+    node = boxed_node("box-3", Path("data") / "node", slots=1)
+    checkpoint = Path("data") / "checkpoints" / "rel-1" / "rel-1.pt"
+    node.start(StartWorkers("rel-1", "greedy", 1, (0,), 1, 1, "cpu", str(checkpoint), {}, user=5))
+    wait_until_ended(node, "rel-1")
+    report = node.stop(StopWorkers("rel-1"))
+    assert report.codes == (0,), report

@@ -252,6 +252,9 @@ class Boxes:
     uid_base: int = JOB_UID_BASE
     claims: Claims = CLAIMED
 
+    def __post_init__(self) -> None:
+        self.workdir = Path(os.path.abspath(self.workdir))  # runc takes a relative path as its bundle's
+
     @property
     def contained(self) -> bool:
         return self.runtime is not None
@@ -358,8 +361,10 @@ class Box:
     """One job's box on this node: its processes, user and cgroup."""
 
     def __init__(self, boxes: Boxes, job_id: str, name: str, folder: Path, uid: int | None, checkpoints: Path | None):
-        self.boxes, self.job_id, self.name, self.folder, self.uid = boxes, job_id, name, folder, uid
-        self.checkpoints = checkpoints
+        self.boxes, self.job_id, self.name, self.uid = boxes, job_id, name, uid
+        # Absolute: runc takes a relative path as its bundle's (`goodput up`'s DATA is out/stack).
+        self.folder = Path(os.path.abspath(folder))
+        self.checkpoints = None if checkpoints is None else Path(os.path.abspath(checkpoints))
         self.processes: list[subprocess.Popen] = []
         self.lifeline: int | None = None  # our end of its first process's stdin
         self.cgroup = f"/goodput/{boxes.agent}/{name}"
@@ -373,6 +378,7 @@ class Box:
         """A host path of the job's folder or checkpoint folder as the job's processes see it."""
         if not self.boxes.contained:
             return path
+        path = Path(os.path.abspath(path))
         for host, seen in ((self.folder, JOB_HOME), (self.checkpoints, JOB_CHECKPOINTS)):
             if host is not None and (path == host or host in path.parents):
                 return seen / path.relative_to(host)
