@@ -242,6 +242,7 @@ def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
     from shared.files import make_private
 
     make_private(data)
+    local = real and not args.cluster  # this machine's nodes: their spec is written in DATA/work
     args.cluster = args.cluster or (_local_cluster(data, args.nodes, args.slots) if real else "sia-hetero-64")
     teams = _teams_in_force(args, data)  # refused here, before anything starts
     with _holding(data):
@@ -251,6 +252,8 @@ def _up_on(args: argparse.Namespace, data: Path, real: bool) -> int:
         if port_in_use(args.port):
             raise ValueError(_port_taken(args.port))
         prepare(data, args.fresh)
+        if local and args.fresh:  # the wipe took its spec with it
+            _local_cluster(data, args.nodes, args.slots)
         resumed = (data / "jetstream").is_dir()
         if args.insecure:
             print(
