@@ -284,14 +284,15 @@ class Boxes:
             if Path("/", name).is_symlink():
                 self.root.mkdir(parents=True, exist_ok=True)
                 (self.root / name).symlink_to(os.readlink(Path("/", name)))
-        # Every folder on the way to a mount point open to the jobs' users, whatever our umask (a
-        # private one, as `goodput up` gives its agents, would close the box's own `/work` to them).
+        # Every folder on the way to a mount point one the jobs' users may enter, not list, whatever
+        # our umask (a private one, as `goodput up` gives its agents, would close the box's own
+        # `/work` to them; a listable `/root` would show the way to the project).
         for point in (*self.shown, *MOUNT_POINTS):
             way = self.root
             for part in Path(point).parts[1:]:
                 way = way / part
                 way.mkdir(exist_ok=True)
-                os.chmod(way, 0o755)
+                os.chmod(way, 0o711)
         self.root.mkdir(exist_ok=True)
         os.chmod(self.root, 0o755)
 
