@@ -94,7 +94,7 @@ from shared import storage, subjects
 from shared.bus import Bus
 from shared.files import make_private
 from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
-from shared.runner import new_service
+from shared.runner import new_service, positive_float
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
 from shared.schema import (
     Ack,
@@ -679,6 +679,14 @@ def _take_metrics(workers: Workers, text: str) -> None:
 # ---- the service ---------------------------------------------------------------------------------
 
 
+def positive_int(text: str) -> int:
+    """An option that must be a whole number above 0 (argparse type: refused before anything starts)."""
+    value = positive_float(text)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text}")
+    return int(value)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node", required=True, help="the node this agent serves (1-64 letters, digits, '-', '_')")
     parser.add_argument(
@@ -710,24 +718,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--job-uids",
-        type=int,
+        type=positive_int,
         default=JOB_UID_BASE,
         help="node: the first uid of the jobs' users, unique on the host (default: %(default)s)",
     )
     parser.add_argument(
         "--slot-cpus",
-        type=float,
+        type=positive_float,
         help="node: a job's CPU cores per slot it holds (default: the machine's cores shared by its slots)",
     )
     parser.add_argument(
         "--slot-memory",
-        type=float,
+        type=positive_float,
         help="node: a job's memory per slot it holds, in MB: past it the kernel ends the job's processes "
         "(default: the machine's memory shared by its slots)",
     )
     parser.add_argument(
         "--slot-processes",
-        type=int,
+        type=positive_int,
         default=Rules.processes,
         help="node: a job's processes and threads per slot it holds (default: %(default)s)",
     )
