@@ -219,7 +219,15 @@ def shown_folders(python: str, paths: Iterable[str]) -> list[Path]:
     for path in sorted(wanted, key=lambda p: len(p.parts)):
         if not any(path == k or k in path.parents for k in kept):
             kept.append(path)
-    return kept
+    return [part for path in kept for part in _open_parts(path)]
+
+
+def _open_parts(path: Path) -> list[Path]:
+    """`path` when a job's user may enter it; else the folders in it, each shown on its own (a
+    clone in a folder of mode 0700, as `mktemp -d` makes: its folders are open, itself not)."""
+    if stat.S_IMODE(path.stat().st_mode) & stat.S_IXOTH:
+        return [path]
+    return [child for child in sorted(path.iterdir()) if child.is_dir() and not child.is_symlink()]
 
 
 def interpreter_paths(python: str, pythonpath: str) -> list[str]:
@@ -293,6 +301,10 @@ class Boxes:
                 way = way / part
                 way.mkdir(exist_ok=True)
                 os.chmod(way, 0o711)
+        for point in self.shown:  # a folder shown in parts is listed as the host's would be (an import path)
+            if point.parent not in self.shown and point.parent != Path("/") and point.parent.is_dir():
+                if not stat.S_IMODE(point.parent.stat().st_mode) & stat.S_IXOTH:
+                    os.chmod(self.root / point.parent.relative_to("/"), 0o755)
         self.root.mkdir(exist_ok=True)
         os.chmod(self.root, 0o755)
 
@@ -397,7 +409,9 @@ class Box:
         shutil.rmtree(self.bundle, ignore_errors=True)
         self.bundle.mkdir(mode=PRIVATE, parents=True)
         _runc(boxes, "delete", "--force", self.name, check=False)  # an older generation's, left by a failed stop
-        mounts = [_bind(path, path, read_only=True) for path in boxes.shown]
+        # Its /tmp first: what it shows of the node (the project in a clone under /tmp) goes over it.
+        mounts = [_bind(self.folder / "tmp", Path("/tmp"))]
+        mounts += [_bind(path, path, read_only=True) for path in boxes.shown]
         mounts += [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/dev", "type": "bind", "source": "/dev", "options": ["rbind", "nosuid"]},
@@ -425,7 +439,6 @@ class Box:
                 "source": "run",
                 "options": ["nosuid", "nodev", "mode=755", "size=16m"],
             },
-            _bind(self.folder / "tmp", Path("/tmp")),
             _bind(self.folder, JOB_HOME),
         ]
         if self.checkpoints is not None:
