@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launcher.nats import AUTH_CONF, Access, server_config, write_accounts
-from services.node.agent import NodeWorkers
+from services.node.agent import NodeWorkers, box_problem
 from services.node.box import (
     BOX_ROOT,
     JOB_UID_BASE,
@@ -40,7 +40,8 @@ from shared.schema import NodeInfo, StartWorkers, StopWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
 BOXED = pytest.mark.skipif(
-    check("runc", sys.executable, [ROOT]) != "", reason=check("runc", sys.executable, [ROOT]) or "boxes here"
+    box_problem("runc", sys.executable, "tests.jobs")[0] != "",
+    reason=box_problem("runc", sys.executable, "tests.jobs")[0] or "boxes here",
 )
 
 
@@ -104,7 +105,7 @@ def test_an_agent_that_cannot_box_jobs_refuses_with_the_fix(tmp_path):
         problem = check("runc", str(fake_python), [closed])
         assert f"cannot enter {closed}" in problem and "--box off" in problem
     else:
-        assert "not root" in check("runc", sys.executable, [ROOT])
+        assert "not root" in box_problem("runc", sys.executable, "tests.jobs")[0]
 
 
 def test_the_agent_follows_no_link_a_job_left_in_its_folder(tmp_path):

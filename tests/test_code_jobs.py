@@ -211,11 +211,11 @@ def test_a_job_file_of_an_id_and_an_entrypoint_with_its_code_folder_is_a_whole_j
 @pytest.mark.skipif(os.geteuid() != 0, reason="a job's own user needs an agent that runs as root")
 @pytest.mark.e2e
 def test_a_jobs_code_is_unpacked_in_its_box_by_its_user_never_by_root(tmp_path: Path) -> None:
-    from services.node.box import check
+    from services.node.agent import box_problem
     from tests.test_box import boxed_node
 
-    if check("runc", sys.executable, [ROOT]):
-        pytest.skip(check("runc", sys.executable, [ROOT]))
+    if box_problem("runc", sys.executable, "tests.jobs")[0]:
+        pytest.skip(box_problem("runc", sys.executable, "tests.jobs")[0])
     data = pack(code_folder(tmp_path / "src"))
     archive = stored_name("user", digest(data))
     code = JobCode(tmp_path / "archives", {archive: data}.get)

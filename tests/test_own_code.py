@@ -21,7 +21,7 @@ import pytest
 from nats.micro.request import ServiceError
 
 from cli.submit import upload
-from services.node.box import check
+from services.node.agent import box_problem
 from shared import credentials
 from tests.test_code_jobs import escaping_archive
 from tests.test_job_contract import page_script
@@ -131,7 +131,7 @@ def test_a_script_written_from_the_docs_is_submitted_with_its_code_moved_resumed
 
         # A job's own code cannot read the stack's secrets: it runs in a box of its own (the agents
         # refuse to start where there can be none, unless told --box off).
-        if not check("runc", sys.executable, [ROOT]):
+        if not box_problem("runc", sys.executable, "tests.jobs")[0]:
             probe = base / "probe"
             probe.mkdir()
             (probe / "probe.py").write_text(SECRETS_PROBE + script.replace("target_epochs=60", "target_epochs=5"))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from services.node.agent import NodeWorkers, _lines
-from services.node.box import JOB_UID_BASE, check
+from services.node.agent import NodeWorkers, _lines, box_problem
+from services.node.box import JOB_UID_BASE
 from services.node.processes import alive
 from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
 from tests.test_box import boxed_node
@@ -100,8 +100,8 @@ def test_a_stop_ends_the_workers_group_and_holds_up_neither_the_stop_nor_the_pol
 
 def job_users_node(folder: Path) -> NodeWorkers:
     """A node whose jobs run in boxes of their own (runc, as root), or skipped where there are none."""
-    if check("runc", sys.executable, [ROOT]):
-        pytest.skip(check("runc", sys.executable, [ROOT]))
+    if box_problem("runc", sys.executable, "tests.jobs")[0]:
+        pytest.skip(box_problem("runc", sys.executable, "tests.jobs")[0])
     return boxed_node("grp-1", folder / "node", slots=1)
 
 
@@ -134,7 +134,7 @@ def test_in_a_box_no_process_of_the_job_outlives_its_stop(open_folder):
 def test_a_profiling_run_ends_though_a_child_keeps_its_stdout(open_folder):
     """The run exits, its child that left its group sleeps on with the run's stdout: the answer comes
     all the same (the old one waited for the child)."""
-    users = not check("runc", sys.executable, [ROOT])
+    users = not box_problem("runc", sys.executable, "tests.jobs")[0]
     node = (
         job_users_node(open_folder)
         if users
