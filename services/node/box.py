@@ -409,7 +409,11 @@ class Box:
         shutil.rmtree(self.bundle, ignore_errors=True)
         self.bundle.mkdir(mode=PRIVATE, parents=True)
         _runc(boxes, "delete", "--force", self.name, check=False)  # an older generation's, left by a failed stop
-        # Its /tmp first: what it shows of the node (the project in a clone under /tmp) goes over it.
+        # Its /tmp first: what it shows of the node (the project in a clone under /tmp) goes over it,
+        # on folders made here that others may enter, not list (runc's would be open to all).
+        for path in boxes.shown:
+            if Path("/tmp") in path.parents:
+                _enterable(self.folder / "tmp", path.relative_to("/tmp"))
         mounts = [_bind(self.folder / "tmp", Path("/tmp"))]
         mounts += [_bind(path, path, read_only=True) for path in boxes.shown]
         mounts += [
@@ -624,6 +628,21 @@ class Box:
 
 def _project() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+def _enterable(folder: Path, way: Path) -> None:
+    """`folder`/`way`, each folder of it made 0711, entered by its handle: through no link a job left."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in way.parts:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o711, dir_fd=fd)
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+            os.fchmod(fd, 0o711)
+    finally:
+        os.close(fd)
 
 
 def _bind(source: Path, destination: Path, read_only: bool = False) -> dict:
