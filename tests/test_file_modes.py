@@ -50,6 +50,7 @@ def readable_by_others(*folders: Path) -> str:
         if not stat.S_ISLNK(mode := path.lstat().st_mode)
         and stat.S_IMODE(mode) & (0o066 if stat.S_ISDIR(mode) else 0o077)
         and not (BOX_ROOT in path.relative_to(folder).parts and stat.S_ISDIR(mode))
+        and not (stat.S_ISDIR(mode) and "tmp" in path.relative_to(folder).parts[2:3])  # a job's own: mount points
     )
 
 

@@ -414,6 +414,8 @@ class Box:
         for path in boxes.shown:
             if Path("/tmp") in path.parents:
                 _enterable(self.folder / "tmp", path.relative_to("/tmp"))
+                if path.parent not in boxes.shown and path.parent != Path("/tmp"):  # shown in parts: listed
+                    os.chmod(self.folder / "tmp" / path.parent.relative_to("/tmp"), 0o755)
         mounts = [_bind(self.folder / "tmp", Path("/tmp"))]
         mounts += [_bind(path, path, read_only=True) for path in boxes.shown]
         mounts += [
