@@ -21,6 +21,8 @@ COMMANDS = [
     "logs",
     "explain",
     "up",
+    "status",
+    "nodes",
     "dashboard",
     "login",
     "teams",

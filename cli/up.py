@@ -1,4 +1,4 @@
-"""`goodput up` — the embedded stack; `goodput status` — its jobs and its live run.
+"""`goodput up` — the embedded stack: NATS, the six services and, for real jobs, the node agents.
 
 `goodput up` starts a NATS server (JetStream on, data under --data) and the six services (the user
 API, profiler, estimator, policy, placer and executors) as child processes, on a simulated cluster (simulated executors), waits until each answers ping, prints where
@@ -46,11 +46,10 @@ import sys
 import time
 from pathlib import Path
 
-from cli.submit import add_connection_arguments
 from shared import credentials
 from shared.runner import EXECUTORS, executors_kind, positive_float
 from shared.runtime import JOBS_PACKAGE
-from shared.schema import CANCELLED, JOB_STATES, NODE_STATES
+from shared.schema import CANCELLED
 from shared.settings import DEFAULT_POLICY
 from sim.workload import BUILT_IN_WORKLOAD
 
@@ -173,30 +172,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "machine's cores shared out, 1 to 4 each: a slot is a core)",
     )
     up.set_defaults(func=_up)
-
-    status = sub.add_parser("status", help="jobs known to a running goodput, and its live run")
-    status.add_argument("ids", nargs="*", metavar="ID", help="show these jobs only, each in full")
-    status.add_argument(
-        "--json",
-        action="store_true",
-        help='one JSON document: {"jobs": [...], "run": {...}} (with one ID: that job\'s)',
-    )
-    status.add_argument(
-        "--teams",
-        action="store_true",
-        help="each team's guarantee, use and lending per GPU type (your team's; every team for the operator)",
-    )
-    add_connection_arguments(status)
-    status.set_defaults(func=_status)
-
-    nodes = sub.add_parser(
-        "nodes",
-        help="the operator's: the nodes of a running goodput (GPUs, alive, lost or drained, and every "
-        "login's jobs on them; a simulated cluster's are all alive)",
-    )
-    nodes.add_argument("--json", action="store_true", help='one JSON document: {"nodes": [...]}')
-    add_connection_arguments(nodes, role="operator")
-    nodes.set_defaults(func=_nodes)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -722,170 +697,3 @@ def _running(job: str, gpus: int, record) -> str:
         + (f" on {nodes} nodes" if nodes else "")
         + (f" (planned batch {batch})" if batch else "")
     )
-
-
-def _status(args: argparse.Namespace) -> int:
-    import json
-
-    import msgspec
-
-    from cli.job_view import job_lines, job_table
-    from shared.text import printable
-
-    if args.teams:
-        from cli.submit import teams_status
-
-        return teams_status(args)
-    server = args.server
-    options = credentials.connect_options(credentials.from_args(args))  # ValueError: a missing file
-    try:
-        statuses, policy = asyncio.run(_query(server, args.ids, **options))
-    except Exception as exc:  # noqa: BLE001 - any failure to reach the stack is the same answer
-        raise ValueError(credentials.unreachable(server, exc, options)) from None
-    jobs = [msgspec.to_builtins(status) for status in statuses]
-    if args.ids:
-        known: dict = {}
-        for j in jobs:  # the first listed under an id: the job, before refusals of other bodies under it
-            known.setdefault(j["id"], j)
-        if missing := [i for i in args.ids if i not in known]:
-            raise ValueError(f"no job of yours is known to the executors as {', '.join(map(repr, missing))}")
-        jobs = [known[i] for i in dict.fromkeys(args.ids)]
-    run = run_document(policy)
-    if args.json:
-        print(json.dumps(jobs[0] if len(args.ids) == 1 else {"jobs": jobs, "run": run}, indent=2))
-        return 0
-    counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
-    print(
-        f"{len(jobs)} job{'s' * (len(jobs) != 1)}: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-        if jobs
-        else "no jobs"
-    )
-    idle = run["state"] == "running" and not run["jobs"] and not run["reason"]
-    print(
-        printable(
-            f"live run: {run['state']}"
-            + (f", {run['round']} round{'s' * (run['round'] != 1)} so far" if run.get("round") is not None else "")
-            + (f" ({run['reason']})" if run["reason"] else "")
-            + (" (idle: no active job; the rounds go on with the next submission)" if idle else "")
-            + f"; policy leader: {run['leader'] or 'none'}"
-        )
-    )
-    # A job's reason holds its own stderr: each line is printed as `printable` makes it (shared/text.py).
-    for row in job_table(jobs):
-        print(printable(row))
-    for job in jobs if args.ids else ():
-        lines = job_lines(job)
-        if lines and len(jobs) > 1:
-            print(printable(f"    {job['id']}:"))
-        for line in lines:
-            print(f"      {printable(line)}")
-    return 0
-
-
-def _nodes(args: argparse.Namespace) -> int:
-    import json
-
-    import msgspec
-
-    from cli.submit import _call
-    from shared import subjects
-    from shared.hardware import hardware_name
-    from shared.schema import Ack, NodeStatuses
-    from shared.text import printable
-
-    try:
-        answer = _call(
-            args,
-            subjects.EXECUTOR_NODES,
-            Ack(),
-            NodeStatuses,
-            "no executor at {server} lists nodes: is the stack up?",
-        )
-    except ValueError as error:
-        if "refused this login" in str(error):  # a login sees only its own jobs: not the nodes'
-            raise ValueError(
-                f"{error}: listing nodes takes the operator's login (--nats-user operator, its "
-                "password file under the data folder's secrets)"
-            ) from None
-        raise
-    if args.json:
-        print(json.dumps({"nodes": msgspec.to_builtins(answer.nodes)}, indent=2))
-        return 0
-    counts = {state: sum(n.state == state for n in answer.nodes) for state in NODE_STATES}
-    print(
-        f"{len(answer.nodes)} node{'s' * (len(answer.nodes) != 1)}: "
-        + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-        if answer.nodes
-        else "no nodes"
-    )
-    for node in answer.nodes:
-        jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
-        line = f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}"
-        print(printable(line.rstrip()))
-    return 0
-
-
-def run_document(policy) -> dict:
-    """The live run (and the policy leader) as `goodput status --json` shows it."""
-    if policy is None:
-        return {
-            "id": None,
-            "state": "unknown",
-            "reason": "no policy replica answers",
-            "round": None,
-            "now_s": None,
-            "jobs": 0,
-            "leader": None,
-        }
-    run = policy.run
-    if run is None:
-        return {
-            "id": None,
-            "state": "none",
-            "reason": "no live run yet",
-            "round": None,
-            "now_s": None,
-            "jobs": 0,
-            "leader": policy.leader,
-        }
-    return {
-        "id": run.id,
-        "state": run.state,
-        "reason": run.reason,
-        "round": run.round,
-        "now_s": run.now_s,
-        "jobs": run.jobs,
-        "leader": policy.leader,
-    }
-
-
-async def _query(server: str, ids: list[str], **options):
-    """The login's jobs (every job, for the operator), page by page through the user API, each of
-    `ids` as `goodput.api.job` tells it (with the refusals of other bodies under its id) first; and
-    the policy's status."""
-    import nats.errors
-    from nats.micro.request import ServiceError
-
-    from shared import subjects
-    from shared.bus import Bus
-    from shared.schema import MAX_PAGE, Ack, JobRequest, JobsPage, JobsRequest, JobStatus, PolicyStatus
-
-    bus = await Bus.connect_once(server, "goodput-status", **options)
-    try:
-        statuses, offset = [], 0
-        for job_id in dict.fromkeys(ids):
-            with contextlib.suppress(ServiceError):  # none of the login's: the listing says so
-                statuses.append(await bus.request(subjects.API_JOB, JobRequest(job_id), JobStatus, timeout=10))
-        while offset is not None:
-            page = await bus.request(
-                subjects.API_JOBS, JobsRequest(offset=offset, limit=MAX_PAGE), JobsPage, timeout=10
-            )
-            statuses += page.jobs
-            offset = page.next_offset
-        try:
-            policy = await bus.request(subjects.POLICY_STATUS, Ack(), PolicyStatus, timeout=5)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            policy = None  # the jobs are still worth showing
-        return statuses, policy
-    finally:
-        await bus.close()

@@ -101,7 +101,7 @@ def test_status_nodes_explain_and_errors_print_a_jobs_text_printable(capsys, no_
     print its words and nothing a terminal acts on."""
     import cli.explain
     import cli.submit
-    import cli.up
+    import cli.status
     from cli.main import main
     from shared.schema import Explanation, JobStatus, NodeStatus, NodeStatuses, PolicyStatus
 
@@ -111,7 +111,7 @@ def test_status_nodes_explain_and_errors_print_a_jobs_text_printable(capsys, no_
     async def query(server, ids, **options):
         return [failed], PolicyStatus("policy-1")
 
-    monkeypatch.setattr(cli.up, "_query", query)
+    monkeypatch.setattr(cli.status, "_query", query)
     for argv in (["status"], ["status", "evil-1"]):
         assert main(argv) == 0
         printed = capsys.readouterr().out
