@@ -14,10 +14,10 @@ import argparse
 import time
 from pathlib import Path
 
-from launcher.stack import replay_over_nats
+from launcher.replay import replay_over_nats
 from shared.reference import reference_root
 from shared.settings import DEFAULT_POLICY
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 
 def main() -> None:
@@ -33,7 +33,9 @@ def main() -> None:
         start = time.perf_counter()
         over = replay_over_nats if bus == "nats" else None
         # No fairness: the alone runs are the same work either way.
-        runs[bus] = simulate(workload, "sia-hetero-64", args.policy, sources=sources, over=over, fairness=False)
+        runs[bus] = simulate(
+            Simulation(workload, "sia-hetero-64", args.policy), sources=sources, over=over, fairness=False
+        )
         walls[bus] = time.perf_counter() - start
     rounds = runs["direct"]["rounds"]
     same = runs["nats"]["jobs"] == runs["direct"]["jobs"]

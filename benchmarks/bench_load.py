@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from launcher.nats import embedded_nats
-from launcher.stack import replay, running_services, service_arguments
+from launcher.replay import replay
+from launcher.stack import running_services, service_arguments
 from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS, settings_for
 from sim.workload import generate_workload
 

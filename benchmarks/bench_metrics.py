@@ -34,7 +34,7 @@ import numpy as np
 from shared import metrics
 from shared.cluster import load_cluster
 from shared.settings import DEFAULT_POLICY
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 
 CLUSTER = "sia-hetero-64"
@@ -114,10 +114,10 @@ def run_rounds(workload: str, policy: str, sources, scraper: Scraper | None) -> 
     marks: list[float] = []
     progress = lambda *_: marks.append(time.monotonic())  # noqa: E731 - one round, one mark
     if scraper is None:
-        simulate(workload, CLUSTER, policy, sources=sources, fairness=False, progress=progress)
+        simulate(Simulation(workload, CLUSTER, policy), sources=sources, fairness=False, progress=progress)
     else:
         with scraper:
-            simulate(workload, CLUSTER, policy, sources=sources, fairness=False, progress=progress)
+            simulate(Simulation(workload, CLUSTER, policy), sources=sources, fairness=False, progress=progress)
     return list(zip(marks[:-1], marks[1:]))
 
 

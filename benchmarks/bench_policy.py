@@ -48,7 +48,7 @@ from policies.base import Decision, RoundState, make_policy, policy_spec
 from shared.cluster import Cluster, load_cluster
 from shared.reference import WorkloadJob, load_workload, reference_root
 from shared.teams import TeamFile, Teams, TeamSpec, load_team_file, resolve
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 
 def report(label: str, result: dict, took: float) -> None:
@@ -116,12 +116,12 @@ def scaled_teams(file: TeamFile, small: Cluster, large: Cluster) -> Teams:
     )
 
 
-def side_by_side(label: str, policy: str, teams: Teams, workload: Path, cluster: str, **options) -> None:
+def side_by_side(label: str, policy: str, teams: Teams, workload: Path, cluster: str, sources, **options) -> None:
     """One run with every round decided without teams and with them; their times and ratio."""
     measured = SideBySide(policy, teams)
     start = time.perf_counter()
     with mock.patch.object(sim.run, "make_policy", lambda *_, **__: measured):
-        result = simulate(workload, cluster, policy, fairness=False, **options)
+        result = simulate(Simulation(workload, cluster, policy, **options), sources=sources, fairness=False)
     plain, with_teams = np.array(measured.plain_ms), np.array(measured.teams_ms)
     counts = {name: 0 for name in measured.names}
     for job_id in measured.seen:
@@ -232,7 +232,9 @@ def cluster_run(args, sources, workloads: Path) -> None:
             mock.patch.object(sim.run, "make_policy", lambda *_, **__: timed),
             mock.patch.object(sim.run, "results", lambda *_, **__: {}),
         ):
-            simulate(jobs, args.cluster, policy, sources=sources, horizon_s=args.rounds * 60.0, fairness=False)
+            simulate(
+                Simulation(jobs, args.cluster, policy, horizon_s=args.rounds * 60.0), sources=sources, fairness=False
+            )
         ms = np.array([r[1] for r in timed.rounds])
         active = [r[0] for r in timed.rounds]
         gaps = [r[2] for r in timed.rounds if r[2] is not None]
@@ -310,7 +312,9 @@ def main() -> None:
     for policy in args.policies:
         start = time.perf_counter()
         result = simulate(
-            workloads / "philly" / "workload-1.csv", "sia-hetero-64", policy, sources=sources, fairness=False
+            Simulation(workloads / "philly" / "workload-1.csv", "sia-hetero-64", policy),
+            sources=sources,
+            fairness=False,
         )  # the simulation itself, without each job's alone run
         report(
             f"{policy}, Philly workload-1 (160 jobs), sia-hetero-64 — targets: policy p50 <= 10 ms, "
@@ -322,11 +326,13 @@ def main() -> None:
     for policy in args.policies:
         start = time.perf_counter()
         result = simulate(
-            workloads / "scale" / "scale_32x" / "workload-1.csv",
-            "sia-hetero-2048",
-            policy,
+            Simulation(
+                workloads / "scale" / "scale_32x" / "workload-1.csv",
+                "sia-hetero-2048",
+                policy,
+                horizon_s=args.scale_hours * 3600,
+            ),
             sources=sources,
-            horizon_s=args.scale_hours * 3600,
             fairness=False,
         )
         report(

@@ -24,7 +24,7 @@ from bench_policy import Timed, grown_workload  # this folder (the script's) is 
 import sim.run
 from shared.cluster import load_cluster
 from shared.reference import reference_root
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 
 def measure(gpus: int, rounds: int, sources, base: Path) -> dict:
@@ -37,7 +37,7 @@ def measure(gpus: int, rounds: int, sources, base: Path) -> dict:
         mock.patch.object(sim.run, "make_policy", lambda *_, **__: timed),
         mock.patch.object(sim.run, "results", lambda *_, **__: {}),
     ):
-        simulate(jobs, cluster, "goodput", sources=sources, horizon_s=rounds * 60.0, fairness=False)
+        simulate(Simulation(jobs, cluster, "goodput", horizon_s=rounds * 60.0), sources=sources, fairness=False)
     ms = np.array([r[1] for r in timed.rounds])
     active = [r[0] for r in timed.rounds]
     p50, p95 = np.percentile(ms, [50, 95])

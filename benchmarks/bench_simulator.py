@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from shared.reference import load_workload, reference_root
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 SPAN_S = 8 * 3600.0  # each Philly file's span, and the shift between them
 FILES = 6
@@ -48,7 +48,7 @@ def main() -> int:
     jobs = two_days(args.reference)
     sources = job_sources(args.reference)  # read before the clock starts, as `goodput simulate` does
     start = time.perf_counter()
-    result = simulate(jobs, "sia-hetero-64", args.policy, sources=sources, fairness=False, progress=True)
+    result = simulate(Simulation(jobs, "sia-hetero-64", args.policy), sources=sources, fairness=False, progress=True)
     took = time.perf_counter() - start
     per_job = {j["name"]: [j["jct_s"], j["restarts"]] for j in result["jobs"]}
     print(

@@ -86,11 +86,11 @@ def slice_cluster(file: TeamFile, cluster: Cluster, team: str) -> dict:
 
 def run_case(case: tuple) -> tuple[str, dict, float]:
     """One simulation in a worker process: (label, its result, wall seconds)."""
-    from sim.run import simulate
+    from sim.run import Simulation, simulate
 
     label, workload, cluster, policy, team_file = case
     start = time.perf_counter()
-    result = simulate(workload, cluster, policy, calibration=CALIBRATION, fairness=False, teams=team_file)
+    result = simulate(Simulation(workload, cluster, policy, calibration=CALIBRATION, teams=team_file), fairness=False)
     return label, result, time.perf_counter() - start
 
 

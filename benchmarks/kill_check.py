@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 from launcher.nats import embedded_nats
-from launcher.stack import replay, running_services, service_arguments
+from launcher.replay import replay
+from launcher.stack import running_services, service_arguments
 from shared.reference import load_workload, reference_root
 from shared.settings import settings_for
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:
@@ -55,7 +56,7 @@ def main() -> None:
     root = reference_root()
     workload = args.workload or str(Path(root) / "sia/sia-simulator/workloads/philly/workload-1.csv")
     jobs = load_workload(workload)
-    direct = simulate(jobs, "sia-hetero-64", "sia", sources=job_sources(), fairness=False)
+    direct = simulate(Simulation(jobs, "sia-hetero-64", "sia"), sources=job_sources(), fairness=False)
     records, took = asyncio.run(killed_run(jobs, args.victim, args.after, str(root)))
     outcome = {r.name: (r.finish_s, r.restarts, round(r.gpu_seconds, 3)) for r in records}
     expected = {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}

@@ -33,7 +33,8 @@ import nats.errors
 from nats import micro
 
 from launcher.nats import EmbeddedNats, free_loopback_port, nats_from_binary, server_config
-from launcher.stack import Stack, replay, replay_prefix, replay_records, running_services, service_arguments
+from launcher.replay import replay, replay_prefix, replay_records
+from launcher.stack import Stack, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus, is_json
 from shared.cluster import Cluster, load_cluster

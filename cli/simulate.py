@@ -208,30 +208,32 @@ def _options(args: argparse.Namespace, policy: str) -> dict:
 
 
 def run_spec(args: argparse.Namespace, workload: str, spec: str, sources, progress: bool) -> dict:
-    from sim.run import simulate
+    from sim.run import Simulation, simulate
 
     over = None
     if getattr(args, "bus", "direct") == "nats":
-        from launcher.stack import replay_over_nats as over
+        from launcher.replay import replay_over_nats as over
     policy, options = policy_spec(spec)
     result = simulate(
-        workload,
-        args.cluster,
-        policy,
-        calibration=args.calibration,
-        policy_options=_options(args, policy) | options,
-        feedback_iterations=args.feedback_iterations,
+        Simulation(
+            workload,
+            args.cluster,
+            policy,
+            calibration=args.calibration,
+            policy_options=_options(args, policy) | options,
+            feedback_iterations=args.feedback_iterations,
+            restart_delay_s=args.restart_delay,
+            round_s=args.round_s,
+            interference=args.interference,
+            profile_request=args.profile_request,
+            teams=getattr(args, "team_file", None) or getattr(args, "teams", None),
+            targets=args.targets,
+            target_noise=args.target_noise,
+        ),
         sources=sources,
-        restart_delay_s=args.restart_delay,
-        round_s=args.round_s,
         progress=progress,
         over=over,
         fairness=args.fairness,
-        interference=args.interference,
-        profile_request=args.profile_request,
-        teams=getattr(args, "team_file", None) or getattr(args, "teams", None),
-        targets=args.targets,
-        target_noise=args.target_noise,
     )
     result["policy_spec"] = spec
     return result

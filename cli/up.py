@@ -43,7 +43,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 
 from shared import credentials
@@ -341,6 +340,7 @@ async def _serve(args: argparse.Namespace, nats, data: Path, resumed: bool, team
 
 async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, teams) -> None:
     from launcher.live_run import describe, live_request
+    from launcher.replay import replay_workload
     from launcher.stack import (
         METRICS_FILE,
         ensure_run,
@@ -410,7 +410,16 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
                         f"{data} holds a live run, which the policy leader serves before any replay: "
                         "replay on another --data, or start it empty with --fresh"
                     )
-                await _replay(args, bus, stack, live.policy, dict(live.policy_options))
+                await replay_workload(
+                    bus,
+                    stack,
+                    args.workload,
+                    args.cluster,
+                    live.policy,
+                    dict(live.policy_options),
+                    args.reference,
+                    args.out,
+                )
             if real or not args.once:
                 existing = await ensure_run(bus, live)
                 if existing is not None and (existing.policy, existing.policy_options, existing.round_s) != (
@@ -446,51 +455,6 @@ async def _stack(args: argparse.Namespace, nats, data: Path, resumed: bool, team
             if supervising is not None:
                 supervising.cancel()
             await bus.close()
-
-
-async def _replay(args: argparse.Namespace, bus, stack, policy: str, options: dict) -> None:
-    """Replay the workload through the services; print and write its results."""
-    from cli.simulate import report
-    from launcher.stack import replay
-    from policies.base import make_policy
-    from shared.cluster import load_cluster
-    from shared.reference import load_workload
-    from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
-    from sim.run import add_fairness, fairness_reporter, job_sources, progress_reporter, replay_results
-
-    jobs = load_workload(args.workload)
-    settings = simulation_settings(None, args.cluster)
-    print(f"replaying {args.workload} ({len(jobs)} jobs) with {args.policy} on {args.cluster} ...")
-    start = time.perf_counter()
-    run, records = await replay(
-        bus, stack, jobs, policy, options, settings.name, progress=progress_reporter(len(jobs), label="replay")
-    )
-    origin = f"reference:{args.reference}" if args.reference else "zoo"
-    cluster = load_cluster(args.cluster)
-    result = replay_results(
-        jobs,
-        cluster,
-        make_policy(policy, **options),
-        settings,
-        FEEDBACK_ITERATIONS,
-        run,
-        records,
-        args.workload,
-        origin,
-    )
-    await asyncio.to_thread(
-        add_fairness,
-        result,
-        jobs,
-        cluster,
-        policy,
-        options,
-        settings,
-        job_sources(args.reference, args.reference is None),
-        FEEDBACK_ITERATIONS,
-        progress=fairness_reporter(result),
-    )
-    report(result, time.perf_counter() - start, args.out)
 
 
 def _how_to_connect(data: Path, user_env: Path) -> str:

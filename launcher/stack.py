@@ -11,13 +11,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import EllipsisType
 
-import msgspec
 import nats.errors
 
 from launcher.nats import SECRETS, EmbeddedNats, port_in_use
@@ -27,15 +25,11 @@ from shared.bus import Bus, RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.metrics import TOKEN_FILE_ENV, MetricsUnavailable, read_token
-from shared.reference import WorkloadJob
 from shared.runner import METRICS_PORT_ENV, PARENT_ENV, ended_with_this_process
 from shared.schema import (
     Ack,
-    Count,
     JobRecord,
     JobRecords,
-    JobSpec,
-    JobsQuery,
     PolicyStatus,
     RunCheckpoint,
     RunReport,
@@ -318,15 +312,6 @@ def running_services(
         stack.stop()
 
 
-async def _count(bus: Bus, subject: str, prefix: str = "") -> int:
-    """A service's count (of the jobs whose id begins with `prefix`); -1 while its endpoint is not
-    answering yet (a service answers ping as soon as it registers, a moment before its endpoints do)."""
-    try:
-        return (await bus.request(subject, JobsQuery(prefix), Count, timeout=10)).n
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-        return -1
-
-
 def service_arguments(
     cluster: str,
     reference: str | None,
@@ -422,76 +407,6 @@ def local_node_arguments(
         ]
         for name, node in real_nodes(load_cluster(cluster)).items()
     }
-
-
-async def replay(
-    bus: Bus,
-    stack: Stack,
-    jobs: Sequence[WorkloadJob],
-    policy: str,
-    policy_options: dict,
-    calibration: str,
-    round_s: float | None = None,
-    horizon_s: float | None = None,
-    request_timeout_s: float = 10.0,
-    run_id: str | None = None,
-    progress: Callable[[float, int, int], None] | None = None,
-    teams: TeamFile | None = None,
-) -> tuple[RunReport, JobRecords]:
-    """Submit a workload through JetStream, wait for the profiler's verdict on every job, create
-    the run for the policy leader and follow its log to the end (whichever replica leads, and
-    however often leadership changes on the way). The jobs' ids are the run's own (`<run id>.<name>`),
-    so a replay never meets another's jobs or a user's on the same stack; the report and records
-    name them as the workload does. `teams`: the team file the leader holds the run to (each job's
-    team and priority are the workload's)."""
-    run_id = run_id or f"replay-{uuid.uuid4().hex[:12]}"
-    prefix = replay_prefix(run_id)
-    for job in jobs:
-        spec = JobSpec(
-            prefix + job.name,
-            job.application,
-            requested_gpus=job.num_replicas,
-            requested_batch=job.batch_size,
-            submit_s=job.time,
-            team=job.team,
-            priority=job.priority,
-            target_epochs=job.target_epochs,
-        )
-        await bus.js_publish(subjects.REPLAY_SUBMIT, spec, msg_id=spec.id)
-    while await _count(bus, subjects.EXECUTOR_STATUS, prefix) < len(jobs):
-        await asyncio.sleep(0.05)
-    request = RunRequest(
-        run_id,
-        policy,
-        policy_options,
-        calibration,
-        tuple((prefix + j.name, j.time) for j in jobs),
-        round_s,
-        horizon_s,
-        request_timeout_s,
-        teams=teams,
-    )
-    await create_run(bus, request)
-    try:
-        report = await follow_run(bus, run_id, progress)
-    except Exception as error:  # noqa: BLE001 - say which service failed and why
-        logs = "\n".join(f"--- {name}\n{stack.log(name)}" for name in stack.processes)
-        raise RuntimeError(f"the replay over NATS failed ({error!r}); the services' logs end with:\n{logs}") from None
-    rounds = tuple(
-        msgspec.structs.replace(r, gpus={j.removeprefix(prefix): g for j, g in r.gpus.items()}) for r in report.rounds
-    )
-    return RunReport(rounds, tuple(e.replace(prefix, "") for e in report.events)), await replay_records(bus, prefix)
-
-
-def replay_prefix(run_id: str) -> str:
-    """What a replay's job ids begin with: `<run id>.`, then the workload's name."""
-    return f"{run_id}."
-
-
-async def replay_records(bus: Bus, prefix: str, timeout_s: float = 60.0) -> JobRecords:
-    """The executors' records of a replay's jobs, under the workload's names."""
-    records = await bus.request(subjects.RECORDS, JobsQuery(prefix), JobRecords, timeout=timeout_s)
-    return JobRecords(tuple(msgspec.structs.replace(r, name=r.name.removeprefix(prefix)) for r in records.jobs))
 
 
 async def create_run(bus: Bus, request: RunRequest) -> None:
@@ -605,58 +520,3 @@ async def users_view(folder: Path, cluster: str = "sia-hetero-64"):
             yield nc
         finally:
             await nc.close()
-
-
-async def replay_over_nats(
-    jobs,
-    cluster,
-    policy,
-    policy_options,
-    settings,
-    reference,
-    use_zoo,
-    calibration,
-    feedback_iterations,
-    restart_delay_s,
-    round_s,
-    horizon_s,
-    interference,
-    origin,
-    progress,
-    teams=None,
-):
-    """Replay `jobs` through the services on a NATS server of our own (a virtual clock), held to the
-    team file `teams` (None: no teams)."""
-    import tempfile
-
-    from launcher.nats import embedded_nats
-
-    arguments = service_arguments(
-        cluster,
-        reference,
-        use_zoo or origin == "zoo",
-        calibration,
-        feedback_iterations,
-        restart_delay_s,
-        interference,
-        settings.profile_request,
-    )
-    with tempfile.TemporaryDirectory() as folder, embedded_nats(Path(folder)) as nats:
-        with running_services(nats, arguments, Path(folder)) as stack:
-            bus = await nats.connect("goodput-simulate")
-            try:
-                await stack.wait_ready(bus)
-                return await replay(
-                    bus,
-                    stack,
-                    jobs,
-                    policy,
-                    policy_options,
-                    settings.name,
-                    round_s,
-                    horizon_s,
-                    progress=progress,
-                    teams=teams,
-                )
-            finally:
-                await bus.close()

@@ -10,8 +10,9 @@ import asyncio
 import sys
 import time
 import zlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, TextIO
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -38,84 +39,94 @@ def _quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "max": round(float(max(values)), 3)}
 
 
+@dataclass(frozen=True)
+class Simulation:
+    """One run of a workload on a simulated cluster: the jobs, the cluster, the policy and the world
+    they run in. `teams`: a team file (its path, or the file) in force every round, checked first
+    (`check_teams`); `restart_delay_s` replaces every model's checkpoint-restart delay; `round_s` the
+    simulator's round; `horizon_s` stops the run early; `interference` slows distributed jobs that
+    share a node by that fraction; `profile_request` measures each job at its request on every type
+    before it starts (`services.simulated.world.request_observations`); `targets` and
+    `target_noise` set the work each job declares (sim.workload.declare_targets)."""
+
+    workload: str | Path | Sequence[WorkloadJob]
+    cluster: str
+    policy: str
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    reference: str | None = None
+    use_zoo: bool = False
+    calibration: str | None = None
+    feedback_iterations: int = FEEDBACK_ITERATIONS
+    restart_delay_s: float | None = None
+    round_s: float | None = None
+    horizon_s: float | None = None
+    interference: float = 0.0
+    profile_request: bool = False
+    teams: str | Path | TeamFile | None = None
+    targets: str = "given"
+    target_noise: tuple[float, float] | None = None
+
+    @property
+    def settings(self) -> SimSettings:
+        return simulation_settings(
+            self.calibration,
+            self.cluster,
+            self.restart_delay_s,
+            self.round_s,
+            self.horizon_s,
+            self.interference,
+            self.profile_request,
+        )
+
+    @property
+    def jobs(self) -> list[WorkloadJob]:
+        return load_workload(self.workload) if isinstance(self.workload, (str, Path)) else list(self.workload)
+
+    @property
+    def team_file(self) -> TeamFile | None:
+        return load_team_file(self.teams) if isinstance(self.teams, (str, Path)) else self.teams
+
+
 def simulate(
-    workload: str | list[WorkloadJob],
-    cluster: str,
-    policy: str,
+    run: Simulation,
     *,
-    reference: str | None = None,
-    use_zoo: bool = False,
-    calibration: str | None = None,
-    policy_options: dict | None = None,
-    feedback_iterations: int = FEEDBACK_ITERATIONS,
     sources: JobSources | None = None,
-    restart_delay_s: float | None = None,
-    round_s: float | None = None,
-    horizon_s: float | None = None,
     progress: bool | Progress = False,
     over: Replayer | None = None,
     fairness: bool = True,
-    interference: float = 0.0,
-    profile_request: bool = False,
-    teams: str | Path | TeamFile | None = None,
-    targets: str = "given",
-    target_noise: tuple[float, float] | None = None,
 ) -> dict:
-    """Run one workload and return the result document. `teams`: a team file (its path, or the file)
-    in force every round, checked first (`check_teams`); the document then has each team's results
-    (`team_results`). `restart_delay_s` replaces every model's
-    checkpoint-restart delay; `round_s` the simulator's round; `horizon_s` stops the run early;
-    `progress` True reports on stderr as the run goes (`progress_reporter`), or is a callback
-    (simulated time, jobs done, jobs in all);
-    `fairness` adds each job's finish-time fairness (a run of each job alone: sim.fairness);
-    `interference` slows distributed jobs that share a node by that fraction; `profile_request`
-    measures each job at its request on every type before it starts (`services.simulated.world.request_observations`);
-    `targets` and `target_noise` set the work each job declares (sim.workload.declare_targets);
-    `over` replays the jobs through the services instead of the cores in this process
-    (`launcher.stack.replay_over_nats`: `goodput simulate --bus nats`)."""
-    jobs = load_workload(workload) if isinstance(workload, (str, Path)) else list(workload)
+    """Run one workload and return the result document, with each team's results (`team_results`)
+    when it has teams. `sources`: the jobs' truth (default: `run`'s reference or zoo); `progress`
+    True reports on stderr as the run goes (`progress_reporter`), or is a callback (simulated time,
+    jobs done, jobs in all); `fairness` adds each job's finish-time fairness (a run of each job
+    alone: sim.fairness); `over` replays the jobs through the services instead of the cores in this
+    process (`launcher.replay.replay_over_nats`: `goodput simulate --bus nats`)."""
+    jobs = run.jobs
     if not jobs:
         raise ValueError("the workload has no jobs")
-    spec = load_cluster(cluster)
-    settings = simulation_settings(
-        calibration, cluster, restart_delay_s, round_s, horizon_s, interference, profile_request
-    )
-    pol = make_policy(policy, **(policy_options or {}))
-    team_file = load_team_file(teams) if isinstance(teams, (str, Path)) else teams
+    spec = load_cluster(run.cluster)
+    settings = run.settings
+    options = dict(run.policy_options)
+    pol = make_policy(run.policy, **options)
+    team_file = run.team_file
     resolved = None
     if team_file is not None:
-        resolved = check_teams(team_file, spec, pol, jobs, f"team file {teams}" if team_file is not teams else "")
-    sources = sources or job_sources(reference, use_zoo)
-    jobs = declare_targets(jobs, lambda model: sources.truths[model].epochs_total, targets, target_noise)
-    name = workload if isinstance(workload, (str, Path)) else "<in memory>"
+        source = f"team file {run.teams}" if team_file is not run.teams else ""
+        resolved = check_teams(team_file, spec, pol, jobs, source)
+    sources = sources or job_sources(run.reference, run.use_zoo)
+    jobs = declare_targets(jobs, lambda model: sources.truths[model].epochs_total, run.targets, run.target_noise)
+    name = run.workload if isinstance(run.workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
     if over is not None:
-        report, records = asyncio.run(
-            over(
-                jobs,
-                cluster,
-                policy,
-                policy_options or {},
-                settings,
-                reference,
-                use_zoo,
-                calibration,
-                feedback_iterations,
-                restart_delay_s,
-                round_s,
-                horizon_s,
-                interference,
-                sources.origin,
-                show,
-                teams=team_file,
-            )
-        )
+        # The services are given the jobs as this run declares them, and the team file read.
+        replayed = replace(run, workload=tuple(jobs), teams=team_file)
+        report, records = asyncio.run(over(replayed, sources.origin, show))
         result = replay_results(
-            jobs, spec, pol, settings, feedback_iterations, report, records, name, sources.origin, resolved
+            jobs, spec, pol, settings, run.feedback_iterations, report, records, name, sources.origin, resolved
         )
     else:
         sim = Simulator(
-            jobs, spec, pol, settings, sources.truths, sources.profile, feedback_iterations, teams=team_file
+            jobs, spec, pol, settings, sources.truths, sources.profile, run.feedback_iterations, teams=team_file
         )
         sim.run(show)
         result = results(sim, name, sources.origin, teams=resolved)
@@ -124,11 +135,11 @@ def simulate(
             result,
             jobs,
             spec,
-            policy,
-            policy_options or {},
+            run.policy,
+            options,
             settings,
             sources,
-            feedback_iterations,
+            run.feedback_iterations,
             progress=fairness_reporter(result) if progress is True else None,
         )
     return result
@@ -227,8 +238,9 @@ def replay_results(
 
 
 Progress = Callable[[float | None, int, int], None]  # (simulated time s or None, jobs done, jobs in all)
-# Replays a workload through the services (launcher.stack.replay_over_nats): (report, the executors' records).
-Replayer = Callable[..., Awaitable[tuple]]
+# Replays a simulation's jobs through the services (launcher.replay.replay_over_nats), given the truth's
+# origin and a progress callback: (report, the executors' records).
+Replayer = Callable[["Simulation", str, "Progress | None"], Awaitable[tuple]]
 
 PROGRESS_EVERY_S = 5.0  # wall-clock seconds between two progress lines when stderr is no terminal
 

@@ -12,7 +12,7 @@ from cli.main import main
 from services.simulated.truth import job_sources
 from shared.reference import load_workload, reference_root
 from sim.bound import Placement, hull, workload_bounds
-from sim.run import simulate
+from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 
 PHILLY = "sia/sia-simulator/workloads/philly/workload-1.csv"
@@ -36,7 +36,7 @@ def per_job_bounds(jobs, cluster, sources) -> dict[str, float]:
 @pytest.mark.parametrize("policy", ["goodput", "sia"])
 def test_no_job_finishes_sooner_than_its_infinite_cluster_bound(policy, zoo):
     jobs = load_workload(BUILT_IN_WORKLOAD)
-    result = simulate(jobs, "sia-hetero-64", policy, sources=zoo, fairness=False)
+    result = simulate(Simulation(jobs, "sia-hetero-64", policy), sources=zoo, fairness=False)
     bound = per_job_bounds(jobs, "sia-hetero-64", zoo)
     finished = [j for j in result["jobs"] if j["jct_s"] is not None]
     assert len(finished) == len(jobs)
@@ -51,7 +51,7 @@ def test_the_bound_holds_on_the_measured_profiles_too():
     root = reference_root()
     sources = job_sources(str(root))
     jobs = load_workload(root / PHILLY)[:24]
-    result = simulate(jobs, "sia-hetero-64", "goodput", sources=sources, fairness=False)
+    result = simulate(Simulation(jobs, "sia-hetero-64", "goodput"), sources=sources, fairness=False)
     bound = per_job_bounds(jobs, "sia-hetero-64", sources)
     assert all(j["jct_s"] >= bound[j["name"]] - 1e-6 for j in result["jobs"])
 
@@ -60,7 +60,8 @@ def test_the_capacity_lp_lies_between_the_infinite_cluster_bound_and_every_polic
     jobs = load_workload(BUILT_IN_WORKLOAD)[:16]
     bounds = workload_bounds(jobs, "sia-hetero-64", sources=zoo, lp=True)
     policies = [
-        simulate(jobs, "sia-hetero-64", p, sources=zoo, fairness=False)["avg_jct_s"] for p in ("goodput", "sia")
+        simulate(Simulation(jobs, "sia-hetero-64", p), sources=zoo, fairness=False)["avg_jct_s"]
+        for p in ("goodput", "sia")
     ]
     assert bounds["infinite_cluster_s"] <= bounds["capacity_lp_s"] + 1e-6
     assert bounds["capacity_lp_s"] <= min(policies)
@@ -73,7 +74,7 @@ def test_a_cluster_too_small_for_every_job_at_once_raises_the_lp_above_the_infin
     jobs = [replace(j, time=0.0) for j in load_workload(BUILT_IN_WORKLOAD) if j.application == "cifar10"][:8]
     bounds = workload_bounds(jobs, str(cluster), sources=zoo, lp=True, slot_s=60.0)
     assert bounds["capacity_lp_s"] > 2 * bounds["infinite_cluster_s"]
-    policy = simulate(jobs, str(cluster), "goodput", sources=zoo, fairness=False)["avg_jct_s"]
+    policy = simulate(Simulation(jobs, str(cluster), "goodput"), sources=zoo, fairness=False)["avg_jct_s"]
     assert bounds["capacity_lp_s"] <= policy
 
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from launcher.stack import replay_over_nats
+from launcher.replay import replay_over_nats
 from shared import subjects
 from shared.reference import WorkloadJob
 from shared.teams import parse_team_file
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
 WORKLOAD = [
@@ -24,8 +24,8 @@ WORKLOAD = [
 
 @pytest.mark.e2e
 def test_nats_wiring_reproduces_the_direct_schedule():
-    direct = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO)
-    over_nats = simulate(WORKLOAD, "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
+    direct = simulate(Simulation(WORKLOAD, "sia-hetero-64", "sia"), sources=ZOO)
+    over_nats = simulate(Simulation(WORKLOAD, "sia-hetero-64", "sia"), sources=ZOO, over=replay_over_nats)
     assert direct["jobs_unfinished"] == 0
     assert over_nats["jobs"] == direct["jobs"]  # same JCTs, restarts, GPU time, feedback
     assert over_nats["rounds"] == direct["rounds"]
@@ -38,8 +38,8 @@ def test_nats_wiring_reproduces_the_direct_schedule_with_teams():
     schedule, the same per-team results."""
     teams = parse_team_file("teams: {a: {quota: {T4: 8}}, b: {quota: {A100: 8}, borrow: {T4: 4}}}")
     jobs = [dataclasses.replace(job, team="ab"[i % 2], priority=i % 3) for i, job in enumerate(WORKLOAD)]
-    direct = simulate(jobs, "sia-hetero-64", "goodput", sources=ZOO, teams=teams)
-    over_nats = simulate(jobs, "sia-hetero-64", "goodput", sources=ZOO, teams=teams, over=replay_over_nats)
+    direct = simulate(Simulation(jobs, "sia-hetero-64", "goodput", teams=teams), sources=ZOO)
+    over_nats = simulate(Simulation(jobs, "sia-hetero-64", "goodput", teams=teams), sources=ZOO, over=replay_over_nats)
     assert direct["jobs_unfinished"] == 0 and set(direct["teams"]) == {"a", "b"}
     assert over_nats["jobs"] == direct["jobs"] and over_nats["teams"] == direct["teams"]
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
@@ -56,10 +56,10 @@ def test_profiling_at_the_request_is_the_same_over_nats_and_direct():
         WorkloadJob("deepspeech2-2", 200, "deepspeech2", 8, 160),
         WorkloadJob("yolov3-3", 400, "yolov3", 8, 64),
     ]
-    learned = simulate(workload, "sia-hetero-64", "gavel", fairness=False)
-    direct = simulate(workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True)
+    learned = simulate(Simulation(workload, "sia-hetero-64", "gavel"), fairness=False)
+    direct = simulate(Simulation(workload, "sia-hetero-64", "gavel", profile_request=True), fairness=False)
     over_nats = simulate(
-        workload, "sia-hetero-64", "gavel", fairness=False, profile_request=True, over=replay_over_nats
+        Simulation(workload, "sia-hetero-64", "gavel", profile_request=True), fairness=False, over=replay_over_nats
     )
     assert direct["truth"].startswith("reference:") and direct["jobs_unfinished"] == 0
     assert direct["profiled_at_request"] and over_nats["profiled_at_request"] and not learned["profiled_at_request"]
@@ -89,7 +89,9 @@ async def test_one_trace_per_round_across_the_services(monkeypatch):
             for name in ("round",) + wanted
         }
         await asyncio.sleep(0)
-        await asyncio.to_thread(simulate, WORKLOAD[:2], "sia-hetero-64", "sia", sources=ZOO, over=replay_over_nats)
+        await asyncio.to_thread(
+            simulate, Simulation(WORKLOAD[:2], "sia-hetero-64", "sia"), sources=ZOO, over=replay_over_nats
+        )
         spans = dict(zip(waits, await asyncio.wait_for(asyncio.gather(*waits.values()), 20)))
     # The first span of each name belongs to the first round; all hang from that round's root span.
     root = spans["round"]
@@ -197,7 +199,8 @@ async def _replay_with(tmp_path, jobs, replicas, disturb=None):
     import asyncio
 
     from launcher.nats import embedded_nats
-    from launcher.stack import replay, running_services, service_arguments
+    from launcher.replay import replay
+    from launcher.stack import running_services, service_arguments
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
@@ -262,7 +265,7 @@ async def _requests_served(bus, service, endpoint):
 async def _direct(jobs):
     import asyncio
 
-    direct = await asyncio.to_thread(simulate, jobs, "sia-hetero-64", "sia", sources=ZOO)
+    direct = await asyncio.to_thread(simulate, Simulation(jobs, "sia-hetero-64", "sia"), sources=ZOO)
     return {j["name"]: (j["finish_s"], j["restarts"], j["gpu_seconds"]) for j in direct["jobs"]}
 
 
@@ -328,7 +331,8 @@ async def test_an_unreadable_run_in_kv_is_skipped_and_the_next_one_still_runs(tm
     import asyncio
 
     from launcher.nats import embedded_nats
-    from launcher.stack import replay, running_services, service_arguments
+    from launcher.replay import replay
+    from launcher.stack import running_services, service_arguments
     from shared.settings import settings_for
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
@@ -363,7 +367,8 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
     import nats.errors
 
     from launcher.nats import embedded_nats
-    from launcher.stack import create_run, follow_run, replay_prefix, running_services, service_arguments
+    from launcher.replay import replay_prefix
+    from launcher.stack import create_run, follow_run, running_services, service_arguments
     from shared.schema import Count, JobSpec, JobsQuery, RunRequest
 
     prefix = replay_prefix("rigid-run")

@@ -41,11 +41,12 @@ def test_the_suite_loses_nothing_under_its_faults(tmp_path, capsys):
 
 
 def test_a_failed_solve_keeps_the_previous_allocation_for_that_round():
-    from sim.run import simulate
+    from sim.run import Simulation, simulate
 
     jobs = load_workload("examples/workloads/mixed-40.csv")[:8]
     result = simulate(
-        jobs, CLUSTER, "chaos", use_zoo=True, fairness=False, policy_options={"fail_round": 5, "how": "raise"}
+        Simulation(jobs, CLUSTER, "chaos", use_zoo=True, policy_options={"fail_round": 5, "how": "raise"}),
+        fairness=False,
     )
     assert result["jobs_finished"] == 8
     assert [e for e in result["events"] if "chaos" in e] == [

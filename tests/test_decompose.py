@@ -14,7 +14,7 @@ from shared.reference import load_workload
 from shared.settings import simulation_settings
 from sim.bound import model_times
 from sim.decompose import PARTS
-from sim.run import simulate
+from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 
 
@@ -26,7 +26,7 @@ def zoo():
 @pytest.mark.parametrize("policy", ["goodput", "sia"])
 def test_each_jobs_parts_add_up_to_its_jct_and_its_compute_is_its_best_time_alone(policy, zoo):
     jobs = load_workload(BUILT_IN_WORKLOAD)
-    result = simulate(jobs, "sia-hetero-64", policy, sources=zoo, fairness=False)
+    result = simulate(Simulation(jobs, "sia-hetero-64", policy), sources=zoo, fairness=False)
     cluster, settings = load_cluster("sia-hetero-64"), simulation_settings(None, "sia-hetero-64")
     best = {m: model_times(cluster, zoo.truths[m], settings).switching for m in {j.application for j in jobs}}
     finished = [j for j in result["jobs"] if j["jct_s"] is not None]

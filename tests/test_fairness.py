@@ -5,14 +5,16 @@ import pytest
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob
 from sim.fairness import fair_share, jobs_sharing
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
 
 
 @pytest.mark.parametrize("policy", ["sia", "pollux", "gavel"])
 def test_a_job_alone_has_rho_one(policy):
-    result = simulate([WorkloadJob("cifar10-0", 0, "cifar10", 2, 256)], "sia-hetero-64", policy, sources=ZOO)
+    result = simulate(
+        Simulation([WorkloadJob("cifar10-0", 0, "cifar10", 2, 256)], "sia-hetero-64", policy), sources=ZOO
+    )
     (job,) = result["jobs"]
     assert job["rho"] == 1.0
     assert result["rho_max"] == 1.0 and result["rho_over_1"] == 0.0
@@ -22,7 +24,7 @@ def test_jobs_crowding_a_small_cluster_wait_for_each_other():
     """Eight jobs at once on 4 GPUs: the share is half a GPU, and the last to finish took longer
     than it would have alone on it (rho > 1), while the first finished sooner (rho < 1)."""
     jobs = [WorkloadJob(f"cifar10-{i}", 0, "cifar10", 1, 128) for i in range(8)]
-    result = simulate(jobs, "examples/clusters/one-node-4xT4.yaml", "sia", sources=ZOO)
+    result = simulate(Simulation(jobs, "examples/clusters/one-node-4xT4.yaml", "sia"), sources=ZOO)
     rhos = [j["rho"] for j in result["jobs"]]
     assert all(r is not None for r in rhos)
     assert max(rhos) > 1.0 > min(rhos)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from goodput_train.goodput import BatchLimits, iteration_time
-from launcher.stack import replay_over_nats
+from launcher.replay import replay_over_nats
 from policies.base import make_policy
 from services.placer.core import place, placement_violations
 from services.simulated.world import SimulatedJob
@@ -20,7 +20,7 @@ from shared.table import goodput_table
 from shared.zoo import load_zoo
 from sim.fairness import fair_share
 from sim.rounds import job_models, job_view, round_state
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 
 ZOO = job_sources(use_zoo=True)
@@ -162,8 +162,10 @@ def test_sia_runs_a_mixed_workload_keeping_every_group_on_one_node():
 @pytest.mark.e2e
 def test_the_services_over_nats_give_the_direct_schedule():
     workload = MIXED[:2]
-    direct = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False)
-    over_nats = simulate(workload, "sia-hetero-64", "sia", sources=ZOO, fairness=False, over=replay_over_nats)
+    direct = simulate(Simulation(workload, "sia-hetero-64", "sia"), sources=ZOO, fairness=False)
+    over_nats = simulate(
+        Simulation(workload, "sia-hetero-64", "sia"), sources=ZOO, fairness=False, over=replay_over_nats
+    )
     assert direct["jobs_unfinished"] == 0
     assert over_nats["jobs"] == direct["jobs"]
     assert [r["gpus"] for r in over_nats["timeline"]] == [r["gpus"] for r in direct["timeline"]]
@@ -177,7 +179,7 @@ def test_policies_that_would_split_groups_refuse_hybrid_jobs(policy):
 
 
 def test_a_simulation_with_a_refusing_policy_fails_that_job_with_the_reason_and_runs_the_others():
-    result = simulate(MIXED[:2], "sia-hetero-64", "fifo", sources=ZOO, fairness=False)
+    result = simulate(Simulation(MIXED[:2], "sia-hetero-64", "fifo"), sources=ZOO, fairness=False)
     failed = [e for e in result["events"] if " failed: " in e]
     assert len(failed) == 1 and "gpt_pmp-0 failed: policy 'fifo' cannot schedule hybrid-parallel jobs" in failed[0]
     outcome = {j["name"]: j["finish_s"] for j in result["jobs"]}

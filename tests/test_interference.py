@@ -9,7 +9,7 @@ from policies.base import make_policy
 from shared.cluster import load_cluster
 from shared.reference import WorkloadJob
 from shared.settings import simulation_settings
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 
 ZOO = job_sources(use_zoo=True)
@@ -110,7 +110,10 @@ def test_a_slowdown_slows_training_by_that_fraction():
 
 def test_interference_is_a_fraction_below_one():
     with pytest.raises(ValueError, match="interference"):
-        simulate([WorkloadJob("j", 0, "cifar10", 2, 256)], "pollux-homo-64", "fifo", sources=ZOO, interference=1.5)
+        simulate(
+            Simulation([WorkloadJob("j", 0, "cifar10", 2, 256)], "pollux-homo-64", "fifo", interference=1.5),
+            sources=ZOO,
+        )
 
 
 def test_the_command_refuses_a_bad_slowdown_before_running_anything(capsys):

@@ -532,7 +532,8 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
     """The embedded stack as `goodput up` runs it: every service logs in as its own role (a password
     made under the data folder), and a replay completes: the table grants each service what it uses;
     no service's log reports a permissions violation."""
-    from launcher.stack import replay, running_services, service_arguments
+    from launcher.replay import replay
+    from launcher.stack import running_services, service_arguments
     from shared.reference import load_workload
     from shared.settings import settings_for
 

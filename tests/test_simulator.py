@@ -11,7 +11,7 @@ from services.simulated.truth import canonical_placement, reference_truth
 from shared.reference import WorkloadJob, discover_models
 from shared.settings import PRESETS
 from shared.zoo import load_zoo
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
 
@@ -30,7 +30,7 @@ def test_single_rigid_job_progress_matches_hand_computation():
     # One cifar10 job alone, FIFO at its request (1 GPU, batch 128 = M0): JCT = first-start delay +
     # sum over epochs of the epoch's progress / rate, rate = eff * M/M0 / t_iter / slowdown.
     job = WorkloadJob("only", 0, "cifar10", 1, 128)
-    result = simulate([job], "pollux-homo-64", "fifo", calibration="sia", sources=ZOO)
+    result = simulate(Simulation([job], "pollux-homo-64", "fifo", calibration="sia"), sources=ZOO)
     zoo = load_zoo()["cifar10"]
     settings = PRESETS["sia"]
     t_iter = float(iteration_time(zoo.types["aws"].params, 1, 1, 128))
@@ -52,8 +52,8 @@ def test_single_rigid_job_progress_matches_hand_computation():
 @pytest.mark.parametrize("policy", ["sia", "fifo", "pollux", "gavel", "tiresias"])
 def test_every_job_completes_within_capacity_and_runs_are_deterministic(policy):
     # The runs of each job alone (finish-time fairness) are compared once, under the cheapest policy.
-    first = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO, fairness=policy == "fifo")
-    second = simulate(small_workload(), "sia-hetero-64", policy, sources=ZOO, fairness=policy == "fifo")
+    first = simulate(Simulation(small_workload(), "sia-hetero-64", policy), sources=ZOO, fairness=policy == "fifo")
+    second = simulate(Simulation(small_workload(), "sia-hetero-64", policy), sources=ZOO, fairness=policy == "fifo")
     assert first["jobs_unfinished"] == 0
     assert all(j["jct_s"] > 0 and j["finish_s"] >= j["submit_s"] for j in first["jobs"])
     assert all(sum(r["gpus"].values()) <= 64 for r in first["timeline"])
@@ -63,7 +63,8 @@ def test_every_job_completes_within_capacity_and_runs_are_deterministic(policy):
 
 def test_sia_scales_a_lone_job_up_by_at_most_twice_a_round():
     result = simulate(
-        [WorkloadJob("imagenet-0", 0, "imagenet", 1, 200)], "sia-hetero-64", "sia", sources=ZOO, calibration="none"
+        Simulation([WorkloadJob("imagenet-0", 0, "imagenet", 1, 200)], "sia-hetero-64", "sia", calibration="none"),
+        sources=ZOO,
     )
     gpus = [r["gpus"].get("imagenet-0", 0) for r in result["timeline"]]
     assert gpus[0] == 1  # new jobs start on one GPU
@@ -78,9 +79,9 @@ def test_restart_delay_is_charged_per_start():
     lone = [WorkloadJob("cifar10-0", 0, "cifar10", 1, 128)]
 
     def run(policy, delay):
-        return simulate(lone, "sia-hetero-64", policy, sources=ZOO, calibration="none", restart_delay_s=delay)["jobs"][
-            0
-        ]
+        return simulate(
+            Simulation(lone, "sia-hetero-64", policy, calibration="none", restart_delay_s=delay), sources=ZOO
+        )["jobs"][0]
 
     # fifo starts the job once: exactly one delay more.
     assert run("fifo", 40.0)["jct_s"] == pytest.approx(run("fifo", 0.0)["jct_s"] + 40.0)
@@ -91,7 +92,7 @@ def test_restart_delay_is_charged_per_start():
 
 
 def test_feedback_time_is_recorded_for_k_iterations():
-    result = simulate(small_workload(), "sia-hetero-64", "sia", sources=ZOO, feedback_iterations=50)
+    result = simulate(Simulation(small_workload(), "sia-hetero-64", "sia", feedback_iterations=50), sources=ZOO)
     for job in result["jobs"]:
         assert 0 < job["feedback_s"] <= job["jct_s"]
     assert result["feedback_iterations"] == 50
@@ -99,9 +100,9 @@ def test_feedback_time_is_recorded_for_k_iterations():
 
 def test_unknown_models_and_policies_are_refused():
     with pytest.raises(ValueError, match="no profile data: resnet9000"):
-        simulate([WorkloadJob("x", 0, "resnet9000", 1, 32)], "sia-hetero-64", "sia", sources=ZOO)
+        simulate(Simulation([WorkloadJob("x", 0, "resnet9000", 1, 32)], "sia-hetero-64", "sia"), sources=ZOO)
     with pytest.raises(ValueError, match="unknown policy"):
-        simulate(small_workload(), "sia-hetero-64", "magic", sources=ZOO)
+        simulate(Simulation(small_workload(), "sia-hetero-64", "magic"), sources=ZOO)
 
 
 # --- the reference truth ----------------------------------------------------------------------

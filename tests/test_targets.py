@@ -16,7 +16,7 @@ from services.simulated.truth import job_sources
 from services.simulated.world import SimulatedJob
 from shared.reference import WorkloadJob, load_workload
 from shared.schema import JobSpec
-from sim.run import simulate
+from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD, declare_targets, write_workload
 
 
@@ -91,7 +91,7 @@ def test_the_remaining_work_falls_with_progress_and_is_gone_past_the_declaration
 def test_jobs_that_declare_a_quarter_of_their_work_still_finish_it(zoo):
     jobs = declare_targets(load_workload(BUILT_IN_WORKLOAD)[:12], lambda m: zoo.truths[m].epochs_total, "from-truth")
     short = [dataclasses.replace(j, target_epochs=j.target_epochs / 4) for j in jobs]
-    result = simulate(short, "sia-hetero-64", "goodput", sources=zoo, fairness=False)
+    result = simulate(Simulation(short, "sia-hetero-64", "goodput"), sources=zoo, fairness=False)
     assert result["jobs_unfinished"] == 0
     assert all(parts["compute"] > 0 for parts in result["job_jct_parts_s"].values())
 

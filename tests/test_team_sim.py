@@ -22,7 +22,7 @@ from shared.schema import DEFAULT_TEAM, JobSpec
 from shared.settings import simulation_settings
 from shared.teams import TeamFile, TeamSpec
 from shared.tracing import build_tracer_provider
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 from sim.workload import write_workload
 
@@ -119,7 +119,7 @@ def test_teams_with_a_policy_that_cannot_hold_them_is_a_clear_error_naming_those
     assert main(["compare", *options, "--workloads", str(tmp_path / "w.csv"), "--policies", "sia", "gavel"]) == 2
     assert "'gavel' cannot honour" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'tiresias' cannot honour"):
-        simulate(WORKLOAD, str(tmp_path / "cluster.yaml"), "tiresias", sources=ZOO, teams=TEAMS)
+        simulate(Simulation(WORKLOAD, str(tmp_path / "cluster.yaml"), "tiresias", teams=TEAMS), sources=ZOO)
 
 
 def test_compare_with_teams_runs_the_policies_that_hold_them_and_reports_each_team(tmp_path, capsys):
@@ -137,12 +137,14 @@ def test_a_team_file_that_does_not_fit_the_cluster_is_refused(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER_FILE)
     too_much = TeamFile({"vision": TeamSpec({"T4": 6}), "nlp": TeamSpec({"T4": 4})})
     with pytest.raises(ValueError, match="does not fit cluster two-t4-nodes: the guarantees of T4 add up to 10"):
-        simulate(WORKLOAD, str(tmp_path / "cluster.yaml"), "goodput", sources=ZOO, teams=too_much)
+        simulate(Simulation(WORKLOAD, str(tmp_path / "cluster.yaml"), "goodput", teams=too_much), sources=ZOO)
 
 
 def test_two_teams_share_a_cluster_within_their_guarantees_and_borrowing_limits(tmp_path):
     (tmp_path / "cluster.yaml").write_text(CLUSTER_FILE)
-    result = simulate(WORKLOAD, str(tmp_path / "cluster.yaml"), "goodput", sources=ZOO, fairness=False, teams=TEAMS)
+    result = simulate(
+        Simulation(WORKLOAD, str(tmp_path / "cluster.yaml"), "goodput", teams=TEAMS), sources=ZOO, fairness=False
+    )
 
     assert result["jobs_unfinished"] == 0
     teams = result["teams"]

@@ -4,7 +4,7 @@ import pytest
 
 from policies.base import make_policy
 from shared.reference import WorkloadJob
-from sim.run import job_sources, simulate
+from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
 
@@ -24,15 +24,17 @@ def trials(n=4):
 def run(cluster, policy, **options):
     # Both policies decide every 30 s round, so that they differ only in whom they run.
     return simulate(
-        trials(),
-        cluster,
-        policy,
+        Simulation(
+            trials(),
+            cluster,
+            policy,
+            calibration="none",
+            feedback_iterations=200,
+            restart_delay_s=5.0,
+            round_s=30.0,
+            policy_options={"round_s": 30.0, **options},
+        ),
         sources=ZOO,
-        calibration="none",
-        feedback_iterations=200,
-        restart_delay_s=5.0,
-        round_s=30.0,
-        policy_options={"round_s": 30.0, **options},
     )
 
 
