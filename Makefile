@@ -1,14 +1,15 @@
 # Two entry points (see README): `make run` runs the main job, `make test` runs the tests.
-# Both create .venv and install everything on a fresh machine.
+# Both create .venv and install what they need on a fresh machine; `make test` also the system packages.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SYSTEM := $(VENV)/.system-packages
 # The environment's interpreter: one every user may run. Each job's workers run as a user of their
 # own (docs/deploy.md), and cannot start a Python under a home folder closed to others (pyenv's in
 # /root): the system's Python 3.11+ when there is one.
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3.1[1-9] /usr/local/bin/python3.1[1-9]) python3)
 
-.PHONY: install run test check bench clean
+.PHONY: install system-packages run test check bench clean
 
 $(STAMP): pyproject.toml train/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,22 +19,27 @@ $(STAMP): pyproject.toml train/pyproject.toml
 	# The training library (its own package, what a job's image installs), then the scheduler on it.
 	$(PY) -m pip install --quiet -e ./train
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# Real jobs run each in a box of its own, made by runc (Debian's package): installed here when
-	# this is Debian and we are root. Without it the node agents refuse to run jobs' code (--box off
-	# runs them unboxed, as you). The dashboard's browser test drives Debian's Chromium through its
-	# chromedriver: installed likewise; otherwise that one test is skipped, and says why.
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# What the tests need beyond Python, from Debian when we are root: runc makes each real job's box
+# (without it the node agents refuse to run jobs' code; --box off runs them unboxed, as you), and
+# the dashboard's browser test drives Chromium through its chromedriver (without them that one test
+# is skipped, and says why). `make run` needs neither: its jobs are simulated.
+$(SYSTEM): | $(STAMP)
 	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] && command -v runc >/dev/null 2>&1; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		echo "installing runc, chromium and chromium-driver (apt-get): the jobs' boxes, the dashboard's browser test"; \
 		{ DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runc chromium chromium-driver; } >/dev/null \
-		|| echo "could not install runc and chromium: real jobs will be refused, the browser test skipped"; \
+		|| echo "could not install runc and chromium: real jobs' tests will fail closed, the browser test skip"; \
 	else \
 		echo "no runc or chromium and no root apt-get to install them: real jobs need --box off, the dashboard's browser test will be skipped"; \
 	fi
-	touch $(STAMP)
+	touch $(SYSTEM)
 
-install: $(STAMP)
+system-packages: $(SYSTEM)
 
 # The main job on the embedded default: NATS and the six services, the built-in workload replayed
 # through them on sia-hetero-64 with simulated executors; no reference data, no Docker.
@@ -42,7 +48,7 @@ run: $(STAMP)
 
 # Two workers, a test file each at a time (most tests wait on processes and the bus, not on a core);
 # the slowest tests are listed at the end: what to look at when the suite grows past its 15 minutes.
-test: $(STAMP)
+test: $(STAMP) $(SYSTEM)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The quick loop before a commit: lint, format, and the tests that start no process; CI runs everything (`make test`).
