@@ -1,1 +1,2 @@
-"""The estimator service: core.py decides, service.py moves messages."""
+"""The estimator service (`python -m services.estimator`): core.py fits each job's throughput and
+gradient-noise models from profiles and observations; service.py moves the messages."""

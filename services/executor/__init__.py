@@ -1,1 +1,2 @@
-"""The executor service: core.py decides, service.py moves messages."""
+"""The executor service over real jobs (`python -m services.executor`): real.py answers the round's
+requests, local.py keeps each job's workers on the node agents, progress.py tells a job's progress."""

@@ -1,1 +1,2 @@
-"""The placer service: core.py decides, service.py moves messages."""
+"""The placer service (`python -m services.placer`): core.py picks physical GPUs for the policy's
+allocations; service.py moves the messages."""

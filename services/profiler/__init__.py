@@ -1,1 +1,2 @@
-"""The profiler service: core.py decides, service.py moves messages."""
+"""The profiler service (`python -m services.profiler`): service.py judges each stored submission
+and bootstraps its profiles; measure.py profiles a job's own script on a node."""
