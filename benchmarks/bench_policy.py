@@ -43,6 +43,8 @@ import numpy as np
 
 import policies.sia as sia_module
 import policies.sia_ilp as sia_ilp
+import policies.sia_ilp.exact as sia_ilp_exact
+import policies.sia_ilp.large as sia_ilp_large
 import sim.run
 from policies.base import Decision, RoundState, make_policy, policy_spec
 from shared.cluster import Cluster, load_cluster
@@ -207,7 +209,7 @@ def exact_solve(problem, *args):
     gap (1e-7), given all the time they take, never the greedy allocation."""
     with (
         mock.patch.object(sia_ilp, "HUGE_MODEL_ENTRIES", 1 << 62),
-        mock.patch.object(sia_ilp, "LARGE_MIP_REL_GAP", sia_ilp.MIP_REL_GAP),
+        mock.patch.object(sia_ilp_large, "LARGE_MIP_REL_GAP", sia_ilp_exact.MIP_REL_GAP),
         mock.patch.object(sia_ilp, "LARGE_MODEL_BUDGET_S", 600.0),
     ):
         p, lam, solver, _ = args

@@ -1,4 +1,4 @@
-"""Benchmark of Sia's ILP core (policies/sia_ilp.py) on random realistic rounds.
+"""Benchmark of Sia's ILP core (policies/sia_ilp/) on random realistic rounds.
 
     .venv/bin/python benchmarks/bench_sia_ilp.py [--small 200] [--large 20] [--seed 0] [--p -0.5]
 
@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from policies.sia_ilp import IlpProblem, solve
+from policies.sia_ilp import solve
+from policies.sia_ilp.problem import IlpProblem
 from shared.cluster import PRESETS, Cluster, build_cluster, load_cluster
 
 MAX_GPUS = 64  # Sia's max_rep cap

@@ -13,7 +13,7 @@ hold as in sia (policies/teams.py).
    the restart factor pins (ncf jobs of a minute's work waited ~750 s on average on Pollux's
    workload-2), and a running one is stopped to let another grow (an ncf job 3 s from its end, to
    take a deepspeech2 job from 4 GPUs to 8). Then every job is marked must-run
-   (`sia_ilp.IlpProblem.must_run`): leaving one out costs more than moving any one job. Marking
+   (`sia_ilp.problem.IlpProblem.must_run`): leaving one out costs more than moving any one job. Marking
    only the waiting ones would let the ILP make room by leaving out the pinned job instead (lam is
    cheaper than its move).
 3. A shrink costs a large job what it costs a job of four GPUs' goodput. Sia prices a move of job i
@@ -34,7 +34,7 @@ import numpy as np
 
 from policies.base import Decision, RoundState
 from policies.sia import SiaPolicy
-from policies.sia_ilp import IlpProblem
+from policies.sia_ilp.problem import IlpProblem
 
 # Mechanism 3: the least G^p a shrink is priced at, that of a job of normalised goodput 4 at p = -0.5
 # (0.25 and 1, the two measured beside it, did worse: docs/policy.md).

@@ -22,7 +22,9 @@ import math
 import numpy as np
 
 from policies.base import Decision, Prediction, RoundState, restart_factor
-from policies.sia_ilp import DEFAULT_LAMBDA, DEFAULT_P, DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, IlpProblem, solve
+from policies.sia_ilp import DEFAULT_TIME_LIMIT_S, solve
+from policies.sia_ilp.exact import DEFAULT_SOLVER
+from policies.sia_ilp.problem import DEFAULT_LAMBDA, DEFAULT_P, IlpProblem
 from policies.teams import borrowed_gpus, ilp_teams
 from shared.settings import ROUND_S
 from shared.table import BatchCache, GoodputTable, goodput_table, usable_columns
@@ -31,7 +33,7 @@ from shared.table import BatchCache, GoodputTable, goodput_table, usable_columns
 class SiaPolicy:
     name = "sia"
     adaptive_batch = True
-    honours_teams = True  # inside the ILP: policies/sia_ilp.py, "Teams"
+    honours_teams = True  # inside the ILP: policies/sia_ilp/team_guarantees.py
 
     def __init__(
         self,

@@ -6,8 +6,8 @@ the same for every policy: they are attributed to the team's jobs on that type, 
 then the most recently submitted first (the jobs a team would give up first hold the loan). A job the
 file names no team for (DEFAULT_TEAM's) has a quota of 0 everywhere: all it holds is borrowed.
 
-The policies that honour teams (`sia`, `goodput`) hold them inside their ILP (policies/sia_ilp.py,
-"Teams"); `ilp_teams` gives the ILP its team arrays. Within a team, a job's priority weighs its term
+The policies that honour teams (`sia`, `goodput`) hold them inside their ILP
+(policies/sia_ilp/team_guarantees.py); `ilp_teams` gives the ILP its team arrays. Within a team, a job's priority weighs its term
 in the ILP by PRIORITY_STEP ** (its priority's rank among the team's), so the higher priority jobs
 get the team's guarantee first, and equal priorities share by goodput.
 
@@ -122,7 +122,7 @@ def priority_weights(jobs: Iterable) -> np.ndarray:
 
 
 def ilp_teams(state: RoundState) -> dict[str, np.ndarray | None]:
-    """The team arrays of the round's ILP (`sia_ilp.IlpProblem`): job_team, team_quota and team_borrow
+    """The team arrays of the round's ILP (`sia_ilp.problem.IlpProblem`): job_team, team_quota and team_borrow
     (None without teams: the teams in file order, then the jobs of teams it does not name, as one
     team with no quota and no borrowing limit), and job_weight (None while every weight is 1)."""
     jobs, teams = state.jobs, state.teams

@@ -455,6 +455,7 @@ def test_the_round_loop_records_each_decided_round_with_the_last_rounds_predicti
 def test_the_ilp_policies_report_the_objective_of_their_decision() -> None:
     from policies import sia_ilp
     from policies.base import make_policy
+    from policies.sia_ilp.problem import objective
     from sim.rounds import job_view, round_state
 
     cluster = build_cluster("small", [A100_NODE, T4_NODE])
@@ -463,7 +464,7 @@ def test_the_ilp_policies_report_the_objective_of_their_decision() -> None:
         policy = make_policy(name)
         problem = policy.problem(state)
         solution = sia_ilp.solve(problem, policy.p, policy.lam)
-        assert solution.objective == sia_ilp.objective(problem, solution.choice, policy.p, policy.lam)
+        assert solution.objective == objective(problem, solution.choice, policy.p, policy.lam)
         assert policy.allocate(state).objective is not None
 
 

@@ -1,4 +1,4 @@
-"""Sia's ILP core (policies/sia_ilp.py): known optima, brute force, constraints, fallbacks.
+"""Sia's ILP core (policies/sia_ilp/): known optima, brute force, constraints, fallbacks.
 
 The brute force here is independent of the module: it enumerates every assignment of small
 instances and scores it with its own, unrounded, copy of Sia's objective; the ILP's answer must
@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies import sia_ilp
-from policies.sia_ilp import IlpProblem, IlpSolution, objective, solve, value_matrix
+from policies.sia_ilp import exact, solve
+from policies.sia_ilp.problem import VALUE_CLIP, IlpProblem, IlpSolution, objective, value_matrix
 
 LAM = 1.1
 
@@ -160,7 +161,7 @@ def test_values_are_restart_discounted_rounded_and_clipped():
     assert A[0, 1] == 0.57735  # current: no discount; 3 ** -0.5 to 6 significant digits
     assert A[0, 2] == 2.0  # (0.25 * 1) ** -0.5
     big = problem([[1e6]], config_type=[0], config_gpus=[1], capacity=[1])
-    assert value_matrix(big, 1.0)[0, 0] == sia_ilp.VALUE_CLIP
+    assert value_matrix(big, 1.0)[0, 0] == VALUE_CLIP
     # Two decimals (the artifact's rounding) cannot tell 48 from 52 GPUs of a linear job; we can.
     lin = problem([[48.0, 52.0]], config_type=[0, 0], config_gpus=[48, 52], capacity=[64])
     a48, a52 = value_matrix(lin, -0.5)[0]
@@ -433,14 +434,14 @@ def test_highs_given_the_model_directly_answers_as_through_cvxpy(path, monkeypat
         monkeypatch.setattr(sia_ilp, "LARGE_MODEL_ENTRIES", 0)
         monkeypatch.setattr(sia_ilp, "GREEDY_ACCEPT_GAP", 0.0)
     built, borrows = [], []
-    program = sia_ilp._program
+    program = exact._program
 
     def recorded(m, idx, boolean):
         built.append(program(m, idx, boolean))
         borrows.append(0 if m.teams is None else m.teams.b_rows.size)
         return built[-1]
 
-    monkeypatch.setattr(sia_ilp, "_program", recorded)
+    monkeypatch.setattr(exact, "_program", recorded)
     rng = np.random.default_rng(3)
     config_type = np.array([0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2])
     config_gpus = np.array([1, 2, 4, 8, 12, 1, 2, 4, 8, 1, 2, 4, 8, 16])
@@ -449,9 +450,9 @@ def test_highs_given_the_model_directly_answers_as_through_cvxpy(path, monkeypat
         solve(team_problem(rng, 40 + 5 * k, config_type, config_gpus, [24, 16, 24], teams=3))
     assert {p.integers > 0 for p in built} == ({True, False} if path == "prices" else {True})
     assert max(borrows) > 0 and min(borrows) == 0
-    options = sia_ilp._solver_options("HIGHS", 10.0)
+    options = exact._solver_options("HIGHS", 10.0)
     for p in built:
-        direct, through = sia_ilp._highs(p, options), sia_ilp._through_cvxpy(p, "HIGHS", options)
+        direct, through = exact._highs(p, options), exact._through_cvxpy(p, "HIGHS", options)
         # the same vertex: cvxpy only clips an LP's values into their bounds (HiGHS's can pass one by 1e-16)
         assert np.allclose(direct.x, through.x, rtol=0, atol=1e-12)
         assert np.array_equal(direct.x[: p.integers] > 0.5, through.x[: p.integers] > 0.5)
@@ -466,25 +467,25 @@ def test_an_lp_after_many_milps_on_one_thread_still_has_its_whole_time_limit(mon
     # limit counts on that clock, so an LP sharing it would stop at once once the MILPs had used its
     # limit. Solve MILPs until they have, then LP relaxations with that limit halved.
     built = []
-    program = sia_ilp._program
+    program = exact._program
 
     def recorded(m, idx, boolean):
         built.append(program(m, idx, boolean))
         return built[-1]
 
-    monkeypatch.setattr(sia_ilp, "_program", recorded)
+    monkeypatch.setattr(exact, "_program", recorded)
     rng = np.random.default_rng(5)
     solve(contended(rng))
-    options = sia_ilp._solver_options("HIGHS", 10.0)
+    options = exact._solver_options("HIGHS", 10.0)
     milp = built[-1]
-    while sia_ilp._milp_solvers.solver.getRunTime() < 0.2:
-        sia_ilp._highs(milp, options)
-    limit = sia_ilp._milp_solvers.solver.getRunTime() / 2
-    relaxed = sia_ilp._Program(milp.rows, milp.cost, milp.upper, 0)
+    while exact._milp_solvers.solver.getRunTime() < 0.2:
+        exact._highs(milp, options)
+    limit = exact._milp_solvers.solver.getRunTime() / 2
+    relaxed = exact._Program(milp.rows, milp.cost, milp.upper, 0)
     for _ in range(3):
-        answer = sia_ilp._highs(relaxed, sia_ilp._solver_options("HIGHS", limit))
+        answer = exact._highs(relaxed, exact._solver_options("HIGHS", limit))
         assert answer.duals is not None
-    assert sia_ilp._highs(milp, sia_ilp._solver_options("HIGHS", limit)).duals is None
+    assert exact._highs(milp, exact._solver_options("HIGHS", limit)).duals is None
 
 
 # --- properties on random instances -----------------------------------------------------------

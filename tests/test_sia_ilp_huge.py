@@ -1,4 +1,4 @@
-"""The huge-model path of Sia's ILP (policies/sia_ilp.py, `_solve_huge`): sampled prices, a regret
+"""The huge-model path of Sia's ILP (policies/sia_ilp/huge.py): sampled prices, a regret
 assignment and a greedy fill, with a bound on its distance from the optimum."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from policies import sia_ilp
-from policies.sia_ilp import IlpProblem, objective, solve
+from policies.sia_ilp import solve
+from policies.sia_ilp.problem import IlpProblem, objective
 
 
 def contended(seed: int, jobs: int, scale: int = 1, running: float = 0.4) -> IlpProblem:

@@ -9,7 +9,9 @@ import pytest
 
 from policies import sia, sia_ilp
 from policies.base import RoundState, make_policy, policy_spec
-from policies.sia_ilp import IlpProblem, objective, solve
+from policies.sia_ilp import solve, team_guarantees
+from policies.sia_ilp.problem import IlpProblem, objective, value_matrix, weighted_costs
+from policies.sia_ilp.reduced import candidates
 from policies.teams import borrowed_gpus, ledger
 from shared.cluster import Config, load_cluster
 from shared.schema import Reclaim
@@ -392,12 +394,12 @@ def guarantees(pr, p=-0.5):
     free = pr.capacity - np.bincount(
         pr.config_type[fixed[pr.pinned]], weights=pr.config_gpus[fixed[pr.pinned]], minlength=pr.types
     )
-    cost = sia_ilp._weighted_costs(pr, sia_ilp.value_matrix(pr, p), p, 1.1)
-    keep = sia_ilp._candidates(pr, cost, free)
+    cost = weighted_costs(pr, value_matrix(pr, p), p, 1.1)
+    keep = candidates(pr, cost, free)
     K = pr.team_quota.shape[0]
     held = np.zeros((K, pr.types))
     np.add.at(held, (pr.job_team[pr.pinned], pr.config_type[fixed[pr.pinned]]), pr.config_gpus[fixed[pr.pinned]])
-    reserved = sia_ilp._reserve(pr, keep, cost, np.minimum(held, pr.team_quota))
+    reserved = team_guarantees._reserve(pr, keep, cost, np.minimum(held, pr.team_quota))
     pinned_beyond = np.maximum(held - reserved, 0)
     lend = np.maximum(pr.capacity - reserved.sum(axis=0), pinned_beyond.sum(axis=0))
     bound = np.minimum(np.maximum(pr.team_quota - reserved + pr.team_borrow, pinned_beyond), lend)
