@@ -4,8 +4,8 @@
 The model, its values and objective: problem.py; the exact reductions before any solver:
 reduced.py; the teams' rows: team_guarantees.py; ties settled after the solve: ties.py.
 
-Which path solves a round, by the entries left after the reductions (chosen here, in `solve` and
-`_large_or_huge`, and nowhere else):
+Which path solves a round, by the entries left after the reductions (chosen here, in
+`_solve_reduced` and `_large_or_huge`, and nowhere else):
 
     every job's best entry fits          none: those entries are the optimum, no solver runs
     <= LARGE_MODEL_ENTRIES (1,500),      exact (exact.py): one MILP over every entry, proven to
