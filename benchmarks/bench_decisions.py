@@ -91,8 +91,7 @@ async def rounds(recorder, count=12):
         t = time.perf_counter()
         decided = await loop._decide(60.0 * r, active, r, r)
         t1 = time.perf_counter()
-        if recorder is not None and loop._recorded is not None:
-            await recorder.decided(*loop._recorded)
+        await loop.observer.record_decision()
         t2 = time.perf_counter()
         await wiring.apply(decided.apply)
         times.append(t1 - t)

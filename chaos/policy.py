@@ -21,6 +21,7 @@ DEFAULT_STALL_S = 5.0
 
 class ChaosPolicy:
     name = "chaos"
+    honours_teams = False  # the class's word; an instance's is the wrapped policy's (__init__)
 
     def __init__(
         self, policy: str = "sia", fail_round: int = 1, how: str = "raise", stall_s: float | None = None, **options
@@ -30,7 +31,7 @@ class ChaosPolicy:
         self.inner = make_policy(policy, **options)
         self.round_s, self.adaptive_batch = self.inner.round_s, self.inner.adaptive_batch
         # It decides as the policy it wraps, teams included: that one honours them or refuses them.
-        self.honours_teams = getattr(self.inner, "honours_teams", False)
+        self.honours_teams = self.inner.honours_teams
         self.fail_round, self.how = int(fail_round), how
         self.stall_s = stall_s if stall_s is not None else getattr(self.inner, "time_limit_s", DEFAULT_STALL_S)
 

@@ -81,7 +81,7 @@ def refuse_policy_without_teams(spec: str, teams: TeamFile, cluster: str, option
 
     name, given = policy_spec(spec)
     policy = make_policy(name, **{**given, **(options or {})})
-    if not getattr(policy, "honours_teams", False):
+    if not policy.honours_teams:
         refuse_teams(name, resolve(teams, load_cluster(cluster)))
 
 

@@ -408,7 +408,7 @@ class KeepRunning:
 class Predicting:
     """Gives each job one A100 and predicts 100 samples/s of it, with its batch."""
 
-    name, round_s, adaptive_batch = "predicting", 60.0, True
+    name, round_s, adaptive_batch, honours_teams = "predicting", 60.0, True, False
 
     def allocate(self, state):
         return Decision(

@@ -55,11 +55,12 @@ SUBMISSION = b'{"id": "j", "application": "cifar10"}'
 
 
 class NoTeamsPolicy:
-    """A policy that does not say it honours teams (what `goodput up --teams` refuses)."""
+    """A policy that does not honour teams (what `goodput up --teams` refuses)."""
 
     name = "no-teams"
     round_s = 60.0
     adaptive_batch = False
+    honours_teams = False
 
     def allocate(self, state):  # never called: refused before any round
         raise AssertionError

@@ -179,7 +179,7 @@ def test_the_rounds_spans_say_each_jobs_team_what_it_borrows_and_whose_reclaim_s
     provider = build_tracer_provider("test", exporter, environ={})
     settings = simulation_settings("none", "sia-hetero-64")
     sim = Simulator(WORKLOAD, CLUSTER, make_policy("goodput"), settings, ZOO.truths, ZOO.profile, teams=TEAMS)
-    sim.loop.tracer = get_tracer(TRACER_NAME, tracer_provider=provider)
+    sim.loop.observer.tracer = get_tracer(TRACER_NAME, tracer_provider=provider)
     sim.run()
     provider.shutdown()
     spans = exporter.get_finished_spans()

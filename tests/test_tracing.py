@@ -399,7 +399,7 @@ class _OneRoundWiring:
 class _FixedPolicy:
     """Allocates what it is told (a missing job gets nothing), or fails to solve."""
 
-    name, round_s, adaptive_batch = "fixed", 60.0, True
+    name, round_s, adaptive_batch, honours_teams = "fixed", 60.0, True, False
 
     def __init__(self, allocations, error: Exception | None = None):
         self.allocations, self.error = allocations, error
@@ -514,10 +514,10 @@ def test_a_failed_solve_tells_each_job_why_it_kept_its_place(traced):
 
 
 def test_a_huge_round_records_the_jobs_left_where_they_were_last(traced, monkeypatch):
-    from services.policy import rounds
+    from services.policy import observer
     from shared.cluster import Config, build_cluster
 
-    monkeypatch.setattr(rounds, "MAX_DECISION_SPANS", 1)
+    monkeypatch.setattr(observer, "MAX_DECISION_SPANS", 1)
     provider, exporter = traced
     cluster = build_cluster("one-t4-node", [{"gpu_type": "aws", "count": 1, "gpus_per_node": 4}])
     facts = [_facts("running", "cifar10", cluster, placement=(("aws-0", 2),)), _facts("waiting", "bert", cluster)]

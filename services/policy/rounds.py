@@ -25,19 +25,18 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import msgspec
 from opentelemetry import trace
-from opentelemetry.context import Context
 
 from policies.base import (
     POLICIES,
     Decision,
     HybridRefused,
+    JobView,
     Policy,
     RoundState,
     decision_from_placements,
@@ -47,17 +46,8 @@ from policies.base import (
     snapshot_policy,
 )
 from policies.teams import ledger
-from services.policy.decisions import (
-    JobOutcome,
-    Measuring,
-    job_decisions,
-    job_outcome,
-    measured_goodput,
-    measuring,
-    round_summary,
-    span_attributes,
-    team_waits,
-)
+from services.policy.decisions import team_waits
+from services.policy.observer import DecidedJobs, RoundObserver, StageTimes
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.hardware import hardware_name
 from shared.schema import (
@@ -78,12 +68,8 @@ from shared.schema import (
 from shared.schema.decisions import JobDecision, RoundSummary
 from shared.settings import SimSettings
 from shared.teams import TeamFile, Teams, resolve
-from shared.tracing import span_context_of
 
 TRACER_NAME = "goodput.round"
-# At most this many `job.decision` spans a round (a span costs the SDK tens of microseconds, and a
-# trace of 10,000 spans is not read): beyond it, the jobs left where they were go unrecorded.
-MAX_DECISION_SPANS = 2000
 log = logging.getLogger(__name__)
 
 
@@ -162,7 +148,7 @@ def team_policies() -> list[str]:
     honouring = []
     for name, where in POLICIES.items():
         module, cls = where.split(":")
-        if getattr(getattr(importlib.import_module(module), cls), "honours_teams", False):
+        if getattr(importlib.import_module(module), cls).honours_teams:
             honouring.append(name)
     return honouring
 
@@ -170,7 +156,7 @@ def team_policies() -> list[str]:
 def check_honours_teams(policy: Policy, teams: Teams) -> None:
     """ValueError for a policy started with `teams` that cannot hold their guarantees, naming those
     that can (`policies.base.refuse_teams`)."""
-    if not getattr(policy, "honours_teams", False):
+    if not policy.honours_teams:
         refuse_teams(policy.name, teams)
 
 
@@ -225,7 +211,10 @@ class RoundLoop:
         self.policy = policy
         self.settings = settings
         self.wiring = wiring
-        self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
+        # What the loop reports of its rounds: spans, records, and the recorder's decided rounds.
+        self.observer = RoundObserver(
+            trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider), policy.name, recorder
+        )
         self.rounds: list[RoundRecord] = []
         self.events: list[str] = []
         self.dynamic = False  # the cluster is the executors' live nodes (the placer is told them)
@@ -233,13 +222,7 @@ class RoundLoop:
         self.teams: Teams | None = None  # in force: the last team file that resolved
         self._resolved: tuple[TeamFile, tuple[Node, ...]] | None = None  # ... from this file on these nodes
         self._team_problem: str | None = None  # the last reason a team file could not be used (said once)
-        self.recorder = recorder
         self.policy_in_thread = policy_in_thread
-        self._recorded: tuple[RoundSummary, list[JobDecision]] | None = None  # the last decision's, to record
-        # For the recorded decisions, from the rounds this loop decided (a new leader starts without):
-        # each job's predicted goodput, and where its measurement over the round started.
-        self._predicted: dict[str, float] = {}
-        self._measuring: dict[str, Measuring] = {}
 
     async def run(
         self,
@@ -255,123 +238,130 @@ class RoundLoop:
         has no end."""
         step = self.settings.round_s
         clock = clock or RunClock()
-        arrivals = self.arrivals
         if clock.policy_state:
             restore_policy(self.policy, clock.policy_state)
-        while live or clock.admitted < len(arrivals) or clock.active:
+        while live or clock.admitted < len(self.arrivals) or clock.active:
             if live:
-                await live.wait(clock.now_s)
-                clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
-                self._serve_nodes(live.nodes, clock.now_s)
+                clock = await self._live_jobs(clock, live)
                 if not clock.active or not self.cluster.nodes:  # idle (or no node): the next round, on the wall clock
                     clock = msgspec.structs.replace(clock, now_s=clock.now_s + step)
                     if journal:  # kept, so a resumed run's clock is never behind its jobs
                         await journal.idled(clock)
                     continue
-            now = clock.now_s
-            if not live and now > self.settings.horizon_s:
-                event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
-                self.events.append(event)
-                if journal:
-                    await journal.stepped(
-                        clock, RunStep(clock.round, now, None, (event,), (), clock.done, len(arrivals), over=True)
-                    )
-                return clock
-            arrived = [j.name for j in arrivals[clock.admitted :] if j.time <= now]
-            if arrived:
-                clock = msgspec.structs.replace(
-                    clock, admitted=clock.admitted + len(arrived), active=clock.active + tuple(arrived)
-                )
+            elif clock.now_s > self.settings.horizon_s:
+                return await self._stop_at_horizon(clock, journal)
+            clock = self._admit(clock)
             if not clock.active:  # idle: jump to the round of the next arrival
-                clock = msgspec.structs.replace(clock, now_s=step * -(-arrivals[clock.admitted].time // step))
+                clock = msgspec.structs.replace(clock, now_s=step * -(-self.arrivals[clock.admitted].time // step))
                 continue
-            decide = clock.decided is None and now >= clock.next_decision_s - 1e-9  # on the policy's grid
-            timed: dict[str, float] = {}  # the stages after the decision, ms (RoundRecord.stages_ms)
-            # One trace per round: every stage's span, in every service, descends from this root.
-            with self.tracer.start_as_current_span(
-                "round",
-                context=Context(),
-                attributes={
-                    "round": clock.round,
-                    "now_s": now,
-                    "jobs": len(clock.active),
-                    "gpus": self.cluster.total_gpus,
-                    "decides": decide,
-                },
-            ):
-                if decide:
-                    decided = await self._decide(now, list(clock.active), clock.decisions, clock.round)
-                    clock = msgspec.structs.replace(
-                        clock,
-                        decided=decided,
-                        decisions=clock.decisions + 1,
-                        next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s,
-                    )
-                    if journal:
-                        started = time.perf_counter()
-                        clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
-                        await journal.decided(clock)
-                        timed["checkpoint"] = self._stage("checkpoint", started)  # kept before it is applied
-                    if self.recorder is not None and self._recorded is not None:
-                        await self.recorder.decided(*self._recorded)
-                        self._recorded = None
+            after = self.observer.stage_times()  # the stages after the decision (RoundRecord.stages_ms)
+            decides = clock.decided is None and clock.now_s >= clock.next_decision_s - 1e-9  # on the policy's grid
+            with self.observer.round(clock, self.cluster.total_gpus, decides):
+                if decides:
+                    clock = await self._decided(clock, journal, after)
                 given_up = clock.decided.apply.failed if clock.decided is not None else {}
                 if clock.decided is not None:
-                    started = time.perf_counter()
-                    await self.wiring.apply(clock.decided.apply)
-                    timed["apply"] = self._stage("apply", started)
-                started = time.perf_counter()
-                ended = await self.wiring.advance(now, step, [j for j in clock.active if j not in given_up])
-                timed["advance"] = self._stage("advance", started)
-            failed = {**given_up, **ended.failed}
-            ended_jobs = set(ended.finished) | set(failed)  # a failed job is done with, too
-            record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
-            if record is not None:
-                record = msgspec.structs.replace(record, stages_ms={**record.stages_ms, **timed})
-            events += tuple(
-                f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
-                for job, reason in sorted(failed.items())
-            )
-            if record is not None:
-                self.rounds.append(record)
-            self.events.extend(events)
-            clock = msgspec.structs.replace(
-                clock,
-                round=clock.round + 1,
-                now_s=now + step,
-                done=clock.done + len(ended_jobs),
-                decided=None,
-                active=tuple(name for name in clock.active if name not in ended_jobs),
-            )
-            over = not live and clock.admitted == len(arrivals) and not clock.active
-            total = clock.done + len(clock.active) if live else len(arrivals)
+                    with after.stage("apply"):
+                        await self.wiring.apply(clock.decided.apply)
+                with after.stage("advance"):
+                    ended = await self.wiring.advance(clock.now_s, step, [j for j in clock.active if j not in given_up])
+            clock, stepped = self._step(clock, ended.finished, {**given_up, **ended.failed}, after, live is not None)
             if journal:
-                started = time.perf_counter()
-                await journal.stepped(
-                    clock,
-                    RunStep(
-                        clock.round - 1,
-                        now,
-                        record,
-                        events,
-                        tuple(sorted(ended.finished)),
-                        clock.done,
-                        total,
-                        over,
-                        failed=tuple(sorted(failed)),
-                    ),
-                )
-                self._stage("log", started)
+                with after.stage("log"):
+                    await journal.stepped(clock, stepped)
             if progress:
-                progress(clock.now_s, clock.done, total)
+                progress(clock.now_s, stepped.done, stepped.total)
         return clock
 
-    def _stage(self, stage: str, started: float) -> float:
-        """A stage's time since `started`, in ms, told to the recorder."""
-        seconds = time.perf_counter() - started
-        if self.recorder is not None:
-            self.recorder.stage(stage, seconds)
-        return seconds * 1e3
+    async def _live_jobs(self, clock: RunClock, live: LiveFeed) -> RunClock:
+        """The clock once the live round at its time is due, with the jobs `live` reports then, on the
+        nodes the executors serve then."""
+        await live.wait(clock.now_s)
+        clock = msgspec.structs.replace(clock, active=tuple(await live.jobs(clock.now_s)))
+        self._serve_nodes(live.nodes, clock.now_s)
+        return clock
+
+    async def _stop_at_horizon(self, clock: RunClock, journal: Journal | None) -> RunClock:
+        """The run's end past its horizon, with the jobs still active."""
+        now = clock.now_s
+        event = f"horizon {self.settings.horizon_s:.0f} s reached with {len(clock.active)} jobs active"
+        self.events.append(event)
+        if journal:
+            await journal.stepped(
+                clock, RunStep(clock.round, now, None, (event,), (), clock.done, len(self.arrivals), over=True)
+            )
+        return clock
+
+    def _admit(self, clock: RunClock) -> RunClock:
+        """The clock with the jobs whose submit time has come in the queue."""
+        arrived = [j.name for j in self.arrivals[clock.admitted :] if j.time <= clock.now_s]
+        if not arrived:
+            return clock
+        return msgspec.structs.replace(
+            clock, admitted=clock.admitted + len(arrived), active=clock.active + tuple(arrived)
+        )
+
+    async def _decided(self, clock: RunClock, journal: Journal | None, after: StageTimes) -> RunClock:
+        """The clock with the round's decision, kept by `journal` before it is carried out (the policy's
+        state with it), then recorded."""
+        now = clock.now_s
+        decided = await self._decide(now, list(clock.active), clock.decisions, clock.round)
+        clock = msgspec.structs.replace(
+            clock,
+            decided=decided,
+            decisions=clock.decisions + 1,
+            next_decision_s=(now // self.policy.round_s + 1) * self.policy.round_s,
+        )
+        if journal:
+            with after.stage("checkpoint"):  # kept before it is applied
+                clock = msgspec.structs.replace(clock, policy_state=snapshot_policy(self.policy))
+                await journal.decided(clock)
+        await self.observer.record_decision()
+        return clock
+
+    def _step(
+        self,
+        clock: RunClock,
+        finished: Sequence[str],
+        failed: Mapping[str, str],
+        after: StageTimes,
+        live: bool,
+    ) -> tuple[RunClock, RunStep]:
+        """The clock at the next round once this one has run (`finished` and `failed` jobs done with),
+        and the step the journal logs of it; the round's record and events kept."""
+        now = clock.now_s
+        ended_jobs = set(finished) | set(failed)  # a failed job is done with, too
+        record, events = (clock.decided.record, clock.decided.events) if clock.decided else (None, ())
+        if record is not None:
+            record = msgspec.structs.replace(record, stages_ms={**record.stages_ms, **after.ms()})
+            self.rounds.append(record)
+        events += tuple(
+            f"{now:.0f}s: {job} {'was ' if reason == CANCELLED else 'failed: '}{reason}"
+            for job, reason in sorted(failed.items())
+        )
+        self.events.extend(events)
+        clock = msgspec.structs.replace(
+            clock,
+            round=clock.round + 1,
+            now_s=now + self.settings.round_s,
+            done=clock.done + len(ended_jobs),
+            decided=None,
+            active=tuple(name for name in clock.active if name not in ended_jobs),
+        )
+        over = not live and clock.admitted == len(self.arrivals) and not clock.active
+        total = clock.done + len(clock.active) if live else len(self.arrivals)
+        step = RunStep(
+            clock.round - 1,
+            now,
+            record,
+            events,
+            tuple(sorted(finished)),
+            clock.done,
+            total,
+            over,
+            failed=tuple(sorted(failed)),
+        )
+        return clock, step
 
     def _serve_nodes(self, nodes: tuple[Node, ...] | None, now: float) -> None:
         """A live round on the nodes the executors serve now: joined ones are used, lost ones not."""
@@ -405,7 +395,7 @@ class RoundLoop:
                 self.teams, self._resolved = None, None
             elif self._resolved != (file, self.cluster.nodes):
                 self.teams, self._resolved = resolve(file, self.cluster), (file, self.cluster.nodes)
-                if not getattr(self.policy, "honours_teams", False):  # a live run's policy, given teams later
+                if not self.policy.honours_teams:  # a live run's policy, given teams later
                     event = (
                         f"{now:.0f}s: policy {self.policy.name} cannot hold teams' guarantees; "
                         "what each team holds is only recorded"
@@ -438,76 +428,31 @@ class RoundLoop:
         events = tuple(reclaim_event(now, job, r) for job, r in sorted(reclaims.items()))
         return {job: n for job, n in borrowed.items() if n}, dict(reclaims), events
 
-    @staticmethod
-    def _team_use(
-        views: Sequence, configs: Mapping[str, Config], teams: Teams, borrowed: Mapping[str, int], reclaims: Mapping
-    ) -> tuple[dict[str, dict[str, int]], dict[str, int], dict[str, int]]:
-        """Per team after the decision: GPUs held of each type, those borrowed, its jobs reclaimed."""
-        team_of = {v.job_id: v.team for v in views}
-        gpus: dict[str, dict[str, int]] = {team: {} for team in teams.teams}
-        borrowing: dict[str, int] = {team: 0 for team in teams.teams}
-        reclaimed: dict[str, int] = {team: 0 for team in teams.teams}
-        for job, config in configs.items():
-            held = gpus.setdefault(team_of[job], {})
-            held[config.gpu_type] = held.get(config.gpu_type, 0) + config.gpus
-            borrowing[team_of[job]] = borrowing.get(team_of[job], 0) + borrowed.get(job, 0)
-        for job in reclaims:
-            if job in team_of:
-                reclaimed[team_of[job]] = reclaimed.get(team_of[job], 0) + 1
-        return gpus, borrowing, reclaimed
-
     async def _decide(self, now: float, active: list[str], decisions: int, round_number: int) -> DecidedRound:
         """The round's decision: facts, models, the policy, then the placer unless the policy placed;
         with teams, the ledger of what each job borrows and what the round reclaimed."""
-        start = time.perf_counter()
-        stages: dict[str, float] = {}
+        stages = StageTimes()  # the decision's (RoundRecord.stages_ms)
         teams, events = await self._round_teams(now)  # what it says of the teams opens the round's events
-        stage_start = time.perf_counter()
-        known = await self.wiring.facts(now, active)
-        stages["facts"] = time.perf_counter() - stage_start
+        with stages.stage("facts"):
+            known = await self.wiring.facts(now, active)
         failed = dict(known.failed)  # jobs that will never run: they leave the run
         held = dict(known.held)  # jobs that cannot run yet: they wait out this round
-        stage_start = time.perf_counter()
-        estimated = await self.wiring.models(list(known.facts))
-        stages["models"] = time.perf_counter() - stage_start
+        with stages.stage("models"):
+            estimated = await self.wiring.models(list(known.facts))
         held.update(estimated.held)
         models = {m.job_id: m for m in estimated.models}
-        facts, views = [], []
-        for f in known.facts:
-            if f.job_id in held or f.job_id in failed:
-                continue
-            if f.job_id not in models:
-                held[f.job_id] = "the estimator has no model of it yet"
-                continue
-            try:
-                views.append(job_view(f, models[f.job_id], self.cluster, self.settings.restart_estimate(f.application)))
-                facts.append(f)
-            except Exception as error:  # noqa: BLE001 - one job that cannot be viewed is that job's failure
-                failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
+        facts, views = self._views(known.facts, models, held, failed)
         events.extend(f"{now:.0f}s: {job} waits: {reason}" for job, reason in sorted(held.items()))
-        policy_start = time.perf_counter()
         # A policy that cannot hold the teams' guarantees (a live run's, given a team file later)
         # decides without them; the ledger still records what each team holds.
-        honoured = teams if getattr(self.policy, "honours_teams", False) else None
-        decision, kept = await self._solve(now, facts, views, failed, honoured)
-        policy_ms = (time.perf_counter() - policy_start) * 1e3
-        stages["solve"] = policy_ms / 1e3
-        evicted: tuple[str, ...] = ()
-        if decision.placements is None:
-            stage_start = time.perf_counter()
-            previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
-            placed = await self.wiring.place(
-                decisions + 1,
-                decision.allocations,
-                previous,
-                hybrid_groups(decision.allocations, [v.models for v in views]),
-                self.cluster.nodes if self.dynamic else None,
-            )
-            placements, evicted = placed.placements, tuple(placed.evicted)
-            stages["place"] = time.perf_counter() - stage_start
-            events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in placed.evicted)
-        else:
-            placements = decision.placements
+        honoured = teams if self.policy.honours_teams else None
+        with stages.stage("solve"):
+            decision, kept = await self._solve(now, facts, views, failed, honoured)
+        placements, evicted = decision.placements, ()
+        if placements is None:
+            with stages.stage("place"):
+                placements, evicted = await self._place(decisions + 1, decision, facts, views)
+            events.extend(f"{now:.0f}s: placer evicted {job}: no node fits its allocation" for job in evicted)
         problem = self._misfit(placements)
         if problem is not None:
             kept = f"policy {self.policy.name} {problem}; previous allocation kept"
@@ -516,39 +461,31 @@ class RoundLoop:
         events.extend(f"{now:.0f}s: {e}" for e in decision.events)
         scheduled = {v.job_id for v in views}
         placements = {job: spots for job, spots in placements.items() if job in scheduled}
-        gpus = {job: sum(g for _, g in spots) for job, spots in placements.items() if spots}
-        types = {job: self.cluster.placement_type(placements[job]) or "mixed" for job in gpus}
-        batches = {job: p.batch for job, p in decision.predictions.items() if job in gpus and p.batch is not None}
-        spread = {job: len(placements[job]) for job in gpus if len(placements[job]) > 1}
         borrowed, reclaims, reclaimed = self._ledger(now, views, placements, teams, round_number)
         events.extend(reclaimed)
-        configs = {job: self.cluster.config_of(placements[job]) for job in gpus}
-        team_use = self._team_use(views, configs, teams, borrowed, reclaims) if teams is not None else ({}, {}, {})
-        record = RoundRecord(
-            now,
-            len(active),
-            len(gpus),
-            policy_ms,
-            (time.perf_counter() - start) * 1e3,
-            gpus,
-            types,
-            batches,
-            spread,
-            *team_use,
-            stages_ms={stage: seconds * 1e3 for stage, seconds in stages.items()},
+        decided = DecidedJobs(
+            round=round_number,
+            now=now,
+            active=active,
+            facts=known.facts,
+            models=models,
+            views=views,
+            held=held,
+            failed=failed,
+            decision=decision,
+            kept=kept,
+            placements=placements,
+            evicted=evicted,
+            teams=teams,
+            borrowed=borrowed,
+            reclaims=reclaims,
+            cluster=self.cluster,
+            stages=stages,
+            events=events,
         )
-        waits = (  # only a policy that holds the teams' limits keeps a job waiting on them
-            team_waits(
-                [v.models for v in views],
-                placements,
-                self.cluster,
-                honoured,
-                {v.job_id: v.team for v in views},
-                record.team_gpus,
-            )
-            if honoured is not None
-            else {}
-        )
+        record = self.observer.round_record(decided)
+        # Only a policy that holds the teams' limits keeps a job waiting on them.
+        waits = self._team_waits(views, placements, honoured, record) if honoured is not None else {}
         apply = ApplyRequest(
             now,
             placements,
@@ -560,133 +497,54 @@ class RoundLoop:
             jobs=tuple(v.job_id for v in views),
             waits=waits,
         )
-        outcomes: list[JobOutcome] | None = None
-        if self.recorder is not None or trace.get_current_span().is_recording():
-            by_id, gone = {f.job_id: f for f in known.facts}, set(evicted)
-            outcomes = [
-                job_outcome(
-                    job,
-                    by_id.get(job),
-                    held,
-                    failed,
-                    decision,
-                    placements,
-                    gone,
-                    kept,
-                    self.cluster,
-                    self.policy.name,
-                    waits,
-                )
-                for job in dict.fromkeys([*active, *held, *failed])
-            ]
-            self._trace_decisions(round_number, outcomes, held, failed, placements, evicted, kept, teams, apply, record)
-        if self.recorder is not None and outcomes is not None:
-            summary = round_summary(
-                round_number,
-                now,
-                self.policy.name,
-                outcomes,
-                self.cluster,
-                apply.borrowed,
-                decision.objective,
-                stages,
-                record.round_ms / 1e3,
-                events,
-                record,
-            )
-            self._recorded = (summary, self._job_decisions(round_number, now, outcomes, models, apply))
+        self.observer.decided(decided, apply, record)
         return DecidedRound(apply, record, tuple(events))
 
-    def _job_decisions(
+    def _team_waits(
+        self, views: Sequence[JobView], placements: Mapping[str, Spots], teams: Teams, record: RoundRecord
+    ) -> dict[str, str]:
+        """The jobs left without GPUs that wait on their team's limits, and why, by what each team
+        holds on the round's record (`services.policy.decisions.team_waits`)."""
+        team_of = {v.job_id: v.team for v in views}
+        return team_waits([v.models for v in views], placements, self.cluster, teams, team_of, record.team_gpus)
+
+    def _views(
         self,
-        round_number: int,
-        now: float,
-        outcomes: Sequence[JobOutcome],
+        reported: Sequence[JobFacts],
         models: Mapping[str, JobModels],
-        apply: ApplyRequest,
-    ) -> list[JobDecision]:
-        """The round's JobDecisions, with what this loop remembers of the round before (each job's
-        prediction then, and what it did since); then it remembers this round's."""
-        measured = {}
-        for o in outcomes:
-            value = measured_goodput(o.facts, self._measuring.get(o.job), models.get(o.job), now)
-            if value is not None:
-                measured[o.job] = value
-        decisions = job_decisions(
-            round_number, now, outcomes, self.cluster, models, apply.reclaims, self._predicted, measured
-        )
-        self._predicted = {
-            o.job: o.prediction.goodput for o in outcomes if o.spots and o.prediction.goodput is not None
-        }
-        self._measuring = {o.job: measuring(o, now) for o in outcomes if o.spots}
-        return decisions
+        held: dict[str, str],
+        failed: dict[str, str],
+    ) -> tuple[list[JobFacts], list[JobView]]:
+        """The facts and the policy's views of the jobs the round decides for: those neither held nor
+        failed; a job the estimator has no model of yet is held, one that cannot be viewed fails."""
+        facts, views = [], []
+        for f in reported:
+            if f.job_id in held or f.job_id in failed:
+                continue
+            if f.job_id not in models:
+                held[f.job_id] = "the estimator has no model of it yet"
+                continue
+            try:
+                views.append(job_view(f, models[f.job_id], self.cluster, self.settings.restart_estimate(f.application)))
+                facts.append(f)
+            except Exception as error:  # noqa: BLE001 - one job that cannot be viewed is that job's failure
+                failed[f.job_id] = f"cannot be scheduled: {type(error).__name__}: {error}"
+        return facts, views
 
-    def _trace_decisions(
-        self,
-        round_number: int,
-        outcomes: Sequence[JobOutcome],
-        held: Mapping[str, str],
-        failed: Mapping[str, str],
-        placements: Mapping[str, Spots],
-        evicted: Sequence[str],
-        kept: str | None,
-        teams: Teams | None = None,
-        apply: ApplyRequest | None = None,
-        record: RoundRecord | None = None,
-    ) -> None:
-        """One `job.decision` span per job the round considered, a child of the round's span (and
-        linked to the job's submission when its facts carry that trace): what it got and why; with
-        `teams`, what each job borrows and whose reclaim shrank it, and each team's use on the round."""
-        round_span = trace.get_current_span()
-        if not round_span.is_recording():  # no one records this round: spare building the spans
-            return
-        by_id = {o.job: o.facts for o in outcomes}
-        decided = [(span_attributes(o), o.restart) for o in outcomes]
-        if teams is not None and apply is not None and record is not None:
-            for attributes, _ in decided:
-                attributes["borrowed"] = apply.borrowed.get(attributes["job.id"], 0)
-                reclaim = apply.reclaims.get(attributes["job.id"])
-                if reclaim is not None:
-                    attributes["reclaimed"] = reclaim.by_team
-            round_span.set_attributes(self._team_attributes(teams, record))
-        if len(decided) > MAX_DECISION_SPANS:  # a huge round: what changed first, jobs left as they were last
-            decided.sort(key=lambda d: d[0]["decision"] in ("allocated", "kept") and not d[0]["placement.changed"])
-        for attributes, _ in decided[:MAX_DECISION_SPANS]:
-            f = by_id.get(attributes["job.id"])
-            context = span_context_of(f.trace) if f is not None else None
-            links = [trace.Link(context)] if context is not None else None  # its submission's trace
-            self.tracer.start_span("job.decision", attributes={"round": round_number, **attributes}, links=links).end()
-        round_span.set_attributes(
-            {
-                "jobs.considered": len(outcomes),
-                "jobs.held": len(held),
-                "jobs.failed": len(failed),
-                "jobs.allocated": sum(1 for spots in placements.values() if spots),
-                "gpus.allocated": sum(g for spots in placements.values() for _, g in spots),
-                "restarts": sum(restart for _, restart in decided),
-                "evictions": len(evicted),
-                "allocation.kept": kept is not None,
-                "job.decisions.omitted": max(0, len(decided) - MAX_DECISION_SPANS),
-            }
+    async def _place(
+        self, round: int, decision: Decision, facts: Sequence[JobFacts], views: Sequence[JobView]
+    ) -> tuple[dict[str, Spots], tuple[str, ...]]:
+        """The placer's placements of the decision's allocations (jobs stay on their GPUs where they
+        can), and the jobs it found no node for."""
+        previous = {f.job_id: f.placement for f in facts if f.placement and f.job_id in decision.allocations}
+        placed = await self.wiring.place(
+            round,
+            decision.allocations,
+            previous,
+            hybrid_groups(decision.allocations, [v.models for v in views]),
+            self.cluster.nodes if self.dynamic else None,
         )
-
-    @staticmethod
-    def _team_attributes(teams: Teams, record: RoundRecord) -> dict:
-        """The round span's word on each team: GPUs held and borrowed, jobs reclaimed, and per GPU
-        type what it holds of its guarantee (`team.nlp.use: ["T4 12/12", "A100 10/8"]`)."""
-        attributes: dict = {}
-        for team, held in record.team_gpus.items():
-            quota = teams.teams[team].quota if team in teams.teams else {}
-            types = sorted(set(held) | {t for t, n in quota.items() if n})
-            attributes.update(
-                {
-                    f"team.{team}.gpus": sum(held.values()),
-                    f"team.{team}.borrowed": record.team_borrowed.get(team, 0),
-                    f"team.{team}.reclaimed": record.team_reclaimed.get(team, 0),
-                    f"team.{team}.use": [f"{hardware_name(t)} {held.get(t, 0)}/{teams.quota(team, t)}" for t in types],
-                }
-            )
-        return attributes
+        return placed.placements, tuple(placed.evicted)
 
     async def _solve(
         self, now: float, facts: list[JobFacts], views: list, failed: dict[str, str], teams: Teams | None = None
@@ -695,25 +553,10 @@ class RoundLoop:
         when the policy decided). Jobs it refuses (a hybrid-parallel job under a policy that would
         split its groups) are failed with its reason and it decides for the rest; any other failure
         keeps every job where it is for this round."""
-        with self.tracer.start_as_current_span(
-            "policy.solve", attributes={"policy": self.policy.name, "jobs": len(views)}
-        ) as span:
+        with self.observer.solving(len(views)) as span:
             before = len(failed)
             decision, kept = await self._policy_decision(now, facts, views, failed, teams)
-            span.set_attributes(
-                {
-                    "jobs.scheduled": len(views),
-                    "jobs.allocated": len(decision.allocations),
-                    "gpus.allocated": sum(c.gpus for c in decision.allocations.values()),
-                    "jobs.refused": len(failed) - before,
-                    "placed_by_policy": decision.placements is not None,
-                    "allocation.kept": kept is not None,
-                }
-            )
-            if kept is not None:
-                span.set_attribute("reason", kept)
-            if decision.events:  # e.g. sia's solver ran out of time
-                span.set_attribute("events", list(decision.events))
+            self.observer.solved(span, len(views), decision, len(failed) - before, kept)
             return decision, kept
 
     async def _policy_decision(
