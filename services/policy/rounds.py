@@ -185,7 +185,8 @@ def hybrid_groups(allocations: Mapping[str, Config], models: Sequence[JobModels]
 
 
 class RoundLoop:
-    """The clock, the policy and the metrics over a wiring; `rounds` and `events` as it ran."""
+    """The clock and the policy over a wiring; `rounds` and `events` as it ran. What it reports of
+    each round (spans, records, the recorder's decided rounds) is its `observer`'s."""
 
     def __init__(
         self,
