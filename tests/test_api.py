@@ -111,7 +111,7 @@ def test_a_json_client_submits_is_answered_cancels_and_discovers_the_api(stack):
             for name in ("json-1", "api-1"):
                 done = await until(nc, name, {"finished", "failed", "rejected"})
                 assert done["state"] == "finished" and done["jct_s"] > 0, done
-            # The same message id again, once the first ran: stored, and the gate's to call a repeat.
+            # The same message id again, once the first ran: stored, and the API's to call a repeat.
             again = await nc.jetstream().publish(SUBMIT, body, headers={"Nats-Msg-Id": "json-1"})
             assert again.seq > ack.seq and not again.duplicate
 

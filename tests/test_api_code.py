@@ -24,6 +24,7 @@ from test_team_logins import login as team_login
 
 from services.api import service as api
 from services.api.code import UPLOADS_PER_TEAM, CodeGate, Uploads
+from services.api.who import Who
 from shared import permissions, storage, subjects
 from shared.bus import Bus
 from shared.code_archive import LIMITS, digest, pack
@@ -208,17 +209,17 @@ async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: 
     judge.code, store = code_gate()
     data = archive_of(tmp_path, files=2)
     spec = JobSpec("mine-1", code=digest(data), entrypoint="m0.py", args=("--epochs", "2"))
-    answer = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))
+    answer = await judge.submit(msgspec.json.encode(spec), Who("alice"))
     assert not answer.accepted and f"no archive {digest(data)} of yours in the code store" in answer.reason, answer
     assert bus.stored() == []
     await store.put(f"bob.{digest(data)}", data)  # another login's is not alice's
     answer = await judge.submit(
-        msgspec.json.encode(JobSpec("mine-3", code=digest(data), entrypoint="m0.py")), api.Who("alice")
+        msgspec.json.encode(JobSpec("mine-3", code=digest(data), entrypoint="m0.py")), Who("alice")
     )
     assert not answer.accepted and "of yours" in answer.reason, answer
     await store.put(f"alice.{digest(data)}", data)
     answer = await judge.submit(
-        msgspec.json.encode(JobSpec("mine-2", code=digest(data), entrypoint="m0.py")), api.Who("alice")
+        msgspec.json.encode(JobSpec("mine-2", code=digest(data), entrypoint="m0.py")), Who("alice")
     )
     assert answer.accepted, answer
     assert bus.stored()[0][1].code == digest(data)
@@ -237,7 +238,7 @@ async def test_a_job_naming_an_archive_is_refused_unless_it_is_stored(tmp_path: 
 )
 async def test_a_code_submission_that_is_malformed_is_refused_with_the_reason(body: bytes, reason: str) -> None:
     judge, bus, _ = gate()
-    answer = await judge.submit(body, api.Who("alice"))
+    answer = await judge.submit(body, Who("alice"))
     assert not answer.accepted and reason in answer.reason, answer
     assert bus.stored() == []
 
@@ -284,8 +285,9 @@ async def test_a_teams_bound_holds_its_logins_as_the_server_names_them(two_teams
         two_teams, "test-api", user="api", password=PASSWORDS["api"], inbox_prefix=permissions.inbox_prefix("api")
     )
     try:
-        gate = await api.serve(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), lambda s: None)
-        gate.code.uploads = Uploads(per_team=2)
+        served = await api.serve(bus, await storage.open_kv(bus, subjects.JOB_OWNERS_BUCKET, JobOwner), lambda s: None)
+        code = served.submissions.code
+        code.uploads = Uploads(per_team=2)
 
         async def begin(name: str, n: int) -> dict:
             client = await team_login(two_teams, name)
@@ -301,7 +303,7 @@ async def test_a_teams_bound_holds_its_logins_as_the_server_names_them(two_teams
         refused = await begin("alice", 3)
         assert "over your team's limit: team vision's logins have 2 uploads" in refused["error"], refused
         assert (await begin("nlp", 4))["received"] == 1  # another team's
-        assert {(login, u.team) for (login, _), u in gate.code.uploads.uploads.items()} == {
+        assert {(login, u.team) for (login, _), u in code.uploads.uploads.items()} == {
             ("alice", "vision"),
             ("vision", "vision"),
             ("nlp", "nlp"),

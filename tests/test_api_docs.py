@@ -1,20 +1,25 @@
-"""The API's documentation and its schemas agree with the code; the API's pure parts."""
+"""The API's schemas agree with the code, and `goodput schemas` prints them; the API's pure parts."""
 
+import argparse
+import json
 import math
-from pathlib import Path
 
 import msgspec
 import pytest
 
-from services.api.service import DOCS, ENDPOINTS, cut, schemas, schemas_markdown
+from cli import schemas as schemas_command
+from services.api.endpoints import ENDPOINTS, schemas
+from services.api.queries import cut
 from shared.schema import JobRecord, JobSpec, JobsQuery, JobStatus, job_statuses, select
 from shared.submissions import malformed_reason
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_docs_api_md_holds_the_generated_schemas():
-    assert schemas_markdown() in (ROOT / DOCS).read_text(), "run: python -m services.api.service"
+def goodput_schemas(*argv: str) -> int:
+    """`goodput schemas ARGV`, run in this process through its parser."""
+    parser = argparse.ArgumentParser(prog="goodput")
+    schemas_command.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["schemas", *argv])
+    return args.func(args)
 
 
 def test_every_endpoint_has_its_messages_schemas():
@@ -24,6 +29,19 @@ def test_every_endpoint_has_its_messages_schemas():
         for kind in (endpoint.request, endpoint.response):
             assert kind is dict or kind.__name__ in document["$defs"], kind
     assert set(document["$defs"]["JobSpec"]["required"]) == {"id"}  # application, or code and entrypoint
+
+
+def test_goodput_schemas_prints_every_endpoints_messages_or_writes_them_to_a_file(capsys, tmp_path):
+    assert goodput_schemas() == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert goodput_schemas("--out", str(tmp_path / "api.json")) == 0 and capsys.readouterr().out == ""
+    written = json.loads((tmp_path / "api.json").read_text())
+    for document in (printed, written):
+        assert document == json.loads(json.dumps(schemas()))  # goodput.api.schemas's very answer
+        for endpoint in ENDPOINTS:
+            described = document["endpoints"][endpoint.subject]
+            for kind in ("request", "response"):
+                assert described[kind] == "object" or described[kind] in document["$defs"], (endpoint.name, kind)
 
 
 def test_a_page_is_one_logins_filtered_then_paged_in_order_and_cut_to_its_bytes():

@@ -1,4 +1,4 @@
-"""The user API's `Gate.submit` with no NATS server: an in-memory bus and owners' KV stand in for the
+"""The user API's `Submissions.submit` with no NATS server: an in-memory bus and owners' KV stand in for the
 few calls it makes, and record them; what the API decided is read from what they recorded."""
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import nats
 import pytest
 from nats.js import api as js_api
 
-from services.api import service as api
+from services.api.endpoints import ENDPOINTS
+from services.api.service import Api, add_arguments
+from services.api.submissions import Problem, Submissions, Turns
+from services.api.who import Who
 from shared import subjects
 from shared.bus import Bus, KVEntry, RevisionConflict
 from shared.schema import JobOwner, JobRecords, JobSpec, Rejected, submission_msg_id
@@ -24,7 +27,7 @@ CODEC = Bus(nats.NATS())  # never connected: only its encoding, the API's own
 
 @dataclass
 class RecordingBus:
-    """What `Gate` asks of a Bus, in memory: every JetStream publish is recorded and stored as a
+    """What the API's handlers ask of a Bus, in memory: every JetStream publish is recorded and stored as a
     new message (its sequence the count so far); the jobs stream holds nothing else; the executors'
     records are empty (no executor has read a submission yet)."""
 
@@ -94,15 +97,19 @@ class MemoryKV:
         self.entries.pop(key, None)
 
 
-def gate(problem: api.Problem = lambda spec: None) -> tuple[api.Gate, RecordingBus, MemoryKV]:
+def gate(problem: Problem = lambda spec: None) -> tuple[Submissions, RecordingBus, MemoryKV]:
     bus, owners = RecordingBus(), MemoryKV()
-    return api.Gate(bus, owners, problem), bus, owners
+    return Api(bus, owners, problem).submissions, bus, owners
+
+
+def test_every_endpoint_has_a_handler_and_every_handler_an_endpoint() -> None:
+    assert set(Api(RecordingBus(), MemoryKV(), lambda spec: None).handlers()) == {e.name for e in ENDPOINTS}
 
 
 async def test_a_malformed_body_is_answered_with_the_reason_and_nothing_is_stored() -> None:
     judge, bus, owners = gate()
     body = b'{"id": "typo-1", "application": "cifar10", "requestd_gpus": 2}'
-    answer = await judge.submit(body, api.Who("alice"))
+    answer = await judge.submit(body, Who("alice"))
     assert not answer.accepted and answer.state == "rejected" and answer.id == "typo-1", answer
     assert "unknown field `requestd_gpus`" in answer.reason and "did you mean `requested_gpus`" in answer.reason
     assert bus.stored() == [] and owners.entries == {}
@@ -121,16 +128,16 @@ async def test_a_submission_larger_than_the_logins_limits_count_is_refused_and_n
     assert TEAM_LIMITS.submissions * MAX_STORED_BYTES < share and LOGIN_LIMITS.submissions * MAX_STORED_BYTES < share
     judge, bus, owners = gate()
     fat = {"id": "fat-1", "code": "a" * 64, "entrypoint": "train.py", "args": ["x" * 1000] * 8}
-    answer = await judge.submit(msgspec.json.encode(fat), api.Who("alice"))
+    answer = await judge.submit(msgspec.json.encode(fat), Who("alice"))
     assert not answer.accepted and "as stored, is at most 4 KiB" in answer.reason, answer
     assert bus.stored() == [] and owners.entries == {}
     fine = {**fat, "id": "fine-1", "args": ["x" * 1000] * 3}
-    assert "as stored" not in (await judge.submit(msgspec.json.encode(fine), api.Who("alice"))).reason
+    assert "as stored" not in (await judge.submit(msgspec.json.encode(fine), Who("alice"))).reason
 
 
 async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -> None:
     judge, bus, owners = gate(lambda spec: f"unknown application {spec.application!r}")
-    answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), api.Who("alice"))
+    answer = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "nosuchjob")), Who("alice"))
     assert not answer.accepted and answer.reason == "unknown application 'nosuchjob'", answer
     assert bus.stored() == [] and owners.entries == {}
     assert [subject for subject, _, _ in bus.published] == [subjects.refused(subjects.DEFAULT_TEAM, "alice")]
@@ -139,17 +146,17 @@ async def test_a_submission_the_cluster_cannot_run_is_refused_and_not_stored() -
 async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None:
     judge, bus, owners = gate()
     spec = JobSpec("lm-1", "cifar10", requested_gpus=2)
-    answer = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))
+    answer = await judge.submit(msgspec.json.encode(spec), Who("alice"))
     assert answer.accepted and answer.state == "profiling" and answer.id == "lm-1", answer
     stored = msgspec.structs.replace(spec, team=subjects.DEFAULT_TEAM)  # the server's word of its team
     assert bus.stored() == [("goodput.jobs.stored.default.alice", stored, submission_msg_id(stored))]
     held = owners.entries["lm-1"][0]  # the id is this submission's: its stream sequence, its login
     assert isinstance(held, JobOwner) and not held.marking
     assert (held.submission, held.subject, held.login) == (1, "goodput.jobs.stored.default.alice", "alice")
-    again = await judge.submit(msgspec.json.encode(spec), api.Who("alice"))  # the same body: a repeat
+    again = await judge.submit(msgspec.json.encode(spec), Who("alice"))  # the same body: a repeat
     assert again.accepted and "not stored again" in again.reason, again
     assert len(bus.stored()) == 1
-    other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), api.Who("bob"))  # the id taken
+    other = await judge.submit(msgspec.json.encode(JobSpec("lm-1", "bert")), Who("bob"))  # the id taken
     assert not other.accepted and "already exists" in other.reason, other
     assert len(bus.stored()) == 1 and owners.entries["lm-1"][0] == held
 
@@ -157,7 +164,7 @@ async def test_a_valid_submission_is_stored_once_on_its_logins_subject() -> None
 async def test_bodies_under_one_id_are_judged_in_the_order_they_came_and_others_at_once() -> None:
     """The intake judges many submissions at once: under one key in turn (the first holds it), a slow
     one holding up none under another key; a key no one holds any more is forgotten."""
-    turns, done, slow = api.Turns(), [], asyncio.Event()
+    turns, done, slow = Turns(), [], asyncio.Event()
 
     async def judge(key: str, name: str, wait: asyncio.Event | None = None) -> None:
         async with turns.turn(key):
@@ -175,7 +182,7 @@ async def test_bodies_under_one_id_are_judged_in_the_order_they_came_and_others_
 
 def test_executors_local_is_read_as_real_with_a_word_on_stderr(capsys) -> None:
     parser = argparse.ArgumentParser()
-    api.add_arguments(parser)
+    add_arguments(parser)
     assert parser.parse_args(["--executors", "local"]).executors == "real"
     assert "`--executors local` means `--executors real`; use `real`" in capsys.readouterr().err
     assert parser.parse_args(["--executors", "real"]).executors == "real"

@@ -17,7 +17,9 @@ from test_api_handlers import CODEC, MemoryKV, RecordingBus
 from test_executor_handlers import NoBus, RecordingKV, RecordingNodes
 
 from cli.job_view import job_lines, job_table, teams_lines
-from services.api import service as api
+from services.api.service import Api, as_requested
+from services.api.submissions import Kept
+from services.api.who import OPERATOR, Who, login
 from services.executor.local import LocalExecutors
 from services.executor.real import MAX_RECLAIMS, RealExecutors, RealExecutorService
 from shared import subjects
@@ -39,15 +41,16 @@ from shared.schema import (
     Profiled,
     Reclaim,
     Rejected,
+    TeamsRequest,
     job_status,
     select,
 )
 from shared.storage import LoginLimits, TeamLimits
 from shared.teams import TeamFile, TeamSpec
 
-ANN, BOB = api.Who("ann", "nlp"), api.Who("bob", "nlp")  # team-mates
-VIC = api.Who("vic", "vision")
-ALICE = api.Who("alice")  # a login of DEFAULT_TEAM
+ANN, BOB = Who("ann", "nlp"), Who("bob", "nlp")  # team-mates
+VIC = Who("vic", "vision")
+ALICE = Who("alice")  # a login of DEFAULT_TEAM
 
 
 def body(job_id: str, **fields: Any) -> bytes:
@@ -120,9 +123,9 @@ class CountingKV(MemoryKV):
         return await super().get(key)
 
 
-def gate(**options: Any) -> tuple[api.Gate, ExecutorsBus, CountingKV]:
+def gate(**options: Any) -> tuple[Api, ExecutorsBus, CountingKV]:
     bus, owners = ExecutorsBus(), CountingKV()
-    return api.Gate(bus, owners, lambda spec: None, **options), bus, owners
+    return Api(bus, owners, lambda spec: None, **options), bus, owners
 
 
 def team_file_kv(**teams: TeamSpec) -> MemoryKV:
@@ -144,13 +147,25 @@ def test_the_requesters_team_is_its_accounts_and_the_services_own_account_is_the
     for account, user, expected in [
         ("TEAM_nlp", "ann", ANN),
         ("LOGINS", "alice", ALICE),
-        ("GOODPUT", "api", api.OPERATOR),
-        ("", "", api.OPERATOR),  # a header a client of the services' account wrote itself
+        ("GOODPUT", "api", OPERATOR),
+        ("", "", OPERATOR),  # a header a client of the services' account wrote itself
     ]:
-        monkeypatch.setattr(api, "requester", lambda a=account, u=user: Requester(a, u))
-        assert api.login() == expected, account
-    monkeypatch.setattr(api, "requester", lambda: None)  # within the services' own account
-    assert api.login() == api.OPERATOR and api.OPERATOR.everyone and not ANN.everyone
+        monkeypatch.setattr("services.api.who.requester", lambda a=account, u=user: Requester(a, u))
+        assert login() == expected, account
+    monkeypatch.setattr("services.api.who.requester", lambda: None)  # within the services' own account
+    assert login() == OPERATOR and OPERATOR.everyone and not ANN.everyone
+
+
+async def test_every_handler_and_a_bad_bodys_answer_are_given_the_requester_the_server_names(monkeypatch) -> None:
+    monkeypatch.setattr("services.api.who.requester", lambda: Requester("TEAM_nlp", "ann"))
+    asked = []
+
+    async def handler(*arguments: Any) -> None:
+        asked.append(arguments)
+
+    await as_requested(handler)(JobRequest("bert-1"))
+    await as_requested(handler)("goodput.api.submit", b"{", ValueError("unreadable"))  # on_invalid's
+    assert asked == [(JobRequest("bert-1"), ANN), ("goodput.api.submit", b"{", asked[1][2], ANN)]
 
 
 # ---- a job is its team's ----------------------------------------------------------------------------
@@ -158,23 +173,23 @@ def test_the_requesters_team_is_its_accounts_and_the_services_own_account_is_the
 
 async def test_a_job_is_stored_as_its_teams_under_its_id_within_the_team_and_ids_are_unique_per_team() -> None:
     judge, bus, owners = gate()
-    answer = await judge.submit(body("bert-1"), ANN)
+    answer = await judge.submissions.submit(body("bert-1"), ANN)
     assert answer.accepted and answer.id == "bert-1", answer  # the id as the team knows it
     [(subject, spec, _)] = bus.stored()
     assert subject == subjects.stored("nlp", "ann") and (spec.id, spec.team) == ("nlp.bert-1", "nlp")
     assert owners.entries["nlp.bert-1"][0].subject == subjects.stored("nlp", "ann")
     # Team vision, and DEFAULT_TEAM's alice, use the same id: three jobs.
-    assert (await judge.submit(body("bert-1"), VIC)).accepted
-    assert (await judge.submit(body("bert-1"), ALICE)).accepted
+    assert (await judge.submissions.submit(body("bert-1"), VIC)).accepted
+    assert (await judge.submissions.submit(body("bert-1"), ALICE)).accepted
     assert [(s.id, s.team) for _, s, _ in bus.stored()] == [
         ("nlp.bert-1", "nlp"),
         ("vision.bert-1", "vision"),
         ("bert-1", "default"),
     ]
     # A team-mate's other body under the id is refused as the id is taken; the same body is a repeat.
-    taken = await judge.submit(body("bert-1", requested_gpus=2), BOB)
+    taken = await judge.submissions.submit(body("bert-1", requested_gpus=2), BOB)
     assert not taken.accepted and "job bert-1 already exists" in taken.reason, taken
-    again = await judge.submit(body("bert-1"), ANN)
+    again = await judge.submissions.submit(body("bert-1"), ANN)
     assert again.accepted and "not stored again" in again.reason and len(bus.stored()) == 3, again
     # The refusal is recorded for bob's team, under its id within the cluster.
     [(refused, record, _)] = [p for p in bus.published if subjects.owner_of(p[0])[0] == subjects.REFUSED]
@@ -183,12 +198,12 @@ async def test_a_job_is_stored_as_its_teams_under_its_id_within_the_team_and_ids
 
 async def test_a_body_naming_another_team_is_refused_and_its_own_team_is_taken() -> None:
     judge, bus, _ = gate()
-    other = await judge.submit(body("bert-1", team="vision"), ANN)
+    other = await judge.submissions.submit(body("bert-1", team="vision"), ANN)
     assert not other.accepted and other.reason == "job bert-1 names team vision; your login belongs to team nlp"
     assert bus.stored() == []
-    operator = await judge.submit(body("bert-2", team="nlp"), api.OPERATOR)  # the operator's are DEFAULT_TEAM's
+    operator = await judge.submissions.submit(body("bert-2", team="nlp"), OPERATOR)  # the operator's are DEFAULT_TEAM's
     assert not operator.accepted and "your login belongs to team default" in operator.reason
-    own = await judge.submit(body("bert-1", team="nlp", priority=7), ANN)
+    own = await judge.submissions.submit(body("bert-1", team="nlp", priority=7), ANN)
     assert own.accepted, own
     [(_, spec, _)] = bus.stored()
     assert (spec.id, spec.team, spec.priority) == ("nlp.bert-1", "nlp", 7)
@@ -197,40 +212,40 @@ async def test_a_body_naming_another_team_is_refused_and_its_own_team_is_taken()
 async def test_an_id_too_long_within_its_team_and_a_default_id_in_a_teams_name_are_refused_clearly() -> None:
     judge, bus, _ = gate(teams=team_file_kv(**NLP_AND_VISION))
     longest = "x" * (MAX_ID - len("nlp."))
-    assert (await judge.submit(body(longest), ANN)).accepted
-    too_long = await judge.submit(body(longest + "y"), ANN)
+    assert (await judge.submissions.submit(body(longest), ANN)).accepted
+    too_long = await judge.submissions.submit(body(longest + "y"), ANN)
     assert not too_long.accepted and f"your team's ids are at most {MAX_ID - 4}" in too_long.reason, too_long
-    assert (await judge.submit(body("x" * MAX_ID), ALICE)).accepted  # DEFAULT_TEAM's ids stay as they are
-    squatting = await judge.submit(body("nlp.bert-1"), ALICE)
+    assert (await judge.submissions.submit(body("x" * MAX_ID), ALICE)).accepted  # DEFAULT_TEAM's ids stay as they are
+    squatting = await judge.submissions.submit(body("nlp.bert-1"), ALICE)
     assert not squatting.accepted and "ids beginning nlp. are team nlp's" in squatting.reason, squatting
-    assert (await judge.submit(body("other.bert-1"), ALICE)).accepted  # no team of that name
+    assert (await judge.submissions.submit(body("other.bert-1"), ALICE)).accepted  # no team of that name
     assert [s.id for _, s, _ in bus.stored()] == [f"nlp.{longest}", "x" * MAX_ID, "other.bert-1"]
 
 
 async def test_a_job_names_the_other_bodies_refused_under_its_id_and_the_list_shows_it_once() -> None:
     judge, _, _ = gate()
-    assert (await judge.submit(body("bert-1"), ANN)).accepted
-    other = await judge.submit(body("bert-1", requested_gpus=2), BOB)  # another body under a taken id
+    assert (await judge.submissions.submit(body("bert-1"), ANN)).accepted
+    other = await judge.submissions.submit(body("bert-1", requested_gpus=2), BOB)  # another body under a taken id
     assert not other.accepted
-    found = await judge.job_of(JobRequest("bert-1"), ANN)
+    found = await judge.queries.job(JobRequest("bert-1"), ANN)
     assert (found.state, found.refusals) == ("queued", (other.reason,))
-    assert [j.id for j in (await judge.jobs_of(JobsRequest(), ANN)).jobs] == ["bert-1"]
-    assert (await judge.submit(body("bert-1"), VIC)).accepted  # vision's bert-1 is another job
-    assert (await judge.job_of(JobRequest("bert-1"), VIC)).refusals == ()
+    assert [j.id for j in (await judge.queries.jobs(JobsRequest(), ANN)).jobs] == ["bert-1"]
+    assert (await judge.submissions.submit(body("bert-1"), VIC)).accepted  # vision's bert-1 is another job
+    assert (await judge.queries.job(JobRequest("bert-1"), VIC)).refusals == ()
 
 
 async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else_does() -> None:
     judge, bus, owners = gate()
-    for who, job_id in ((ANN, "bert-1"), (BOB, "gpt-2"), (VIC, "bert-1"), (ALICE, "lm-1"), (api.Who("al"), "lm-2")):
-        assert (await judge.submit(body(job_id), who)).accepted
+    for who, job_id in ((ANN, "bert-1"), (BOB, "gpt-2"), (VIC, "bert-1"), (ALICE, "lm-1"), (Who("al"), "lm-2")):
+        assert (await judge.submissions.submit(body(job_id), who)).accepted
     # Lookups: bob finds ann's job by the id the team knows; vision's bert-1 is vision's own.
-    found = await judge.job_of(JobRequest("bert-1"), BOB)
+    found = await judge.queries.job(JobRequest("bert-1"), BOB)
     assert (found.id, found.team, found.state) == ("bert-1", "nlp", "queued")
-    assert (await judge.job_of(JobRequest("bert-1"), VIC)).id == "bert-1"
+    assert (await judge.queries.job(JobRequest("bert-1"), VIC)).id == "bert-1"
     # Lists: each team its own, by the ids it knows; DEFAULT_TEAM's logins each their own; the operator all.
-    listed = {who: [j.id for j in (await judge.jobs_of(JobsRequest(), who)).jobs] for who in (ANN, VIC, ALICE)}
+    listed = {who: [j.id for j in (await judge.queries.jobs(JobsRequest(), who)).jobs] for who in (ANN, VIC, ALICE)}
     assert listed == {ANN: ["bert-1", "gpt-2"], VIC: ["bert-1"], ALICE: ["lm-1"]}
-    everyone = await judge.jobs_of(JobsRequest(), api.OPERATOR)
+    everyone = await judge.queries.jobs(JobsRequest(), OPERATOR)
     assert [(j.id, j.team) for j in everyone.jobs] == [
         ("nlp.bert-1", "nlp"),
         ("nlp.gpt-2", "nlp"),
@@ -238,8 +253,8 @@ async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else
         ("lm-1", "default"),
         ("lm-2", "default"),
     ]
-    assert [j.id for j in (await judge.jobs_of(JobsRequest(prefix="g"), ANN)).jobs] == ["gpt-2"]
-    assert (await judge.job_of(JobRequest("nlp.gpt-2"), api.OPERATOR)).id == "nlp.gpt-2"
+    assert [j.id for j in (await judge.queries.jobs(JobsRequest(prefix="g"), ANN)).jobs] == ["gpt-2"]
+    assert (await judge.queries.job(JobRequest("nlp.gpt-2"), OPERATOR)).id == "nlp.gpt-2"
 
     # Another team's job is not found, as an id no one holds, with the same work behind the answer.
     answers = []
@@ -247,24 +262,24 @@ async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else
         bus.requests.clear()
         owners.gets.clear()
         with pytest.raises(NotFound) as refused:
-            await judge.job_of(JobRequest(job_id), VIC)
+            await judge.queries.job(JobRequest(job_id), VIC)
         answers.append((str(refused.value).replace(job_id, "ID"), len(bus.requests), owners.gets))
     assert answers[0][:2] == answers[1][:2] and len(answers[0][2]) == len(answers[1][2]) == 1, answers
     assert answers[0][0] == "no job 'ID' of yours: none was submitted under this id by team vision"
     for lookup in (
-        lambda: judge.cancel_of(JobRequest("gpt-2"), VIC),
-        lambda: judge.logs_of(LogsRequest("gpt-2"), VIC),
-        lambda: judge.job_of(JobRequest("lm-1"), ANN),
-        lambda: judge.job_of(JobRequest("lm-2"), ALICE),  # DEFAULT_TEAM's logins are not team-mates
+        lambda: judge.queries.cancel(JobRequest("gpt-2"), VIC),
+        lambda: judge.queries.logs(LogsRequest("gpt-2"), VIC),
+        lambda: judge.queries.job(JobRequest("lm-1"), ANN),
+        lambda: judge.queries.job(JobRequest("lm-2"), ALICE),  # DEFAULT_TEAM's logins are not team-mates
     ):
         with pytest.raises(NotFound):
             await lookup()
     assert bus.jobs["nlp.gpt-2"].state == "queued" and bus.logs_asked == []
 
     # A team-mate follows and cancels it: by its id within the cluster.
-    page = await judge.logs_of(LogsRequest("gpt-2", rank=0), ANN)
+    page = await judge.queries.logs(LogsRequest("gpt-2", rank=0), ANN)
     assert bus.logs_asked == [subjects.job_logs("nlp", "nlp.gpt-2")] and page.lines == ()
-    cancelled = await judge.cancel_of(JobRequest("gpt-2"), ANN)
+    cancelled = await judge.queries.cancel(JobRequest("gpt-2"), ANN)
     assert (cancelled.cancelled, cancelled.id, cancelled.state) == (True, "gpt-2", JobState.CANCELLED)
     [(_, order, msg_id)] = [p for p in bus.published if p[0] == subjects.CANCEL]
     assert order == Cancel("nlp.gpt-2") and msg_id == "nlp.gpt-2.cancel"
@@ -274,22 +289,24 @@ async def test_team_mates_see_follow_and_cancel_each_others_jobs_and_no_one_else
 async def test_a_teams_flood_fills_only_its_share_and_another_teams_logins_still_submit() -> None:
     kept_limits = dict(limits=LoginLimits(submissions=3, refusals=100), team_limits=TeamLimits(submissions=4))
     bus, owners = ExecutorsBus(), CountingKV()
-    judge = api.Gate(bus, owners, lambda spec: None, kept=api.Kept(bus, **kept_limits))
-    answers = [await judge.submit(body(f"a-{n}"), ANN) for n in range(4)]
+    judge = Api(bus, owners, lambda spec: None, kept=Kept(bus, **kept_limits))
+    answers = [await judge.submissions.submit(body(f"a-{n}"), ANN) for n in range(4)]
     assert [a.accepted for a in answers] == [True, True, True, False]
     assert answers[-1].reason.startswith("over your limit: login ann keeps 3 submissions"), answers[-1]
-    assert (await judge.submit(body("b-0"), BOB)).accepted  # the team's fourth
-    flood = await judge.submit(body("b-1"), BOB)
+    assert (await judge.submissions.submit(body("b-0"), BOB)).accepted  # the team's fourth
+    flood = await judge.submissions.submit(body("b-1"), BOB)
     assert not flood.accepted and flood.reason.startswith("over your team's limit: team nlp's logins keep 4"), flood
     # The intake stream's submissions are their subject's team's: held to the same share.
     delivery = SimpleNamespace(subject=subjects.intake("nlp", "carl"))
-    await judge.judge(msgspec.Raw(body("c-0")), delivery)
+    await judge.submissions.judge(msgspec.Raw(body("c-0")), delivery)
     assert bus.published[-1][0] == subjects.refused("nlp", "carl")
     assert "over your team's limit" in bus.published[-1][1].reason
     # Another team, and DEFAULT_TEAM's logins, still submit; the operator is held to no share.
-    await judge.judge(msgspec.Raw(body("v-0")), SimpleNamespace(subject=subjects.intake("vision", "vic")))
-    assert (await judge.submit(body("v-1"), VIC)).accepted and (await judge.submit(body("l-1"), ALICE)).accepted
-    assert [(await judge.submit(body(f"o-{n}"), api.OPERATOR)).accepted for n in range(5)] == [True] * 5
+    await judge.submissions.judge(msgspec.Raw(body("v-0")), SimpleNamespace(subject=subjects.intake("vision", "vic")))
+    assert (await judge.submissions.submit(body("v-1"), VIC)).accepted and (
+        await judge.submissions.submit(body("l-1"), ALICE)
+    ).accepted
+    assert [(await judge.submissions.submit(body(f"o-{n}"), OPERATOR)).accepted for n in range(5)] == [True] * 5
     assert [s.id for subject, s, _ in bus.stored() if subjects.owner_of(subject)[1] == "vision"] == [
         "vision.v-0",
         "vision.v-1",
@@ -342,7 +359,7 @@ async def test_the_teams_endpoint_shows_a_login_its_teams_row_and_the_operator_e
         JobRecord("nlp.q", "cifar10", 0.0, None, 0, 0.0, None, state="queued", team="nlp"),
     ):
         bus.jobs[record.name] = record
-    everyone = await judge.teams_of(api.OPERATOR)
+    everyone = await judge.queries.teams(TeamsRequest(), OPERATOR)
     assert [row.team for row in everyone.teams] == ["nlp", "vision", "default"] and everyone.note == ""
     rows = {row.team: by_type(row) for row in everyone.teams}
     # T4: 16, 12 guaranteed; 12 borrowed by vision and default, 4 of them what no one is guaranteed,
@@ -353,9 +370,9 @@ async def test_the_teams_endpoint_shows_a_login_its_teams_row_and_the_operator_e
         "default": {"T4": (0, 4, 4, 0, None), "A100": (0, 0, 0, 0, None)},
     }
     assert everyone.teams[0].weight == 2.0 and everyone.teams[0].gpus[1].gpu_alias == "dgx-ext"
-    mine = await judge.teams_of(ANN)
+    mine = await judge.queries.teams(TeamsRequest(), ANN)
     assert [row.team for row in mine.teams] == ["nlp"] and mine.teams[0] == everyone.teams[0]
-    assert [row.team for row in (await judge.teams_of(ALICE)).teams] == ["default"]
+    assert [row.team for row in (await judge.queries.teams(TeamsRequest(), ALICE)).teams] == ["default"]
     table = teams_lines(msgspec.to_builtins(everyone))
     assert any(
         line.split() == ["nlp", "(weight", "2)", "T4", "(aws)", "8", "0", "0", "8", "any", "idle"] for line in table
@@ -365,8 +382,8 @@ async def test_the_teams_endpoint_shows_a_login_its_teams_row_and_the_operator_e
 async def test_without_a_team_file_the_teams_endpoint_answers_one_team_with_no_guarantees() -> None:
     judge, bus, _ = gate(teams=MemoryKV(), cluster=cluster_now)
     bus.jobs["lm-1"] = running("lm-1", "default", "aws", (("a0", 2),))
-    for who in (api.OPERATOR, ALICE):
-        answer = await judge.teams_of(who)
+    for who in (OPERATOR, ALICE):
+        answer = await judge.queries.teams(TeamsRequest(), who)
         assert [row.team for row in answer.teams] == ["default"] and "no team file" in answer.note
         assert by_type(answer.teams[0]) == {"T4": (0, 2, 0, 0, None), "A100": (0, 0, 0, 0, None)}
 

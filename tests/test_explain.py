@@ -11,6 +11,7 @@ import msgspec
 
 from policies.base import Decision, Prediction
 from services.api.explain import Namer, explanation, number, numbers_apart, sentences
+from services.api.who import Who
 from services.policy.decisions import (
     Measuring,
     job_decisions,
@@ -33,6 +34,7 @@ A100_NODE = {"gpu_type": "dgx", "count": 1, "gpus_per_node": 8}
 T4_NODE = {"gpu_type": "aws", "count": 1, "gpus_per_node": 4}
 RUNNING = JobStatus("a", JobState.RUNNING)
 WAITING = JobStatus("w", JobState.QUEUED)
+ALICE = Who("alice")  # a login of the default team
 
 
 def facts(job: str, placement=(), team: str = "default", **fields) -> JobFacts:
@@ -75,21 +77,21 @@ def test_a_job_shrunk_for_another_names_the_taker_and_both_goodputs() -> None:
     assert (a.goodput, a.previous_goodput) == (800.0, 2000.0)
     assert a.holders == (Holder("dana-7", "vision", "dgx", 4, 3100.0),)
     assert (d.change, d.holders, d.previous_goodput) == ("started", (), None)
-    [said] = sentences([a], RUNNING, Namer({"dana-7": "dana-7"}, "default"))[:1]
+    [said] = sentences([a], RUNNING, Namer(ALICE, {"dana-7": "dana-7"}))[:1]
     assert said == (
         "In round 14 it was shrunk from 8 to 4 A100 GPUs: job dana-7's predicted goodput on them (3,100) "
         "exceeded what it lost (1,200)."
     )
     # Where the taker's samples/s are no more than what it lost, the sentence says what did decide.
     even = msgspec.structs.replace(a, previous_goodput=800.0 + 3100.0)
-    [said] = sentences([even], RUNNING, Namer({"dana-7": "dana-7"}, "default"))[:1]
+    [said] = sentences([even], RUNNING, Namer(ALICE, {"dana-7": "dana-7"}))[:1]
     assert said == (
         "In round 14 it was shrunk from 8 to 4 A100 GPUs: job dana-7 took them (predicted goodput 3,100 on them, "
         "against the 3,100 it lost): the policy weighs each job's speed-up over its own smallest allocation, "
         "the least sped-up first."
     )
     # A login of another team sees the taker by its team only, in the sentence and in the decision.
-    other = explanation("a", RUNNING, [a], {}, "nlp")
+    other = explanation("a", RUNNING, [a], {}, Who("ann", "nlp"))
     assert "a job of team vision's predicted goodput" in other.sentences[0]
     assert other.decisions[0].holders[0].job == "" and "dana" not in str(msgspec.to_builtins(other.decisions))
 
@@ -106,13 +108,13 @@ def test_a_job_waiting_on_a_full_cluster_names_who_holds_each_of_its_types() -> 
     assert w.usable_types == ("dgx", "aws") and w.absent_types == ()
     assert [(h.job, h.gpus, h.gpu_type) for h in w.holders] == [("b", 8, "dgx"), ("c", 4, "aws")]
     later = msgspec.structs.replace(w, round=13, at_s=780.0)
-    said = sentences([w, later], WAITING, Namer({"b": "b"}, "default"))
+    said = sentences([w, later], WAITING, Namer(ALICE, {"b": "b"}))
     assert said == (
         "Waiting since round 12: the cluster's A100 and T4 GPUs are all held — job b holds 8 A100, "
         "a job of team vision holds 4 T4.",
     )
     # Read from its 13th round on, of more kept: it may have waited longer.
-    assert sentences([later], WAITING, Namer({}, "default"), complete=False)[0].startswith(
+    assert sentences([later], WAITING, Namer(ALICE, {}), complete=False)[0].startswith(
         "Waiting since round 13 or earlier: the cluster's A100 and T4 GPUs are all held — another job holds 8 A100"
     )
 
@@ -124,7 +126,7 @@ def test_a_job_asking_for_a_type_the_cluster_lacks_is_told_so() -> None:
     assert usable_and_absent(models["v"], cluster.gpu_types) == ((), ("azure",))
     [v] = job_decisions(3, 180.0, decided(cluster, [facts("v")], {}, {}), cluster, models)
     assert (v.change, v.usable_types, v.absent_types, v.holders) == ("waiting", (), ("azure",), ())
-    assert sentences([v], WAITING, Namer({}, "default")) == (
+    assert sentences([v], WAITING, Namer(ALICE, {})) == (
         "Waiting since round 3: it asks only for V100 GPUs, which the cluster does not have.",
     )
 
@@ -140,7 +142,7 @@ def test_a_job_moved_to_a_faster_type_says_the_gain_was_worth_the_restart() -> N
     [m] = job_decisions(20, 1200.0, outcomes, cluster, models_of(cluster, "m"), previous_goodput={"m": 410.0})
     assert (m.change, m.previous_type, m.gpu_type, m.restart_factor, m.batch) == ("moved", "aws", "dgx", 0.93, 512)
     assert outcomes[0].restart and span_attributes(outcomes[0])["restart"] is True
-    assert sentences([m], RUNNING, Namer({}, "default"))[0] == (
+    assert sentences([m], RUNNING, Namer(ALICE, {}))[0] == (
         "In round 20 it moved from T4 to A100: its predicted goodput 410 → 1,900 was worth the restart "
         "(restart factor 0.93)."
     )
@@ -153,11 +155,11 @@ def test_a_job_stopped_for_a_teams_guarantee_and_one_held_by_the_executors_say_w
     reclaim = Reclaim(7, 420.0, "nlp", "dgx", 8, 0)
     s, g, q = job_decisions(7, 420.0, outcomes, cluster, models_of(cluster, "s", "g"), {"s": reclaim})
     assert (s.change, s.reason) == ("stopped", "team nlp took back GPUs of its guarantee")
-    assert sentences([s], WAITING, Namer({}, "default"))[0] == (
+    assert sentences([s], WAITING, Namer(ALICE, {}))[0] == (
         "In round 7 it was stopped (it held 8 A100 GPUs): team nlp took back GPUs of its guarantee."
     )
     assert (q.outcome, q.change, q.reason, q.holders) == ("waits", "waiting", "queued", ())
-    assert sentences([q], WAITING, Namer({}, "default")) == ("Waiting since round 7: queued.",)
+    assert sentences([q], WAITING, Namer(ALICE, {})) == ("Waiting since round 7: queued.",)
 
 
 def test_a_job_stopped_for_a_job_of_its_team_at_a_higher_priority_says_so_not_goodput() -> None:
@@ -169,7 +171,7 @@ def test_a_job_stopped_for_a_job_of_its_team_at_a_higher_priority_says_so_not_go
         9, 540.0, outcomes, cluster, models_of(cluster, "low", "high"), previous_goodput={"low": 900.0}
     )
     assert (low.change, low.priority, [(h.job, h.priority) for h in low.holders]) == ("stopped", 0, [("high", 5)])
-    assert sentences([low], WAITING, Namer({"high": "high"}, "nlp"))[0] == (
+    assert sentences([low], WAITING, Namer(Who("ann", "nlp"), {"high": "high"}))[0] == (
         "In round 9 it was stopped (it held 8 A100 GPUs): job high of team nlp took them, at a higher priority "
         "(5 against its 0): the policy weighs a job by its priority within its team."
     )
@@ -179,7 +181,7 @@ def test_a_job_stopped_for_a_job_of_its_team_at_a_higher_priority_says_so_not_go
     [low, _] = job_decisions(
         9, 540.0, outcomes, cluster, models_of(cluster, "low", "high"), previous_goodput={"low": 900.0}
     )
-    assert "priority" not in sentences([low], WAITING, Namer({"high": "high"}, "nlp"))[0]
+    assert "priority" not in sentences([low], WAITING, Namer(Who("ann", "nlp"), {"high": "high"}))[0]
 
 
 def nlp_and_cv(**jobs: tuple[str, dict]):
@@ -216,7 +218,7 @@ def test_a_job_larger_than_its_team_may_hold_waits_on_the_team_file() -> None:
     assert span_attributes(outcomes[0])["decision"] == "waits"  # the span says what the record says
     big, fits, free, rigid = job_decisions(4, 240.0, outcomes, cluster, models)
     assert (big.outcome, big.change, big.reason) == ("waits", "waiting", waits["big"])
-    assert sentences([big], WAITING, Namer({}, "nlp"))[0] == f"Waiting since round 4: {big.reason}."
+    assert sentences([big], WAITING, Namer(Who("ann", "nlp"), {}))[0] == f"Waiting since round 4: {big.reason}."
     assert (fits.outcome, free.outcome, rigid.outcome) == ("unallocated", "unallocated", "waits")
 
 
@@ -253,13 +255,13 @@ def test_predicted_against_measured_and_the_end() -> None:
         5, 300.0, "a", gpus=4, gpu_type="dgx", change="same", goodput=1900.0, previous_goodput=1900.0,
         measured_goodput=1750.0,
     )  # fmt: skip
-    said = sentences([d], RUNNING, Namer({}, "default"))
+    said = sentences([d], RUNNING, Namer(ALICE, {}))
     assert said == (
         "It has run on 4 A100 GPUs since round 5 or earlier.",
         "Predicted goodput 1,900 samples/s; over the round before, measured 1,750 (92% of the 1,900 predicted for it).",
     )
-    assert sentences([d], JobStatus("a", JobState.FINISHED), Namer({}, "default")) == ("It has finished.",)
-    assert sentences([], JobStatus("a", JobState.PROFILING, "profiled on T4"), Namer({}, "default")) == (
+    assert sentences([d], JobStatus("a", JobState.FINISHED), Namer(ALICE, {})) == ("It has finished.",)
+    assert sentences([], JobStatus("a", JobState.PROFILING, "profiled on T4"), Namer(ALICE, {})) == (
         "No round has decided for it yet (profiling): profiled on T4.",
     )
     assert (number(3100.4), number(12.345), number(0.5)) == ("3,100", "12.3", "0.5")
@@ -271,7 +273,7 @@ def test_predicted_against_measured_and_the_end() -> None:
 def test_a_round_recorded_twice_counts_once_newest_last() -> None:
     first = JobDecision(4, 240.0, "a", change="waiting", reason="first")
     again = msgspec.structs.replace(first, reason="again")
-    answer = explanation("a", WAITING, [JobDecision(5, 300.0, "a", change="waiting"), first, again], {})
+    answer = explanation("a", WAITING, [JobDecision(5, 300.0, "a", change="waiting"), first, again], {}, ALICE)
     assert [d.round for d in answer.decisions] == [4, 5] and answer.decisions[0].reason == "again"
 
 

@@ -14,14 +14,15 @@ import msgspec
 import pytest
 from test_api_handlers import MemoryKV
 
-from services.api import service as api
+from services.api.queries import Queries
+from services.api.who import OPERATOR, Who
 from services.policy.recorder import DecisionRecorder
 from shared import storage, subjects
 from shared.bus import NotFound
 from shared.schema import JobOwner, JobRecord, Node, select
 from shared.schema.decisions import ExplainRequest, Holder, JobDecision, RoundsRequest, RoundSummary
 
-ANN, VIC, ALICE = api.Who("ann", "nlp"), api.Who("vic", "vision"), api.Who("alice")
+ANN, VIC, ALICE = Who("ann", "nlp"), Who("vic", "vision"), Who("alice")
 NODES = (Node("dgx-0", "dgx", 8),)
 
 
@@ -75,18 +76,18 @@ async def test_explain_reads_a_jobs_last_decisions_and_names_only_the_jobs_the_a
         for n in range(1, 8)
     ]
     await recorded(bus, rounds)
-    gate = api.Gate(bus, MemoryKV(), lambda spec: None)
-    gate.records = Records(queued(waiting, "nlp", "ann"), queued(holder, "vision", "vic"))
+    queries = Queries(bus, MemoryKV())
+    queries.records = Records(queued(waiting, "nlp", "ann"), queued(holder, "vision", "vic"))
 
     # A team-mate reads the last three: the holder is another team's, named by its team only.
-    answer = await gate.explain_of(ExplainRequest(f"{name_prefix}-w", rounds=3), ANN)
+    answer = await queries.explain(ExplainRequest(f"{name_prefix}-w", rounds=3), ANN)
     assert [d.round for d in answer.decisions] == [5, 6, 7] and answer.state == "queued"
     assert answer.sentences == (
         "Waiting since round 5 or earlier: the cluster's A100 GPUs are all held — a job of team vision holds 8 A100.",
     )
     assert all(d.job == f"{name_prefix}-w" and d.holders[0].job == "" for d in answer.decisions)
     # The operator reads them all, by the ids within the cluster.
-    everything = await gate.explain_of(ExplainRequest(waiting), api.OPERATOR)
+    everything = await queries.explain(ExplainRequest(waiting), OPERATOR)
     assert [d.round for d in everything.decisions] == list(range(1, 8))
     assert everything.sentences == (
         f"Waiting since round 1: the cluster's A100 GPUs are all held — job {holder} holds 8 A100.",
@@ -94,16 +95,16 @@ async def test_explain_reads_a_jobs_last_decisions_and_names_only_the_jobs_the_a
     # Another team's job and an unknown id: the same 404.
     for job_id, who in ((f"{name_prefix}-w", VIC), (f"{name_prefix}-nosuch", ANN)):
         with pytest.raises(NotFound, match=f"no job '{job_id}' of yours"):
-            await gate.explain_of(ExplainRequest(job_id), who)
+            await queries.explain(ExplainRequest(job_id), who)
 
     # The last rounds: a login gets no events (they name jobs) and the nodes once, the operator all.
-    page = await gate.rounds_of(RoundsRequest(limit=2), ANN)
+    page = await queries.rounds(RoundsRequest(limit=2), ANN)
     assert [s.round for s in page.rounds] == [6, 7] and page.nodes == NODES
     assert all(s.events == () and s.nodes == () for s in page.rounds)
     # ... and of the teams' use its own team's only, as goodput.api.teams shows it.
     assert all((s.team_gpus, s.team_borrowed, s.team_reclaimed) == ({"nlp": {"dgx": 4}}, {"nlp": 0}, {"nlp": 1})
                for s in page.rounds)  # fmt: skip
-    operator = await gate.rounds_of(RoundsRequest(limit=2), api.OPERATOR)
+    operator = await queries.rounds(RoundsRequest(limit=2), OPERATOR)
     assert [s.events for s in operator.rounds] == [("round 6",), ("round 7",)]
     assert all(set(s.team_gpus) == {"nlp", "vision"} for s in operator.rounds)
 
@@ -117,9 +118,9 @@ async def test_a_login_without_a_team_knows_its_own_other_jobs_by_id_and_no_one_
     owners = MemoryKV()
     for job, login in ((mine, "alice"), (own, "alice"), (bobs, "bob")):
         await owners.create(job, JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, login)))
-    gate = api.Gate(bus, owners, lambda spec: None)
-    gate.records = Records(queued(mine, owner="alice"), queued(own, owner="alice"), queued(bobs, owner="bob"))
-    answer = await gate.explain_of(ExplainRequest(mine), ALICE)
+    queries = Queries(bus, owners)
+    queries.records = Records(queued(mine, owner="alice"), queued(own, owner="alice"), queued(bobs, owner="bob"))
+    answer = await queries.explain(ExplainRequest(mine), ALICE)
     assert answer.sentences == (
         f"Waiting since round 3: the cluster's T4 GPUs are all held — job {own} holds 4 T4, another job holds 4 T4.",
     )
@@ -135,7 +136,7 @@ async def test_a_refused_submission_under_another_teams_id_reads_none_of_its_dec
     theirs = f"nlp.{name_prefix}-run"
     decision = JobDecision(4, 240.0, theirs, "nlp", "allocated", "started", gpus=2, gpu_type="dgx", goodput=400.0)
     await recorded(bus, [(summary(4), [decision])])
-    gate = api.Gate(bus, MemoryKV(), lambda spec: None)
+    queries = Queries(bus, MemoryKV())
     refused = JobRecord(theirs, "imagenet", 0.0, None, 0, 0.0, None, failure="ids beginning nlp. are team nlp's")
     running = JobRecord(theirs, "imagenet", 0.0, None, 0, 0.0, None, state="running", owner="ann", team="nlp")
     both = (msgspec.structs.replace(refused, state="rejected", owner="alice"), running)
@@ -143,20 +144,20 @@ async def test_a_refused_submission_under_another_teams_id_reads_none_of_its_dec
     async def records(query):
         return select(both, query)
 
-    gate.records = records
-    answer = await gate.explain_of(ExplainRequest(theirs), ALICE)
+    queries.records = records
+    answer = await queries.explain(ExplainRequest(theirs), ALICE)
     assert answer.state == "rejected" and answer.decisions == ()
     assert not any("2 A100" in sentence or "400" in sentence for sentence in answer.sentences)
-    operator = await gate.explain_of(ExplainRequest(theirs), api.OPERATOR)
+    operator = await queries.explain(ExplainRequest(theirs), OPERATOR)
     assert [d.goodput for d in operator.decisions] == [400.0]
 
 
 async def test_a_job_with_no_decision_recorded_yet_says_so(connect_bus, name_prefix) -> None:
     bus = await connect_bus("api")
     await recorded(bus, [])
-    gate = api.Gate(bus, MemoryKV(), lambda spec: None)
-    gate.records = Records(queued(f"{name_prefix}-new", owner="alice"))
-    answer = await gate.explain_of(ExplainRequest(f"{name_prefix}-new"), ALICE)
+    queries = Queries(bus, MemoryKV())
+    queries.records = Records(queued(f"{name_prefix}-new", owner="alice"))
+    answer = await queries.explain(ExplainRequest(f"{name_prefix}-new"), ALICE)
     assert answer.sentences == ("No round has decided for it yet (queued).",) and answer.decisions == ()
 
 

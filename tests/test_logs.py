@@ -334,7 +334,8 @@ class LogsBus(RecordingBus):
 
 
 async def test_only_the_jobs_submitter_reads_its_output_and_the_page_says_when_it_has_ended() -> None:
-    from services.api import service as api
+    from services.api.queries import Queries
+    from services.api.who import OPERATOR, Who
 
     logs = StoredLogs()
     logs.store("lm-1", 0, "epoch 1")
@@ -342,16 +343,16 @@ async def test_only_the_jobs_submitter_reads_its_output_and_the_page_says_when_i
     owners = MemoryKV()
     for job_id in ("lm-1", "done-1"):
         await owners.create(job_id, JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, "alice")))
-    gate = api.Gate(LogsBus(logs, ended=("done-1",)), owners, lambda spec: None)
-    page = await gate.logs_of(LogsRequest("lm-1"), api.Who("alice"))
+    gate = Queries(LogsBus(logs, ended=("done-1",)), owners)
+    page = await gate.logs(LogsRequest("lm-1"), Who("alice"))
     assert [line.text for line in page.lines] == ["epoch 1"] and not page.end and not page.more
     assert page.next == 1
-    page = await gate.logs_of(LogsRequest("done-1"), api.Who("alice"))
+    page = await gate.logs(LogsRequest("done-1"), Who("alice"))
     assert [line.text for line in page.lines] == ["finished at epoch 3"] and page.end
     for job_id in ("lm-1", "done-1", "nosuch"):
         with pytest.raises(NotFound, match=f"no job '{job_id}' of yours"):
-            await gate.logs_of(LogsRequest(job_id), api.Who("bob"))
-    operator = await gate.logs_of(LogsRequest("lm-1", rank=0), api.OPERATOR)  # the operator sees all
+            await gate.logs(LogsRequest(job_id), Who("bob"))
+    operator = await gate.logs(LogsRequest("lm-1", rank=0), OPERATOR)  # the operator sees all
     assert [line.text for line in operator.lines] == ["epoch 1"]
 
 
@@ -366,23 +367,24 @@ class TeamLogsBus(LogsBus):
 
 
 async def test_a_teams_job_is_read_from_its_teams_stream_by_its_team_mates_and_the_operator() -> None:
-    from services.api import service as api
+    from services.api.queries import Queries
+    from services.api.who import OPERATOR, Who
 
     logs = StoredLogs()
     logs.store("nlp.bert-1", 0, "nlp's epoch 1", team="nlp")
     owners = MemoryKV()
     await owners.create("nlp.bert-1", JobOwner(1, "digest", subjects.stored("nlp", "ann")))
-    gate = api.Gate(TeamLogsBus(logs), owners, lambda spec: None)
+    gate = Queries(TeamLogsBus(logs), owners)
     for who, job_id in (
-        (api.Who("ann", "nlp"), "bert-1"),
-        (api.Who("nia", "nlp"), "bert-1"),
-        (api.OPERATOR, "nlp.bert-1"),
+        (Who("ann", "nlp"), "bert-1"),
+        (Who("nia", "nlp"), "bert-1"),
+        (OPERATOR, "nlp.bert-1"),
     ):
-        page = await gate.logs_of(LogsRequest(job_id), who)
+        page = await gate.logs(LogsRequest(job_id), who)
         assert [line.text for line in page.lines] == ["nlp's epoch 1"], who
-    for who in (api.Who("vic", "vision"), api.Who("alice")):
+    for who in (Who("vic", "vision"), Who("alice")):
         with pytest.raises(NotFound):
-            await gate.logs_of(LogsRequest("bert-1"), who)
+            await gate.logs(LogsRequest("bert-1"), who)
 
 
 async def test_stream_reader_asks_jetstream_for_the_next_message_on_the_subject() -> None:
@@ -429,16 +431,17 @@ class RefusedBus(LogsBus):
 
 
 async def test_a_refused_submission_under_anothers_id_reads_none_of_that_jobs_output() -> None:
-    from services.api import service as api
+    from services.api.queries import Queries
+    from services.api.who import Who
 
     logs = StoredLogs()
     logs.store("lm-1", 0, "alice's secret")
     owners = MemoryKV()
     await owners.create("lm-1", JobOwner(1, "digest", subjects.stored(subjects.DEFAULT_TEAM, "alice")))
-    gate = api.Gate(RefusedBus(logs), owners, lambda spec: None)
-    page = await gate.logs_of(LogsRequest("lm-1"), api.Who("bob"))
+    gate = Queries(RefusedBus(logs), owners)
+    page = await gate.logs(LogsRequest("lm-1"), Who("bob"))
     assert page.lines == () and page.end and not page.more
-    mine = await gate.logs_of(LogsRequest("lm-1"), api.Who("alice"))
+    mine = await gate.logs(LogsRequest("lm-1"), Who("alice"))
     assert [line.text for line in mine.lines] == ["alice's secret"]
 
 
@@ -454,15 +457,16 @@ class ProfiledAndRefusedBus(LogsBus):
 
 
 async def test_a_job_refused_after_its_profiling_run_shows_that_runs_output_to_its_submitter_only() -> None:
-    from services.api import service as api
+    from services.api.queries import Queries
+    from services.api.who import Who
 
     logs = StoredLogs()
     logs.store("bad-1", "profile", "SyntaxError: invalid syntax")
-    gate = api.Gate(ProfiledAndRefusedBus(logs), MemoryKV(), lambda spec: None)
-    page = await gate.logs_of(LogsRequest("bad-1", rank="profile"), api.Who("carol"))
+    gate = Queries(ProfiledAndRefusedBus(logs), MemoryKV())
+    page = await gate.logs(LogsRequest("bad-1", rank="profile"), Who("carol"))
     assert [line.text for line in page.lines] == ["SyntaxError: invalid syntax"] and page.end
     with pytest.raises(NotFound):
-        await gate.logs_of(LogsRequest("bad-1"), api.Who("dave"))
+        await gate.logs(LogsRequest("bad-1"), Who("dave"))
 
 
 def test_the_agents_may_make_and_the_api_read_the_logs_stream_of_each_team_with_logins_and_none_other() -> None:

@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_api_handlers import MemoryKV, gate
 from test_executor_handlers import models_for, real_service, simulated_service, submit_and_profile
 
-from services.api import service as api
+from services.api.submissions import REFUSAL_CAUSES
+from services.api.who import Who
 from services.executor.real import RealExecutors
 from services.node.agent import NodeWorkers, Workers
 from services.node.box import Box
@@ -51,6 +52,7 @@ from shared.schema import (
     StopWorkers,
     StoredAll,
 )
+from shared.storage import MAX_SUBMISSION_BYTES
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,7 +96,7 @@ def jobs(state: JobState) -> dict[str, str]:
 
 async def test_each_submission_is_counted_by_outcome_and_each_refusal_by_its_cause() -> None:
     judge, _, _ = gate(lambda spec: "unknown application" if spec.application == "nosuchjob" else None)
-    alice = api.Who("alice")
+    alice = Who("alice")
     body = msgspec.json.encode(JobSpec("lm-1", "cifar10"))
     submissions, refusals = SUBMISSIONS.prometheus, REFUSALS.prometheus
     with moved() as accepted:
@@ -110,7 +112,7 @@ async def test_each_submission_is_counted_by_outcome_and_each_refusal_by_its_cau
         (msgspec.json.encode(JobSpec("lm-2", "nosuchjob")), "unschedulable"),
         (msgspec.json.encode(JobSpec("lm-3", "cifar10", team="other")), "team"),
         (msgspec.json.encode(JobSpec("lm-1", "cifar10", requested_gpus=2)), "id_taken"),  # another body, same id
-        (b" " * (api.MAX_SUBMISSION_BYTES + 1), "too_large"),
+        (b" " * (MAX_SUBMISSION_BYTES + 1), "too_large"),
     ]
     for data, cause in cases:
         with moved() as refused:
@@ -118,7 +120,7 @@ async def test_each_submission_is_counted_by_outcome_and_each_refusal_by_its_cau
         assert not answer.accepted, (cause, answer)
         assert refused.by(submissions, outcome="refused") == 1, cause
         assert refused.by(refusals, reason=cause) == 1, (cause, answer.reason)
-        assert cause in api.REFUSAL_CAUSES
+        assert cause in REFUSAL_CAUSES
 
 
 async def test_a_logins_submission_on_the_intake_stream_is_counted_as_the_apis() -> None:

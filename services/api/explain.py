@@ -3,8 +3,9 @@ decisions the policy leader recorded for it round by round (services/policy/reco
 rounds' summaries.
 
 `explanation` is a pure function of a job's decisions (oldest first), its status and what the asker
-may see of the other jobs the decisions name: a login sees its team's jobs (DEFAULT_TEAM's logins:
-their own) by their ids, another team's only as "a job of team X"; the operator sees every id.
+may see of the other jobs the decisions name, as its `Who` says: a login sees its team's jobs
+(DEFAULT_TEAM's logins: their own) by their ids, another team's only as "a job of team X"; the
+operator sees every id.
 `read_last` reads the last messages stored on one subject of the decisions stream.
 """
 
@@ -20,10 +21,11 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
+from services.api.who import Who
 from shared import subjects
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
-from shared.schema import DEFAULT_TEAM, JobStatus
+from shared.schema import JobStatus
 from shared.schema.decisions import Explanation, Holder, JobDecision
 
 T = TypeVar("T")
@@ -68,17 +70,17 @@ def listed(words: Sequence[str]) -> str:
 
 
 class Namer:
-    """How the sentences name the other jobs: by the id the asker knows (`shown`: cluster id -> that
-    id), else by its team only."""
+    """How the sentences name the other jobs to `who`: by the id it knows (`known`: cluster id -> that
+    id, as `Who.known_jobs` finds them), else as `Who.unknown_jobs` says."""
 
-    def __init__(self, shown: Mapping[str, str], team: str) -> None:
-        self.shown, self.team = shown, team
+    def __init__(self, who: Who, known: Mapping[str, str]) -> None:
+        self.who, self.known = who, known
 
     def one(self, holder: Holder) -> str:
         """`job b`, `a job of team vision`, `another job`."""
-        if holder.job in self.shown:
-            return f"job {self.shown[holder.job]}"
-        return "another job" if holder.team == self.team else f"a job of team {holder.team}"
+        if holder.job in self.known:
+            return f"job {self.known[holder.job]}"
+        return self.who.unknown_jobs(holder.team)
 
     def holdings(self, holders: Sequence[Holder]) -> str:
         """`job b holds 8 A100, 2 jobs of team vision hold 12 T4`: each job the asker knows by name,
@@ -86,18 +88,13 @@ class Namer:
         named: list[str] = []
         hidden: dict[tuple[str, str], list[int]] = {}
         for h in holders:
-            if h.job in self.shown:
-                named.append(f"job {self.shown[h.job]} holds {h.gpus} {hardware_name(h.gpu_type)}")
+            if h.job in self.known:
+                named.append(f"job {self.known[h.job]} holds {h.gpus} {hardware_name(h.gpu_type)}")
             else:
                 hidden.setdefault((h.team, h.gpu_type), []).append(h.gpus)
         for (team, gpu_type), counts in hidden.items():
-            many = len(counts) > 1
-            who = (
-                (f"{len(counts)} other jobs" if many else "another job")
-                if team == self.team
-                else (f"{len(counts)} jobs of team {team}" if many else f"a job of team {team}")
-            )
-            named.append(f"{who} hold{'' if many else 's'} {sum(counts)} {hardware_name(gpu_type)}")
+            verb = "hold" if len(counts) > 1 else "holds"
+            named.append(f"{self.who.unknown_jobs(team, len(counts))} {verb} {sum(counts)} {hardware_name(gpu_type)}")
         return ", ".join(named)
 
 
@@ -293,20 +290,20 @@ def explanation(
     job_id: str,
     status: JobStatus,
     decisions: Sequence[JobDecision],
-    shown: Mapping[str, str],
-    team: str = DEFAULT_TEAM,
+    known: Mapping[str, str],
+    who: Who,
     complete: bool = True,
 ) -> Explanation:
-    """goodput.api.explain's answer for the job `job_id` (as the asker names it): its sentences and
-    its decisions, oldest first. `shown`: the other jobs the asker may know, cluster id -> its id
-    for them; `team`: the asker's; `complete`: `decisions` are all that are kept of the job."""
+    """goodput.api.explain's answer for the job `job_id` (as `who`, the asker, names it): its
+    sentences and its decisions, oldest first. `known`: the other jobs `who` may know, cluster id ->
+    its id for them; `complete`: `decisions` are all that are kept of the job."""
     ordered = latest_per_round(decisions)
-    names = Namer(shown, team)
+    names = Namer(who, known)
     return Explanation(
         job_id,
         status.state,
         sentences(ordered, status, names, complete),
-        tuple(shown_decision(d, job_id, shown) for d in ordered),
+        tuple(shown_decision(d, job_id, known) for d in ordered),
     )
 
 
