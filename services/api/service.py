@@ -78,7 +78,6 @@ class Api:
 def as_requested(handler: Handler) -> Callable[..., Any]:
     """`handler` given the `Who` of the request being handled (`login()`, the server's word) after
     the endpoint's own arguments: the one place a handler learns who asks."""
-
     return lambda *arguments: handler(*arguments, login())
 
 
