@@ -20,6 +20,7 @@ COMMANDS = [
     "submit",
     "logs",
     "explain",
+    "schemas",
     "up",
     "status",
     "nodes",
