@@ -28,7 +28,7 @@ from services.node.agent import NodeWorkers
 from services.node.box import Boxes, check, default_rules, interpreter_paths, shown_folders
 from services.node.output import Output
 from services.node.processes import import_path
-from shared.schema import NodeInfo, StartWorkers, StopWorkers
+from shared.schema.nodes import NodeInfo, StartWorkers, StopWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS = "tests.jobs"

@@ -41,7 +41,8 @@ from launcher.nats import embedded_nats
 from launcher.stack import another_login, ensure_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
 from shared.lifecycle import JobState
-from shared.schema import Count, JobRecords, JobsQuery
+from shared.schema.base import Count
+from shared.schema.records import JobRecords, JobsQuery
 from shared.settings import DEFAULT_POLICY, FEEDBACK_ITERATIONS
 from shared.storage import LOGIN_LIMITS
 

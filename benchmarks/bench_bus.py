@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from launcher.replay import replay_over_nats
-from shared.reference import reference_root
 from shared.settings import DEFAULT_POLICY
+from sim.reference import reference_root
 from sim.run import Simulation, job_sources, simulate
 
 

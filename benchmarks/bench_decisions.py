@@ -19,7 +19,7 @@ from services.policy.rounds import Arrival, RoundLoop
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
-from shared.schema import AdvanceReply, FactsReply, JobFacts, ModelsReply, PlacementResult
+from shared.schema.rounds import AdvanceReply, FactsReply, JobFacts, ModelsReply, PlacementResult
 from shared.settings import SimSettings
 from sim.rounds import job_models
 

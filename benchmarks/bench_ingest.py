@@ -19,7 +19,7 @@ from pathlib import Path
 from launcher.nats import EmbeddedNats, embedded_nats
 from shared import storage, subjects
 from shared.bus import Bus
-from shared.schema import JobSpec
+from shared.schema.jobs import JobSpec
 
 
 async def publish_all(bus: Bus, specs: list[JobSpec], in_flight: int) -> tuple[float, int]:

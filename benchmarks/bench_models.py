@@ -14,12 +14,12 @@ import time
 import numpy as np
 
 from goodput_train.goodput import Observation, fit_throughput, iteration_time
+from policies.table import goodput_table
 from services.estimator.core import profile_observations, type_models
 from shared.cluster import load_cluster
-from shared.profiles import model_profile
-from shared.schema import JobModels
-from shared.table import goodput_table
-from shared.zoo import load_zoo
+from shared.schema.rounds import JobModels
+from sim.profiles import model_profile
+from sim.zoo import load_zoo
 
 ADAPTIVE = ["bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"]
 

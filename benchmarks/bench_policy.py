@@ -48,8 +48,8 @@ import policies.sia_ilp.large as sia_ilp_large
 import sim.run
 from policies.base import Decision, RoundState, make_policy, policy_spec
 from shared.cluster import Cluster, load_cluster
-from shared.reference import WorkloadJob, load_workload, reference_root
 from shared.teams import TeamFile, Teams, TeamSpec, load_team_file, resolve
+from sim.reference import WorkloadJob, load_workload, reference_root
 from sim.run import Simulation, job_sources, simulate
 
 

@@ -23,8 +23,8 @@ import numpy as np
 from policies.base import Decision, JobView, RoundState
 from policies.pollux import PolluxPolicy
 from shared.cluster import Cluster, load_cluster
-from shared.zoo import load_zoo
 from sim.rounds import job_view, round_state
+from sim.zoo import load_zoo
 
 ZOO = load_zoo()
 ADAPTIVE = ["bert", "cifar10", "deepspeech2", "imagenet", "yolov3"]

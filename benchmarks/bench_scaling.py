@@ -23,7 +23,7 @@ from bench_policy import Timed, grown_workload  # this folder (the script's) is 
 
 import sim.run
 from shared.cluster import load_cluster
-from shared.reference import reference_root
+from sim.reference import reference_root
 from sim.run import Simulation, job_sources, simulate
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.reference import load_workload, reference_root
+from sim.reference import load_workload, reference_root
 from sim.run import Simulation, job_sources, simulate
 
 SPAN_S = 8 * 3600.0  # each Philly file's span, and the shift between them

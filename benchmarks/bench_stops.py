@@ -39,7 +39,9 @@ from services.node.agent import NodeWorkers
 from shared import subjects
 from shared.cluster import Cluster
 from shared.runtime import STOP_TIMEOUT_S
-from shared.schema import AdvanceRequest, ApplyRequest, Cancel, JobSpec, LiveJobsRequest, NodeInfo, Profiled
+from shared.schema.jobs import Cancel, JobSpec, Profiled
+from shared.schema.nodes import NodeInfo
+from shared.schema.rounds import AdvanceRequest, ApplyRequest, LiveJobsRequest
 
 NODE = NodeInfo("local-0", "cpu", 6, "127.0.0.1")
 

@@ -45,9 +45,9 @@ import numpy as np
 import yaml
 
 from shared.cluster import Cluster, load_cluster
-from shared.reference import WorkloadJob, load_workload, reference_root
 from shared.settings import DEFAULT_POLICY, settings_for
 from shared.teams import TeamFile, load_team_file, resolve, scoped_id
+from sim.reference import WorkloadJob, load_workload, reference_root
 from sim.workload import write_workload
 
 REPO = Path(__file__).resolve().parent.parent

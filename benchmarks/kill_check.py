@@ -16,8 +16,8 @@ from pathlib import Path
 from launcher.nats import embedded_nats
 from launcher.replay import replay
 from launcher.stack import running_services, service_arguments
-from shared.reference import load_workload, reference_root
 from shared.settings import settings_for
+from sim.reference import load_workload, reference_root
 from sim.run import Simulation, job_sources, simulate
 
 

@@ -36,28 +36,24 @@ from launcher.nats import EmbeddedNats, free_loopback_port, nats_from_binary, se
 from launcher.replay import replay, replay_prefix, replay_records
 from launcher.stack import Stack, running_services, service_arguments
 from shared import subjects
-from shared.bus import Bus, is_json
+from shared.bus import Bus
+from shared.bus.encoding import is_json
 from shared.cluster import Cluster, load_cluster
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import (
-    Ack,
+from shared.schema.base import Ack, Spots
+from shared.schema.estimates import ObservedAll, ProfilesAll
+from shared.schema.jobs import JobSpec
+from shared.schema.records import JobRecord, JobRecords, JobsQuery
+from shared.schema.rounds import (
     AdvanceRequest,
     ApplyRequest,
     FactsRequest,
-    JobRecord,
-    JobRecords,
-    JobSpec,
-    JobsQuery,
     LiveJobsRequest,
     ModelsRequest,
-    ObservedAll,
     PlaceRequest,
-    ProfilesAll,
-    RunCheckpoint,
-    RunStep,
-    Spots,
 )
+from shared.schema.runs import RunCheckpoint, RunStep
 from shared.settings import ROUND_S, settings_for
+from sim.reference import WorkloadJob, load_workload
 
 CLUSTER = "sia-hetero-64"
 WORKLOAD = Path(__file__).resolve().parent.parent / "examples" / "workloads" / "mixed-40.csv"

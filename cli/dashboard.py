@@ -90,7 +90,7 @@ async def connect(server: str, options: dict):
     from cli.submit import ask
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import JobsPage, JobsRequest
+    from shared.schema.api import JobsPage, JobsRequest
 
     try:  # ValueError: no API answers, or the login may not ask it
         await ask(server, subjects.API_JOBS, JobsRequest(limit=1), JobsPage, **options)

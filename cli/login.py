@@ -17,7 +17,7 @@ import asyncio
 from pathlib import Path
 
 from shared import credentials
-from shared.bus import DEFAULT_SERVER, SERVER_ENV
+from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -57,7 +57,7 @@ def _rank(text: str) -> int | str:
 def _logs(args: argparse.Namespace) -> int:
     from nats.micro.request import ServiceError
 
-    from shared.schema import LogsRequest
+    from shared.schema.logs import LogsRequest
     from shared.submissions import ID_RULES
 
     try:
@@ -81,7 +81,7 @@ async def show(server: str, request, follow: bool, as_json: bool, out: TextIO = 
     (and its last lines, stored by then, are printed)."""
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import LogsPage
+    from shared.schema.logs import LogsPage
 
     bus = await Bus.connect_once(server, "goodput-logs", **options)
     try:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from cli.output import default_out
-from shared.reference import discover_models, reference_root
+from sim.reference import discover_models, reference_root
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     zoo = actions.add_parser("zoo", help="fit the built-in model zoo from a reference folder")
     zoo.add_argument("--reference", help="reference folder (default: $GOODPUT_REFERENCE, else ../shared/reference)")
-    zoo.add_argument("--out", default="shared/zoo.json", help="zoo file to write (default: %(default)s)")
+    zoo.add_argument("--out", default="sim/zoo.json", help="zoo file to write (default: %(default)s)")
     zoo.set_defaults(func=_zoo)
 
 
@@ -85,7 +85,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _zoo(args: argparse.Namespace) -> int:
-    from shared.zoo import build_zoo
+    from sim.zoo import build_zoo
 
     zoo = build_zoo(discover_models(reference_root(args.reference)))
     out = Path(args.out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cli.submit import add_connection_arguments
-from shared.schema import NODE_STATES
+from shared.schema.nodes import NODE_STATES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,8 @@ def _nodes(args: argparse.Namespace) -> int:
     from cli.submit import _call
     from shared import subjects
     from shared.hardware import hardware_name
-    from shared.schema import Ack, NodeStatuses
+    from shared.schema.base import Ack
+    from shared.schema.nodes import NodeStatuses
     from shared.text import printable
 
     try:

@@ -266,8 +266,8 @@ def check_team_run(args: argparse.Namespace, specs: list[str], workloads: list[s
         return
     from policies.base import make_policy
     from shared.cluster import load_cluster
-    from shared.reference import load_workload
     from shared.teams import load_team_file
+    from sim.reference import load_workload
     from sim.run import check_teams
 
     args.team_file = load_team_file(args.teams)

@@ -9,7 +9,7 @@ import contextlib
 
 from cli.submit import add_connection_arguments
 from shared import credentials
-from shared.schema import JOB_STATES
+from shared.schema.records import JOB_STATES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -130,7 +130,9 @@ async def _query(server: str, ids: list[str], **options):
 
     from shared import subjects
     from shared.bus import Bus
-    from shared.schema import MAX_PAGE, Ack, JobRequest, JobsPage, JobsRequest, JobStatus, PolicyStatus
+    from shared.schema.api import MAX_PAGE, JobRequest, JobsPage, JobsRequest, JobStatus
+    from shared.schema.base import Ack
+    from shared.schema.runs import PolicyStatus
 
     bus = await Bus.connect_once(server, "goodput-status", **options)
     try:

@@ -24,7 +24,8 @@ import nats.js.errors
 import yaml
 
 from shared import credentials
-from shared.bus import DEFAULT_SERVER, SERVER_ENV, from_builtins
+from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
+from shared.bus.encoding import from_builtins
 from shared.text import printable
 
 
@@ -116,7 +117,7 @@ def _document(path: Path) -> dict:
 def load_job(path: str | Path, archive: str | None = None):
     """A JobSpec from a YAML or JSON file; ValueError with the field that is wrong. `archive`: the
     digest of the job's own code, in place of the file's `code:`."""
-    from shared.schema import JobSpec
+    from shared.schema.jobs import JobSpec
 
     path = Path(path)
     document = _document(path)
@@ -239,7 +240,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _submit_one(args: argparse.Namespace, path: str) -> int:
     from shared import subjects
-    from shared.schema import SubmitAnswer
+    from shared.schema.api import SubmitAnswer
 
     folder = code_folder(path, args.code)
     spec = load_job(path, None if folder is None else PLACEHOLDER)  # refused now, before any upload
@@ -288,7 +289,7 @@ def _upload(args: argparse.Namespace, folder: Path, job_id: str) -> str:
 
 def _progress(archive: str):
     """Say on stderr, on one line, how much of a large upload has gone."""
-    from shared.schema import CHUNK_BYTES
+    from shared.schema.code import CHUNK_BYTES
 
     def progress(sent: int, size: int) -> None:
         if size > 4 * CHUNK_BYTES and sys.stderr.isatty():
@@ -306,7 +307,7 @@ async def upload(data: bytes, server: str, progress=lambda sent, size: None, **o
     from shared import subjects
     from shared.bus import Bus
     from shared.code_archive import digest
-    from shared.schema import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
+    from shared.schema.code import CHUNK_BYTES, CodeAnswer, CodeChunk, CodeRequest
 
     archive = digest(data)
     bus = await Bus.connect_once(server, "goodput-submit", **options)
@@ -333,7 +334,7 @@ async def upload(data: bytes, server: str, progress=lambda sent, size: None, **o
 
 def _drain(args: argparse.Namespace) -> int:
     from shared import subjects
-    from shared.schema import DrainAnswer, DrainRequest
+    from shared.schema.nodes import DrainAnswer, DrainRequest
 
     try:
         answer = _call(
@@ -367,7 +368,7 @@ def teams_status(args: argparse.Namespace) -> int:
 
     from cli.job_view import teams_lines
     from shared import subjects
-    from shared.schema import TeamsAnswer, TeamsRequest
+    from shared.schema.api import TeamsAnswer, TeamsRequest
 
     document = msgspec.to_builtins(_call(args, subjects.API_TEAMS, TeamsRequest(), TeamsAnswer))
     if getattr(args, "json", False):
@@ -380,7 +381,7 @@ def teams_status(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     from shared import subjects
-    from shared.schema import CancelAnswer, JobRequest
+    from shared.schema.api import CancelAnswer, JobRequest
 
     try:
         request = msgspec.convert({"id": args.id}, JobRequest)

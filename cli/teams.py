@@ -79,7 +79,7 @@ def _teams(args: argparse.Namespace) -> int:
 
 def _apply(args: argparse.Namespace) -> int:
     from launcher.nats import SECRETS, TEAM_FILE, Access, reload, serving_pid
-    from shared.bus import DEFAULT_SERVER, SERVER_ENV
+    from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
     from shared.permissions import write_private
     from shared.teams import load_team_file, resolve
 
@@ -128,7 +128,7 @@ async def _store(url: str, options: dict, teams, cluster: str) -> None:
     from launcher.setup import refuse_policy_without_teams, store_teams
     from shared import storage, subjects
     from shared.bus import Bus
-    from shared.schema import RunCheckpoint
+    from shared.schema.runs import RunCheckpoint
 
     try:
         bus = await Bus.connect_once(url, "goodput-teams", **options)
@@ -151,7 +151,7 @@ async def refuse_held_names(bus, teams) -> None:
     neither use them nor be told why without learning of the default team's jobs."""
     from shared import subjects
     from shared.lifecycle import JobState
-    from shared.schema import JobRecords, JobsQuery
+    from shared.schema.records import JobRecords, JobsQuery
 
     for team in teams.teams:
         query = JobsQuery(f"{team}.", team=subjects.DEFAULT_TEAM)

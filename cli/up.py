@@ -48,7 +48,7 @@ from pathlib import Path
 from shared import credentials
 from shared.runner import EXECUTORS, executors_kind, positive_float
 from shared.runtime import JOBS_PACKAGE
-from shared.schema import CANCELLED
+from shared.schema.jobs import CANCELLED
 from shared.settings import DEFAULT_POLICY
 from sim.workload import BUILT_IN_WORKLOAD
 
@@ -542,7 +542,9 @@ async def _submit_local(bus, specs) -> None:
     import nats.errors
 
     from shared import subjects
-    from shared.schema import JobRecords, JobsQuery, job_statuses, submission_msg_id
+    from shared.schema.api import job_statuses
+    from shared.schema.jobs import submission_msg_id
+    from shared.schema.records import JobRecords, JobsQuery
     from shared.text import printable
 
     for _ in range(300):  # the executor answers ping a moment before its endpoints

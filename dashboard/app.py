@@ -27,7 +27,9 @@ from starlette.routing import Route
 from dashboard.source import Unavailable, UnknownJob
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
-from shared.schema import ExplainRequest, JobStatus, Node, RoundsPage, RoundSummary
+from shared.schema.api import JobStatus
+from shared.schema.base import Node
+from shared.schema.decisions import ExplainRequest, RoundsPage, RoundSummary
 from shared.text import printable
 
 REFRESH_S = 1.0  # the API is read at most this often

@@ -10,18 +10,8 @@ import nats.errors
 from nats.micro.request import ServiceError
 
 from shared import subjects
-from shared.schema import (
-    MAX_PAGE,
-    ExplainRequest,
-    Explanation,
-    JobsPage,
-    JobsRequest,
-    JobStatus,
-    RoundsPage,
-    RoundsRequest,
-    TeamsAnswer,
-    TeamsRequest,
-)
+from shared.schema.api import MAX_PAGE, JobsPage, JobsRequest, JobStatus, TeamsAnswer, TeamsRequest
+from shared.schema.decisions import ExplainRequest, Explanation, RoundsPage, RoundsRequest
 
 REQUEST_TIMEOUT_S = 10.0
 

@@ -111,7 +111,7 @@ async def _check_live_run(nc, server: str, timeout_s: float) -> None:
     """ProbeFailed while the live run is stalled, with its reason."""
     import msgspec
 
-    from shared.schema import PolicyStatus
+    from shared.schema.runs import PolicyStatus
     from shared.subjects import POLICY_STATUS
 
     try:

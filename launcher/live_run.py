@@ -22,7 +22,7 @@ from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
 from shared import storage
 from shared.bus import Bus
 from shared.credentials import connect_options
-from shared.schema import RunRequest
+from shared.schema.runs import RunRequest
 from shared.settings import DEFAULT_POLICY
 from shared.subjects import LIVE_RUN
 

@@ -18,9 +18,12 @@ from launcher.stack import Stack, create_run, follow_run, running_services, serv
 from shared import subjects
 from shared.bus import Bus
 from shared.cluster import load_cluster
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import Count, JobRecords, JobSpec, JobsQuery, RunReport, RunRequest
+from shared.schema.base import Count
+from shared.schema.jobs import JobSpec
+from shared.schema.records import JobRecords, JobsQuery
+from shared.schema.runs import RunReport, RunRequest
 from shared.teams import TeamFile
+from sim.reference import WorkloadJob, load_workload
 
 if TYPE_CHECKING:
     from sim.run import Progress, Simulation

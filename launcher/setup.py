@@ -18,7 +18,8 @@ from types import EllipsisType
 from typing import Any
 
 from shared import credentials, storage, subjects
-from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
+from shared.bus import Bus
+from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
 from shared.teams import TeamFile
 
 

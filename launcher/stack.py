@@ -21,21 +21,15 @@ import nats.errors
 from launcher.nats import SECRETS, EmbeddedNats, port_in_use
 from launcher.setup import provision_now
 from shared import storage, subjects
-from shared.bus import Bus, RevisionConflict
+from shared.bus import Bus
+from shared.bus.kv import RevisionConflict
 from shared.cluster import load_cluster, real_nodes
 from shared.credentials import ENV_PREFIX as CREDENTIALS_ENV_PREFIX
 from shared.metrics import TOKEN_FILE_ENV, MetricsUnavailable, read_token
 from shared.runner import METRICS_PORT_ENV, PARENT_ENV, ended_with_this_process
-from shared.schema import (
-    Ack,
-    JobRecord,
-    JobRecords,
-    PolicyStatus,
-    RunCheckpoint,
-    RunReport,
-    RunRequest,
-    RunStep,
-)
+from shared.schema.base import Ack
+from shared.schema.records import JobRecord, JobRecords
+from shared.schema.runs import PolicyStatus, RunCheckpoint, RunReport, RunRequest, RunStep
 from shared.teams import TeamFile
 
 SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")

@@ -22,9 +22,10 @@ from typing import Iterable, Mapping, Protocol
 
 import numpy as np
 
+from policies.table import GoodputTable, goodput_table
 from shared.cluster import Cluster, Config, Spots
-from shared.schema import DEFAULT_TEAM, JobFacts, JobModels
-from shared.table import GoodputTable, goodput_table
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.rounds import JobFacts, JobModels
 from shared.teams import Teams
 
 

@@ -76,10 +76,10 @@ from policies.base import (
     refuse_teams,
     restart_factor,
 )
+from policies.table import stack_jobs
 from shared.cluster import Cluster, Spots
-from shared.schema import JobModels
+from shared.schema.rounds import JobModels
 from shared.settings import ROUND_S
-from shared.table import stack_jobs
 
 # Settings, in one place.
 DEFAULT_P = -1.0

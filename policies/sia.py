@@ -25,9 +25,9 @@ from policies.base import Decision, Prediction, RoundState, restart_factor
 from policies.sia_ilp import DEFAULT_TIME_LIMIT_S, solve
 from policies.sia_ilp.exact import DEFAULT_SOLVER
 from policies.sia_ilp.problem import DEFAULT_LAMBDA, DEFAULT_P, IlpProblem
+from policies.table import BatchCache, GoodputTable, goodput_table, usable_columns
 from policies.teams import borrowed_gpus, ilp_teams
 from shared.settings import ROUND_S
-from shared.table import BatchCache, GoodputTable, goodput_table, usable_columns
 
 
 class SiaPolicy:
@@ -52,7 +52,7 @@ class SiaPolicy:
         # The operator's bound on a wait (not Sia's): a job that waited longer must run, and the ILP
         # makes room for it by leaving out a running one (a rigid job holding the cluster, say).
         self.max_wait_s = float(max_wait_s)
-        # The last round's best batches, by job model and configuration (shared/table.py).
+        # The last round's best batches, by job model and configuration (policies/table.py).
         self.batch_cache = BatchCache()
 
     def problem(self, state: RoundState) -> IlpProblem:

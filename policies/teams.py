@@ -30,7 +30,7 @@ import numpy as np
 
 from policies.base import RoundState
 from shared.cluster import Config
-from shared.schema import Reclaim
+from shared.schema.rounds import Reclaim
 from shared.teams import Teams
 
 __all__ = ["PRIORITY_STEP", "borrowed_gpus", "ilp_teams", "ledger", "priority_weights", "team_use"]

@@ -17,8 +17,8 @@ import numpy as np
 
 from goodput_train.goodput import ThroughputParams, fit_throughput, iteration_time
 from services.estimator.core import type_models
-from shared.profiles import trace_profile
-from shared.reference import Measurements, ModelTrace
+from sim.profiles import trace_profile
+from sim.reference import Measurements, ModelTrace
 
 FITTED_TARGET = 0.10  # median error of a fitted model with multi-GPU data (Pollux: <= 10%)
 BOOTSTRAP_TARGET = 0.25  # median distance of a bootstrapped model from the fitted one

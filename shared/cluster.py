@@ -21,7 +21,7 @@ from typing import Iterable
 
 import yaml
 
-from shared.schema import Config, Node, Spots
+from shared.schema.base import Config, Node, Spots
 
 __all__ = [
     "Cluster",

@@ -14,24 +14,18 @@ from nats import micro
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.runner import new_service
-from shared.schema import (
-    DEFAULT_TEAM,
-    Ack,
+from shared.schema.base import DEFAULT_TEAM, Ack, Count
+from shared.schema.estimates import Observed, ObservedAll, StoredAll
+from shared.schema.nodes import NodeStatuses
+from shared.schema.records import JobRecord, JobsQuery, select
+from shared.schema.rounds import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,
-    Count,
     FactsReply,
     FactsRequest,
-    JobRecord,
-    JobsQuery,
     LiveJobs,
     LiveJobsRequest,
-    NodeStatuses,
-    Observed,
-    ObservedAll,
-    StoredAll,
-    select,
 )
 from shared.settings import OBSERVED_IN_ONE_REPORT, REPORTS_AT_ONCE
 

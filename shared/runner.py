@@ -22,7 +22,8 @@ from typing import Any, Awaitable, Callable
 from nats import micro
 
 from shared import credentials
-from shared.bus import DEFAULT_SERVER, SERVER_ENV, Bus
+from shared.bus import Bus
+from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
 from shared.files import private_umask
 from shared.metrics import TOKEN_FILE_ENV, MetricsUnavailable, setup_metrics
 from shared.tracing import setup_tracing

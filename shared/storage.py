@@ -37,7 +37,9 @@ import nats.js.errors
 from nats.js import api
 
 from shared import subjects
-from shared.bus import MAX_DELIVER, Bus, PullConsumer, TypedKV
+from shared.bus import Bus
+from shared.bus.consumers import MAX_DELIVER, PullConsumer
+from shared.bus.kv import TypedKV
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

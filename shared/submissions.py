@@ -8,7 +8,8 @@ from typing import Iterable, Mapping
 
 from shared.cluster import Cluster
 from shared.hardware import described, hardware_name, types_named
-from shared.schema import JobSpec, NodeInfo, node_applications
+from shared.schema.jobs import JobSpec
+from shared.schema.nodes import NodeInfo, node_applications
 
 ID_RULES = (
     "a job id is 1 to 128 letters, digits, '_', '-' and single '.' between them, beginning with a letter or digit"

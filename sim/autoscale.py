@@ -36,9 +36,9 @@ from goodput_train.goodput import BatchLimits, GoodputModel, Observation, Throug
 from services.simulated.truth import ModelTruth
 from services.simulated.world import SimulatedJob
 from shared.cluster import Cluster, Node, Spots
-from shared.reference import WorkloadJob
-from shared.schema import JobModels
+from shared.schema.rounds import JobModels
 from shared.settings import SimSettings
+from sim.reference import WorkloadJob
 
 UPPER = 2 / 3  # scale up above this fraction of ideal goodput per node (Pollux §5.4.1)
 LOWER = 1 / 2  # ... to the size where it is about this fraction; scale down below it

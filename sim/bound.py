@@ -34,8 +34,8 @@ import numpy as np
 from goodput_train.goodput import efficiency, split_batch
 from services.simulated.truth import JobSources, ModelTruth, job_sources
 from shared.cluster import Cluster, load_cluster
-from shared.reference import WorkloadJob, load_workload
 from shared.settings import SimSettings, simulation_settings
+from sim.reference import WorkloadJob, load_workload
 
 BATCH_CANDIDATES = 48  # geometric batch sizes in [M0, max batch] tried per placement and epoch
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from policies.base import JobView, RoundState
 from shared.cluster import Cluster, Config, Spots, load_cluster
-from shared.schema import JobModels
-from shared.zoo import load_zoo
+from shared.schema.rounds import JobModels
+from sim.zoo import load_zoo
 
 _ZOO = load_zoo()
 

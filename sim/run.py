@@ -21,13 +21,15 @@ from services.policy.rounds import check_honours_teams
 from services.simulated.truth import JobSources, ModelTruth, job_sources
 from shared.cluster import Cluster, load_cluster
 from shared.hardware import hardware_name
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import DEFAULT_TEAM, JobRecord, RoundRecord
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.records import JobRecord
+from shared.schema.runs import RoundRecord
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings, simulation_settings
 from shared.teams import TeamFile, Teams, load_team_file, resolve
 from sim.bound import ModelTimes, model_times
 from sim.decompose import job_parts, mean_parts
 from sim.fairness import AloneRuns, finish_time_fairness
+from sim.reference import WorkloadJob, load_workload
 from sim.simulator import Simulator
 from sim.workload import declare_targets
 

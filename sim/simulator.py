@@ -28,20 +28,13 @@ from services.policy.rounds import Arrival, FixedTeams, RoundLoop, Wiring
 from services.simulated.truth import ModelTruth
 from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
 from shared.cluster import Cluster, Config, Node, Spots
-from shared.reference import WorkloadJob
-from shared.schema import (
-    AdvanceReply,
-    ApplyRequest,
-    FactsReply,
-    JobFacts,
-    JobRecord,
-    ModelsReply,
-    PlacementResult,
-    Profile,
-    RoundRecord,
-)
+from shared.schema.estimates import Profile
+from shared.schema.records import JobRecord
+from shared.schema.rounds import AdvanceReply, ApplyRequest, FactsReply, JobFacts, ModelsReply, PlacementResult
+from shared.schema.runs import RoundRecord
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings
 from shared.teams import TeamFile
+from sim.reference import WorkloadJob
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import Callable
 
 import numpy as np
 
-from shared.reference import WorkloadJob
-from shared.schema import DEFAULT_TEAM
+from shared.schema.base import DEFAULT_TEAM
 from shared.teams import scoped_id, team_problem
-from shared.zoo import load_zoo
+from sim.reference import WorkloadJob
+from sim.zoo import load_zoo
 
 # The built-in workload (40 jobs of the zoo's models over 2 hours): what `goodput up` and
 # `goodput simulate` replay when no --workload is given. Shipped as package data.

@@ -29,18 +29,10 @@ from test_live_service import (
 from services.api import service as api
 from shared import storage, subjects
 from shared.cluster import load_cluster
-from shared.schema import (
-    JobOwner,
-    JobRecord,
-    JobRecords,
-    JobRequest,
-    JobSpec,
-    JobsQuery,
-    JobStatus,
-    NodeInfo,
-    Rejected,
-    SubmitAnswer,
-)
+from shared.schema.api import JobRequest, JobStatus, SubmitAnswer
+from shared.schema.jobs import JobOwner, JobSpec, Rejected
+from shared.schema.nodes import NodeInfo
+from shared.schema.records import JobRecord, JobRecords, JobsQuery
 
 SUBMIT = "goodput.jobs.submit.user"  # the subjects as the docs write them: the login's own
 API = "goodput.api"

@@ -28,7 +28,8 @@ from services.api.who import Who
 from shared import permissions, storage, subjects
 from shared.bus import Bus
 from shared.code_archive import LIMITS, digest, pack
-from shared.schema import CodeChunk, CodeRequest, JobOwner, JobSpec
+from shared.schema.code import CodeChunk, CodeRequest
+from shared.schema.jobs import JobOwner, JobSpec
 
 
 class Store:

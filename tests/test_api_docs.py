@@ -10,7 +10,9 @@ import pytest
 from cli import schemas as schemas_command
 from services.api.endpoints import ENDPOINTS, schemas
 from services.api.queries import cut
-from shared.schema import JobRecord, JobSpec, JobsQuery, JobStatus, job_statuses, select
+from shared.schema.api import JobStatus, job_statuses
+from shared.schema.jobs import JobSpec
+from shared.schema.records import JobRecord, JobsQuery, select
 from shared.submissions import malformed_reason
 
 

@@ -19,8 +19,10 @@ from services.api.service import Api, add_arguments
 from services.api.submissions import Problem, Submissions, Turns
 from services.api.who import Who
 from shared import subjects
-from shared.bus import Bus, KVEntry, RevisionConflict
-from shared.schema import JobOwner, JobRecords, JobSpec, Rejected, submission_msg_id
+from shared.bus import Bus
+from shared.bus.kv import KVEntry, RevisionConflict
+from shared.schema.jobs import JobOwner, JobSpec, Rejected, submission_msg_id
+from shared.schema.records import JobRecords
 
 CODEC = Bus(nats.NATS())  # never connected: only its encoding, the API's own
 

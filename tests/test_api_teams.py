@@ -23,28 +23,16 @@ from services.api.who import OPERATOR, Who, login
 from services.executor.local import LocalExecutors
 from services.executor.real import MAX_RECLAIMS, RealExecutors, RealExecutorService
 from shared import subjects
-from shared.bus import NotFound
+from shared.bus.encoding import NotFound
 from shared.bus.requesters import Requester
 from shared.cluster import Cluster
 from shared.lifecycle import JobState
-from shared.schema import (
-    MAX_ID,
-    ApplyRequest,
-    Cancel,
-    JobRecord,
-    JobRecords,
-    JobRequest,
-    JobSpec,
-    JobsRequest,
-    LogsRequest,
-    Node,
-    Profiled,
-    Reclaim,
-    Rejected,
-    TeamsRequest,
-    job_status,
-    select,
-)
+from shared.schema.api import JobRequest, JobsRequest, TeamsRequest, job_status
+from shared.schema.base import MAX_ID, Node
+from shared.schema.jobs import Cancel, JobSpec, Profiled, Rejected
+from shared.schema.logs import LogsRequest
+from shared.schema.records import JobRecord, JobRecords, select
+from shared.schema.rounds import ApplyRequest, Reclaim
 from shared.storage import LoginLimits, TeamLimits
 from shared.teams import TeamFile, TeamSpec
 

@@ -10,8 +10,8 @@ import pytest
 
 from cli.main import main
 from services.simulated.truth import job_sources
-from shared.reference import load_workload, reference_root
 from sim.bound import Placement, hull, workload_bounds
+from sim.reference import load_workload, reference_root
 from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 

@@ -36,7 +36,7 @@ from services.node.box import (
 from services.node.processes import import_path
 from shared import credentials
 from shared.files import make_private
-from shared.schema import NodeInfo, StartWorkers, StopWorkers
+from shared.schema.nodes import NodeInfo, StartWorkers, StopWorkers
 
 ROOT = Path(__file__).resolve().parent.parent
 BOXED = pytest.mark.skipif(

@@ -15,17 +15,11 @@ import pytest
 from nats import micro
 
 from launcher.nats import SERVER_LOG, nats_from_binary
-from shared.bus import (
-    CHUNK_HEADER,
-    DEAD_REASON_HEADER,
-    MAX_ASSEMBLIES,
-    MAX_PARTS,
-    Bus,
-    ChunkLost,
-    Delivery,
-    KVEntry,
-    RevisionConflict,
-)
+from shared.bus import Bus
+from shared.bus.consumers import DEAD_REASON_HEADER, Delivery
+from shared.bus.encoding import CHUNK_HEADER, MAX_PARTS, ChunkLost
+from shared.bus.kv import KVEntry, RevisionConflict
+from shared.bus.requests import MAX_ASSEMBLIES
 from shared.runner import new_service
 
 TIMEOUT_S = 3.0

@@ -8,8 +8,8 @@ import pytest
 
 from launcher.replay import replay_over_nats
 from shared import subjects
-from shared.reference import WorkloadJob
 from shared.teams import parse_team_file
+from sim.reference import WorkloadJob
 from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)
@@ -155,7 +155,8 @@ async def test_bad_submissions_are_recorded_with_a_reason_and_lose_nothing(nats_
 
     from launcher.stack import running_services, service_arguments
     from shared import subjects
-    from shared.schema import Ack, Count, JobSpec, Rejected
+    from shared.schema.base import Ack, Count
+    from shared.schema.jobs import JobSpec, Rejected
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     bus = await connect_bus("client")
@@ -232,7 +233,7 @@ async def _rounds_checkpointed(bus, rounds: int) -> None:
     """Until a run's checkpoint in KV has `rounds` rounds run (a signal, not a guess of time)."""
     import asyncio
 
-    from shared.schema import RunCheckpoint
+    from shared.schema.runs import RunCheckpoint
 
     kv = await bus.kv(subjects.RUNS_BUCKET, RunCheckpoint)
     while True:
@@ -270,7 +271,7 @@ async def _direct(jobs):
 
 
 def _mixed(n):
-    from shared.reference import load_workload
+    from sim.reference import load_workload
 
     return load_workload("examples/workloads/mixed-40.csv")[:n]
 
@@ -369,7 +370,10 @@ async def test_a_rigid_submission_runs_only_at_its_requested_gpus(tmp_path):
     from launcher.nats import embedded_nats
     from launcher.replay import replay_prefix
     from launcher.stack import create_run, follow_run, running_services, service_arguments
-    from shared.schema import Count, JobSpec, JobsQuery, RunRequest
+    from shared.schema.base import Count
+    from shared.schema.jobs import JobSpec
+    from shared.schema.records import JobsQuery
+    from shared.schema.runs import RunRequest
 
     prefix = replay_prefix("rigid-run")
     specs = [

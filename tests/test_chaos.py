@@ -11,8 +11,9 @@ import pytest
 
 from chaos.suite import FIELDS, REQUESTS, invalid_payloads, overfilled
 from shared.cluster import load_cluster
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import ApplyRequest, JobModels, JobSpec
+from shared.schema.jobs import JobSpec
+from shared.schema.rounds import ApplyRequest, JobModels
+from sim.reference import WorkloadJob, load_workload
 
 CLUSTER = "sia-hetero-64"
 

@@ -30,7 +30,9 @@ from services.node.processes import job_arguments, worker
 from shared import permissions, storage, subjects
 from shared.bus import Bus
 from shared.code_archive import digest, pack, stored_name
-from shared.schema import JobOwner, JobRecords, JobSpec, JobsQuery, SubmitAnswer
+from shared.schema.api import SubmitAnswer
+from shared.schema.jobs import JobOwner, JobSpec
+from shared.schema.records import JobRecords, JobsQuery
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permissions.ROLES, "user"))}

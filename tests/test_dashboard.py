@@ -26,17 +26,9 @@ import pytest
 from dashboard.app import MISDIRECTED, UNAUTHORIZED, create_app, explanation_document, gpu_layout, snapshot_document
 from dashboard.serve import listen, page_hosts, page_url, serving
 from dashboard.source import Unavailable, UnknownJob
-from shared.schema import (
-    Explanation,
-    JobDecision,
-    JobStatus,
-    Node,
-    RoundsPage,
-    RoundSummary,
-    TeamGpus,
-    TeamsAnswer,
-    TeamStatus,
-)
+from shared.schema.api import JobStatus, TeamGpus, TeamsAnswer, TeamStatus
+from shared.schema.base import Node
+from shared.schema.decisions import Explanation, JobDecision, RoundsPage, RoundSummary
 
 TOKEN = "t0ken-for-the-tests-only-0123456789"
 BEARER = {"authorization": f"Bearer {TOKEN}"}

@@ -10,10 +10,10 @@ import pytest
 from cli.main import main
 from services.simulated.truth import job_sources
 from shared.cluster import load_cluster
-from shared.reference import load_workload
 from shared.settings import simulation_settings
 from sim.bound import model_times
 from sim.decompose import PARTS
+from sim.reference import load_workload
 from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 

@@ -42,11 +42,12 @@ from launcher.live_run import create_live_run, live_request
 from launcher.nats import free_loopback_port, nats_server_binary
 from launcher.stack import SERVICES
 from shared import permissions, storage, subjects
-from shared.bus import REPLICAS_ENV, SERVER_ENV, Bus
+from shared.bus import Bus
+from shared.bus.connection import REPLICAS_ENV, SERVER_ENV
 from shared.cluster import load_cluster
 from shared.credentials import connect_options
 from shared.runner import new_service
-from shared.schema import RunCheckpoint
+from shared.schema.runs import RunCheckpoint
 from shared.teams import load_team_file
 
 ROOT = Path(__file__).resolve().parent.parent

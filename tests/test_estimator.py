@@ -1,5 +1,5 @@
-"""Heterogeneous bootstrap and projection (services/estimator/core.py), the goodput matrix (shared/table.py),
-the trace-backed profiler (shared/profiles.py), the cluster configuration set, the
+"""Heterogeneous bootstrap and projection (services/estimator/core.py), the goodput matrix (policies/table.py),
+the trace-backed profiler (sim/profiles.py), the cluster configuration set, the
 models report and the model zoo."""
 
 import json
@@ -10,14 +10,14 @@ import pytest
 
 from cli.main import main
 from goodput_train.goodput import GoodputModel, Observation, ThroughputParams, iteration_time, throughput
+from policies.table import goodput_table
 from reports.models import FITTED_TARGET, report_model
 from services.estimator.core import profile_observations, project, type_models
 from shared.cluster import Config, build_cluster, load_cluster
-from shared.profiles import PROFILE_POINTS, model_profile, trace_profile
-from shared.reference import discover_models
-from shared.schema import JobModels
-from shared.table import goodput_table
-from shared.zoo import ZOO_PATH, build_zoo, load_zoo
+from shared.schema.rounds import JobModels
+from sim.profiles import PROFILE_POINTS, model_profile, trace_profile
+from sim.reference import discover_models
+from sim.zoo import ZOO_PATH, build_zoo, load_zoo
 
 FAST = ThroughputParams(0.01, 0.0002, 0.004, 0.001, 0.02, 0.002, 2.0)  # type "a"
 SLOW = ThroughputParams(0.03, 0.0006, 0.0, 0.0, 0.0, 0.0, 1.0)  # type "b": compute 3x "a"
@@ -309,7 +309,7 @@ class RecordsKV:
         self.asked: list[str] = []
 
     async def create(self, key, value):
-        from shared.bus import RevisionConflict
+        from shared.bus.kv import RevisionConflict
 
         self.asked.append("create")
         if key in self.entries:
@@ -319,7 +319,7 @@ class RecordsKV:
         return self.revision
 
     async def get(self, key):
-        from shared.bus import KVEntry
+        from shared.bus.kv import KVEntry
 
         self.asked.append("get")
         return KVEntry(key, *self.entries[key]) if key in self.entries else None
@@ -328,7 +328,7 @@ class RecordsKV:
 async def test_a_new_jobs_profiles_are_stored_in_one_write_and_a_job_stored_before_keeps_its_record():
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
-    from shared.schema import JobProfiles
+    from shared.schema.estimates import JobProfiles
 
     zoo = load_zoo()["cifar10"].types["aws"]
     profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)
@@ -349,7 +349,7 @@ async def test_a_new_jobs_profiles_are_stored_in_one_write_and_a_job_stored_befo
 async def test_profiles_judged_at_once_are_stored_each_and_one_that_cannot_be_is_its_jobs_trouble_only():
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
-    from shared.schema import JobProfiles, ProfilesAll
+    from shared.schema.estimates import JobProfiles, ProfilesAll
 
     class FullKV(RecordsKV):
         async def create(self, key, value):
@@ -369,7 +369,7 @@ async def test_profiles_judged_at_once_are_stored_each_and_one_that_cannot_be_is
 def test_a_jobs_models_do_not_depend_on_its_age_and_the_policy_asks_again_only_of_jobs_whose_facts_changed():
     from services.estimator.core import Estimator
     from services.policy.wiring import KeptModels
-    from shared.schema import JobFacts
+    from shared.schema.rounds import JobFacts
 
     zoo = load_zoo()["cifar10"].types["aws"]
     profile = model_profile(zoo.params, "cifar10", "aws", zoo.min_local, zoo.max_local)

@@ -18,23 +18,11 @@ from services.simulated.world import SimulatedExecutors, SubmittedJob
 from shared import subjects
 from shared.cluster import Cluster, load_cluster
 from shared.lifecycle import TRANSITIONS, IllegalTransition, JobState
-from shared.schema import (
-    CANCELLED,
-    Ack,
-    AdvanceRequest,
-    ApplyRequest,
-    Cancel,
-    JobSpec,
-    Node,
-    NodeInfo,
-    Profiled,
-    Rejected,
-    Rendezvous,
-    StartWorkers,
-    StopWorkers,
-    StoredAll,
-    WorkersReport,
-)
+from shared.schema.base import Ack, Node
+from shared.schema.estimates import StoredAll
+from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled, Rejected
+from shared.schema.nodes import NodeInfo, Rendezvous, StartWorkers, StopWorkers, WorkersReport
+from shared.schema.rounds import AdvanceRequest, ApplyRequest
 from shared.settings import simulation_settings
 
 

@@ -25,8 +25,9 @@ from services.policy.decisions import (
 )
 from shared.cluster import Config, build_cluster
 from shared.lifecycle import JobState
-from shared.schema import JobFacts, JobStatus, Reclaim
+from shared.schema.api import JobStatus
 from shared.schema.decisions import Holder, JobDecision
+from shared.schema.rounds import JobFacts, Reclaim
 from shared.schema.teams import Team, Teams
 from sim.rounds import job_models
 
@@ -319,7 +320,7 @@ def test_each_teams_gpus_borrowed_gpus_and_reclaimed_jobs_are_metrics_a_team_lef
     from prometheus_client.parser import text_string_to_metric_families
 
     from shared.metrics import scrape, setup_metrics
-    from shared.schema import RoundRecord
+    from shared.schema.runs import RoundRecord
 
     cluster = build_cluster("mixed", [A100_NODE, T4_NODE])
     outcomes = decided(cluster, [facts("b", team="nlp"), facts("c", team="cv")], {"b": (("dgx-0", 8),)}, {})
@@ -375,7 +376,7 @@ class KeepRunning:
         self.rounds_placed: dict[str, int] = {}
 
     async def facts(self, now, jobs):
-        from shared.schema import FactsReply
+        from shared.schema.rounds import FactsReply
 
         return FactsReply(
             tuple(
@@ -384,13 +385,13 @@ class KeepRunning:
         )
 
     async def models(self, known):
-        from shared.schema import ModelsReply
+        from shared.schema.rounds import ModelsReply
 
         return ModelsReply(tuple(job_models(f.job_id, "cifar10", self.cluster) for f in known))
 
     async def place(self, round, allocations, previous, groups, nodes=None):
         from services.placer.core import place
-        from shared.schema import PlacementResult
+        from shared.schema.rounds import PlacementResult
 
         placed = place(self.cluster, allocations, previous, groups)
         return PlacementResult(placed.placements, placed.restarts, ())
@@ -399,7 +400,7 @@ class KeepRunning:
         self.placements = {j: tuple(s) for j, s in request.placements.items() if s}
 
     async def advance(self, now, step, jobs):
-        from shared.schema import AdvanceReply
+        from shared.schema.rounds import AdvanceReply
 
         self.advanced += 1
         for j in self.placements:

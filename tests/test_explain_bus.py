@@ -18,9 +18,11 @@ from services.api.queries import Queries
 from services.api.who import OPERATOR, Who
 from services.policy.recorder import DecisionRecorder
 from shared import storage, subjects
-from shared.bus import NotFound
-from shared.schema import JobOwner, JobRecord, Node, select
+from shared.bus.encoding import NotFound
+from shared.schema.base import Node
 from shared.schema.decisions import ExplainRequest, Holder, JobDecision, RoundsRequest, RoundSummary
+from shared.schema.jobs import JobOwner
+from shared.schema.records import JobRecord, select
 
 ANN, VIC, ALICE = Who("ann", "nlp"), Who("vic", "vision"), Who("alice")
 NODES = (Node("dgx-0", "dgx", 8),)

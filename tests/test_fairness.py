@@ -3,8 +3,8 @@
 import pytest
 
 from shared.cluster import load_cluster
-from shared.reference import WorkloadJob
 from sim.fairness import fair_share, jobs_sharing
+from sim.reference import WorkloadJob
 from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)

@@ -19,7 +19,8 @@ import pytest
 from launcher.nats import free_loopback_port
 from services.node.box import BOX_ROOT
 from shared import storage, subjects
-from shared.schema import Ack, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
+from shared.schema.base import Ack
+from shared.schema.nodes import NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 from tests.test_multinode import until
 
 pytestmark = pytest.mark.e2e  # every test here starts `goodput up` or a node agent as a process

@@ -1,9 +1,9 @@
-"""Many callers' requests sent as few (`shared.gathered.Gathered`): each caller its own answer, a
+"""Many callers' requests sent as few (`services.profiler.gathered.Gathered`): each caller its own answer, a
 request at most `most` items, a failed request failing its callers only."""
 
 import asyncio
 
-from shared.gathered import Gathered
+from services.profiler.gathered import Gathered
 
 
 async def test_callers_at_once_share_requests_and_each_gets_its_own_answer():

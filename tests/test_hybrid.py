@@ -10,18 +10,18 @@ import pytest
 from goodput_train.goodput import BatchLimits, iteration_time
 from launcher.replay import replay_over_nats
 from policies.base import make_policy
+from policies.table import goodput_table
 from services.placer.core import place, placement_violations
 from services.simulated.world import SimulatedJob
 from shared.cluster import Config, load_cluster
-from shared.profiles import trace_profile
-from shared.reference import ReferenceDataMissing, WorkloadJob, discover_models
 from shared.settings import PRESETS
-from shared.table import goodput_table
-from shared.zoo import load_zoo
 from sim.fairness import fair_share
+from sim.profiles import trace_profile
+from sim.reference import ReferenceDataMissing, WorkloadJob, discover_models
 from sim.rounds import job_models, job_view, round_state
 from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
+from sim.zoo import load_zoo
 
 ZOO = job_sources(use_zoo=True)
 CLUSTER = load_cluster("sia-hetero-64")

@@ -7,8 +7,8 @@ import pytest
 
 from policies.base import make_policy
 from shared.cluster import load_cluster
-from shared.reference import WorkloadJob
 from shared.settings import simulation_settings
+from sim.reference import WorkloadJob
 from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 

@@ -34,7 +34,9 @@ from services.executor.progress import job_progress, main_metric
 from services.node.agent import NodeWorkers
 from services.node.processes import torchrun_env, worker_env
 from shared.cluster import Cluster
-from shared.schema import Node, NodeInfo, WorkersReport, job_status
+from shared.schema.api import job_status
+from shared.schema.base import Node
+from shared.schema.nodes import NodeInfo, WorkersReport
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
@@ -111,7 +113,7 @@ def test_exit_0_without_an_outcome_line_is_the_end_and_its_metrics_reach_the_rec
     """A job that prints no outcome line and exits 0 has finished, on both its workers; the latest
     of each metric it reported is kept (a list dropped), and the record and status carry them."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     agent = RealExecutors(local_executors(tmp_path))
     agent.submitted(JobSpec("quiet-1", "contract"), 1)
@@ -195,7 +197,7 @@ def test_an_exit_0_after_a_stop_goodput_asked_for_is_a_stop_and_the_job_ends_at_
 @pytest.mark.e2e
 def test_a_cancelled_job_ends_cancelled_though_its_workers_exit_0(tmp_path):
     from services.executor.real import RealExecutors
-    from shared.schema import CANCELLED, Cancel, JobSpec, Profiled
+    from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled
 
     agent = RealExecutors(local_executors(tmp_path))
     agent.submitted(JobSpec("sigterm-2", "contract"), 1)

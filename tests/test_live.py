@@ -10,7 +10,10 @@ from cli.main import main
 from launcher.nats import embedded_nats
 from launcher.stack import create_run, follow_run_steps, running_services, service_arguments
 from shared import subjects
-from shared.schema import Ack, JobRecords, JobSpec, RunRequest
+from shared.schema.base import Ack
+from shared.schema.jobs import JobSpec
+from shared.schema.records import JobRecords
+from shared.schema.runs import RunRequest
 
 pytestmark = pytest.mark.e2e  # every test here starts NATS and the services as processes
 
@@ -87,7 +90,7 @@ async def test_a_live_run_that_cannot_go_on_says_why_and_resumes_when_it_can(tmp
     the policy's readiness probe say why while it is retried, and once the estimator is back it goes
     on and the job finishes."""
     from deploy.probe import ProbeFailed, ping
-    from shared.schema import PolicyStatus
+    from shared.schema.runs import PolicyStatus
 
     async with live_stack(tmp_path, request_timeout_s=1.0) as (nats, stack, bus):
         await bus.js_publish(

@@ -16,7 +16,9 @@ from services.executor.local import InProcessNodes, LocalExecutors
 from services.node.agent import NodeWorkers
 from shared.cluster import Cluster
 from shared.runtime import job_module
-from shared.schema import Node, NodeInfo, NodeJob, NodeReport, Rendezvous, StartWorkers, WorkersReport
+from shared.schema.base import Node
+from shared.schema.nodes import NodeInfo, NodeReport, Rendezvous, StartWorkers, WorkersReport
+from shared.schema.records import NodeJob
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
 
@@ -136,7 +138,7 @@ def given_environment(log) -> dict[str, str]:
 def test_workers_and_profiling_runs_get_a_minimal_environment_never_the_agents_credentials(tmp_path, monkeypatch):
     """Real worker processes, started with NATS credentials and tokens in the agent's environment:
     they see none of them, only what a job needs (the device settings among it) and their place."""
-    from shared.schema import ProfileRequest
+    from shared.schema.nodes import ProfileRequest
 
     for name, value in {**CREDENTIALS, "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_DEBUG": "WARN"}.items():
         monkeypatch.setenv(name, value)
@@ -166,7 +168,7 @@ def test_the_agent_takes_the_jobs_stream_in_order_and_a_successor_takes_its_jobs
     job as it is. A new agent given the saved jobs answers the same, restarts only what was running,
     and nothing twice."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled, Rejected
+    from shared.schema.jobs import JobSpec, Profiled, Rejected
 
     agent = RealExecutors(LocalExecutors(ReportingNodes(), tmp_path, SLOTS))
     for sequence, job_id in enumerate(("lm", "refused", "done"), start=1):
@@ -218,7 +220,8 @@ def test_every_refusal_is_listed_with_what_could_be_read_of_it_across_a_restart(
     readable refusal with its id and application, not "unreadable"; each kept under its place in the
     stream; a successor lists them the same."""
     from services.executor.real import RealExecutors
-    from shared.schema import Rejected, job_statuses
+    from shared.schema.api import job_statuses
+    from shared.schema.jobs import Rejected
 
     agent = RealExecutors(local_executors(None))
     agent.rejected(Rejected("goodput.jobs.submit", "a message is a JSON object", payload="hello"), 5)
@@ -244,7 +247,7 @@ def test_a_running_jobs_batch_is_its_current_runs_own(tmp_path):
     batch and accumulation times this run's replicas; once it grows, null again until the new
     run reports, never the last run's batch with the new GPUs."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     nodes = ReportingNodes()
     agent = RealExecutors(LocalExecutors(nodes, tmp_path, Cluster("local-4", (Node("local-0", "cpu", 4),))))
@@ -271,7 +274,7 @@ def test_a_job_moved_to_another_gpu_type_reports_its_configurations_there_again(
     is told again when the job runs it on another (and not twice on one)."""
     from goodput_train.goodput import Observation
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     nodes = ReportingNodes()
     agent = RealExecutors(LocalExecutors(nodes, tmp_path, Cluster("local-4", (Node("local-0", "cpu", 4),))))
@@ -297,7 +300,8 @@ def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure
     """While it is profiled, a job's reason says what it waits for and where its run is; its failure
     stays None (it has not failed) until its refusal, which is its failure."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Rejected, job_status
+    from shared.schema.api import job_status
+    from shared.schema.jobs import JobSpec, Rejected
 
     agent = RealExecutors(local_executors(None))
     agent.submitted(JobSpec("lm", "tiny_lm"), 1)
@@ -322,7 +326,7 @@ def test_a_profiling_jobs_status_says_where_it_is_profiled_and_it_has_no_failure
 
 def test_a_queued_jobs_status_says_it_waits_for_gpus_behind_those_submitted_before_it():
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     agent = RealExecutors(local_executors(None))
     for sequence, job_id in enumerate(("a", "b", "c", "d"), start=1):
@@ -344,7 +348,7 @@ def test_a_job_the_live_nodes_cannot_take_is_unschedulable_until_they_change():
     a node; unschedulable once a node is drained (the reason says which drain), queued again when
     the drain is lifted. Every move is one the lifecycle allows."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     agent = RealExecutors(local_executors(None))
     agent.submitted(JobSpec("rigid", "tiny_lm", requested_gpus=2, rigid=True), 1)
@@ -376,7 +380,7 @@ def test_a_profiling_run_takes_a_gpu_from_the_round_on_a_node_that_trains_nothin
     needs both waits, queued, not unschedulable); once the profiler's verdict is in, on both. A
     node training a job is left whole: its placements stand."""
     from services.executor.real import RealExecutors, lent_to_profiling
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     agent = RealExecutors(local_executors(None))
     members = {name: NodeInfo(name, "cpu", 1, "127.0.0.1") for name in ("cpu-0", "cpu-1")}
@@ -399,7 +403,7 @@ def test_a_job_is_timed_from_its_submission_and_a_cancel_ends_it_wherever_it_is(
     import time
 
     from services.executor.real import RealExecutors
-    from shared.schema import CANCELLED, Cancel, JobSpec, Profiled
+    from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled
 
     agent = RealExecutors(local_executors(tmp_path))
     for sequence, job_id in enumerate(("lm", "queued", "profiling"), start=1):
@@ -425,7 +429,7 @@ def test_a_round_asked_again_gets_the_same_answer_and_counts_nothing_twice(tmp_p
     """The clock asks a round again when its reply was lost: the job that finished in it is
     reported again (else the run would never learn of it), its slot-seconds are counted once."""
     from services.executor.real import RealExecutors
-    from shared.schema import JobSpec, Profiled
+    from shared.schema.jobs import JobSpec, Profiled
 
     nodes = ReportingNodes()
     agent = RealExecutors(LocalExecutors(nodes, tmp_path, SLOTS))
@@ -534,7 +538,7 @@ def test_a_stop_for_a_job_being_profiled_here_ends_its_run_at_once(tmp_path):
     import threading
     import uuid
 
-    from shared.schema import ProfileRequest, StopWorkers
+    from shared.schema.nodes import ProfileRequest, StopWorkers
     from tests.jobs.profile_stalls import STALLING, marker
 
     job = f"stall-{uuid.uuid4().hex[:8]}"

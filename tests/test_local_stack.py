@@ -37,7 +37,12 @@ from launcher.stack import (
     running_services,
 )
 from shared import credentials, storage, subjects
-from shared.schema import Ack, CancelAnswer, JobRecords, JobRequest, JobSpec, NodeInfo, RunRequest
+from shared.schema.api import CancelAnswer, JobRequest
+from shared.schema.base import Ack
+from shared.schema.jobs import JobSpec
+from shared.schema.nodes import NodeInfo
+from shared.schema.records import JobRecords
+from shared.schema.runs import RunRequest
 from tests.jobs.profile_stalls import STALLING
 from tests.jobs.profile_stalls import marker as stalling_marker
 from tests.test_multinode import until

@@ -19,9 +19,10 @@ from services.api.logs import read_page, stream_reader
 from services.node import agent as node
 from services.node.output import Output, Storing, copy_lines
 from shared import subjects
-from shared.bus import NotFound
-from shared.schema import JobOwner, JobRecord, JobRecords, LogBatch, LogsRequest, OutputLine
-from shared.schema.logs import BATCH_BYTES, BATCH_LINES, MAX_LINE_BYTES, batches, cut
+from shared.bus.encoding import NotFound
+from shared.schema.jobs import JobOwner
+from shared.schema.logs import BATCH_BYTES, BATCH_LINES, MAX_LINE_BYTES, LogBatch, LogsRequest, OutputLine, batches, cut
+from shared.schema.records import JobRecord, JobRecords
 from tests.test_api_handlers import MemoryKV, RecordingBus
 
 # ---- cut and batched ---------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def test_a_real_worker_prints_on_both_streams_and_both_are_kept(tmp_path) -> Non
     output = Output()
     info = SimpleNamespace(name="cpu-0", gpu_type="cpu", gpus=1, address="127.0.0.1")
     workers = node.NodeWorkers(info, tmp_path, "tests.jobs", output=output)
-    from shared.schema import StartWorkers
+    from shared.schema.nodes import StartWorkers
 
     order = StartWorkers("says-1", "says", 1, (0,), 1, 1, "cpu", str(tmp_path / "says-1" / "says-1.pt"))
     lines: list[tuple[str, str]] = []
@@ -297,8 +298,7 @@ async def test_a_page_is_bounded_in_bytes() -> None:
 
 
 async def test_a_page_is_bounded_by_its_encoded_reply_where_control_characters_weigh_6_bytes() -> None:
-    from shared.schema import LogsPage
-    from shared.schema.logs import LOG_PAGE_BYTES
+    from shared.schema.logs import LOG_PAGE_BYTES, LogsPage
 
     logs = StoredLogs()
     for _ in range(30):  # 16 KB of text a batch, 96 KB of JSON
@@ -360,7 +360,7 @@ class TeamLogsBus(LogsBus):
     """The executors' records: team nlp's running bert-1 (ann's)."""
 
     async def request(self, subject: str, message: Any, answer_type: type, **_: Any) -> Any:
-        from shared.schema import select
+        from shared.schema.records import select
 
         record = JobRecord("nlp.bert-1", "quick", 0.0, None, 0, 1.0, None, state="running", owner="ann", team="nlp")
         return select([record], message)
@@ -496,7 +496,8 @@ def test_the_executors_start_orders_name_the_jobs_team_after_a_restore_too() -> 
     from services.executor.local import LocalExecutors
     from services.executor.real import RealExecutors
     from shared.cluster import Cluster
-    from shared.schema import JobSpec, Node, Profiled
+    from shared.schema.base import Node
+    from shared.schema.jobs import JobSpec, Profiled
     from tests.test_executor_handlers import RecordingNodes
 
     def started(agent: RealExecutors) -> dict[str, str]:
@@ -519,7 +520,7 @@ def test_the_executors_start_orders_name_the_jobs_team_after_a_restore_too() -> 
 
 async def test_a_profiling_run_asks_its_node_with_the_jobs_team(monkeypatch) -> None:
     from services.profiler import measure
-    from shared.schema import NodeInfo, ProfileAnswer
+    from shared.schema.nodes import NodeInfo, ProfileAnswer
     from tests.test_profiler_turns import Members
 
     asked = []

@@ -21,7 +21,7 @@ import torch
 from services.executor.local import BusNodes, LocalExecutors
 from services.executor.real import RealExecutors, live_members
 from shared import storage, subjects
-from shared.schema import DrainRequest, NodeInfo
+from shared.schema.nodes import DrainRequest, NodeInfo
 
 TINY_LM_TARGET = 0.75
 

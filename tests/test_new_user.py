@@ -248,7 +248,7 @@ async def test_replay_follows_the_run_with_a_progress_callback():
     """`launcher.stack.replay(..., progress=...)` hands each step of the run's log to the callback
     (through follow_run); here the log is a stand-in bus's."""
     from launcher.stack import follow_run
-    from shared.schema import RunStep
+    from shared.schema.runs import RunStep
 
     steps = [RunStep(r, 60.0 * r, None, (), (), done, 3, over=done == 3) for r, done in enumerate((0, 1, 1, 3))]
 

@@ -13,7 +13,7 @@ from nats.micro.request import ServiceError
 from services.placer.core import place
 from shared import subjects
 from shared.cluster import Config, load_cluster
-from shared.schema import PlacementResult, PlaceRequest
+from shared.schema.rounds import PlacementResult, PlaceRequest
 
 CLUSTER = load_cluster("sia-hetero-64")
 

@@ -25,8 +25,8 @@ from policies.pollux import (
     type_rank,
 )
 from shared.cluster import Cluster, Config, build_cluster, load_cluster
-from shared.zoo import load_zoo
 from sim.rounds import job_view, round_state
+from sim.zoo import load_zoo
 
 SETTINGS = settings(
     max_examples=40,

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 from services.profiler.service import Profiler
 from shared import subjects
-from shared.bus import KVEntry, RevisionConflict
+from shared.bus.kv import KVEntry, RevisionConflict
 from shared.cluster import load_cluster
-from shared.profiles import profile_source
-from shared.schema import JobOwner, JobSpec, spec_digest
+from shared.schema.jobs import JobOwner, JobSpec, spec_digest
 from shared.submissions import id_taken
+from sim.profiles import profile_source
 
 
 class CountingKV:

@@ -4,7 +4,7 @@ import asyncio
 from types import SimpleNamespace
 
 from services.profiler import measure
-from shared.schema import NodeInfo
+from shared.schema.nodes import NodeInfo
 
 NODE = NodeInfo("cpu-0", "cpu", 1, "127.0.0.1", agent="a-1")
 

@@ -1,4 +1,4 @@
-"""Tests for shared.reference against the real Pollux/Sia data (read by path, never copied)."""
+"""Tests for sim.reference against the real Pollux/Sia data (read by path, never copied)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.reference import (
+from sim.reference import (
     DEFAULT_ENV,
     ReferenceDataMissing,
     discover_models,

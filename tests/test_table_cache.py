@@ -1,5 +1,5 @@
 """The goodput matrix over the configurations some job may take, and its cache of best batches
-(shared/table.py: `usable_columns`, `BatchCache`); the ILP's table (policies/sia.py, `ilp_table`)."""
+(policies/table.py: `usable_columns`, `BatchCache`); the ILP's table (policies/sia.py, `ilp_table`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import msgspec
 import numpy as np
 
 from goodput_train.goodput import ThroughputParams
+from policies.table import BatchCache, goodput_table, usable_columns
 from shared.cluster import load_cluster
-from shared.schema import JobModels
-from shared.table import BatchCache, goodput_table, usable_columns
+from shared.schema.rounds import JobModels
 
 FAST = ThroughputParams(0.01, 0.0002, 0.004, 0.001, 0.02, 0.002, 2.0)
 SLOW = ThroughputParams(0.03, 0.0006, 0.0, 0.0, 0.0, 0.0, 1.0)

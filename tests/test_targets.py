@@ -14,8 +14,8 @@ from cli.main import main
 from services.estimator.core import remaining_samples
 from services.simulated.truth import job_sources
 from services.simulated.world import SimulatedJob
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import JobSpec
+from shared.schema.jobs import JobSpec
+from sim.reference import WorkloadJob, load_workload
 from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD, declare_targets, write_workload
 

@@ -32,7 +32,7 @@ from launcher.setup import provision_now
 from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
 from shared.bus.requesters import requester_of
-from shared.schema import JobRecord, JobsQuery, select
+from shared.schema.records import JobRecord, JobsQuery, select
 from shared.teams import TeamFile, load_team_file
 
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate(permissions.ROLES)}

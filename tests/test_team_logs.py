@@ -17,7 +17,7 @@ from services.api.logs import job_page
 from services.node.output import Output, Storing
 from shared import permissions, storage, subjects
 from shared.bus import Bus
-from shared.schema import LogsRequest
+from shared.schema.logs import LogsRequest
 
 pytestmark = pytest.mark.e2e  # it starts a nats-server
 

@@ -14,7 +14,7 @@ from policies.sia_ilp.problem import IlpProblem, objective, value_matrix, weight
 from policies.sia_ilp.reduced import candidates
 from policies.teams import borrowed_gpus, ledger
 from shared.cluster import Config, load_cluster
-from shared.schema import Reclaim
+from shared.schema.rounds import Reclaim
 from shared.teams import parse_team_file, resolve
 from sim.rounds import job_view
 

@@ -17,11 +17,12 @@ from services.policy.rounds import TRACER_NAME, Arrival, RoundLoop, team_policie
 from services.simulated.world import SimulatedExecutors, as_workload_job
 from shared import storage, subjects
 from shared.cluster import build_cluster
-from shared.reference import WorkloadJob, load_workload
-from shared.schema import DEFAULT_TEAM, JobSpec
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.jobs import JobSpec
 from shared.settings import simulation_settings
 from shared.teams import TeamFile, TeamSpec
 from shared.tracing import build_tracer_provider
+from sim.reference import WorkloadJob, load_workload
 from sim.run import Simulation, job_sources, simulate
 from sim.simulator import DirectWiring, Simulator
 from sim.workload import write_workload

@@ -23,7 +23,7 @@ from launcher.nats import free_loopback_port
 from launcher.stack import follow_run_steps
 from shared.bus import Bus
 from shared.credentials import connect_options, read_env
-from shared.schema import RunStep
+from shared.schema.runs import RunStep
 from tests.test_live_service import GOODPUT, ROOT, Up, command_env
 
 pytestmark = pytest.mark.e2e

@@ -100,10 +100,13 @@ def test_status_nodes_explain_and_errors_print_a_jobs_text_printable(capsys, no_
     the clipboard and fakes a row: `goodput status`, `status ID`, `nodes`, `explain` and an error
     print its words and nothing a terminal acts on."""
     import cli.explain
-    import cli.submit
     import cli.status
+    import cli.submit
     from cli.main import main
-    from shared.schema import Explanation, JobStatus, NodeStatus, NodeStatuses, PolicyStatus
+    from shared.schema.api import JobStatus
+    from shared.schema.decisions import Explanation
+    from shared.schema.nodes import NodeStatus, NodeStatuses
+    from shared.schema.runs import PolicyStatus
 
     monkeypatch.chdir(tmp_path)  # no out/stack/user.env here
     failed = JobStatus("evil-1", "failed", reason=f"crashed{ESC}[31m\n" + ATTACK, metrics={f"loss{ESC}[8m": 0.5})

@@ -3,7 +3,7 @@
 import pytest
 
 from policies.base import make_policy
-from shared.reference import WorkloadJob
+from sim.reference import WorkloadJob
 from sim.run import Simulation, job_sources, simulate
 
 ZOO = job_sources(use_zoo=True)

@@ -332,7 +332,7 @@ def test_span_context_of_reads_a_traceparent_and_refuses_anything_else():
 
 
 def _facts(job_id: str, application: str, cluster, placement=(), trace: str = ""):
-    from shared.schema import JobFacts
+    from shared.schema.rounds import JobFacts
     from sim.rounds import job_models
 
     models = job_models(job_id, application, cluster)
@@ -362,12 +362,12 @@ class _OneRoundWiring:
         self.applied = []
 
     async def facts(self, now, jobs):
-        from shared.schema import FactsReply
+        from shared.schema.rounds import FactsReply
 
         return FactsReply(tuple(f for f in self.known if f.job_id in jobs), self.held, self.failed)
 
     async def models(self, facts):
-        from shared.schema import ModelsReply
+        from shared.schema.rounds import ModelsReply
         from sim.rounds import job_models
 
         return ModelsReply(
@@ -381,7 +381,7 @@ class _OneRoundWiring:
 
     async def place(self, round, allocations, previous, groups, nodes=None):
         from services.placer.core import place
-        from shared.schema import PlacementResult
+        from shared.schema.rounds import PlacementResult
 
         assert nodes is None  # a fixed cluster: the placer's own
         placed = place(self.cluster, {j: c for j, c in allocations.items() if j not in self.evict}, previous, groups)
@@ -391,7 +391,7 @@ class _OneRoundWiring:
         self.applied.append(request)
 
     async def advance(self, now, step, jobs):
-        from shared.schema import AdvanceReply
+        from shared.schema.rounds import AdvanceReply
 
         return AdvanceReply(tuple(jobs))
 
@@ -578,7 +578,7 @@ def _homo():
 
 def test_placer_span_attributes_count_placed_jobs_and_evictions():
     from services.placer.service import placement_attributes
-    from shared.schema import PlacementResult, PlaceRequest
+    from shared.schema.rounds import PlacementResult, PlaceRequest
 
     request = PlaceRequest(7, {}, {})
     result = PlacementResult({"a": (("aws-0", 2),), "b": (("aws-1", 4), ("aws-2", 4))}, ("a",), ("c",))
@@ -611,10 +611,12 @@ class _MemoryKV:
 
 async def test_estimator_spans_name_the_job(traced):
     from goodput_train.goodput import Observation
+    from goodput_train.protocol import ProfilePoint
     from services.estimator.core import Estimator
     from services.estimator.service import SharedEstimates
     from shared.cluster import load_cluster
-    from shared.schema import JobProfiles, ModelsRequest, Observed, ObservedAll, Profile, ProfilePoint, ProfilesAll
+    from shared.schema.estimates import JobProfiles, Observed, ObservedAll, Profile, ProfilesAll
+    from shared.schema.rounds import ModelsRequest
 
     provider, exporter = traced
     tracer = provider.get_tracer("test")
@@ -649,7 +651,7 @@ async def test_a_profiling_run_is_a_span_with_its_outcome(traced, tmp_path, conn
     from services.node import agent as node
     from services.profiler import measure
     from shared import storage, subjects
-    from shared.schema import NodeInfo
+    from shared.schema.nodes import NodeInfo
 
     provider, exporter = traced
     bus = await connect_bus("profiler", tracer_provider=provider)

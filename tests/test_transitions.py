@@ -21,19 +21,11 @@ from services.node.agent import NodeWorkers
 from shared import subjects
 from shared.cluster import Cluster
 from shared.lifecycle import JobState
-from shared.schema import (
-    CANCELLED,
-    ApplyRequest,
-    Cancel,
-    JobSpec,
-    Node,
-    NodeInfo,
-    NodeJob,
-    NodeReport,
-    Profiled,
-    Rendezvous,
-    WorkersReport,
-)
+from shared.schema.base import Node
+from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled
+from shared.schema.nodes import NodeInfo, NodeReport, Rendezvous, WorkersReport
+from shared.schema.records import NodeJob
+from shared.schema.rounds import ApplyRequest
 
 HANG_S = 60  # a guard only: a call that waited for a hanging stop would never return before it
 

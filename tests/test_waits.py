@@ -1,7 +1,7 @@
 """Why a job waits (shared/waits.py): the reason names the real cause, from the job's request and
 the nodes as they are; a job the nodes cannot take is told apart from one that waits its turn."""
 
-from shared.schema import Node
+from shared.schema.base import Node
 from shared.waits import needs_of, unschedulable, wait_reason
 
 TWO_SLOTS = (Node("cpu-0", "cpu", 1), Node("cpu-1", "cpu", 1))  # `goodput up --nodes 2`
@@ -78,7 +78,7 @@ def test_the_simulated_executors_flag_a_rigid_job_their_cluster_cannot_take():
     from services.simulated.truth import job_sources
     from services.simulated.world import SimulatedExecutors
     from shared.cluster import load_cluster
-    from shared.schema import JobSpec
+    from shared.schema.jobs import JobSpec
     from shared.settings import simulation_settings
 
     sources = job_sources(use_zoo=True)
@@ -98,7 +98,8 @@ def test_the_simulated_executors_say_why_each_queued_job_waits_behind_those_befo
     from services.simulated.truth import job_sources
     from services.simulated.world import SimulatedExecutors
     from shared.cluster import load_cluster
-    from shared.schema import ApplyRequest, JobSpec
+    from shared.schema.jobs import JobSpec
+    from shared.schema.rounds import ApplyRequest
     from shared.settings import simulation_settings
 
     truth = job_sources(use_zoo=True).truths["cifar10"]

@@ -19,7 +19,7 @@ import pytest
 from services.node.agent import NodeWorkers, _lines, box_problem
 from services.node.box import JOB_UID_BASE
 from services.node.processes import alive
-from shared.schema import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
+from shared.schema.nodes import NodeInfo, ProfileRequest, StartWorkers, StopWorkers
 from tests.test_box import boxed_node
 
 ROOT = Path(__file__).resolve().parent.parent

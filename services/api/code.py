@@ -32,7 +32,8 @@ import nats.js.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.code_archive import LIMITS, ArchiveRefused, check, digest, stored_name
-from shared.schema import DEFAULT_TEAM, CodeAnswer, CodeChunk, CodeRequest
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.code import CodeAnswer, CodeChunk, CodeRequest
 from shared.storage import DAY_S, MIB, OBJECT_STORE_MAX_AGE_S, SETUP_HINT
 
 UPLOADS_PER_LOGIN = 4

@@ -11,24 +11,21 @@ from typing import Any
 import msgspec
 
 from shared import subjects
-from shared.schema import (
-    Ack,
+from shared.schema.api import (
     CancelAnswer,
-    CodeAnswer,
-    CodeChunk,
-    CodeRequest,
     JobRequest,
     JobsPage,
-    JobSpec,
     JobsRequest,
     JobStatus,
-    LogsPage,
-    LogsRequest,
     SubmitAnswer,
     TeamsAnswer,
     TeamsRequest,
 )
+from shared.schema.base import Ack
+from shared.schema.code import CodeAnswer, CodeChunk, CodeRequest
 from shared.schema.decisions import ExplainRequest, Explanation, RoundsPage, RoundsRequest
+from shared.schema.jobs import JobSpec
+from shared.schema.logs import LogsPage, LogsRequest
 
 ENCODING = "JSON or msgpack; answered in the request's encoding"
 

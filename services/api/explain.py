@@ -25,7 +25,7 @@ from services.api.who import Who
 from shared import subjects
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
-from shared.schema import JobStatus
+from shared.schema.api import JobStatus
 from shared.schema.decisions import Explanation, Holder, JobDecision
 
 T = TypeVar("T")

@@ -32,26 +32,19 @@ from services.api.explain import explanation, read_last
 from services.api.logs import job_page
 from services.api.who import Who
 from shared import subjects
-from shared.bus import Bus, NotFound, TypedKV
+from shared.bus import Bus
+from shared.bus.encoding import NotFound
+from shared.bus.kv import TypedKV
 from shared.cluster import Cluster
 from shared.hardware import hardware_name
 from shared.lifecycle import JobState
-from shared.schema import (
-    DEFAULT_TEAM,
-    JOB_STATES,
+from shared.schema.api import (
     MAX_REFUSALS,
-    Cancel,
     CancelAnswer,
-    JobOwner,
-    JobRecord,
-    JobRecords,
     JobRequest,
     JobsPage,
-    JobsQuery,
     JobsRequest,
     JobStatus,
-    LogsPage,
-    LogsRequest,
     TeamGpus,
     TeamsAnswer,
     TeamsRequest,
@@ -59,7 +52,11 @@ from shared.schema import (
     job_status,
     job_statuses,
 )
+from shared.schema.base import DEFAULT_TEAM
 from shared.schema.decisions import ExplainRequest, Explanation, JobDecision, RoundsPage, RoundsRequest, RoundSummary
+from shared.schema.jobs import Cancel, JobOwner
+from shared.schema.logs import LogsPage, LogsRequest
+from shared.schema.records import JOB_STATES, JobRecord, JobRecords, JobsQuery
 from shared.teams import TeamFile, Teams, resolve
 
 log = logging.getLogger(__name__)

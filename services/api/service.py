@@ -26,13 +26,16 @@ from services.api.queries import Queries
 from services.api.submissions import Kept, Models, Problem, Submissions, live_problem
 from services.api.who import login
 from shared import storage, subjects
-from shared.bus import Bus, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import TypedKV
 from shared.cluster import Cluster, load_cluster
-from shared.profiles import profile_source
 from shared.runner import add_profile_arguments, new_service
-from shared.schema import JobOwner, Node, NodeInfo
+from shared.schema.base import Node
+from shared.schema.jobs import JobOwner
+from shared.schema.nodes import NodeInfo
 from shared.submissions import agents_models
 from shared.teams import TeamFile
+from sim.profiles import profile_source
 
 CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors
 INTAKE_WINDOW = 64  # submissions from the intake stream one replica judges at once

@@ -38,22 +38,15 @@ from services.api.code import CodeGate
 from services.api.queries import Queries
 from services.api.who import Who, intake_owner
 from shared import subjects
-from shared.bus import Bus, Refused, RevisionConflict, TypedKV, explained
+from shared.bus import Bus
+from shared.bus.encoding import Refused, explained
+from shared.bus.kv import RevisionConflict, TypedKV
 from shared.cluster import Cluster
 from shared.lifecycle import JobState
 from shared.metrics import REFUSALS, SUBMISSIONS, instrument
-from shared.schema import (
-    DEFAULT_TEAM,
-    MARK_TTL_S,
-    MAX_ID,
-    JobOwner,
-    JobSpec,
-    SubmitAnswer,
-    readable_fields,
-    rejection,
-    spec_digest,
-    submission_msg_id,
-)
+from shared.schema.api import SubmitAnswer
+from shared.schema.base import DEFAULT_TEAM, MAX_ID
+from shared.schema.jobs import MARK_TTL_S, JobOwner, JobSpec, readable_fields, rejection, spec_digest, submission_msg_id
 from shared.storage import (
     KIB,
     LOGIN_LIMITS,

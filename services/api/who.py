@@ -22,10 +22,14 @@ from typing import Any, NamedTuple
 import msgspec
 
 from shared import subjects
-from shared.bus import TypedKV, requester
+from shared.bus.kv import TypedKV
+from shared.bus.requesters import requester
 from shared.permissions import account_team
-from shared.schema import DEFAULT_TEAM, JobOwner, JobsQuery, JobStatus, TeamStatus
+from shared.schema.api import JobStatus, TeamStatus
+from shared.schema.base import DEFAULT_TEAM
 from shared.schema.decisions import RoundSummary
+from shared.schema.jobs import JobOwner
+from shared.schema.records import JobsQuery
 from shared.teams import scoped_id, user_id
 
 

@@ -10,7 +10,7 @@ profile on that type:
 
 Hybrid-parallel jobs (Sia §5.3) count in replicas, each a model-parallel group of GPUs on one node:
 their models are per replica, as their profiles and observations are. The goodput matrix these
-models make over a cluster's configurations is `shared.table`.
+models make over a cluster's configurations is `policies.table`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from goodput_train.goodput import (
     compute_time,
     fit_throughput,
 )
-from shared.schema import EstimateRecord, JobFacts, JobModels, Profile, ProfilePoint
+from goodput_train.protocol import ProfilePoint
+from shared.schema.estimates import EstimateRecord, Profile
+from shared.schema.rounds import JobFacts, JobModels
 
 PROFILE_FITS_KEPT = 1024  # distinct bootstrap profiles whose fits are kept (a few per application and type)
 OBSERVED_FITS_KEPT = 4096  # fits of a profile with observations kept (`fit_observed`)

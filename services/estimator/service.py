@@ -19,21 +19,12 @@ from opentelemetry import trace
 
 from services.estimator.core import Estimator
 from shared import storage, subjects
-from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import RevisionConflict, TypedKV
 from shared.runner import new_service
-from shared.schema import (
-    Ack,
-    Count,
-    EstimateRecord,
-    JobProfiles,
-    ModelsReply,
-    ModelsRequest,
-    Observed,
-    ObservedAll,
-    ProfilesAll,
-    Stored,
-    StoredAll,
-)
+from shared.schema.base import Ack, Count, Stored
+from shared.schema.estimates import EstimateRecord, JobProfiles, Observed, ObservedAll, ProfilesAll, StoredAll
+from shared.schema.rounds import ModelsReply, ModelsRequest
 from shared.settings import OBSERVED_AT_ONCE, PROFILES_IN_FLIGHT, REPORTS_AT_ONCE, settings_for
 
 CONFLICT_RETRIES = 20

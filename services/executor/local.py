@@ -57,6 +57,7 @@ from goodput_train.protocol import (
     REPORT_ENV,
     REPORT_EVERY_S,
     STATS_PREFIX,
+    JobStats,
     clean_metrics,
 )
 from shared import subjects
@@ -64,17 +65,9 @@ from shared.bus import Bus
 from shared.cluster import Cluster, Spots
 from shared.metrics import JOB_RESTARTS, instrument
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
-from shared.schema import (
-    CANCELLED,
-    DEFAULT_TEAM,
-    Ack,
-    JobStats,
-    NodeReport,
-    Rendezvous,
-    StartWorkers,
-    StopWorkers,
-    WorkersReport,
-)
+from shared.schema.base import DEFAULT_TEAM, Ack
+from shared.schema.jobs import CANCELLED
+from shared.schema.nodes import NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 
 MAX_CRASHES = 3
 LOST_GRACE_S = 5.0  # a lost node's peers: this long to stop (they may be stuck waiting for it)

@@ -10,7 +10,7 @@ import math
 
 from goodput_train.goodput import efficiency, pgns
 from goodput_train.protocol import JobStats
-from shared.schema import Progress
+from shared.schema.records import Progress
 
 
 def job_progress(

@@ -43,44 +43,38 @@ from services.executor.local import BusNodes, LocalExecutors
 from services.executor.progress import job_progress, main_metric, trained_batches
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
-from shared.bus import Bus, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import TypedKV
 from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_node, real_nodes
 from shared.code_archive import owned
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.metrics import JOBS, NODES, instrument
 from shared.runner import executors_kind, positive_float
 from shared.runtime import JOBS_PACKAGE
-from shared.schema import (
+from shared.schema.base import DEFAULT_TEAM, Ack
+from shared.schema.estimates import Observed
+from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled, Rejected, verdict_for
+from shared.schema.nodes import (
     ALIVE,
-    CANCELLED,
-    DEFAULT_TEAM,
     DRAINED,
     LOST,
-    Ack,
+    DrainAnswer,
+    DrainRequest,
+    NodeInfo,
+    NodeStatus,
+    NodeStatuses,
+    ProfileRequest,
+)
+from shared.schema.records import JobRecord, NodeJob, Placed, apart_key
+from shared.schema.rounds import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,
-    Cancel,
-    DrainAnswer,
-    DrainRequest,
     FactsReply,
     JobFacts,
-    JobRecord,
-    JobSpec,
     LiveJobs,
     LiveJobsRequest,
-    NodeInfo,
-    NodeJob,
-    NodeStatus,
-    NodeStatuses,
-    Observed,
-    Placed,
-    Profiled,
-    ProfileRequest,
     Reclaim,
-    Rejected,
-    apart_key,
-    verdict_for,
 )
 from shared.waits import Needs, needs_of, unplaced_reason, unschedulable, wait_reason
 

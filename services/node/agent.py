@@ -61,6 +61,7 @@ from goodput_train.protocol import (
     SLOT_MEMORY_ENV,
     STATS_PREFIX,
     STOPPED_MARK,
+    ProfileRun,
     clean_metrics,
 )
 from services.node.box import (
@@ -96,13 +97,12 @@ from shared.files import make_private
 from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
 from shared.runner import new_service, positive_float
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
-from shared.schema import (
-    Ack,
+from shared.schema.base import Ack
+from shared.schema.nodes import (
     NodeInfo,
     NodeReport,
     ProfileAnswer,
     ProfileRequest,
-    ProfileRun,
     Rendezvous,
     StartWorkers,
     StopWorkers,

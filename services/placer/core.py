@@ -30,7 +30,7 @@ from collections import defaultdict
 from typing import Iterable, Mapping
 
 from shared.cluster import Cluster, Config, Node, Spots, replica_count
-from shared.schema import PlacementResult
+from shared.schema.rounds import PlacementResult
 
 Allocation = dict[str, Config]  # job id -> configuration chosen by the policy
 Placement = dict[str, Spots]  # job id -> where its GPUs are

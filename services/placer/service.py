@@ -12,7 +12,7 @@ from shared import subjects
 from shared.bus import Bus
 from shared.cluster import Cluster, load_cluster
 from shared.runner import new_service
-from shared.schema import PlacementResult, PlaceRequest
+from shared.schema.rounds import PlacementResult, PlaceRequest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

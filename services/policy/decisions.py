@@ -20,8 +20,10 @@ from policies.base import Decision, Prediction
 from shared import metrics
 from shared.cluster import Cluster, Spots
 from shared.hardware import hardware_name
-from shared.schema import DEFAULT_TEAM, JobFacts, JobModels, Reclaim, RoundRecord
+from shared.schema.base import DEFAULT_TEAM
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
+from shared.schema.rounds import JobFacts, JobModels, Reclaim
+from shared.schema.runs import RoundRecord
 from shared.schema.teams import Teams
 from shared.waits import Needs, beyond_team, team_full
 

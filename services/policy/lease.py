@@ -16,8 +16,9 @@ import logging
 import nats.errors
 
 from shared import storage
-from shared.bus import Bus, RevisionConflict, TypedKV
-from shared.schema import Lease
+from shared.bus import Bus
+from shared.bus.kv import RevisionConflict, TypedKV
+from shared.schema.runs import Lease
 
 RENEWALS_PER_TTL = 4
 log = logging.getLogger(__name__)

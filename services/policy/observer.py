@@ -30,8 +30,9 @@ from services.policy.decisions import (
 )
 from shared.cluster import Cluster, Config, Spots
 from shared.hardware import hardware_name
-from shared.schema import ApplyRequest, JobFacts, JobModels, Reclaim, RoundRecord, RunClock
 from shared.schema.decisions import JobDecision, RoundSummary
+from shared.schema.rounds import ApplyRequest, JobFacts, JobModels, Reclaim
+from shared.schema.runs import RoundRecord, RunClock
 from shared.teams import Teams
 from shared.tracing import span_context_of
 

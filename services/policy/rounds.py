@@ -50,22 +50,19 @@ from services.policy.decisions import team_waits
 from services.policy.observer import DecidedJobs, RoundObserver, StageTimes
 from shared.cluster import Cluster, Config, Node, Spots
 from shared.hardware import hardware_name
-from shared.schema import (
-    CANCELLED,
+from shared.schema.decisions import JobDecision, RoundSummary
+from shared.schema.jobs import CANCELLED
+from shared.schema.rounds import (
     AdvanceReply,
     ApplyRequest,
-    DecidedRound,
     FactsReply,
     JobFacts,
     JobModels,
     ModelsReply,
     PlacementResult,
     Reclaim,
-    RoundRecord,
-    RunClock,
-    RunStep,
 )
-from shared.schema.decisions import JobDecision, RoundSummary
+from shared.schema.runs import DecidedRound, RoundRecord, RunClock, RunStep
 from shared.settings import SimSettings
 from shared.teams import TeamFile, Teams, resolve
 

@@ -42,10 +42,12 @@ from services.policy.recorder import DecisionRecorder
 from services.policy.rounds import Arrival, FixedTeams, RoundLoop, TeamSource, check_honours_teams
 from services.policy.wiring import RETRY_S, BusWiring, KvTeams, LiveFeed
 from shared import storage, subjects
-from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.runner import new_service
-from shared.schema import Ack, PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
+from shared.schema.base import Ack
+from shared.schema.runs import PolicyStatus, RunCheckpoint, RunClock, RunStatus, RunStep
 from shared.settings import simulation_settings
 from shared.teams import resolve
 

@@ -17,10 +17,11 @@ import msgspec
 import nats.errors
 
 from shared import storage, subjects
-from shared.bus import Bus, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import TypedKV
 from shared.cluster import Config, Node, Spots
-from shared.schema import (
-    Ack,
+from shared.schema.base import Ack
+from shared.schema.rounds import (
     AdvanceReply,
     AdvanceRequest,
     ApplyRequest,

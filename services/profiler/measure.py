@@ -35,9 +35,12 @@ from nats.micro.request import ServiceError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from goodput_train.protocol import ProfileRun
 from shared import subjects
-from shared.bus import Bus, TypedKV
-from shared.schema import NodeInfo, Profile, ProfileAnswer, ProfileRequest, ProfileRun
+from shared.bus import Bus
+from shared.bus.kv import TypedKV
+from shared.schema.estimates import Profile
+from shared.schema.nodes import NodeInfo, ProfileAnswer, ProfileRequest
 
 PROFILE_TIMEOUT_S = 300.0
 NODE_WAIT_S = 120.0  # how long a job waits for a node of a type to profile on before it is refused

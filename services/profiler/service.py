@@ -7,7 +7,7 @@ acknowledged once the profiler's verdict is stored in the jobs stream, exactly o
 `Profiled` (its profiles reached the estimator; the executors may run it) or `Rejected` (the reason:
 malformed, an unknown application or GPU type, more GPUs than the cluster has, a submit time on a
 live submission, a profiling run that failed). Only accepted jobs ever run. On a simulated cluster
-the profiles are trace-backed (`shared/profiles.py`); with `--executors real` the job's own
+the profiles are trace-backed (`sim/profiles.py`); with `--executors real` the job's own
 script is run on one GPU of each type, by the agent of a node of that type (`services.profiler.measure`).
 """
 
@@ -21,33 +21,23 @@ from functools import partial
 
 from nats import micro
 
+from goodput_train.protocol import ProfileRun
+from services.profiler.gathered import Gathered
 from services.profiler.measure import NodeTurns, ProfilingCancelled, ProfilingFailed, measured_profile, profiling_run
 from shared import storage, subjects
-from shared.bus import Bus, RevisionConflict, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import RevisionConflict, TypedKV
 from shared.cluster import Cluster, load_cluster
 from shared.code_archive import owned
-from shared.gathered import Gathered
 from shared.metrics import VERDICTS, instrument
-from shared.profiles import ProfileSource, profile_source
 from shared.runner import add_profile_arguments, new_service, positive_float
-from shared.schema import (
-    Ack,
-    Cancel,
-    JobOwner,
-    JobProfiles,
-    JobSpec,
-    NodeInfo,
-    NodeStatuses,
-    Profiled,
-    ProfileRun,
-    ProfilesAll,
-    StoredAll,
-    readable_id,
-    rejection,
-    spec_digest,
-)
+from shared.schema.base import Ack
+from shared.schema.estimates import JobProfiles, ProfilesAll, StoredAll
+from shared.schema.jobs import Cancel, JobOwner, JobSpec, Profiled, readable_id, rejection, spec_digest
+from shared.schema.nodes import NodeInfo, NodeStatuses
 from shared.settings import JUDGED_AT_ONCE, PROFILES_IN_FLIGHT
 from shared.submissions import id_taken, malformed_reason, named_types, submission_problem
+from sim.profiles import ProfileSource, profile_source
 
 log = logging.getLogger(__name__)
 

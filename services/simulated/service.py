@@ -28,29 +28,17 @@ from services.simulated.truth import JobSources, job_sources
 from services.simulated.world import SimulatedExecutors, SubmittedJob, as_workload_job, request_observations
 from shared import executor_endpoints as endpoints
 from shared import storage, subjects
-from shared.bus import Bus, TypedKV
+from shared.bus import Bus
+from shared.bus.kv import TypedKV
 from shared.cluster import load_cluster
 from shared.lifecycle import JobState, check_transition
 from shared.metrics import JOB_RESTARTS, JOBS, instrument
-from shared.schema import (
-    Ack,
-    AdvanceReply,
-    AdvanceRequest,
-    ApplyRequest,
-    Cancel,
-    FactsReply,
-    JobRecord,
-    JobSpec,
-    LiveJobs,
-    LiveJobsRequest,
-    NodeStatuses,
-    Observed,
-    ObservedAll,
-    Profiled,
-    Rejected,
-    apart_key,
-    verdict_for,
-)
+from shared.schema.base import Ack
+from shared.schema.estimates import Observed, ObservedAll
+from shared.schema.jobs import Cancel, JobSpec, Profiled, Rejected, verdict_for
+from shared.schema.nodes import NodeStatuses
+from shared.schema.records import JobRecord, apart_key
+from shared.schema.rounds import AdvanceReply, AdvanceRequest, ApplyRequest, FactsReply, LiveJobs, LiveJobsRequest
 from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ import numpy as np
 from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
 
 from goodput_train.goodput import ThroughputParams, compute_time, efficiency, iteration_time, pgns
-from shared.profiles import profile_source
-from shared.reference import Measurements, ModelTrace, discover_models
-from shared.zoo import ZooModel, load_zoo
+from sim.profiles import profile_source
+from sim.reference import Measurements, ModelTrace, discover_models
+from sim.zoo import ZooModel, load_zoo
 
 
 def canonical_placement(gpus_per_node: list[int]) -> str:

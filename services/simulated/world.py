@@ -22,22 +22,14 @@ from goodput_train.goodput import BatchLimits, Observation, Retune, retune_all, 
 from services.simulated.truth import ModelTruth
 from shared.cluster import Cluster, Config, Spots, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
-from shared.reference import WorkloadJob
-from shared.schema import (
-    ALIVE,
-    CANCELLED,
-    DEFAULT_TEAM,
-    ApplyRequest,
-    JobFacts,
-    JobModels,
-    JobRecord,
-    JobSpec,
-    NodeStatus,
-    NodeStatuses,
-    Reclaim,
-)
+from shared.schema.base import DEFAULT_TEAM
+from shared.schema.jobs import CANCELLED, JobSpec
+from shared.schema.nodes import ALIVE, NodeStatus, NodeStatuses
+from shared.schema.records import JobRecord
+from shared.schema.rounds import ApplyRequest, JobFacts, JobModels, Reclaim
 from shared.submissions import named_types
 from shared.waits import Needs, behind, free_reason, needs_of, unplaced_reason, unschedulable
+from sim.reference import WorkloadJob
 
 # A job's record keeps its last this many reclaims (who took GPUs back from it, and when).
 KEPT_RECLAIMS = 8

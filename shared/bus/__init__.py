@@ -61,109 +61,12 @@ The package, one concern a file (`Bus` is made of one part from each of the firs
 
 from __future__ import annotations
 
-from shared.bus.connection import DEFAULT_SERVER, MAX_REFUSALS_KEPT, REPLICAS_ENV, SERVER_ENV, Connection
-from shared.bus.consumers import (
-    DEAD_REASON_HEADER,
-    DEAD_SUBJECT_HEADER,
-    DRAIN_TIMEOUT_S,
-    FETCH_RETRY_MAX_S,
-    MAX_DELIVER,
-    REDELIVER_AFTER_S,
-    REDELIVER_MAX_S,
-    Delivery,
-    PullConsumer,
-)
-from shared.bus.encoding import (
-    CHUNK_HEADER,
-    HEADER_ROOM,
-    MAX_PARTS,
-    WANT_HEADER,
-    ChunkLost,
-    Codec,
-    NotFound,
-    Refused,
-    answers_in_json,
-    explained,
-    from_builtins,
-    is_json,
-    is_msgpack_message,
-    split_body,
-)
+from shared.bus.connection import Connection
+from shared.bus.encoding import Codec
 from shared.bus.endpoints import Endpoints
-from shared.bus.jetstream import MSG_ID_HEADER, JetStream
-from shared.bus.kv import PARTS, SPILLED, KeyValues, KVEntry, RevisionConflict, TypedKV
-from shared.bus.requesters import (
-    INBOX,
-    REQUEST_INFO_HEADER,
-    RESPONSE,
-    TOO_MANY,
-    Requester,
-    RequesterLimits,
-    is_inbox,
-    requester,
-    requester_of,
-)
-from shared.bus.requests import (
-    ASSEMBLY_TIMEOUT_S,
-    CHUNK_TIMEOUT_S,
-    MAX_ASSEMBLIES,
-    MAX_ASSEMBLIES_IN_ALL,
-    NO_RESPONDERS_STATUS,
-    Requests,
-)
-from shared.bus.spans import TRACEPARENT, InvalidHandler
-
-__all__ = [
-    "ASSEMBLY_TIMEOUT_S",
-    "Bus",
-    "CHUNK_HEADER",
-    "CHUNK_TIMEOUT_S",
-    "ChunkLost",
-    "DEAD_REASON_HEADER",
-    "DEAD_SUBJECT_HEADER",
-    "DEFAULT_SERVER",
-    "DRAIN_TIMEOUT_S",
-    "Delivery",
-    "FETCH_RETRY_MAX_S",
-    "HEADER_ROOM",
-    "INBOX",
-    "InvalidHandler",
-    "KVEntry",
-    "MAX_ASSEMBLIES",
-    "MAX_ASSEMBLIES_IN_ALL",
-    "MAX_DELIVER",
-    "MAX_PARTS",
-    "MAX_REFUSALS_KEPT",
-    "MSG_ID_HEADER",
-    "NO_RESPONDERS_STATUS",
-    "NotFound",
-    "PARTS",
-    "PullConsumer",
-    "REDELIVER_AFTER_S",
-    "REDELIVER_MAX_S",
-    "REPLICAS_ENV",
-    "REQUEST_INFO_HEADER",
-    "RESPONSE",
-    "Refused",
-    "Requester",
-    "RequesterLimits",
-    "RevisionConflict",
-    "SERVER_ENV",
-    "SPILLED",
-    "TOO_MANY",
-    "TRACEPARENT",
-    "TypedKV",
-    "WANT_HEADER",
-    "answers_in_json",
-    "explained",
-    "from_builtins",
-    "is_inbox",
-    "is_json",
-    "is_msgpack_message",
-    "requester",
-    "requester_of",
-    "split_body",
-]
+from shared.bus.jetstream import JetStream
+from shared.bus.kv import KeyValues
+from shared.bus.requests import Requests
 
 
 class Bus(Connection, Codec, Requests, Endpoints, JetStream, KeyValues):

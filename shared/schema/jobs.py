@@ -111,7 +111,7 @@ MAX_RECORDED_PAYLOAD = 512
 def readable_fields(data: bytes) -> dict[str, str]:
     """The id and the application of a submission that is otherwise malformed (a typo'd field, a bad
     value, too large), those that can be read: its refusal is then listed as the job's own."""
-    from shared.bus import is_json
+    from shared.bus.encoding import is_json
     from shared.nesting import check_json, too_deep
 
     try:

@@ -16,9 +16,10 @@ from typing import Callable, Mapping
 import numpy as np
 
 from goodput_train.goodput import ThroughputParams, compute_time, iteration_time
-from shared.reference import ModelTrace, ReferenceDataMissing, discover_models
-from shared.schema import Profile, ProfilePoint
-from shared.zoo import load_zoo
+from goodput_train.protocol import ProfilePoint
+from shared.schema.estimates import Profile
+from sim.reference import ModelTrace, ReferenceDataMissing, discover_models
+from sim.zoo import load_zoo
 
 PROFILE_POINTS = 10  # batch sizes per GPU type
 STEPS_PER_POINT = 10  # timed steps at each batch size (what profiling costs in GPU time)

@@ -26,7 +26,7 @@ import numpy as np
 
 from goodput_train.goodput import BatchChoice, ThroughputParams, optimize_batch, pgns
 from shared.cluster import Config
-from shared.schema import JobModels
+from shared.schema.rounds import JobModels
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.
 FIXED_BATCH_SLACK = 0.1

@@ -4,7 +4,7 @@ Per model: batch limits, training length in epochs, a PGNS-versus-progress curve
 statistics of each epoch of the validation run at the initial batch), and per GPU type the throughput parameters fitted on every
 measured placement plus the per-GPU batch limits. A hybrid-parallel model (gpt_pmp) also has the
 GPUs of one model-parallel replica per type (`group_gpus`); its parameters and batch limits are
-per replica (`shared.reference` says how its rows are read). `goodput models zoo` makes `zoo.json` from the
+per replica (`sim.reference` says how its rows are read). `goodput models zoo` makes `zoo.json` from the
 reference profiles; the fitted numbers are committed beside this module, with the command.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from goodput_train.goodput import ThroughputParams, fit_throughput, pgns, rmsle
-from shared.reference import ModelTrace
+from sim.reference import ModelTrace
 
 ZOO_PATH = Path(__file__).with_name("zoo.json")
-ZOO_COMMAND = "goodput models zoo --reference ../shared/reference/sia --out shared/zoo.json"
+ZOO_COMMAND = "goodput models zoo --reference ../shared/reference/sia --out sim/zoo.json"
 
 
 @dataclass(frozen=True)
