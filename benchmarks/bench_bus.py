@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 from launcher.replay import replay_over_nats
+from services.simulated.truth import job_sources
 from shared.settings import DEFAULT_POLICY
 from sim.reference import reference_root
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 
 def main() -> None:

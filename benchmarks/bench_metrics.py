@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from services.simulated.truth import job_sources
 from shared import metrics
 from shared.cluster import load_cluster
 from shared.settings import DEFAULT_POLICY
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 from sim.workload import BUILT_IN_WORKLOAD
 
 CLUSTER = "sia-hetero-64"

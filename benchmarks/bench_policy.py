@@ -47,10 +47,12 @@ import policies.sia_ilp.exact as sia_ilp_exact
 import policies.sia_ilp.large as sia_ilp_large
 import sim.run
 from policies.base import Decision, RoundState, make_policy, policy_spec
+from services.simulated.truth import job_sources
 from shared.cluster import Cluster, load_cluster
-from shared.teams import TeamFile, Teams, TeamSpec, load_team_file, resolve
+from shared.schema.teams import TeamFile, Teams, TeamSpec
+from shared.teams import load_team_file, resolve
 from sim.reference import WorkloadJob, load_workload, reference_root
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 
 def report(label: str, result: dict, took: float) -> None:

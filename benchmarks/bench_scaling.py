@@ -22,9 +22,10 @@ import numpy as np
 from bench_policy import Timed, grown_workload  # this folder (the script's) is on the path
 
 import sim.run
+from services.simulated.truth import job_sources
 from shared.cluster import load_cluster
 from sim.reference import reference_root
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 
 def measure(gpus: int, rounds: int, sources, base: Path) -> dict:

@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from services.simulated.truth import job_sources
 from sim.reference import load_workload, reference_root
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 SPAN_S = 8 * 3600.0  # each Philly file's span, and the shift between them
 FILES = 6

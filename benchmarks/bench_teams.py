@@ -45,8 +45,9 @@ import numpy as np
 import yaml
 
 from shared.cluster import Cluster, load_cluster
+from shared.schema.teams import TeamFile
 from shared.settings import DEFAULT_POLICY, settings_for
-from shared.teams import TeamFile, load_team_file, resolve, scoped_id
+from shared.teams import load_team_file, resolve, scoped_id
 from sim.reference import WorkloadJob, load_workload, reference_root
 from sim.workload import write_workload
 

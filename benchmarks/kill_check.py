@@ -16,9 +16,10 @@ from pathlib import Path
 from launcher.nats import embedded_nats
 from launcher.replay import replay
 from launcher.stack import running_services, service_arguments
+from services.simulated.truth import job_sources
 from shared.settings import settings_for
 from sim.reference import load_workload, reference_root
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 
 async def killed_run(jobs, victim: str, after_s: float, reference: str | None) -> tuple[list, float]:

@@ -7,10 +7,10 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from cli.output import default_out, rounded, write_results
+from cli.output import add_out_argument, rounded, write_results
+from services.simulated.truth import job_sources
 from shared.settings import PRESETS, simulation_settings
 from sim import autoscale as auto
-from sim.run import job_sources
 
 _DIGITS = 6  # JSON floats: enough for hours and efficiencies, short enough to read
 
@@ -64,11 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="a rescale's checkpoint-restart delay, instead of the calibration's",
     )
-    parser.add_argument(
-        "--out",
-        default=default_out("autoscale", "autoscale.json"),
-        help="results JSON, its folder created (default: %(default)s)",
-    )
+    add_out_argument(parser, "autoscale", "autoscale.json")
     parser.add_argument("--plot", help="also draw nodes and statistical efficiency over time into this PNG")
     parser.set_defaults(func=_run)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli.output import default_out, write_results
+from cli.output import add_out_argument, write_results
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,11 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[0.0, 0.25, 0.5],
         help="slowdowns of distributed jobs sharing a node (default: %(default)s)",
     )
-    parser.add_argument(
-        "--out",
-        default=default_out("interference", "interference.json"),
-        help="results JSON, its folder created (default: %(default)s)",
-    )
+    add_out_argument(parser, "interference", "interference.json")
     parser.add_argument("--plot", help="PNG: avg JCT per slowdown, avoidance on and off")
     add_simulation_arguments(parser)
     parser.set_defaults(func=_interference, cluster="pollux-homo-64", fairness=False)
@@ -42,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _interference(args: argparse.Namespace) -> int:
     from cli.simulate import run_spec, workload_sets
     from policies.base import policy_spec
-    from sim.run import job_sources
+    from services.simulated.truth import job_sources
 
     name, options = policy_spec(args.policy)
     bad = [f for f in args.slowdowns if not 0.0 <= f < 1.0]

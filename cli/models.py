@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cli.output import default_out
+from cli.output import add_out_argument
 from sim.reference import discover_models, reference_root
 
 
@@ -18,11 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "report", help="fit every (model, GPU type) of a reference folder and report prediction errors"
     )
     report.add_argument("--reference", help="reference folder (default: $GOODPUT_REFERENCE, else ../shared/reference)")
-    report.add_argument(
-        "--out",
-        default=default_out("models", "models-report.json"),
-        help="JSON report, its folder created (default: %(default)s)",
-    )
+    add_out_argument(report, "models", "models-report.json", "JSON report")
     report.set_defaults(func=_report)
 
     zoo = actions.add_parser("zoo", help="fit the built-in model zoo from a reference folder")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from cli.output import tally
 from cli.submit import add_connection_arguments
 from shared.schema.nodes import NODE_STATES
 
@@ -50,13 +51,7 @@ def _nodes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"nodes": msgspec.to_builtins(answer.nodes)}, indent=2))
         return 0
-    counts = {state: sum(n.state == state for n in answer.nodes) for state in NODE_STATES}
-    print(
-        f"{len(answer.nodes)} node{'s' * (len(answer.nodes) != 1)}: "
-        + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-        if answer.nodes
-        else "no nodes"
-    )
+    print(tally("node", NODE_STATES, [n.state for n in answer.nodes]))
     for node in answer.nodes:
         jobs = f"  jobs: {', '.join(node.jobs)}" if node.jobs else ""
         line = f"  {node.name:<16} {node.gpus:>3} x {hardware_name(node.gpu_type):<12} {node.state:<8}{jobs}"

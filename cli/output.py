@@ -4,9 +4,10 @@ By default the commands write under `out/<command>/` (`default_out`), never into
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 
 def rounded(value: Any, digits: int) -> Any:
@@ -26,6 +27,22 @@ OUT = Path("out")
 def default_out(command: str, name: str) -> str:
     """Where `command` writes `name` unless told otherwise: out/<command>/<name>."""
     return str(OUT / command / name)
+
+
+def tally(noun: str, states: Iterable[str], found: Sequence[str]) -> str:
+    """`3 jobs: 2 running, 1 queued` (each of `states` that `found` holds, in that order), or `no jobs`."""
+    if not found:
+        return f"no {noun}s"
+    return f"{len(found)} {noun}{'s' * (len(found) != 1)}: " + ", ".join(
+        f"{n} {state}" for state in states if (n := found.count(state))
+    )
+
+
+def add_out_argument(parser: argparse.ArgumentParser, command: str, name: str, what: str = "results JSON") -> None:
+    """`--out`: where `command` writes its `what` (default: out/<command>/<name>)."""
+    parser.add_argument(
+        "--out", default=default_out(command, name), help=f"{what}, its folder created (default: %(default)s)"
+    )
 
 
 def write_results(

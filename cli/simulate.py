@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli.output import default_out, write_results
+from cli.output import add_out_argument, write_results
 from policies.base import POLICIES, policy_spec
 from policies.timeslice import DEFAULT_QUANTUM
 from shared.cluster import PRESETS as CLUSTERS
@@ -145,11 +145,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="direct: the cores in this process (default); nats: the six services over a NATS "
         "server of their own, on a virtual clock",
     )
-    sim.add_argument(
-        "--out",
-        default=default_out("simulate", "simulation.json"),
-        help="result JSON, its folder created (default: %(default)s)",
-    )
+    add_out_argument(sim, "simulate", "simulation.json", "result JSON")
     sim.add_argument(
         "--plot",
         help="PNG: GPUs per application over time, the JCT CDF and the finish-time fairness CDF; "
@@ -171,11 +167,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NAME[:KEY=VALUE,...]",
         help=f"default: {' '.join(COMPARED)}; with --teams, the policies that hold teams' guarantees",
     )
-    cmp.add_argument(
-        "--out",
-        default=default_out("compare", "compare.json"),
-        help="all results as JSON, its folder created (default: %(default)s)",
-    )
+    add_out_argument(cmp, "compare", "compare.json", "all results as JSON")
     cmp.add_argument("--plot", help="PNG: average and p99 JCT per policy and workload set")
     cmp.add_argument(
         "--workers",
@@ -252,7 +244,7 @@ def compare_cell(args: argparse.Namespace, cell: tuple[str, str]) -> dict:
 @functools.cache
 def sources_of(reference: str | None, use_zoo: bool):
     """The jobs' truth, read once a process."""
-    from sim.run import job_sources
+    from services.simulated.truth import job_sources
 
     return job_sources(reference, use_zoo)
 
@@ -424,7 +416,7 @@ def _mean(values: list) -> float | None:
 def _compare(args: argparse.Namespace) -> int:
     sets = workload_sets(args.workloads)
     if args.policies is None:
-        from services.policy.rounds import team_policies
+        from policies.base import team_policies
 
         args.policies = COMPARED if not args.teams else [p for p in COMPARED if p in team_policies()]
     for spec in args.policies:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 
+from cli.output import tally
 from cli.submit import add_connection_arguments
 from shared import credentials
 from shared.schema.records import JOB_STATES
@@ -59,12 +60,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(jobs[0] if len(args.ids) == 1 else {"jobs": jobs, "run": run}, indent=2))
         return 0
-    counts = {state: sum(j["state"] == state for j in jobs) for state in JOB_STATES}
-    print(
-        f"{len(jobs)} job{'s' * (len(jobs) != 1)}: " + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-        if jobs
-        else "no jobs"
-    )
+    print(tally("job", JOB_STATES, [j["state"] for j in jobs]))
     idle = run["state"] == "running" and not run["jobs"] and not run["reason"]
     print(
         printable(
@@ -87,38 +83,21 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+RUN_KEYS = ("id", "state", "reason", "round", "now_s", "jobs", "leader")  # `goodput status --json`'s run
+
+
 def run_document(policy) -> dict:
     """The live run (and the policy leader) as `goodput status --json` shows it."""
     if policy is None:
-        return {
-            "id": None,
-            "state": "unknown",
-            "reason": "no policy replica answers",
-            "round": None,
-            "now_s": None,
-            "jobs": 0,
-            "leader": None,
-        }
-    run = policy.run
-    if run is None:
-        return {
-            "id": None,
+        return dict.fromkeys(RUN_KEYS) | {"state": "unknown", "reason": "no policy replica answers", "jobs": 0}
+    if policy.run is None:
+        return dict.fromkeys(RUN_KEYS) | {
             "state": "none",
             "reason": "no live run yet",
-            "round": None,
-            "now_s": None,
             "jobs": 0,
             "leader": policy.leader,
         }
-    return {
-        "id": run.id,
-        "state": run.state,
-        "reason": run.reason,
-        "round": run.round,
-        "now_s": run.now_s,
-        "jobs": run.jobs,
-        "leader": policy.leader,
-    }
+    return {key: getattr(policy.run, key) for key in RUN_KEYS[:-1]} | {"leader": policy.leader}
 
 
 async def _query(server: str, ids: list[str], **options):

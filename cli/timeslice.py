@@ -7,7 +7,7 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from cli.output import default_out, rounded, write_results
+from cli.output import add_out_argument, rounded, write_results
 from sim import timeslice as ts
 
 # JSON floats are rounded so 0.1-multiples read as written (8.7, not 8.700000000000001).
@@ -19,11 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "timeslice",
         help="simulate time-slicing for early feedback: worked case, sweep, optimal quanta",
     )
-    parser.add_argument(
-        "--out",
-        default=default_out("timeslice", "results.json"),
-        help="results file, its folder created (default: %(default)s)",
-    )
+    add_out_argument(parser, "timeslice", "results.json", "results file")
     parser.add_argument("--plot", help="also draw last feedback vs makespan into this PNG")
     parser.set_defaults(func=_run)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.output import default_out
+from cli.output import add_out_argument
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,11 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="NAME,NAME",
         help="each job belongs to one of these teams, drawn uniformly (a `team` column; docs/teams.md)",
     )
-    parser.add_argument(
-        "--out",
-        default=default_out("workload", "workload.csv"),
-        help="CSV to write, its folder created (default: %(default)s)",
-    )
+    add_out_argument(parser, "workload", "workload.csv", "CSV to write")
     parser.set_defaults(func=_generate)
 
 

@@ -18,10 +18,10 @@ import sys
 
 import nats.errors
 
-from deploy.probe import DEFAULT_SERVER, SERVER_ENV, redact
+from deploy.probe import DEFAULT_SERVER, SERVER_ENV
 from shared import storage
 from shared.bus import Bus
-from shared.credentials import connect_options
+from shared.credentials import connect_options, redact
 from shared.schema.runs import RunRequest
 from shared.settings import DEFAULT_POLICY
 from shared.subjects import LIVE_RUN

@@ -17,13 +17,12 @@ import nats.errors
 from launcher.stack import Stack, create_run, follow_run, running_services, service_arguments
 from shared import subjects
 from shared.bus import Bus
-from shared.cluster import load_cluster
 from shared.schema.base import Count
 from shared.schema.jobs import JobSpec
 from shared.schema.records import JobRecords, JobsQuery
 from shared.schema.runs import RunReport, RunRequest
-from shared.teams import TeamFile
-from sim.reference import WorkloadJob, load_workload
+from shared.schema.teams import TeamFile
+from sim.reference import WorkloadJob
 
 if TYPE_CHECKING:
     from sim.run import Progress, Simulation
@@ -154,32 +153,17 @@ async def replay_workload(
     """`goodput up`'s start-up replay: the workload through the running services, its results (with
     each job's finish-time fairness) printed and written to `out`."""
     from cli.simulate import report
-    from policies.base import make_policy
-    from shared.settings import FEEDBACK_ITERATIONS, simulation_settings
-    from sim.run import add_fairness, fairness_reporter, job_sources, progress_reporter, replay_results
+    from services.simulated.truth import job_sources
+    from sim.run import Simulation, add_fairness, fairness_reporter, progress_reporter, replay_results
 
-    jobs = load_workload(workload)
-    settings = simulation_settings(None, cluster)
+    run = Simulation(workload, cluster, policy, options, reference, use_zoo=reference is None)
+    jobs = run.jobs
     print(f"replaying {workload} ({len(jobs)} jobs) with {policy} on {cluster} ...")
     start = time.perf_counter()
-    run, records = await replay(
-        bus, stack, jobs, policy, options, settings.name, progress=progress_reporter(len(jobs), label="replay")
+    replayed, records = await replay(
+        bus, stack, jobs, policy, options, run.settings.name, progress=progress_reporter(len(jobs), label="replay")
     )
-    origin = f"reference:{reference}" if reference else "zoo"
-    spec = load_cluster(cluster)
-    result = replay_results(
-        jobs, spec, make_policy(policy, **options), settings, FEEDBACK_ITERATIONS, run, records, workload, origin
-    )
-    await asyncio.to_thread(
-        add_fairness,
-        result,
-        jobs,
-        spec,
-        policy,
-        options,
-        settings,
-        job_sources(reference, reference is None),
-        FEEDBACK_ITERATIONS,
-        progress=fairness_reporter(result),
-    )
+    result = replay_results(run, jobs, replayed, records, f"reference:{reference}" if reference else "zoo")
+    sources = job_sources(reference, reference is None)
+    await asyncio.to_thread(add_fairness, result, run, jobs, sources, fairness_reporter(result))
     report(result, time.perf_counter() - start, out)

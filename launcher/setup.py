@@ -20,7 +20,7 @@ from typing import Any
 from shared import credentials, storage, subjects
 from shared.bus import Bus
 from shared.bus.connection import DEFAULT_SERVER, SERVER_ENV
-from shared.teams import TeamFile
+from shared.schema.teams import TeamFile
 
 
 async def store_teams(bus: Bus, teams: TeamFile | None) -> None:
@@ -76,14 +76,12 @@ def refuse_policy_without_teams(spec: str, teams: TeamFile, cluster: str, option
     """ValueError when the policy `spec` (NAME or NAME:KEY=VALUE,...; `options` on top) cannot
     honour the teams' guarantees and borrowing limits (its `honours_teams`), as the policy service
     would refuse them at its first round."""
-    from policies.base import make_policy, policy_spec, refuse_teams
+    from policies.base import check_honours_teams, make_policy, policy_spec
     from shared.cluster import load_cluster
     from shared.teams import resolve
 
     name, given = policy_spec(spec)
-    policy = make_policy(name, **{**given, **(options or {})})
-    if not policy.honours_teams:
-        refuse_teams(name, resolve(teams, load_cluster(cluster)))
+    check_honours_teams(make_policy(name, **{**given, **(options or {})}), resolve(teams, load_cluster(cluster)))
 
 
 def main(argv: list[str] | None = None) -> int:

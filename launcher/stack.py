@@ -30,7 +30,7 @@ from shared.runner import METRICS_PORT_ENV, PARENT_ENV, ended_with_this_process
 from shared.schema.base import Ack
 from shared.schema.records import JobRecord, JobRecords
 from shared.schema.runs import PolicyStatus, RunCheckpoint, RunReport, RunRequest, RunStep
-from shared.teams import TeamFile
+from shared.schema.teams import TeamFile
 
 SERVICES = ("api", "profiler", "estimator", "policy", "placer", "executor")
 NODE_PREFIX = "node-"  # a node agent's instance name: node-<its node>

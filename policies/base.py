@@ -23,10 +23,11 @@ from typing import Iterable, Mapping, Protocol
 import numpy as np
 
 from policies.table import GoodputTable, goodput_table
-from shared.cluster import Cluster, Config, Spots
-from shared.schema.base import DEFAULT_TEAM
+from shared.cluster import Cluster
+from shared.schema.base import Config, Spots
 from shared.schema.rounds import JobFacts, JobModels
-from shared.teams import Teams
+from shared.schema.teams import Teams
+from shared.subjects import DEFAULT_TEAM
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,17 @@ def refuse_teams(policy: str, state: RoundState | Teams | None) -> None:
             f"policy {policy!r} cannot honour the teams' guarantees, borrowing limits and priorities "
             f"({len(teams.teams)} teams in the team file): use the goodput or sia policy, or run without a team file"
         )
+
+
+def check_honours_teams(policy: Policy, teams: Teams) -> None:
+    """ValueError for a policy started with `teams` that cannot hold their guarantees (`refuse_teams`)."""
+    if not policy.honours_teams:
+        refuse_teams(policy.name, teams)
+
+
+def team_policies() -> list[str]:
+    """The policies that hold each team's guarantees and borrowing limits (`honours_teams`)."""
+    return [name for name in POLICIES if _policy_class(name).honours_teams]
 
 
 def snapshot_policy(policy: Policy) -> bytes:

@@ -68,7 +68,7 @@ from policies.base import (
     refuse_teams,
 )
 from policies.rigid import holds_request, requested_throughput_matrix
-from shared.cluster import Spots
+from shared.schema.base import Spots
 
 log = logging.getLogger(__name__)
 

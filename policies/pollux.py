@@ -77,7 +77,8 @@ from policies.base import (
     restart_factor,
 )
 from policies.table import stack_jobs
-from shared.cluster import Cluster, Spots
+from shared.cluster import Cluster
+from shared.schema.base import Spots
 from shared.schema.rounds import JobModels
 from shared.settings import ROUND_S
 

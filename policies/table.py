@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from goodput_train.goodput import BatchChoice, ThroughputParams, optimize_batch, pgns
-from shared.cluster import Config
+from shared.schema.base import Config
 from shared.schema.rounds import JobModels
 
 # Strong-scaling jobs keep their total batch; with K GPUs it is rounded to K*m*(s+1), at most this much below.

@@ -29,11 +29,9 @@ from typing import Iterable, Mapping
 import numpy as np
 
 from policies.base import RoundState
-from shared.cluster import Config
+from shared.schema.base import Config
 from shared.schema.rounds import Reclaim
-from shared.teams import Teams
-
-__all__ = ["PRIORITY_STEP", "borrowed_gpus", "ilp_teams", "ledger", "priority_weights", "team_use"]
+from shared.schema.teams import Teams
 
 # A job's weight grows this much a rank of priority within its team. Leaving a job out gains at most
 # lam - min A = 1.1 and at least lam - 1 = 0.1 at p = -0.5 (sia_ilp), so at 16 no growth of a

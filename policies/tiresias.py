@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from policies.base import Decision, RoundState, decision_from_placements, free_gpus, pack, refuse_hybrid, refuse_teams
 from policies.rigid import fastest_type, holds_request, requested_throughput_matrix
-from shared.cluster import Spots
+from shared.schema.base import Spots
 from shared.settings import ROUND_S
 
 THRESHOLD_GPU_H = 16.0

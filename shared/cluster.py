@@ -23,20 +23,6 @@ import yaml
 
 from shared.schema.base import Config, Node, Spots
 
-__all__ = [
-    "Cluster",
-    "Config",
-    "Node",
-    "Spots",
-    "PRESETS",
-    "build_cluster",
-    "load_cluster",
-    "power_of_two_parts",
-    "real_node",
-    "real_nodes",
-    "replica_count",
-]
-
 
 @dataclass(frozen=True)
 class Cluster:

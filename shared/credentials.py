@@ -45,8 +45,6 @@ import nats.errors
 
 from shared.permissions import inbox_prefix
 
-__all__ = ["Credentials", "add_arguments", "connect_options", "from_args", "from_env", "unreachable"]
-
 ENV_PREFIX = "GOODPUT_NATS_"
 PASSWORD_ENV = "GOODPUT_NATS_PASSWORD"
 USER_ENV = "user.env"  # in `goodput up`'s data folder

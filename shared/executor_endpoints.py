@@ -14,7 +14,7 @@ from nats import micro
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.runner import new_service
-from shared.schema.base import DEFAULT_TEAM, Ack, Count
+from shared.schema.base import Ack, Count
 from shared.schema.estimates import Observed, ObservedAll, StoredAll
 from shared.schema.nodes import NodeStatuses
 from shared.schema.records import JobRecord, JobsQuery, select
@@ -28,6 +28,7 @@ from shared.schema.rounds import (
     LiveJobsRequest,
 )
 from shared.settings import OBSERVED_IN_ONE_REPORT, REPORTS_AT_ONCE
+from shared.subjects import DEFAULT_TEAM
 
 log = logging.getLogger(__name__)
 

@@ -29,18 +29,6 @@ from typing import Any
 
 from opentelemetry import metrics as otel_metrics
 
-__all__ = [
-    "CATALOG",
-    "Metric",
-    "MetricsPortTaken",
-    "MetricsUnavailable",
-    "instrument",
-    "prometheus_names",
-    "scrape",
-    "read_token",
-    "setup_metrics",
-]
-
 METER_NAME = "goodput"
 TOKEN_FILE_ENV = "GOODPUT_METRICS_TOKEN_FILE"  # the file of the operator's bearer token for the endpoint
 MIN_TOKEN_CHARS = 16

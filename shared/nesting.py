@@ -22,8 +22,6 @@ from itertools import accumulate
 
 import msgspec
 
-__all__ = ["MAX_DEPTH", "check_json", "too_deep"]
-
 MAX_DEPTH = 64  # the deepest a JSON message may nest (the body itself is depth 1)
 TOO_DEEP = f"a message nests at most {MAX_DEPTH} levels deep; this one nests deeper"
 

@@ -69,17 +69,6 @@ from pathlib import Path
 
 from shared import storage, subjects
 
-__all__ = [
-    "ROLES",
-    "LoginLimits",
-    "Permissions",
-    "inbox_prefix",
-    "login_problem",
-    "passwords_from",
-    "render_accounts",
-    "render_server_config",
-]
-
 SERVICE_API = ("$SRV.PING", "$SRV.PING.>", "$SRV.INFO", "$SRV.INFO.>", "$SRV.STATS", "$SRV.STATS.>")
 MAX_PAYLOAD_BYTES = 1024 * 1024  # nats-server's max_payload: the largest message it accepts
 # nats-server's max_pending: what it holds for one connection before closing it as a slow consumer.

@@ -24,31 +24,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Mapping
 
 import msgspec
 import yaml
 
 from shared.cluster import Cluster
 from shared.hardware import described, hardware_name, types_named
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.base import TEAM_NAME as TEAM_NAME_PATTERN
-from shared.schema.teams import Team, TeamFile, Teams, TeamSpec
-
-__all__ = [
-    "DEFAULT_TEAM",
-    "MAX_TEAMS",
-    "Team",
-    "TeamFile",
-    "TeamSpec",
-    "Teams",
-    "load_team_file",
-    "parse_team_file",
-    "resolve",
-    "scoped_id",
-    "team_problem",
-    "user_id",
-]
+from shared.schema.teams import Team, TeamFile, Teams
+from shared.subjects import DEFAULT_TEAM
 
 MAX_TEAMS = 64
 # A team's name is a login's (`goodput up --teams` makes one login per team, named after it) and a
@@ -148,11 +132,6 @@ def resolve(file: TeamFile, cluster: Cluster) -> Teams:
                 f"cluster {cluster.name} has {cluster.capacity(gpu_type)}"
             )
     return Teams(teams)
-
-
-def quota_table(teams: Teams) -> Mapping[str, Mapping[str, int]]:
-    """team -> GPU type -> guaranteed GPUs (types with none left out)."""
-    return {name: {t: n for t, n in team.quota.items() if n} for name, team in teams.teams.items()}
 
 
 def scoped_id(team: str, job_id: str) -> str:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["printable"]
-
 # A whole escape sequence, as a terminal reads it (one that a line ends in the middle of, too).
 _SEQUENCE = (
     r"(?:\x1b\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]?"  # CSI: parameters, intermediates, final

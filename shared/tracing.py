@@ -26,18 +26,6 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcess
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-__all__ = [
-    "OTLP_ENDPOINT_VARIABLES",
-    "WhileExported",
-    "add_exporter",
-    "build_tracer_provider",
-    "extract_trace_context",
-    "inject_trace_context",
-    "otlp_exporter_from_env",
-    "setup_tracing",
-    "span_context_of",
-]
-
 # Either variable turns OTLP export on; the traces-only one wins, as the OTLP exporter reads it so.
 OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 

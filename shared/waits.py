@@ -23,8 +23,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from shared.cluster import Cluster, Config, Node, Spots, real_node
+from shared.cluster import Cluster, real_node
 from shared.hardware import hardware_name
+from shared.schema.base import Config, Node, Spots
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import numpy as np
 from goodput_train.goodput import BatchLimits, GoodputModel, Observation, ThroughputParams, fit_throughput, throughput
 from services.simulated.truth import ModelTruth
 from services.simulated.world import SimulatedJob
-from shared.cluster import Cluster, Node, Spots
+from shared.cluster import Cluster
+from shared.schema.base import Node, Spots
 from shared.schema.rounds import JobModels
 from shared.settings import SimSettings
 from sim.reference import WorkloadJob

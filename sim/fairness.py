@@ -21,7 +21,8 @@ import numpy as np
 
 from policies.base import Policy
 from services.simulated.truth import ModelTruth
-from shared.cluster import Cluster, Node
+from shared.cluster import Cluster
+from shared.schema.base import Node
 from shared.settings import SimSettings
 from sim.reference import WorkloadJob
 from sim.simulator import Simulator

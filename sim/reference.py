@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from goodput_train.goodput import Observation
-from shared.schema.base import DEFAULT_TEAM, MAX_PRIORITY, MAX_TARGET_EPOCHS
+from shared.schema.base import MAX_PRIORITY, MAX_TARGET_EPOCHS
+from shared.subjects import DEFAULT_TEAM
 from shared.teams import team_problem
 
 DEFAULT_ENV = "GOODPUT_REFERENCE"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from policies.base import JobView, RoundState
-from shared.cluster import Cluster, Config, Spots, load_cluster
+from shared.cluster import Cluster, load_cluster
+from shared.schema.base import Config, Spots
 from shared.schema.rounds import JobModels
 from sim.zoo import load_zoo
 

@@ -16,16 +16,16 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence, TextIO
 
 import numpy as np
 
-from policies.base import Policy, make_policy
-from services.policy.rounds import check_honours_teams
+from policies.base import Policy, check_honours_teams, make_policy
 from services.simulated.truth import JobSources, ModelTruth, job_sources
 from shared.cluster import Cluster, load_cluster
 from shared.hardware import hardware_name
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.records import JobRecord
 from shared.schema.runs import RoundRecord
+from shared.schema.teams import TeamFile, Teams
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings, simulation_settings
-from shared.teams import TeamFile, Teams, load_team_file, resolve
+from shared.subjects import DEFAULT_TEAM
+from shared.teams import load_team_file, resolve
 from sim.bound import ModelTimes, model_times
 from sim.decompose import job_parts, mean_parts
 from sim.fairness import AloneRuns, finish_time_fairness
@@ -85,6 +85,11 @@ class Simulation:
         return load_workload(self.workload) if isinstance(self.workload, (str, Path)) else list(self.workload)
 
     @property
+    def name(self) -> str:
+        """The workload's name in the result document: its file, or `<in memory>`."""
+        return str(self.workload) if isinstance(self.workload, (str, Path)) else "<in memory>"
+
+    @property
     def team_file(self) -> TeamFile | None:
         return load_team_file(self.teams) if isinstance(self.teams, (str, Path)) else self.teams
 
@@ -108,8 +113,7 @@ def simulate(
         raise ValueError("the workload has no jobs")
     spec = load_cluster(run.cluster)
     settings = run.settings
-    options = dict(run.policy_options)
-    pol = make_policy(run.policy, **options)
+    pol = make_policy(run.policy, **run.policy_options)
     team_file = run.team_file
     resolved = None
     if team_file is not None:
@@ -117,33 +121,20 @@ def simulate(
         resolved = check_teams(team_file, spec, pol, jobs, source)
     sources = sources or job_sources(run.reference, run.use_zoo)
     jobs = declare_targets(jobs, lambda model: sources.truths[model].epochs_total, run.targets, run.target_noise)
-    name = run.workload if isinstance(run.workload, (str, Path)) else "<in memory>"
     show = progress_reporter(len(jobs), label="simulate") if progress is True else progress or None
     if over is not None:
         # The services are given the jobs as this run declares them, and the team file read.
         replayed = replace(run, workload=tuple(jobs), teams=team_file)
         report, records = asyncio.run(over(replayed, sources.origin, show))
-        result = replay_results(
-            jobs, spec, pol, settings, run.feedback_iterations, report, records, name, sources.origin, resolved
-        )
+        result = replay_results(run, jobs, report, records, sources.origin, resolved)
     else:
         sim = Simulator(
             jobs, spec, pol, settings, sources.truths, sources.profile, run.feedback_iterations, teams=team_file
         )
         sim.run(show)
-        result = results(sim, name, sources.origin, teams=resolved)
+        result = results(sim, run.name, sources.origin, teams=resolved)
     if fairness:
-        add_fairness(
-            result,
-            jobs,
-            spec,
-            run.policy,
-            options,
-            settings,
-            sources,
-            run.feedback_iterations,
-            progress=fairness_reporter(result) if progress is True else None,
-        )
+        add_fairness(result, run, jobs, sources, fairness_reporter(result) if progress is True else None)
     return result
 
 
@@ -198,29 +189,17 @@ class _ReportedAloneRuns(AloneRuns):
 
 
 def add_fairness(
-    result: dict,
-    jobs: list[WorkloadJob],
-    cluster,
-    policy: str,
-    policy_options: dict,
-    settings: SimSettings,
-    sources: JobSources,
-    feedback_iterations: int,
-    progress: Progress | None = None,
+    result: dict, run: Simulation, jobs: list[WorkloadJob], sources: JobSources, progress: Progress | None = None
 ) -> None:
-    """Each job's finish-time fairness in a result document (sim.fairness): a run of each distinct
-    job alone on its fair share, with the same policy and the same job model. `progress` is told of
-    each finished job's alone run (None, done, finished jobs): `fairness_reporter(result)`."""
-    args = (
-        lambda: make_policy(policy, **policy_options),
-        settings,
-        sources.truths,
-        sources.profile,
-        feedback_iterations,
-    )
+    """Each job's finish-time fairness in `run`'s result document (sim.fairness): a run of each
+    distinct job of `jobs` alone on its fair share, with the same policy and the same job model.
+    `progress` is told of each finished job's alone run (None, done, finished jobs):
+    `fairness_reporter(result)`."""
+    policy = lambda: make_policy(run.policy, **run.policy_options)  # noqa: E731 - a fresh one each alone run
+    args = (policy, run.settings, sources.truths, sources.profile, run.feedback_iterations)
     total = sum(j["jct_s"] is not None for j in result["jobs"])
     alone = _ReportedAloneRuns(*args, progress=progress, total=total) if progress else AloneRuns(*args)
-    finish_time_fairness(result, jobs, cluster, alone)
+    finish_time_fairness(result, jobs, load_cluster(run.cluster), alone)
 
 
 class _Replayed:
@@ -229,14 +208,20 @@ class _Replayed:
     jobs: dict = {}
 
 
-def replay_results(
-    jobs, cluster, policy, settings, feedback_iterations, report, records, workload, origin: str, teams=None
-) -> dict:
-    """The result document of a replay the policy leader ran over NATS (its rounds and events, the
-    executors' job records)."""
-    sim = Simulator(jobs, cluster, policy, settings, feedback_iterations=feedback_iterations, wiring=_Replayed())
+def replay_results(run: Simulation, jobs: list[WorkloadJob], report, records, origin: str, teams=None) -> dict:
+    """The result document of `run`'s `jobs` replayed by the policy leader over NATS (its rounds and
+    events, the executors' job records)."""
+    policy = make_policy(run.policy, **run.policy_options)
+    sim = Simulator(
+        jobs,
+        load_cluster(run.cluster),
+        policy,
+        run.settings,
+        feedback_iterations=run.feedback_iterations,
+        wiring=_Replayed(),
+    )
     sim.loop.rounds, sim.loop.events = list(report.rounds), list(report.events)
-    return results(sim, workload, origin, list(records.jobs), teams)
+    return results(sim, run.name, origin, list(records.jobs), teams)
 
 
 Progress = Callable[[float | None, int, int], None]  # (simulated time s or None, jobs done, jobs in all)

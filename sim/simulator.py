@@ -27,13 +27,14 @@ from services.placer.core import place
 from services.policy.rounds import Arrival, FixedTeams, RoundLoop, Wiring
 from services.simulated.truth import ModelTruth
 from services.simulated.world import SimulatedExecutors, SimulatedJob, request_observations
-from shared.cluster import Cluster, Config, Node, Spots
+from shared.cluster import Cluster
+from shared.schema.base import Config, Node, Spots
 from shared.schema.estimates import Profile
 from shared.schema.records import JobRecord
 from shared.schema.rounds import AdvanceReply, ApplyRequest, FactsReply, JobFacts, ModelsReply, PlacementResult
 from shared.schema.runs import RoundRecord
+from shared.schema.teams import TeamFile
 from shared.settings import FEEDBACK_ITERATIONS, SimSettings
-from shared.teams import TeamFile
 from sim.reference import WorkloadJob
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from shared.schema.base import DEFAULT_TEAM
+from shared.subjects import DEFAULT_TEAM
 from shared.teams import scoped_id, team_problem
 from sim.reference import WorkloadJob
 from sim.zoo import load_zoo

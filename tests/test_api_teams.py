@@ -33,8 +33,8 @@ from shared.schema.jobs import Cancel, JobSpec, Profiled, Rejected
 from shared.schema.logs import LogsRequest
 from shared.schema.records import JobRecord, JobRecords, select
 from shared.schema.rounds import ApplyRequest, Reclaim
+from shared.schema.teams import TeamFile, TeamSpec
 from shared.storage import LoginLimits, TeamLimits
-from shared.teams import TeamFile, TeamSpec
 
 ANN, BOB = Who("ann", "nlp"), Who("bob", "nlp")  # team-mates
 VIC = Who("vic", "vision")

@@ -10,9 +10,9 @@ import pytest
 
 from cli.main import main
 from goodput_train.goodput import GoodputModel
+from services.simulated.truth import job_sources
 from shared.settings import settings_for
 from sim import autoscale as auto
-from sim.run import job_sources
 
 OPTIONS = auto.ScalingOptions()
 SETTINGS = settings_for("pollux", "")

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from launcher.replay import replay_over_nats
+from services.simulated.truth import job_sources
 from shared import subjects
 from shared.teams import parse_team_file
 from sim.reference import WorkloadJob
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 ZOO = job_sources(use_zoo=True)
 WORKLOAD = [

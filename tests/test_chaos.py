@@ -64,9 +64,9 @@ def test_the_chaos_policy_refuses_an_unknown_failure():
 
 def test_a_late_apply_does_not_undo_a_newer_round():
     """A deposed leader's apply, or one repeated on the bus, arrives after the next round ran."""
+    from services.simulated.truth import job_sources
     from services.simulated.world import SimulatedExecutors
     from shared.settings import simulation_settings
-    from sim.run import job_sources
 
     cluster = load_cluster(CLUSTER)
     executors = SimulatedExecutors(cluster, simulation_settings(None, CLUSTER), 1)

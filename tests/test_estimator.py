@@ -13,7 +13,8 @@ from goodput_train.goodput import GoodputModel, Observation, ThroughputParams, i
 from policies.table import goodput_table
 from reports.models import FITTED_TARGET, report_model
 from services.estimator.core import profile_observations, project, type_models
-from shared.cluster import Config, build_cluster, load_cluster
+from shared.cluster import build_cluster, load_cluster
+from shared.schema.base import Config
 from shared.schema.rounds import JobModels
 from sim.profiles import PROFILE_POINTS, model_profile, trace_profile
 from sim.reference import discover_models

@@ -23,9 +23,10 @@ from services.policy.decisions import (
     team_waits,
     usable_and_absent,
 )
-from shared.cluster import Config, build_cluster
+from shared.cluster import build_cluster
 from shared.lifecycle import JobState
 from shared.schema.api import JobStatus
+from shared.schema.base import Config
 from shared.schema.decisions import Holder, JobDecision
 from shared.schema.rounds import JobFacts, Reclaim
 from shared.schema.teams import Team, Teams

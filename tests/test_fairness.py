@@ -2,10 +2,11 @@
 
 import pytest
 
+from services.simulated.truth import job_sources
 from shared.cluster import load_cluster
 from sim.fairness import fair_share, jobs_sharing
 from sim.reference import WorkloadJob
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 ZOO = job_sources(use_zoo=True)
 

@@ -12,14 +12,16 @@ from launcher.replay import replay_over_nats
 from policies.base import make_policy
 from policies.table import goodput_table
 from services.placer.core import place, placement_violations
+from services.simulated.truth import job_sources
 from services.simulated.world import SimulatedJob
-from shared.cluster import Config, load_cluster
+from shared.cluster import load_cluster
+from shared.schema.base import Config
 from shared.settings import PRESETS
 from sim.fairness import fair_share
 from sim.profiles import trace_profile
 from sim.reference import ReferenceDataMissing, WorkloadJob, discover_models
 from sim.rounds import job_models, job_view, round_state
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 from sim.simulator import DirectWiring, Simulator
 from sim.zoo import load_zoo
 

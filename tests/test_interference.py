@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 
 from policies.base import make_policy
+from services.simulated.truth import job_sources
 from shared.cluster import load_cluster
 from shared.settings import simulation_settings
 from sim.reference import WorkloadJob
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 from sim.simulator import DirectWiring, Simulator
 
 ZOO = job_sources(use_zoo=True)

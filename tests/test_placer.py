@@ -15,13 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.placer.core import (
-    PlacementResult,
-    is_placeable,
-    place,
-    placement_violations,
-)
-from shared.cluster import Cluster, Config, build_cluster, load_cluster
+from services.placer.core import is_placeable, place, placement_violations
+from shared.cluster import Cluster, build_cluster, load_cluster
+from shared.schema.base import Config
+from shared.schema.rounds import PlacementResult
 
 SETTINGS = settings(
     max_examples=200,

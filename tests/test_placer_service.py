@@ -12,7 +12,8 @@ from nats.micro.request import ServiceError
 
 from services.placer.core import place
 from shared import subjects
-from shared.cluster import Config, load_cluster
+from shared.cluster import load_cluster
+from shared.schema.base import Config
 from shared.schema.rounds import PlacementResult, PlaceRequest
 
 CLUSTER = load_cluster("sia-hetero-64")

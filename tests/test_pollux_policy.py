@@ -24,7 +24,8 @@ from policies.pollux import (
     power_mean,
     type_rank,
 )
-from shared.cluster import Cluster, Config, build_cluster, load_cluster
+from shared.cluster import Cluster, build_cluster, load_cluster
+from shared.schema.base import Config
 from sim.rounds import job_view, round_state
 from sim.zoo import load_zoo
 

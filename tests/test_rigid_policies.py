@@ -21,7 +21,8 @@ from policies.fifo import FifoPolicy
 from policies.gavel import GavelPolicy, max_min_fair, priority_order, proportional_throughput
 from policies.rigid import requested_throughput_matrix
 from policies.tiresias import TiresiasPolicy
-from shared.cluster import Cluster, Config, build_cluster, load_cluster
+from shared.cluster import Cluster, build_cluster, load_cluster
+from shared.schema.base import Config
 from sim.rounds import job_view, round_state
 
 HOUR = 3600.0

@@ -40,12 +40,12 @@ from shared.metrics import (
     scrape,
     setup_metrics,
 )
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.estimates import StoredAll
 from shared.schema.jobs import JobSpec
 from shared.schema.nodes import NodeInfo, Rendezvous, StartWorkers, StopWorkers
 from shared.schema.rounds import AdvanceRequest, ApplyRequest
 from shared.storage import MAX_SUBMISSION_BYTES
+from shared.subjects import DEFAULT_TEAM
 from sim.profiles import profile_source
 
 

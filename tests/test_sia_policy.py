@@ -5,7 +5,8 @@ import pytest
 from policies.base import make_policy, restart_factor
 from policies.goodput import SHRINK_FLOOR
 from services.placer.core import place
-from shared.cluster import Config, load_cluster
+from shared.cluster import load_cluster
+from shared.schema.base import Config
 from sim.rounds import job_view, round_state
 
 CLUSTER = load_cluster("sia-hetero-64")

@@ -7,10 +7,10 @@ import pytest
 
 from cli.main import main
 from goodput_train.goodput import efficiency, iteration_time, pgns
-from services.simulated.truth import canonical_placement, reference_truth
+from services.simulated.truth import canonical_placement, job_sources, reference_truth
 from shared.settings import PRESETS
 from sim.reference import WorkloadJob, discover_models
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 from sim.zoo import load_zoo
 
 ZOO = job_sources(use_zoo=True)

@@ -33,7 +33,8 @@ from shared import credentials, permissions, storage, subjects
 from shared.bus import Bus
 from shared.bus.requesters import requester_of
 from shared.schema.records import JobRecord, JobsQuery, select
-from shared.teams import TeamFile, load_team_file
+from shared.schema.teams import TeamFile
+from shared.teams import load_team_file
 
 PASSWORDS = {role: f"{role}Secret{index}x9" for index, role in enumerate(permissions.ROLES)}
 LOGINS = {"user": "userSecret1x9", "alice": "aliceSecret1x9", "vision": "visionSecret1x9", "nlp": "nlpSecret1x9"}

@@ -13,7 +13,8 @@ from policies.sia_ilp import solve, team_guarantees
 from policies.sia_ilp.problem import IlpProblem, objective, value_matrix, weighted_costs
 from policies.sia_ilp.reduced import candidates
 from policies.teams import borrowed_gpus, ledger
-from shared.cluster import Config, load_cluster
+from shared.cluster import load_cluster
+from shared.schema.base import Config
 from shared.schema.rounds import Reclaim
 from shared.teams import parse_team_file, resolve
 from sim.rounds import job_view

@@ -12,18 +12,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import get_tracer
 
 from cli.main import main
-from policies.base import make_policy
-from services.policy.rounds import TRACER_NAME, Arrival, RoundLoop, team_policies
+from policies.base import make_policy, team_policies
+from services.policy.rounds import TRACER_NAME, Arrival, RoundLoop
+from services.simulated.truth import job_sources
 from services.simulated.world import SimulatedExecutors, as_workload_job
 from shared import storage, subjects
 from shared.cluster import build_cluster
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.jobs import JobSpec
+from shared.schema.teams import TeamFile, TeamSpec
 from shared.settings import simulation_settings
-from shared.teams import TeamFile, TeamSpec
+from shared.subjects import DEFAULT_TEAM
 from shared.tracing import build_tracer_provider
 from sim.reference import WorkloadJob, load_workload
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 from sim.simulator import DirectWiring, Simulator
 from sim.workload import write_workload
 

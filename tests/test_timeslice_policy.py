@@ -3,8 +3,9 @@
 import pytest
 
 from policies.base import make_policy
+from services.simulated.truth import job_sources
 from sim.reference import WorkloadJob
-from sim.run import Simulation, job_sources, simulate
+from sim.run import Simulation, simulate
 
 ZOO = job_sources(use_zoo=True)
 

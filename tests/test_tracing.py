@@ -434,7 +434,8 @@ def _decision_spans(exporter):
 
 
 def test_a_decided_round_has_one_decision_span_per_job_with_its_placement_reason_and_submission_link(traced):
-    from shared.cluster import Config, build_cluster
+    from shared.cluster import build_cluster
+    from shared.schema.base import Config
 
     provider, exporter = traced
     cluster = build_cluster("two-t4-nodes", [{"gpu_type": "aws", "count": 2, "gpus_per_node": 4}])
@@ -515,7 +516,8 @@ def test_a_failed_solve_tells_each_job_why_it_kept_its_place(traced):
 
 def test_a_huge_round_records_the_jobs_left_where_they_were_last(traced, monkeypatch):
     from services.policy import observer
-    from shared.cluster import Config, build_cluster
+    from shared.cluster import build_cluster
+    from shared.schema.base import Config
 
     monkeypatch.setattr(observer, "MAX_DECISION_SPANS", 1)
     provider, exporter = traced

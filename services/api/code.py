@@ -32,9 +32,9 @@ import nats.js.errors
 from shared import subjects
 from shared.bus import Bus
 from shared.code_archive import LIMITS, ArchiveRefused, check, digest, stored_name
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.code import CodeAnswer, CodeChunk, CodeRequest
 from shared.storage import DAY_S, MIB, OBJECT_STORE_MAX_AGE_S, SETUP_HINT
+from shared.subjects import DEFAULT_TEAM
 
 UPLOADS_PER_LOGIN = 4
 BYTES_PER_LOGIN = 2 * LIMITS.compressed  # its uploads' sizes as begun

@@ -52,12 +52,13 @@ from shared.schema.api import (
     job_status,
     job_statuses,
 )
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.decisions import ExplainRequest, Explanation, JobDecision, RoundsPage, RoundsRequest, RoundSummary
 from shared.schema.jobs import Cancel, JobOwner
 from shared.schema.logs import LogsPage, LogsRequest
 from shared.schema.records import JOB_STATES, JobRecord, JobRecords, JobsQuery
-from shared.teams import TeamFile, Teams, resolve
+from shared.schema.teams import TeamFile, Teams
+from shared.subjects import DEFAULT_TEAM
+from shared.teams import resolve
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from shared.runner import add_profile_arguments, new_service
 from shared.schema.base import Node
 from shared.schema.jobs import JobOwner
 from shared.schema.nodes import NodeInfo
+from shared.schema.teams import TeamFile
 from shared.submissions import agents_models
-from shared.teams import TeamFile
 from sim.profiles import profile_source
 
 CONCURRENCY = 64  # requests one replica serves at once: each mostly waits on JetStream and the executors

@@ -45,7 +45,7 @@ from shared.cluster import Cluster
 from shared.lifecycle import JobState
 from shared.metrics import REFUSALS, SUBMISSIONS, instrument
 from shared.schema.api import SubmitAnswer
-from shared.schema.base import DEFAULT_TEAM, MAX_ID
+from shared.schema.base import MAX_ID
 from shared.schema.jobs import MARK_TTL_S, JobOwner, JobSpec, readable_fields, rejection, spec_digest, submission_msg_id
 from shared.storage import (
     KIB,
@@ -57,6 +57,7 @@ from shared.storage import (
     LoginLimits,
     TeamLimits,
 )
+from shared.subjects import DEFAULT_TEAM
 from shared.submissions import id_taken, malformed_reason, submission_problem
 from shared.teams import scoped_id
 

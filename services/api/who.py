@@ -26,10 +26,10 @@ from shared.bus.kv import TypedKV
 from shared.bus.requesters import requester
 from shared.permissions import account_team
 from shared.schema.api import JobStatus, TeamStatus
-from shared.schema.base import DEFAULT_TEAM
 from shared.schema.decisions import RoundSummary
 from shared.schema.jobs import JobOwner
 from shared.schema.records import JobsQuery
+from shared.subjects import DEFAULT_TEAM
 from shared.teams import scoped_id, user_id
 
 

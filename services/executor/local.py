@@ -62,12 +62,13 @@ from goodput_train.protocol import (
 )
 from shared import subjects
 from shared.bus import Bus
-from shared.cluster import Cluster, Spots
+from shared.cluster import Cluster
 from shared.metrics import JOB_RESTARTS, instrument
 from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
-from shared.schema.base import DEFAULT_TEAM, Ack
+from shared.schema.base import Ack, Spots
 from shared.schema.jobs import CANCELLED
 from shared.schema.nodes import NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
+from shared.subjects import DEFAULT_TEAM
 
 MAX_CRASHES = 3
 LOST_GRACE_S = 5.0  # a lost node's peers: this long to stop (they may be stuck waiting for it)

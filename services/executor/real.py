@@ -45,13 +45,13 @@ from shared import executor_endpoints as endpoints
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.bus.kv import TypedKV
-from shared.cluster import Cluster, Node, Spots, load_cluster, power_of_two_parts, real_node, real_nodes
+from shared.cluster import Cluster, load_cluster, power_of_two_parts, real_node, real_nodes
 from shared.code_archive import owned
 from shared.lifecycle import JobState, check_transition, job_state
 from shared.metrics import JOBS, NODES, instrument
 from shared.runner import executors_kind, positive_float
 from shared.runtime import JOBS_PACKAGE
-from shared.schema.base import DEFAULT_TEAM, Ack
+from shared.schema.base import Ack, Node, Spots
 from shared.schema.estimates import Observed
 from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled, Rejected, verdict_for
 from shared.schema.nodes import (
@@ -76,6 +76,7 @@ from shared.schema.rounds import (
     LiveJobsRequest,
     Reclaim,
 )
+from shared.subjects import DEFAULT_TEAM
 from shared.waits import Needs, needs_of, unplaced_reason, unschedulable, wait_reason
 
 POLL_S = 0.5  # how often the workers are looked at: finishes are timed to this

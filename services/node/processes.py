@@ -5,8 +5,8 @@ Only a module that declares itself a job (`GOODPUT_JOB = True` at its top level,
 source, never run here) may be started: the package's helpers are not jobs. A worker gets a minimal
 environment (`worker_env`), never the agent's: its NATS credentials stay with the agent. Its stdin
 is its lifeline (the library stops, checkpointed, when it ends), so no worker outlives its agent.
-Each worker leads a session of its own: it is signalled with every process it started
-(`signal_group`), and what is left of its group once it has exited is killed (`ended`).
+Each worker leads a session of its own: what is left of its group once it has exited is killed
+(`ended`).
 """
 
 from __future__ import annotations
@@ -116,14 +116,6 @@ def ended(process: subprocess.Popen) -> int | None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
     return process.poll()
-
-
-def signal_group(process: subprocess.Popen, sig: int) -> None:
-    """`sig` to a worker and every process of its group, while it runs (once it has exited, `ended`
-    kills the rest)."""
-    if ended(process) is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
 
 
 def wait_ended(process: subprocess.Popen, timeout_s: float) -> int | None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable, Mapping
 
-from shared.cluster import Cluster, Config, Node, Spots, replica_count
+from shared.cluster import Cluster, replica_count
+from shared.schema.base import Config, Node, Spots
 from shared.schema.rounds import PlacementResult
 
 Allocation = dict[str, Config]  # job id -> configuration chosen by the policy

@@ -18,13 +18,14 @@ from functools import cached_property
 from goodput_train.goodput import pgns
 from policies.base import Decision, Prediction
 from shared import metrics
-from shared.cluster import Cluster, Spots
+from shared.cluster import Cluster
 from shared.hardware import hardware_name
-from shared.schema.base import DEFAULT_TEAM
+from shared.schema.base import Spots
 from shared.schema.decisions import MAX_HOLDERS, Holder, JobDecision, RoundSummary
 from shared.schema.rounds import JobFacts, JobModels, Reclaim
 from shared.schema.runs import RoundRecord
 from shared.schema.teams import Teams
+from shared.subjects import DEFAULT_TEAM
 from shared.waits import Needs, beyond_team, team_full
 
 MAX_SUMMARY_EVENTS = 50  # a round's summary keeps its first events; the rest are counted

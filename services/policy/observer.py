@@ -28,12 +28,13 @@ from services.policy.decisions import (
     round_summary,
     span_attributes,
 )
-from shared.cluster import Cluster, Config, Spots
+from shared.cluster import Cluster
 from shared.hardware import hardware_name
+from shared.schema.base import Config, Spots
 from shared.schema.decisions import JobDecision, RoundSummary
 from shared.schema.rounds import ApplyRequest, JobFacts, JobModels, Reclaim
 from shared.schema.runs import RoundRecord, RunClock
-from shared.teams import Teams
+from shared.schema.teams import Teams
 from shared.tracing import span_context_of
 
 if TYPE_CHECKING:

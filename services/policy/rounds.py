@@ -23,7 +23,6 @@ solve, or whose decision does not fit the cluster, costs a round: every job keep
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ import msgspec
 from opentelemetry import trace
 
 from policies.base import (
-    POLICIES,
     Decision,
     HybridRefused,
     JobView,
@@ -41,15 +39,15 @@ from policies.base import (
     RoundState,
     decision_from_placements,
     job_view,
-    refuse_teams,
     restore_policy,
     snapshot_policy,
 )
 from policies.teams import ledger
 from services.policy.decisions import team_waits
 from services.policy.observer import DecidedJobs, RoundObserver, StageTimes
-from shared.cluster import Cluster, Config, Node, Spots
+from shared.cluster import Cluster
 from shared.hardware import hardware_name
+from shared.schema.base import Config, Node, Spots
 from shared.schema.decisions import JobDecision, RoundSummary
 from shared.schema.jobs import CANCELLED
 from shared.schema.rounds import (
@@ -63,8 +61,9 @@ from shared.schema.rounds import (
     Reclaim,
 )
 from shared.schema.runs import DecidedRound, RoundRecord, RunClock, RunStep
+from shared.schema.teams import TeamFile, Teams
 from shared.settings import SimSettings
-from shared.teams import TeamFile, Teams, resolve
+from shared.teams import resolve
 
 TRACER_NAME = "goodput.round"
 log = logging.getLogger(__name__)
@@ -138,23 +137,6 @@ class FixedTeams:
 
     async def team_file(self) -> TeamFile | None:
         return self.file
-
-
-def team_policies() -> list[str]:
-    """The policies that hold each team's guarantees and borrowing limits (`honours_teams`)."""
-    honouring = []
-    for name, where in POLICIES.items():
-        module, cls = where.split(":")
-        if getattr(importlib.import_module(module), cls).honours_teams:
-            honouring.append(name)
-    return honouring
-
-
-def check_honours_teams(policy: Policy, teams: Teams) -> None:
-    """ValueError for a policy started with `teams` that cannot hold their guarantees, naming those
-    that can (`policies.base.refuse_teams`)."""
-    if not policy.honours_teams:
-        refuse_teams(policy.name, teams)
 
 
 def reclaim_event(now: float, job: str, reclaim: Reclaim) -> str:

@@ -36,10 +36,10 @@ import msgspec
 import nats.errors
 from nats import micro
 
-from policies.base import make_policy
+from policies.base import check_honours_teams, make_policy
 from services.policy.lease import Leadership, LeaseLost
 from services.policy.recorder import DecisionRecorder
-from services.policy.rounds import Arrival, FixedTeams, RoundLoop, TeamSource, check_honours_teams
+from services.policy.rounds import Arrival, FixedTeams, RoundLoop, TeamSource
 from services.policy.wiring import RETRY_S, BusWiring, KvTeams, LiveFeed
 from shared import storage, subjects
 from shared.bus import Bus

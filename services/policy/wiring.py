@@ -19,8 +19,7 @@ import nats.errors
 from shared import storage, subjects
 from shared.bus import Bus
 from shared.bus.kv import TypedKV
-from shared.cluster import Config, Node, Spots
-from shared.schema.base import Ack
+from shared.schema.base import Ack, Config, Node, Spots
 from shared.schema.rounds import (
     AdvanceReply,
     AdvanceRequest,
@@ -36,7 +35,7 @@ from shared.schema.rounds import (
     PlacementResult,
     PlaceRequest,
 )
-from shared.teams import TeamFile
+from shared.schema.teams import TeamFile
 
 REQUEST_TIMEOUT_S = 10.0
 RETRY_S = 120.0

@@ -20,13 +20,14 @@ import msgspec
 
 from goodput_train.goodput import BatchLimits, Observation, Retune, retune_all, split_batch
 from services.simulated.truth import ModelTruth
-from shared.cluster import Cluster, Config, Spots, replica_count
+from shared.cluster import Cluster, replica_count
 from shared.lifecycle import JobState, check_transition, job_state
-from shared.schema.base import DEFAULT_TEAM
+from shared.schema.base import Config, Spots
 from shared.schema.jobs import CANCELLED, JobSpec
 from shared.schema.nodes import ALIVE, NodeStatus, NodeStatuses
 from shared.schema.records import JobRecord
 from shared.schema.rounds import ApplyRequest, JobFacts, JobModels, Reclaim
+from shared.subjects import DEFAULT_TEAM
 from shared.submissions import named_types
 from shared.waits import Needs, behind, free_reason, needs_of, unplaced_reason, unschedulable
 from sim.reference import WorkloadJob

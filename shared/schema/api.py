@@ -8,9 +8,10 @@ from typing import Annotated, Iterable
 import msgspec
 
 from shared.lifecycle import JobState
-from shared.schema.base import DEFAULT_TEAM, Identifier
+from shared.schema.base import Identifier
 from shared.schema.records import JobRecord, Progress, job_rows
 from shared.schema.rounds import Reclaim
+from shared.subjects import DEFAULT_TEAM
 
 
 class JobStatus(msgspec.Struct, frozen=True):

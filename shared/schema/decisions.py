@@ -8,7 +8,8 @@ from typing import Annotated
 
 import msgspec
 
-from shared.schema.base import DEFAULT_TEAM, Identifier, Node
+from shared.schema.base import Identifier, Node
+from shared.subjects import DEFAULT_TEAM
 
 # What a round decided for a job (`JobDecision.outcome`), as the `job.decision` span says it.
 OUTCOMES = ("allocated", "kept", "unallocated", "waits", "evicted", "failed")

@@ -9,7 +9,8 @@ from typing import Iterable
 import msgspec
 
 from goodput_train.protocol import PositiveFloat, PositiveInt, ProfileRun
-from shared.schema.base import DEFAULT_TEAM, TeamName
+from shared.schema.base import TeamName
+from shared.subjects import DEFAULT_TEAM
 
 
 class NodeInfo(msgspec.Struct, frozen=True):

@@ -10,9 +10,10 @@ import msgspec
 # The messages a job prints for its executor are the training library's (written once, there).
 from goodput_train.protocol import JobStats
 from shared.lifecycle import JobState
-from shared.schema.base import DEFAULT_TEAM, Spots
+from shared.schema.base import Spots
 from shared.schema.jobs import JobSpec, Profiled
 from shared.schema.rounds import Reclaim
+from shared.subjects import DEFAULT_TEAM
 
 # A job's lifecycle: submitted and being profiled, then queued (accepted, waiting for GPUs), running,
 # and one of the ends; `rejected` is the profiler's refusal of a submission.

@@ -10,7 +10,8 @@ import msgspec
 
 from goodput_train.goodput import GoodputModel, ThroughputParams
 from goodput_train.protocol import NonNegativeFloat, PositiveInt
-from shared.schema.base import DEFAULT_TEAM, Config, Node, Spots
+from shared.schema.base import Config, Node, Spots
+from shared.subjects import DEFAULT_TEAM
 
 
 class JobFacts(msgspec.Struct, frozen=True):
