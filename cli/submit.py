@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="JOB",
         help="job files, each submitted in turn: id, application, and optionally requested_gpus, "
         "requested_batch, min_gpus, rigid, strong_scaling, gpu_types; a job with its own code: id, "
-        "entrypoint (a script or module in the code), and optionally args and the others",
+        "entrypoint (a script or module in the code), and optionally args, launcher (goodput or torchrun) and the others",
     )
     parser.add_argument(
         "--code",

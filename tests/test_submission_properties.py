@@ -42,6 +42,7 @@ documents = st.fixed_dictionaries(
         "requested_batch": counts,
         "rigid": st.one_of(st.booleans(), counts),
         "strong_scaling": st.booleans(),
+        "launcher": st.one_of(st.sampled_from(["goodput", "torchrun"]), st.text(max_size=8)),
         "gpu_types": st.lists(
             st.one_of(
                 st.sampled_from(CLUSTER.gpu_types), st.sampled_from(["T4", "a100", "RTX 2080 Ti"]), st.text(max_size=8)

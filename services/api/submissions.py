@@ -83,7 +83,7 @@ def live_problem(cluster: Cluster, models: Callable[[], Awaitable[Models | None]
 def notes(spec: JobSpec) -> tuple[str, ...]:
     """What a submitter may not expect of an accepted job."""
     found = []
-    if not spec.rigid and spec.requested_gpus > 1:
+    if not spec.fixed_gpus and spec.requested_gpus > 1:
         found.append(
             f"requested_gpus {spec.requested_gpus} is a hint: the scheduler gives the job the GPUs (and "
             "batch) that maximise its goodput, which change as it trains; `rigid: true` holds it to exactly "

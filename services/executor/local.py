@@ -612,13 +612,19 @@ class LocalExecutors:
         gpu_type = self.cluster.placement_type(job.placement) or ""
         job.generation += 1
         job.heard, job.outcome, job.first_heard = False, None, None
-        env = {REPORT_ENV: str(self.report_every_s), ADAPTIVE_ENV: str(int(job.adaptive))}
+        env = {
+            REPORT_ENV: str(self.report_every_s),
+            ADAPTIVE_ENV: str(int(job.adaptive)),
+            # As torchrun counts them: the restarts after a crash so far, and how many it may have.
+            "TORCHELASTIC_RESTART_COUNT": str(job.crashes),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_crashes - 1),
+        }
         if self.checkpoint_every_s is not None:
             env[CHECKPOINT_ENV] = str(self.checkpoint_every_s)
         if self.collective_timeout_s is not None:
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.collective_timeout_s)
         orders, first = [], 0
-        for node, gpus in parts:
+        for group, (node, gpus) in enumerate(parts):
             order = StartWorkers(
                 job.job_id,
                 job.application,
@@ -635,6 +641,7 @@ class LocalExecutors:
                 args=job.args,
                 user=job.user,
                 team=job.team,
+                group=group,
             )
             orders.append((node, order))
             first += gpus

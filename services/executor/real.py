@@ -53,7 +53,7 @@ from shared.runner import executors_kind, positive_float
 from shared.runtime import JOBS_PACKAGE
 from shared.schema.base import Ack, Node, Spots
 from shared.schema.estimates import Observed
-from shared.schema.jobs import CANCELLED, Cancel, JobSpec, Profiled, Rejected, verdict_for
+from shared.schema.jobs import CANCELLED, GOODPUT, Cancel, JobSpec, Profiled, Rejected, verdict_for
 from shared.schema.nodes import (
     ALIVE,
     DRAINED,
@@ -152,7 +152,7 @@ class RealExecutors:
         if not self.served:
             return None
         spec = job.spec
-        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
+        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.fixed_gpus, spec.gpu_types)
         if needs not in self._unfit:
             self._unfit[needs] = unschedulable(needs, self.schedulable, self.drained_nodes)
         return self._unfit[needs]
@@ -166,7 +166,7 @@ class RealExecutors:
             return unplaced_reason(ahead)
         spec = job.spec
         held = {name: local.holds for name, local in self.executors.jobs.items() if local.holds}
-        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.rigid, spec.gpu_types)
+        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.fixed_gpus, spec.gpu_types)
         # Every schedulable node, the GPUs the profiler's runs take on them counted as theirs.
         return wait_reason(needs, self.schedulable, held, ahead, self.profiling_nodes())
 
@@ -446,7 +446,7 @@ class RealExecutors:
             age_s=now - job.arrival_s,
             requested_gpus=spec.requested_gpus,
             requested_batch=spec.requested_batch or profiled.init_batch,
-            rigid=spec.rigid,
+            rigid=spec.fixed_gpus,
             init_batch=profiled.init_batch,
             max_batch=profiled.max_batch,
             min_gpus=spec.min_gpus,
@@ -455,8 +455,9 @@ class RealExecutors:
             attained_by_type=dict(job.by_type),
             placement=local.placement,
             iterations=float(steps),
-            # Stopping, waiting for its GPUs, or started and not yet heard from: restarting.
-            mid_restart=local.in_transition or (local.running and not local.heard),
+            # Stopping, waiting for its GPUs, or started and not yet heard from: restarting (a
+            # torchrun script reports nothing: it runs once started).
+            mid_restart=local.in_transition or (local.running and not local.heard and spec.launcher == GOODPUT),
             slice_iterations=float(max(steps - job.slice_steps, 0)) if local.placement else 0.0,
             idle_since_s=None if local.placement else job.arrival_s if job.idle_since_s is None else job.idle_since_s,
             max_gpus_seen=job.max_gpus_seen,
@@ -513,7 +514,7 @@ class RealExecutors:
             local = self.executors.jobs.get(name)
             if local is None or spots == local.placement or job.finish_s is not None or job.failure:
                 continue
-            local.adaptive = adaptive and not (job.spec.rigid or job.spec.strong_scaling)
+            local.adaptive = adaptive and not (job.spec.fixed_gpus or job.spec.strong_scaling)
             if spots:
                 job.max_gpus_seen = max(job.max_gpus_seen, sum(g for _, g in spots))
                 job.slice_steps = local.stats.steps if local.stats else 0

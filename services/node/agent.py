@@ -278,12 +278,23 @@ class NodeWorkers:
             self._file(order.job_id, "checkpoint").write_text(str(checkpoint))
             for local, rank in enumerate(order.ranks):
                 env = {
-                    **torchrun_env(rank, order.world, order.nodes, port, order.job_id, order.gpu_type, local, address),
+                    **torchrun_env(
+                        rank,
+                        order.world,
+                        order.nodes,
+                        port,
+                        order.job_id,
+                        order.gpu_type,
+                        local,
+                        address,
+                        len(order.ranks),
+                        order.group,
+                    ),
                     **order.env,
                     CHECKPOINT_PATH_ENV: str(box.inside(checkpoint)),
                 }
-                if self.devices:
-                    env["CUDA_VISIBLE_DEVICES"] = self.devices[slots[local]]
+                if self.devices:  # as torchrun: every rank sees the job's devices here, LOCAL_RANK its own
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices[slot] for slot in slots)
                 log_file = open(self.log_path(order.job_id, rank), "w")  # noqa: SIM115 - its reader closes it
                 process = worker(
                     box, target, list(order.args), env, subprocess.PIPE, lifeline=True, checkpoint=checkpoint, code=code

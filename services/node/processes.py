@@ -155,14 +155,25 @@ def torchrun_env(
     gpu_type: str,
     local_rank: int | None = None,
     master: str = "127.0.0.1",
+    local_world: int | None = None,
+    group: int = 0,
 ) -> dict[str, str]:
-    """A worker's place in its job, as torchrun gives it, and what goodput adds."""
+    """A worker's place in its job, as torchrun gives it (one role; the rendezvous store is rank 0's,
+    not an agent's), and what goodput adds."""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+        "GROUP_RANK": str(group),
+        "GROUP_WORLD_SIZE": str(nodes),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
         "MASTER_ADDR": master,
         "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
         "GOODPUT_NODES": str(nodes),
         JOB_ENV: job_id,
         GPU_TYPE_ENV: gpu_type,

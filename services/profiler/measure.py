@@ -35,11 +35,12 @@ from nats.micro.request import ServiceError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from goodput_train.protocol import ProfileRun
+from goodput_train.protocol import ProfilePoint, ProfileRun
 from shared import subjects
 from shared.bus import Bus
 from shared.bus.kv import TypedKV
 from shared.schema.estimates import Profile
+from shared.schema.jobs import JobSpec
 from shared.schema.nodes import NodeInfo, ProfileAnswer, ProfileRequest
 
 PROFILE_TIMEOUT_S = 300.0
@@ -268,6 +269,16 @@ async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRe
         for task in (asked, watching):
             task.cancel()
         await asyncio.gather(asked, watching, return_exceptions=True)
+
+
+def declared_run(spec: JobSpec) -> ProfileRun:
+    """What a job that is not profiled (a torchrun script) runs as: its declared batch (the global
+    batch it asks for, at least one sample a GPU), each sample costing one second a GPU. The flat
+    curve makes K GPUs worth K times one, so the policies place it at requested_gpus of its types,
+    and compare it with no measured job (the rigid policies' order is its own: arrival)."""
+    batch = max(spec.requested_batch or 1, spec.requested_gpus)
+    points = (ProfilePoint(1, 1.0), ProfilePoint(batch, float(batch))) if batch > 1 else (ProfilePoint(1, 1.0),)
+    return ProfileRun(points, batch, batch)
 
 
 def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun, memory: str = "memory") -> Profile:

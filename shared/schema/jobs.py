@@ -4,7 +4,7 @@ Cancel; the executors read them all."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -23,6 +23,11 @@ from shared.schema.base import (
 )
 from shared.schema.code import Arguments, Digest, Entrypoint
 
+# How a job's own code runs: through the training library's contract (profiled, adaptive), or as
+# torchrun runs a script (its ranks given torchrun's environment; rigid).
+Launcher = Literal["goodput", "torchrun"]
+GOODPUT, TORCHRUN = get_args(Launcher)
+
 
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A job submission (`goodput submit JOB.yaml`). Unknown fields are refused, not ignored: a typo
@@ -30,7 +35,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     By default a job is adaptive: the scheduler picks its GPUs (type and count) and batch size.
     `rigid` fixes its GPU count at requested_gpus; `strong_scaling` fixes its total batch at
-    requested_batch (goodput is then throughput).
+    requested_batch (goodput is then throughput). A job that carries its code runs through the
+    training library (`launcher: goodput`, profiled and adaptive), or as torchrun would run it
+    (`launcher: torchrun`: any DDP script, unchanged, rigid at requested_gpus of its gpu_types).
     """
 
     id: Identifier
@@ -58,6 +65,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The work its user declares: statistical epochs at M0 (goodput_train's `target_epochs`); None:
     # none. The scheduler plans with it while the job is within it, and never stops a job for it.
     target_epochs: Annotated[float, msgspec.Meta(gt=0, le=MAX_TARGET_EPOCHS)] | None = None
+    launcher: Launcher = GOODPUT
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -73,7 +81,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(problem)
         if self.strong_scaling and self.requested_batch is None:
             raise ValueError("a strong-scaling job needs requested_batch")
-        if self.min_gpus > self.requested_gpus and self.rigid:
+        if self.launcher == TORCHRUN and self.code is None:
+            raise ValueError("a torchrun job carries its code: code and entrypoint (goodput submit --code DIR)")
+        if self.min_gpus > self.requested_gpus and self.fixed_gpus:
             raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
         if len(set(self.gpu_types)) != len(self.gpu_types):
             raise ValueError("gpu_types lists a type twice")
@@ -83,6 +93,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """What the job is known as among models (its profiles, the policy's settings): its application,
         else its entrypoint."""
         return self.application or str(self.entrypoint)
+
+    @property
+    def fixed_gpus(self) -> bool:
+        """Whether it runs at requested_gpus only: rigid, or a torchrun script (which no resize reaches)."""
+        return self.rigid or self.launcher == TORCHRUN
 
     @property
     def own_code(self) -> tuple[str, str, tuple[str, ...]]:

@@ -65,6 +65,7 @@ class StartWorkers(msgspec.Struct, frozen=True):
     # workers' uid is the agent's first plus it); None: an older executor's order (a hash of the id).
     user: int | None = None
     team: TeamName = DEFAULT_TEAM  # the job's team: its output is stored in that team's logs stream
+    group: int = 0  # this node's place among the job's `nodes`, rank 0's first (torchrun's GROUP_RANK)
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
