@@ -42,16 +42,11 @@ same step.
 from __future__ import annotations
 
 import atexit
-import base64
 import gc
 import json
 import logging
 import math
 import os
-import signal
-import statistics
-import sys
-import threading
 import time
 import weakref
 from collections import defaultdict
@@ -60,7 +55,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -79,20 +73,18 @@ from goodput_train.protocol import (
     COLLECTIVE_TIMEOUT_S,
     GPU_TYPE_ENV,
     JOB_ENV,
-    LIFELINE_ENV,
     METRICS_PREFIX,
     PROFILE_ENV,
     PROFILE_PREFIX,
     REPORT_ENV,
     REPORT_EVERY_S,
     SLOT_MEMORY_ENV,
-    STATS_PREFIX,
     STOPPED_MARK,
     JobStats,
-    ProfilePoint,
     ProfileRun,
     clean_metrics,
 )
+from goodput_train.worker import print_line, print_stats, say, sweep, watch_stops
 
 RETUNE_EVERY = 20  # steps between re-fits of the throughput model
 # steps between the replicas' noise samples (their local norms: a pass over the gradient each)
@@ -236,26 +228,6 @@ def gpu_type() -> str:
     return os.environ.get(GPU_TYPE_ENV, "cpu")
 
 
-def _print_line(prefix: str, message: msgspec.Struct) -> None:
-    """One line on stdout for the executor: msgpack (it keeps NaN, which JSON cannot), in base64."""
-    print(prefix + base64.b64encode(msgspec.msgpack.encode(message)).decode(), flush=True)
-
-
-def _print_stats(stats: JobStats) -> None:
-    _print_line(STATS_PREFIX, stats)
-
-
-def _say(line: str) -> bool:
-    """A line on stdout for the executor; False if no one reads it any more (the agent is gone):
-    stdout then goes to /dev/null, so what is left in its buffer fails no later print, nor the exit."""
-    try:
-        print(line, flush=True)
-        return True
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return False
-
-
 def _plain(value: Any) -> Any:
     """A metric's value as JSON takes it: a one-element tensor or a NumPy scalar as a number."""
     if not isinstance(value, (str, int, float)) and hasattr(value, "item"):
@@ -341,7 +313,7 @@ class AdaptiveTraining:
         self.noise_every = max(1, noise_every)
         self.adaptive = adaptive and os.environ.get(ADAPTIVE_ENV) != "0"
         if report is None and os.environ.get(REPORT_ENV):
-            report, report_every_s = _print_stats, float(os.environ[REPORT_ENV])
+            report, report_every_s = print_stats, float(os.environ[REPORT_ENV])
         self._reporter, self.report_every_s = report, report_every_s
         self._dropped: set[str] = set()  # why metrics were dropped, each said once
         self._reported = time.monotonic()
@@ -361,9 +333,7 @@ class AdaptiveTraining:
         self._started = 0.0
         self._stop = False
         self._order_before = self.order.state_dict()
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        if os.environ.get(LIFELINE_ENV) == "1":
-            threading.Thread(target=self._watch_lifeline, daemon=True).start()
+        watch_stops(self._on_stop)
         self._resume()
 
     # ---- the loop -------------------------------------------------------------------------
@@ -373,7 +343,7 @@ class AdaptiveTraining:
         (checkpointed), or "stopped" (SIGTERM: checkpointed, to be resumed); or, started by the
         profiler, profile instead and print the result for it: "profiled"."""
         if os.environ.get(PROFILE_ENV):
-            _print_line(PROFILE_PREFIX, self.profile(loss_of))
+            print_line(PROFILE_PREFIX, self.profile(loss_of))
             return "profiled"
         try:
             while not self.done():
@@ -398,27 +368,19 @@ class AdaptiveTraining:
         if os.environ.get(SLOT_MEMORY_ENV):
             profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
         self.adaptive, self._reporter = False, None  # the batch is ours to choose; nothing to report
-        measured, out_of_memory, spent = [], None, 0.0
-        for m in profiling.batch_sizes(self.limits.min_local, self.limits.max_local, points):
+
+        def step_at(m: int) -> None:
             self.m, self.s = m, 0
-            try:
-                times = []
-                for _ in range(steps + 1):
-                    start = time.perf_counter()
-                    self.train_step(loss_of)
-                    self._synchronize()
-                    times.append(time.perf_counter() - start)
-            except Exception as error:
-                if not profiling.is_out_of_memory(error):
-                    raise
-                out_of_memory = m
-                self.optimizer.zero_grad(set_to_none=True)
-                profiling.release_memory()
-                break
-            spent += sum(times)
-            measured.append(ProfilePoint(m, statistics.median(times[1:])))
-            if spent > budget_s:
-                break
+            self.train_step(loss_of)
+            self._synchronize()
+
+        measured, out_of_memory, spent = sweep(
+            step_at,
+            profiling.batch_sizes(self.limits.min_local, self.limits.max_local, points),
+            steps,
+            budget_s,
+            lambda: self.optimizer.zero_grad(set_to_none=True),
+        )
         return ProfileRun(tuple(measured), self.limits.init_batch, self.limits.max_batch, out_of_memory, spent)
 
     def train_step(self, loss_of: Callable[[torch.nn.Module, Any], torch.Tensor]) -> None:
@@ -467,7 +429,7 @@ class AdaptiveTraining:
             self.order = ElasticOrder.from_state(len(self.dataset), self._order_before)
             self.optimizer.zero_grad(set_to_none=False)
             self.save()
-            if not _say(STOPPED_MARK):
+            if not say(STOPPED_MARK):
                 self._reporter = None
             raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
         batch = self.batch
@@ -511,7 +473,7 @@ class AdaptiveTraining:
         for why in set(dropped) - self._dropped:  # once each: a script reports the same every step
             self._dropped.add(why)
             log.warning("metric dropped: %s", why)
-        if kept and not _say(METRICS_PREFIX + json.dumps(kept)):
+        if kept and not say(METRICS_PREFIX + json.dumps(kept)):
             self._reporter, self._stop = None, True  # the executor is gone: stop, checkpointed
 
     @property
@@ -765,16 +727,8 @@ class AdaptiveTraining:
             if self.adaptive:
                 self.retune()
 
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop = True
-
-    def _watch_lifeline(self) -> None:
-        """Wait for stdin's end: the executor that started this worker is gone; stop, checkpointed.
-        (The file descriptor itself: a daemon thread blocked in sys.stdin's buffer would hold its
-        lock at exit, and the interpreter would abort.)"""
-        fd = sys.stdin.fileno()
-        while os.read(fd, 4096):
-            pass
+    def _on_stop(self) -> None:
+        """SIGTERM, or the lifeline's end (`worker.watch_stops`): stop, checkpointed, at the next step."""
         self._stop = True
 
 

@@ -1,0 +1,175 @@
+"""A PyTorch Lightning script with goodput's one callback, run as a worker is (the contract's
+environment, in a subprocess): it reports throughput and gradient noise, stops on SIGTERM with a
+checkpoint at GOODPUT_CHECKPOINT and the stopped mark, resumes from it (its steps go on) at another
+world size with its batch re-split, and its profiling run prints a profile the profiler accepts."""
+
+import base64
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from goodput_train.protocol import (
+    CHECKPOINT_PATH_ENV,
+    PROFILE_ENV,
+    PROFILE_PREFIX,
+    REPORT_ENV,
+    STATS_PREFIX,
+    STOPPED_MARK,
+    JobStats,
+    ProfileRun,
+)
+from launcher.nats import free_loopback_port
+from services.node.processes import torchrun_env, worker_env
+from services.profiler.measure import measured_profile
+
+pytest.importorskip("lightning")
+
+SCRIPT = """
+import sys
+
+import lightning.pytorch as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from goodput_train.lightning import GoodputCallback, placement
+
+
+class Regression(L.LightningModule):
+    def __init__(self, batch_size=16):
+        super().__init__()
+        self.batch_size = batch_size  # the callback sets it at each start
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(4096, 8, generator=generator)
+        self.data = TensorDataset(x, x.sum(1, keepdim=True) + 0.3 * torch.randn(4096, 1, generator=generator))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+
+torch.manual_seed(0)
+trainer = L.Trainer(
+    **placement(), max_steps=int(sys.argv[1]), accelerator="cpu", logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False, callbacks=[GoodputCallback()],
+)
+trainer.fit(Regression())
+print(f"done at step {trainer.global_step}", flush=True)
+"""
+
+
+def decode(line: str, prefix: str, kind):
+    return msgspec.msgpack.decode(base64.b64decode(line.strip()[len(prefix) :]), type=kind)
+
+
+def stats_in(lines: list[str]) -> list[JobStats]:
+    return [decode(line, STATS_PREFIX, JobStats) for line in lines if line.startswith(STATS_PREFIX)]
+
+
+def worker_envs(folder: Path, world: int, job_id: str, **extra: str) -> list[dict[str, str]]:
+    """Each rank's environment, as the node agent gives it: torchrun's, the checkpoint file, reports every 0.2 s."""
+    port = free_loopback_port()
+    checkpoint = {CHECKPOINT_PATH_ENV: str(folder / "checkpoints" / f"{job_id}.pt"), REPORT_ENV: "0.2", **extra}
+    return [worker_env({**torchrun_env(rank, world, 1, port, job_id, "cpu"), **checkpoint}) for rank in range(world)]
+
+
+def start(folder: Path, script: str, args: list[str], envs: list[dict[str, str]]) -> list[subprocess.Popen]:
+    (folder / "train.py").write_text(script)
+    return [
+        subprocess.Popen(
+            [sys.executable, "train.py", *args],
+            cwd=folder,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+
+
+def stop_after_steps(workers: list[subprocess.Popen], timeout_s: float = 120) -> list[list[str]]:
+    """Read rank 0 until it reports steps taken, SIGTERM every rank (a rescale), and each rank's
+    whole output once it has exited 0."""
+    seen = []
+    for line in workers[0].stdout:
+        seen.append(line.strip())
+        if line.startswith(STATS_PREFIX) and stats_in([line])[0].steps > 0:
+            break
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    outputs = []
+    for rank, worker in enumerate(workers):
+        out, err = worker.communicate(timeout=timeout_s)
+        assert worker.returncode == 0, err[-3000:]
+        outputs.append((seen if rank == 0 else []) + out.splitlines())
+    return outputs
+
+
+def finish(workers: list[subprocess.Popen], timeout_s: float = 120) -> list[list[str]]:
+    outputs = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=timeout_s)
+        assert worker.returncode == 0, err[-3000:]
+        outputs.append(out.splitlines())
+    return outputs
+
+
+def saved_steps(folder: Path, job_id: str) -> int:
+    import torch
+
+    state = torch.load(folder / "checkpoints" / f"{job_id}.pt", weights_only=False)
+    return state["global_step"]
+
+
+def check_stopped_then_resumed(saved: int, stopped: list[list[str]], resumed: list[str], more: int) -> list[JobStats]:
+    """The stop: the mark, rank 0's reports with step times and gradient noise, a checkpoint at
+    least as far as they went. The resumed run: reports from there on, never back, to its end."""
+    for lines in stopped:
+        assert STOPPED_MARK in lines and not any(line.startswith("done at") for line in lines)
+    reports = stats_in(stopped[0])
+    assert reports and reports[-1].steps > 0
+    last = reports[-1]
+    assert last.observations and all(o.t_iter > 0 for o in last.observations)
+    assert {(o.gpus, o.m) for o in last.observations} == {(len(stopped), 16)}
+    assert last.grad_sqr is not None and last.grad_var is not None and last.grad_var > 0
+    assert saved >= max(r.steps for r in reports) > 0
+    steps = [r.steps for r in stats_in(resumed)]
+    assert steps and min(steps) > saved and steps == sorted(steps) and steps[-1] == saved + more  # never back
+    assert STOPPED_MARK not in resumed and resumed[-1] == f"done at step {saved + more}"
+    return stats_in(resumed)
+
+
+def test_a_lightning_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
+    """Two ranks over gloo stop on SIGTERM; one rank resumes from the checkpoint: its global step
+    goes on, and the total batch the job was tuned for (2 × 16) is kept on one replica."""
+    stopped = stop_after_steps(start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 2, "lit-1")))
+    saved = saved_steps(tmp_path, "lit-1")
+    (resumed,) = finish(start(tmp_path, SCRIPT, [str(saved + 40)], worker_envs(tmp_path, 1, "lit-1")))
+    reports = check_stopped_then_resumed(saved, stopped, resumed, 40)
+    assert stats_in(stopped[0])[-1].m == 16
+    assert reports[-1].m * (reports[-1].s + 1) >= 32  # one replica takes the whole batch, at least M0
+
+
+def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
+    (worker,) = start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 1, "lit-2", **{PROFILE_ENV: "1"}))
+    (lines,) = finish([worker])
+    (profile,) = [decode(line, PROFILE_PREFIX, ProfileRun) for line in lines if line.startswith(PROFILE_PREFIX)]
+    measured = measured_profile("lit-2", "lit", "cpu", profile)
+    sizes = [p.local_bsz for p in profile.points]
+    assert sizes == sorted(sizes) and len(sizes) > 2 and sizes[-1] == 16 and measured.max_local == 16
+    assert profile.init_batch == 16 and not any(line.startswith("done at") for line in lines)
+    assert not (tmp_path / "checkpoints" / "lit-2.pt").exists()

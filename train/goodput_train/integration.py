@@ -1,0 +1,311 @@
+"""What the framework integrations (`goodput_train.lightning`, `goodput_train.huggingface`) share: a
+framework's loop owns the data, the forward and backward passes and the optimizer step, and calls a
+`StepMeter` around each optimizer step, which does the rest of what `AdaptiveTraining` does:
+
+- `before_step`, the gradients averaged over the replicas and ready: every `noise_every` steps, a
+  pair of consecutive steps' gradients gives the noise scale's sample (`pgns.from_consecutive`, in
+  Adam's preconditioned metric for the optimizers with `exp_avg_sq`); the learning rate of each
+  group is multiplied by its rule's factor (`lr`) for this step's total batch;
+- `after_step`, the optimizer step done: the learning rates set back (the framework's scheduler
+  goes on from its own), the step timed, progress counted in M0-examples, `JobStats` reported every
+  `report_every_s`; every `noise_every` steps the replicas agree, in one small all-reduce, whether
+  any was told to stop (SIGTERM, the lifeline's end: `worker.watch_stops`) or a periodic checkpoint
+  is due (rank 0's clock), so all save or stop at the same step.
+
+`start_batch` decides the per-replica batch and accumulation a run starts with, from the checkpoint
+of the run before (the same total batch split over the new replicas, re-picked for goodput from
+the step times measured), and `profile_run` times the profiler's sweep. Each framework's module says
+which of these its loop lets it apply.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
+from goodput_train.lr import LrScaling, default_rule
+from goodput_train.pgns import NoiseScale, from_consecutive
+from goodput_train.protocol import (
+    ADAPTIVE_ENV,
+    CHECKPOINT_ENV,
+    CHECKPOINT_PATH_ENV,
+    JOB_ENV,
+    REPORT_ENV,
+    JobStats,
+    ProfileRun,
+)
+from goodput_train.trainer import (
+    CHECKPOINT_EVERY_S,
+    MAX_BATCH_REPLICAS,
+    NOISE_EVERY,
+    TIMINGS_KEPT,
+    Placement,
+    gpu_type,
+)
+from goodput_train.worker import print_stats, sweep, watch_stops
+
+
+def checkpoint_path() -> str | None:
+    """The contract's checkpoint file (GOODPUT_CHECKPOINT), None when unset."""
+    return os.environ.get(CHECKPOINT_PATH_ENV) or None
+
+
+def adaptive_env() -> bool:
+    """False when the executor keeps this job's batch (GOODPUT_ADAPTIVE=0: rigid, or a policy that does not adapt)."""
+    return os.environ.get(ADAPTIVE_ENV) != "0"
+
+
+def limits_for(init_batch: int, max_local: int, max_batch: int | None = None) -> BatchLimits:
+    """The job's batch limits, by AdaptiveTraining's defaults: up to `max_local` a replica on MAX_BATCH_REPLICAS."""
+    return BatchLimits(init_batch, max_batch or max(init_batch, max_local * MAX_BATCH_REPLICAS), 1, max_local)
+
+
+def start_batch(
+    state: dict | None, placement: Placement, m: int, s: int, limits: BatchLimits, adaptive: bool
+) -> tuple[int, int]:
+    """(m, s) for this run: the script's own at the first start or when the batch is kept; resumed on
+    another allocation, the total batch of the run before split over this one, then re-picked for
+    goodput from the step times measured (as `AdaptiveTraining` resumes)."""
+    if state is None or not adaptive:
+        return m, s
+    world, m0, s0 = state["batch"]
+    m, s = split_batch(world * m0 * (s0 + 1), placement.world, limits.max_local)
+    noise = NoiseScale(limits.init_batch)
+    noise.load_state_dict(state["noise"])
+    stats = noise.stats()
+    observations = observations_of(_timings(state))
+    try:
+        model = GoodputModel(fit_throughput(observations), *(stats or (None, None)), limits.init_batch)
+        _, m1, s1 = model.retune(placement.nodes, placement.world, limits, (m, s))
+        if m1 > 0:
+            m, s = m1, s1
+    except FitError:
+        pass
+    return m, s
+
+
+def observations_of(timings: dict) -> list[Observation]:
+    """Each configuration run, with the median of its recent step times."""
+    return [
+        Observation(nodes, gpus, m, s, float(torch.tensor(times).median()))
+        for (nodes, gpus, m, s), times in sorted(timings.items())
+    ]
+
+
+def _timings(state: dict) -> dict:
+    """The step times a checkpoint holds, when they were this GPU type's (else measured afresh)."""
+    if state.get("gpu_type") != gpu_type():
+        return defaultdict(list)
+    return defaultdict(list, {tuple(key): times for key, times in state["timings"]})
+
+
+def adam_scales(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """The square roots of Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps) for `params` (None
+    for a parameter without its state yet); None when no parameter has one: the plain metric."""
+    scales: list[torch.Tensor | None] = []
+    for group in optimizer.param_groups:
+        if "betas" not in group:
+            scales.extend(None for p in group["params"] if p.grad is not None)
+            continue
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state.get(p, {})
+            if "exp_avg_sq" not in state:
+                scales.append(None)
+                continue
+            v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
+            scales.append((1.0 / (v_hat.sqrt() + group["eps"])).sqrt())
+    return None if all(scale is None for scale in scales) else scales
+
+
+class StepMeter:
+    """Around each optimizer step of a framework's loop: the noise scale, the learning-rate factor,
+    step times, progress, reports and the agreed stop (see the module doc).
+
+    - `batch` (m, s): this run's per-replica micro-batch and accumulation steps;
+    - `init_batch`: M0, the total batch the job was tuned for (by default this run's, when no
+      checkpoint says otherwise);
+    - `dataset_size`: examples in an epoch (statistical epochs are M0-examples over it).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        batch: tuple[int, int],
+        init_batch: int,
+        dataset_size: int,
+        lr_rule: str | None = None,
+        warmup_epochs: float = 0.0,
+        target_epochs: float | None = None,
+        noise_every: int = NOISE_EVERY,
+        report: Callable[[JobStats], None] | None = None,
+        report_every_s: float | None = None,
+        checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
+        device: torch.device | None = None,
+    ):
+        self.placement = Placement.from_env()
+        self.optimizer = optimizer
+        self.m, self.s = batch
+        self.dataset_size = max(1, dataset_size)
+        self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
+        self.target_epochs = target_epochs
+        self.noise_every = max(1, noise_every)
+        if report is None and os.environ.get(REPORT_ENV):
+            report, report_every_s = print_stats, float(os.environ[REPORT_ENV])
+        self.reporter, self.report_every_s = report, report_every_s
+        self.checkpoint_every_s = float(os.environ.get(CHECKPOINT_ENV, 0)) or checkpoint_every_s
+        self.device = device or torch.device("cpu")
+        self.noise = NoiseScale(init_batch)
+        self.progress = 0.0
+        self.steps = 0
+        self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
+        self.stop_requested = False
+        self._previous: list[torch.Tensor] | None = None  # the sampled step's gradient
+        self._lrs: list[float] | None = None  # the groups' own learning rates, while scaled
+        self._ended: float | None = None  # when the last step ended (its successor is timed from it)
+        self._reported = self._saved = time.monotonic()
+        watch_stops(self.request_stop)
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
+
+    @property
+    def batch(self) -> int:
+        return self.placement.world * self.m * (self.s + 1)
+
+    @property
+    def epochs(self) -> float:
+        return self.progress / self.dataset_size
+
+    def done(self) -> bool:
+        return self.target_epochs is not None and self.epochs >= self.target_epochs
+
+    def before_step(self, params: Iterable[torch.Tensor]) -> None:
+        """The gradients are averaged and ready: sample the noise (a pair of steps every
+        `noise_every`), then scale each group's learning rate for this step's batch."""
+        sampled = self.steps % self.noise_every
+        if sampled == 0 or (self.noise_every > 1 and sampled == 1 and self._previous is not None):
+            params = [p for p in params if p.grad is not None]
+            grads = [p.grad.detach() for p in params]
+            if self._previous is not None and len(self._previous) == len(grads):
+                scales = adam_scales(self.optimizer, params)
+                self.noise.update(from_consecutive(self._previous, grads, self.batch, scales=scales))
+            self._previous = [g.clone() for g in grads] if sampled == 0 else None
+        stats = self.noise.stats()
+        factor = self.lr.factor(self.batch, *(stats or (None, None)), self.epochs)
+        if factor != 1.0:
+            self._lrs = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * factor
+
+    def restore_lr(self) -> None:
+        """The groups' own learning rates back, right after the optimizer step (before the
+        framework's scheduler reads them)."""
+        if self._lrs is not None:
+            for group, lr in zip(self.optimizer.param_groups, self._lrs):
+                group["lr"] = lr
+            self._lrs = None
+
+    def after_step(self) -> tuple[bool, bool]:
+        """The optimizer step is done: the learning rates set back, the step counted and timed, a
+        report if one is due. (stop, save): whether all replicas stop now, or checkpoint now."""
+        self.restore_lr()
+        stats = self.noise.stats()
+        self.progress += self.lr.progress(self.batch, *(stats or (None, None)))
+        self.steps += 1
+        now = time.perf_counter()
+        if self._ended is not None:
+            key = (self.placement.nodes, self.placement.world, self.m, self.s)
+            self.timings[key] = (self.timings[key] + [now - self._ended])[-TIMINGS_KEPT:]
+        self._ended = now
+        if self.reporter and time.monotonic() - self._reported >= self.report_every_s:
+            self.report()
+        if self.steps % self.noise_every:
+            return False, False
+        return self._agree()
+
+    def _agree(self) -> tuple[bool, bool]:
+        save_due = (
+            self.checkpoint_every_s is not None
+            and self.placement.rank == 0
+            and time.monotonic() - self._saved >= self.checkpoint_every_s
+        )
+        if self.placement.world == 1 or not dist.is_initialized():
+            return self.stop_requested, save_due
+        flags = torch.tensor([float(self.stop_requested), float(save_due)], device=self.device)
+        dist.all_reduce(flags)
+        stop, save = flags.tolist()
+        return stop > 0, save > 0
+
+    def pause(self) -> None:
+        """What happens between steps now (a checkpoint, an evaluation) is not the next step's time."""
+        self._ended = None
+
+    def saved(self) -> None:
+        self._saved = time.monotonic()
+        self.pause()
+
+    def report(self) -> None:
+        """Hand `report` what was measured (rank 0); the executor gone: stop at the next agreement."""
+        if not self.reporter or self.placement.rank != 0:
+            return
+        self._reported = time.monotonic()
+        try:
+            self.reporter(self.stats())
+        except BrokenPipeError:
+            self.reporter, self.stop_requested = None, True
+
+    def stats(self) -> JobStats:
+        noise = self.noise.stats()
+        return JobStats(
+            os.environ.get(JOB_ENV, "job"),
+            gpu_type(),
+            tuple(observations_of(self.timings)),
+            *(noise or (None, None)),
+            self.epochs,
+            self.steps,
+            self.m,
+            self.s,
+            self.noise.skipped,
+            self.target_epochs,
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "noise": self.noise.state_dict(),
+            "progress": self.progress,
+            "steps": self.steps,
+            "init_batch": self.lr.init_batch,
+            "batch": [self.placement.world, self.m, self.s],
+            "gpu_type": gpu_type(),
+            "timings": [[list(key), times] for key, times in self.timings.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.noise.load_state_dict(state["noise"])
+        self.progress, self.steps = state["progress"], state["steps"]
+        self.timings = _timings(state)
+
+
+class Profiled(SystemExit):
+    """The profiling run printed its profile: the script ends there, with exit code 0 (nothing
+    after the framework's fit or train runs)."""
+
+    def __init__(self):
+        super().__init__(0)
+
+
+def profile_run(
+    step_at: Callable[[int], None], sizes: list[int], init_batch: int, max_batch: int, **sweep_options
+) -> ProfileRun:
+    """The profiling run's result: `step_at(m)` timed at each per-GPU batch of `sizes` (`worker.sweep`)."""
+    measured, out_of_memory, spent = sweep(step_at, sizes, **sweep_options)
+    return ProfileRun(tuple(measured), init_batch, max_batch, out_of_memory, spent)
