@@ -50,6 +50,9 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        if not hasattr(self, "first"):
+            self.first = len(x)
+            print(f"first batch {self.first}", flush=True)
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("loss", loss)
         return loss
@@ -157,11 +160,13 @@ def test_a_lightning_script_reports_stops_on_sigterm_and_resumes_at_another_size
     """Two ranks over gloo stop on SIGTERM; one rank resumes from the checkpoint: its global step
     goes on, and the total batch the job was tuned for (2 × 16) is kept on one replica."""
     stopped = stop_after_steps(start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 2, "lit-1")))
+    assert all("first batch 16" in lines for lines in stopped)
     saved = saved_steps(tmp_path, "lit-1")
     (resumed,) = finish(start(tmp_path, SCRIPT, [str(saved + 40)], worker_envs(tmp_path, 1, "lit-1")))
     reports = check_stopped_then_resumed(saved, stopped, resumed, 40)
     assert stats_in(stopped[0])[-1].m == 16
-    assert reports[-1].m * (reports[-1].s + 1) >= 32  # one replica takes the whole batch, at least M0
+    m, s = reports[-1].m, reports[-1].s
+    assert m * (s + 1) >= 32 and f"first batch {m}" in resumed  # one replica takes the whole batch, at least M0
 
 
 def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):

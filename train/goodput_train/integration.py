@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
@@ -105,19 +106,17 @@ def _timings(state: dict) -> dict:
     return defaultdict(list, {tuple(key): times for key, times in state["timings"]})
 
 
-def adam_scales(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
-    """The square roots of Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps) for `params` (None
-    for a parameter without its state yet); None when no parameter has one: the plain metric."""
+def adam_scales(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] | None:
+    """For each parameter of `optimizer` with a gradient, in its groups' order, the square root of
+    Adam's diagonal preconditioner 1 / (sqrt(v̂) + eps) (None without its state yet: SGD, or
+    before the first step); None when no parameter has one: the plain metric."""
     scales: list[torch.Tensor | None] = []
     for group in optimizer.param_groups:
-        if "betas" not in group:
-            scales.extend(None for p in group["params"] if p.grad is not None)
-            continue
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = optimizer.state.get(p, {})
-            if "exp_avg_sq" not in state:
+            if "betas" not in group or "exp_avg_sq" not in state:
                 scales.append(None)
                 continue
             v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
@@ -188,15 +187,17 @@ class StepMeter:
     def done(self) -> bool:
         return self.target_epochs is not None and self.epochs >= self.target_epochs
 
-    def before_step(self, params: Iterable[torch.Tensor]) -> None:
+    def before_step(self) -> None:
         """The gradients are averaged and ready: sample the noise (a pair of steps every
-        `noise_every`), then scale each group's learning rate for this step's batch."""
+        `noise_every`, over the optimizer's parameters), then scale each group's learning rate for
+        this step's batch."""
         sampled = self.steps % self.noise_every
         if sampled == 0 or (self.noise_every > 1 and sampled == 1 and self._previous is not None):
-            params = [p for p in params if p.grad is not None]
-            grads = [p.grad.detach() for p in params]
+            grads = [
+                p.grad.detach() for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None
+            ]
             if self._previous is not None and len(self._previous) == len(grads):
-                scales = adam_scales(self.optimizer, params)
+                scales = adam_scales(self.optimizer)
                 self.noise.update(from_consecutive(self._previous, grads, self.batch, scales=scales))
             self._previous = [g.clone() for g in grads] if sampled == 0 else None
         stats = self.noise.stats()
@@ -293,6 +294,32 @@ class StepMeter:
         self.noise.load_state_dict(state["noise"])
         self.progress, self.steps = state["progress"], state["steps"]
         self.timings = _timings(state)
+
+
+class Batches:
+    """Batches of any size from a loader's dataset, collated as its loader collates them, endlessly
+    (the profiling sweep's)."""
+
+    def __init__(self, loader: DataLoader):
+        self.loader = loader
+        self.iterators: dict[int, Any] = {}
+
+    def next(self, size: int) -> Any:
+        for _ in range(2):
+            if size not in self.iterators:
+                fresh = DataLoader(
+                    self.loader.dataset,
+                    batch_size=size,
+                    shuffle=True,
+                    collate_fn=self.loader.collate_fn,
+                    drop_last=True,
+                )
+                self.iterators[size] = iter(fresh)
+            try:
+                return next(self.iterators[size])
+            except StopIteration:
+                del self.iterators[size]
+        raise ValueError(f"the dataset has fewer than {size} examples")
 
 
 class Profiled(SystemExit):

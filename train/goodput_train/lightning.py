@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader
 
 from goodput_train import checkpoint, profiling
 from goodput_train.integration import (
+    Batches,
     Profiled,
     StepMeter,
     adaptive_env,
@@ -156,7 +157,7 @@ class GoodputCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.meter is not None and optimizer is self.meter.optimizer:
-            self.meter.before_step(pl_module.parameters())
+            self.meter.before_step()
 
     def _after_optimizer_step(self) -> None:
         self.meter.restore_lr()  # before Lightning steps its schedulers
@@ -222,7 +223,7 @@ class GoodputCallback(pl.Callback):
             sizes = profiling.batch_sizes(1, self.max_local or m)
         else:
             sizes = [m]
-        batches = _Batches(loader)
+        batches = Batches(loader)
 
         def step_at(size: int) -> None:
             batch = trainer.strategy.batch_to_device(batches.next(size))
@@ -247,31 +248,6 @@ class GoodputCallback(pl.Callback):
         )
         print_line(PROFILE_PREFIX, run)
         raise Profiled()
-
-
-class _Batches:
-    """Batches of any size from a loader's dataset, drawn as its loader draws (its collate), endlessly."""
-
-    def __init__(self, loader: DataLoader):
-        self.loader = loader
-        self.iterators: dict[int, Any] = {}
-
-    def next(self, size: int) -> Any:
-        for _ in range(2):
-            if size not in self.iterators:
-                fresh = DataLoader(
-                    self.loader.dataset,
-                    batch_size=size,
-                    shuffle=True,
-                    collate_fn=self.loader.collate_fn,
-                    drop_last=True,
-                )
-                self.iterators[size] = iter(fresh)
-            try:
-                return next(self.iterators[size])
-            except StopIteration:
-                del self.iterators[size]
-        raise ValueError(f"the dataset has fewer than {size} examples")
 
 
 def _loader(trainer: pl.Trainer) -> DataLoader | None:

@@ -1,0 +1,93 @@
+"""A Hugging Face Trainer script with goodput's one callback, run as a worker is (the contract's
+environment, in a subprocess): it reports throughput and gradient noise, stops on SIGTERM with a
+checkpoint at GOODPUT_CHECKPOINT and the stopped mark, resumes from it (its steps go on) at another
+world size with its batch re-split, and its profiling run prints a profile the profiler accepts."""
+
+import pytest
+
+from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, ProfileRun
+from services.profiler.measure import measured_profile
+from tests.test_lightning import (
+    check_stopped_then_resumed,
+    decode,
+    finish,
+    start,
+    stats_in,
+    stop_after_steps,
+    worker_envs,
+)
+
+pytest.importorskip("transformers")
+
+SCRIPT = '''
+import sys
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+from goodput_train.huggingface import GoodputCallback
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Sequences of 12 random tokens; the label: whether token 7 occurs in the first half."""
+
+    def __init__(self, n=2048):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, 12), generator=generator)
+        self.labels = (self.ids[:, :6] == 7).any(1).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(12, dtype=torch.long), "labels": self.labels[i]}
+
+
+class Classifier(BertForSequenceClassification):
+    def forward(self, input_ids=None, **inputs):
+        if self.training and not hasattr(self, "first"):
+            self.first = input_ids.shape[0]
+            print(f"first batch {self.first}", flush=True)
+        return super().forward(input_ids=input_ids, **inputs)
+
+
+torch.manual_seed(0)
+config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                    max_position_embeddings=16, num_labels=2)
+args = TrainingArguments(output_dir="out", per_device_train_batch_size=16, max_steps=int(sys.argv[1]), learning_rate=1e-3,
+                         save_strategy="no", logging_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, remove_unused_columns=False)
+trainer = Trainer(model=Classifier(config), args=args, train_dataset=Tokens())
+trainer.add_callback(GoodputCallback(trainer))
+trainer.train()
+print(f"done at step {trainer.state.global_step}", flush=True)
+'''
+
+
+def saved_steps(folder, job_id: str) -> int:
+    import torch
+
+    return torch.load(folder / "checkpoints" / f"{job_id}.pt", weights_only=True)["global_step"]
+
+
+def test_a_trainer_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
+    """Two ranks over gloo stop on SIGTERM; one rank resumes from the checkpoint: its global step
+    goes on, and the total batch the job was tuned for (2 × 16) is kept on one replica."""
+    stopped = stop_after_steps(start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 2, "hf-1")))
+    assert all("first batch 16" in lines for lines in stopped)
+    saved = saved_steps(tmp_path, "hf-1")
+    (resumed,) = finish(start(tmp_path, SCRIPT, [str(saved + 30)], worker_envs(tmp_path, 1, "hf-1")))
+    reports = check_stopped_then_resumed(saved, stopped, resumed, 30)
+    assert stats_in(stopped[0])[-1].m == 16
+    m, s = reports[-1].m, reports[-1].s
+    assert m * (s + 1) >= 32 and f"first batch {m}" in resumed  # one replica takes the whole batch, at least M0
+
+
+def test_a_trainer_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
+    (worker,) = start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 1, "hf-2", **{PROFILE_ENV: "1"}))
+    (lines,) = finish([worker])
+    (profile,) = [decode(line, PROFILE_PREFIX, ProfileRun) for line in lines if line.startswith(PROFILE_PREFIX)]
+    measured = measured_profile("hf-2", "hf", "cpu", profile)
+    sizes = [p.local_bsz for p in profile.points]
+    assert sizes == sorted(sizes) and len(sizes) > 2 and sizes[-1] == 16 and measured.max_local == 16
+    assert profile.init_batch == 16 and not any(line.startswith("done at") for line in lines)
+    assert not (tmp_path / "checkpoints" / "hf-2.pt").exists()
