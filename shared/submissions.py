@@ -97,7 +97,10 @@ def submission_problem(
                 f"{described(named or cluster.gpu_types)}"
             )
     usable = sum(n.gpus for n in cluster.nodes if n.gpu_type in allowed)
-    for field, gpus in (("requested_gpus", spec.requested_gpus if spec.fixed_gpus else 0), ("min_gpus", spec.min_gpus)):
+    for field, gpus in (
+        ("requested_gpus", spec.requested_gpus if spec.fixed_gpus else 0),
+        ("min_gpus", spec.gpu_range[0]),
+    ):
         if gpus > usable:
             return (
                 f"{field} {gpus} is more than the {usable} GPUs it may use: cluster {cluster.name} has "

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import re
 import tempfile
+import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from services.profiler.measure import declared_run
-from shared.schema.jobs import JobSpec
+from policies.base import RoundState, job_view, make_policy
+from services.estimator.core import Estimator
+from services.profiler.measure import declared_run, measured_profile
+from shared.cluster import Cluster
+from shared.schema.base import Node
+from shared.schema.jobs import Elastic, JobSpec
+from shared.schema.rounds import JobFacts
 from tests.test_local_stack import Up
 from tests.test_own_code import script_folder, submit, until
 
@@ -46,6 +52,44 @@ print(f"ddp rank {rank} of {world} local {env['LOCAL_RANK']} of {env['LOCAL_WORL
 dist.destroy_process_group()
 """
 
+# The same kind of script, resumable: rank 0 saves its state in the job's checkpoint folder every 10
+# steps; each start resumes from it at whatever world size it is given, its global batch kept.
+ELASTIC_SCRIPT = """import os, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+path = os.path.join(os.environ["GOODPUT_CHECKPOINT_DIR"], "state.pt")
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+step = 0
+if os.path.exists(path):
+    state = torch.load(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    step = state["step"]
+if rank == 0:
+    print(f"elastic start at step {step} on {world}", flush=True)
+ddp = DistributedDataParallel(model)
+local_batch = 32 // world
+while step < 300:
+    x = torch.randn(local_batch, 8)
+    loss = ((ddp(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    step += 1
+    time.sleep(0.1)
+    if rank == 0 and step % 10 == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path + ".new")
+        os.replace(path + ".new", path)
+        print(f"elastic saved step {step} on {world}", flush=True)
+if rank == 0:
+    print(f"elastic done at step {step} on {world}", flush=True)
+"""
+
 
 def test_a_torchrun_job_is_rigid_and_needs_its_code():
     job = msgspec.json.decode(
@@ -68,6 +112,57 @@ def test_an_unprofiled_job_runs_as_declared_at_least_a_sample_a_gpu():
     assert asked.init_batch == asked.max_batch == 256
 
 
+def test_an_elastic_torchrun_job_keeps_its_batch_within_its_range():
+    elastic = JobSpec("e", code=CODE, entrypoint="train.py", launcher="torchrun", elastic=Elastic(2, 4))
+    assert not elastic.fixed_gpus and elastic.fixed_batch and elastic.gpu_range == (2, 4)
+    assert JobSpec("r", code=CODE, entrypoint="t.py", launcher="torchrun", requested_gpus=3).gpu_range == (3, 3)
+    assert JobSpec("a", "cifar10", min_gpus=2).gpu_range == (2, None)
+    for body, reason in (
+        (
+            f'"code": "{CODE}", "entrypoint": "t.py", "launcher": "torchrun", "elastic": {{"min_gpus": 4, "max_gpus": 2}}',
+            "more than",
+        ),
+        ('"application": "cifar10", "elastic": {"min_gpus": 1, "max_gpus": 2}', "torchrun job"),
+        (
+            f'"code": "{CODE}", "entrypoint": "t.py", "launcher": "torchrun", "rigid": true, "elastic": {{"min_gpus": 1, "max_gpus": 2}}',
+            "not both",
+        ),
+    ):
+        with pytest.raises(msgspec.ValidationError, match=reason):
+            msgspec.json.decode(f'{{"id": "e", {body}}}'.encode(), type=JobSpec)
+
+
+@pytest.mark.parametrize("policy", ["goodput", "sia"])
+def test_the_policy_sizes_an_elastic_job_within_its_range_and_at_its_batch(policy):
+    """On 16 free GPUs, an elastic job of 2 to 4 that once ran on 4 (Sia's rule alone would allow 8)
+    and whose declared profile makes more GPUs always worth more is given at most 4, at its batch."""
+    cluster = Cluster("t", (Node("a", "cpu", 8), Node("b", "cpu", 8)))
+    spec = JobSpec("e", code=CODE, entrypoint="t.py", launcher="torchrun", elastic=Elastic(2, 4), requested_batch=64)
+    run = declared_run(spec)
+    estimator = Estimator()
+    estimator.add("e", {"cpu": measured_profile("e", "t.py", "cpu", run)})
+    facts = JobFacts(
+        "e",
+        "t.py",
+        0.0,
+        600.0,
+        1,
+        64,
+        False,
+        run.init_batch,
+        run.max_batch,
+        min_gpus=2,
+        max_gpus=4,
+        fixed_batch=True,
+        max_gpus_seen=4,
+    )
+    models = estimator.models([facts])[0]
+    assert models.fixed_batch == 64 and models.gpu_limit == 4
+    decision = make_policy(policy).allocate(RoundState(600.0, cluster, (job_view(facts, models, cluster, 30.0),)))
+    gpus = decision.allocations["e"].gpus
+    assert 2 <= gpus <= 4, decision.allocations
+
+
 @pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
 def test_a_plain_ddp_script_runs_unchanged_on_four_slots_across_two_nodes():
     base = Path(tempfile.mkdtemp(prefix="goodput-torchrun-"))
@@ -81,9 +176,53 @@ def test_a_plain_ddp_script_runs_unchanged_on_four_slots_across_two_nodes():
         ended = until(up, "ddp-1", lambda s: s["state"] in ("finished", "failed"), "ended", timeout_s=300)
         assert ended["state"] == "finished", ended
         assert ended["restarts"] == 0, ended
-        printed = up.command("logs", "ddp-1", "--server", up.server).stdout
+        printed = logged(up, "ddp-1", r"(?s)(ddp rank .*){4}")  # its ranks' lines are stored as they come
         lines = sorted(re.findall(r"ddp rank (\d) of 4 local (\d) of 2 group (\d) of 2 sum 6 ", printed))
         # Ranks 0-1 on the first node, 2-3 on the second: each its local rank and its node's group.
         assert lines == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], printed[-3000:]
+    finally:
+        up.stop()
+
+
+def logged(up: Up, job: str, pattern: str, timeout_s: float = 300.0) -> str:
+    """What `goodput logs` shows of the job once a line matches `pattern`."""
+    deadline = time.monotonic() + timeout_s
+    while not re.search(pattern, printed := up.command("logs", job, "--server", up.server).stdout):
+        assert time.monotonic() < deadline, (
+            f"{job}: no line like {pattern!r} after {timeout_s:.0f} s: {printed[-2000:]}"
+        )
+        time.sleep(1.0)
+    return printed
+
+
+@pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
+def test_an_elastic_ddp_script_is_resized_and_resumes_from_its_checkpoint_folder():
+    base = Path(tempfile.mkdtemp(prefix="goodput-elastic-"))
+    base.chmod(0o711)
+    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
+    up.server = f"nats://127.0.0.1:{up.port}"
+    try:
+        up.line(r"serving:")
+        folder = script_folder(base, "elastic", ELASTIC_SCRIPT)
+        job = "id: el-1\nentrypoint: train.py\nlauncher: torchrun\nrequested_batch: 32\nelastic: {min_gpus: 1, max_gpus: 4}\n"
+        submit(up, base, job, folder)
+        # On both nodes' slots, once it has saved there; a drained node takes half of them away: it is
+        # shrunk and resumes; once it has saved there too it is given them back.
+        running = until(up, "el-1", lambda s: s["state"] == "running" and len(s["nodes"]) == 2, "on both nodes")
+        logged(up, "el-1", r"saved step \d+ on 4")
+        node = running["nodes"][0]
+        assert up.command("drain", node, "--server", up.server, role="operator").returncode == 0
+        logged(up, "el-1", r"saved step \d+ on 2")
+        assert up.command("drain", node, "--undo", "--server", up.server, role="operator").returncode == 0
+        ended = until(up, "el-1", lambda s: s["state"] in ("finished", "failed"), "ended", timeout_s=420)
+        assert ended["state"] == "finished", ended
+        printed = logged(up, "el-1", r"elastic done")
+        starts = [
+            (int(step), int(world)) for step, world in re.findall(r"elastic start at step (\d+) on (\d)", printed)
+        ]
+        steps = [step for step, _ in starts]
+        assert {2, 4} <= {world for _, world in starts}, starts  # shrunk, and grown again
+        assert steps == sorted(steps) and steps[-1] > 0, starts  # resumed each time, never back
+        assert max(world for _, world in starts) <= 4 and "elastic done at step 300" in printed, printed[-2000:]
     finally:
         up.stop()

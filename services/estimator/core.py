@@ -161,8 +161,9 @@ def job_models(
         min_gpus=facts.requested_gpus if facts.rigid else facts.min_gpus,
         max_gpus_seen=facts.max_gpus_seen,
         fixed_gpus=facts.requested_gpus if facts.rigid else None,
-        fixed_batch=facts.requested_batch if facts.rigid else None,
+        fixed_batch=facts.requested_batch if facts.rigid or facts.fixed_batch else None,
         group_gpus=dict(group_gpus),
+        max_gpus=facts.max_gpus,
         remaining_samples=remaining_samples(facts),
     )
 

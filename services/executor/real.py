@@ -152,7 +152,7 @@ class RealExecutors:
         if not self.served:
             return None
         spec = job.spec
-        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.fixed_gpus, spec.gpu_types)
+        needs = needs_of(spec.requested_gpus, spec.gpu_range[0], spec.fixed_gpus, spec.gpu_types)
         if needs not in self._unfit:
             self._unfit[needs] = unschedulable(needs, self.schedulable, self.drained_nodes)
         return self._unfit[needs]
@@ -166,7 +166,7 @@ class RealExecutors:
             return unplaced_reason(ahead)
         spec = job.spec
         held = {name: local.holds for name, local in self.executors.jobs.items() if local.holds}
-        needs = needs_of(spec.requested_gpus, spec.min_gpus, spec.fixed_gpus, spec.gpu_types)
+        needs = needs_of(spec.requested_gpus, spec.gpu_range[0], spec.fixed_gpus, spec.gpu_types)
         # Every schedulable node, the GPUs the profiler's runs take on them counted as theirs.
         return wait_reason(needs, self.schedulable, held, ahead, self.profiling_nodes())
 
@@ -449,7 +449,9 @@ class RealExecutors:
             rigid=spec.fixed_gpus,
             init_batch=profiled.init_batch,
             max_batch=profiled.max_batch,
-            min_gpus=spec.min_gpus,
+            min_gpus=spec.gpu_range[0],
+            max_gpus=spec.gpu_range[1],
+            fixed_batch=spec.fixed_batch,
             restarts=local.restarts,
             attained_gpu_s=job.gpu_seconds,
             attained_by_type=dict(job.by_type),
@@ -514,7 +516,7 @@ class RealExecutors:
             local = self.executors.jobs.get(name)
             if local is None or spots == local.placement or job.finish_s is not None or job.failure:
                 continue
-            local.adaptive = adaptive and not (job.spec.fixed_gpus or job.spec.strong_scaling)
+            local.adaptive = adaptive and not (job.spec.fixed_gpus or job.spec.fixed_batch)
             if spots:
                 job.max_gpus_seen = max(job.max_gpus_seen, sum(g for _, g in spots))
                 job.slice_steps = local.stats.steps if local.stats else 0

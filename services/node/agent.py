@@ -52,6 +52,7 @@ import nats.js.errors
 from nats import micro
 
 from goodput_train.protocol import (
+    CHECKPOINT_DIR_ENV,
     CHECKPOINT_PATH_ENV,
     METRICS_PREFIX,
     OUTCOME_PREFIX,
@@ -292,6 +293,7 @@ class NodeWorkers:
                     ),
                     **order.env,
                     CHECKPOINT_PATH_ENV: str(box.inside(checkpoint)),
+                    CHECKPOINT_DIR_ENV: str(box.inside(checkpoint.parent)),
                 }
                 if self.devices:  # as torchrun: every rank sees the job's devices here, LOCAL_RANK its own
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices[slot] for slot in slots)

@@ -276,7 +276,7 @@ def declared_run(spec: JobSpec) -> ProfileRun:
     batch it asks for, at least one sample a GPU), each sample costing one second a GPU. The flat
     curve makes K GPUs worth K times one, so the policies place it at requested_gpus of its types,
     and compare it with no measured job (the rigid policies' order is its own: arrival)."""
-    batch = max(spec.requested_batch or 1, spec.requested_gpus)
+    batch = max(spec.requested_batch or 1, spec.requested_gpus, spec.gpu_range[1] or 1)
     points = (ProfilePoint(1, 1.0), ProfilePoint(batch, float(batch))) if batch > 1 else (ProfilePoint(1, 1.0),)
     return ProfileRun(points, batch, batch)
 

@@ -29,6 +29,17 @@ Launcher = Literal["goodput", "torchrun"]
 GOODPUT, TORCHRUN = get_args(Launcher)
 
 
+class Elastic(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A torchrun job's range of GPUs: the policy resizes it within them, by checkpoint-restart."""
+
+    min_gpus: GpuCount
+    max_gpus: GpuCount
+
+    def __post_init__(self) -> None:
+        if self.min_gpus > self.max_gpus:
+            raise ValueError(f"elastic: min_gpus {self.min_gpus} is more than max_gpus {self.max_gpus}")
+
+
 class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A job submission (`goodput submit JOB.yaml`). Unknown fields are refused, not ignored: a typo
     in a field name must not silently change a job.
@@ -66,6 +77,8 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # none. The scheduler plans with it while the job is within it, and never stops a job for it.
     target_epochs: Annotated[float, msgspec.Meta(gt=0, le=MAX_TARGET_EPOCHS)] | None = None
     launcher: Launcher = GOODPUT
+    # A torchrun job the policy may resize (within these GPUs, its global batch kept); None: rigid.
+    elastic: Elastic | None = None
     version: Annotated[int, msgspec.Meta(ge=1, le=SCHEMA_VERSION)] = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -83,6 +96,10 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("a strong-scaling job needs requested_batch")
         if self.launcher == TORCHRUN and self.code is None:
             raise ValueError("a torchrun job carries its code: code and entrypoint (goodput submit --code DIR)")
+        if self.elastic is not None and self.launcher != TORCHRUN:
+            raise ValueError("elastic is for a torchrun job (the library's jobs are adaptive by themselves)")
+        if self.elastic is not None and self.rigid:
+            raise ValueError("a job is rigid or elastic, not both")
         if self.min_gpus > self.requested_gpus and self.fixed_gpus:
             raise ValueError("a rigid job runs at requested_gpus, which must be at least min_gpus")
         if len(set(self.gpu_types)) != len(self.gpu_types):
@@ -96,8 +113,22 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def fixed_gpus(self) -> bool:
-        """Whether it runs at requested_gpus only: rigid, or a torchrun script (which no resize reaches)."""
-        return self.rigid or self.launcher == TORCHRUN
+        """Whether it runs at requested_gpus only: rigid, or a torchrun script not declared elastic."""
+        return self.rigid or (self.launcher == TORCHRUN and self.elastic is None)
+
+    @property
+    def gpu_range(self) -> tuple[int, int | None]:
+        """The fewest and the most GPUs it may run on (None: as many as its goodput asks)."""
+        if self.fixed_gpus:
+            return self.requested_gpus, self.requested_gpus
+        if self.elastic is not None:
+            return self.elastic.min_gpus, self.elastic.max_gpus
+        return self.min_gpus, None
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Whether its global batch stays at requested_batch: strong scaling, or an elastic torchrun job."""
+        return self.strong_scaling or self.elastic is not None
 
     @property
     def own_code(self) -> tuple[str, str, tuple[str, ...]]:

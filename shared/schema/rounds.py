@@ -48,6 +48,8 @@ class JobFacts(msgspec.Struct, frozen=True):
     trace: str = ""  # its submission's W3C traceparent ("" when none came)
     team: str = DEFAULT_TEAM  # the team it belongs to, and its priority there (its JobSpec's)
     priority: int = 0
+    max_gpus: PositiveInt | None = None  # the most GPUs it may run on (None: no bound of its own)
+    fixed_batch: bool = False  # keeps requested_batch at every size (strong scaling)
 
 
 class JobModels(msgspec.Struct, frozen=True):
@@ -72,6 +74,7 @@ class JobModels(msgspec.Struct, frozen=True):
     fixed_batch: int | None = None  # strong-scaling job: this total batch, goodput = throughput
     group_gpus: dict[str, int] = {}  # hybrid-parallel job: GPUs of one replica per type
     start_gpus: PositiveInt = 1  # the most a job that never ran may start on (Sia: 1)
+    max_gpus: PositiveInt | None = None  # the most it may run on, whatever its goodput (None: no bound)
     # Examples at M0 left to its declared target, from the progress it reports (goodput x time =
     # examples at M0); None: it declared none, its epoch's size is not known yet, or it has run
     # past its declaration (and with it lost the priority the declaration bought).
@@ -86,8 +89,9 @@ class JobModels(msgspec.Struct, frozen=True):
     @property
     def gpu_limit(self) -> int:
         """Sia's scaling rule: at most twice the most GPUs it ever had (a job that never ran: at most
-        `start_gpus`), never below its minimum."""
-        return max(2 * self.max_gpus_seen if self.max_gpus_seen else self.start_gpus, self.min_gpus, 1)
+        `start_gpus`), never below its minimum nor above its maximum."""
+        limit = max(2 * self.max_gpus_seen if self.max_gpus_seen else self.start_gpus, self.min_gpus, 1)
+        return limit if self.max_gpus is None else min(limit, self.max_gpus)
 
 
 class FactsRequest(msgspec.Struct, frozen=True):

@@ -32,8 +32,10 @@ LIFELINE_ENV = "GOODPUT_LIFELINE"
 COLLECTIVE_TIMEOUT_ENV = "GOODPUT_COLLECTIVE_TIMEOUT_S"
 COLLECTIVE_TIMEOUT_S = 60.0  # a CPU slot's memory, for the profiling run
 
-# The file a job checkpoints to and resumes from (the agent's choice; `AdaptiveTraining` reads it).
+# The file a job checkpoints to and resumes from (the agent's choice; `AdaptiveTraining` reads it),
+# and the folder it is in, the job's own, for a script that keeps more (a torchrun script's).
 CHECKPOINT_PATH_ENV = "GOODPUT_CHECKPOINT"
+CHECKPOINT_DIR_ENV = "GOODPUT_CHECKPOINT_DIR"
 
 # Lines on the job's stdout: the prefix, then a schema message as base64 msgpack (it keeps NaN).
 STATS_PREFIX = "goodput-stats "  # JobStats, from rank 0
