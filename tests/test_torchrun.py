@@ -1,7 +1,8 @@
 """A DDP script that knows nothing of goodput, written as for torchrun, runs unchanged: submitted with
 `launcher: torchrun` through `goodput up --executors real --nodes 2`, it is not profiled, runs
 rigidly on its 4 slots across both nodes with torchrun's environment in every rank, trains with
-gloo and finishes when its ranks exit 0; the pure parts (the job file, the declared profile) too."""
+gloo and finishes when its ranks exit 0; declared elastic, it is shrunk by a drain and grown back, resuming
+from its checkpoint folder each time; the pure parts (the job file, the declared profile, the range) too."""
 
 from __future__ import annotations
 
@@ -163,27 +164,6 @@ def test_the_policy_sizes_an_elastic_job_within_its_range_and_at_its_batch(polic
     assert 2 <= gpus <= 4, decision.allocations
 
 
-@pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
-def test_a_plain_ddp_script_runs_unchanged_on_four_slots_across_two_nodes():
-    base = Path(tempfile.mkdtemp(prefix="goodput-torchrun-"))
-    base.chmod(0o711)  # a job's user must pass through to its folder
-    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
-    up.server = f"nats://127.0.0.1:{up.port}"
-    try:
-        up.line(r"serving:")
-        folder = script_folder(base, "ddp", DDP_SCRIPT)
-        submit(up, base, "id: ddp-1\nentrypoint: train.py\nlauncher: torchrun\nrequested_gpus: 4\n", folder)
-        ended = until(up, "ddp-1", lambda s: s["state"] in ("finished", "failed"), "ended", timeout_s=300)
-        assert ended["state"] == "finished", ended
-        assert ended["restarts"] == 0, ended
-        printed = logged(up, "ddp-1", r"(?s)(ddp rank .*){4}")  # its ranks' lines are stored as they come
-        lines = sorted(re.findall(r"ddp rank (\d) of 4 local (\d) of 2 group (\d) of 2 sum 6 ", printed))
-        # Ranks 0-1 on the first node, 2-3 on the second: each its local rank and its node's group.
-        assert lines == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], printed[-3000:]
-    finally:
-        up.stop()
-
-
 def logged(up: Up, job: str, pattern: str, timeout_s: float = 300.0) -> str:
     """What `goodput logs` shows of the job once a line matches `pattern`."""
     deadline = time.monotonic() + timeout_s
@@ -196,18 +176,28 @@ def logged(up: Up, job: str, pattern: str, timeout_s: float = 300.0) -> str:
 
 
 @pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
-def test_an_elastic_ddp_script_is_resized_and_resumes_from_its_checkpoint_folder():
-    base = Path(tempfile.mkdtemp(prefix="goodput-elastic-"))
-    base.chmod(0o711)
+def test_ddp_scripts_run_unchanged_rigid_across_two_nodes_and_elastic_resized_from_their_checkpoints():
+    base = Path(tempfile.mkdtemp(prefix="goodput-torchrun-"))
+    base.chmod(0o711)  # a job's user must pass through to its folder
     up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
     up.server = f"nats://127.0.0.1:{up.port}"
     try:
         up.line(r"serving:")
+        # Rigid: on its 4 slots, both nodes', each rank given its place as torchrun gives it.
+        folder = script_folder(base, "ddp", DDP_SCRIPT)
+        submit(up, base, "id: ddp-1\nentrypoint: train.py\nlauncher: torchrun\nrequested_gpus: 4\n", folder)
+        ended = until(up, "ddp-1", lambda s: s["state"] in ("finished", "failed"), "ended", timeout_s=300)
+        assert ended["state"] == "finished" and ended["restarts"] == 0, ended
+        printed = logged(up, "ddp-1", r"(?s)(ddp rank .*){4}")  # its ranks' lines are stored as they come
+        lines = sorted(re.findall(r"ddp rank (\d) of 4 local (\d) of 2 group (\d) of 2 sum 6 ", printed))
+        # Ranks 0-1 on the first node, 2-3 on the second: each its local rank and its node's group.
+        assert lines == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], printed[-3000:]
+
+        # Elastic: on both nodes' slots, once it has saved there; a drained node takes half of them
+        # away: it is shrunk and resumes; once it has saved there too it is given them back.
         folder = script_folder(base, "elastic", ELASTIC_SCRIPT)
         job = "id: el-1\nentrypoint: train.py\nlauncher: torchrun\nrequested_batch: 32\nelastic: {min_gpus: 1, max_gpus: 4}\n"
         submit(up, base, job, folder)
-        # On both nodes' slots, once it has saved there; a drained node takes half of them away: it is
-        # shrunk and resumes; once it has saved there too it is given them back.
         running = until(up, "el-1", lambda s: s["state"] == "running" and len(s["nodes"]) == 2, "on both nodes")
         logged(up, "el-1", r"saved step \d+ on 4")
         node = running["nodes"][0]
