@@ -6,7 +6,10 @@ from its checkpoint folder each time; the pure parts (the job file, the declared
 
 from __future__ import annotations
 
+import base64
 import re
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,9 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from goodput_train.goodput import Observation, iteration_time
+from goodput_train.protocol import STATS_PREFIX, JobStats
+from goodput_train.reporting import Reporter
 from policies.base import RoundState, job_view, make_policy
 from services.estimator.core import Estimator
-from services.profiler.measure import declared_run, measured_profile
+from services.profiler.measure import declared_profile, declared_run, measured_profile
 from shared.cluster import Cluster
 from shared.schema.base import Node
 from shared.schema.jobs import Elastic, JobSpec
@@ -162,6 +168,62 @@ def test_the_policy_sizes_an_elastic_job_within_its_range_and_at_its_batch(polic
     decision = make_policy(policy).allocate(RoundState(600.0, cluster, (job_view(facts, models, cluster, 30.0),)))
     gpus = decision.allocations["e"].gpus
     assert 2 <= gpus <= 4, decision.allocations
+
+
+def test_a_report_tells_the_median_step_at_its_size_from_rank_0_every_period():
+    clock = iter([0.0, 0.5, 1.0, 1.2, 2.0, 2.5, 3.0]).__next__  # step times 0.5, 0.5, 0.2, 0.8, 0.5, 0.5
+    environ = {
+        "RANK": "0",
+        "WORLD_SIZE": "4",
+        "GROUP_WORLD_SIZE": "2",
+        "GOODPUT_JOB_ID": "j",
+        "GOODPUT_GPU_TYPE": "cpu",
+    }
+    reporter = Reporter(environ | {"GOODPUT_REPORT_S": "2"}, clock)
+    printed = [reporter.step(64) for _ in range(7)]
+    assert printed[0] is None  # the first step's time is the start's
+    first, later = printed[1], [p for p in printed[2:] if p is not None]
+    assert first.observations == (Observation(2, 4, 16, 0, 0.5),) and first.steps == 2 and first.m == 64
+    assert [p.steps for p in later] == [6] and later[0].observations[0].t_iter == 0.5  # median, 2 s later
+    other = Reporter({**environ, "RANK": "1"}, iter([0.0, 1.0]).__next__)
+    assert [other.step(64), other.step(64)] == [None, None]  # rank 0's alone
+    with pytest.raises(ValueError):
+        reporter.step(0)
+
+
+def test_what_a_job_reports_replaces_what_it_declared_on_every_type():
+    run = declared_run(JobSpec("d", code=CODE, entrypoint="t.py", launcher="torchrun", requested_batch=64))
+    profiles = {t: declared_profile("d", "t.py", t, run) for t in ("a", "b")}
+    estimator = Estimator()
+    estimator.add("d", profiles)
+    facts = JobFacts("d", "t.py", 0.0, 60.0, 1, 64, True, 64, 64)
+    declared = estimator.models([facts])[0].params["a"]
+    assert float(iteration_time(declared, 1, 1, 64, 0)) == pytest.approx(64.0, rel=0.05)  # a sample a second
+    estimator.observe("d", "a", Observation(1, 1, 64, 0, 0.25))  # it reports 256 samples a second on a
+    reported = estimator.models([facts])[0].params
+    assert float(iteration_time(reported["a"], 1, 1, 64, 0)) == pytest.approx(0.25, rel=0.05)
+    assert reported["b"] == reported["a"]  # b, not reported from yet, is taken as fast as a
+
+
+def test_report_prints_a_stats_line_the_executor_reads(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import goodput_train, time\nfor _ in range(4):\n    goodput_train.report(samples=8)\n    time.sleep(0.05)\n"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "GOODPUT_JOB_ID": "j",
+        "GOODPUT_GPU_TYPE": "cpu",
+        "GOODPUT_REPORT_S": "0",
+    }
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith(STATS_PREFIX)]
+    stats = msgspec.msgpack.decode(base64.b64decode(lines[-1][len(STATS_PREFIX) :]), type=JobStats)
+    assert stats.job_id == "j" and stats.steps == 4 and stats.observations[0][:4] == (1, 2, 4, 0)
+    assert 0.04 < stats.observations[0].t_iter < 1.0
 
 
 def logged(up: Up, job: str, pattern: str, timeout_s: float = 300.0) -> str:

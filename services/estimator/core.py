@@ -60,8 +60,9 @@ def _fit_observed(points: tuple[ProfilePoint, ...], seen: tuple[Observation, ...
 def fit_observed(profile: Profile, seen: Sequence[Observation]) -> ThroughputParams:
     """The fit of a bootstrap profile with the configurations the job ran on its type, kept: jobs of
     one model that ran the same configurations and measured the same times (a simulation's, above
-    all) share it, as the same observations always give the same fit."""
-    return _fit_observed(profile.points, tuple(Observation(*o) for o in seen))
+    all) share it, as the same observations always give the same fit. A declared profile is no
+    measurement: what the job reported stands alone."""
+    return _fit_observed(() if profile.declared else profile.points, tuple(Observation(*o) for o in seen))
 
 
 def is_multi_gpu(observations: Sequence[Observation]) -> bool:
@@ -114,16 +115,21 @@ class JobEstimate:
 
     def models(self) -> dict[str, ThroughputParams]:
         """One throughput model per profiled GPU type (see the module docstring)."""
+        fitted = dict(self.fitted)
+        reported = [t for t, p in self.profiles.items() if p.declared and self.observations.get(t)]
+        if reported:  # a declared type it has not reported from yet: as fast as one it has
+            best = max(reported, key=lambda t: len(self.observations[t]))
+            fitted.update({t: fitted[best] for t, p in self.profiles.items() if p.declared and t not in reported})
         explored = [t for t in self.profiles if is_multi_gpu(self.observations.get(t, ()))]
         if not explored:
-            return dict(self.fitted)
+            return fitted
         # The most-explored type is the best source for projecting the others' communication.
         source = max(explored, key=lambda t: sum(o.gpus > 1 for o in self.observations[t]))
         return {
             t: params
             if t in explored
-            else project(params, self.fitted[source], min(self.profiles[t].max_local, self.profiles[source].max_local))
-            for t, params in self.fitted.items()
+            else project(params, fitted[source], min(self.profiles[t].max_local, self.profiles[source].max_local))
+            for t, params in fitted.items()
         }
 
     @property

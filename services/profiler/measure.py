@@ -30,6 +30,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Collection
 
+import msgspec
 import nats.errors
 from nats.micro.request import ServiceError
 from opentelemetry import trace
@@ -279,6 +280,11 @@ def declared_run(spec: JobSpec) -> ProfileRun:
     batch = max(spec.requested_batch or 1, spec.requested_gpus, spec.gpu_range[1] or 1)
     points = (ProfilePoint(1, 1.0), ProfilePoint(batch, float(batch))) if batch > 1 else (ProfilePoint(1, 1.0),)
     return ProfileRun(points, batch, batch)
+
+
+def declared_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun) -> Profile:
+    """The profile of what a job that is not profiled declares (`declared_run`), marked so."""
+    return msgspec.structs.replace(measured_profile(job_id, application, gpu_type, run), declared=True)
 
 
 def measured_profile(job_id: str, application: str, gpu_type: str, run: ProfileRun, memory: str = "memory") -> Profile:

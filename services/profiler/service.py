@@ -27,6 +27,7 @@ from services.profiler.measure import (
     NodeTurns,
     ProfilingCancelled,
     ProfilingFailed,
+    declared_profile,
     declared_run,
     measured_profile,
     profiling_run,
@@ -203,7 +204,7 @@ class Profiler:
         if self.real and spec.launcher == TORCHRUN:  # not profiled: it runs as declared
             run = declared_run(spec)
             types = [t for t in self.cluster.gpu_types if not named or t in named]
-            profiles = tuple(measured_profile(spec.id, spec.model, t, run) for t in types)
+            profiles = tuple(declared_profile(spec.id, spec.model, t, run) for t in types)
         elif self.real:
             types = [t for t in self.cluster.gpu_types if not named or t in named]
             try:

@@ -24,6 +24,9 @@ class Profile(msgspec.Struct, frozen=True):
     max_local: PositiveInt
     gpu_seconds: NonNegativeFloat = 0.0
     group_gpus: PositiveInt = 1
+    # Not measured: what a job that is not profiled declares (a torchrun script's), which what it
+    # reports (`goodput_train.report`) replaces, on its type and, until they report, on the others.
+    declared: bool = False
 
 
 class JobProfiles(msgspec.Struct, frozen=True):

@@ -5,6 +5,7 @@ messages in those lines. It imports neither PyTorch nor the bus: the services re
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated
 
 import msgspec
@@ -107,3 +108,8 @@ class ProfileRun(msgspec.Struct, frozen=True):
     max_batch: PositiveInt
     out_of_memory: int | None = None
     gpu_seconds: NonNegativeFloat = 0.0
+
+
+def protocol_line(prefix: str, message: msgspec.Struct) -> str:
+    """One line for the executor: the prefix, then the message as base64 msgpack (it keeps NaN)."""
+    return prefix + base64.b64encode(msgspec.msgpack.encode(message)).decode()
