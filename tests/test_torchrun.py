@@ -22,6 +22,7 @@ from goodput_train.protocol import STATS_PREFIX, JobStats
 from goodput_train.reporting import Reporter
 from policies.base import RoundState, job_view, make_policy
 from services.estimator.core import Estimator
+from services.executor.progress import job_progress
 from services.profiler.measure import declared_profile, declared_run, measured_profile
 from shared.cluster import Cluster
 from shared.schema.base import Node
@@ -183,8 +184,10 @@ def test_a_report_tells_the_median_step_at_its_size_from_rank_0_every_period():
     printed = [reporter.step(64) for _ in range(7)]
     assert printed[0] is None  # the first step's time is the start's
     first, later = printed[1], [p for p in printed[2:] if p is not None]
-    assert first.observations == (Observation(2, 4, 16, 0, 0.5),) and first.steps == 2 and first.m == 64
+    assert first.observations == (Observation(2, 4, 16, 0, 0.5),) and first.steps == 2 and first.m == 16
     assert [p.steps for p in later] == [6] and later[0].observations[0].t_iter == 0.5  # median, 2 s later
+    shown = job_progress(first, None, (("n1", (0, 1)), ("n2", (2, 3))))  # as `goodput status` shows it
+    assert shown.throughput == pytest.approx(64 / 0.5)
     other = Reporter({**environ, "RANK": "1"}, iter([0.0, 1.0]).__next__)
     assert [other.step(64), other.step(64)] == [None, None]  # rank 0's alone
     with pytest.raises(ValueError):

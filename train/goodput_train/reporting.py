@@ -52,7 +52,7 @@ class Reporter:
         self.printed = now
         local = max(1, round(samples / self.world))
         observation = Observation(self.nodes, self.world, local, 0, statistics.median(self.times))
-        return JobStats(self.job_id, self.gpu_type, (observation,), None, None, 0.0, self.steps, samples, 0)
+        return JobStats(self.job_id, self.gpu_type, (observation,), None, None, 0.0, self.steps, local, 0)
 
 
 _reporter: Reporter | None = None
