@@ -178,3 +178,30 @@ def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_tra
     assert sizes == sorted(sizes) and len(sizes) > 2 and sizes[-1] == 16 and measured.max_local == 16
     assert profile.init_batch == 16 and not any(line.startswith("done at") for line in lines)
     assert not (tmp_path / "checkpoints" / "lit-2.pt").exists()
+
+
+def test_the_noise_samples_preconditioner_is_adams_for_every_group_and_none_before_its_state():
+    """The fused square roots of Adam's preconditioner (the integrations' metric) equal the formula's,
+    per group (each its own eps), and are None for SGD or before the first step."""
+    import torch
+
+    from goodput_train.integration import adam_scales
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(50, 200), torch.nn.ReLU(), torch.nn.Linear(200, 3))
+    groups = [{"params": net[0].parameters()}, {"params": net[2].parameters(), "eps": 1e-3}]
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    net(torch.randn(8, 50)).sum().backward()
+    assert adam_scales(optimizer) is None
+    for _ in range(3):
+        optimizer.step()
+        net(torch.randn(8, 50)).sum().backward()
+    want = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
+            want.append((1.0 / (v_hat.sqrt() + group["eps"])).sqrt())
+    got = adam_scales(optimizer)
+    assert len(got) == 4 and all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(got, want))
+    assert adam_scales(torch.optim.SGD(net.parameters(), lr=0.1)) is None
