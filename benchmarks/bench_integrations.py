@@ -7,16 +7,17 @@ one process, one thread: a CPU slot), `--rounds` times with goodput's callback a
 alternating (in turn first), each run `--steps` optimizer steps from a fresh Trainer (one run of each before, set aside). A timing
 callback, in both, takes each step's wall time (from one step's end to the next: data, forward,
 backward, the optimizer step, the framework's own work and the callback's); the first 10 steps of a
-run are warm-up. The medians over all runs are compared, and the median of the paired runs' ratios.
+run are warm-up. The mean step times over all runs are compared (a mean: the noise sample's steps, one in
+`noise_every`, cost more than the others), and the median of the paired runs' ratios.
 The callback's work a step: the learning-rate factor and the progress count; every `noise_every`
 (4) steps a copy of the gradient and its norms (the noise sample); a report every GOODPUT_REPORT_S
 (set to 30 s, as the executor does). Target: at most 2%.
 
 
-On a busy machine the runs' medians move by more than the overhead; the time spent inside the
+On a busy machine the runs' means move by more than the overhead; the time spent inside the
 callback's per-step hooks (its own work, timed there) against the step time with it does not:
 own_work_pct. The last line of each framework is its headline, as key=value: overhead_pct (the
-medians'), paired_median_pct, own_work_pct, steps.
+means'), paired_median_pct, own_work_pct, steps.
 """
 
 from __future__ import annotations
@@ -183,17 +184,16 @@ def compare(name: str, run, steps: int, rounds: int) -> None:
     hook_time.seconds = 0.0
     for r in range(rounds):
         order = (True, False) if r % 2 == 0 else (False, True)
-        medians = {}
+        means = {}
         for with_goodput in order:
             taken = run(steps, with_goodput)
             times[with_goodput] += taken
-            medians[with_goodput] = statistics.median(taken)
-        ratios.append(medians[True] / medians[False])
+            means[with_goodput] = statistics.fmean(taken)
+        ratios.append(means[True] / means[False])
         print(
-            f"{name} round {r}: with {medians[True] * 1e3:.2f} ms, without {medians[False] * 1e3:.2f} ms a step",
-            flush=True,
+            f"{name} round {r}: with {means[True] * 1e3:.2f} ms, without {means[False] * 1e3:.2f} ms a step", flush=True
         )
-    with_, without = statistics.median(times[True]), statistics.median(times[False])
+    with_, without = statistics.fmean(times[True]), statistics.fmean(times[False])
     print(
         f"{name}: overhead_pct={100 * (with_ / without - 1):.2f} "
         f"paired_median_pct={100 * (statistics.median(ratios) - 1):.2f} "

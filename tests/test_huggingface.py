@@ -3,21 +3,7 @@ environment, in a subprocess): it reports throughput and gradient noise, stops o
 checkpoint at GOODPUT_CHECKPOINT and the stopped mark, resumes from it (its steps go on) at another
 world size with its batch re-split, and its profiling run prints a profile the profiler accepts."""
 
-import pytest
-
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, ProfileRun
-from services.profiler.measure import measured_profile
-from tests.test_lightning import (
-    check_stopped_then_resumed,
-    decode,
-    finish,
-    start,
-    stats_in,
-    stop_after_steps,
-    worker_envs,
-)
-
-pytest.importorskip("transformers")
+from tests.test_lightning import check_profiling_run, stop_two_then_resume_one
 
 SCRIPT = '''
 import sys
@@ -63,31 +49,9 @@ print(f"done at step {trainer.state.global_step}", flush=True)
 '''
 
 
-def saved_steps(folder, job_id: str) -> int:
-    import torch
-
-    return torch.load(folder / "checkpoints" / f"{job_id}.pt", weights_only=True)["global_step"]
-
-
 def test_a_trainer_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
-    """Two ranks over gloo stop on SIGTERM; one rank resumes from the checkpoint: its global step
-    goes on, and the total batch the job was tuned for (2 × 16) is kept on one replica."""
-    stopped = stop_after_steps(start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 2, "hf-1")))
-    assert all("first batch 16" in lines for lines in stopped)
-    saved = saved_steps(tmp_path, "hf-1")
-    (resumed,) = finish(start(tmp_path, SCRIPT, [str(saved + 30)], worker_envs(tmp_path, 1, "hf-1")))
-    reports = check_stopped_then_resumed(saved, stopped, resumed, 30)
-    assert stats_in(stopped[0])[-1].m == 16
-    m, s = reports[-1].m, reports[-1].s
-    assert m * (s + 1) >= 32 and f"first batch {m}" in resumed  # one replica takes the whole batch, at least M0
+    stop_two_then_resume_one(tmp_path, SCRIPT, "hf-1", 30)
 
 
 def test_a_trainer_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
-    (worker,) = start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 1, "hf-2", **{PROFILE_ENV: "1"}))
-    (lines,) = finish([worker])
-    (profile,) = [decode(line, PROFILE_PREFIX, ProfileRun) for line in lines if line.startswith(PROFILE_PREFIX)]
-    measured = measured_profile("hf-2", "hf", "cpu", profile)
-    sizes = [p.local_bsz for p in profile.points]
-    assert sizes == sorted(sizes) and len(sizes) > 2 and sizes[-1] == 16 and measured.max_local == 16
-    assert profile.init_batch == 16 and not any(line.startswith("done at") for line in lines)
-    assert not (tmp_path / "checkpoints" / "hf-2.pt").exists()
+    check_profiling_run(tmp_path, SCRIPT, "hf-2")

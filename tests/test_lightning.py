@@ -26,8 +26,6 @@ from launcher.nats import free_loopback_port
 from services.node.processes import torchrun_env, worker_env
 from services.profiler.measure import measured_profile
 
-pytest.importorskip("lightning")
-
 SCRIPT = """
 import sys
 
@@ -156,28 +154,38 @@ def check_stopped_then_resumed(saved: int, stopped: list[list[str]], resumed: li
     return stats_in(resumed)
 
 
-def test_a_lightning_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
+def stop_two_then_resume_one(folder: Path, script: str, job_id: str, more: int) -> None:
     """Two ranks over gloo stop on SIGTERM; one rank resumes from the checkpoint: its global step
     goes on, and the total batch the job was tuned for (2 × 16) is kept on one replica."""
-    stopped = stop_after_steps(start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 2, "lit-1")))
+    stopped = stop_after_steps(start(folder, script, ["100000"], worker_envs(folder, 2, job_id)))
     assert all("first batch 16" in lines for lines in stopped)
-    saved = saved_steps(tmp_path, "lit-1")
-    (resumed,) = finish(start(tmp_path, SCRIPT, [str(saved + 40)], worker_envs(tmp_path, 1, "lit-1")))
-    reports = check_stopped_then_resumed(saved, stopped, resumed, 40)
+    saved = saved_steps(folder, job_id)
+    (resumed,) = finish(start(folder, script, [str(saved + more)], worker_envs(folder, 1, job_id)))
+    reports = check_stopped_then_resumed(saved, stopped, resumed, more)
     assert stats_in(stopped[0])[-1].m == 16
     m, s = reports[-1].m, reports[-1].s
     assert m * (s + 1) >= 32 and f"first batch {m}" in resumed  # one replica takes the whole batch, at least M0
 
 
-def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
-    (worker,) = start(tmp_path, SCRIPT, ["100000"], worker_envs(tmp_path, 1, "lit-2", **{PROFILE_ENV: "1"}))
+def check_profiling_run(folder: Path, script: str, job_id: str) -> None:
+    """The profile line, accepted by the profiler: per-GPU batches up to the script's 16, and
+    nothing trained after it (no end line, no checkpoint)."""
+    (worker,) = start(folder, script, ["100000"], worker_envs(folder, 1, job_id, **{PROFILE_ENV: "1"}))
     (lines,) = finish([worker])
     (profile,) = [decode(line, PROFILE_PREFIX, ProfileRun) for line in lines if line.startswith(PROFILE_PREFIX)]
-    measured = measured_profile("lit-2", "lit", "cpu", profile)
+    measured = measured_profile(job_id, "job", "cpu", profile)
     sizes = [p.local_bsz for p in profile.points]
     assert sizes == sorted(sizes) and len(sizes) > 2 and sizes[-1] == 16 and measured.max_local == 16
     assert profile.init_batch == 16 and not any(line.startswith("done at") for line in lines)
-    assert not (tmp_path / "checkpoints" / "lit-2.pt").exists()
+    assert not (folder / "checkpoints" / f"{job_id}.pt").exists()
+
+
+def test_a_lightning_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
+    stop_two_then_resume_one(tmp_path, SCRIPT, "lit-1", 40)
+
+
+def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
+    check_profiling_run(tmp_path, SCRIPT, "lit-2")
 
 
 def test_the_noise_samples_preconditioner_is_adams_for_every_group_and_none_before_its_state():
@@ -205,3 +213,32 @@ def test_the_noise_samples_preconditioner_is_adams_for_every_group_and_none_befo
     got = adam_scales(optimizer)
     assert len(got) == 4 and all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(got, want))
     assert adam_scales(torch.optim.SGD(net.parameters(), lr=0.1)) is None
+
+
+def test_the_callbacks_pair_sample_is_the_differenced_estimators_in_adams_metric_and_sgds():
+    """The in-place sample of two consecutive steps equals `pgns.from_consecutive` of the same
+    gradients, in Adam's preconditioned metric and in SGD's plain one."""
+    import torch
+
+    from goodput_train.integration import StepMeter, adam_scales
+    from goodput_train.pgns import from_consecutive
+
+    handler = signal.getsignal(signal.SIGTERM)  # a meter takes SIGTERM: pytest's back after
+    for kind in (torch.optim.AdamW, torch.optim.SGD):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        optimizer = kind(net.parameters(), lr=1e-2)
+        meter = StepMeter(optimizer, batch=(16, 0), init_batch=16, dataset_size=1024)
+        previous = None
+        for _ in range(4):
+            optimizer.zero_grad()
+            net(torch.randn(16, 20)).pow(2).mean().backward()
+            grads = [p.grad.clone() for p in net.parameters()]
+            if previous is not None:
+                want = from_consecutive(previous, grads, 16, scales=adam_scales(optimizer))
+                got = meter._pair_sample(grads)
+                assert got.sqr == pytest.approx(want.sqr, rel=1e-6, abs=1e-9)
+                assert got.trace == pytest.approx(want.trace, rel=1e-6)
+            meter._previous, previous = [g.clone() for g in grads], grads
+            optimizer.step()
+    signal.signal(signal.SIGTERM, handler)

@@ -59,9 +59,9 @@ from goodput_train.integration import (
     profile_run,
     start_batch,
 )
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STOPPED_MARK
-from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement, Stopped
-from goodput_train.worker import print_line, say
+from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement
+from goodput_train.worker import print_line
 
 
 class GoodputCallback(TrainerCallback):
@@ -145,14 +145,7 @@ class GoodputCallback(TrainerCallback):
         self.meter.restore_lr()  # before the Trainer steps its scheduler
 
     def on_step_end(self, args, state, control, **kwargs):
-        stop, save = self.meter.after_step()
-        if stop:
-            self._save(state)
-            say(STOPPED_MARK)
-            raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
-        if save:
-            self._save(state)
-        if self.meter.done():
+        if self.meter.end_step(lambda: self._save(state)):
             control.should_training_stop = True
 
     def on_evaluate(self, args, state, control, **kwargs):

@@ -31,13 +31,14 @@ from torch.utils.data import DataLoader
 
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
-from goodput_train.pgns import NoiseScale, from_consecutive
+from goodput_train.pgns import NoiseSample, NoiseScale, from_replicas, sum_of_squares
 from goodput_train.protocol import (
     ADAPTIVE_ENV,
     CHECKPOINT_ENV,
     CHECKPOINT_PATH_ENV,
     JOB_ENV,
     REPORT_ENV,
+    STOPPED_MARK,
     JobStats,
     ProfileRun,
 )
@@ -47,9 +48,10 @@ from goodput_train.trainer import (
     NOISE_EVERY,
     TIMINGS_KEPT,
     Placement,
+    Stopped,
     gpu_type,
 )
-from goodput_train.worker import print_stats, sweep, watch_stops
+from goodput_train.worker import print_stats, say, sweep, watch_stops
 
 
 def checkpoint_path() -> str | None:
@@ -132,7 +134,7 @@ def adam_scales(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] |
         if moments:
             roots = torch._foreach_sqrt(moments)
             torch._foreach_add_(roots, group["eps"] * correction**0.5)
-            torch._foreach_pow_(roots, -0.5)
+            torch._foreach_rsqrt_(roots)
             torch._foreach_mul_(roots, correction**0.25)
             for i, root in zip(at, roots):
                 scales[i] = root
@@ -140,7 +142,7 @@ def adam_scales(optimizer: torch.optim.Optimizer) -> list[torch.Tensor | None] |
 
 
 def _scale(moment: torch.Tensor, correction: float, eps: float) -> torch.Tensor:
-    return (moment.sqrt() + eps * correction**0.5).pow(-0.5) * correction**0.25
+    return (moment.sqrt() + eps * correction**0.5).rsqrt() * correction**0.25
 
 
 class StepMeter:
@@ -186,7 +188,8 @@ class StepMeter:
         self.steps = 0
         self.timings: dict[tuple[int, int, int, int], list[float]] = defaultdict(list)
         self.stop_requested = False
-        self._previous: list[torch.Tensor] | None = None  # the sampled step's gradient
+        self._previous: list[torch.Tensor] | None = None  # a buffer: the sampled step's gradient
+        self._holding = False  # it holds the last step's gradient (the pair's first)
         self._lrs: list[float] | None = None  # the groups' own learning rates, while scaled
         self._ended: float | None = None  # when the last step ended (its successor is timed from it)
         self._reported = self._saved = time.monotonic()
@@ -211,20 +214,42 @@ class StepMeter:
         `noise_every`, over the optimizer's parameters), then scale each group's learning rate for
         this step's batch."""
         sampled = self.steps % self.noise_every
-        if sampled == 0 or (self.noise_every > 1 and sampled == 1 and self._previous is not None):
+        if sampled == 0 or (sampled == 1 and self._holding):
             grads = [
                 p.grad.detach() for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None
             ]
-            if self._previous is not None and len(self._previous) == len(grads):
-                scales = adam_scales(self.optimizer)
-                self.noise.update(from_consecutive(self._previous, grads, self.batch, scales=scales))
-            self._previous = [g.clone() for g in grads] if sampled == 0 else None
+            if self._holding and len(self._previous) == len(grads):
+                self.noise.update(self._pair_sample(grads))
+            self._holding = sampled == 0
+            if self._holding:
+                if self._previous is None or [b.shape for b in self._previous] != [g.shape for g in grads]:
+                    self._previous = [g.clone() for g in grads]
+                else:
+                    torch._foreach_copy_(self._previous, grads)
         stats = self.noise.stats()
         factor = self.lr.factor(self.batch, *(stats or (None, None)), self.epochs)
         if factor != 1.0:
             self._lrs = [group["lr"] for group in self.optimizer.param_groups]
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
+
+    def _pair_sample(self, grads: list[torch.Tensor]) -> NoiseSample:
+        """The differenced estimator (`pgns.from_consecutive`) of the held gradient g0 and this
+        step's g1, as the replica estimator of the two (`from_replicas`: their mean squared norm is
+        |g1 - g0|²/4 + |(g0 + g1)/2|²), in the preconditioner's metric. In place over the held
+        buffer and the preconditioner's, so a sample allocates one gradient's worth at most."""
+        difference = self._previous
+        torch._foreach_sub_(difference, grads)  # g0 - g1
+        scales = adam_scales(self.optimizer)
+        if scales is None:
+            half_sum = torch._foreach_add(grads, difference, alpha=0.5)  # (g0 + g1) / 2
+        else:
+            half_sum = [torch.ones_like(g) if s is None else s for g, s in zip(grads, scales)]
+            torch._foreach_mul_(difference, half_sum)
+            torch._foreach_mul_(half_sum, grads)
+            torch._foreach_add_(half_sum, difference, alpha=0.5)
+        difference_sqr, mean_sqr = torch.stack([sum_of_squares(difference), sum_of_squares(half_sum)]).tolist()
+        return from_replicas(difference_sqr / 4 + mean_sqr, mean_sqr, self.batch, 2)
 
     def restore_lr(self) -> None:
         """The groups' own learning rates back, right after the optimizer step (before the
@@ -251,6 +276,19 @@ class StepMeter:
         if self.steps % self.noise_every:
             return False, False
         return self._agree()
+
+    def end_step(self, save: Callable[[], None]) -> bool:
+        """`after_step`, and what it asks: `save()` (a checkpoint) when one is due or all stop;
+        on a stop, the stopped mark and `Stopped` (the script ends, exit code 0). Whether the
+        statistical target is reached (the framework's loop should end)."""
+        stop, due = self.after_step()
+        if stop:
+            save()
+            say(STOPPED_MARK)
+            raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
+        if due:
+            save()
+        return self.done()
 
     def _agree(self) -> tuple[bool, bool]:
         save_due = (

@@ -61,9 +61,9 @@ from goodput_train.integration import (
     profile_run,
     start_batch,
 )
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV, STOPPED_MARK
-from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement, Stopped
-from goodput_train.worker import print_line, say
+from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement
+from goodput_train.worker import print_line
 
 
 def placement() -> dict[str, Any]:
@@ -167,14 +167,7 @@ class GoodputCallback(pl.Callback):
         if not self._stepped:
             return
         self._stepped = False
-        stop, save = self.meter.after_step()
-        if stop:
-            self._save(trainer)
-            say(STOPPED_MARK)
-            raise Stopped("stopped (SIGTERM, or the executor is gone): state saved")
-        if save:
-            self._save(trainer)
-        if self.meter.done():
+        if self.meter.end_step(lambda: self._save(trainer)):
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, pl_module) -> None:
