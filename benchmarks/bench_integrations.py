@@ -4,15 +4,17 @@
 
 Each framework trains the CNN of bench_trainer_overhead.py on its generated images (batch 32, Adam,
 one process, one thread: a CPU slot), `--rounds` times with goodput's callback and as many without,
-alternating (in turn first), each run `--steps` optimizer steps from a fresh Trainer (one run of each before, set aside). A timing
-callback, in both, takes each step's wall time (from one step's end to the next: data, forward,
-backward, the optimizer step, the framework's own work and the callback's); the first 10 steps of a
-run are warm-up. The mean step times over all runs are compared (a mean: the noise sample's steps, one in
-`noise_every`, cost more than the others), and the median of the paired runs' ratios.
-The callback's work a step: the learning-rate factor and the progress count; every `noise_every`
-(4) steps a copy of the gradient and its norms (the noise sample); a report every GOODPUT_REPORT_S
-(set to 30 s, as the executor does). Target: at most 2%.
+alternating (in turn first), each run `--steps` optimizer steps from a fresh Trainer (one run of
+each before, set aside). A timing callback, in both, takes each step's wall time (from one step's
+end to the next: data, forward, backward, the optimizer step, the framework's work and the
+callback's); the first 10 steps of a run are warm-up. The mean step times over all runs are
+compared (a mean: the noise sample's steps cost more than the others), and the median of the
+paired runs' ratios.
 
+The callback's work a step: the learning-rate factor and the progress count; every `noise_every`
+(8) steps a pair of steps' gradients for the noise sample (a copy of one, Adam's preconditioner,
+two norms); every 4 the stop's agreement (nothing on one replica); a report every GOODPUT_REPORT_S
+(set to 30 s, as the executor does). Target: at most 2%.
 
 On a busy machine the runs' means move by more than the overhead; the time spent inside the
 callback's per-step hooks (its own work, timed there) against the step time with it does not:

@@ -9,12 +9,12 @@ a `TrainerCallback` is handed no optimizer or scheduler that the Trainer made, a
 fixed in the Trainer's constructor. With it the script, run as a goodput worker:
 
 - prints `goodput-stats` every GOODPUT_REPORT_S: its step times (each configuration's median), the
-  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 4 steps, after
+  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 8 steps, after
   the Trainer's gradient clipping, in Adam's preconditioned metric for AdamW and its kin) and its
   statistical progress;
 - checkpoints to GOODPUT_CHECKPOINT (one file, written atomically by rank 0: the model's weights,
   the optimizer, the scheduler, the global step and goodput's measurements): on SIGTERM or its
-  lifeline's end (agreed by all ranks within `noise_every` steps), every GOODPUT_CHECKPOINT_S
+  lifeline's end (agreed by all ranks within 4 steps), every GOODPUT_CHECKPOINT_S
   (5 minutes) and at the end; after a stop it prints `goodput-stopped` and ends the script with
   exit code 0 (`goodput_train.trainer.Stopped`, a SystemExit: nothing after `train()` runs);
 - resumes from that file at every start, at any world size: weights, optimizer, scheduler and the
@@ -50,6 +50,7 @@ from transformers import Trainer, TrainerCallback
 
 from goodput_train import checkpoint, profiling
 from goodput_train.integration import (
+    PAIR_EVERY,
     Batches,
     Profiled,
     StepMeter,
@@ -60,7 +61,7 @@ from goodput_train.integration import (
     start_batch,
 )
 from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
-from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement
+from goodput_train.trainer import CHECKPOINT_EVERY_S, Placement
 from goodput_train.worker import print_line
 
 
@@ -81,7 +82,7 @@ class GoodputCallback(TrainerCallback):
         lr_rule: str | None = None,
         warmup_epochs: float = 0.0,
         target_epochs: float | None = None,
-        noise_every: int = NOISE_EVERY,
+        noise_every: int = PAIR_EVERY,
         checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
     ):
         self.trainer = trainer

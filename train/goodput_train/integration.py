@@ -2,13 +2,13 @@
 framework's loop owns the data, the forward and backward passes and the optimizer step, and calls a
 `StepMeter` around each optimizer step, which does the rest of what `AdaptiveTraining` does:
 
-- `before_step`, the gradients averaged over the replicas and ready: every `noise_every` steps, a
-  pair of consecutive steps' gradients gives the noise scale's sample (`pgns.from_consecutive`, in
+- `before_step`, the gradients averaged over the replicas and ready: every `noise_every` steps
+  (PAIR_EVERY, 8), a pair of consecutive steps' gradients gives the noise scale's sample (`pgns.from_consecutive`, in
   Adam's preconditioned metric for the optimizers with `exp_avg_sq`); the learning rate of each
   group is multiplied by its rule's factor (`lr`) for this step's total batch;
 - `after_step`, the optimizer step done: the learning rates set back (the framework's scheduler
   goes on from its own), the step timed, progress counted in M0-examples, `JobStats` reported every
-  `report_every_s`; every `noise_every` steps the replicas agree, in one small all-reduce, whether
+  `report_every_s`; every `agree_every` steps (4) the replicas agree, in one small all-reduce, whether
   any was told to stop (SIGTERM, the lifeline's end: `worker.watch_stops`) or a periodic checkpoint
   is due (rank 0's clock), so all save or stop at the same step.
 
@@ -52,6 +52,11 @@ from goodput_train.trainer import (
     gpu_type,
 )
 from goodput_train.worker import print_stats, say, sweep, watch_stops
+
+# Steps between a framework loop's noise samples: a pair of consecutive steps' averaged gradients
+# (a copy of one, the preconditioner and two norms: about a tenth of a small model's step on a CPU
+# slot), so a sample every 8 steps costs about 1%; the estimate smooths over as many samples.
+PAIR_EVERY = 8
 
 
 def checkpoint_path() -> str | None:
@@ -165,7 +170,8 @@ class StepMeter:
         lr_rule: str | None = None,
         warmup_epochs: float = 0.0,
         target_epochs: float | None = None,
-        noise_every: int = NOISE_EVERY,
+        noise_every: int = PAIR_EVERY,
+        agree_every: int = NOISE_EVERY,
         report: Callable[[JobStats], None] | None = None,
         report_every_s: float | None = None,
         checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
@@ -177,7 +183,7 @@ class StepMeter:
         self.dataset_size = max(1, dataset_size)
         self.lr = LrScaling(lr_rule or default_rule(type(optimizer).__name__), init_batch, warmup_epochs)
         self.target_epochs = target_epochs
-        self.noise_every = max(1, noise_every)
+        self.noise_every, self.agree_every = max(1, noise_every), max(1, agree_every)
         if report is None and os.environ.get(REPORT_ENV):
             report, report_every_s = print_stats, float(os.environ[REPORT_ENV])
         self.reporter, self.report_every_s = report, report_every_s
@@ -273,7 +279,7 @@ class StepMeter:
         self._ended = now
         if self.reporter and time.monotonic() - self._reported >= self.report_every_s:
             self.report()
-        if self.steps % self.noise_every:
+        if self.steps % self.agree_every:
             return False, False
         return self._agree()
 

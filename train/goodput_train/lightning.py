@@ -7,10 +7,10 @@ The one line (`pip install './train[lightning]'`):
 and `trainer.fit(model, ...)` as before. With it the script, run as a goodput worker:
 
 - prints `goodput-stats` every GOODPUT_REPORT_S: its step times (each configuration's median), the
-  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 4 steps, in
+  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 8 steps, in
   Adam's preconditioned metric for Adam and its kin) and its statistical progress;
 - checkpoints to GOODPUT_CHECKPOINT (Lightning's own checkpoint, written atomically by rank 0): on
-  SIGTERM or its lifeline's end (agreed by all ranks within `noise_every` steps), every
+  SIGTERM or its lifeline's end (agreed by all ranks within 4 steps), every
   GOODPUT_CHECKPOINT_S (5 minutes) and at the end; after a stop it prints `goodput-stopped` and
   ends the script with exit code 0 (`goodput_train.trainer.Stopped`, a SystemExit: nothing after
   `fit` runs);
@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader
 
 from goodput_train import checkpoint, profiling
 from goodput_train.integration import (
+    PAIR_EVERY,
     Batches,
     Profiled,
     StepMeter,
@@ -62,7 +63,7 @@ from goodput_train.integration import (
     start_batch,
 )
 from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
-from goodput_train.trainer import CHECKPOINT_EVERY_S, NOISE_EVERY, Placement
+from goodput_train.trainer import CHECKPOINT_EVERY_S, Placement
 from goodput_train.worker import print_line
 
 
@@ -90,7 +91,7 @@ class GoodputCallback(pl.Callback):
         warmup_epochs: float = 0.0,
         target_epochs: float | None = None,
         batch_arg: str = "batch_size",
-        noise_every: int = NOISE_EVERY,
+        noise_every: int = PAIR_EVERY,
         checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
     ):
         self.init_batch, self.max_local, self.max_batch = init_batch, max_local, max_batch
