@@ -108,7 +108,8 @@ class GoodputCallback(pl.Callback):
         """Before the loops and the data loaders: resume from the contract's checkpoint (the trainer
         restores the optimizers, schedulers and loops from it next), then set this run's batch."""
         path = checkpoint_path()
-        if not os.environ.get(PROFILE_ENV) and path and os.path.exists(path):
+        # (a `fit(ckpt_path=...)` of the script's own is restored by the trainer instead)
+        if not os.environ.get(PROFILE_ENV) and path and os.path.exists(path) and not trainer.ckpt_path:
             connector = trainer._checkpoint_connector  # what `fit(ckpt_path=...)` does, from a callback
             connector.resume_start(path)
             connector.restore_model()
