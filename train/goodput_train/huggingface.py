@@ -52,17 +52,15 @@ from goodput_train import checkpoint, profiling
 from goodput_train.integration import (
     PAIR_EVERY,
     Batches,
-    Profiled,
     StepMeter,
     adaptive_env,
     checkpoint_path,
     limits_for,
-    profile_run,
+    profile_and_end,
     start_batch,
 )
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from goodput_train.protocol import PROFILE_ENV
 from goodput_train.trainer import CHECKPOINT_EVERY_S, Placement
-from goodput_train.worker import print_line
 
 
 class GoodputCallback(TrainerCallback):
@@ -182,8 +180,6 @@ class GoodputCallback(TrainerCallback):
     def _profile(self, loader, optimizer: torch.optim.Optimizer, m: int) -> None:
         """Time the Trainer's own loss, backward and optimizer step at each per-GPU batch (the
         script's alone when the batch is rigid), print the profile and end the script."""
-        if os.environ.get(SLOT_MEMORY_ENV):
-            profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
         trainer = self.trainer
         adaptive = self.adaptive_batch and adaptive_env()
         sizes = profiling.batch_sizes(1, self.max_local) if adaptive else [m]
@@ -198,17 +194,8 @@ class GoodputCallback(TrainerCallback):
             if trainer.args.device.type == "cuda":
                 torch.cuda.synchronize(trainer.args.device)
 
-        run = profile_run(
-            step_at,
-            sizes,
-            self.init_batch,
-            limits_for(self.init_batch, max(sizes), self.limits.max_batch).max_batch,
-            steps=profiling.PROFILE_STEPS,
-            budget_s=profiling.PROFILE_BUDGET_S,
-            release=lambda: optimizer.zero_grad(set_to_none=True),
-        )
-        print_line(PROFILE_PREFIX, run)
-        raise Profiled()
+        max_batch = limits_for(self.init_batch, max(sizes), self.limits.max_batch).max_batch
+        profile_and_end(step_at, sizes, self.init_batch, max_batch, optimizer)
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from goodput_train import profiling
 from goodput_train.goodput import BatchLimits, FitError, GoodputModel, Observation, fit_throughput, split_batch
 from goodput_train.lr import LrScaling, default_rule
 from goodput_train.pgns import NoiseSample, NoiseScale, from_replicas, sum_of_squares
@@ -37,7 +38,9 @@ from goodput_train.protocol import (
     CHECKPOINT_ENV,
     CHECKPOINT_PATH_ENV,
     JOB_ENV,
+    PROFILE_PREFIX,
     REPORT_ENV,
+    SLOT_MEMORY_ENV,
     STOPPED_MARK,
     JobStats,
     ProfileRun,
@@ -51,7 +54,7 @@ from goodput_train.trainer import (
     Stopped,
     gpu_type,
 )
-from goodput_train.worker import print_stats, say, sweep, watch_stops
+from goodput_train.worker import print_line, print_stats, say, sweep, watch_stops
 
 # Steps between a framework loop's noise samples: a pair of consecutive steps' averaged gradients
 # (a copy of one, the preconditioner and two norms: about a tenth of a small model's step on a CPU
@@ -373,7 +376,7 @@ class Batches:
                 fresh = DataLoader(
                     self.loader.dataset,
                     batch_size=size,
-                    shuffle=True,
+                    shuffle=not isinstance(self.loader.dataset, IterableDataset),
                     collate_fn=self.loader.collate_fn,
                     drop_last=True,
                 )
@@ -393,9 +396,20 @@ class Profiled(SystemExit):
         super().__init__(0)
 
 
-def profile_run(
-    step_at: Callable[[int], None], sizes: list[int], init_batch: int, max_batch: int, **sweep_options
-) -> ProfileRun:
-    """The profiling run's result: `step_at(m)` timed at each per-GPU batch of `sizes` (`worker.sweep`)."""
-    measured, out_of_memory, spent = sweep(step_at, sizes, **sweep_options)
-    return ProfileRun(tuple(measured), init_batch, max_batch, out_of_memory, spent)
+def profile_and_end(
+    step_at: Callable[[int], None], sizes: list[int], init_batch: int, max_batch: int, optimizer: torch.optim.Optimizer
+) -> NoReturn:
+    """The profiling run, as `AdaptiveTraining.profile` does it: a CPU slot's memory made real
+    (GOODPUT_SLOT_MEMORY_MB), `step_at(m)` timed at each per-GPU batch m of `sizes` (`worker.sweep`),
+    the profile printed for the profiler; then the script ends (`Profiled`)."""
+    if os.environ.get(SLOT_MEMORY_ENV):
+        profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
+    measured, out_of_memory, spent = sweep(
+        step_at,
+        sizes,
+        profiling.PROFILE_STEPS,
+        profiling.PROFILE_BUDGET_S,
+        lambda: optimizer.zero_grad(set_to_none=True),
+    )
+    print_line(PROFILE_PREFIX, ProfileRun(tuple(measured), init_batch, max_batch, out_of_memory, spent))
+    raise Profiled()

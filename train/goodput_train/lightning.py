@@ -54,17 +54,15 @@ from goodput_train import checkpoint, profiling
 from goodput_train.integration import (
     PAIR_EVERY,
     Batches,
-    Profiled,
     StepMeter,
     adaptive_env,
     checkpoint_path,
     limits_for,
-    profile_run,
+    profile_and_end,
     start_batch,
 )
-from goodput_train.protocol import PROFILE_ENV, PROFILE_PREFIX, SLOT_MEMORY_ENV
+from goodput_train.protocol import PROFILE_ENV
 from goodput_train.trainer import CHECKPOINT_EVERY_S, Placement
-from goodput_train.worker import print_line
 
 
 def placement() -> dict[str, Any]:
@@ -212,8 +210,6 @@ class GoodputCallback(pl.Callback):
         batch is rigid), print the profile and end the script."""
         if loader is None:
             raise ValueError("a profiling run needs the training data loader")
-        if os.environ.get(SLOT_MEMORY_ENV):
-            profiling.limit_memory(float(os.environ[SLOT_MEMORY_ENV]))
         if self._adaptive_batch(trainer):
             sizes = profiling.batch_sizes(1, self.max_local or m)
         else:
@@ -232,17 +228,7 @@ class GoodputCallback(pl.Callback):
 
         init_batch = self._init_batch(m, s)
         max_batch = limits_for(init_batch, max(sizes), self.max_batch).max_batch
-        run = profile_run(
-            step_at,
-            sizes,
-            init_batch,
-            max_batch,
-            steps=profiling.PROFILE_STEPS,
-            budget_s=profiling.PROFILE_BUDGET_S,
-            release=lambda: optimizer.zero_grad(set_to_none=True),
-        )
-        print_line(PROFILE_PREFIX, run)
-        raise Profiled()
+        profile_and_end(step_at, sizes, init_batch, max_batch, optimizer)
 
 
 def _loader(trainer: pl.Trainer) -> DataLoader | None:
