@@ -85,8 +85,13 @@ class GoodputCallback(TrainerCallback):
     ):
         self.trainer = trainer
         self.placement = Placement.from_env()
-        self.lr_rule, self.warmup_epochs, self.target_epochs = lr_rule, warmup_epochs, target_epochs
-        self.noise_every, self.checkpoint_every_s = noise_every, checkpoint_every_s
+        self.meter_options = {  # the StepMeter's, at each start
+            "lr_rule": lr_rule,
+            "warmup_epochs": warmup_epochs,
+            "target_epochs": target_epochs,
+            "noise_every": noise_every,
+            "checkpoint_every_s": checkpoint_every_s,
+        }
         self.meter: StepMeter | None = None
         self.profiling = bool(os.environ.get(PROFILE_ENV))
         path = checkpoint_path()
@@ -126,11 +131,7 @@ class GoodputCallback(TrainerCallback):
             batch=(m, s),
             init_batch=self.init_batch,
             dataset_size=_dataset_size(train_dataloader, m * self.placement.world),
-            lr_rule=self.lr_rule,
-            warmup_epochs=self.warmup_epochs,
-            target_epochs=self.target_epochs,
-            noise_every=self.noise_every,
-            checkpoint_every_s=self.checkpoint_every_s,
+            **self.meter_options,
             device=args.device,
         )
         if self.saved:

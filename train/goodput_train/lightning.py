@@ -93,8 +93,14 @@ class GoodputCallback(pl.Callback):
         checkpoint_every_s: float | None = CHECKPOINT_EVERY_S,
     ):
         self.init_batch, self.max_local, self.max_batch = init_batch, max_local, max_batch
-        self.lr_rule, self.warmup_epochs, self.target_epochs = lr_rule, warmup_epochs, target_epochs
-        self.batch_arg, self.noise_every, self.checkpoint_every_s = batch_arg, noise_every, checkpoint_every_s
+        self.meter_options = {  # the StepMeter's, at each start
+            "lr_rule": lr_rule,
+            "warmup_epochs": warmup_epochs,
+            "target_epochs": target_epochs,
+            "noise_every": noise_every,
+            "checkpoint_every_s": checkpoint_every_s,
+        }
+        self.batch_arg = batch_arg
         self.meter: StepMeter | None = None
         self._saved_state: dict | None = None  # goodput's part of the checkpoint resumed from
         self._stepped = False  # the optimizer stepped in this batch (not an accumulation's)
@@ -134,11 +140,7 @@ class GoodputCallback(pl.Callback):
             batch=(m, s),
             init_batch=self._init_batch(m, s),
             dataset_size=_dataset_size(loader, trainer, m),
-            lr_rule=self.lr_rule,
-            warmup_epochs=self.warmup_epochs,
-            target_epochs=self.target_epochs,
-            noise_every=self.noise_every,
-            checkpoint_every_s=self.checkpoint_every_s,
+            **self.meter_options,
             device=pl_module.device,
         )  # its SIGTERM handler replaces Lightning's (registered as the fit began)
         if self._saved_state:
