@@ -5,7 +5,6 @@ its executor, heed a stop (SIGTERM, or its lifeline's end), and sweep batch size
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import statistics
@@ -17,12 +16,12 @@ from typing import Callable
 import msgspec
 
 from goodput_train import profiling
-from goodput_train.protocol import LIFELINE_ENV, STATS_PREFIX, JobStats, ProfilePoint
+from goodput_train.protocol import LIFELINE_ENV, STATS_PREFIX, JobStats, ProfilePoint, protocol_line
 
 
 def print_line(prefix: str, message: msgspec.Struct) -> None:
-    """One line on stdout for the executor: msgpack (it keeps NaN, which JSON cannot), in base64."""
-    print(prefix + base64.b64encode(msgspec.msgpack.encode(message)).decode(), flush=True)
+    """One line on stdout for the executor (`protocol.protocol_line`: base64 msgpack, which keeps NaN)."""
+    print(protocol_line(prefix, message), flush=True)
 
 
 def print_stats(stats: JobStats) -> None:
