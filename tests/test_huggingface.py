@@ -3,6 +3,8 @@ environment, in a subprocess): it reports throughput and gradient noise, stops o
 checkpoint at GOODPUT_CHECKPOINT and the stopped mark, resumes from it (its steps go on) at another
 world size with its batch re-split, and its profiling run prints a profile the profiler accepts."""
 
+import pytest
+
 from tests.test_lightning import check_profiling_run, stop_two_then_resume_one
 
 SCRIPT = '''
@@ -49,9 +51,11 @@ print(f"done at step {trainer.state.global_step}", flush=True)
 '''
 
 
+@pytest.mark.e2e  # it starts workers, as a node agent does
 def test_a_trainer_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
     stop_two_then_resume_one(tmp_path, SCRIPT, "hf-1", 30)
 
 
+@pytest.mark.e2e  # it starts workers, as a node agent does
 def test_a_trainer_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
     check_profiling_run(tmp_path, SCRIPT, "hf-2")

@@ -180,10 +180,12 @@ def check_profiling_run(folder: Path, script: str, job_id: str) -> None:
     assert not (folder / "checkpoints" / f"{job_id}.pt").exists()
 
 
+@pytest.mark.e2e  # it starts workers, as a node agent does
 def test_a_lightning_script_reports_stops_on_sigterm_and_resumes_at_another_size_with_its_batch_re_split(tmp_path):
     stop_two_then_resume_one(tmp_path, SCRIPT, "lit-1", 40)
 
 
+@pytest.mark.e2e  # it starts workers, as a node agent does
 def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
     check_profiling_run(tmp_path, SCRIPT, "lit-2")
 
