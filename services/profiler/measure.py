@@ -273,10 +273,11 @@ async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRe
 
 
 def declared_run(spec: JobSpec) -> ProfileRun:
-    """What a job that is not profiled (a torchrun script) runs as: its declared batch (the global
-    batch it asks for, at least one sample a GPU), each sample costing one second a GPU. The flat
-    curve makes K GPUs worth K times one, so the policies place it at requested_gpus of its types,
-    and compare it with no measured job (the rigid policies' order is its own: arrival)."""
+    """What a job that is not profiled (a torchrun script) is taken to run as until it reports: its
+    declared batch (the global batch it asks for, at least one sample a GPU at its most GPUs), each
+    sample costing one second a GPU. The flat curve makes K GPUs worth K times one: the policies
+    place it at requested_gpus of its types (an elastic one, as many as its range and the others
+    leave it)."""
     batch = max(spec.requested_batch or 1, spec.requested_gpus, spec.gpu_range[1] or 1)
     points = (ProfilePoint(1, 1.0), ProfilePoint(batch, float(batch))) if batch > 1 else (ProfilePoint(1, 1.0),)
     return ProfileRun(points, batch, batch)
