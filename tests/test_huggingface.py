@@ -5,7 +5,7 @@ world size with its batch re-split, and its profiling run prints a profile the p
 
 import pytest
 
-from tests.test_lightning import check_profiling_run, stop_two_then_resume_one
+from tests.test_lightning import check_profiling_run, run_the_pages_script, stop_two_then_resume_one
 
 SCRIPT = '''
 import sys
@@ -59,3 +59,8 @@ def test_a_trainer_script_reports_stops_on_sigterm_and_resumes_at_another_size_w
 @pytest.mark.e2e  # it starts workers, as a node agent does
 def test_a_trainer_profiling_run_prints_a_profile_the_profiler_accepts_and_trains_no_further(tmp_path):
     check_profiling_run(tmp_path, SCRIPT, "hf-2")
+
+
+@pytest.mark.e2e  # it starts workers, as a node agent does
+def test_the_pages_trainer_script_reports_stops_and_resumes_as_written(tmp_path):
+    run_the_pages_script(tmp_path, "# train.py: a tiny BERT classifier on generated tokens", "page-hf")

@@ -190,6 +190,26 @@ def test_a_lightning_profiling_run_prints_a_profile_the_profiler_accepts_and_tra
     check_profiling_run(tmp_path, SCRIPT, "lit-2")
 
 
+def run_the_pages_script(folder: Path, first_line: str, job_id: str) -> None:
+    """docs/jobs.md's script, as the page shows it, run as a worker: it reports, stops on SIGTERM with
+    its checkpoint and the stopped mark, and resumed, goes on from the step it saved."""
+    from tests.test_torchrun import page_script
+
+    script = page_script(first_line)
+    (stopped,) = stop_after_steps(start(folder, script, [], worker_envs(folder, 1, job_id)))
+    assert STOPPED_MARK in stopped and stats_in(stopped), stopped[-20:]
+    saved = saved_steps(folder, job_id)
+    resumed = stop_after_steps(start(folder, script, [], worker_envs(folder, 1, job_id)))[0]
+    assert STOPPED_MARK in resumed and saved_steps(folder, job_id) > saved and stats_in(resumed)[0].steps >= saved
+
+
+@pytest.mark.e2e  # it starts workers, as a node agent does
+def test_the_pages_lightning_script_reports_stops_and_resumes_as_written(tmp_path):
+    run_the_pages_script(
+        tmp_path, "# train.py: a regression on generated data, trained by PyTorch Lightning", "page-lit"
+    )
+
+
 def test_the_noise_samples_preconditioner_is_adams_for_every_group_and_none_before_its_state():
     """The fused square roots of Adam's preconditioner (the integrations' metric) equal the formula's,
     per group (each its own eps), and are None for SGD or before the first step."""
