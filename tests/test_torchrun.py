@@ -222,6 +222,6 @@ def test_the_pages_ddp_scripts_run_rigid_across_two_nodes_and_elastic_resized_fr
         steps = [step for step, _ in starts]
         assert starts[0] == (0, 2) and 4 in {world for _, world in starts}, starts  # grown when it could
         assert steps == sorted(steps) and steps[-1] > 0, starts  # resumed each time, never back
-        assert "done at step 20000" in printed, printed[-2000:]
+        assert "done at step 12000" in printed, printed[-2000:]
     finally:
         up.stop()
