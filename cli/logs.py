@@ -47,11 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _rank(text: str) -> int | str:
-    from shared.subjects import PROFILE_RANK
+    from shared.subjects import ENVIRONMENT_RANK, PROFILE_RANK
 
-    if text == PROFILE_RANK or (text.isdigit() and int(text) >= 0):
-        return text if text == PROFILE_RANK else int(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is not a rank: a number from 0, or {PROFILE_RANK!r}")
+    if text in (PROFILE_RANK, ENVIRONMENT_RANK):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a rank: a number from 0, {PROFILE_RANK!r} or {ENVIRONMENT_RANK!r}"
+    )
 
 
 def _logs(args: argparse.Namespace) -> int:

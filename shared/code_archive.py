@@ -93,11 +93,11 @@ def stored_name(login: str, archive: str) -> str:
     return f"{login}.{archive}"
 
 
-def owned(code: tuple[str, str, tuple[str, ...]], login: str) -> tuple[str, str, tuple[str, ...]]:
+def owned(code: tuple[str, str, tuple[str, ...], tuple[str, ...]], login: str) -> tuple:
     """A job's own code as the node agents take it (`JobSpec.own_code`), its archive named as its
-    owner's in the code store; ("", "", ()) for a job module's."""
-    archive, entrypoint, args = code
-    return (stored_name(login, archive) if archive else "", entrypoint, args)
+    owner's in the code store; ("", "", (), ()) for a job module's."""
+    archive, *rest = code
+    return (stored_name(login, archive) if archive else "", *rest)
 
 
 def stored_digest(name: str) -> str:

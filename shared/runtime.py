@@ -1,7 +1,8 @@
 """What the executor and the node agents agree on about a job's processes: which modules of the
 operator's jobs package a submission may run (`GOODPUT_JOB = True` at a module's top level, read
-from its source, never run here: the package's helpers are not jobs), and how long a stop waits
-for a job's workers to checkpoint before they are killed."""
+from its source, never run here: the package's helpers are not jobs), how long a stop waits for a
+job's workers to checkpoint before they are killed, and how long a node may build a job's
+environment."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from pathlib import Path
 JOBS_PACKAGE = "examples.jobs"  # the code submissions may run by default: a module of this package
 JOB_MARKER = "GOODPUT_JOB"  # a job module says `GOODPUT_JOB = True`; its helpers are not jobs
 STOP_TIMEOUT_S = 60.0  # a stop's grace: SIGTERM, then this long to checkpoint, then SIGKILL
+# The longest a node may take to build a job's environment (its requirements): a start or a
+# profiling run that builds one is waited for this much longer.
+ENVIRONMENT_MAX_S = 1800.0
 
 
 def declares_job(path: str | Path | None) -> bool:

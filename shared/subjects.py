@@ -182,6 +182,7 @@ LOGS = f"{PREFIX}.logs"
 LOGS_SUBJECTS = (f"{LOGS}.>",)  # every team's: what the node agents store on
 LOGS_STREAM = "GOODPUT_LOGS"  # DEFAULT_TEAM's stream; another team's is LOGS_STREAM_<team>
 PROFILE_RANK = "profile"  # the rank of a job's profiling runs' output
+ENVIRONMENT_RANK = "env"  # ... and of the installer that built its environment (its requirements)
 
 
 def logs_stream(team: str) -> str:

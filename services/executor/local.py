@@ -62,12 +62,13 @@ from goodput_train.protocol import (
 )
 from shared import subjects
 from shared.bus import Bus
+from shared.bus.encoding import Refused
 from shared.cluster import Cluster
 from shared.metrics import JOB_RESTARTS, instrument
-from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
+from shared.runtime import ENVIRONMENT_MAX_S, JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared.schema.base import Ack, Spots
 from shared.schema.jobs import CANCELLED
-from shared.schema.nodes import NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
+from shared.schema.nodes import CANNOT_RUN, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
 from shared.subjects import DEFAULT_TEAM
 
 MAX_CRASHES = 3
@@ -127,10 +128,13 @@ class BusNodes:
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as error:
             raise NodeGone(f"node {node} did not answer {endpoint}: {type(error).__name__}") from None
         except ServiceError as error:
+            if error.code == CANNOT_RUN:
+                raise Refused(error.description, None, CANNOT_RUN) from None
             raise ValueError(error.description) from None
 
     def start(self, node: str, order: StartWorkers) -> Rendezvous:
-        return self._call(node, "start", order, Rendezvous, self.timeout_s + STOP_TIMEOUT_S)
+        building = ENVIRONMENT_MAX_S if order.requirements else 0.0  # its environment may be built first
+        return self._call(node, "start", order, Rendezvous, self.timeout_s + STOP_TIMEOUT_S + building)
 
     def stop(self, node: str, request: StopWorkers) -> WorkersReport:
         return self._call(node, "stop", request, WorkersReport, self.timeout_s + request.grace_s)
@@ -187,6 +191,7 @@ class LocalJob:
     started_on: Spots = ()  # the placement its running workers were started for
     stopping: Stop | None = None  # its workers' stop, under way
     starting: Future | None = None  # its workers' start, under way: the nodes started, and any error
+    preparing: dict[str, float] = field(default_factory=dict)  # ... building its environment: node -> seconds so far
     waits: tuple[str, ...] = ()  # the jobs whose stopping workers hold the GPUs its start waits for
     stats: JobStats | None = None
     result: dict | None = None  # once it has finished: its outcome line ({} without one)
@@ -204,6 +209,7 @@ class LocalJob:
     code: str = ""  # its own code: the archive in the code store ("": `application` is a job module)
     entrypoint: str = ""  # ... what in it runs, with these arguments
     args: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()  # ... in an environment with these packages
     user: int | None = None  # its user's number on the nodes (its submission's: StartWorkers.user)
     team: str = DEFAULT_TEAM  # its team's (StartWorkers.team: its output goes to its team's logs)
 
@@ -298,11 +304,13 @@ class LocalExecutors:
         code: str = "",
         entrypoint: str = "",
         args: tuple[str, ...] = (),
+        requirements: tuple[str, ...] = (),
         user: int | None = None,
         team: str = DEFAULT_TEAM,
     ) -> None:
         """A job to run: a module of the jobs package (`application`), or its own code (`code`, the
-        archive its node agents fetch; `entrypoint` and `args`, what they run of it). `user`: the
+        archive its node agents fetch; `entrypoint` and `args`, what they run of it, with the
+        Python packages `requirements`). `user`: the
         number of its workers' user on every node (its submission's; None: each node hashes its id);
         `team`: its team's."""
         try:
@@ -311,7 +319,17 @@ class LocalExecutors:
         except ValueError as error:
             raise ValueError(f"job {job_id}: {error}") from None
         self.jobs.setdefault(
-            job_id, LocalJob(job_id, application, code=code, entrypoint=entrypoint, args=args, user=user, team=team)
+            job_id,
+            LocalJob(
+                job_id,
+                application,
+                code=code,
+                entrypoint=entrypoint,
+                args=args,
+                requirements=requirements,
+                user=user,
+                team=team,
+            ),
         )
 
     def apply(self, placements: Mapping[str, Spots]) -> None:
@@ -333,12 +351,22 @@ class LocalExecutors:
         placements is left to its transition: a node that no longer lists its stopping workers is no crash."""
         self._settle()
         running = [job for job in self.jobs.values() if job.running and not job.busy]
+        # Those whose start may be building their environment: how long it has taken, for their status.
+        starting = [job for job in self.jobs.values() if job.starting is not None and job.requirements]
         reports: dict[str, dict[str, WorkersReport]] = {}
-        for node in {node for job in running for node, _ in job.parts}:
+        preparing: dict[str, dict[str, float]] = {}
+        for node in {node for job in (*running, *starting) for node, _ in job.parts}:
             try:
-                reports[node] = {report.job_id: report for report in self.nodes.poll(node).jobs}
+                polled = self.nodes.poll(node)
             except NodeGone:
                 reports[node] = None  # unknown this time: its jobs wait for the membership's word
+            else:
+                reports[node] = {report.job_id: report for report in polled.jobs}
+                preparing[node] = polled.preparing
+        for job in starting:
+            job.preparing = {
+                node: preparing[node][job.job_id] for node, _ in job.parts if job.job_id in preparing.get(node, {})
+            }
         for job in running:
             if any(reports[node] is None for node, _ in job.parts):
                 continue
@@ -433,6 +461,10 @@ class LocalExecutors:
             then = f"; then it starts on {spots_text(job.placement)}" if job.placement and not job.failure else ""
             return f"stopping its workers on {nodes} ({stop.why}): {how}{then}"
         if starting is not None:
+            building = dict(job.preparing)
+            if building:
+                where = ", ".join(f"{node} ({seconds:.0f} s so far)" for node, seconds in sorted(building.items()))
+                return f"preparing its environment (its requirements) on {where}; then its workers start on {spots_text(job.placement)}"
             return f"starting its workers on {spots_text(job.placement)}"
         if job.waits:
             stops = [self.jobs[name].stopping for name in job.waits]
@@ -639,6 +671,7 @@ class LocalExecutors:
                 code=job.code,
                 entrypoint=job.entrypoint,
                 args=job.args,
+                requirements=job.requirements,
                 user=job.user,
                 team=job.team,
                 group=group,
@@ -668,15 +701,17 @@ class LocalExecutors:
 
     def _started(self, job: LocalJob) -> None:
         """Its start answered: its workers run on the nodes that started them; if one could not, those
-        stop (killed) and it waits for the round's placement."""
-        call, job.starting = job.starting, None
+        stop (killed) and it waits for the round's placement (or fails, when it cannot run anywhere)."""
+        call, job.starting, job.preparing = job.starting, None, {}
         started, error = call.result()
         job.parts = tuple((node, ranks) for node, ranks in job.parts if node in started)
         if error is None:
             return
         log.warning("job %s could not start on %s: %s", job.job_id, spots_text(job.placement), error)
         job.placement = ()
-        if isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
+        if isinstance(error, Refused) and error.code == CANNOT_RUN:  # its packages cannot be installed
+            job.failure = str(error)
+        elif isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
             job.crashes += 1
             if job.crashes >= self.max_crashes:
                 job.failure = f"its workers could not start {job.crashes} times: {error}"

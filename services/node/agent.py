@@ -81,6 +81,7 @@ from services.node.box import (
     write_owned,
 )
 from services.node.code import JobCode, store_fetcher
+from services.node.environments import GIB, Environments
 from services.node.output import Output, Storing, copy_lines, wake_on
 from services.node.processes import (
     ended,
@@ -97,7 +98,7 @@ from shared.bus import Bus
 from shared.files import make_private
 from shared.metrics import CHECKPOINT_DURATION, CHECKPOINT_SIZE, WORKERS, instrument
 from shared.runner import new_service, positive_float
-from shared.runtime import JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
+from shared.runtime import ENVIRONMENT_MAX_S, JOBS_PACKAGE, STOP_TIMEOUT_S, declared_jobs, job_module
 from shared.schema.base import Ack
 from shared.schema.nodes import (
     NodeInfo,
@@ -207,6 +208,7 @@ class NodeWorkers:
         output: Output | None = None,
         boxes: Boxes | None = None,
         code: JobCode | None = None,
+        environments: Environments | None = None,
     ):
         self.info = info
         self.workdir = workdir
@@ -217,6 +219,7 @@ class NodeWorkers:
         # Each job's box (`--box off`: every job as the agent, in no box: only for tests and trusted code).
         self.boxes = boxes or Boxes(workdir, default_rules(info.gpus), runtime=None)
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
+        self.environments = environments or Environments(self.boxes, info.name)  # of jobs' requirements
         self.jobs: dict[str, Workers] = {}
         self.profiling: dict[str, Box] = {}  # job id -> the box of its profiling run here
         self.reserved: dict[str, tuple[int, ...]] = {}  # job id -> the slots of its workers being started
@@ -243,6 +246,7 @@ class NodeWorkers:
         with self.lock:
             slots = self.reserved[order.job_id] = self._free(order)  # before a box is made for nothing
         try:
+            environment = self._environment(order.job_id, order.requirements, slots, order.team)
             box = self._open_box(
                 order.job_id,
                 f"{order.job_id}.{order.generation}",
@@ -250,6 +254,7 @@ class NodeWorkers:
                 slots,
                 private_network=order.nodes == 1,  # its ranks all here: its rendezvous on its own loopback
                 checkpoints=None if order.store else Path(order.checkpoint).parent,
+                environment=environment,
             )
             try:
                 return self._start(order, box, slots)
@@ -335,7 +340,7 @@ class NodeWorkers:
             jobs = list(self.jobs.values())
         reports = tuple(self._report(w) for w in jobs)
         instrument(WORKERS).set(sum(code is None for report in reports for code in report.codes))
-        return NodeReport(self.info.name, reports)
+        return NodeReport(self.info.name, reports, self.environments.preparing())
 
     def _record_workers(self) -> None:
         """goodput_workers_running: the ranks whose processes run on this node now."""
@@ -351,10 +356,16 @@ class NodeWorkers:
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = self.devices[-1]  # the last: starts take the first free ones
         log_path = self.workdir / f"{request.job_id}.profile-{self.info.gpu_type}.log"
+        slot = (self.info.gpus - 1,)  # the last: starts take the first free ones
         try:
-            # The last slot: starts take the first free ones.
+            environment = self._environment(request.job_id, request.requirements, slot, request.team)
             box = self._open_box(
-                request.job_id, f"{request.job_id}.profile", request.user, (self.info.gpus - 1,), private_network=True
+                request.job_id,
+                f"{request.job_id}.profile",
+                request.user,
+                slot,
+                private_network=True,
+                environment=environment,
             )
         except (ValueError, BoxError) as error:
             return ProfileAnswer(failure=str(error))
@@ -544,6 +555,7 @@ class NodeWorkers:
         slots: tuple[int, ...],
         private_network: bool,
         checkpoints: Path | None = None,
+        environment: Path | None = None,
     ) -> Box:
         """The job's box here (`Boxes.open`) on `slots`, once none of its workers runs here; ValueError why not."""
         with self.lock:
@@ -551,9 +563,22 @@ class NodeWorkers:
         if mine is not None and mine.running:
             raise ValueError(f"job {job_id}: its workers run on node {self.info.name}; it is not started again")
         try:
-            return self.boxes.open(job_id, name, self.job_folder(job_id), user, slots, private_network, checkpoints)
+            return self.boxes.open(
+                job_id, name, self.job_folder(job_id), user, slots, private_network, checkpoints, environment
+            )
         except BoxError as error:
             raise ValueError(str(error)) from None
+
+    def _environment(
+        self, job_id: str, requirements: tuple[str, ...], slots: tuple[int, ...], team: str
+    ) -> Path | None:
+        """The environment of the job's requirements on this node, built first if it is not here (None:
+        it asks for none); `environments.cannot_run` when they cannot be installed."""
+        if not requirements:
+            return None
+        return self.environments.get(
+            job_id, requirements, slots, self._keeper(job_id, subjects.ENVIRONMENT_RANK, "stderr", team)
+        )
 
     def _target(self, job_id: str, application: str, code: str, entrypoint: str, box: Box) -> tuple[str, Path | None]:
         """What the job's workers run: a module of the jobs package (no folder), or the entrypoint of
@@ -761,6 +786,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-python", default=sys.executable, help="node: the workers' interpreter (default: the agent's)"
     )
+    parser.add_argument(
+        "--environment-timeout",
+        type=positive_float,
+        default=900.0,
+        help=f"node: the longest the build of a job's environment (its requirements) may take, in s, at most "
+        f"{ENVIRONMENT_MAX_S:.0f} (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--environment-max-gb",
+        type=positive_float,
+        default=20.0,
+        help="node: the most disk a job's environment may take, in GiB (default: %(default)g)",
+    )
 
 
 def box_problem(box: str, python: str, jobs_package: str) -> tuple[str, list[Path]]:
@@ -833,6 +871,7 @@ async def start(bus: Bus, args: argparse.Namespace) -> micro.Service:
         storing.output,
         boxes,
         JobCode(workdir / "archives", store_fetcher(bus, asyncio.get_running_loop())),
+        Environments(boxes, info.name, args.environment_timeout, int(args.environment_max_gb * GIB)),
     )
 
     async def heartbeat() -> None:

@@ -20,7 +20,8 @@ beside v1's, as this one's does):
 - **the node's files read-only**, and of them only the system's folders and what the workers run
   (the interpreter, the project, the jobs package): the stack's DATA, the agent's folder and
   other jobs' folders are not in the box at all. Its own folder is `/job` (HOME, the working
-  directory, where its code is unpacked) and its checkpoint folder `/checkpoint`, both writable.
+  directory, where its code is unpacked) and its checkpoint folder `/checkpoint`, both writable;
+  the environment of its requirements (`environments.py`) is `/env`, read-only.
 
 Its first process (`box_init`) holds the box open; each worker enters it (`runc exec`). A stop is
 SIGTERM to every process of the box, and `close` kills what is left by its cgroup and removes it. A
@@ -56,12 +57,13 @@ from shared.runtime import STOP_TIMEOUT_S
 RUNTIME = "runc"
 JOB_HOME = Path("/job")  # the job's folder, as its processes see it
 JOB_CHECKPOINTS = Path("/checkpoint")  # its checkpoint folder (in the folder every node shares)
+JOB_ENVIRONMENT = Path("/env")  # the environment of its requirements (read-only; writable while it is built)
 JOB_UID_BASE = 200_000  # above the accounts of a machine (system, people; subordinate ranges start at 100000)
 JOB_UID_SPAN = 1 << 24  # jobs' users are JOB_UID_BASE + [0, JOB_UID_SPAN)
 CLAIMS = Path("/run/goodput/uids")  # the host's claims on jobs' users, by every agent of every stack
 SYSTEM_FOLDERS = ("bin", "etc", "lib", "lib32", "lib64", "libx32", "opt", "sbin", "usr", "var")
 BOX_ROOT = "box-root"  # in the agent's folder
-MOUNT_POINTS = ("/proc", "/dev", "/sys", "/run", "/tmp", str(JOB_HOME), str(JOB_CHECKPOINTS))
+MOUNT_POINTS = ("/proc", "/dev", "/sys", "/run", "/tmp", str(JOB_HOME), str(JOB_CHECKPOINTS), str(JOB_ENVIRONMENT))
 INIT = "services.node.box_init"  # a box's first process
 MB = 1 << 20
 CPU_PERIOD_US = 100_000
@@ -317,16 +319,20 @@ class Boxes:
         slots: tuple[int, ...],
         private_network: bool,
         checkpoints: Path | None = None,
+        environment: Path | None = None,
+        building: bool = False,
     ) -> Box:
         """A box on the node's `slots` (their indices) for job `job_id` (its runc name `name`, unique on this agent) whose
         folder is `folder` (made the job's user's before) and checkpoint folder `checkpoints` (None:
-        none of the shared one's); its user from `user`, the job's submission number."""
+        none of the shared one's); its user from `user`, the job's submission number. `environment`:
+        the folder of its requirements' environment, shown read-only (`building`: its user's and
+        writable, for the box that builds it)."""
         if checkpoints is not None and checkpoints.name != job_id:
             raise BoxError(
                 f"job {job_id}: its checkpoint must be in a folder of its own, named {job_id}, not {checkpoints}"
             )
         if not self.contained:
-            box = Box(self, job_id, name, folder, None, checkpoints)
+            box = Box(self, job_id, name, folder, None, checkpoints, environment)
         elif user is None:
             raise BoxError(f"job {job_id}: its order names no user (the executor gives every job one)")
         else:
@@ -337,13 +343,16 @@ class Boxes:
                 folder,
                 self.claims.claim(f"{self.stack}/{job_id}", user, self.uid_base),
                 checkpoints,
+                environment,
             )
         try:
             # Its folders its user's, all in them (an earlier run of the job may have had another user).
             for own in (folder, folder / "tmp", *((checkpoints,) if checkpoints is not None else ())):
                 make_own(own, box.uid)
+            if building and environment is not None:
+                make_own(environment, box.uid)
             if self.contained:
-                box.start(slots, private_network)
+                box.start(slots, private_network, writable_environment=building)
         except BaseException:
             box.close()
             raise
@@ -373,11 +382,21 @@ class Boxes:
 class Box:
     """One job's box on this node: its processes, user and cgroup."""
 
-    def __init__(self, boxes: Boxes, job_id: str, name: str, folder: Path, uid: int | None, checkpoints: Path | None):
+    def __init__(
+        self,
+        boxes: Boxes,
+        job_id: str,
+        name: str,
+        folder: Path,
+        uid: int | None,
+        checkpoints: Path | None,
+        environment: Path | None = None,
+    ):
         self.boxes, self.job_id, self.name, self.uid = boxes, job_id, name, uid
         # Absolute: runc takes a relative path as its bundle's (`goodput up`'s DATA is out/stack).
         self.folder = Path(os.path.abspath(folder))
         self.checkpoints = None if checkpoints is None else Path(os.path.abspath(checkpoints))
+        self.environment = None if environment is None else Path(os.path.abspath(environment))
         self.processes: list[subprocess.Popen] = []
         self.lifeline: int | None = None  # our end of its first process's stdin
         self.cgroup = f"/goodput/{boxes.agent}/{name}"
@@ -392,18 +411,33 @@ class Box:
         if not self.boxes.contained:
             return path
         path = Path(os.path.abspath(path))
-        for host, seen in ((self.folder, JOB_HOME), (self.checkpoints, JOB_CHECKPOINTS)):
+        for host, seen in (
+            (self.folder, JOB_HOME),
+            (self.checkpoints, JOB_CHECKPOINTS),
+            (self.environment, JOB_ENVIRONMENT),
+        ):
             if host is not None and (path == host or host in path.parents):
                 return seen / path.relative_to(host)
         raise ValueError(f"{path} is not in job {self.job_id}'s box")
 
     def env(self) -> dict[str, str]:
-        """HOME and TMPDIR: its folder and its own /tmp (in its folder)."""
+        """HOME and TMPDIR: its folder and its own /tmp (in its folder); with an environment, that
+        environment's VIRTUAL_ENV and PATH (its scripts first)."""
         if not self.boxes.contained:
-            return {"HOME": str(self.folder), "TMPDIR": str(self.folder / "tmp")}
-        return {"HOME": str(JOB_HOME), "TMPDIR": "/tmp"}
+            env = {"HOME": str(self.folder), "TMPDIR": str(self.folder / "tmp")}
+        else:
+            env = {"HOME": str(JOB_HOME), "TMPDIR": "/tmp"}
+        if self.environment is not None:
+            seen = self.inside(self.environment)
+            env |= {"VIRTUAL_ENV": str(seen), "PATH": f"{seen / 'bin'}:{os.environ.get('PATH', os.defpath)}"}
+        return env
 
-    def start(self, slots: tuple[int, ...], private_network: bool) -> None:
+    @property
+    def python(self) -> str:
+        """The interpreter its processes run: its environment's, else the node's."""
+        return self.boxes.python if self.environment is None else str(self.inside(self.environment) / "bin" / "python")
+
+    def start(self, slots: tuple[int, ...], private_network: bool, writable_environment: bool = False) -> None:
         """The box, its first process holding it open with our lifeline as its stdin."""
         boxes = self.boxes
         shutil.rmtree(self.bundle, ignore_errors=True)
@@ -449,6 +483,8 @@ class Box:
         ]
         if self.checkpoints is not None:
             mounts.append(_bind(self.checkpoints, JOB_CHECKPOINTS))
+        if self.environment is not None:
+            mounts.append(_bind(self.environment, JOB_ENVIRONMENT, read_only=not writable_environment))
         namespaces = [{"type": kind} for kind in ("pid", "ipc", "mount", *(("network",) if private_network else ()))]
         config = {
             "ociVersion": "1.0.2",

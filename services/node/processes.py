@@ -86,7 +86,7 @@ def worker(
     # Nothing of the job's folder is imported before `job_main` runs: not the working directory
     # (-P; `-m` would put it first on sys.path), not the user site packages of its HOME (-s).
     command = [
-        box.boxes.python,
+        box.python,  # its environment's, when it asks for packages
         *("-P", "-s", "-m", JOB_MAIN),
         *job_arguments(module, arguments, None if checkpoint is None else box.inside(checkpoint), code is not None),
     ]

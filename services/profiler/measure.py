@@ -40,6 +40,7 @@ from goodput_train.protocol import ProfilePoint, ProfileRun
 from shared import subjects
 from shared.bus import Bus
 from shared.bus.kv import TypedKV
+from shared.runtime import ENVIRONMENT_MAX_S
 from shared.schema.estimates import Profile
 from shared.schema.jobs import JobSpec
 from shared.schema.nodes import NodeInfo, ProfileAnswer, ProfileRequest
@@ -249,8 +250,9 @@ async def profiling_run(
 
 async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRequest) -> ProfileAnswer:
     """The node's answer to the request, or NodeUnavailable as soon as the node is gone."""
+    timeout_s = request.timeout_s + 30 + (ENVIRONMENT_MAX_S if request.requirements else 0.0)  # built first
     asked = asyncio.ensure_future(
-        bus.request(subjects.node_subject(info.name, "profile"), request, ProfileAnswer, timeout=request.timeout_s + 30)
+        bus.request(subjects.node_subject(info.name, "profile"), request, ProfileAnswer, timeout=timeout_s)
     )
     watching = asyncio.ensure_future(turns.lost(info))
     try:
@@ -264,7 +266,7 @@ async def _run_on(bus: Bus, turns: NodeTurns, info: NodeInfo, request: ProfileRe
             raise
         except nats.errors.TimeoutError:
             raise NodeUnavailable(
-                f"node {info.name} did not finish profiling {request.job_id} in {request.timeout_s + 30:.0f} s"
+                f"node {info.name} did not finish profiling {request.job_id} in {timeout_s:.0f} s"
             ) from None
     finally:
         for task in (asked, watching):

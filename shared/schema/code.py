@@ -10,6 +10,7 @@ from typing import Annotated
 import msgspec
 
 from shared.code_archive import LIMITS, MAX_ARG, MAX_ARGS, MAX_ENTRYPOINT
+from shared.requirements import MAX_REQUIREMENT, MAX_REQUIREMENTS
 
 CHUNK_BYTES = 512 * 1024  # a chunk's data: in JSON (base64) it still fits nats-server's 1 MiB message
 
@@ -23,6 +24,10 @@ Entrypoint = Annotated[
     ),
 ]
 Arguments = Annotated[tuple[Annotated[str, msgspec.Meta(max_length=MAX_ARG)], ...], msgspec.Meta(max_length=MAX_ARGS)]
+Requirements = Annotated[
+    tuple[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUIREMENT)], ...],
+    msgspec.Meta(max_length=MAX_REQUIREMENTS, description="Python packages, one requirement each (as pip reads them)"),
+]
 
 
 class CodeChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -21,7 +21,7 @@ from shared.schema.base import (
     Identifier,
     TeamName,
 )
-from shared.schema.code import Arguments, Digest, Entrypoint
+from shared.schema.code import Arguments, Digest, Entrypoint, Requirements
 
 # How a job's own code runs: through the training library's contract (profiled, adaptive), or as
 # torchrun runs a script (its ranks given torchrun's environment; rigid).
@@ -68,6 +68,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     code: Digest | None = None
     entrypoint: Entrypoint | None = None
     args: Arguments = ()
+    # The Python packages its code needs beyond the node's: each node builds them once, into an
+    # environment over its own packages that every job asking the same shares (docs/jobs.md).
+    requirements: Requirements = ()
     # The team it belongs to: the login's, as the server says (the API sets it; a body naming another
     # team is refused), DEFAULT_TEAM's for the operator's jobs. `priority` orders who gets the team's
     # guarantee first (higher first); jobs of equal priority share by goodput.
@@ -83,6 +86,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         from shared.code_archive import entrypoint_problem
+        from shared.requirements import requirement_problem
 
         if self.code is None and self.application is None:
             raise ValueError("a job names its application, or carries its code (code and entrypoint)")
@@ -92,6 +96,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("args are for a job that carries its code (its entrypoint's arguments)")
         if self.entrypoint is not None and (problem := entrypoint_problem(self.entrypoint)) is not None:
             raise ValueError(problem)
+        if self.requirements and self.code is None:
+            raise ValueError("requirements are for a job that carries its code (the packages it imports)")
+        for line in self.requirements:
+            if (problem := requirement_problem(line)) is not None:
+                raise ValueError(problem)
         if self.strong_scaling and self.requested_batch is None:
             raise ValueError("a strong-scaling job needs requested_batch")
         if self.launcher == TORCHRUN and self.code is None:
@@ -131,10 +140,10 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.strong_scaling or self.elastic is not None
 
     @property
-    def own_code(self) -> tuple[str, str, tuple[str, ...]]:
+    def own_code(self) -> tuple[str, str, tuple[str, ...], tuple[str, ...]]:
         """Its own code as the node agents take it (StartWorkers, ProfileRequest): (archive,
-        entrypoint, args); ("", "", ()) for a job module's."""
-        return (self.code, str(self.entrypoint), self.args) if self.code else ("", "", ())
+        entrypoint, args, requirements); ("", "", (), ()) for a job module's."""
+        return (self.code, str(self.entrypoint), self.args, self.requirements) if self.code else ("", "", (), ())
 
 
 class Rejected(msgspec.Struct, frozen=True):

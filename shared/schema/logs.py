@@ -18,8 +18,9 @@ BATCH_BYTES = 32 * KIB  # ... or this much text, or after the agent's flush inte
 MAX_LOG_LINES = 5000  # the most lines one page holds
 LOG_PAGE_BYTES = 512 * KIB  # ... and the most reply, as encoded (under the server's 1 MiB max payload)
 Stream = Literal["stdout", "stderr"]
-# A worker's rank, or PROFILE_RANK ("profile"): the job's profiling runs.
-Rank = Annotated[int, msgspec.Meta(ge=0)] | Literal["profile"]
+# A worker's rank, PROFILE_RANK ("profile"): the job's profiling runs, or ENVIRONMENT_RANK ("env"):
+# the installer of its requirements.
+Rank = Annotated[int, msgspec.Meta(ge=0)] | Literal["profile", "env"]
 
 
 class OutputLine(msgspec.Struct, frozen=True, array_like=True):

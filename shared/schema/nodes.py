@@ -61,6 +61,7 @@ class StartWorkers(msgspec.Struct, frozen=True):
     code: str = ""
     entrypoint: str = ""
     args: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()  # its Python packages (JobSpec's): the environment its workers run in
     # The number of the job's user on every node (its submission's, never the submitter's choice: its
     # workers' uid is the agent's first plus it); None: an older executor's order (a hash of the id).
     user: int | None = None
@@ -102,6 +103,14 @@ class WorkersReport(msgspec.Struct, frozen=True):
 class NodeReport(msgspec.Struct, frozen=True):
     node: str
     jobs: tuple[WorkersReport, ...]
+    # The jobs whose environment (their requirements) this node is building for a start: since how
+    # many seconds.
+    preparing: dict[str, float] = {}
+
+
+# The error code of a node's answer to a start it refused for good: the job cannot run (its
+# requirements could not be installed), and no other node would do better.
+CANNOT_RUN = "422"
 
 
 class ProfileRequest(msgspec.Struct, frozen=True):
@@ -114,6 +123,7 @@ class ProfileRequest(msgspec.Struct, frozen=True):
     code: str = ""  # as StartWorkers': the job's own code, when it carries it
     entrypoint: str = ""
     args: tuple[str, ...] = ()
+    requirements: tuple[str, ...] = ()
     user: int | None = None  # as StartWorkers'
     team: TeamName = DEFAULT_TEAM  # as StartWorkers'
 
