@@ -114,15 +114,18 @@ def _document(path: Path) -> dict:
     return document
 
 
-def load_job(path: str | Path, archive: str | None = None):
+def load_job(path: str | Path, archive: str | None = None, folder: Path | None = None):
     """A JobSpec from a YAML or JSON file; ValueError with the field that is wrong. `archive`: the
-    digest of the job's own code, in place of the file's `code:`."""
+    digest of the job's own code, in place of the file's `code:`; `folder`: that code, where a
+    `requirements:` that names a file (a requirements.txt) is read."""
     from shared.schema.jobs import JobSpec
 
     path = Path(path)
     document = _document(path)
     if archive is not None:
         document = {**document, "code": archive}
+    if isinstance(document.get("requirements"), str):
+        document = {**document, "requirements": _requirements_file(path, document["requirements"], folder)}
     try:
         return from_builtins(document, JobSpec)  # as the bus reads JSON: 2.0 is 2, "2" is no number
     except msgspec.ValidationError as exc:
@@ -134,6 +137,21 @@ def load_job(path: str | Path, archive: str | None = None):
             else ""
         )
         raise ValueError(f"{path}: {malformed_reason(exc).removeprefix('malformed submission: ')}{hint}") from None
+
+
+def _requirements_file(path: Path, named: str, folder: Path | None) -> list[str]:
+    """The requirements of the file `named` in the job's code `folder` (a requirements.txt), as lines."""
+    from shared.requirements import lines
+
+    if folder is None:
+        raise ValueError(f"{path}: requirements: {named!r} names a file in the job's code, and it carries none")
+    file = (folder / named).resolve()
+    if folder.resolve() not in file.parents:
+        raise ValueError(f"{path}: requirements: {named!r} is not a file in the job's code {folder}")
+    try:
+        return lines(file.read_text())
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: requirements: cannot read {file}: {error}") from None
 
 
 async def submit(spec, server: str, **options) -> None:
@@ -243,9 +261,9 @@ def _submit_one(args: argparse.Namespace, path: str) -> int:
     from shared.schema.api import SubmitAnswer
 
     folder = code_folder(path, args.code)
-    spec = load_job(path, None if folder is None else PLACEHOLDER)  # refused now, before any upload
+    spec = load_job(path, None if folder is None else PLACEHOLDER, folder)  # refused now, before any upload
     if folder is not None:
-        spec = load_job(path, _upload(args, folder, spec.id))
+        spec = load_job(path, _upload(args, folder, spec.id), folder)
     if args.stream:
         options = credentials.connect_options(credentials.from_args(args))
         try:

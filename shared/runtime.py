@@ -18,6 +18,9 @@ STOP_TIMEOUT_S = 60.0  # a stop's grace: SIGTERM, then this long to checkpoint, 
 # The longest a node may take to build a job's environment (its requirements): a start or a
 # profiling run that builds one is waited for this much longer.
 ENVIRONMENT_MAX_S = 1800.0
+# A build that failed answers the same requirements this long, on its node and in the executor (a
+# job asking them fails at once, with its lines); then they are tried again (the index may have changed).
+ENVIRONMENT_FAILED_KEPT_S = 600.0
 
 
 def declares_job(path: str | Path | None) -> bool:

@@ -6,6 +6,7 @@ them, with agents as processes: tests/test_multinode.py.)"""
 
 import base64
 import json
+import threading
 import time
 
 import msgspec
@@ -14,10 +15,11 @@ import pytest
 from goodput_train.protocol import STATS_PREFIX, JobStats
 from services.executor.local import InProcessNodes, LocalExecutors
 from services.node.agent import NodeWorkers
+from shared.bus.encoding import Refused
 from shared.cluster import Cluster
 from shared.runtime import job_module
 from shared.schema.base import Node
-from shared.schema.nodes import NodeInfo, NodeReport, Rendezvous, StartWorkers, WorkersReport
+from shared.schema.nodes import CANNOT_RUN, NodeInfo, NodeReport, Rendezvous, StartWorkers, WorkersReport
 from shared.schema.records import NodeJob
 
 SLOTS = Cluster("local-2", (Node("local-0", "cpu", 2),))
@@ -108,7 +110,7 @@ def test_only_modules_that_declare_themselves_jobs_may_run():
         local_executors(None).add("c", "common")
     with pytest.raises(
         ValueError,
-        match=r"its jobs: contract, deaf, environment, greedy, huge, leaves, probes, profile_stalls, quick, raises, says, writes\)",
+        match=r"its jobs: contract, deaf, environment, greedy, huge, leaves, packages, probes, profile_stalls, quick, raises, says, writes\)",
     ):
         job_module("small", "tests.jobs")  # the test jobs' helper
     with pytest.raises(ValueError, match=r"its jobs: none"):
@@ -559,3 +561,45 @@ def test_a_stop_for_a_job_being_profiled_here_ends_its_run_at_once(tmp_path):
         assert job not in node.profiling
     finally:
         marker(job).unlink(missing_ok=True)
+
+
+class BuildingNodes(ReportingNodes):
+    """Nodes whose starts build the job's environment until `built` is set, then start it, or refuse
+    it for good when `refusal` says why."""
+
+    def __init__(self):
+        super().__init__()
+        self.built, self.refusal, self.building = threading.Event(), "", set()
+
+    def start(self, node, order):
+        self.building.add(order.job_id)
+        self.built.wait(60)
+        self.building.discard(order.job_id)
+        if self.refusal:
+            raise Refused(self.refusal, None, CANNOT_RUN)
+        return super().start(node, order)
+
+    def poll(self, node):
+        shown = super().poll(node)
+        return NodeReport(node, shown.jobs, {job: 12.0 for job in self.building})
+
+
+def test_a_job_waits_for_its_environment_in_its_status_and_one_that_cannot_be_had_fails_the_next_at_once():
+    nodes = BuildingNodes()
+    executors = LocalExecutors(nodes, None, SLOTS, blocking=False)
+    executors.add("a", "t", code="c" * 64, entrypoint="t.py", requirements=("six",))
+    executors.apply({"a": (("local-0", 1),)})
+    deadline = time.monotonic() + 60
+    while "preparing its environment" not in (executors.transition("a") or ""):
+        assert time.monotonic() < deadline, executors.transition("a")
+        executors.poll()
+        time.sleep(0.05)
+    assert executors.transition("a").startswith("preparing its environment (its requirements) on local-0 (12 s so far)")
+    nodes.refusal = "its requirements could not be installed on node local-0: no such package"
+    nodes.built.set()
+    wait_for(lambda _: executors.jobs["a"].failure, executors)
+    assert executors.jobs["a"].failure == nodes.refusal and executors.jobs["a"].crashes == 0
+    executors.add("b", "t", code="c" * 64, entrypoint="t.py", requirements=("six",))
+    executors.apply({"b": (("local-0", 1),)})
+    assert executors.jobs["b"].failure == nodes.refusal  # no node asked again
+    assert ("local-0", "b") not in nodes.orders

@@ -65,7 +65,7 @@ from shared.bus import Bus
 from shared.bus.encoding import Refused
 from shared.cluster import Cluster
 from shared.metrics import JOB_RESTARTS, instrument
-from shared.runtime import ENVIRONMENT_MAX_S, JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
+from shared.runtime import ENVIRONMENT_FAILED_KEPT_S, ENVIRONMENT_MAX_S, JOBS_PACKAGE, STOP_TIMEOUT_S, job_module
 from shared.schema.base import Ack, Spots
 from shared.schema.jobs import CANCELLED
 from shared.schema.nodes import CANNOT_RUN, NodeReport, Rendezvous, StartWorkers, StopWorkers, WorkersReport
@@ -296,6 +296,8 @@ class LocalExecutors:
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False  # stopping for good: a worker that exits is not restarted
         self._answered = threading.Event()  # a node call has answered since it was cleared
+        # Requirements no node could install, lately: when (monotonic), and why (the installer's lines).
+        self.uninstallable: dict[tuple[str, ...], tuple[float, str]] = {}
 
     def add(
         self,
@@ -638,7 +640,11 @@ class LocalExecutors:
 
     def _start(self, job: LocalJob) -> None:
         """Begin starting the job's workers on its placement, node after node, rank 0's first (it
-        answers the rendezvous)."""
+        answers the rendezvous); a job whose requirements a node could not install lately fails at once."""
+        failed = self.uninstallable.get(job.requirements) if job.requirements else None
+        if failed is not None and time.monotonic() - failed[0] < ENVIRONMENT_FAILED_KEPT_S:
+            job.failure, job.placement = failed[1], ()
+            return
         parts = node_parts(job.placement, self.real)
         world = sum(gpus for _, gpus in parts)
         gpu_type = self.cluster.placement_type(job.placement) or ""
@@ -711,6 +717,7 @@ class LocalExecutors:
         job.placement = ()
         if isinstance(error, Refused) and error.code == CANNOT_RUN:  # its packages cannot be installed
             job.failure = str(error)
+            self.uninstallable[job.requirements] = (time.monotonic(), job.failure)
         elif isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
             job.crashes += 1
             if job.crashes >= self.max_crashes:

@@ -11,7 +11,7 @@ their workers' interpreter is its. A job's own code never runs in the box that b
 job's user can write to it after, so no team can plant code in another's environment.
 
 A build that fails ends the job that asked with the installer's last lines, and is remembered for
-FAILED_KEPT_S: another job asking the same on this node fails at once with the same lines.
+ENVIRONMENT_FAILED_KEPT_S: another job asking the same on this node fails at once with the same lines.
 While a build runs, `preparing` says for which jobs and for how long (the executor shows it in
 the job's status); the installer's output is kept in the job's logs as its "env" rank's.
 """
@@ -34,11 +34,10 @@ from services.node.box import JOB_UID_SPAN, BoxError, Boxes
 from services.node.processes import ROOT, wait_ended
 from shared.bus.encoding import Refused
 from shared.requirements import environment_key
-from shared.runtime import ENVIRONMENT_MAX_S
+from shared.runtime import ENVIRONMENT_FAILED_KEPT_S, ENVIRONMENT_MAX_S
 from shared.schema.nodes import CANNOT_RUN
 
 FOLDER = "environments"  # in the agent's folder
-FAILED_KEPT_S = 600.0  # a failed build's lines answer the same request this long (then it is tried again)
 WATCH_S = 1.0  # how often a build's size is looked at
 ERROR_LINES = 20  # the installer's last lines in a failed job's reason
 KEPT_LINES = 2000  # the installer's lines kept in the job's logs
@@ -139,7 +138,7 @@ class Environments:
             return built
         failed = self.folder / f"{key}.failed"
         try:
-            if time.time() - failed.stat().st_mtime < FAILED_KEPT_S:
+            if time.time() - failed.stat().st_mtime < ENVIRONMENT_FAILED_KEPT_S:
                 raise cannot_run(failed.read_text())
             failed.unlink(missing_ok=True)
         except FileNotFoundError:
@@ -213,7 +212,8 @@ class Environments:
         shutil.rmtree(home, ignore_errors=True)
         if problem is not None:
             shutil.rmtree(staging, ignore_errors=True)
-            tail = "\n".join(lines[-ERROR_LINES:])
+            said = [line for line in lines if not line.startswith("Using Python")]  # uv's word on where
+            tail = "\n".join(said[-ERROR_LINES:])
             reason = f"its requirements could not be installed on node {self.node} ({problem}):\n{tail}"
             (self.folder / f"{key}.failed").write_text(reason)
             raise cannot_run(reason)
