@@ -6,12 +6,14 @@ the installer's lines."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from services.node.box import Rules
+from services.node.box import Boxes, Rules
+from services.node.environments import FOLDER, KEPT, Environments
 from shared.bus.encoding import Refused
 from shared.requirements import environment_key, lines, requirement_problem
 from shared.schema.jobs import JobSpec
@@ -117,3 +119,18 @@ def test_requirements_that_cannot_be_installed_refuse_the_job_with_the_installer
     assert str(second.value) == reason
     assert sum("failed in" in line for line in kept) == 1, kept  # one build, for the first
     assert node.poll().jobs == ()  # nothing of either runs
+
+
+def test_a_node_keeps_the_environments_used_last_and_every_one_a_job_runs_in(tmp_path):
+    boxes = Boxes(tmp_path, Rules(cpus=1.0, memory_mb=512), runtime=None)
+    running = tmp_path / FOLDER / "env-00"  # the oldest, but a job runs in it
+    environments = Environments(boxes, "n", uv="uv", in_use=lambda: {running})
+    for number in range(KEPT + 4):
+        built = tmp_path / FOLDER / f"env-{number:02d}"
+        built.mkdir(parents=True)
+        os.utime(built, (1000 + number, 1000 + number))
+    (tmp_path / FOLDER / ".env-99.building").mkdir()  # one being built
+    environments._evict(keep=tmp_path / FOLDER / "env-01")  # the one just asked for
+    left = sorted(path.name for path in (tmp_path / FOLDER).iterdir())
+    newest = [f"env-{number:02d}" for number in range(KEPT + 4 - (KEPT - 1), KEPT + 4)]
+    assert left == sorted([".env-99.building", "env-00", "env-01", *newest]), left

@@ -220,6 +220,7 @@ class NodeWorkers:
         self.boxes = boxes or Boxes(workdir, default_rules(info.gpus), runtime=None)
         self.code = code  # the archives of jobs that carry their code (None: only the jobs package's)
         self.environments = environments or Environments(self.boxes, info.name)  # of jobs' requirements
+        self.environments.in_use = self._environments_in_use
         self.jobs: dict[str, Workers] = {}
         self.profiling: dict[str, Box] = {}  # job id -> the box of its profiling run here
         self.reserved: dict[str, tuple[int, ...]] = {}  # job id -> the slots of its workers being started
@@ -568,6 +569,12 @@ class NodeWorkers:
             )
         except BoxError as error:
             raise ValueError(str(error)) from None
+
+    def _environments_in_use(self) -> set[Path]:
+        """The environments this node's jobs' workers and profiling runs are in."""
+        with self.lock:
+            boxes = [w.box for w in self.jobs.values() if w.box is not None] + list(self.profiling.values())
+        return {box.environment for box in boxes if box.environment is not None}
 
     def _environment(
         self, job_id: str, requirements: tuple[str, ...], slots: tuple[int, ...], team: str

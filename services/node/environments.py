@@ -12,6 +12,8 @@ job's user can write to it after, so no team can plant code in another's environ
 
 A build that fails ends the job that asked with the installer's last lines, and is remembered for
 ENVIRONMENT_FAILED_KEPT_S: another job asking the same on this node fails at once with the same lines.
+A node keeps the KEPT environments used last, and every one a job runs in; an older one is built
+again when asked.
 While a build runs, `preparing` says for which jobs and for how long (the executor shows it in
 the job's status); the installer's output is kept in the job's logs as its "env" rank's.
 """
@@ -38,6 +40,7 @@ from shared.runtime import ENVIRONMENT_FAILED_KEPT_S, ENVIRONMENT_MAX_S
 from shared.schema.nodes import CANNOT_RUN
 
 FOLDER = "environments"  # in the agent's folder
+KEPT = 16  # environments a node keeps, the newest used (and every one a job runs in)
 WATCH_S = 1.0  # how often a build's size is looked at
 ERROR_LINES = 20  # the installer's last lines in a failed job's reason
 KEPT_LINES = 2000  # the installer's lines kept in the job's logs
@@ -74,8 +77,9 @@ class Environments:
         timeout_s: float = 900.0,
         max_bytes: int = 20 * GIB,
         uv: str | None = None,
+        in_use: Callable[[], set[Path]] = set,
     ) -> None:
-        self.boxes, self.node = boxes, node
+        self.boxes, self.node, self.in_use = boxes, node, in_use  # in_use: the environments jobs run in here
         self.timeout_s, self.max_bytes = min(timeout_s, ENVIRONMENT_MAX_S), max_bytes
         self.uv = uv or find_uv()
         self.folder = boxes.workdir / FOLDER
@@ -221,7 +225,21 @@ class Environments:
         built = self.folder / key
         os.rename(staging, built)
         log.info("job %s: environment %s built in %.1f s", job_id, key, took)
+        self._evict(keep=built)
         return built
+
+    def _evict(self, keep: Path) -> None:
+        """All but the KEPT environments used last removed, but `keep` and those jobs run in."""
+        held = {keep, *self.in_use()}
+        with self._lock:
+            building = set(self._builds)
+        found = []
+        for path in self.folder.iterdir():
+            if path.is_dir() and not path.name.startswith(".") and path not in held and path.name not in building:
+                found.append((path.stat().st_mtime, path))
+        for _, old in sorted(found, reverse=True)[KEPT - 1 :]:
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("environment %s removed: %d newer are kept", old.name, KEPT)
 
     def _watch(self, process: subprocess.Popen, staging: Path) -> str | None:
         """Wait for the build; why it failed (None: it did not)."""
