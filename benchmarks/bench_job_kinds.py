@@ -15,8 +15,11 @@ Submission to first step is split at the job's state, read from the user API eve
 environment, its code, the interpreter and the script's own set-up to the first step's line, by the
 line's time as its node agent read it). A resize is a drain of a node where the job runs, once it
 has trained 3 s: the round's decision (until its status says its workers stop), the stop (SIGTERM,
-the checkpoint, the exit; until they start elsewhere), the start (until running) and the resume (to
-the first step's line of the new run). A rigid torchrun job is not resized: a move restarts it.
+the checkpoint, the exit; until its status says they start elsewhere), the start (its box and
+processes, until its status has no transition left) and the resume (the interpreter, the imports,
+the rendezvous, the checkpoint's load, to the first step's line of the new run). A phase shorter
+than the 0.1 s between two looks at its status reads as 0. A rigid torchrun job is not resized: a
+move restarts it.
 """
 
 from __future__ import annotations
@@ -170,7 +173,9 @@ class Stack:
         found = []
         for line in shown.stdout.splitlines():
             entry = json.loads(line)
-            if (match := re.search(MARKED, entry["text"])) is not None:
+            if (
+                isinstance(entry["rank"], int) and (match := re.search(MARKED, entry["text"])) is not None
+            ):  # not profiling's
                 found.append((entry["time"], int(match.group(1)), int(match.group(2))))
         return found
 
@@ -209,18 +214,20 @@ async def measure(stack: Stack, number: int, kind: str, script: str, fields: str
         "starting_s": first[0] - running_at,
         "first_step_s": first[0] - submitted,
     }
+    installer = stack.up.command("logs", job, "--rank", "env", "--server", stack.up.server).stdout
+    row["environments"] = re.findall(r"environment \w+: (built in [\d.]+ s)", installer)  # its nodes', for it
     if resized:
         await asyncio.sleep(max(0.0, first[0] + 3 - time.time()))
         shown = await stack.status(job)
         if shown.state != "running":
             raise RuntimeError(f"{job} ended before its resize: {shown.state}")
-        node = shown.nodes[0]
+        node, before = shown.nodes[0], shown.nodes
         drained = time.time()
         stack.up.command("drain", node, "--server", stack.up.server, role="operator")
-        stopping, _ = await stack.until(job, lambda s: "stopping" in s.reason or node not in s.nodes)
+        stopping, _ = await stack.until(job, lambda s: "stopping" in s.reason)
         started, _ = await stack.until(job, lambda s: "stopping" not in s.reason)
-        running, after = await stack.until(job, lambda s: s.state == "running" and node not in s.nodes)
-        resumed = await stack.mark_after(job, running - 5)
+        running, after = await stack.until(job, lambda s: s.state == "running" and not s.reason and node not in s.nodes)
+        resumed = await stack.mark_after(job, stopping)
         stack.up.command("drain", node, "--undo", "--server", stack.up.server, role="operator")
         row |= {
             "decision_s": stopping - drained,
@@ -229,7 +236,7 @@ async def measure(stack: Stack, number: int, kind: str, script: str, fields: str
             "resume_s": resumed[0] - running,
             "resize_s": resumed[0] - drained,
             "resumed_at_step": resumed[1],
-            "from": f"{first[2]} on {node}",
+            "from": f"{first[2]} on {', '.join(before)}",
             "to": f"{resumed[2]} on {', '.join(after.nodes)}",
         }
     await stack.until(job, lambda s: s.state == "finished", timeout_s=600)

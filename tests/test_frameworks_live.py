@@ -36,7 +36,10 @@ def test_the_pages_lightning_and_trainer_scripts_are_profiled_moved_between_agen
         up.line(r"serving:")
         for job, (first_line, package) in JOBS.items():  # the next one once the first has moved
             folder = script_folder(base, job, page_script(first_line))
-            submit(up, base, f"id: {job}\nentrypoint: train.py\nrequirements: [{package}]\n", folder)
+            job_file = (
+                page_script("# lightning.yaml", "yaml").replace("lit-1", job).replace("[lightning]", f"[{package}]")
+            )
+            submit(up, base, job_file, folder)
             running = until(up, job, lambda s: s["state"] == "running" and steps(s) > 0, "reported its steps")
             node = running["nodes"][0]
             drained = up.command("drain", node, "--server", up.server, role="operator")
