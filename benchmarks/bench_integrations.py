@@ -12,7 +12,7 @@ compared (a mean: the noise sample's steps cost more than the others), and the m
 paired runs' ratios.
 
 The callback's work a step: the learning-rate factor and the progress count; every `noise_every`
-(8) steps a pair of steps' gradients for the noise sample (a copy of one, Adam's preconditioner,
+(16) steps a pair of steps' gradients for the noise sample (a copy of one, Adam's preconditioner,
 two norms); every 4 the stop's agreement (nothing on one replica); a report every GOODPUT_REPORT_S
 (set to 30 s, as the executor does). Target: at most 2%.
 

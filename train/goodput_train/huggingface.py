@@ -9,7 +9,7 @@ a `TrainerCallback` is handed no optimizer or scheduler that the Trainer made, a
 fixed in the Trainer's constructor. With it the script, run as a goodput worker:
 
 - prints `goodput-stats` every GOODPUT_REPORT_S: its step times (each configuration's median), the
-  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 8 steps, after
+  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 16 steps, after
   the Trainer's gradient clipping, in Adam's preconditioned metric for AdamW and its kin) and its
   statistical progress;
 - checkpoints to GOODPUT_CHECKPOINT (one file, written atomically by rank 0: the model's weights,

@@ -3,7 +3,7 @@ framework's loop owns the data, the forward and backward passes and the optimize
 `StepMeter` around each optimizer step, which does the rest of what `AdaptiveTraining` does:
 
 - `before_step`, the gradients averaged over the replicas and ready: every `noise_every` steps
-  (PAIR_EVERY, 8), a pair of consecutive steps' gradients gives the noise scale's sample (`pgns.from_consecutive`, in
+  (PAIR_EVERY, 16), a pair of consecutive steps' gradients gives the noise scale's sample (`pgns.from_consecutive`, in
   Adam's preconditioned metric for the optimizers with `exp_avg_sq`); the learning rate of each
   group is multiplied by its rule's factor (`lr`) for this step's total batch;
 - `after_step`, the optimizer step done: the learning rates set back (the framework's scheduler
@@ -58,8 +58,8 @@ from goodput_train.worker import print_line, print_stats, say, sweep, watch_stop
 
 # Steps between a framework loop's noise samples: a pair of consecutive steps' averaged gradients
 # (a copy of one, the preconditioner and two norms: about a tenth of a small model's step on a CPU
-# slot), so a sample every 8 steps costs about 1%; the estimate smooths over as many samples.
-PAIR_EVERY = 8
+# slot), so a sample every 16 steps costs about 1% of a step; the estimate smooths over as many samples.
+PAIR_EVERY = 16
 
 
 def checkpoint_path() -> str | None:

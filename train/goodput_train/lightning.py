@@ -7,7 +7,7 @@ The one line (`pip install './train[lightning]'`):
 and `trainer.fit(model, ...)` as before. With it the script, run as a goodput worker:
 
 - prints `goodput-stats` every GOODPUT_REPORT_S: its step times (each configuration's median), the
-  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 8 steps, in
+  gradient noise (two consecutive steps' averaged gradients every `noise_every` = 16 steps, in
   Adam's preconditioned metric for Adam and its kin) and its statistical progress;
 - checkpoints to GOODPUT_CHECKPOINT (Lightning's own checkpoint, written atomically by rank 0): on
   SIGTERM or its lifeline's end (agreed by all ranks within 4 steps), every
