@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("id", help="the job's id")
     parser.add_argument(
-        "--rank", type=_rank, help="only this rank's lines (a number; 'profile': its profiling runs'; 'env': the installer of its requirements')"
+        "--rank",
+        type=_rank,
+        help="only this rank's lines (a number; 'profile': its profiling runs'; 'env': the installer of its requirements')",
     )
     parser.add_argument(
         "-f", "--follow", action="store_true", help="keep printing new lines until the job ends (or Ctrl-C)"
