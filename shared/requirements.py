@@ -4,7 +4,7 @@ them, and the name of the environment they make on a node.
 Each line is one requirement as pip and uv read them (PEP 508: `transformers==4.46.3`,
 `lightning>=2.4`, `pkg[extra]; python_version >= "3.11"`, `pkg @ https://...`); options (`-r`,
 `--index-url`, `-e`) are refused: a node installs from the package index its operator gave it, and
-a job names its packages, not where they come from. `goodput submit` reads a requirements.txt
+a job names its packages, not where they come from (a URL, at most: an http(s) one). `goodput submit` reads a requirements.txt
 into these lines (`lines`), so the environment's name is a hash of what was asked, not of a path.
 """
 
@@ -32,8 +32,12 @@ def requirement_problem(line: str) -> str | None:
         requirement = Requirement(line)
     except InvalidRequirement as error:
         return f"requirement {line[:80]!r} is not one pip reads: {error}"
-    if requirement.url is not None and requirement.url.startswith("file:"):
-        return f"requirement {line[:80]!r}: a file on the node is no package a job may ask for"
+    if "$" in line:  # the installer would expand ${NAME}: the node's settings are not a job's to read
+        return f"requirement {line[:80]!r}: no $ (the installer would read the node's environment)"
+    if requirement.url is not None and not requirement.url.lower().startswith(("https://", "http://")):
+        return (
+            f"requirement {line[:80]!r}: a package by URL is one at an http(s) address (not a file, not a repository)"
+        )
     return None
 
 

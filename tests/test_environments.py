@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from services.node.box import Boxes, Rules
-from services.node.environments import FOLDER, KEPT, Environments
+from services.node.environments import FOLDER, KEPT, Environments, _copy
 from shared.bus.encoding import Refused
 from shared.requirements import environment_key, lines, requirement_problem
 from shared.schema.jobs import JobSpec
@@ -28,11 +29,16 @@ def test_a_job_names_packages_as_pip_reads_them_and_no_option():
     assert requirement_problem("six==1.17.0") is None
     assert requirement_problem('lightning>=2.4; python_version >= "3.11"') is None
     assert requirement_problem("transformers[torch]") is None
+    assert requirement_problem("pkg @ https://example.com/pkg-1.0-py3-none-any.whl") is None
     for line, said in [
         ("--index-url https://evil.example/simple", "pip options are not taken"),
         ("-r other.txt", "pip options are not taken"),
         ("six ==", "is not one pip reads"),
-        ("pkg @ file:///etc/passwd", "a file on the node"),
+        ("pkg @ file:///etc/passwd", "http(s) address"),
+        ("pkg @ File:///etc/passwd", "http(s) address"),
+        ("pkg @ /opt/wheels/pkg-1.0-py3-none-any.whl", "http(s) address"),
+        ("pkg @ git+file:///srv/repo", "http(s) address"),
+        ("pkg @ https://host/pkg.whl?x=${UV_INDEX_URL}", "no $"),
         (" six", "no spaces around it"),
     ]:
         assert said in requirement_problem(line), line
@@ -134,3 +140,31 @@ def test_a_node_keeps_the_environments_used_last_and_every_one_a_job_runs_in(tmp
     left = sorted(path.name for path in (tmp_path / FOLDER).iterdir())
     newest = [f"env-{number:02d}" for number in range(KEPT + 4 - (KEPT - 1), KEPT + 4)]
     assert left == sorted([".env-99.building", "env-00", "env-01", *newest]), left
+
+
+def test_what_a_builder_made_is_copied_not_taken_so_nothing_it_holds_or_links_reaches_the_environment(tmp_path):
+    """The environment is a copy of ours: a handle the builder kept writes to its own file, not the
+    copy; a link is a link (its target untouched); no FIFO, no setuid bit."""
+    made, secret = tmp_path / "made", tmp_path / "secret"
+    (made / "lib").mkdir(parents=True)
+    secret.write_text("the host's")
+    secret.chmod(0o600)
+    (made / "lib" / "module.py").write_text("print('built')")
+    (made / "lib" / "tool").write_text("#!/bin/sh")
+    (made / "lib" / "tool").chmod(0o4755)  # setuid
+    (made / "lib" / "shadow").symlink_to(secret)
+    os.mkfifo(made / "lib" / "pipe")
+    held = open(made / "lib" / "module.py", "a")  # noqa: SIM115 - the builder's, kept past the build
+    try:
+        assert _copy(made, tmp_path / "env", 1 << 30) is None
+        held.write("print('planted after')")
+        held.flush()
+    finally:
+        held.close()
+    env = tmp_path / "env"
+    assert (env / "lib" / "module.py").read_text() == "print('built')"
+    assert stat.S_IMODE((env / "lib" / "tool").stat().st_mode) == 0o755
+    assert (env / "lib" / "shadow").is_symlink() and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert not (env / "lib" / "pipe").exists()
+    assert stat.S_IMODE(env.stat().st_mode) == 0o755 and stat.S_IMODE((env / "lib").stat().st_mode) == 0o755
+    assert _copy(made, tmp_path / "small", 4) is not None  # past its size: refused

@@ -603,3 +603,9 @@ def test_a_job_waits_for_its_environment_in_its_status_and_one_that_cannot_be_ha
     executors.apply({"b": (("local-0", 1),)})
     assert executors.jobs["b"].failure == nodes.refusal  # no node asked again
     assert ("local-0", "b") not in nodes.orders
+    # Another team's job asking the same is its own: tried (one team's trouble is never another's).
+    nodes.refusal = ""
+    executors.add("c", "t", code="c" * 64, entrypoint="t.py", requirements=("six",), team="other")
+    executors.apply({"c": (("local-0", 1),)})
+    wait_for(lambda _: ("local-0", "c") in nodes.orders, executors)
+    assert executors.jobs["c"].failure is None

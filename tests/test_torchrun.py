@@ -199,9 +199,10 @@ def test_the_pages_ddp_scripts_run_rigid_across_two_nodes_and_elastic_resized_fr
         ended = until(up, "ddp-1", lambda s: s["state"] in ("finished", "failed"), "ended", timeout_s=300)
         assert ended["state"] == "finished" and ended["restarts"] == 0, ended
         printed = logged(up, "ddp-1", r"(?s)(rank \d of 4.*){4}")  # its ranks' lines are stored as they come
-        places = sorted(re.findall(r"rank (\d) of 4, local rank (\d) on node (\d) of 2: loss", printed))
-        # Ranks 0-1 on the first node, 2-3 on the second: each its local rank and its node's group.
-        assert places == [("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")], printed[-3000:]
+        places = set(re.findall(r"rank (\d) of 4, local rank (\d) on node (\d) of 2: loss", printed))
+        # Ranks 0-1 on the first node, 2-3 on the second: each its local rank and its node's group
+        # (each run's: gloo on torch 2.13 may abort a rank as its group is destroyed, and it runs again).
+        assert places == {("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")}, printed[-3000:]
 
         # Its packages: the page's script and job file, its requirements.txt as the page says; then
         # packages no index has, asked twice: the first build's lines end both, the second at once.

@@ -296,8 +296,9 @@ class LocalExecutors:
         self.jobs: dict[str, LocalJob] = {}
         self.closing = False  # stopping for good: a worker that exits is not restarted
         self._answered = threading.Event()  # a node call has answered since it was cleared
-        # Requirements no node could install, lately: when (monotonic), and why (the installer's lines).
-        self.uninstallable: dict[tuple[str, ...], tuple[float, str]] = {}
+        # A team's requirements a node could not install, lately: when (monotonic), and why (the
+        # installer's lines). Another team's job asking the same is tried (its own trouble is its own).
+        self.uninstallable: dict[tuple[str, tuple[str, ...]], tuple[float, str]] = {}
 
     def add(
         self,
@@ -641,7 +642,7 @@ class LocalExecutors:
     def _start(self, job: LocalJob) -> None:
         """Begin starting the job's workers on its placement, node after node, rank 0's first (it
         answers the rendezvous); a job whose requirements a node could not install lately fails at once."""
-        failed = self.uninstallable.get(job.requirements) if job.requirements else None
+        failed = self.uninstallable.get((job.team, job.requirements)) if job.requirements else None
         if failed is not None and time.monotonic() - failed[0] < ENVIRONMENT_FAILED_KEPT_S:
             job.failure, job.placement = failed[1], ()
             return
@@ -717,7 +718,7 @@ class LocalExecutors:
         job.placement = ()
         if isinstance(error, Refused) and error.code == CANNOT_RUN:  # its packages cannot be installed
             job.failure = str(error)
-            self.uninstallable[job.requirements] = (time.monotonic(), job.failure)
+            self.uninstallable[job.team, job.requirements] = (time.monotonic(), job.failure)
         elif isinstance(error, ValueError):  # the job's own trouble (its code gone), not a node's
             job.crashes += 1
             if job.crashes >= self.max_crashes:

@@ -584,7 +584,7 @@ class NodeWorkers:
         if not requirements:
             return None
         return self.environments.get(
-            job_id, requirements, slots, self._keeper(job_id, subjects.ENVIRONMENT_RANK, "stderr", team)
+            job_id, requirements, slots, self._keeper(job_id, subjects.ENVIRONMENT_RANK, "stderr", team), team
         )
 
     def _target(self, job_id: str, application: str, code: str, entrypoint: str, box: Box) -> tuple[str, Path | None]:

@@ -7,8 +7,9 @@ goodput_train unless it asks for another version. uv installs REQUIREMENTS into 
 against the node's packages as installed (their metadata is copied in, their files are not), so a
 package the node has in a version that satisfies the job is not fetched again; one it asks in
 another version is installed in ENV, before the node's on the import path. uv reads no
-configuration file (the index is the node's, from its UV_* settings) and caches under HOME, the
-build's own folder, removed after."""
+configuration file (the index is the node's, from its UV_* settings), caches under HOME, the
+build's own folder, removed after, and installs wheels only: no package's own code (an sdist's
+build backend) runs while an environment is built."""
 
 import shutil
 import subprocess
@@ -36,7 +37,10 @@ def main() -> int:
                 shutil.copytree(found, target / found.name, symlinks=True)
     (target / NODE_PATH_FILE).write_text("".join(f"import site; site.addsitedir({site!r})\n" for site in sites))
     done = subprocess.run(
-        [uv, "pip", "install", *common, "--python", f"{env}/bin/python", "--link-mode", "copy", "-r", requirements]
+        [
+            *(uv, "pip", "install", *common, "--python", f"{env}/bin/python", "--link-mode", "copy"),
+            *("--no-build", "-r", requirements),  # wheels only: no package's build code runs here
+        ]
     )
     return done.returncode
 

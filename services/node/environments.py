@@ -2,16 +2,19 @@
 node and kept, named by a hash of what was asked over what the node has (`shared.requirements`),
 shared by every job that asks the same.
 
-An environment is built by uv (`environment_build`) in a box of its own (`box.py`: its own user,
-cgroup on the slots of the job that asked, no capability; the node's network, for the package
-index; none of any job's folders), bounded in time (`--environment-timeout`) and size
-(`--environment-max-gb`). What it built is then sealed: every process of its box ended, its files
-made root's and read-only, and renamed into place; jobs' boxes show it read-only at `/env`, where
-their workers' interpreter is its. A job's own code never runs in the box that builds it, and no
-job's user can write to it after, so no team can plant code in another's environment.
+An environment is built by uv (`environment_build`: wheels only, so no package's own code runs) in
+a box of its own (`box.py`: its own user, cgroup on the slots of the job that asked, no capability;
+the node's network, for the package index; none of any job's folders), bounded in time
+(`--environment-timeout`), disk (`--environment-max-gb`, its cache and temporary files counted)
+and files (MAX_FILES). Once every process of that box has ended, what it built is copied (`_copy`:
+new files of ours, 0644/0755, links as links, nothing followed, nothing else) and renamed into
+place; jobs' boxes show it read-only at `/env`, where their workers' interpreter is its. A job's
+own code never runs in the box that builds it, and nothing the builder made or still holds is the
+environment, so no team can plant code in another's.
 
-A build that fails ends the job that asked with the installer's last lines, and is remembered for
-ENVIRONMENT_FAILED_KEPT_S: another job asking the same on this node fails at once with the same lines.
+A build the installer refuses ends the job that asked with its last lines, and is remembered for
+ENVIRONMENT_FAILED_KEPT_S for that job's team: its next job asking the same fails at once with the
+same lines; another team's is built again (one team's trouble is never another's).
 A node keeps the KEPT environments used last, and every one a job runs in; an older one is built
 again when asked.
 While a build runs, `preparing` says for which jobs and for how long (the executor shows it in
@@ -20,6 +23,7 @@ the job's status); the installer's output is kept in the job's logs as its "env"
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -38,9 +42,12 @@ from shared.bus.encoding import Refused
 from shared.requirements import environment_key
 from shared.runtime import ENVIRONMENT_FAILED_KEPT_S, ENVIRONMENT_MAX_S
 from shared.schema.nodes import CANNOT_RUN
+from shared.subjects import DEFAULT_TEAM
 
 FOLDER = "environments"  # in the agent's folder
 KEPT = 16  # environments a node keeps, the newest used (and every one a job runs in)
+MAX_FILES = 1_000_000  # files and folders a build may make
+INSTALLER = "the installer's exit status"  # a failure of the packages' own (remembered), not the node's
 WATCH_S = 1.0  # how often a build's size is looked at
 ERROR_LINES = 20  # the installer's last lines in a failed job's reason
 KEPT_LINES = 2000  # the installer's lines kept in the job's logs
@@ -116,9 +123,11 @@ class Environments:
         requirements: tuple[str, ...],
         slots: tuple[int, ...],
         keep: Callable[[str], None] | None = None,
+        team: str = DEFAULT_TEAM,
     ) -> Path:
         """The folder of the environment of `requirements`, built first unless it is here (in a box
-        on `slots`, the installer's lines to `keep`); `cannot_run` when it cannot be built."""
+        on `slots`, the installer's lines to `keep`); `cannot_run` when it cannot be built (the
+        installer's refusal is remembered for the asking job's `team`)."""
         if self.uv is None:
             raise cannot_run(
                 f"job {job_id} asks for Python packages, and node {self.node} has no uv to install them: "
@@ -130,17 +139,17 @@ class Environments:
             build = self._builds.setdefault(key, threading.Lock())
         try:
             with build:  # one build of a key at a time; the others wait for it, then take it
-                return self._ready(key) or self._build(job_id, key, requirements, slots, keep)
+                return self._ready(key, team) or self._build(job_id, key, requirements, slots, team, keep)
         finally:
             with self._lock:
                 self._waiting.pop(job_id, None)
 
-    def _ready(self, key: str) -> Path | None:
+    def _ready(self, key: str, team: str) -> Path | None:
         built = self.folder / key
         if built.is_dir():
             os.utime(built)  # the newest used are the ones kept
             return built
-        failed = self.folder / f"{key}.failed"
+        failed = self.folder / f"{key}.{team}.failed"  # a team's failure answers that team's asks only
         try:
             if time.time() - failed.stat().st_mtime < ENVIRONMENT_FAILED_KEPT_S:
                 raise cannot_run(failed.read_text())
@@ -155,14 +164,16 @@ class Environments:
         key: str,
         requirements: tuple[str, ...],
         slots: tuple[int, ...],
+        team: str,
         keep: Callable[[str], None] | None,
     ) -> Path:
         self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         staging, home = self.folder / f".{key}.building", self.folder / f".{key}.home"
-        for leftover in (staging, home):
-            shutil.rmtree(leftover, ignore_errors=True)
+        sealing = self.folder / f".{key}.sealing"
+        for leftover in (staging, home, sealing):
+            _remove(leftover)
         started = time.monotonic()
-        name = f"env-{key[:12]}"
+        name = f"env-{key}"
         try:
             box = self.boxes.open(
                 name,
@@ -174,8 +185,8 @@ class Environments:
                 environment=staging,
                 building=True,
             )
-        except BoxError as error:
-            raise cannot_run(f"job {job_id}: its environment's box could not be made on node {self.node}: {error}")
+        except BoxError as error:  # the node's trouble, not the job's: its start fails and is tried again
+            raise ValueError(f"job {job_id}: its environment's box could not be made on node {self.node}: {error}")
         with tempfile.TemporaryFile() as output:  # ours: the box never sees it
             try:
                 (home / "requirements.txt").write_text("\n".join(requirements) + "\n")
@@ -199,13 +210,24 @@ class Environments:
                     stdout=output,
                     stderr=output,
                 )
-                problem = self._watch(process, staging)
+                problem = self._watch(process, (staging, home))
                 box.signal(9)
                 wait_ended(process, 10.0)
             finally:
-                box.close()  # every process of it ended before its files are sealed
+                box.close()  # every process of it ended before its files are copied
             output.seek(0)
             lines = output.read().decode(errors="replace").splitlines()
+        built = self.folder / key
+        try:
+            if problem is None:  # a copy: new files of ours, nothing the builder could still hold or change
+                problem = _copy(staging, sealing, self.max_bytes)
+                if problem is None:
+                    os.rename(sealing, built)
+        except (OSError, RecursionError) as error:
+            problem = f"its files could not be taken: {type(error).__name__}"
+        finally:
+            for leftover in (staging, home, sealing):
+                _remove(leftover)
         took = time.monotonic() - started
         if keep is not None:
             for line in [
@@ -213,17 +235,13 @@ class Environments:
                 f"environment {key}: {'built' if problem is None else 'failed'} in {took:.1f} s",
             ]:
                 keep(line)
-        shutil.rmtree(home, ignore_errors=True)
         if problem is not None:
-            shutil.rmtree(staging, ignore_errors=True)
             said = [line for line in lines if not line.startswith("Using Python")]  # uv's word on where
             tail = "\n".join(said[-ERROR_LINES:])
             reason = f"its requirements could not be installed on node {self.node} ({problem}):\n{tail}"
-            (self.folder / f"{key}.failed").write_text(reason)
+            if problem.startswith(INSTALLER):  # the packages' own trouble, not the node's: remembered
+                (self.folder / f"{key}.{team}.failed").write_text(reason)
             raise cannot_run(reason)
-        _seal(staging, contained=self.boxes.contained)
-        built = self.folder / key
-        os.rename(staging, built)
         log.info("job %s: environment %s built in %.1f s", job_id, key, took)
         self._evict(keep=built)
         return built
@@ -231,68 +249,89 @@ class Environments:
     def _evict(self, keep: Path) -> None:
         """All but the KEPT environments used last removed, but `keep` and those jobs run in."""
         held = {keep, *self.in_use()}
-        with self._lock:
-            building = set(self._builds)
         found = []
         for path in self.folder.iterdir():
-            if path.is_dir() and not path.name.startswith(".") and path not in held and path.name not in building:
+            if path.is_dir() and not path.name.startswith(".") and path not in held:
                 found.append((path.stat().st_mtime, path))
         for _, old in sorted(found, reverse=True)[KEPT - 1 :]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
             log.info("environment %s removed: %d newer are kept", old.name, KEPT)
 
-    def _watch(self, process: subprocess.Popen, staging: Path) -> str | None:
+    def _watch(self, process: subprocess.Popen, folders: tuple[Path, ...]) -> str | None:
         """Wait for the build; why it failed (None: it did not)."""
         deadline = time.monotonic() + self.timeout_s
         while (code := wait_ended(process, WATCH_S)) is None:
             if time.monotonic() > deadline:
                 return f"it took over {self.timeout_s:.0f} s, the node's --environment-timeout"
-            if (size := _size(staging)) > self.max_bytes:
-                return (
-                    f"it took over {size / GIB:.1f} GiB, past the node's --environment-max-gb {self.max_bytes / GIB:g}"
-                )
+            if problem := self._too_big(folders):
+                return problem
         if code != 0:
-            return f"the installer's exit status {code}"
-        if (size := _size(staging)) > self.max_bytes:
-            return f"it takes {size / GIB:.1f} GiB, over the node's --environment-max-gb {self.max_bytes / GIB:g}"
+            return f"{INSTALLER} {code}"
+        return self._too_big(folders)
+
+    def _too_big(self, folders: tuple[Path, ...]) -> str | None:
+        size, files = map(sum, zip(*(_usage(folder) for folder in folders)))
+        if size > self.max_bytes:
+            return f"it took over {size / GIB:.1f} GiB, past the node's --environment-max-gb {self.max_bytes / GIB:g}"
+        if files > MAX_FILES:
+            return f"it made over {MAX_FILES:,} files"
         return None
 
 
-def _size(folder: Path) -> int:
-    total = 0
-    for _, _, files, at in os.fwalk(folder, follow_symlinks=False):
+def _usage(folder: Path) -> tuple[int, int]:
+    """The disk a folder's files take (bytes, by their blocks) and how many there are; not followed."""
+    size = count = 0
+    try:
+        for _, folders, files, at in os.fwalk(folder, follow_symlinks=False):
+            for name in (*folders, *files):
+                count += 1
+                try:
+                    size += os.stat(name, dir_fd=at, follow_symlinks=False).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+    except RecursionError:
+        return size, MAX_FILES + 1  # deeper than we walk: too much
+    return size, count
+
+
+def _remove(folder: Path) -> None:
+    """A folder a builder made removed, however deep, following no link."""
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(folder)], check=False)
+
+
+def _copy(source: Path, destination: Path, max_bytes: int) -> str | None:
+    """The environment a builder made copied into `destination`, a new folder of ours: folders
+    0755, files 0644 or 0755, links as links; nothing else (no FIFO, no setuid bit), nothing
+    followed (each entry opened by its folder's handle, O_NOFOLLOW), nothing shared with what the
+    builder made (a handle it left open, a folder it may still change, are not the copy's). Why it
+    cannot be taken, or None."""
+    os.mkdir(destination, 0o700)
+    copied = 0
+    for relative, folders, files, at in os.fwalk(source, follow_symlinks=False):
+        target = destination / os.path.relpath(relative, source)
+        for name in folders:
+            (target / name).mkdir()
+            os.chmod(target / name, 0o755)  # whatever our umask
         for name in files:
             try:
-                total += os.stat(name, dir_fd=at, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
-def _seal(folder: Path, contained: bool) -> None:
-    """A built environment made ours and read-only for everyone else (what is neither a file, a
-    folder nor a link removed), entered by handles: nothing is followed. No process of its builder
-    is left (its box has ended), so nothing changes under us."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for _, folders, files, at in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            for name in (*folders, *files):
-                info = os.stat(name, dir_fd=at, follow_symlinks=False)
-                if stat.S_ISLNK(info.st_mode):
-                    if contained:
-                        os.chown(name, 0, 0, dir_fd=at, follow_symlinks=False)
-                elif stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode):
-                    if contained:
-                        os.chown(name, 0, 0, dir_fd=at, follow_symlinks=False)
-                    mode = 0o755 if stat.S_ISDIR(info.st_mode) or info.st_mode & 0o111 else 0o644
-                    os.chmod(name, mode, dir_fd=at)
-                else:
-                    os.unlink(name, dir_fd=at)
-        if contained:
-            os.fchown(fd, 0, 0)
-        os.fchmod(fd, 0o755)
-    finally:
-        os.close(fd)
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=at)
+            except OSError as error:
+                if error.errno == errno.ELOOP:  # a link: as a link
+                    (target / name).symlink_to(os.readlink(name, dir_fd=at))
+                continue  # gone, or nothing a file could be opened as: left out
+            with os.fdopen(fd, "rb") as file:
+                info = os.fstat(fd)
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                with open(target / name, "xb") as out:
+                    while chunk := file.read(1 << 20):
+                        copied += len(chunk)
+                        if copied > max_bytes:
+                            return f"it takes over {max_bytes / GIB:g} GiB, the node's --environment-max-gb"
+                        out.write(chunk)
+                os.chmod(target / name, 0o755 if info.st_mode & 0o111 else 0o644)
+    os.chmod(destination, 0o755)
+    return None
 
 
 # What the node's interpreter is: its version, its packages, its site-packages.
