@@ -6,13 +6,11 @@ checkpoint, its step count never going back) and finishes."""
 from __future__ import annotations
 
 import re
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.test_local_stack import Up
+from tests.test_local_stack import two_node_stack
 from tests.test_own_code import script_folder, status, submit, until
 from tests.test_torchrun import logged, page_script
 
@@ -28,12 +26,7 @@ def steps(shown: dict) -> int:
 
 @pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
 def test_the_pages_lightning_and_trainer_scripts_are_profiled_moved_between_agents_and_finish():
-    base = Path(tempfile.mkdtemp(prefix="goodput-frameworks-"))
-    base.chmod(0o711)  # a job's user must pass through to its folder
-    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
-    up.server = f"nats://127.0.0.1:{up.port}"
-    try:
-        up.line(r"serving:")
+    with two_node_stack("goodput-frameworks-") as (base, up):
         for job, (first_line, package) in JOBS.items():  # the next one once the first has moved
             folder = script_folder(base, job, page_script(first_line))
             job_file = (
@@ -59,5 +52,3 @@ def test_the_pages_lightning_and_trainer_scripts_are_profiled_moved_between_agen
             assert done >= seen, (done, seen)
             environment = up.command("logs", job, "--rank", "env", "--server", up.server).stdout
             assert "built in" in environment, environment  # its requirements, the node's own packages
-    finally:
-        up.stop()

@@ -21,9 +21,11 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -441,6 +443,22 @@ class Up:
         while not self.lines.empty():
             rest.append(self.lines.get_nowait())
         return "".join(self.seen + rest)
+
+
+@contextlib.contextmanager
+def two_node_stack(prefix: str):
+    """`goodput up --executors real --nodes 2 --slots 2 --workload none`, serving: (its folder, the
+    stack), stopped after. Not pytest's own temporary folder (0700): a job's user must pass through
+    to its folder."""
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    base.chmod(0o711)
+    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
+    up.server = f"nats://127.0.0.1:{up.port}"
+    try:
+        up.line(r"serving:")
+        yield base, up
+    finally:
+        up.stop()
 
 
 def test_a_dead_node_agent_is_restarted_a_rigid_job_spans_both_nodes_they_are_listed_and_a_restart_reprints_nothing(

@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from services.node.agent import box_problem
 from shared import credentials
 from tests.test_code_jobs import escaping_archive
 from tests.test_job_contract import page_script
-from tests.test_local_stack import Up
+from tests.test_local_stack import Up, two_node_stack
 
 pytestmark = pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
 
@@ -78,13 +77,7 @@ def script_folder(root: Path, name: str, text: str) -> Path:
 
 
 def test_a_script_written_from_the_docs_is_submitted_with_its_code_moved_resumed_and_finished():
-    # Not pytest's own temporary folder (0700): a job's user must pass through to its folder.
-    base = Path(tempfile.mkdtemp(prefix="goodput-own-code-"))
-    base.chmod(0o711)
-    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
-    up.server = f"nats://127.0.0.1:{up.port}"
-    try:
-        up.line(r"serving:")
+    with two_node_stack("goodput-own-code-") as (base, up):
         script = page_script()
         first = script_folder(base, "regression", script)
         # Written while the stack serves: a variant of the page's, with a target of its own.
@@ -139,5 +132,3 @@ def test_a_script_written_from_the_docs_is_submitted_with_its_code_moved_resumed
             until(up, "probe-1", lambda s: s["state"] == "finished", "finished")
             printed = up.command("logs", "probe-1", "--server", up.server).stdout
             assert "probe DENIED" in printed and "probe READ" not in printed, printed
-    finally:
-        up.stop()

@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from shared.cluster import Cluster
 from shared.schema.base import Node
 from shared.schema.jobs import Elastic, JobSpec
 from shared.schema.rounds import JobFacts
-from tests.test_local_stack import Up
+from tests.test_local_stack import Up, two_node_stack
 from tests.test_own_code import script_folder, submit, until
 
 CODE = "0" * 64  # an archive digest: the pure parts never read it
@@ -187,12 +186,7 @@ def logged(up: Up, job: str, pattern: str, timeout_s: float = 300.0) -> str:
 
 @pytest.mark.e2e  # it starts `goodput up`: NATS, the services and two node agents
 def test_the_pages_ddp_scripts_run_rigid_across_two_nodes_and_elastic_resized_from_their_checkpoints():
-    base = Path(tempfile.mkdtemp(prefix="goodput-torchrun-"))
-    base.chmod(0o711)  # a job's user must pass through to its folder
-    up = Up(base / "data", "--nodes", "2", "--slots", "2", "--workload", "none")
-    up.server = f"nats://127.0.0.1:{up.port}"
-    try:
-        up.line(r"serving:")
+    with two_node_stack("goodput-torchrun-") as (base, up):
         # Rigid: on its 4 slots, both nodes', each rank given its place as torchrun gives it.
         folder = script_folder(base, "ddp", page_script("# train.py: a plain DDP script"))
         submit(up, base, "id: ddp-1\nentrypoint: train.py\nlauncher: torchrun\nrequested_gpus: 4\n", folder)
@@ -245,5 +239,3 @@ def test_the_pages_ddp_scripts_run_rigid_across_two_nodes_and_elastic_resized_fr
         assert starts[0][0] == 0 and starts[0][1] <= 2 and 4 in {world for _, world in starts}, starts
         assert steps == sorted(steps) and steps[-1] > 0, starts  # resumed each time, never back
         assert "done at step 12000" in printed, printed[-2000:]
-    finally:
-        up.stop()
